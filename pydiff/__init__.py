@@ -1,0 +1,62 @@
+"""pydiff: differentiable compute on Slang shaders, built on SlangPy.
+
+    import pydiff, numpy as np
+    m = pydiff.load_module("polynomial.slang")
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+    m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
+    print(x.grad.numpy())        # 4x + 8
+
+Everything listed in ``__all__`` is public; other names may change.
+"""
+
+from ._errors import (
+    DeviceUnavailableError,
+    PydiffError,
+    ShaderTrapError,
+    ShaderTrapWarning,
+    SlangCompileError,
+    StaleGradientError,
+)
+from .device import (
+    Device,
+    available_devices,
+    create_device,
+    default_device,
+    set_default_device,
+    shader_dir,
+)
+from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
+from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
+from .tensor import Tensor, empty, ones, tensor, zeros
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackwardFunction",
+    "Device",
+    "DeviceUnavailableError",
+    "Module",
+    "PydiffError",
+    "ShaderFunction",
+    "ShaderTrapError",
+    "ShaderTrapWarning",
+    "SlangCompileError",
+    "StaleGradientError",
+    "Tensor",
+    "ZeroPolicy",
+    "available_devices",
+    "create_device",
+    "default_device",
+    "empty",
+    "get_zero_policy",
+    "load_module",
+    "load_module_from_source",
+    "ones",
+    "set_default_device",
+    "set_zero_policy",
+    "shader_dir",
+    "tensor",
+    "zero_policy",
+    "zeros",
+]

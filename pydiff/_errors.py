@@ -1,0 +1,32 @@
+"""Exceptions and warnings pydiff raises, in one place so users can catch them."""
+
+from __future__ import annotations
+
+
+class PydiffError(Exception):
+    """Base class of pydiff's own exceptions."""
+
+
+class SlangCompileError(PydiffError):
+    """A Slang module failed to compile; the message starts with ``file:line``."""
+
+    def __init__(self, message: str, file: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.file = file
+        self.line = line
+
+
+class StaleGradientError(PydiffError, RuntimeError):
+    """A STRICT-policy backward would add into a gradient that already holds a result."""
+
+
+class ShaderTrapError(PydiffError, RuntimeError):
+    """A shader uses a pattern SlangPy 0.43 mis-differentiates or crashes on."""
+
+
+class DeviceUnavailableError(PydiffError, RuntimeError):
+    """No device of the requested type could be opened on this machine."""
+
+
+class ShaderTrapWarning(UserWarning):
+    """Raised at load time for shader patterns that will fail in ``.bwds``."""

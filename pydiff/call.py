@@ -1,0 +1,260 @@
+"""Forward calls and ``.bwds``: bind pydiff tensors to a SlangPy call, validating first.
+
+Everything SlangPy 0.43 leaves to the user, or gets silently wrong, is handled here: which
+gradient buffers each parameter needs, scratch buffers for inputs that need no gradient,
+separate grad_in/grad_out for values a call both reads and writes, the ``inout`` backward
+(through a generated wrapper), zeroing policies and plain numbers as upstream gradients.
+
+    y = forward_call(fn, (2.0, x), {"_result": "tensor"})
+    backward_call(fn, (2.0, x), {"_result": y})
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import slangpy as spy
+
+from .params import ParamInfo
+from .policy import BackwardScope, backward_scope
+from .tensor import Tensor, copy_tensor
+
+_MISSING = object()
+_SCALAR_RESULTS = {"float", "half", "double"}
+
+
+def _bind(fn: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[ParamInfo, Any]], dict]:
+    """Match arguments to parameters by position and name; ``_``-options are returned apart."""
+    params = fn.params
+    options = {k: v for k, v in kwargs.items() if k.startswith("_")}
+    named = {k: v for k, v in kwargs.items() if not k.startswith("_")}
+    label = f"{fn.module.name}.{fn.name}"
+    if len(args) > len(params):
+        raise TypeError(f"{label}() takes {len(params)} arguments but {len(args)} were given")
+    values: dict[str, Any] = {p.name: a for p, a in zip(params, args)}
+    by_name = {p.name: p for p in params}
+    for key, value in named.items():
+        if key not in by_name:
+            close = difflib.get_close_matches(key, list(by_name), n=2)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{label}() has no parameter {key!r}{hint}")
+        if key in values:
+            raise TypeError(f"{label}() got two values for parameter {key!r}")
+        values[key] = value
+    missing = [p.name for p in params if p.name not in values]
+    if missing:
+        raise TypeError(f"{label}() is missing argument(s): {', '.join(missing)}")
+    return [(p, values[p.name]) for p in params], options
+
+
+def _check_device(fn: Any, t: Tensor, where: str) -> None:
+    if t.device != fn.module.device:
+        raise ValueError(
+            f"{fn.module.name}.{fn.name}: {where} is on device {t.device!r} but the module was "
+            f"loaded on {fn.module.device!r}; create the tensor on the module's device"
+        )
+
+
+def _deep_native(value: Any) -> Any:
+    """Replace pydiff tensors inside dicts/lists (struct arguments) by SlangPy tensors."""
+    if isinstance(value, Tensor):
+        return value._as_native(True)
+    if isinstance(value, dict):
+        return {k: _deep_native(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (Tensor, dict, list)) for v in value):
+        return type(value)(_deep_native(v) for v in value)
+    return value
+
+
+def _wrap_result(fn: Any, native_result: Any, given: Any) -> Any:
+    if isinstance(given, Tensor):
+        return given
+    if isinstance(native_result, spy.Tensor):
+        return Tensor(native_result, fn.module.device)
+    return native_result
+
+
+def forward_call(fn: Any, args: tuple, kwargs: dict) -> Any:
+    bound, options = _bind(fn, args, kwargs)
+    native_kwargs: dict[str, Any] = {}
+    for p, value in bound:
+        if isinstance(value, Tensor):
+            _check_device(fn, value, f"parameter '{p.name}'")
+            if p.tensor_kind == "diff" and not value.requires_grad:
+                raise ValueError(
+                    f"{fn.module.name}.{fn.name}: parameter '{p.name}' is a concrete "
+                    f"{p.type_name}, which binds gradient buffers even in the forward call; pass "
+                    f"a tensor with gradients (requires_grad=True / .with_grads()) or declare the "
+                    f"parameter as the interface type I{p.type_name}"
+                )
+            native_kwargs[p.name] = value._as_native(True)
+        else:
+            native_kwargs[p.name] = _deep_native(value)
+    result = options.get("_result", _MISSING)
+    if isinstance(result, Tensor):
+        _check_device(fn, result, "_result")
+        options["_result"] = result._as_native(True)
+    out = fn.native(**native_kwargs, **options)
+    return _wrap_result(fn, out, result)
+
+
+class _Backward:
+    """Builds the native arguments of one ``.bwds`` call and the work to do after it."""
+
+    def __init__(self, fn: Any, scope: BackwardScope):
+        self.fn = fn
+        self.scope = scope
+        self.label = f"{fn.module.name}.{fn.name}"
+        self.after: list[tuple[Tensor, Tensor]] = []  # (temp gradient, destination) copies
+        self.device = fn.module.device
+
+    def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
+        """Gradient buffers for a tensor whose gradient nobody asked for.
+
+        'zeros' is read as an upstream gradient (never written); 'sink' receives gradients
+        that are thrown away. Shared per shape and dtype.
+        """
+        key = (t.shape, t._native.dtype.full_name, role)
+        pool = self.device.__dict__.setdefault("_scratch", {})
+        if key not in pool:
+            make = spy.Tensor.zeros if role == "zeros" else spy.Tensor.empty
+            pool[key] = make(self.device.native, t._native.shape, t._grad_dtype())
+        return pool[key]
+
+    def _desc(self, p: ParamInfo) -> str:
+        return f"{self.label}: parameter '{p.name}'"
+
+    def _accumulating(self, t: Tensor, p: ParamInfo) -> None:
+        grad = t.grad_out
+        if grad.shape != t.shape:
+            raise ValueError(f"{self._desc(p)}: gradient shape {grad.shape} != primal {t.shape}")
+        self.scope.before_accumulate(t, grad, self._desc(p))
+
+    def _needs_upstream(self, t: Tensor, p: ParamInfo, what: str) -> None:
+        if not t.requires_grad:
+            raise ValueError(
+                f"{self._desc(p)} is {what} by the call, so its backward reads the upstream "
+                f"gradient from the tensor's grad buffer, but the tensor has none; pass "
+                f"t.with_grads(...) holding dL/d{p.name} (or ones: .with_grads(ones=True))"
+            )
+
+    def _separate(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
+        """Bind a read-and-written tensor with distinct grad_in and grad_out buffers."""
+        if not t.requires_grad:
+            return t._native.with_grads(
+                grad_in=self._scratch(t, "zeros"), grad_out=self._scratch(t, "sink"), zero=False
+            )
+        if t.grad_in is not t.grad_out:
+            self._accumulating(t, p)
+            return t._as_native(True)
+        # One shared buffer: it holds the upstream gradient now and must hold the gradient
+        # w.r.t. the value before the call afterwards.
+        upstream = t.grad_in
+        result = t._new_grad_buffer()
+        self.after.append((result, upstream))
+        return t._native.with_grads(grad_in=upstream._native, grad_out=result._native, zero=False)
+
+    def tensor_arg(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
+        _check_device(self.fn, t, f"parameter '{p.name}'")
+        if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+            return t._native
+        if p.tensor_kind == "diff" and not t.requires_grad:
+            raise ValueError(
+                f"{self._desc(p)} is a concrete {p.type_name}: it needs a tensor with gradient "
+                f"buffers (requires_grad=True / .with_grads()); SlangPy would bind a null "
+                f"descriptor. For data that needs no gradient use I{p.type_name}"
+            )
+        if p.io == "out" or p.access == "write":
+            self._needs_upstream(t, p, "written")
+            return t._as_native(True)
+        if p.access == "read_write":
+            return self._separate(t, p)
+        if not t.requires_grad:
+            # Same layout as with a real gradient, so SlangPy's kernel cache (blind to grads)
+            # never reuses a kernel that skips the gradient of a later, grad-carrying call.
+            sink = self._scratch(t, "sink")
+            return t._native.with_grads(grad_in=sink, grad_out=sink, zero=False)
+        self._accumulating(t, p)
+        return t._as_native(True)
+
+    def inout_args(self, p: ParamInfo, value: Any) -> dict[str, Any]:
+        """The two wrapper arguments (value before, value after) for an ``inout`` parameter."""
+        if not isinstance(value, Tensor):
+            return {f"{p.name}__in": _deep_native(value), f"{p.name}__out": _deep_native(value)}
+        _check_device(self.fn, value, f"parameter '{p.name}'")
+        both = self._separate(value, p)
+        return {
+            f"{p.name}__in": value._native.with_grads(
+                grad_in=both.grad_out, grad_out=both.grad_out, zero=False
+            ),
+            f"{p.name}__out": value._native.with_grads(
+                grad_in=both.grad_in, grad_out=both.grad_in, zero=False
+            ),
+        }
+
+    def result_arg(self, result: Any) -> Any:
+        ret = self.fn._reflected.return_type
+        ret_name = ret.full_name if ret is not None else "void"
+        if result is _MISSING:
+            if ret_name == "void":
+                return _MISSING
+            raise ValueError(
+                f"{self.label}.bwds needs _result=: the upstream gradient of its {ret_name} "
+                "result, as the result tensor with gradients (y.with_grads(ones=True)) or a number"
+            )
+        if isinstance(result, Tensor):
+            _check_device(self.fn, result, "_result")
+            if not result.requires_grad:
+                raise ValueError(
+                    f"{self.label}.bwds: _result has no gradient buffer to read the upstream "
+                    "gradient from; pass y.with_grads(...) holding dL/dy (or .with_grads(ones=True))"
+                )
+            return result._as_native(True)
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            if ret_name not in _SCALAR_RESULTS:
+                raise TypeError(
+                    f"{self.label}.bwds: a number as _result seeds a scalar result, but the "
+                    f"result is {ret_name}; pass a tensor with gradients"
+                )
+            # SlangPy reads a plain float as the primal and seeds a zero gradient.
+            return spy.diffPair(p=0.0, d=float(result))
+        return result
+
+    def finish(self) -> None:
+        for temp, dest in self.after:
+            copy_tensor(dest, temp)
+            self.scope.mark_result(dest)
+
+
+def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
+    label = f"{fn.module.name}.{fn.name}"
+    if not fn.differentiable:
+        raise TypeError(
+            f"{label} is not differentiable: mark it [Differentiable] in "
+            f"{fn.module.file} to call .bwds"
+        )
+    fn._trap_check()
+    bound, options = _bind(fn, args, kwargs)
+    result = options.pop("_result", _MISSING)
+    with backward_scope(f"{label}.bwds") as scope:
+        b = _Backward(fn, scope)
+        use_wrapper = any(p.io == "inout" and p.differentiable for p, _ in bound)
+        native_kwargs: dict[str, Any] = {}
+        for p, value in bound:
+            if use_wrapper and p.io == "inout":
+                native_kwargs.update(b.inout_args(p, value))
+            elif isinstance(value, Tensor):
+                native_kwargs[p.name] = b.tensor_arg(p, value)
+            else:
+                native_kwargs[p.name] = _deep_native(value)
+        native_result = b.result_arg(result)
+        if native_result is not _MISSING:
+            options["_result"] = native_result
+        target = fn.native
+        if use_wrapper:
+            from .module import inout_wrapper
+
+            target = inout_wrapper(fn)
+        target.bwds(**native_kwargs, **options)
+        b.finish()

@@ -1,0 +1,242 @@
+"""Devices: open a SlangPy device with pydiff's shader library on its include path.
+
+    dev = pydiff.create_device()            # CUDA, then D3D12, then Vulkan
+    print(dev.type, dev.adapter_name)
+    pydiff.available_devices()              # e.g. ['vulkan']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import slangpy as spy
+
+from ._errors import DeviceUnavailableError
+
+#: Order in which ``type="auto"`` tries backends: fastest first.
+AUTO_ORDER = ("cuda", "d3d12", "vulkan")
+
+_TYPES = {
+    "cuda": spy.DeviceType.cuda,
+    "d3d12": spy.DeviceType.d3d12,
+    "vulkan": spy.DeviceType.vulkan,
+    "metal": spy.DeviceType.metal,
+}
+
+# SlangPy 0.43's CPU device opens but cannot dispatch a vectorised call ("zero compute
+# dispatch groups") and has no float atomics for bwds, so pydiff refuses it up front.
+_UNSUPPORTED = {
+    "cpu": "SlangPy 0.43's CPU device cannot dispatch vectorised calls nor run bwds; "
+    "use 'vulkan' (on a machine without a GPU, Mesa's lavapipe: run `make setup`)",
+}
+
+
+def shader_dir() -> Path:
+    """Folder of pydiff's Slang library: installed package data first, then the checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "shaders", here.parent / "shaders"):
+        if (candidate / "pydiff.slang").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"pydiff's shader library (pydiff.slang) is missing: looked in {here / 'shaders'} "
+        f"and {here.parent / 'shaders'}; reinstall pydiff"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_native_output() -> Iterator[None]:
+    """Silence the C++ layer's prints while probing backends that are expected to fail."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+    except (OSError, ValueError):  # no real file descriptors (e.g. some notebooks)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+class Device:
+    """A SlangPy device plus the per-device state pydiff keeps (scratch buffers, modules).
+
+    >>> dev = pydiff.create_device("vulkan")
+    >>> dev.type, dev.native        # 'vulkan', the slangpy.Device underneath
+    >>> x = pydiff.zeros((4,), device=dev)
+    """
+
+    def __init__(self, native: spy.Device, type_name: str):
+        self.native = native
+        self.type = type_name
+        self._library = None  # pydiff.slang loaded on first use (see _library_module)
+
+    @property
+    def adapter_name(self) -> str:
+        return self.native.info.adapter_name
+
+    @property
+    def supports_float_atomics(self) -> bool:
+        feats = {str(f).split(".")[-1] for f in self.native.features}
+        return "atomic_float" in feats or self.type == "cuda"
+
+    def library(self):
+        """pydiff's own shader library (``shaders/pydiff.slang``) as a pydiff Module."""
+        if self._library is None:
+            from .module import load_module
+
+            self._library = load_module("pydiff.slang", device=self, lint=False)
+        return self._library
+
+    def __repr__(self) -> str:
+        return f"<pydiff.Device {self.type}: {self.adapter_name}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and other.native is self.native
+
+    def __hash__(self) -> int:
+        return id(self.native)
+
+
+_open_devices: dict[tuple[str, tuple[str, ...]], Device] = {}
+_failed_types: dict[str, str] = {}
+_default: Device | None = None
+
+
+def _normalise_type(type: str | spy.DeviceType) -> str:
+    if isinstance(type, spy.DeviceType):
+        type = str(type).split(".")[-1]
+    name = str(type).strip().lower()
+    if name in _UNSUPPORTED:
+        raise DeviceUnavailableError(f"device type '{name}': {_UNSUPPORTED[name]}")
+    if name != "auto" and name not in _TYPES:
+        raise ValueError(
+            f"type={type!r}: unknown device type; expected 'auto' or one of {sorted(_TYPES)}"
+        )
+    return name
+
+
+def _open(type_name: str, include_paths: tuple[str, ...]) -> Device:
+    key = (type_name, include_paths)
+    if key in _open_devices:
+        return _open_devices[key]
+    if type_name in _failed_types:
+        raise DeviceUnavailableError(_failed_types[type_name])
+    paths = [str(shader_dir()), *include_paths]
+    try:
+        with _quiet_native_output():
+            native = spy.create_device(type=_TYPES[type_name], include_paths=paths)
+    except Exception as exc:  # slangpy raises RuntimeError("Failed to create device!")
+        hint = (
+            " On a machine without a GPU, install Mesa's lavapipe (Vulkan on the CPU): "
+            "run `make setup`, or see docs/getting-started.md."
+            if type_name == "vulkan"
+            else ""
+        )
+        msg = f"could not open a '{type_name}' device: {str(exc).splitlines()[0]}.{hint}"
+        _failed_types[type_name] = msg
+        raise DeviceUnavailableError(msg) from None
+    dev = Device(native, type_name)
+    _open_devices[key] = dev
+    return dev
+
+
+def create_device(
+    type: str | spy.DeviceType = "auto", include_paths: Sequence[str | os.PathLike] = ()
+) -> Device:
+    """Open a device; ``"auto"`` tries CUDA, then D3D12, then Vulkan.
+
+    The environment variable ``PYDIFF_DEVICE`` (e.g. ``vulkan``) overrides ``"auto"``.
+    Devices are cached: asking twice for the same type and include paths returns the same one.
+
+    >>> dev = pydiff.create_device()
+    >>> dev = pydiff.create_device("vulkan", include_paths=["my_shaders"])
+    >>> m = pydiff.load_module("model.slang", device=dev)
+    """
+    name = _normalise_type(type)
+    paths = tuple(str(Path(p).resolve()) for p in include_paths)
+    if name == "auto":
+        override = os.environ.get("PYDIFF_DEVICE", "").strip()
+        if override:
+            return _open(_normalise_type(override), paths)
+        errors = []
+        for candidate in AUTO_ORDER:
+            try:
+                return _open(candidate, paths)
+            except DeviceUnavailableError as exc:
+                errors.append(str(exc))
+        raise DeviceUnavailableError(
+            "no GPU backend could be opened here:\n  " + "\n  ".join(errors)
+        )
+    return _open(name, paths)
+
+
+def available_devices() -> list[str]:
+    """Device types that open on this machine, in ``"auto"`` order.
+
+    >>> pydiff.available_devices()
+    ['vulkan']
+    """
+    found = []
+    for name in AUTO_ORDER:
+        try:
+            _open(name, ())
+            found.append(name)
+        except DeviceUnavailableError:
+            pass
+    return found
+
+
+def default_device() -> Device:
+    """The device used when ``device=`` is omitted; opened on first use."""
+    global _default
+    if _default is None:
+        _default = create_device("auto")
+    return _default
+
+
+def set_default_device(device: Device | str | None) -> None:
+    """Make ``device`` the default (a Device, a type name, or None to reopen lazily)."""
+    global _default
+    _default = create_device(device) if isinstance(device, str) else device
+
+
+def resolve_device(device: Device | str | None) -> Device:
+    if device is None:
+        return default_device()
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        return create_device(device)
+    if isinstance(device, spy.Device):
+        for dev in _open_devices.values():
+            if dev.native is device:
+                return dev
+        return Device(device, str(device.info.type).split(".")[-1])
+    raise TypeError(f"device={device!r}: expected a pydiff.Device, a type name or None")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pydiff.device``: print the device types that open (exit 1 if none)."""
+    found = available_devices()
+    for name in found:
+        print(f"{name}: {_open(name, ()).adapter_name}")
+    if not found:
+        for msg in _failed_types.values():
+            print(msg, file=sys.stderr)
+    return 0 if found else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

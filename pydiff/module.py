@@ -1,0 +1,302 @@
+"""Slang modules and their functions: SlangPy calls with pydiff's gradient handling.
+
+    m = pydiff.load_module("polynomial.slang")
+    y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+    m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import slangpy as spy
+
+from . import lint
+from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
+from .device import Device, resolve_device, shader_dir
+from .params import ParamInfo, describe_function
+from .tensor import Tensor, copy_tensor
+from .policy import backward_scope
+
+_LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
+
+
+def _compile_error(exc: Exception, display_name: str, hashed_name: str | None) -> SlangCompileError:
+    text = str(exc)
+    if hashed_name:
+        # SlangPy names source modules by a hash and prepends one line to their text.
+        text = re.sub(r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text)
+        text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
+    m = _LOCATION.search(text)
+    file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
+    where = f"{file}:{line}" if line else file
+    details = "\n".join(
+        ln for ln in text.splitlines() if ln.strip() and "compilation ceased" not in ln
+    )
+    return SlangCompileError(f"{where}: Slang compile error\n{details}", file=file, line=line)
+
+
+class Module:
+    """A loaded Slang module; attribute access gives its functions.
+
+    >>> m = pydiff.load_module("polynomial.slang")
+    >>> m.polynomial                 # a pydiff.ShaderFunction
+    >>> m.function_names()           # ['polynomial', ...]
+    """
+
+    def __init__(self, native: spy.Module, device: Device, name: str, source: str | None,
+                 file: str, import_spec: str, lint_source: bool = True):
+        self._native = native
+        self._function_names: list[str] | None = None
+        if file.startswith("<"):
+            self._decl_loader = lambda: device.native.load_module_from_source(name, source)
+        else:
+            self._decl_loader = lambda: device.native.load_module(file)
+        self._device = device
+        self._name = name
+        self._file = file
+        self._import_spec = import_spec
+        self._functions: dict[str, ShaderFunction] = {}
+        self._traps: dict[str, list[lint.Finding]] = {}
+        if source is not None and lint_source:
+            findings = lint.scan_source(source, file)
+            for f in findings:
+                warnings.warn(f"{f} (.bwds of it will raise)", ShaderTrapWarning, stacklevel=3)
+            self._traps = lint.affected_functions(source, findings)
+
+    @property
+    def native(self) -> spy.Module:
+        """The SlangPy module underneath."""
+        return self._native
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def file(self) -> str:
+        return self._file
+
+    def function_names(self) -> list[str]:
+        """Names of the functions declared in this module's own source (not its imports)."""
+        if self._function_names is None:
+            try:
+                decl = self._decl_loader().module_decl
+                kind = spy.DeclReflection.Kind.func
+                self._function_names = sorted({c.name for c in decl.children_of_kind(kind)})
+            except Exception:  # reflection is a convenience for error messages only
+                self._function_names = []
+        return self._function_names
+
+    def __getattr__(self, name: str) -> "ShaderFunction":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        fn = self._functions.get(name)
+        if fn is not None:
+            return fn
+        reflected = self._native.layout.find_function_by_name(name)
+        if reflected is None:
+            names = self.function_names()
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            listing = f" (it has: {', '.join(names)})" if names and not close else ""
+            raise AttributeError(
+                f"module '{self._name}' ({self._file}) has no function '{name}'{hint}{listing}"
+            )
+        fn = ShaderFunction(self, name, getattr(self._native, name), reflected)
+        self._functions[name] = fn
+        return fn
+
+    def __repr__(self) -> str:
+        return f"<pydiff.Module {self._name} from {self._file} on {self._device.type}>"
+
+
+def _find_file(path: str | Path, device: Device) -> Path:
+    p = Path(path)
+    searched = []
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
+    if not p.is_absolute():
+        candidates += [Path(d) / p for d in device.native.desc.compiler_options.include_paths]
+        candidates.append(shader_dir() / p)
+    for c in candidates:
+        searched.append(str(c))
+        if c.is_file():
+            return c.resolve()
+    raise FileNotFoundError(
+        f"Slang module '{path}' not found; searched:\n  " + "\n  ".join(dict.fromkeys(searched))
+    )
+
+
+def load_module(path: str | Path, device: Device | str | None = None, *, lint: bool = True) -> Module:
+    """Load a ``.slang`` file: a path, or a name on the device's include paths.
+
+    >>> m = pydiff.load_module("samples/polynomial.slang")
+    >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+    """
+    dev = resolve_device(device)
+    file = _find_file(path, dev)
+    source = file.read_text(encoding="utf-8", errors="replace")
+    try:
+        native = spy.Module.load_from_file(dev.native, str(file))
+    except spy.SlangCompileError as exc:
+        raise _compile_error(exc, str(file), None) from None
+    spec = '"' + str(file).replace("\\", "/") + '"'
+    return Module(native, dev, file.stem, source, str(file), spec, lint)
+
+
+def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
+    """Compile Slang source text as a module called ``name``.
+
+    >>> m = pydiff.load_module_from_source("sq", "[Differentiable] float sq(float x) { return x*x; }")
+    >>> m.sq(3.0)
+    9.0
+    """
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise ValueError(f"name={name!r}: a module name must be a Slang identifier")
+    dev = resolve_device(device)
+    try:
+        native = spy.Module.load_from_source(dev.native, name, source)
+    except spy.SlangCompileError as exc:
+        raise _compile_error(exc, f"<{name}>", name) from None
+    return Module(native, dev, name, source, f"<{name}>", name)
+
+
+# --------------------------------------------------------------------------------------------
+# calls
+
+
+class ShaderFunction:
+    """A function of a loaded module: call it to run forward, ``.bwds`` for the backward.
+
+    >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+    >>> m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
+    >>> x.grad.numpy()
+    """
+
+    def __init__(self, module: Module, name: str, native: Any, reflected: Any):
+        self._module = module
+        self._name = name
+        self._native = native
+        self._reflected = reflected
+        self._params: list[ParamInfo] | None = None
+        self._inout_wrapper: Any = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def module(self) -> Module:
+        return self._module
+
+    @property
+    def native(self) -> Any:
+        """The SlangPy function underneath."""
+        return self._native
+
+    @property
+    def differentiable(self) -> bool:
+        return bool(self._reflected.differentiable)
+
+    @property
+    def params(self) -> list[ParamInfo]:
+        if self._params is None:
+            self._params = describe_function(self._reflected)
+        return self._params
+
+    def __repr__(self) -> str:
+        sig = ", ".join(f"{p.type_name} {p.name}" for p in self.params)
+        return f"<pydiff.ShaderFunction {self._module.name}.{self._name}({sig})>"
+
+    # -- forward ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .call import forward_call
+
+        return forward_call(self, args, kwargs)
+
+    @property
+    def bwds(self) -> "BackwardFunction":
+        """The backward (reverse-mode) version of this function."""
+        return BackwardFunction(self)
+
+    def _trap_check(self) -> None:
+        found = self._module._traps.get(self._name)
+        if found:
+            lines = "\n  ".join(str(f) for f in found)
+            raise ShaderTrapError(
+                f"{self._module.name}.{self._name}.bwds refused: SlangPy 0.43 would return wrong "
+                f"gradients or crash the process on:\n  {lines}"
+            )
+
+
+class BackwardFunction:
+    """``fn.bwds``: run the backward kernel with the same arguments as the forward call.
+
+    Gradients of read values are added into their tensors' ``grad_out`` (per the zeroing
+    policy); the upstream gradients of written values and of the result (``_result``) are
+    read from ``grad_in``. A plain number as ``_result`` is the upstream gradient of every
+    output element.
+    """
+
+    def __init__(self, fn: ShaderFunction):
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .call import backward_call
+
+        return backward_call(self._fn, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<pydiff bwds of {self._fn!r}>"
+
+
+def inout_wrapper(fn: ShaderFunction) -> Any:
+    """A generated Slang function that turns each ``inout`` parameter into in + out.
+
+    SlangPy 0.43's bwds never seeds the gradient of an ``inout`` value (it returns zeros);
+    with the value split into an input and an ``out`` the generated backward is correct.
+    """
+    if fn._inout_wrapper is not None:
+        return fn._inout_wrapper
+    params, call_args, pre, post = [], [], [], []
+    for p in fn.params:
+        mods = "no_diff " if p.no_diff else ""
+        if p.io == "inout":
+            params += [f"{mods}{p.type_name} {p.name}__in", f"out {p.type_name} {p.name}__out"]
+            pre.append(f"{p.type_name} {p.name} = {p.name}__in;")
+            post.append(f"{p.name}__out = {p.name};")
+        else:
+            io = "out " if p.io == "out" else ""
+            params.append(f"{io}{mods}{p.type_name} {p.name}")
+        call_args.append(p.name)
+    ret = fn._reflected.return_type
+    ret_name = ret.full_name if ret is not None else "void"
+    call = f"{fn.name}({', '.join(call_args)})"
+    body = [*pre]
+    if ret_name == "void":
+        body += [f"{call};", *post]
+    else:
+        body += [f"{ret_name} __r = {call};", *post, "return __r;"]
+    src = (
+        f"import {fn.module._import_spec};\n"
+        f"[Differentiable]\n{ret_name} {fn.name}__pydiff_inout({', '.join(params)})\n{{\n    "
+        + "\n    ".join(body)
+        + "\n}\n"
+    )
+    digest = hashlib.sha1(src.encode()).hexdigest()[:12]
+    name = f"pydiff_inout_{fn.name}_{digest}"
+    try:
+        native = spy.Module.load_from_source(fn.module.device.native, name, src)
+    except spy.SlangCompileError as exc:
+        raise _compile_error(exc, f"<inout wrapper of {fn.name}>", name) from None
+    fn._inout_wrapper = getattr(native, f"{fn.name}__pydiff_inout")
+    return fn._inout_wrapper

@@ -1,0 +1,72 @@
+"""What pydiff needs to know about a Slang function's parameters, read from reflection.
+
+    info = describe_function(module.native.layout.find_function_by_name("f"))
+    [(p.name, p.io, p.tensor_kind, p.access) for p in info]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import slangpy as spy
+
+_IO = {"inn": "in", "out": "out", "inout": "inout"}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter: its name, Slang type, direction and, for tensors, kind and access."""
+
+    name: str
+    type_name: str
+    io: str  # "in", "out" or "inout"
+    no_diff: bool
+    differentiable: bool  # a vectorisable value whose derivative flows (float, float3, ...)
+    tensor_kind: str | None  # "diff" (concrete DiffTensor), "idiff" (interface), "plain"
+    access: str | None  # "read", "write", "read_write" for tensor parameters
+
+    @property
+    def is_diff_tensor(self) -> bool:
+        return self.tensor_kind in ("diff", "idiff")
+
+    @property
+    def reads_gradient(self) -> bool:
+        """The backward reads an upstream gradient (grad_in) for this parameter."""
+        if self.is_diff_tensor:
+            return self.access in ("write", "read_write")
+        return self.differentiable and self.io in ("out", "inout")
+
+    @property
+    def writes_gradient(self) -> bool:
+        """The backward adds a gradient (into grad_out) for this parameter."""
+        if self.is_diff_tensor:
+            return self.access in ("read", "read_write")
+        return self.differentiable and self.io in ("in", "inout")
+
+
+def _tensor_info(t: Any) -> tuple[str | None, str | None]:
+    kind = getattr(t, "tensor_type", None)
+    if kind is None:
+        return None, None
+    kind_name = str(kind).split(".")[-1]
+    access = str(t.access).split(".")[-1]
+    if kind_name == "idiff_tensor":
+        return "idiff", access
+    if kind_name == "diff_tensor":
+        return "diff", access
+    return "plain", access
+
+
+def describe_function(reflected: Any) -> list[ParamInfo]:
+    out = []
+    for p in reflected.parameters:
+        t = p.type
+        kind, access = _tensor_info(t)
+        no_diff = spy.ModifierID.nodiff in p.modifiers and kind is None
+        io = _IO.get(str(p.io_type).split(".")[-1], "in")
+        differentiable = (
+            kind is None and not no_diff and bool(p.differentiable) and bool(reflected.differentiable)
+        )
+        out.append(ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access))
+    return out

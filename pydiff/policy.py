@@ -1,0 +1,133 @@
+"""Zeroing policies: what a backward does with a gradient buffer that already holds values.
+
+    pydiff.set_zero_policy("reset")            # every backward starts from zero
+    with pydiff.zero_policy("strict"):         # adding into a used gradient raises
+        module.f.bwds(x, _result=y)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from typing import TYPE_CHECKING, Iterator
+
+from ._errors import StaleGradientError
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
+
+
+class ZeroPolicy(enum.Enum):
+    """How a top-level backward treats gradient buffers it is about to add into.
+
+    ACCUMULATE: add (SlangPy's and PyTorch's rule); the user zeroes.
+    RESET: zero each buffer it writes before the first write.
+    STRICT: raise StaleGradientError if a buffer still holds an earlier backward's result.
+    """
+
+    ACCUMULATE = "accumulate"
+    RESET = "reset"
+    STRICT = "strict"
+
+    @classmethod
+    def parse(cls, value: "ZeroPolicy | str") -> "ZeroPolicy":
+        if isinstance(value, ZeroPolicy):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(
+                f"zero policy {value!r}: expected one of "
+                f"{[p.value for p in ZeroPolicy]} or a pydiff.ZeroPolicy"
+            ) from None
+
+
+_global_policy = ZeroPolicy.ACCUMULATE
+_context_policy: contextvars.ContextVar[ZeroPolicy | None] = contextvars.ContextVar(
+    "pydiff_zero_policy", default=None
+)
+_active_scope: contextvars.ContextVar["BackwardScope | None"] = contextvars.ContextVar(
+    "pydiff_backward_scope", default=None
+)
+
+
+def set_zero_policy(policy: ZeroPolicy | str) -> None:
+    """Set the process-wide default policy (``"accumulate"``, ``"reset"`` or ``"strict"``)."""
+    global _global_policy
+    _global_policy = ZeroPolicy.parse(policy)
+
+
+def get_zero_policy() -> ZeroPolicy:
+    """The policy in force here: the innermost ``zero_policy`` block, else the global one."""
+    return _context_policy.get() or _global_policy
+
+
+@contextlib.contextmanager
+def zero_policy(policy: ZeroPolicy | str) -> Iterator[ZeroPolicy]:
+    """Use ``policy`` for backwards run inside the block.
+
+    >>> with pydiff.zero_policy("reset"):
+    ...     module.f.bwds(x, _result=y)    # x.grad holds this backward's gradient only
+    """
+    token = _context_policy.set(ZeroPolicy.parse(policy))
+    try:
+        yield _context_policy.get()
+    finally:
+        _context_policy.reset(token)
+
+
+class BackwardScope:
+    """One top-level backward: the policy acts once per gradient buffer inside it.
+
+    Nested scopes (a tape running many bwds) join the outermost one, so RESET zeroes a
+    buffer only before its first write and contributions within the backward add up.
+    """
+
+    def __init__(self, label: str):
+        self.label = label
+        self._seen: set[int] = set()
+        self._written: list["Tensor"] = []
+
+    def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
+        """Apply the owner's policy to its ``grad`` before this backward adds into it."""
+        key = grad._storage_key()
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        policy = owner.zero_policy or get_zero_policy()
+        if policy is ZeroPolicy.RESET:
+            grad._clear()
+        elif policy is ZeroPolicy.STRICT and grad._holds_result_of is not None:
+            raise StaleGradientError(
+                f"{owner_desc}: its gradient buffer still holds the result of "
+                f"{grad._holds_result_of}; this backward ({self.label}) would add to it. "
+                "Call .zero_grad() on the tensor first, or use zero_policy('reset') or "
+                "'accumulate'."
+            )
+        self._written.append(grad)
+
+    def mark_result(self, grad: "Tensor") -> None:
+        """Record that ``grad`` now holds this backward's result (set, not added)."""
+        self._seen.add(grad._storage_key())
+        self._written.append(grad)
+
+    def finish(self) -> None:
+        for grad in self._written:
+            grad._holds_result_of = self.label
+
+
+@contextlib.contextmanager
+def backward_scope(label: str) -> Iterator[BackwardScope]:
+    """Enter a top-level backward, or join the one already running."""
+    outer = _active_scope.get()
+    if outer is not None:
+        yield outer
+        return
+    scope = BackwardScope(label)
+    token = _active_scope.set(scope)
+    try:
+        yield scope
+        scope.finish()
+    finally:
+        _active_scope.reset(token)

@@ -1,0 +1,461 @@
+"""Differentiable tensors: a SlangPy tensor plus the gradient buffers pydiff manages for it.
+
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)   # grads zeroed on allocation
+    y = module.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+    module.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True)); x.grad.numpy()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import slangpy as spy
+
+from .device import Device, resolve_device
+from .policy import ZeroPolicy
+
+_NUMPY_TO_SLANG = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "float",  # Slang has no double atomics: float is the useful default
+    np.dtype(np.float16): "half",
+    np.dtype(np.int32): "int",
+    np.dtype(np.int64): "int",
+    np.dtype(np.uint32): "uint",
+    np.dtype(np.bool_): "bool",
+}
+_SCALAR_NUMPY = {
+    "float": np.float32,
+    "half": np.float16,
+    "double": np.float64,
+    "int": np.int32,
+    "uint": np.uint32,
+    "bool": np.bool_,
+    "int64_t": np.int64,
+    "uint64_t": np.uint64,
+}
+
+
+class _GradState:
+    """Bookkeeping shared by every view of one buffer (for the STRICT policy)."""
+
+    __slots__ = ("holds_result_of",)
+
+    def __init__(self) -> None:
+        self.holds_result_of: str | None = None
+
+
+def _dtype_name(dtype: Any) -> str:
+    if dtype is float:
+        return "float"
+    if dtype is int:
+        return "int"
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        return _NUMPY_TO_SLANG[np.dtype(dtype)]
+    if isinstance(dtype, str) and dtype.strip():
+        return dtype.strip()
+    raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
+
+
+def _element_shape(native_dtype: Any) -> tuple[int, ...]:
+    """Trailing NumPy dimensions one element occupies (float3 -> (3,), float4x4 -> (4, 4))."""
+    shape = tuple(int(s) for s in native_dtype.shape)
+    return shape
+
+
+class Tensor:
+    """A tensor on a device with optional gradient buffers ``grad_in`` and ``grad_out``.
+
+    ``grad_in`` holds the upstream gradient a backward reads for values the call wrote;
+    ``grad_out`` receives gradients a backward adds for values the call read. By default one
+    zeroed buffer serves as both, and ``.grad`` is ``grad_out`` (as in SlangPy).
+
+    >>> x = pydiff.tensor(np.arange(4.0), requires_grad=True)
+    >>> x.shape, x.dtype, x.grad.numpy()
+    ((4,), 'float', array([0., 0., 0., 0.], dtype=float32))
+    """
+
+    __array_priority__ = 1000
+
+    def __init__(
+        self,
+        native: spy.Tensor,
+        device: Device,
+        grad_in: "Tensor | None" = None,
+        grad_out: "Tensor | None" = None,
+        *,
+        _state: _GradState | None = None,
+        zero_policy: ZeroPolicy | str | None = None,
+    ):
+        self._native = native
+        self._device = device
+        self._grad_in = grad_in
+        self._grad_out = grad_out
+        self._state = _state or _GradState()
+        self.zero_policy = zero_policy
+        self._bound: spy.Tensor | None = None
+
+    # --- description -------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self._native.shape)
+
+    @property
+    def dtype(self) -> str:
+        """Slang element type name: 'float', 'float3', 'half', 'int', ..."""
+        t = self._native.dtype
+        if type(t).__name__ == "VectorType":
+            return f"{t.element_type.full_name}{t.num_elements}"
+        return t.full_name
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def native(self) -> spy.Tensor:
+        """The SlangPy tensor holding the primal values (no gradient buffers attached)."""
+        return self._native
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def differentiable(self) -> bool:
+        return bool(getattr(self._native.dtype, "differentiable", False))
+
+    @property
+    def zero_policy(self) -> ZeroPolicy | None:
+        """This tensor's own zeroing policy, or None to follow the global/context one."""
+        return self._zero_policy
+
+    @zero_policy.setter
+    def zero_policy(self, value: ZeroPolicy | str | None) -> None:
+        self._zero_policy = None if value is None else ZeroPolicy.parse(value)
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def __repr__(self) -> str:
+        grads = ""
+        if self._grad_out is not None:
+            grads = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
+        return (
+            f"pydiff.Tensor(shape={self.shape}, dtype={self.dtype}, device={self._device.type}"
+            f"{grads})"
+        )
+
+    # --- data in and out ---------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """Copy to a NumPy array (vector elements become a trailing dimension)."""
+        return self._native.to_numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def item(self) -> float:
+        arr = self.numpy()
+        if arr.size != 1:
+            raise ValueError(f"item() needs a tensor with one element, this one has shape {self.shape}")
+        return arr.reshape(()).item()
+
+    def expected_numpy_shape(self) -> tuple[int, ...]:
+        return self.shape + _element_shape(self._native.dtype)
+
+    def copy_from_numpy(self, data: Any) -> "Tensor":
+        """Overwrite the values from host data of the same shape; returns self.
+
+        >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
+        """
+        arr = np.asarray(data)
+        want = self.expected_numpy_shape()
+        if arr.shape != want and not (arr.size == int(np.prod(want)) and arr.ndim == 1 and not want):
+            raise ValueError(
+                f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
+                f"and shape {self.shape} needs {want}"
+            )
+        np_type = _SCALAR_NUMPY.get(self._scalar_name())
+        if np_type is not None:
+            arr = arr.astype(np_type, copy=False)
+        self._native.copy_from_numpy(np.ascontiguousarray(arr))
+        self._state.holds_result_of = None
+        return self
+
+    def _scalar_name(self) -> str:
+        t = self._native.dtype
+        while hasattr(t, "element_type") and t.element_type is not None and t.element_type != t:
+            t = t.element_type
+        return t.full_name
+
+    # --- gradients ---------------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._grad_out is not None or self._grad_in is not None
+
+    @property
+    def grad(self) -> "Tensor | None":
+        """The gradient buffer a backward adds into (``grad_out``), as in SlangPy."""
+        return self._grad_out
+
+    @property
+    def grad_in(self) -> "Tensor | None":
+        return self._grad_in
+
+    @property
+    def grad_out(self) -> "Tensor | None":
+        return self._grad_out
+
+    def _new_grad_buffer(self, zero: bool = True) -> "Tensor":
+        make = spy.Tensor.zeros if zero else spy.Tensor.empty
+        return Tensor(make(self._device.native, self._native.shape, self._grad_dtype()), self._device)
+
+    def _grad_dtype(self) -> Any:
+        derivative = getattr(self._native.dtype, "derivative", None)
+        if derivative is None or not self.differentiable:
+            raise TypeError(
+                f"a tensor of dtype {self.dtype!r} cannot have gradients (no derivative type); "
+                "use a floating-point dtype such as 'float', 'half' or 'float3'"
+            )
+        return derivative
+
+    def _check_grad(self, grad: Any, name: str) -> "Tensor":
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"{name}: expected a pydiff.Tensor, got {type(grad).__name__}")
+        if grad.device != self.device:
+            raise ValueError(f"{name}: on device {grad.device.type}, primal on {self.device.type}")
+        if grad.shape != self.shape:
+            raise ValueError(
+                f"{name}: gradient shape {grad.shape} does not match the primal's shape {self.shape}"
+            )
+        want = self._grad_dtype().full_name
+        if grad._native.dtype.full_name != want:
+            raise ValueError(
+                f"{name}: gradient dtype {grad.dtype!r} does not match the primal's "
+                f"derivative type {want!r}"
+            )
+        return grad
+
+    def with_grads(
+        self,
+        grad_in: "Tensor | None" = None,
+        grad_out: "Tensor | None" = None,
+        zero: bool = True,
+        *,
+        ones: bool = False,
+    ) -> "Tensor":
+        """A tensor on the same storage with gradient buffers attached.
+
+        With no buffers given, one new buffer serves as grad_in and grad_out. Buffers you
+        pass are validated (shape, dtype, device) and kept as they are: ``zero`` applies only
+        to buffers pydiff allocates (SlangPy also clears yours, losing an upstream gradient). ``ones=True``
+        fills a new shared buffer with ones, the usual upstream gradient of an output.
+
+        >>> y = module.f(x, _result="tensor").with_grads(ones=True)
+        >>> module.f.bwds(x, _result=y)
+        """
+        if grad_in is not None:
+            self._check_grad(grad_in, "grad_in")
+        if grad_out is not None:
+            self._check_grad(grad_out, "grad_out")
+        if grad_in is None and grad_out is None:
+            grad_in = grad_out = self._new_grad_buffer(zero and not ones)
+            if ones:
+                grad_in.fill(1.0)
+        else:
+            grad_in = grad_in if grad_in is not None else self._new_grad_buffer(zero)
+            grad_out = grad_out if grad_out is not None else self._new_grad_buffer(zero)
+        return Tensor(
+            self._native,
+            self._device,
+            grad_in,
+            grad_out,
+            _state=self._state,
+            zero_policy=self._zero_policy,
+        )
+
+    def requires_grad_(self, flag: bool = True) -> "Tensor":
+        """Attach (or drop) a zeroed shared gradient buffer in place; returns self."""
+        if flag and not self.requires_grad:
+            self._grad_in = self._grad_out = self._new_grad_buffer()
+        elif not flag:
+            self._grad_in = self._grad_out = None
+        self._bound = None
+        return self
+
+    def zero_grad(self) -> "Tensor":
+        """Zero the gradient buffers (grad_in and grad_out); returns self."""
+        for g in {id(g): g for g in (self._grad_in, self._grad_out) if g is not None}.values():
+            g._clear()
+        return self
+
+    def detach(self) -> "Tensor":
+        """The same values without gradient buffers."""
+        return Tensor(self._native, self._device, _state=self._state)
+
+    def fill(self, value: float) -> "Tensor":
+        """Set every component to ``value``; returns self."""
+        arr = np.full(self.expected_numpy_shape(), value)
+        return self.copy_from_numpy(arr)
+
+    def _clear(self) -> None:
+        self._native.clear()
+        self._state.holds_result_of = None
+
+    # --- plumbing used by calls ------------------------------------------------------------
+    @property
+    def _holds_result_of(self) -> str | None:
+        return self._state.holds_result_of
+
+    @_holds_result_of.setter
+    def _holds_result_of(self, value: str | None) -> None:
+        self._state.holds_result_of = value
+
+    def _storage_key(self) -> int:
+        return id(self._state)
+
+    def _as_native(self, with_grads: bool = True) -> spy.Tensor:
+        """The SlangPy tensor to bind: primal plus gradient buffers when attached."""
+        if not with_grads or not self.requires_grad:
+            return self._native
+        if self._bound is None:
+            gi = self._grad_in._native if self._grad_in is not None else None
+            go = self._grad_out._native if self._grad_out is not None else None
+            self._bound = self._native.with_grads(grad_in=gi, grad_out=go, zero=False)
+        return self._bound
+
+
+def _to_array(data: Any) -> np.ndarray:
+    if isinstance(data, Tensor):
+        return data.numpy()
+    return np.asarray(data)
+
+
+def tensor(
+    data: Any,
+    dtype: Any = None,
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor holding a copy of ``data`` (NumPy array, nested lists, a scalar).
+
+    ``dtype`` defaults from the data (floating -> 'float', integer -> 'int'); with a vector
+    type such as 'float3' the last dimension of ``data`` holds the components.
+
+    >>> x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> p = pydiff.tensor(np.zeros((8, 3)), dtype="float3")    # shape (8,)
+    """
+    dev = resolve_device(device)
+    arr = _to_array(data)
+    if dtype is None:
+        if arr.dtype not in _NUMPY_TO_SLANG:
+            raise TypeError(f"data of NumPy dtype {arr.dtype} has no default Slang dtype; pass dtype=")
+        name = _NUMPY_TO_SLANG[arr.dtype]
+    else:
+        name = _dtype_name(dtype)
+    native_dtype = _probe_dtype(dev, name)
+    elem = _element_shape(native_dtype)
+    if elem and arr.shape[len(arr.shape) - len(elem):] != elem:
+        raise ValueError(
+            f"data of shape {arr.shape} cannot hold elements of dtype {name!r}: its last "
+            f"dimension(s) must be {elem}"
+        )
+    shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape
+    if shape == ():
+        shape = (1,)
+    out = empty(shape, dtype=name, device=dev)
+    out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+_dtype_cache: dict[tuple[int, str], Any] = {}
+
+
+def _probe_dtype(dev: Device, name: str) -> Any:
+    key = (id(dev.native), name)
+    if key not in _dtype_cache:
+        try:
+            _dtype_cache[key] = spy.Tensor.empty(dev.native, (1,), name).dtype
+        except Exception as exc:
+            raise TypeError(f"dtype={name!r}: not a Slang type SlangPy can store ({exc})") from None
+    return _dtype_cache[key]
+
+
+def _shape_tuple(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape={shape!r}: expected an int or a sequence of ints") from None
+    if not out or any(s <= 0 for s in out):
+        raise ValueError(f"shape={shape!r}: every dimension must be a positive integer")
+    return out
+
+
+def empty(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """An uninitialised tensor (gradient buffers, if asked for, are zeroed).
+
+    >>> y = pydiff.empty((1024,), dtype="float")
+    """
+    dev = resolve_device(device)
+    name = _dtype_name(dtype)
+    _probe_dtype(dev, name)
+    native = spy.Tensor.empty(dev.native, _shape_tuple(shape), name)
+    out = Tensor(native, dev)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def zeros(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor of zeros.
+
+    >>> w = pydiff.zeros((64, 32), requires_grad=True)
+    """
+    out = empty(shape, dtype, device, requires_grad)
+    out._native.clear()
+    return out
+
+
+def ones(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor of ones.
+
+    >>> up = pydiff.ones((4,))
+    """
+    return empty(shape, dtype, device, requires_grad).fill(1.0)
+
+
+def copy_tensor(dst: Tensor, src: Tensor) -> None:
+    """Device-side copy of ``src``'s values into ``dst`` (same shape and dtype)."""
+    if dst.shape != src.shape or dst._native.dtype.full_name != src._native.dtype.full_name:
+        raise ValueError(f"copy_tensor: {src!r} does not match {dst!r}")
+    device = dst.device.native
+    size = src._native.element_count * src._native.dtype.buffer_layout.stride
+    if not (src._native.is_contiguous() and dst._native.is_contiguous()):
+        dst.copy_from_numpy(src.numpy())
+        return
+    encoder = device.create_command_encoder()
+    stride = src._native.dtype.buffer_layout.stride
+    encoder.copy_buffer(
+        dst._native.storage, dst._native.offset * stride, src._native.storage,
+        src._native.offset * stride, size,
+    )
+    device.submit_command_buffer(encoder.finish())
+    dst._state.holds_result_of = src._state.holds_result_of

@@ -1,0 +1,107 @@
+"""Devices, module loading, compile errors, the shader library and the trap guards."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+from conftest import SHADERS
+
+
+def test_available_devices_lists_what_opens():
+    found = pydiff.available_devices()
+    assert set(found) <= {"cuda", "d3d12", "vulkan"}
+    for name in found:
+        assert pydiff.create_device(name).type == name
+
+
+def test_auto_prefers_first_available_and_env_override(monkeypatch):
+    found = pydiff.available_devices()
+    if not found:
+        pytest.skip("no device opens here")
+    assert pydiff.create_device("auto").type == found[0]
+    monkeypatch.setenv("PYDIFF_DEVICE", found[-1])
+    assert pydiff.create_device().type == found[-1]
+
+
+def test_unknown_and_cpu_types():
+    with pytest.raises(ValueError, match="type='tpu'"):
+        pydiff.create_device("tpu")
+    with pytest.raises(pydiff.DeviceUnavailableError, match="cannot dispatch"):
+        pydiff.create_device("cpu")
+
+
+def test_default_device_is_reused():
+    assert pydiff.default_device() is pydiff.default_device()
+
+
+def test_shader_library_on_include_path(device):
+    assert (pydiff.shader_dir() / "pydiff.slang").is_file()
+    m = pydiff.load_module_from_source(
+        "uses_lib", "import pydiff;\n[Differentiable] float twice_plus(float x) { return scale_add(2.0, x, 1.0); }",
+        device=device,
+    )
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    np.testing.assert_allclose(m.twice_plus(x, _result="tensor").numpy(), [3.0, 5.0])
+    m.twice_plus.bwds(x, _result=1.0)
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 2.0])
+
+
+def test_missing_file_lists_searched_paths(device):
+    with pytest.raises(FileNotFoundError, match=r"(?s)'nope\.slang' not found; searched:.*nope\.slang"):
+        pydiff.load_module("nope.slang", device=device)
+
+
+def test_compile_error_has_file_and_line(device):
+    with pytest.raises(pydiff.SlangCompileError, match=r"syntax_error\.slang:5: Slang compile error") as info:
+        pydiff.load_module(SHADERS / "syntax_error.slang", device=device)
+    assert info.value.line == 5 and info.value.file.endswith("syntax_error.slang")
+
+
+def test_compile_error_from_source_names_module(device):
+    with pytest.raises(pydiff.SlangCompileError, match=r"(?s)<broken_src>:2: .*undefined identifier"):
+        pydiff.load_module_from_source("broken_src", "float g(float x) {\n  return y;\n}\n", device=device)
+
+
+def test_unknown_function_suggests_close_match(device, load):
+    m = load("calls", device)
+    with pytest.raises(AttributeError, match=r"no function 'sqare'; did you mean 'square'"):
+        m.sqare
+    assert "square" in m.function_names()
+
+
+def test_trap_warnings_at_load_and_errors_at_bwds(device):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = pydiff.load_module(SHADERS / "traps.slang", device=device)
+    kinds = " ".join(str(w.message) for w in caught)
+    assert "x.load(...)" in kinds and "'uint' loop counter" in kinds
+    assert all(issubclass(w.category, pydiff.ShaderTrapWarning) for w in caught)
+    import slangpy as spy
+
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    y = pydiff.zeros((2,), device=device).with_grads(ones=True)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"traps\.slang:7: in load_through_interface\(\)"):
+        m.load_through_interface.bwds(spy.grid((2,)), x, y)
+    with pytest.raises(pydiff.ShaderTrapError, match="traps.slang:7"):  # inherited by a caller
+        m.calls_trapped.bwds(spy.grid((2,)), x, y, _result=1.0)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"uint' loop counter.*declare the counter as 'int'"):
+        m.linear_uint.bwds(spy.grid((2,)), pydiff.zeros((2, 2), device=device), x, x, y)
+    # Forward calls and untouched functions still work.
+    m.load_through_interface(spy.grid((2,)), x, y)
+    np.testing.assert_allclose(y.numpy(), [1.0, 4.0])
+    m.fine.bwds(x, _result=1.0)
+
+
+def test_main_demo_runs():
+    env = dict(os.environ)
+    out = subprocess.run(
+        [sys.executable, "samples/polynomial.py"], capture_output=True, text=True, env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "dy/dx      = [12. 16. 20. 24.]" in out.stdout

@@ -1,0 +1,83 @@
+"""pydiff.Tensor: construction, dtypes, gradient buffers, host copies."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pydiff
+
+
+def test_tensor_from_list_defaults_to_float(device):
+    x = pydiff.tensor([1, 2, 3.5], device=device)
+    assert (x.shape, x.dtype, x.requires_grad, x.grad) == ((3,), "float", False, None)
+    np.testing.assert_array_equal(x.numpy(), np.array([1, 2, 3.5], np.float32))
+    assert x.device is device
+
+
+def test_integer_data_and_explicit_dtype(device):
+    assert pydiff.tensor(np.arange(4), device=device).dtype == "int"
+    assert pydiff.tensor(np.arange(4), dtype="float", device=device).dtype == "float"
+    assert pydiff.tensor(np.arange(4, dtype=np.float16), device=device).dtype == "half"
+
+
+def test_vector_dtype_takes_last_dimension(device):
+    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    p = pydiff.tensor(data, dtype="float3", device=device, requires_grad=True)
+    assert p.shape == (4,) and p.dtype == "float3"
+    np.testing.assert_array_equal(p.numpy(), data)
+    assert p.grad.shape == (4,) and p.grad.dtype == "float3"
+    np.testing.assert_array_equal(p.grad.numpy(), np.zeros((4, 3)))
+
+
+def test_zeros_ones_empty(device):
+    np.testing.assert_array_equal(pydiff.zeros((2, 3), device=device).numpy(), np.zeros((2, 3)))
+    np.testing.assert_array_equal(pydiff.ones(5, device=device).numpy(), np.ones(5))
+    np.testing.assert_array_equal(pydiff.ones((2,), dtype="float2", device=device).numpy(), np.ones((2, 2)))
+    assert pydiff.empty((7,), device=device).shape == (7,)
+
+
+def test_default_shared_gradient_buffer_is_zeroed(device):
+    x = pydiff.ones((4,), device=device, requires_grad=True)
+    assert x.grad is x.grad_in is x.grad_out
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(4))
+
+
+def test_with_grads_shares_storage_and_keeps_given_buffers(device):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    upstream = pydiff.tensor([5.0, 6.0], device=device)
+    y = x.with_grads(grad_in=upstream)
+    assert y.grad_in is upstream and y.grad_out is not upstream
+    np.testing.assert_array_equal(upstream.numpy(), [5, 6])  # SlangPy would have zeroed it
+    np.testing.assert_array_equal(y.grad_out.numpy(), [0, 0])
+    y.copy_from_numpy(np.array([9.0, 9.0]))
+    np.testing.assert_array_equal(x.numpy(), [9, 9])  # same storage
+    assert not x.requires_grad
+
+
+def test_with_grads_ones(device):
+    y = pydiff.zeros((3,), device=device).with_grads(ones=True)
+    np.testing.assert_array_equal(y.grad.numpy(), np.ones(3))
+
+
+def test_zero_grad_and_detach(device):
+    x = pydiff.zeros((3,), device=device, requires_grad=True)
+    x.grad.fill(4.0)
+    x.zero_grad()
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(3))
+    d = x.detach()
+    assert not d.requires_grad and d.shape == x.shape
+
+
+def test_requires_grad_in_place_and_item(device):
+    x = pydiff.tensor([2.5], device=device)
+    assert x.requires_grad_().requires_grad
+    assert x.item() == 2.5
+    with pytest.raises(ValueError, match="one element"):
+        pydiff.zeros((2,), device=device).item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=64))
+def test_round_trip_is_exact(values):
+    x = pydiff.tensor(np.array(values, np.float32))
+    np.testing.assert_array_equal(x.numpy(), np.array(values, np.float32))
