@@ -16,6 +16,7 @@ from dataclasses import dataclass
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
 _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<")
+_MULTI_DIM_INDEX = re.compile(r"\b(u?int\s*\[\s*[2-9]\s*\]|u?int[2-4])\s+[A-Za-z_]\w*")
 _UINT_LOOP = re.compile(r"\bfor\s*\(\s*(uint|uint32_t)\s+[A-Za-z_]\w*")
 
 
@@ -111,6 +112,7 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     findings: list[Finding] = []
     for fn in _differentiable_functions(src):
         iface = []
+        multi_dim_call = any(_MULTI_DIM_INDEX.search(p) for p in fn.params)
         for p in fn.params:
             words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
             if _INTERFACE_DIFF_TENSOR.search(p) and words:
@@ -131,13 +133,16 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                     f"SlangPy 0.43 bwds; use the subscript '{sub}' (or a concrete DiffTensor)",
                 )
             for m in re.finditer(rf"\b{name}\s*\[([^\[\]]*)\]", fn.body):
-                if "," in m.group(1):
+                # Measured: fine in a 1-D call (the seed's linear layer), a segfault in bwds
+                # when the call is batched over a multi-dimensional index (int[2], int2 ...).
+                if "," in m.group(1) and multi_dim_call:
                     idx = m.group(1).strip()
                     add(
                         m.start(),
                         "multi-index-subscript",
-                        f"'{name}[{idx}]' (several indices in one subscript) crashed SlangPy "
-                        f"0.43 bwds; write 'int i[N] = {{{idx}}}; {name}[i]' instead",
+                        f"'{name}[{idx}]' (several indices in one subscript) in a call over a "
+                        f"multi-dimensional index crashed SlangPy 0.43 bwds (segfault); write "
+                        f"'int at[{idx.count(',') + 1}] = {{{idx}}}; {name}[at]' instead",
                     )
         for m in _UINT_LOOP.finditer(fn.body):
             add(

@@ -19,6 +19,7 @@ import slangpy as spy
 from . import lint
 from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .device import Device, resolve_device, shader_dir
+from .call import backward_call, forward_call
 from .params import ParamInfo, describe_function
 from .tensor import Tensor, copy_tensor
 from .policy import backward_scope
@@ -189,6 +190,8 @@ class ShaderFunction:
         self._reflected = reflected
         self._params: list[ParamInfo] | None = None
         self._inout_wrapper: Any = None
+        self._native_bwds = native.bwds
+        self._bwds = BackwardFunction(self)
 
     @property
     def name(self) -> str:
@@ -219,14 +222,12 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .call import forward_call
-
         return forward_call(self, args, kwargs)
 
     @property
     def bwds(self) -> "BackwardFunction":
         """The backward (reverse-mode) version of this function."""
-        return BackwardFunction(self)
+        return self._bwds
 
     def _trap_check(self) -> None:
         found = self._module._traps.get(self._name)
@@ -251,8 +252,6 @@ class BackwardFunction:
         self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .call import backward_call
-
         return backward_call(self._fn, args, kwargs)
 
     def __repr__(self) -> str:

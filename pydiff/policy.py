@@ -117,17 +117,29 @@ class BackwardScope:
             grad._holds_result_of = self.label
 
 
-@contextlib.contextmanager
-def backward_scope(label: str) -> Iterator[BackwardScope]:
-    """Enter a top-level backward, or join the one already running."""
-    outer = _active_scope.get()
-    if outer is not None:
-        yield outer
-        return
-    scope = BackwardScope(label)
-    token = _active_scope.set(scope)
-    try:
-        yield scope
-        scope.finish()
-    finally:
-        _active_scope.reset(token)
+class backward_scope:
+    """Enter a top-level backward, or join the one already running.
+
+    A class rather than a generator: this sits on every ``.bwds`` call's path.
+    """
+
+    __slots__ = ("label", "_scope", "_token")
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def __enter__(self) -> BackwardScope:
+        outer = _active_scope.get()
+        if outer is not None:
+            self._scope, self._token = outer, None
+            return outer
+        self._scope = BackwardScope(self.label)
+        self._token = _active_scope.set(self._scope)
+        return self._scope
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._token is None:
+            return
+        _active_scope.reset(self._token)
+        if exc_type is None:
+            self._scope.finish()

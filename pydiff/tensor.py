@@ -89,6 +89,7 @@ class Tensor:
     ):
         self._native = native
         self._device = device
+        self._shape = tuple(int(s) for s in native.shape)
         self._grad_in = grad_in
         self._grad_out = grad_out
         self._state = _state or _GradState()
@@ -98,7 +99,7 @@ class Tensor:
     # --- description -------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in self._native.shape)
+        return self._shape
 
     @property
     def dtype(self) -> str:

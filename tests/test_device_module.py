@@ -97,11 +97,30 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
     m.fine.bwds(x, _result=1.0)
 
 
-def test_main_demo_runs():
-    env = dict(os.environ)
+@pytest.mark.parametrize(
+    "sample, expected",
+    [
+        ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
+        ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
+    ],
+)
+def test_samples_run(sample, expected):
     out = subprocess.run(
-        [sys.executable, "samples/polynomial.py"], capture_output=True, text=True, env=env,
+        [sys.executable, f"samples/{sample}"], capture_output=True, text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "dy/dx      = [12. 16. 20. 24.]" in out.stdout
+    assert expected in out.stdout
+
+
+def test_batched_multi_index_subscript_refused(device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = pydiff.load_module(SHADERS / "traps.slang", device=device)
+    import slangpy as spy
+
+    x = pydiff.zeros((2, 3), device=device, requires_grad=True)
+    w = pydiff.zeros((4, 3), device=device, requires_grad=True)
+    y = pydiff.zeros((2, 4), device=device).with_grads(ones=True)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"'w\[j, k\]'.*int at\[2\] = \{j, k\}; w\[at\]"):
+        m.dense_multi_index.bwds(spy.grid((2, 4)), x, w, y)

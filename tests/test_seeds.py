@@ -143,3 +143,32 @@ def test_linear_layer_data_input_needs_no_gradient(device, load):
     y = pydiff.zeros((2,), device=device).with_grads(ones=True)
     m.linear_layer.bwds(spy.grid((2,)), w, b, x, y)
     np.testing.assert_allclose(w.grad.numpy(), np.outer([1, 1], [1, 2, 3]))
+
+
+def test_batched_dense_layer_with_array_index(device):
+    """The working form of the batched layer (int-array subscripts), against NumPy."""
+    import slangpy as spy
+
+    src = """import slangpy;
+[Differentiable]
+void dense(int[2] idx, IDiffTensor<float, 2> x, IDiffTensor<float, 2> w, IWDiffTensor<float, 2> y)
+{
+    int b = idx[0]; int j = idx[1];
+    float s = 0.0;
+    [MaxIters(16)]
+    for (int k = 0; k < 5; k++) { int wi[2] = { j, k }; int xi[2] = { b, k }; s += w[wi] * x[xi]; }
+    y[idx] = s;
+}"""
+    m = pydiff.load_module_from_source("batched_dense", src, device=device)
+    rng = np.random.default_rng(3)
+    X, W, U = rng.standard_normal((3, 5)), rng.standard_normal((4, 5)), rng.standard_normal((3, 4))
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    w = pydiff.tensor(W, device=device, requires_grad=True)
+    y = pydiff.zeros((3, 4), device=device)
+    m.dense(spy.grid((3, 4)), x, w, y)
+    np.testing.assert_allclose(y.numpy(), X @ W.T, rtol=1e-5, atol=1e-5)
+    y = y.with_grads()
+    y.grad.copy_from_numpy(U)
+    m.dense.bwds(spy.grid((3, 4)), x, w, y)
+    np.testing.assert_allclose(w.grad.numpy(), U.T @ X, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), U @ W, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,125 @@
+"""pydiff call / .bwds against raw SlangPy on the same kernel, plus NumPy/PyTorch on the CPU.
+
+    python benchmarks/bench_core.py            # or: make bench
+    python benchmarks/bench_core.py --large 20 # 2^20 elements instead of 2^24
+
+Prints per-call overhead (16 elements, 1000 calls) and a large polynomial forward+backward,
+with ratios. Timings only; the tests never assert on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import slangpy as spy
+
+import pydiff
+
+SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up: kernel compilation and caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--large", type=int, default=24, help="log2 of the large case's size")
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+
+    dev = pydiff.create_device(args.device)
+    m = pydiff.load_module(SOURCE, device=dev)
+    raw = spy.Module.load_from_file(dev.native, str(SOURCE))
+    print(f"device: {dev.type} ({dev.adapter_name})")
+    rows = []
+
+    def sync():
+        dev.native.wait_for_idle()
+
+    # --- per-call overhead ------------------------------------------------------------------
+    n = 16
+    xs = np.linspace(-1, 1, n).astype(np.float32)
+    px = pydiff.tensor(xs, device=dev, requires_grad=True)
+    py = pydiff.zeros((n,), device=dev).with_grads(ones=True)
+    rx = spy.Tensor.from_numpy(dev.native, xs).with_grads(zero=True)
+    ry = spy.Tensor.zeros(dev.native, (n,), "float").with_grads(zero=True)
+    ry.grad.copy_from_numpy(np.ones(n, np.float32))
+
+    def loop(call):
+        def run():
+            for _ in range(args.calls):
+                call()
+            sync()
+        return run
+
+    fwd_p = best_of(loop(lambda: m.polynomial(2.0, 8.0, -1.0, px, _result=py)), 3) / args.calls
+    fwd_r = best_of(loop(lambda: raw.polynomial(2.0, 8.0, -1.0, rx, _result=ry)), 3) / args.calls
+    bwd_p = best_of(loop(lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py)), 3) / args.calls
+    bwd_r = best_of(loop(lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry)), 3) / args.calls
+    rows += [
+        ("call, 16 elements", fwd_p * 1e6, fwd_r * 1e6, "us"),
+        ("bwds, 16 elements", bwd_p * 1e6, bwd_r * 1e6, "us"),
+    ]
+
+    # --- large forward + backward -------------------------------------------------------------
+    big = 1 << args.large
+    xb = np.random.default_rng(0).standard_normal(big).astype(np.float32)
+    pxb = pydiff.tensor(xb, device=dev, requires_grad=True)
+    pyb = pydiff.zeros((big,), device=dev).with_grads(ones=True)
+    rxb = spy.Tensor.from_numpy(dev.native, xb).with_grads(zero=True)
+    ryb = spy.Tensor.zeros(dev.native, (big,), "float").with_grads(zero=True)
+    ryb.grad.copy_from_numpy(np.ones(big, np.float32))
+
+    def pydiff_fb():
+        m.polynomial(2.0, 8.0, -1.0, pxb, _result=pyb)
+        m.polynomial.bwds(2.0, 8.0, -1.0, pxb, _result=pyb)
+        sync()
+
+    def raw_fb():
+        raw.polynomial(2.0, 8.0, -1.0, rxb, _result=ryb)
+        raw.polynomial.bwds(2.0, 8.0, -1.0, rxb, _result=ryb)
+        sync()
+
+    def numpy_fb():
+        y = 2.0 * xb * xb + 8.0 * xb - 1.0
+        g = 4.0 * xb + 8.0
+        return y, g
+
+    t_p, t_r, t_np = best_of(pydiff_fb, 3), best_of(raw_fb, 3), best_of(numpy_fb, 3)
+    rows.append((f"fwd+bwd 2^{args.large}", t_p * 1e3, t_r * 1e3, "ms"))
+    others = [("NumPy (closed-form grad)", t_np)]
+    try:
+        import torch
+
+        xt = torch.from_numpy(xb).requires_grad_(True)
+
+        def torch_fb():
+            xt.grad = None
+            y = 2.0 * xt * xt + 8.0 * xt - 1.0
+            y.backward(torch.ones_like(y))
+
+        others.append(("PyTorch-CPU eager autograd", best_of(torch_fb, 3)))
+    except ImportError:
+        others.append(("PyTorch-CPU (not installed)", float("nan")))
+
+    print(f"\n{'case':<22}{'pydiff':>12}{'SlangPy':>12}{'pydiff/SlangPy':>16}")
+    for name, p, r, unit in rows:
+        print(f"{name:<22}{p:>10.1f}{unit:>2}{r:>10.1f}{unit:>2}{p / r:>15.2f}x")
+    print(f"\nfwd+bwd 2^{args.large}, others (pydiff time / theirs):")
+    for name, t in others:
+        print(f"  {name:<30}{t * 1e3:>9.1f} ms   pydiff/them = {t_p / t:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
