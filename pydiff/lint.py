@@ -30,6 +30,11 @@ class Finding:
     kind: str
     message: str
 
+    @property
+    def refuses_bwds(self) -> bool:
+        """Whether .bwds must be refused (a crash or wrong gradient), not only warned about."""
+        return self.kind != "vector-index-order"
+
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
 
@@ -144,6 +149,17 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                         f"multi-dimensional index crashed SlangPy 0.43 bwds (segfault); write "
                         f"'int at[{idx.count(',') + 1}] = {{{idx}}}; {name}[at]' instead",
                     )
+        for p in fn.params:
+            vec = re.search(r"\b(u?int[2-4])\s+([A-Za-z_]\w*)", p)
+            if vec and re.search(rf"\[\s*{vec.group(2)}\s*[\].]", fn.body):
+                add(
+                    0,
+                    "vector-index-order",
+                    f"'{vec.group(1)} {vec.group(2)}' from spy.grid is in reversed order "
+                    f"(.x = last dimension) while 'int[N]' is natural; a mix-up gave "
+                    f"out-of-bounds atomic writes and a segfault in bwds. Prefer 'int[N] "
+                    f"{vec.group(2)}'",
+                )
         for m in _UINT_LOOP.finditer(fn.body):
             add(
                 m.start(),
@@ -161,7 +177,7 @@ def affected_functions(source: str, findings: list[Finding]) -> dict[str, list[F
     """
     src = _strip_comments(source)
     own: dict[str, list[Finding]] = {}
-    for f in findings:
+    for f in (f for f in findings if f.refuses_bwds):
         own.setdefault(f.function, []).append(f)
     bodies = {fn.name: fn.body for fn in _differentiable_functions(src)}
     result = {name: list(own.get(name, [])) for name in bodies}

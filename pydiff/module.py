@@ -67,7 +67,8 @@ class Module:
         if source is not None and lint_source:
             findings = lint.scan_source(source, file)
             for f in findings:
-                warnings.warn(f"{f} (.bwds of it will raise)", ShaderTrapWarning, stacklevel=3)
+                consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
+                warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
             self._traps = lint.affected_functions(source, findings)
 
     @property

@@ -40,7 +40,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 
 # 2. A device SlangPy can open -----------------------------------------------------------------
-if "$VENV/bin/python" -m pydiff.device >/dev/null 2>&1; then
+if "$VENV/bin/python" -c "import sys, pydiff.device as d; sys.exit(d.main())" >/dev/null 2>&1; then
     exit 0
 fi
 say "no CUDA, D3D12 or Vulkan device opens here; installing Mesa's lavapipe (Vulkan on the CPU)"
@@ -63,5 +63,5 @@ case "${ID:-}:${VERSION_CODENAME:-}" in
         as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             mesa-vulkan-drivers libvulkan1 >/dev/null ;;
 esac
-"$VENV/bin/python" -m pydiff.device >&2 \
+"$VENV/bin/python" -c "import sys, pydiff.device as d; sys.exit(d.main())" >&2 \
     || die "lavapipe was installed but no device opens (its Mesa may be too old for SlangPy). $manual"

@@ -124,3 +124,23 @@ def test_batched_multi_index_subscript_refused(device):
     y = pydiff.zeros((2, 4), device=device).with_grads(ones=True)
     with pytest.raises(pydiff.ShaderTrapError, match=r"'w\[j, k\]'.*int at\[2\] = \{j, k\}; w\[at\]"):
         m.dense_multi_index.bwds(spy.grid((2, 4)), x, w, y)
+
+
+def test_lint_vector_index_warns_without_refusing():
+    from pydiff import lint
+
+    src = """[Differentiable]
+void f(int2 tid, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y) { y[tid] = x[tid]; }"""
+    found = lint.scan_source(src, "v.slang")
+    assert [f.kind for f in found] == ["vector-index-order"]
+    assert "reversed order" in str(found[0]) and not found[0].refuses_bwds
+    assert lint.affected_functions(src, found) == {}
+
+
+def test_lint_ignores_comments_and_plain_functions():
+    from pydiff import lint
+
+    src = """// x.load(i) in a comment
+float g(IDiffTensor<float, 1> x, int i) { return x.load(i); }   // not differentiable
+[Differentiable] float h(int i, IDiffTensor<float, 1> x) { return x[i]; /* x.load(i) */ }"""
+    assert lint.scan_source(src) == []
