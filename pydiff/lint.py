@@ -1,8 +1,11 @@
 """Find Slang patterns that SlangPy 0.43 differentiates wrongly or crashes on, before dispatch.
 
-Each pattern was measured on SlangPy 0.43.1 (see docs/traps.md). Findings warn when a module
-loads and make ``.bwds`` of an affected function raise ShaderTrapError instead of returning
-zeros or taking the Python process down.
+Measured on SlangPy 0.43.1 (docs/traps.md). On the *interface* diff tensors (IDiffTensor,
+IWDiffTensor, IRWDiffTensor) an index is either a list of integer scalars ("scalar":
+``t[i]``, ``t[i, j]``, ``t.load(i, j)``) or one array/vector ("array": ``t[idx]`` with
+``int[2] idx``, ``int2``, or a lone ``uint`` on a 1-D tensor). Inside one ``[Differentiable]``
+function, using both kinds makes ``.bwds`` segfault in the Slang compiler; ``.load``/``.store``
+with an array index gives all-zero gradients. Concrete DiffTensor types have neither problem.
 
     findings = pydiff.lint.scan_source(open("layer.slang").read(), "layer.slang")
     for f in findings: print(f)          # layer.slang:12: in dense(): ...
@@ -15,9 +18,15 @@ from dataclasses import dataclass
 
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
-_INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<")
-_MULTI_DIM_INDEX = re.compile(r"\b(u?int\s*\[\s*[2-9]\s*\]|u?int[2-4])\s+[A-Za-z_]\w*")
-_UINT_LOOP = re.compile(r"\bfor\s*\(\s*(uint|uint32_t)\s+[A-Za-z_]\w*")
+_INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s*>")
+_SCALAR_DECL = re.compile(
+    r"\b(int|uint|int32_t|uint32_t|int64_t|uint64_t)\s+([A-Za-z_]\w*)\s*(\[\s*\d*\s*\])?"
+)
+_ARRAY_PARAM_DECL = re.compile(r"\b(u?int)\s*\[\s*\d+\s*\]\s+([A-Za-z_]\w*)")
+_VECTOR_DECL = re.compile(r"\b(u?int[2-4]|vector\s*<\s*u?int\s*,\s*\d\s*>)\s+([A-Za-z_]\w*)")
+_VECTOR_CTOR = re.compile(r"^\s*(u?int[2-4]|vector\s*<[^>]*>)\s*\(")
+_IDENT = re.compile(r"^\s*([A-Za-z_]\w*)\s*$")
+_ELEMENT = re.compile(r"^\s*[A-Za-z_]\w*\s*\[[^\[\],]*\]\s*$")  # idx[0]: one int element
 
 
 @dataclass(frozen=True)
@@ -60,12 +69,12 @@ def _matching(src: str, start: int, open_ch: str, close_ch: str) -> int:
     return -1
 
 
-def _split_params(params: str) -> list[str]:
+def _split_top(text: str) -> list[str]:
     out, depth, cur = [], 0, []
-    for ch in params:
-        if ch in "<([":
+    for ch in text:
+        if ch in "<([{":
             depth += 1
-        elif ch in ">)]":
+        elif ch in ">)]}":
             depth -= 1
         if ch == "," and depth == 0:
             out.append("".join(cur))
@@ -102,7 +111,7 @@ def _differentiable_functions(src: str) -> list[_Function]:
         if end < 0 or src[close + 1 : brace].strip().startswith(";"):
             continue
         found.append(
-            _Function(head.group(1), _split_params(src[paren + 1 : close]), src[brace:end], brace)
+            _Function(head.group(1), _split_top(src[paren + 1 : close]), src[brace:end], brace)
         )
     return found
 
@@ -111,67 +120,142 @@ def _line_of(src: str, offset: int) -> int:
     return src.count("\n", 0, offset) + 1
 
 
+def _declared_index_types(fn: _Function) -> dict[str, str]:
+    """Variable name -> 'int', 'uint', 'array' or 'vector', from parameters and locals."""
+    types: dict[str, str] = {}
+    text = ", ".join(fn.params) + "\n" + fn.body
+    for m in _SCALAR_DECL.finditer(text):
+        unsigned = m.group(1).startswith("u")
+        types[m.group(2)] = "array" if m.group(3) else ("uint" if unsigned else "int")
+    for m in _ARRAY_PARAM_DECL.finditer(text):
+        types[m.group(2)] = "array"
+    for m in _VECTOR_DECL.finditer(text):
+        types[m.group(2)] = "vector"
+    return types
+
+
+def _index_kind(args: list[str], dims: int, types: dict[str, str]) -> str | None:
+    """'scalar', 'array' (one array/vector index), or None when it cannot be told."""
+    if len(args) > 1:
+        return "scalar"
+    arg = args[0].strip()
+    if _VECTOR_CTOR.match(arg):
+        return "array"
+    if re.fullmatch(r"\d+", arg) or re.match(r"^int\s*\(", arg) or _ELEMENT.match(arg):
+        return "scalar"
+    if re.match(r"^uint\s*\(", arg):
+        return "array" if dims == 1 else "scalar"
+    ident = _IDENT.match(arg)
+    if ident:
+        t = types.get(ident.group(1))
+        if t == "int":
+            return "scalar"
+        if t == "uint":
+            return "array" if dims == 1 else "scalar"
+        if t in ("array", "vector"):
+            return "array"
+    return None
+
+
+@dataclass
+class _Access:
+    tensor: str
+    op: str  # "[]", "load", "store"
+    args: list[str]
+    kind: str | None
+    offset: int
+
+
+def _accesses(fn: _Function, tensors: dict[str, int], types: dict[str, str]) -> list[_Access]:
+    out = []
+    for name, dims in tensors.items():
+        for m in re.finditer(rf"\b{name}\s*(\[|\.\s*(load|store)\s*\()", fn.body):
+            if m.group(1) == "[":
+                close = _matching(fn.body, m.end() - 1, "[", "]")
+                op, args = "[]", _split_top(fn.body[m.end() : close])
+            else:
+                close = _matching(fn.body, m.end() - 1, "(", ")")
+                op, args = m.group(2), _split_top(fn.body[m.end() : close])
+                if op == "store":
+                    args = args[:-1]
+            if close < 0 or not args:
+                continue
+            out.append(_Access(name, op, args, _index_kind(args, dims, types), m.start()))
+    return sorted(out, key=lambda a: a.offset)
+
+
+def _show(a: _Access) -> str:
+    inner = ", ".join(x.strip() for x in a.args)
+    if a.op == "[]":
+        return f"{a.tensor}[{inner}]"
+    return f"{a.tensor}.load({inner})" if a.op == "load" else f"{a.tensor}.store({inner}, ...)"
+
+
 def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     """All trap findings in one Slang source text, in source order."""
     src = _strip_comments(source)
     findings: list[Finding] = []
     for fn in _differentiable_functions(src):
-        iface = []
-        multi_dim_call = any(_MULTI_DIM_INDEX.search(p) for p in fn.params)
+        tensors: dict[str, int] = {}
         for p in fn.params:
+            t = _INTERFACE_DIFF_TENSOR.search(p)
             words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
-            if _INTERFACE_DIFF_TENSOR.search(p) and words:
-                iface.append(words[-1])
+            if t and words:
+                tensors[words[-1]] = int(t.group(2))
+        types = _declared_index_types(fn)
 
-        def add(match_start: int, kind: str, message: str) -> None:
-            line = _line_of(src, fn.body_offset + match_start)
+        def add(offset: int, kind: str, message: str) -> None:
+            line = _line_of(src, fn.body_offset + offset)
             findings.append(Finding(file, line, fn.name, kind, message))
 
-        for name in iface:
-            for m in re.finditer(rf"\b{name}\s*\.\s*(load|store)\s*\(", fn.body):
-                op = m.group(1)
-                sub = f"{name}[idx]" if op == "load" else f"{name}[idx] = value"
+        accesses = _accesses(fn, tensors, types)
+        for a in accesses:
+            if a.op in ("load", "store") and a.kind == "array":
+                fix = f"{a.tensor}[{a.args[0].strip()}]" + (" = value" if a.op == "store" else "")
                 add(
-                    m.start(),
+                    a.offset,
                     "interface-load-store",
-                    f"'{name}.{op}(...)' on an interface diff tensor gives all-zero gradients in "
-                    f"SlangPy 0.43 bwds; use the subscript '{sub}' (or a concrete DiffTensor)",
+                    f"'{_show(a)}' with an array/vector index on an interface diff tensor "
+                    f"gives all-zero gradients in SlangPy 0.43 bwds; use the subscript "
+                    f"'{fix}', or a concrete DiffTensor parameter",
                 )
-            for m in re.finditer(rf"\b{name}\s*\[([^\[\]]*)\]", fn.body):
-                # Measured: fine in a 1-D call (the seed's linear layer), a segfault in bwds
-                # when the call is batched over a multi-dimensional index (int[2], int2 ...).
-                if "," in m.group(1) and multi_dim_call:
-                    idx = m.group(1).strip()
-                    add(
-                        m.start(),
-                        "multi-index-subscript",
-                        f"'{name}[{idx}]' (several indices in one subscript) in a call over a "
-                        f"multi-dimensional index crashed SlangPy 0.43 bwds (segfault); write "
-                        f"'int at[{idx.count(',') + 1}] = {{{idx}}}; {name}[at]' instead",
-                    )
-        for p in fn.params:
-            vec = re.search(r"\b(u?int[2-4])\s+([A-Za-z_]\w*)", p)
-            if vec and re.search(rf"\[\s*{vec.group(2)}\s*[\].]", fn.body):
-                add(
-                    0,
-                    "vector-index-order",
-                    f"'{vec.group(1)} {vec.group(2)}' from spy.grid is in reversed order "
-                    f"(.x = last dimension) while 'int[N]' is natural; a mix-up gave "
-                    f"out-of-bounds atomic writes and a segfault in bwds. Prefer 'int[N] "
-                    f"{vec.group(2)}'",
-                )
-        for m in _UINT_LOOP.finditer(fn.body):
-            add(
-                m.start(),
-                "uint-loop-counter",
-                "a 'uint' loop counter in a differentiable loop crashes SlangPy 0.43 bwds "
-                "(segfault); declare the counter as 'int'",
+        scalar = [a for a in accesses if a.kind == "scalar"]
+        array = [a for a in accesses if a.kind == "array"]
+        if scalar and array:
+            first = array[0]
+            uint_loop = any(
+                types.get(x.args[0].strip()) == "uint" and tensors[x.tensor] == 1 for x in array
             )
+            fix = (
+                "declare the loop counter / index as 'int'"
+                if uint_loop
+                else "index every interface tensor the same way: integer scalars "
+                "(t[i], t[i, j]) everywhere, or int[N] arrays everywhere; or use concrete "
+                "DiffTensor parameters"
+            )
+            add(
+                first.offset,
+                "mixed-index-kinds",
+                f"'{_show(first)}' (array/vector/uint index) and '{_show(scalar[0])}' (integer "
+                f"scalar index) in one differentiable function crash SlangPy 0.43 bwds "
+                f"(segfault in the Slang compiler); {fix}",
+            )
+        for a in accesses:
+            arg = a.args[0].strip() if len(a.args) == 1 else ""
+            if types.get(arg) == "vector" or _VECTOR_CTOR.match(arg):
+                add(
+                    a.offset,
+                    "vector-index-order",
+                    f"'{_show(a)}': a vector index is read in reversed order (.x = last "
+                    f"dimension; spy.grid's int2 is (column, row)) while int[N] is natural; "
+                    f"prefer 'int[N]'",
+                )
+                break
     return findings
 
 
 def affected_functions(source: str, findings: list[Finding]) -> dict[str, list[Finding]]:
-    """Map each differentiable function to the findings its backward would hit.
+    """Map each differentiable function to the refusing findings its backward would hit.
 
     A function inherits the findings of the differentiable functions it calls.
     """

@@ -1,0 +1,62 @@
+"""The lint refuses exactly the shaders SlangPy really gets wrong: each variant is run through
+raw SlangPy in a subprocess (it may segfault) and compared with y = x*x's gradient 2x.
+
+If a SlangPy upgrade fixes a trap, the matching case here fails and the lint rule can go.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import pydiff
+from pydiff import lint
+
+ORACLE = os.path.join(os.path.dirname(__file__), "trap_oracle.py")
+
+CASES = [
+    # (id, params, body, shape)
+    ("int-subscript", "int idx", "float a = x[idx]; y[idx] = a * a;", "3"),
+    ("int-load-store", "int idx", "float a = x.load(idx); y.store(idx, a * a);", "3"),
+    ("array-subscript", "int[1] idx", "float a = x[idx]; y[idx] = a * a;", "3"),
+    ("array-load", "int[1] idx", "float a = x.load(idx); y[idx] = a * a;", "3"),
+    ("array-store", "int[1] idx", "float a = x[idx]; y.store(idx, a * a);", "3"),
+    ("uint-1d-load", "uint idx", "float a = x.load(idx); y[idx] = a * a;", "3"),
+    ("mixed-1d", "int[1] idx", "int i = idx[0]; float a = x[i]; y[idx] = a * a;", "3"),
+    ("uint-loop-1d", "int idx",
+     "float a = 0.0; [MaxIters(4)] for (uint k = 0; k < 1; k++) { a += x[idx + int(k)]; } "
+     "uint u = uint(idx); a = x[u]; y[idx] = a * a;", "3"),
+    ("2d-scalars", "int[2] idx", "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[i, j] = a * a;", "2,2"),
+    ("2d-arrays", "int[2] idx", "float a = x[idx]; y[idx] = a * a;", "2,2"),
+    ("2d-mixed", "int[2] idx", "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[idx] = a * a;", "2,2"),
+    ("2d-local-array-mixed", "int[2] idx",
+     "int i = idx[0]; int j = idx[1]; int at[2] = { i, j }; float a = x[at]; y[i, j] = a * a;", "2,2"),
+]
+
+
+def _oracle(params: str, body: str, shape: str) -> str:
+    out = subprocess.run(
+        [sys.executable, ORACLE, params, body, shape], capture_output=True, text=True, timeout=240
+    )
+    if out.returncode != 0:
+        return "crash" if out.returncode < 0 or out.returncode in (139, 134) else f"error {out.stderr[-300:]}"
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_lint_verdict_matches_slangpy(case):
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    _, params, body, shape = case
+    dims = len(shape.split(","))
+    src = (
+        f"[Differentiable]\nvoid f({params}, IDiffTensor<float, {dims}> x, "
+        f"IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
+    )
+    refused = bool(lint.affected_functions(src, lint.scan_source(src)))
+    outcome = _oracle(params, body, shape)
+    assert outcome in ("ok", "wrong", "crash"), outcome
+    assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"

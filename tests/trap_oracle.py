@@ -1,0 +1,30 @@
+"""Run one shader variant through raw SlangPy in this process and print what happened.
+
+Used by test_trap_oracle.py in a subprocess (a variant may segfault). Prints 'ok' when the
+backward gives dL/dx = 2x for y = x*x, 'wrong' otherwise.
+
+    python tests/trap_oracle.py "<params>" "<body>" 2,2
+"""
+
+import sys
+
+import numpy as np
+import slangpy as spy
+
+params, body, shape_arg = sys.argv[1:4]
+shape = tuple(int(s) for s in shape_arg.split(","))
+dims = len(shape)
+src = (
+    "import slangpy;\n[Differentiable]\nvoid f("
+    f"{params}, IDiffTensor<float, {dims}> x, IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
+)
+device = spy.create_device(type=spy.DeviceType.vulkan)
+module = spy.Module.load_from_source(device, "oracle", src)
+xs = (np.arange(np.prod(shape)) + 1).astype(np.float32).reshape(shape)
+x = spy.Tensor.from_numpy(device, xs).with_grads(zero=True)
+y = spy.Tensor.zeros(device, shape, "float").with_grads(zero=True)
+module.f(spy.grid(shape), x, y)
+y.grad.copy_from_numpy(np.ones(shape, np.float32))
+sys.stdout.flush()
+module.f.bwds(spy.grid(shape), x, y)
+print("ok" if np.allclose(x.grad.to_numpy(), 2 * xs) else "wrong", flush=True)
