@@ -21,15 +21,18 @@ from .policy import BackwardScope, backward_scope
 from .tensor import Tensor, copy_tensor
 
 _MISSING = object()
+_PLAIN = (float, int, bool)
 _SCALAR_RESULTS = {"float", "half", "double"}
 
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> tuple[list[tuple[ParamInfo, Any]], dict]:
     """Match arguments to parameters by position and name; ``_``-options are returned apart."""
     params = fn.params
+    if len(args) == len(params) and all(k[0] == "_" for k in kwargs):
+        return list(zip(params, args)), dict(kwargs)  # the common, all-positional call
     options = {k: v for k, v in kwargs.items() if k.startswith("_")}
     named = {k: v for k, v in kwargs.items() if not k.startswith("_")}
-    label = f"{fn.module.name}.{fn.name}"
+    label = fn.label
     if len(args) > len(params):
         raise TypeError(f"{label}() takes {len(params)} arguments but {len(args)} were given")
     values: dict[str, Any] = {p.name: a for p, a in zip(params, args)}
@@ -89,6 +92,8 @@ def forward_call(fn: Any, args: tuple, kwargs: dict) -> Any:
                     f"parameter as the interface type I{p.type_name}"
                 )
             native_args.append(value._as_native(True))
+        elif type(value) in _PLAIN:
+            native_args.append(value)
         else:
             native_args.append(_deep_native(value))
     result = options.get("_result", _MISSING)
@@ -106,8 +111,9 @@ class _Backward:
     def __init__(self, fn: Any, scope: BackwardScope):
         self.fn = fn
         self.scope = scope
-        self.label = f"{fn.module.name}.{fn.name}"
+        self.label = fn.label
         self.after: list[tuple[Tensor, Tensor]] = []  # (temp gradient, destination) copies
+        self.no_grad: list[str] = []  # vectorised parameters bound without a gradient
         self.device = fn.module.device
 
     def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
@@ -172,8 +178,13 @@ class _Backward:
         if p.access == "read_write":
             return self._separate(t, p)
         if not t.requires_grad:
-            # Same layout as with a real gradient, so SlangPy's kernel cache (blind to grads)
-            # never reuses a kernel that skips the gradient of a later, grad-carrying call.
+            if p.tensor_kind is None:
+                # A vectorised value with no gradient wanted: bind the primal alone, and
+                # make that part of the kernel's identity (SlangPy's call cache is blind to
+                # gradients and would reuse the wrong kernel for a later call).
+                self.no_grad.append(p.name)
+                return t._native
+            # Interface diff tensors need a gradient buffer on Vulkan/D3D12: a throwaway one.
             sink = self._scratch(t, "sink")
             return t._native.with_grads(grad_in=sink, grad_out=sink, zero=False)
         self._accumulating(t, p)
@@ -195,8 +206,11 @@ class _Backward:
         }
 
     def result_arg(self, result: Any) -> Any:
-        ret = self.fn._reflected.return_type
-        ret_name = ret.full_name if ret is not None else "void"
+        ret_name = self.fn._ret_name
+        if type(result) is Tensor and result._grad_in is not None:
+            if result._device is not self.device:
+                _check_device(self.fn, result, "_result")
+            return result._as_native(True)
         if result is _MISSING:
             if ret_name == "void":
                 return _MISSING
@@ -220,7 +234,14 @@ class _Backward:
                 )
             # SlangPy reads a plain float as the primal and seeds a zero gradient.
             return spy.diffPair(p=0.0, d=float(result))
-        return result
+        if isinstance(result, spy.DiffPair):
+            return result
+        # NumPy arrays and raw SlangPy tensors are silently read as zero gradients by SlangPy.
+        raise TypeError(
+            f"{self.label}.bwds: _result must be a pydiff.Tensor with gradients, a number or a "
+            f"slangpy.diffPair, not {type(result).__name__}; e.g. "
+            "pydiff.tensor(upstream).with_grads() and copy the upstream into its .grad"
+        )
 
     def finish(self) -> None:
         for temp, dest in self.after:
@@ -229,24 +250,32 @@ class _Backward:
 
 
 def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
-    label = f"{fn.module.name}.{fn.name}"
-    if not fn.differentiable:
+    label = fn.label
+    if not fn._differentiable:
         raise TypeError(
             f"{label} is not differentiable: mark it [Differentiable] in "
             f"{fn.module.file} to call .bwds"
         )
-    fn._trap_check()
+    if fn._module._traps:
+        fn._trap_check()
     bound, options = _bind(fn, args, kwargs)
     result = options.pop("_result", _MISSING)
-    with backward_scope(f"{label}.bwds") as scope:
+    with backward_scope(fn._bwds_label) as scope:
         b = _Backward(fn, scope)
-        use_wrapper = any(p.io == "inout" and p.differentiable for p, _ in bound)
+        use_wrapper = fn._has_diff_inout
         native_kwargs: dict[str, Any] = {}
         for p, value in bound:
             if use_wrapper and p.io == "inout":
                 native_kwargs.update(b.inout_args(p, value))
             elif isinstance(value, Tensor):
                 native_kwargs[p.name] = b.tensor_arg(p, value)
+            elif type(value) in _PLAIN:
+                native_kwargs[p.name] = value
+            elif isinstance(value, spy.Tensor):
+                raise TypeError(
+                    f"{label}.bwds: parameter '{p.name}' is a raw slangpy.Tensor; pass a "
+                    "pydiff.Tensor (pydiff.tensor(...)) so pydiff can bind its gradient buffers"
+                )
             else:
                 native_kwargs[p.name] = _deep_native(value)
         native_args = list(native_kwargs.values())
@@ -254,9 +283,9 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
         if native_result is not _MISSING:
             options["_result"] = native_result
         if use_wrapper:
-            from .module import inout_wrapper
-
-            inout_wrapper(fn).bwds(**native_kwargs, **options)
+            fn._bwds_without(tuple(b.no_grad), wrapper=True)(**native_kwargs, **options)
+        elif b.no_grad:
+            fn._bwds_without(tuple(b.no_grad))(*native_args, **options)
         else:
             fn._native_bwds(*native_args, **options)
         b.finish()

@@ -116,6 +116,7 @@ class Module:
             )
         fn = ShaderFunction(self, name, getattr(self._native, name), reflected)
         self._functions[name] = fn
+        setattr(self, name, fn)  # later lookups skip __getattr__ (hot path)
         return fn
 
     def __repr__(self) -> str:
@@ -189,8 +190,16 @@ class ShaderFunction:
         self._name = name
         self._native = native
         self._reflected = reflected
-        self._params: list[ParamInfo] | None = None
+        # Reflection is read once here: these sit on every call's path.
+        self.label = f"{module.name}.{name}"
+        self._bwds_label = f"{self.label}.bwds"
+        self._differentiable = bool(reflected.differentiable)
+        ret = reflected.return_type
+        self._ret_name = ret.full_name if ret is not None else "void"
+        self._params: list[ParamInfo] = describe_function(reflected)
+        self._has_diff_inout = any(p.io == "inout" and p.differentiable for p in self._params)
         self._inout_wrapper: Any = None
+        self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
         self._native_bwds = native.bwds
         self._bwds = BackwardFunction(self)
 
@@ -209,12 +218,10 @@ class ShaderFunction:
 
     @property
     def differentiable(self) -> bool:
-        return bool(self._reflected.differentiable)
+        return self._differentiable
 
     @property
     def params(self) -> list[ParamInfo]:
-        if self._params is None:
-            self._params = describe_function(self._reflected)
         return self._params
 
     def __repr__(self) -> str:
@@ -229,6 +236,21 @@ class ShaderFunction:
     def bwds(self) -> "BackwardFunction":
         """The backward (reverse-mode) version of this function."""
         return self._bwds
+
+    def _bwds_without(self, names: tuple[str, ...], wrapper: bool = False) -> Any:
+        """The backward kernel for a call whose listed parameters carry no gradient.
+
+        SlangPy keys its kernel cache on dtype and dimensions only; a prelude comment naming
+        the gradient layout gives each layout its own kernel (nothing else changes).
+        ``wrapper`` selects the generated ``inout`` wrapper instead of the function itself.
+        """
+        key = (wrapper, names)
+        node = self._layouts.get(key)
+        if node is None:
+            base = inout_wrapper(self) if wrapper else self._native
+            node = base.prelude(f"// pydiff gradient layout: none for {', '.join(names)}").bwds
+            self._layouts[key] = node
+        return node
 
     def _trap_check(self) -> None:
         found = self._module._traps.get(self._name)
@@ -278,8 +300,7 @@ def inout_wrapper(fn: ShaderFunction) -> Any:
             io = "out " if p.io == "out" else ""
             params.append(f"{io}{mods}{p.type_name} {p.name}")
         call_args.append(p.name)
-    ret = fn._reflected.return_type
-    ret_name = ret.full_name if ret is not None else "void"
+    ret_name = fn._ret_name
     call = f"{fn.name}({', '.join(call_args)})"
     body = [*pre]
     if ret_name == "void":

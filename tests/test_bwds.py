@@ -162,6 +162,24 @@ def test_cache_order_no_grad_call_then_grad_call(device, load):
     np.testing.assert_allclose(x.grad.numpy(), [6.0, 8.0])
 
 
+def test_cache_order_grad_call_then_no_grad_call(device, load):
+    m = load("calls", device)
+    x = _t(device, [3.0, 4.0], requires_grad=True)
+    m.square.bwds(x, _result=1.0)
+    m.square.bwds(_t(device, [1.0, 2.0]), _result=1.0)  # SlangPy: "Missing required output gradients"
+    y = _t(device, [5.0, 6.0], requires_grad=True)
+    m.square.bwds(y, _result=1.0)
+    np.testing.assert_allclose(y.grad.numpy(), [10.0, 12.0])
+
+
+def test_broadcast_coefficient_gradient_with_data_input(device, load):
+    m = load("seeds", device)
+    xs = np.array([1.0, 2.0, 3.0], np.float32)
+    a = _t(device, [2.0], requires_grad=True)
+    m.polynomial.bwds(a, 8.0, -1.0, _t(device, xs), _result=1.0)
+    np.testing.assert_allclose(a.grad.numpy(), [np.sum(xs**2)])
+
+
 def test_struct_free_keyword_and_positional_mix(device, load):
     m = load("calls", device)
     s = _t(device, [2.0])

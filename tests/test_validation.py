@@ -105,3 +105,12 @@ def test_bad_shapes_and_dtypes(device):
         pydiff.zeros((2,), dtype="floot", device=device)
     with pytest.raises(ValueError, match="last dimension"):
         pydiff.tensor(np.zeros((4, 2)), dtype="float3", device=device)
+
+
+def test_result_must_not_be_numpy_or_raw_tensor(device, load):
+    m = load("calls", device)
+    x = pydiff.zeros((2,), device=device, requires_grad=True)
+    with pytest.raises(TypeError, match="_result must be a pydiff.Tensor.*not ndarray"):
+        m.square.bwds(x, _result=np.ones(2, np.float32))
+    with pytest.raises(TypeError, match="raw slangpy.Tensor"):
+        m.square.bwds(x.native, _result=1.0)
