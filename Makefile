@@ -13,7 +13,9 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# PyTorch-CPU is an optional comparison; the benchmark skips it when missing.
 bench: setup
+	$(PY) -m pip install -q -e ".[bench]" || echo "(PyTorch not installed: benchmark runs without it)"
 	$(PY) benchmarks/bench_core.py
 
 clean:

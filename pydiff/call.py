@@ -17,7 +17,7 @@ from typing import Any
 import slangpy as spy
 
 from .params import ParamInfo
-from .policy import BackwardScope, backward_scope
+from .policy import BackwardScope, ZeroPolicy, _active_scope, backward_scope, get_zero_policy
 from .tensor import Tensor, copy_tensor
 
 _MISSING = object()
@@ -249,6 +249,42 @@ class _Backward:
             self.scope.mark_result(dest)
 
 
+def _fast_backward(fn: Any, bound: list, options: dict, result: Any) -> bool:
+    """The common case without the general machinery: gradients simply added under the
+    ACCUMULATE policy, outside any larger backward. Returns False to take the general path."""
+    if _active_scope.get() is not None or get_zero_policy() is not ZeroPolicy.ACCUMULATE:
+        return False
+    dev = fn._module._device
+    native_args = []
+    written = []
+    for p, value in bound:
+        if type(value) is Tensor:
+            if value._device is not dev:
+                return False
+            if p.differentiable and p.io == "in" and p.tensor_kind is None:
+                grad = value._grad_out
+                if grad is None or value._zero_policy is not None:
+                    return False
+                written.append(grad)
+                native_args.append(value._as_native(True))
+            elif p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+                native_args.append(value._native)
+            else:
+                return False
+        elif type(value) in _PLAIN:
+            native_args.append(value)
+        else:
+            return False
+    if type(result) is Tensor and result._grad_in is not None and result._device is dev:
+        options["_result"] = result._as_native(True)
+    elif not (result is _MISSING and fn._ret_name == "void"):
+        return False
+    fn._native_bwds(*native_args, **options)
+    for grad in written:
+        grad._state.holds_result_of = fn._bwds_label
+    return True
+
+
 def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
     label = fn.label
     if not fn._differentiable:
@@ -260,6 +296,8 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
         fn._trap_check()
     bound, options = _bind(fn, args, kwargs)
     result = options.pop("_result", _MISSING)
+    if not fn._has_diff_inout and _fast_backward(fn, bound, options, result):
+        return
     with backward_scope(fn._bwds_label) as scope:
         b = _Backward(fn, scope)
         use_wrapper = fn._has_diff_inout
