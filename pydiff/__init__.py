@@ -26,8 +26,11 @@ from .device import (
     set_default_device,
     shader_dir,
 )
+from .checks import GradcheckError, gradcheck
+from .function import Function, FunctionCtx
 from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
+from .tape import Tape
 from .tensor import Tensor, empty, ones, tensor, zeros
 
 __version__ = "0.1.0"
@@ -36,6 +39,9 @@ __all__ = [
     "BackwardFunction",
     "Device",
     "DeviceUnavailableError",
+    "Function",
+    "FunctionCtx",
+    "GradcheckError",
     "Module",
     "PydiffError",
     "ShaderFunction",
@@ -43,12 +49,14 @@ __all__ = [
     "ShaderTrapWarning",
     "SlangCompileError",
     "StaleGradientError",
+    "Tape",
     "Tensor",
     "ZeroPolicy",
     "available_devices",
     "create_device",
     "default_device",
     "empty",
+    "gradcheck",
     "get_zero_policy",
     "load_module",
     "load_module_from_source",

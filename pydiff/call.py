@@ -18,6 +18,7 @@ import slangpy as spy
 
 from .params import ParamInfo
 from .policy import BackwardScope, ZeroPolicy, _active_scope, backward_scope, get_zero_policy
+from .tape import _active_tape
 from .tensor import Tensor, copy_tensor
 
 _MISSING = object()
@@ -100,9 +101,90 @@ def forward_call(fn: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(result, Tensor):
         _check_device(fn, result, "_result")
         options["_result"] = result._as_native(True)
+    tape = _active_tape.get()
+    snapshots = _snapshot_in_place(fn, bound) if tape is not None else None
     # Positional: SlangPy's keyword path costs ~10 us more per call.
-    out = fn.native(*native_args, **options)
-    return _wrap_result(fn, out, result)
+    try:
+        out = _wrap_result(fn, fn.native(*native_args, **options), result)
+    except Exception as exc:
+        raise _resolve_error(fn, exc) from None
+    for i in fn._written_params:
+        value = bound[i][1]
+        if type(value) is Tensor:
+            value._state.wrote(fn._call_label)
+    if type(out) is Tensor and out is result:
+        out._state.wrote(fn._call_label)
+    if tape is not None:
+        _record(tape, fn, bound, options, out, snapshots)
+    return out
+
+
+def _resolve_error(fn: Any, exc: Exception) -> Exception:
+    """SlangPy's overload-resolution report lists every candidate (hundreds of lines for a
+    name shared with a Slang builtin); keep its head and say what to do."""
+    if type(exc).__name__ != "ResolveException":
+        return exc
+    lines = str(exc).splitlines()
+    head = "\n".join(lines[:12])
+    more = f"\n... ({len(lines) - 12} more lines of SlangPy's report)" if len(lines) > 12 else ""
+    hint = ""
+    if sum(1 for ln in lines[:60] if f" {fn.name}(" in ln) > 3:
+        hint = (f"\nHint: '{fn.name}' is also the name of Slang built-in functions, which SlangPy "
+                "cannot tell apart from yours; rename your function.")
+    return TypeError(f"{fn.label}: SlangPy could not match the arguments to the function:\n"
+                     f"{head}{more}{hint}")
+
+
+def _snapshot_in_place(fn: Any, bound: list) -> dict[int, Tensor]:
+    """Copies of in-place arguments taken before the call: their backward needs them."""
+    return {
+        i: value.clone()
+        for i, (p, value) in enumerate(bound)
+        if p.in_place and type(value) is Tensor and (p.differentiable or p.is_diff_tensor)
+    }
+
+
+def _record(tape: Any, fn: Any, bound: list, options: dict, out: Any, snapshots: dict) -> None:
+    """Put a forward call on the tape, giving its outputs gradient buffers when needed."""
+    reads, writes, values = [], [], []
+    needs_grad = False
+    for i, (p, value) in enumerate(bound):
+        if type(value) is not Tensor:
+            values.append(value)
+            continue
+        needs_grad = needs_grad or (p.reads_value and value.requires_grad)
+        if i in snapshots:
+            snap = snapshots[i]
+            view = Tensor(snap._native, value._device, value._grad_in, value._grad_out,
+                          _state=snap._state, zero_policy=value._zero_policy)
+            reads.append((f"parameter '{p.name}' of {fn.label}", snap))
+            writes.append(value)
+            values.append((view, value))
+            continue
+        if p.reads_value:
+            reads.append((f"parameter '{p.name}' of {fn.label}", value))
+        if p.writes_value:
+            writes.append(value)
+        values.append(value)
+    if type(out) is Tensor:
+        writes.append(out)
+    if not fn._differentiable or not needs_grad:
+        return  # constants as far as gradients go
+    for t in writes:
+        if not t.requires_grad:
+            t.requires_grad_(True)
+    for v in values:
+        if type(v) is tuple:  # in-place: the view shares the (maybe new) gradient buffers
+            v[0]._grad_in, v[0]._grad_out = v[1]._grad_in, v[1]._grad_out
+    bwd_values = tuple(v[0] if type(v) is tuple else v for v in values)
+    extra = {k: v for k, v in options.items() if k != "_result"}
+    if type(out) is Tensor:
+        extra["_result"] = out
+
+    def run_backward(entry: Any) -> None:
+        backward_call(fn, bwd_values, dict(extra))
+
+    tape.record(fn.label, reads, writes, run_backward)
 
 
 class _Backward:
@@ -279,7 +361,10 @@ def _fast_backward(fn: Any, bound: list, options: dict, result: Any) -> bool:
         options["_result"] = result._as_native(True)
     elif not (result is _MISSING and fn._ret_name == "void"):
         return False
-    fn._native_bwds(*native_args, **options)
+    try:
+        fn._native_bwds(*native_args, **options)
+    except Exception as exc:
+        raise _resolve_error(fn, exc) from None
     for grad in written:
         grad._state.holds_result_of = fn._bwds_label
     return True
@@ -320,10 +405,13 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
         native_result = b.result_arg(result)
         if native_result is not _MISSING:
             options["_result"] = native_result
-        if use_wrapper:
-            fn._bwds_without(tuple(b.no_grad), wrapper=True)(**native_kwargs, **options)
-        elif b.no_grad:
-            fn._bwds_without(tuple(b.no_grad))(*native_args, **options)
-        else:
-            fn._native_bwds(*native_args, **options)
+        try:
+            if use_wrapper:
+                fn._bwds_without(tuple(b.no_grad), wrapper=True)(**native_kwargs, **options)
+            elif b.no_grad:
+                fn._bwds_without(tuple(b.no_grad))(*native_args, **options)
+            else:
+                fn._native_bwds(*native_args, **options)
+        except Exception as exc:
+            raise _resolve_error(fn, exc) from None
         b.finish()

@@ -5,7 +5,7 @@ IWDiffTensor, IRWDiffTensor) an index is either a list of integer scalars ("scal
 ``t[i]``, ``t[i, j]``, ``t.load(i, j)``) or one array/vector ("array": ``t[idx]`` with
 ``int[2] idx``, ``int2``, or a lone ``uint`` on a 1-D tensor). Inside one ``[Differentiable]``
 function, using both kinds makes ``.bwds`` segfault in the Slang compiler; ``.load``/``.store``
-with an array index gives all-zero gradients. Concrete DiffTensor types have neither problem.
+with an array index gives all-zero gradients; a loop condition reading ``t.shape`` hangs. Concrete DiffTensor types have neither problem.
 
     findings = pydiff.lint.scan_source(open("layer.slang").read(), "layer.slang")
     for f in findings: print(f)          # layer.slang:12: in dense(): ...
@@ -219,6 +219,19 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                     f"gives all-zero gradients in SlangPy 0.43 bwds; use the subscript "
                     f"'{fix}', or a concrete DiffTensor parameter",
                 )
+        for loop in re.finditer(r"\b(for|while)\s*\(", fn.body):
+            close = _matching(fn.body, loop.end() - 1, "(", ")")
+            header = fn.body[loop.end() : close]
+            for name in tensors:
+                if re.search(rf"\b{name}\s*\.\s*shape\b", header):
+                    add(
+                        loop.start(),
+                        "loop-bound-reads-shape",
+                        f"a differentiable loop whose condition reads '{name}.shape' makes "
+                        f"SlangPy 0.43 bwds hang (the kernel never finishes); read it into a "
+                        f"local first: 'int n = {name}.shape[0];' and loop to n",
+                    )
+                    break
         scalar = [a for a in accesses if a.kind == "scalar"]
         array = [a for a in accesses if a.kind == "array"]
         if scalar and array:

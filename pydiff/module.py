@@ -114,7 +114,13 @@ class Module:
             raise AttributeError(
                 f"module '{self._name}' ({self._file}) has no function '{name}'{hint}{listing}"
             )
-        fn = ShaderFunction(self, name, getattr(self._native, name), reflected)
+        native = getattr(self._native, name)
+        if reflected.is_overloaded:
+            fn = OverloadedFunction(
+                [ShaderFunction(self, name, native, o) for o in reflected.overloads]
+            )
+        else:
+            fn = ShaderFunction(self, name, native, reflected)
         self._functions[name] = fn
         setattr(self, name, fn)  # later lookups skip __getattr__ (hot path)
         return fn
@@ -197,6 +203,8 @@ class ShaderFunction:
         ret = reflected.return_type
         self._ret_name = ret.full_name if ret is not None else "void"
         self._params: list[ParamInfo] = describe_function(reflected)
+        self._call_label = f"{self.label} (forward call)"
+        self._written_params = [i for i, p in enumerate(self._params) if p.writes_value]
         self._has_diff_inout = any(p.io == "inout" and p.differentiable for p in self._params)
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
@@ -260,6 +268,49 @@ class ShaderFunction:
                 f"{self._module.name}.{self._name}.bwds refused: SlangPy 0.43 would return wrong "
                 f"gradients or crash the process on:\n  {lines}"
             )
+
+
+class OverloadedFunction:
+    """A name with several overloads: each call goes to the one whose parameters fit.
+
+    >>> m.g(x)          # float g(float a)
+    >>> m.g(x, y)       # float g(float a, float b)
+    """
+
+    def __init__(self, overloads: list[ShaderFunction]):
+        self._overloads = overloads
+        self.bwds = _OverloadedBackward(self)
+
+    @property
+    def name(self) -> str:
+        return self._overloads[0].name
+
+    def select(self, args: tuple, kwargs: dict) -> ShaderFunction:
+        names = {k for k in kwargs if not k.startswith("_")}
+        count = len(args) + len(names)
+        for fn in self._overloads:
+            params = [p.name for p in fn.params]
+            if len(params) == count and names <= set(params[len(args):]):
+                return fn
+        shown = "\n  ".join(repr(f) for f in self._overloads)
+        raise TypeError(
+            f"{self._overloads[0].label}: no overload takes {count} argument(s)"
+            f"{' named ' + ', '.join(sorted(names)) if names else ''}; overloads:\n  {shown}"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.select(args, kwargs)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<pydiff overloaded function {self.name} ({len(self._overloads)} overloads)>"
+
+
+class _OverloadedBackward:
+    def __init__(self, fn: OverloadedFunction):
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn.select(args, kwargs).bwds(*args, **kwargs)
 
 
 class BackwardFunction:

@@ -31,6 +31,24 @@ class ParamInfo:
         return self.tensor_kind in ("diff", "idiff")
 
     @property
+    def reads_value(self) -> bool:
+        """The call reads the argument's values."""
+        if self.tensor_kind is not None:
+            return self.access in ("read", "read_write")
+        return self.io in ("in", "inout")
+
+    @property
+    def writes_value(self) -> bool:
+        """The call writes into the argument (an output, in-place or read-write tensor)."""
+        if self.tensor_kind is not None:
+            return self.access in ("write", "read_write")
+        return self.io in ("out", "inout")
+
+    @property
+    def in_place(self) -> bool:
+        return self.reads_value and self.writes_value
+
+    @property
     def reads_gradient(self) -> bool:
         """The backward reads an upstream gradient (grad_in) for this parameter."""
         if self.is_diff_tensor:

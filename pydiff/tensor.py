@@ -37,12 +37,22 @@ _SCALAR_NUMPY = {
 
 
 class _GradState:
-    """Bookkeeping shared by every view of one buffer (for the STRICT policy)."""
+    """Bookkeeping shared by every view of one buffer.
 
-    __slots__ = ("holds_result_of",)
+    ``holds_result_of`` names the backward whose result the buffer holds (STRICT policy);
+    ``version`` counts writes, ``last_writer`` names the latest (tape overwrite detection).
+    """
+
+    __slots__ = ("holds_result_of", "version", "last_writer")
 
     def __init__(self) -> None:
         self.holds_result_of: str | None = None
+        self.version = 0
+        self.last_writer = "nothing"
+
+    def wrote(self, writer: str) -> None:
+        self.version += 1
+        self.last_writer = writer
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -95,6 +105,7 @@ class Tensor:
         self._state = _state or _GradState()
         self.zero_policy = zero_policy
         self._bound: spy.Tensor | None = None
+        self._producer: Any = None  # the Tape that recorded the call writing this tensor
 
     # --- description -------------------------------------------------------------------
     @property
@@ -120,7 +131,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(np.prod(self._shape, dtype=np.int64))
 
     @property
     def differentiable(self) -> bool:
@@ -180,8 +191,10 @@ class Tensor:
         np_type = _SCALAR_NUMPY.get(self._scalar_name())
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
-        self._native.copy_from_numpy(np.ascontiguousarray(arr))
+        arr = np.ascontiguousarray(arr)
+        self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
         self._state.holds_result_of = None
+        self._state.wrote("a host write (copy_from_numpy/fill)")
         return self
 
     def _scalar_name(self) -> str:
@@ -210,7 +223,11 @@ class Tensor:
 
     def _new_grad_buffer(self, zero: bool = True) -> "Tensor":
         make = spy.Tensor.zeros if zero else spy.Tensor.empty
-        return Tensor(make(self._device.native, self._native.shape, self._grad_dtype()), self._device)
+        if not self._shape:  # a 0-d result (a scalar-returning call): a (1,) buffer, viewed
+            native = make(self._device.native, (1,), self._grad_dtype()).view(self._native.shape)
+        else:
+            native = make(self._device.native, self._native.shape, self._grad_dtype())
+        return Tensor(native, self._device)
 
     def _grad_dtype(self) -> Any:
         derivative = getattr(self._native.dtype, "derivative", None)
@@ -303,6 +320,30 @@ class Tensor:
     def _clear(self) -> None:
         self._native.clear()
         self._state.holds_result_of = None
+        self._state.wrote("a host write (zeroing)")
+
+    def clone(self) -> "Tensor":
+        """A copy of the values in new storage (no gradient buffers).
+
+        >>> before = x.clone()
+        """
+        out = Tensor(spy.Tensor.empty(self._device.native, self._native.shape, self._native.dtype), self._device)
+        copy_tensor(out, self)
+        return out
+
+    def backward(self, grad: Any = None) -> None:
+        """Backpropagate through the tape that recorded the call producing this tensor.
+
+        >>> with pydiff.Tape():
+        ...     loss = m.loss(x, _result="tensor")
+        >>> loss.backward()
+        """
+        if self._producer is None:
+            raise RuntimeError(
+                "backward(): this tensor was not produced by a call recorded on a pydiff.Tape; "
+                "make it inside 'with pydiff.Tape() as tape:' (or call .bwds yourself)"
+            )
+        self._producer.backward(self, grad)
 
     # --- plumbing used by calls ------------------------------------------------------------
     @property
@@ -460,3 +501,4 @@ def copy_tensor(dst: Tensor, src: Tensor) -> None:
     )
     device.submit_command_buffer(encoder.finish())
     dst._state.holds_result_of = src._state.holds_result_of
+    dst._state.wrote("a device copy")

@@ -1,0 +1,151 @@
+"""gradcheck: compare backward gradients with central finite differences in float64.
+
+    ok = pydiff.gradcheck(m.polynomial, (2.0, 8.0, -1.0, x))           # x requires_grad
+    pydiff.gradcheck(Legendre3, (x,), eps=1e-3, atol=1e-3, rtol=1e-2)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ._errors import PydiffError
+from .function import Function
+from .module import ShaderFunction
+from .policy import zero_policy
+from .tape import Tape
+from .tensor import Tensor
+
+
+class GradcheckError(PydiffError, AssertionError):
+    """gradcheck found a gradient that disagrees with finite differences."""
+
+
+def _as_callable(fn: Any) -> Callable[..., Any]:
+    if isinstance(fn, ShaderFunction):
+        return lambda *a: fn(*a, _result="tensor")
+    if inspect.isclass(fn) and issubclass(fn, Function):
+        return fn.apply
+    if callable(fn):
+        return fn
+    raise TypeError(f"gradcheck: fn must be a module function, a pydiff.Function or a callable, not {fn!r}")
+
+
+def _outputs(value: Any) -> list[Tensor]:
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    outs = [o for o in items if isinstance(o, Tensor)]
+    if not outs:
+        raise TypeError("gradcheck: fn returned no pydiff.Tensor")
+    return outs
+
+
+def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
+    return np.concatenate([o.numpy().astype(np.float64).ravel() for o in _outputs(f(*inputs))])
+
+
+def gradcheck(
+    fn: Any,
+    inputs: Sequence[Any],
+    *,
+    eps: float = 1e-3,
+    atol: float = 1e-3,
+    rtol: float = 1e-2,
+    raise_exception: bool = True,
+    seed: int = 0,
+) -> bool:
+    """Check the backward of ``fn`` at ``inputs`` against central finite differences.
+
+    ``fn`` is a module function (called with ``_result="tensor"``), a ``pydiff.Function``
+    subclass, or a Python callable of pydiff calls returning tensor(s). Inputs with
+    ``requires_grad`` are checked; others are held fixed.
+
+    Pass rule, with random upstream v and direction u (fixed by ``seed``):
+      1. vector-Jacobian product: for every element i of every checked input,
+         ``|AD_i - FD_i| <= atol + rtol * |FD_i|`` where AD = (J^T v)_i from the tape and
+         FD_i = <v, (f(x + eps e_i) - f(x - eps e_i)) / (2 eps)>;
+      2. adjoint test: ``|<J u, v> - <u, J^T v>| <= atol + rtol * |<J u, v>|`` with J u by a
+         central difference along u (exact up to rounding for linear maps).
+    Returns True, or raises GradcheckError naming the worst element (input, index, analytic,
+    numeric); with ``raise_exception=False`` returns False instead.
+
+    >>> x = pydiff.tensor([0.3, -1.2], requires_grad=True)
+    >>> pydiff.gradcheck(m.polynomial, (2.0, 8.0, -1.0, x))
+    True
+    """
+    f = _as_callable(fn)
+    checked = [(k, t) for k, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+    if not checked:
+        raise ValueError("gradcheck: no input has requires_grad=True; nothing to check")
+    rng = np.random.default_rng(seed)
+    originals = {k: t.numpy().astype(np.float64) for k, t in checked}
+
+    # Analytic J^T v through the tape, into fresh gradient buffers.
+    with Tape() as tape:
+        outs = _outputs(f(*inputs))
+    vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]
+    saved = {k: t.grad.numpy().copy() for k, t in checked}
+    for _, t in checked:
+        t.zero_grad()
+    with zero_policy("accumulate"):
+        if len(outs) == 1:
+            tape.backward(outs[0], grad=vs[0])
+        else:
+            # Several outputs: L = sum_j <v_j, out_j>, one backward per output.
+            for o, v in zip(outs, vs):
+                tape.backward(o, grad=v)
+    analytic = {k: t.grad.numpy().astype(np.float64) for k, t in checked}
+    for k, t in checked:  # leave the caller's gradients as they were
+        t.grad.copy_from_numpy(saved[k])
+    v_flat = np.concatenate([v.ravel() for v in vs])
+
+    def evaluate() -> np.ndarray:
+        return _flat_outputs(f, inputs)
+
+    worst: tuple[float, str] | None = None
+    try:
+        for k, t in checked:
+            base = originals[k]
+            numeric = np.zeros(base.size)
+            for i in range(base.size):
+                for sign in (1.0, -1.0):
+                    pert = base.copy().ravel()
+                    pert[i] += sign * eps
+                    t.copy_from_numpy(pert.reshape(base.shape))
+                    numeric[i] += sign * float(v_flat @ evaluate())
+                numeric[i] /= 2 * eps
+            t.copy_from_numpy(base)
+            ad = analytic[k].ravel()
+            excess = np.abs(ad - numeric) - (atol + rtol * np.abs(numeric))
+            i = int(np.argmax(excess))
+            if excess[i] > 0 and (worst is None or excess[i] > worst[0]):
+                index = np.unravel_index(i, base.shape)
+                worst = (
+                    float(excess[i]),
+                    f"input {k}, element {tuple(int(j) for j in index)}: analytic {ad[i]:.6g}, "
+                    f"numeric {numeric[i]:.6g} (|diff| {abs(ad[i] - numeric[i]):.3g} > "
+                    f"atol + rtol*|numeric| = {atol + rtol * abs(numeric[i]):.3g})",
+                )
+        # Adjoint dot-product test along a random direction u.
+        us = {k: rng.uniform(-1.0, 1.0, originals[k].shape) for k, _ in checked}
+        plus_minus = []
+        for sign in (1.0, -1.0):
+            for k, t in checked:
+                t.copy_from_numpy(originals[k] + sign * eps * us[k])
+            plus_minus.append(evaluate())
+        ju_v = float(v_flat @ (plus_minus[0] - plus_minus[1]) / (2 * eps))
+        u_jtv = float(sum(np.sum(us[k] * analytic[k]) for k, _ in checked))
+        gap = abs(ju_v - u_jtv) - (atol + rtol * abs(ju_v))
+        if gap > 0 and worst is None:
+            worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
+    finally:
+        for k, t in checked:
+            t.copy_from_numpy(originals[k])
+    if worst is None:
+        return True
+    name = getattr(fn, "label", getattr(fn, "__name__", repr(fn)))
+    message = f"gradcheck failed for {name}: {worst[1]}"
+    if raise_exception:
+        raise GradcheckError(message)
+    return False

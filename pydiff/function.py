@@ -1,0 +1,134 @@
+"""Custom differentiable operations with a PyTorch-style ``Function`` API.
+
+    class Scale(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.s = s
+            return m.scale(x, s, _result="tensor")
+        @staticmethod
+        def backward(ctx, grad):
+            return m.scale(grad, ctx.s, _result="tensor")
+
+    with pydiff.Tape() as tape:
+        y = Scale.apply(x, 2.0)
+    tape.backward(y, grad=np.ones(y.shape))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .policy import backward_scope
+from .tape import active_tape, suspend_recording
+from .tensor import Tensor, tensor as make_tensor
+
+
+class FunctionCtx:
+    """What ``forward`` leaves for ``backward``: saved tensors and any attributes.
+
+    >>> ctx.save_for_backward(x, w); ctx.scale = 2.0
+    >>> x, w = ctx.saved_tensors
+    """
+
+    def __init__(self) -> None:
+        self.saved_tensors: tuple = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tuple(tensors)
+
+
+class Function:
+    """Base class of custom operations: static ``forward(ctx, *args)`` and, optionally,
+    ``backward(ctx, *grad_outputs)``.
+
+    Pattern 1: a forward made of pydiff calls needs no backward; the tape records those
+    calls. Pattern 2: a forward from calls you do not want recorded (or from host code) with
+    a hand-written backward returning one gradient per tensor input (``None`` where there is
+    none; non-tensor arguments are not counted). Gradients may be pydiff Tensors or arrays.
+
+    >>> class Legendre3(pydiff.Function):
+    ...     forward = staticmethod(lambda ctx, x: (ctx.save_for_backward(x), m.p3(x, _result="tensor"))[1])
+    ...     backward = staticmethod(lambda ctx, g: m.p3_grad(ctx.saved_tensors[0], g, _result="tensor"))
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, *args: Any) -> Any:
+        raise NotImplementedError("subclasses of pydiff.Function define forward(ctx, *args)")
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grad_outputs: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def _has_backward(cls) -> bool:
+        return cls.backward is not Function.backward
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs."""
+        ctx = FunctionCtx()
+        inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
+        ctx.needs_input_grad = tuple(a.requires_grad for _, a in inputs)
+        tape = active_tape()
+        if not cls._has_backward():
+            return cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
+        with suspend_recording():
+            result = cls.forward(ctx, *args)
+        outputs_tuple = isinstance(result, tuple)
+        device = inputs[0][1].device if inputs else None
+        outputs = tuple(_as_tensor(o, device, cls, "forward", k) for k, o in enumerate(
+            result if outputs_tuple else (result,)))
+        for o in outputs:
+            o._state.wrote(f"{cls.__name__}.forward")
+        if tape is not None and any(ctx.needs_input_grad):
+            for o in outputs:
+                if not o.requires_grad:
+                    o.requires_grad_(True)
+            reads = [(f"input {k} of {cls.__name__}", t) for k, (_, t) in enumerate(inputs)]
+
+            def run_backward(entry: Any) -> None:
+                _run_backward(cls, ctx, [t for _, t in inputs], outputs)
+
+            tape.record(f"{cls.__name__}.apply", reads, list(outputs), run_backward)
+        return outputs if outputs_tuple else outputs[0]
+
+
+def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (np.ndarray, list, float, int)):
+        return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+    raise TypeError(
+        f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "
+        "Tensors (or NumPy arrays)"
+    )
+
+
+def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
+    grad_outputs = tuple(o.grad_in for o in outputs)
+    grads = cls.backward(ctx, *grad_outputs)
+    if not isinstance(grads, tuple):
+        grads = (grads,)
+    if len(grads) != len(inputs):
+        raise RuntimeError(
+            f"{cls.__name__}.backward() returned {len(grads)} gradients but expected "
+            f"{len(inputs)} (one per tensor input of forward, None where there is none)"
+        )
+    with backward_scope(f"{cls.__name__}.backward") as scope:
+        for k, (g, x) in enumerate(zip(grads, inputs)):
+            if g is None or not x.requires_grad:
+                continue
+            arr = g.numpy() if isinstance(g, Tensor) else np.asarray(g, dtype=np.float64)
+            want = x.expected_numpy_shape()
+            if arr.shape != want:
+                raise RuntimeError(
+                    f"{cls.__name__}.backward() gradient {k} has shape {arr.shape} but input "
+                    f"{k} has shape {want}"
+                )
+            scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
+            # Host-side add: gradients of hand-written backwards are few and small.
+            x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)
+            scope.mark_result(x.grad_out)

@@ -1,0 +1,190 @@
+"""Host-side tape: record Slang calls, then run their backward kernels in reverse order.
+
+    with pydiff.Tape() as tape:
+        h = m.layer(x, w, _result="tensor")
+        loss = m.loss(h, _result="tensor")
+    tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .policy import backward_scope
+from .tensor import Tensor
+
+_active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
+    "pydiff_tape", default=None
+)
+
+
+def active_tape() -> "Tape | None":
+    """The tape recording here, if any."""
+    return _active_tape.get()
+
+
+class suspend_recording:
+    """Run a block without recording (used for a Function's own forward)."""
+
+    def __enter__(self) -> None:
+        self._token = _active_tape.set(None)
+
+    def __exit__(self, *exc: Any) -> None:
+        _active_tape.reset(self._token)
+
+
+@dataclass
+class _Entry:
+    """One recorded operation: what it read (at which version) and what it wrote."""
+
+    index: int
+    label: str
+    reads: list[tuple[str, Tensor, int]]  # (description, tensor, version when read)
+    writes: list[Tensor]
+    run_backward: Callable[["_Entry"], None]
+    payload: dict = field(default_factory=dict)
+
+
+class Tape:
+    """Records pydiff calls (and ``pydiff.Function`` applications) made inside ``with``.
+
+    ``backward(output, grad=None)`` runs the recorded backward kernels in reverse order,
+    wiring each intermediate's gradient from its consumers into its producer. Results made
+    inside the tape get gradient buffers when any input has one. Tapes do not nest (a
+    ``with Tape()`` inside another raises). ``backward`` may run again over the same
+    recording: intermediate gradients restart from zero, leaf gradients follow the zeroing
+    policy (ACCUMULATE adds, RESET replaces, STRICT raises).
+
+    >>> with pydiff.Tape() as tape:
+    ...     y = m.square(x, _result="tensor")
+    >>> tape.backward(y, grad=np.ones(y.shape))
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[_Entry] = []
+        self._token: contextvars.Token | None = None
+        self._touched: dict[int, Tensor] = {}
+
+    # --- recording ----------------------------------------------------------------------
+    def __enter__(self) -> "Tape":
+        if _active_tape.get() is not None:
+            raise RuntimeError(
+                "pydiff.Tape: tapes do not nest; record everything on the outer tape, or "
+                "finish it before starting another"
+            )
+        self._token = _active_tape.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _active_tape.reset(self._token)
+        self._token = None
+
+    def record(
+        self,
+        label: str,
+        reads: list[tuple[str, Tensor]],
+        writes: list[Tensor],
+        run_backward: Callable[[_Entry], None],
+        **payload: Any,
+    ) -> _Entry:
+        """Append an operation; ``reads`` are checked for later overwrites at backward."""
+        entry = _Entry(
+            len(self._entries) + 1,
+            label,
+            [(desc, t, t._state.version) for desc, t in reads],
+            list(writes),
+            run_backward,
+            payload,
+        )
+        for _, t in reads:
+            self._touched[id(t._state)] = t
+        for t in writes:
+            self._touched[id(t._state)] = t
+            t._producer = self
+        self._entries.append(entry)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- backward -----------------------------------------------------------------------
+    def _needed(self, output: Tensor) -> list[_Entry]:
+        """Entries the output depends on, in recording order."""
+        needed_states = {id(output._state)}
+        chosen = []
+        for entry in reversed(self._entries):
+            if any(id(t._state) in needed_states for t in entry.writes):
+                chosen.append(entry)
+                needed_states.update(id(t._state) for _, t, _ in entry.reads)
+        return chosen[::-1]
+
+    def _check_versions(self, entries: list[_Entry]) -> None:
+        for entry in entries:
+            for desc, t, version in entry.reads:
+                if t._state.version != version:
+                    raise RuntimeError(
+                        f"tape.backward: {desc} was read by call #{entry.index} "
+                        f"({entry.label}) and later overwritten by {t._state.last_writer}; "
+                        "its backward needs the value it read. Write the new values to "
+                        "another tensor, or run backward before overwriting."
+                    )
+
+    def backward(self, output: Tensor, grad: Any = None) -> None:
+        """Backpropagate from ``output`` through the recorded calls.
+
+        ``grad`` is dL/d(output): an array or tensor of its shape; it may be omitted when the
+        output has one element (then 1).
+        """
+        if not isinstance(output, Tensor):
+            raise TypeError(f"tape.backward: output must be a pydiff.Tensor, not {type(output).__name__}")
+        entries = self._needed(output)
+        if not entries:
+            raise RuntimeError(
+                "tape.backward: the output was not produced by any call recorded on this tape"
+            )
+        self._check_versions(entries)
+        if grad is None:
+            if output.numel != 1:
+                raise ValueError(
+                    f"tape.backward: grad= is required for an output of shape {output.shape} "
+                    "(only a single-element output defaults to 1)"
+                )
+            grad = np.ones(output.expected_numpy_shape())
+        if not output.requires_grad:
+            raise RuntimeError(
+                "tape.backward: the output has no gradient buffer, so nothing it depends on "
+                "requires a gradient (create inputs with requires_grad=True)"
+            )
+        # Intermediates restart from zero; then the seed goes into the output's upstream.
+        for entry in entries:
+            for t in entry.writes:
+                t.zero_grad()
+        upstream = output.grad_in
+        if isinstance(grad, Tensor):
+            grad = grad.numpy()
+        seed = np.asarray(grad, dtype=np.float64)
+        if seed.shape != output.expected_numpy_shape():
+            raise ValueError(
+                f"tape.backward: grad has shape {seed.shape}, the output needs "
+                f"{output.expected_numpy_shape()}"
+            )
+        upstream.copy_from_numpy(seed)
+        with backward_scope("tape.backward") as scope:
+            scope.mark_result(upstream)  # the seed is set, not a stale result to add to
+            for entry in reversed(entries):
+                entry.run_backward(entry)
+
+    def zero(self) -> None:
+        """Zero every gradient buffer the recorded calls touched."""
+        for t in self._touched.values():
+            if t.requires_grad:
+                t.zero_grad()
+
+    def reset(self) -> None:
+        """Forget the recording (gradients are left as they are)."""
+        self._entries.clear()
+        self._touched.clear()
