@@ -327,6 +327,7 @@ class _Backward:
 
     def finish(self) -> None:
         for temp, dest in self.after:
+            self.scope.flush()
             copy_tensor(dest, temp)
             self.scope.mark_result(dest)
 
@@ -407,11 +408,11 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
             options["_result"] = native_result
         try:
             if use_wrapper:
-                fn._bwds_without(tuple(b.no_grad), wrapper=True)(**native_kwargs, **options)
-            elif b.no_grad:
-                fn._bwds_without(tuple(b.no_grad))(*native_args, **options)
+                node = fn._bwds_without(tuple(b.no_grad), wrapper=True)
+                scope.dispatch(node, **native_kwargs, **options)
             else:
-                fn._native_bwds(*native_args, **options)
+                node = fn._bwds_without(tuple(b.no_grad)) if b.no_grad else fn._native_bwds
+                scope.dispatch(node, *native_args, **options)
         except Exception as exc:
             raise _resolve_error(fn, exc) from None
         b.finish()

@@ -108,6 +108,11 @@ def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor
 
 
 def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
+    from .policy import _active_scope
+
+    outer = _active_scope.get()
+    if outer is not None:
+        outer.flush()  # the upstream gradients must be complete before user code reads them
     grad_outputs = tuple(o.grad_in for o in outputs)
     grads = cls.backward(ctx, *grad_outputs)
     if not isinstance(grads, tuple):

@@ -84,10 +84,30 @@ class BackwardScope:
     buffer only before its first write and contributions within the backward add up.
     """
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, device=None):
         self.label = label
         self._seen: set[int] = set()
         self._written: list["Tensor"] = []
+        # With a device, backward kernels are appended to one command encoder and
+        # submitted together (fewer submissions); anything that must see their results
+        # first calls flush().
+        self._device = device
+        self._encoder = None
+
+    def dispatch(self, node, *args, **kwargs) -> None:
+        """Run a SlangPy function node now, or append it to this backward's encoder."""
+        if self._device is None:
+            node(*args, **kwargs)
+            return
+        if self._encoder is None:
+            self._encoder = self._device.native.create_command_encoder()
+        node.append_to(self._encoder, *args, **kwargs)
+
+    def flush(self) -> None:
+        """Submit the kernels appended so far (before a host read or an ordered copy)."""
+        if self._encoder is not None:
+            self._device.native.submit_command_buffer(self._encoder.finish())
+            self._encoder = None
 
     def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
         """Apply the owner's policy to its ``grad`` before this backward adds into it."""
@@ -97,6 +117,7 @@ class BackwardScope:
         self._seen.add(key)
         policy = owner.zero_policy or get_zero_policy()
         if policy is ZeroPolicy.RESET:
+            self.flush()
             grad._clear()
         elif policy is ZeroPolicy.STRICT and grad._holds_result_of is not None:
             raise StaleGradientError(
@@ -113,6 +134,7 @@ class BackwardScope:
         self._written.append(grad)
 
     def finish(self) -> None:
+        self.flush()
         for grad in self._written:
             grad._holds_result_of = self.label
 
@@ -123,17 +145,18 @@ class backward_scope:
     A class rather than a generator: this sits on every ``.bwds`` call's path.
     """
 
-    __slots__ = ("label", "_scope", "_token")
+    __slots__ = ("label", "device", "_scope", "_token")
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, device=None):
         self.label = label
+        self.device = device
 
     def __enter__(self) -> BackwardScope:
         outer = _active_scope.get()
         if outer is not None:
             self._scope, self._token = outer, None
             return outer
-        self._scope = BackwardScope(self.label)
+        self._scope = BackwardScope(self.label, self.device)
         self._token = _active_scope.set(self._scope)
         return self._scope
 
@@ -143,3 +166,5 @@ class backward_scope:
         _active_scope.reset(self._token)
         if exc_type is None:
             self._scope.finish()
+        else:
+            self._scope.flush()

@@ -173,7 +173,7 @@ class Tape:
                 f"{output.expected_numpy_shape()}"
             )
         upstream.copy_from_numpy(seed)
-        with backward_scope("tape.backward") as scope:
+        with backward_scope("tape.backward", output.device) as scope:
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):
                 entry.run_backward(entry)
