@@ -17,6 +17,8 @@ import numpy as np
 from .policy import backward_scope
 from .tensor import Tensor
 
+import os
+_BATCH = os.environ.get("PYDIFF_TAPE_BATCH", "1") == "1"
 _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
     "pydiff_tape", default=None
 )
@@ -173,7 +175,7 @@ class Tape:
                 f"{output.expected_numpy_shape()}"
             )
         upstream.copy_from_numpy(seed)
-        with backward_scope("tape.backward", output.device) as scope:
+        with backward_scope("tape.backward", output.device if _BATCH else None) as scope:
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):
                 entry.run_backward(entry)

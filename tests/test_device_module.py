@@ -102,11 +102,12 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
     [
         ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
         ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
+        ("legendre_function.py", "gradcheck: True"),
     ],
 )
 def test_samples_run(sample, expected):
     out = subprocess.run(
-        [sys.executable, f"samples/{sample}"], capture_output=True, text=True,
+        [sys.executable, *f"samples/{sample}".split()], capture_output=True, text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
     )
     assert out.returncode == 0, out.stderr
@@ -144,3 +145,14 @@ def test_lint_ignores_comments_and_plain_functions():
 float g(IDiffTensor<float, 1> x, int i) { return x.load(i); }   // not differentiable
 [Differentiable] float h(int i, IDiffTensor<float, 1> x) { return x[i]; /* x.load(i) */ }"""
     assert lint.scan_source(src) == []
+
+
+def test_fit_chain_recovers_parameters():
+    out = subprocess.run(
+        [sys.executable, "samples/fit_chain.py", "--steps", "200", "--plot="], capture_output=True,
+        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("fitted a, b, c ="))
+    fitted = [float(v) for v in line.split("=")[1].split("truth")[0].split(",")]
+    np.testing.assert_allclose(fitted, [1.5, 1.2, 0.3], atol=0.03)
