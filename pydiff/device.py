@@ -80,7 +80,6 @@ class Device:
     def __init__(self, native: spy.Device, type_name: str):
         self.native = native
         self.type = type_name
-        self._library = None  # pydiff.slang loaded on first use (see _library_module)
 
     @property
     def adapter_name(self) -> str:
@@ -90,14 +89,6 @@ class Device:
     def supports_float_atomics(self) -> bool:
         feats = {str(f).split(".")[-1] for f in self.native.features}
         return "atomic_float" in feats or self.type == "cuda"
-
-    def library(self):
-        """pydiff's own shader library (``shaders/pydiff.slang``) as a pydiff Module."""
-        if self._library is None:
-            from .module import load_module
-
-            self._library = load_module("pydiff.slang", device=self, lint=False)
-        return self._library
 
     def __repr__(self) -> str:
         return f"<pydiff.Device {self.type}: {self.adapter_name}>"

@@ -21,8 +21,6 @@ from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .device import Device, resolve_device, shader_dir
 from .call import backward_call, forward_call
 from .params import ParamInfo, describe_function
-from .tensor import Tensor, copy_tensor
-from .policy import backward_scope
 
 _LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
 

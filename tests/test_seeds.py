@@ -5,7 +5,6 @@ The seed prints [9, 27, 53, 87] for 2x^2 + 8x - 1 at x = 1..4; the math gives
 """
 
 import numpy as np
-import pytest
 
 import pydiff
 

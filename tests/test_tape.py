@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import slangpy as spy
 
 import pydiff
 

@@ -7,7 +7,6 @@ If a SlangPy upgrade fixes a trap, the matching case here fails and the lint rul
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 
