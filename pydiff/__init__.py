@@ -30,6 +30,7 @@ from .checks import GradcheckError, gradcheck
 from .function import Function, FunctionCtx
 from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
+from . import nn, ops, optim
 from .tape import Tape
 from .tensor import Tensor, empty, ones, tensor, zeros
 
@@ -60,6 +61,9 @@ __all__ = [
     "get_zero_policy",
     "load_module",
     "load_module_from_source",
+    "nn",
+    "ops",
+    "optim",
     "ones",
     "set_default_device",
     "set_zero_policy",

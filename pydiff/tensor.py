@@ -322,6 +322,18 @@ class Tensor:
         self._state.holds_result_of = None
         self._state.wrote("a host write (zeroing)")
 
+    def reshape(self, shape: Sequence[int]) -> "Tensor":
+        """A view of the same contiguous storage with another shape (no gradient buffers).
+
+        >>> flat = x.reshape((x.numel,))
+        """
+        shape = _shape_tuple(shape)
+        if int(np.prod(shape)) != self.numel:
+            raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
+        if not self._native.is_contiguous():
+            raise ValueError("reshape: the tensor is not contiguous; clone() it first")
+        return Tensor(self._native.view(shape), self._device, _state=self._state)
+
     def clone(self) -> "Tensor":
         """A copy of the values in new storage (no gradient buffers).
 

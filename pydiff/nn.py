@@ -1,0 +1,38 @@
+"""Just enough of a layer library for the samples: a Linear layer holding W and b.
+
+    layer = pydiff.nn.Linear(64, 10)
+    y = layer(x)                       # x @ W.T + b
+    opt = pydiff.optim.AdamW(layer.parameters())
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+from .device import Device, resolve_device
+from .tensor import Tensor, tensor
+
+
+class Linear:
+    """y = x W^T + b, W of shape (out, in); PyTorch's default init U(-1/sqrt(in), 1/sqrt(in)).
+
+    >>> layer = pydiff.nn.Linear(4, 3, seed=0)
+    >>> layer(x).shape        # x of shape (batch, 4) -> (batch, 3)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: Device | str | None = None, seed: int | None = None):
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear: in_features={in_features}, out_features={out_features} must be positive")
+        dev = resolve_device(device)
+        rng = np.random.default_rng(seed)
+        bound = 1.0 / np.sqrt(in_features)
+        self.weight = tensor(rng.uniform(-bound, bound, (out_features, in_features)), device=dev, requires_grad=True)
+        self.bias = tensor(rng.uniform(-bound, bound, out_features), device=dev, requires_grad=True) if bias else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def parameters(self) -> list[Tensor]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])

@@ -1,0 +1,144 @@
+"""Optimizers as fused Slang kernels (shaders/optim/): one pass updates parameter and state.
+
+    opt = pydiff.optim.AdamW([W, b], lr=1e-3)
+    opt.zero_grad(); tape.backward(loss); opt.step()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .ops import library
+from .tensor import Tensor, zeros
+
+
+class Optimizer:
+    """Base class: holds parameters (tensors with gradients) and per-parameter state."""
+
+    def __init__(self, params: Iterable[Tensor], defaults: dict[str, Any]):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__}: params is empty")
+        for k, p in enumerate(self.params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{type(self).__name__}: params[{k}] is a {type(p).__name__}, not a pydiff.Tensor")
+            if not p.requires_grad or p.dtype != "float":
+                raise ValueError(
+                    f"{type(self).__name__}: params[{k}] must be a float tensor with requires_grad=True"
+                )
+        for key, value in defaults.items():
+            if isinstance(value, float) and value < 0:
+                raise ValueError(f"{type(self).__name__}: {key}={value} must be >= 0")
+        self.defaults = dict(defaults)
+        self.step_count = 0
+        self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
+
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient."""
+        for p in self.params:
+            p.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Hyper-parameters, step count and state buffers as NumPy arrays (a copy)."""
+        return {
+            "defaults": dict(self.defaults),
+            "step": self.step_count,
+            "state": [{k: t.numpy().copy() for k, t in s.items()} for s in self.state],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned (shapes are checked)."""
+        if len(state["state"]) != len(self.params):
+            raise ValueError(
+                f"load_state_dict: {len(state['state'])} parameter states for {len(self.params)} parameters"
+            )
+        self.defaults.update(state["defaults"])
+        self.step_count = int(state["step"])
+        for k, (p, saved) in enumerate(zip(self.params, state["state"])):
+            self.state[k] = {}
+            for name, arr in saved.items():
+                if arr.shape != p.expected_numpy_shape():
+                    raise ValueError(f"load_state_dict: state '{name}' of param {k} has shape {arr.shape}, param {p.shape}")
+                self.state[k][name] = zeros(p.shape, device=p.device).copy_from_numpy(arr)
+
+    def _buffer(self, k: int, name: str) -> Tensor:
+        if name not in self.state[k]:
+            p = self.params[k]
+            self.state[k][name] = zeros(p.shape, device=p.device)
+        return self.state[k][name]
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum and weight decay (PyTorch's rule).
+
+    >>> opt = pydiff.optim.SGD([W], lr=0.1, momentum=0.9)
+    >>> opt.step()
+    """
+
+    def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(params, {"lr": float(lr), "momentum": float(momentum), "weight_decay": float(weight_decay)})
+
+    def step(self) -> None:
+        d = self.defaults
+        first = 1 if self.step_count == 0 else 0
+        for k, p in enumerate(self.params):
+            lib = library(p.device)
+            buf = self._buffer(k, "momentum_buffer")
+            lib.sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
+        self.step_count += 1
+
+
+class Adam(Optimizer):
+    """Adam with bias correction; ``weight_decay`` is added to the gradient (L2), as in
+    ``torch.optim.Adam``. One fused kernel per parameter updates p, m and v.
+
+    >>> opt = pydiff.optim.Adam([W, b], lr=1e-3)
+    """
+
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"{type(self).__name__}: betas={betas} must lie in [0, 1)")
+        super().__init__(
+            params, {"lr": float(lr), "beta1": float(b1), "beta2": float(b2), "eps": float(eps),
+                     "weight_decay": float(weight_decay)}
+        )
+
+    def step(self) -> None:
+        d = self.defaults
+        self.step_count += 1
+        t = self.step_count
+        wd = d["weight_decay"]
+        decay = 1.0 - d["lr"] * wd if self._decoupled else 1.0
+        l2 = 0.0 if self._decoupled else wd
+        step_size = d["lr"] / (1.0 - d["beta1"] ** t)
+        bias2_sqrt = (1.0 - d["beta2"] ** t) ** 0.5
+        for k, p in enumerate(self.params):
+            lib = library(p.device)
+            m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
+            lib.adamw_step(
+                p.detach(), p.grad, m, v, decay, l2, 1.0 - d["beta1"], d["beta2"],
+                1.0 - d["beta2"], step_size, bias2_sqrt, d["eps"],
+            )
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay and bias correction (``torch.optim.AdamW``'s rule).
+
+    >>> opt = pydiff.optim.AdamW([W, b], lr=1e-3, weight_decay=0.01)
+    """
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        super().__init__(params, lr, betas, eps, weight_decay)

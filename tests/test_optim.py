@@ -1,0 +1,133 @@
+"""Fused optimizers against NumPy re-implementations of PyTorch's update rules (100 steps)."""
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import optim
+
+STEPS = 100
+
+
+def _grads(shape):
+    rng = np.random.default_rng(11)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(STEPS)]
+
+
+def _run(device, make, p0, grads):
+    p = pydiff.tensor(p0, device=device, requires_grad=True)
+    opt = make([p])
+    for g in grads:
+        p.grad.copy_from_numpy(g)
+        opt.step()
+    return p.numpy(), opt
+
+
+def _numpy_adam(p, grads, lr, b1, b2, eps, wd, decoupled):
+    """torch.optim.Adam/AdamW's update, step by step in float32 as PyTorch computes it."""
+    f = np.float32
+    p = p.astype(f)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.astype(f)
+        if decoupled:
+            p = p * f(1 - lr * wd)
+        else:
+            g = g + f(wd) * p
+        m = m + f(1 - b1) * (g - m)
+        v = v * f(b2) + f(1 - b2) * g * g
+        denom = np.sqrt(v) / f(np.sqrt(1 - b2**t)) + f(eps)
+        p = p - f(lr / (1 - b1**t)) * (m / denom)
+    return p
+
+
+def _numpy_adam64(p, grads, lr, b1, b2, eps, wd):
+    """The same rule in float64: the exact answer float32 kernels approximate."""
+    p, m, v = p.astype(np.float64), 0.0, 0.0
+    for t, g in enumerate(grads, start=1):
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+def _numpy_sgd(p, grads, lr, momentum, wd):
+    p = p.astype(np.float64)
+    buf = None
+    for g in grads:
+        g = g.astype(np.float64) + wd * p
+        if momentum:
+            buf = g if buf is None else momentum * buf + g
+            g = buf
+        p = p - lr * g
+    return p
+
+
+P0 = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_adamw_matches_rule(device, wd):
+    got, _ = _run(device, lambda ps: optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd), P0, _grads(P0.shape))
+    want = _numpy_adam(P0, _grads(P0.shape), 1e-2, 0.9, 0.99, 1e-8, wd, decoupled=True)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    exact = _numpy_adam64(P0, _grads(P0.shape), 1e-2, 0.9, 0.99, 1e-8, wd)
+    np.testing.assert_allclose(got, exact, atol=1e-5, rtol=0)  # float32 rounding over 100 steps
+
+
+def test_adam_l2_matches_rule(device):
+    got, _ = _run(device, lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1), P0, _grads(P0.shape))
+    want = _numpy_adam(P0, _grads(P0.shape), 1e-2, 0.9, 0.999, 1e-8, 0.1, decoupled=False)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.01)])
+def test_sgd_matches_rule(device, momentum, wd):
+    got, _ = _run(device, lambda ps: optim.SGD(ps, lr=0.01, momentum=momentum, weight_decay=wd), P0, _grads(P0.shape))
+    want = _numpy_sgd(P0, _grads(P0.shape), 0.01, momentum, wd)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_matches_torch_when_installed(device):
+    torch = pytest.importorskip("torch")
+    grads = _grads(P0.shape)
+    got, _ = _run(device, lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.01), P0, grads)
+    tp = torch.tensor(P0, requires_grad=True)  # float32, as users run it
+    topt = torch.optim.AdamW([tp], lr=1e-2, weight_decay=0.01)
+    for g in grads:
+        tp.grad = torch.tensor(g)
+        topt.step()
+    np.testing.assert_allclose(got, tp.detach().numpy(), atol=1e-6, rtol=0)
+
+
+def test_state_dict_round_trip_and_zero_grad(device):
+    grads = _grads(P0.shape)
+    p = pydiff.tensor(P0, device=device, requires_grad=True)
+    opt = optim.AdamW([p], lr=1e-2)
+    for g in grads[:50]:
+        p.grad.copy_from_numpy(g)
+        opt.step()
+    saved, p_mid = opt.state_dict(), p.numpy().copy()
+    q = pydiff.tensor(p_mid, device=device, requires_grad=True)
+    opt2 = optim.AdamW([q], lr=1e-2)
+    opt2.load_state_dict(saved)
+    for g in grads[50:]:
+        for t, o in ((p, opt), (q, opt2)):
+            t.grad.copy_from_numpy(g)
+            o.step()
+    np.testing.assert_array_equal(p.numpy(), q.numpy())
+    opt.zero_grad()
+    np.testing.assert_array_equal(p.grad.numpy(), np.zeros(P0.shape))
+
+
+def test_bad_arguments(device):
+    with pytest.raises(ValueError, match="params is empty"):
+        optim.SGD([], lr=0.1)
+    with pytest.raises(ValueError, match=r"params\[0\] must be a float tensor with requires_grad"):
+        optim.SGD([pydiff.zeros((2,), device=device)], lr=0.1)
+    with pytest.raises(ValueError, match="betas"):
+        optim.Adam([pydiff.zeros((2,), device=device, requires_grad=True)], betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        optim.SGD([pydiff.zeros((2,), device=device, requires_grad=True)], lr=-1.0)
