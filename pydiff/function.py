@@ -126,14 +126,20 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
         for k, (g, x) in enumerate(zip(grads, inputs)):
             if g is None or not x.requires_grad:
                 continue
-            arr = g.numpy() if isinstance(g, Tensor) else np.asarray(g, dtype=np.float64)
+            arr = None if isinstance(g, Tensor) else np.asarray(g, dtype=np.float64)
             want = x.expected_numpy_shape()
-            if arr.shape != want:
+            got = g.expected_numpy_shape() if isinstance(g, Tensor) else arr.shape
+            if got != want:
                 raise RuntimeError(
-                    f"{cls.__name__}.backward() gradient {k} has shape {arr.shape} but input "
+                    f"{cls.__name__}.backward() gradient {k} has shape {got} but input "
                     f"{k} has shape {want}"
                 )
             scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
-            # Host-side add: gradients of hand-written backwards are few and small.
-            x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)
+            if isinstance(g, Tensor) and g.dtype == "float" == x.grad_out.dtype and g.device == x.device:
+                from .ops import library  # on the device: no host round trip
+
+                library(x.device).accumulate(x.grad_out, g.detach())
+            else:
+                arr = g.numpy() if arr is None else arr
+                x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)
             scope.mark_result(x.grad_out)
