@@ -265,3 +265,40 @@ def softmax(logits: Tensor) -> Tensor:
     >>> p = pydiff.ops.softmax(logits)
     """
     return exp(log_softmax(logits))
+
+
+class _RMSNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        lib = library(x.device)
+        batch = x.shape[0]
+        inv_rms = empty((batch,), device=x.device)
+        lib.rms_norm_inv(spy.grid((batch,)), x.detach(), float(eps), inv_rms)
+        y = empty(x.shape, device=x.device)
+        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), y)
+        ctx.save_for_backward(x, weight, inv_rms)  # inv_rms saved: no recomputation
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, inv_rms = ctx.saved_tensors
+        lib = library(x.device)
+        dx = empty(x.shape, device=x.device)
+        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), dx)
+        dw = empty(weight.shape, device=x.device)
+        lib.rms_norm_dw(spy.grid(weight.shape), x.detach(), inv_rms, g.detach(), dw)
+        return dx, dw
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dimension of a (B, N) tensor, scaled by ``weight`` (N,).
+
+    >>> y = pydiff.ops.rms_norm(x, w, eps=1e-6)
+    """
+    _need_2d("rms_norm", x=x)
+    if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
+        got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[1]},), got {got}")
+    if eps <= 0:
+        raise ValueError(f"rms_norm: eps={eps} must be positive")
+    return _RMSNorm.apply(x, weight, eps)

@@ -138,3 +138,24 @@ def test_mlp_learns_end_to_end(device):
         pydiff.set_default_device(None)
     assert losses[-1] < losses[0] / 2
     assert acc >= 0.85, f"{name}: test accuracy {acc:.3f}"
+
+
+def test_rms_norm(device):
+    X, W = RNG.standard_normal((3, 5)), RNG.uniform(0.5, 1.5, 5)
+    r = 1 / np.sqrt(np.mean(X**2, axis=1, keepdims=True) + 1e-6)
+    y = ops.rms_norm(_t(device, X), _t(device, W))
+    np.testing.assert_allclose(y.numpy(), X * r * W, rtol=1e-5, atol=1e-6)
+    assert pydiff.gradcheck(ops.rms_norm, (_t(device, X), _t(device, W)))
+    # closed form of the gradient for an upstream G
+    G = RNG.standard_normal((3, 5))
+    x, w = _t(device, X), _t(device, W)
+    with pydiff.Tape() as tape:
+        out = ops.rms_norm(x, w)
+    tape.backward(out, grad=G)
+    dx = r * (W * G - X * r**2 * np.mean(W * G * X, axis=1, keepdims=True))
+    np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), np.sum(G * X * r, axis=0), rtol=1e-4, atol=1e-5)
+    zeros = ops.rms_norm(_t(device, np.zeros((2, 4))), _t(device, np.ones(4)))
+    assert np.all(np.isfinite(zeros.numpy()))
+    with pytest.raises(ValueError, match=r"weight must have shape \(5,\)"):
+        ops.rms_norm(_t(device, X), _t(device, np.ones(4)))
