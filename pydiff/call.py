@@ -205,7 +205,7 @@ class _Backward:
         that are thrown away. Shared per shape and dtype.
         """
         key = (t.shape, t._native.dtype.full_name, role)
-        pool = self.device.__dict__.setdefault("_scratch", {})
+        pool = self.device.scratch
         if key not in pool:
             make = spy.Tensor.zeros if role == "zeros" else spy.Tensor.empty
             pool[key] = make(self.device.native, t._native.shape, t._grad_dtype())

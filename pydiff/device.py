@@ -80,6 +80,8 @@ class Device:
     def __init__(self, native: spy.Device, type_name: str):
         self.native = native
         self.type = type_name
+        # Throwaway gradient buffers for tensors whose gradient nobody asked for (see call.py).
+        self.scratch: dict = {}
 
     @property
     def adapter_name(self) -> str:

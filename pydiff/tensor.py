@@ -183,7 +183,7 @@ class Tensor:
         """
         arr = np.asarray(data)
         want = self.expected_numpy_shape()
-        if arr.shape != want and not (arr.size == int(np.prod(want)) and arr.ndim == 1 and not want):
+        if arr.shape != want:
             raise ValueError(
                 f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
