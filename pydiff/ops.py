@@ -129,8 +129,7 @@ class _Linear(Function):
         x, w = ctx.saved_tensors
         dx = _product("mm_nn", g, w, x.shape) if x.requires_grad else None  # g W
         dw = _product("mm_tn", g, x, w.shape) if w.requires_grad else None  # g^T x
-        db = empty((g.shape[1],), device=g.device)
-        library(g.device).sum_rows(spy.grid((g.shape[1],)), g.detach(), db)
+        db = _sum_mid(g.detach().reshape((1,) + g.shape), 1.0).reshape((g.shape[1],))
         return dx, dw, db
 
 
@@ -161,40 +160,90 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _Linear.apply(x, weight, bias)
 
 
-def _reduce_all(x: Tensor, scale: float) -> Tensor:
-    """scale * sum(x) as a (1,) tensor, added in a fixed blocked order on the device."""
-    out = empty((1,), device=x.device)
-    library(x.device).sum_rows(spy.grid((1,)), x.detach().reshape((x.numel, 1)), out)
-    if scale != 1.0:
-        out.copy_from_numpy(out.numpy() * scale)
-    return out
+def _rows(name: str, x: Tensor) -> Tensor:
+    """``x`` as a 2-D (rows, last dim) view, for the ops that work along the last dimension."""
+    if not isinstance(x, Tensor) or x.dtype != "float" or len(x.shape) < 1:
+        got = x.shape if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a float tensor with at least 1 dimension, got {got}")
+    if x.numel == 0:
+        raise ValueError(f"{name}: the tensor {x.shape} is empty")
+    return x.detach().reshape((x.numel // x.shape[-1], x.shape[-1]))
+
+
+# A reduction over n elements runs as ceil(n / chunk) threads per output, then once more over
+# the partial sums: enough threads to keep the device busy, each adding at least _MIN_CHUNK.
+_MIN_CHUNK, _TARGET_THREADS = 256, 1024
+
+
+def _sum_mid(x3: Tensor, scale: float) -> Tensor:
+    """out[o, 0, j] = scale * sum_k x3[o, k, j], pairwise and in a fixed order, on the device."""
+    lib = library(x3.device)
+    outer, n, inner = x3.shape
+    while True:
+        chunks = max(1, min(-(-n // _MIN_CHUNK), -(-_TARGET_THREADS // (outer * inner))))
+        chunk = -(-n // chunks)
+        chunks = -(-n // chunk)
+        out = empty((outer, chunks, inner), device=x3.device)
+        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale if chunks == 1 else 1.0), out)
+        if chunks == 1:
+            return out
+        x3, n = out, chunks
+
+
+def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[int, ...], int]:
+    """(x as an (outer, n, inner) view, the result shape with the axis kept as 1, n)."""
+    if not isinstance(x, Tensor) or x.dtype != "float":
+        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {type(x).__name__}")
+    shape = x.shape if x.shape else (1,)
+    if axis is None:
+        return x.detach().reshape((1, x.numel, 1)), (1,), x.numel
+    if not isinstance(axis, (int, np.integer)) or not -len(shape) <= axis < len(shape):
+        raise ValueError(f"{name}: axis={axis!r} is out of range for a tensor of shape {x.shape}")
+    axis = int(axis) % len(shape)
+    outer, n = int(np.prod(shape[:axis])), shape[axis]
+    kept = shape[:axis] + (1,) + shape[axis + 1:]
+    return x.detach().reshape((outer, n, x.numel // max(outer * n, 1))), kept, n
 
 
 class _Sum(Function):
     @staticmethod
-    def forward(ctx, x, scale):
-        ctx.shape, ctx.scale = x.shape, scale
-        return _reduce_all(x, scale)
+    def forward(ctx, x, axis, keepdims, mean):
+        x3, kept, n = _axis_view("mean" if mean else "sum", x, axis)
+        if n == 0:
+            raise ValueError(f"{'mean' if mean else 'sum'}: axis {axis} of {x.shape} is empty")
+        ctx.x3_shape, ctx.x_shape, ctx.scale = x3.shape, x.shape, (1.0 / n if mean else 1.0)
+        total = _sum_mid(x3, ctx.scale)
+        if axis is None:
+            return total.reshape((1,))
+        shape = kept if keepdims else tuple(d for k, d in enumerate(kept) if k != int(axis) % len(kept))
+        return total.reshape(shape)
 
     @staticmethod
     def backward(ctx, g):
-        return np.full(ctx.shape, float(g.numpy().reshape(-1)[0]) * ctx.scale)
+        outer, n, inner = ctx.x3_shape
+        dx = empty(ctx.x_shape, device=g.device)
+        library(g.device).broadcast_mid(
+            spy.grid(ctx.x3_shape), g.detach().reshape((outer, 1, inner)), float(ctx.scale),
+            dx.reshape(ctx.x3_shape),
+        )
+        return dx
 
 
-def sum(x: Tensor) -> Tensor:  # noqa: A001 - the name users expect
-    """Sum of all elements as a (1,) tensor, added in a fixed blocked order.
+def sum(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Sum over all elements (a (1,) tensor) or over ``axis``, pairwise in a fixed order.
 
-    >>> total = pydiff.ops.sum(x)
+    >>> total = pydiff.ops.sum(x)             # shape (1,)
+    >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules
     """
-    return _Sum.apply(x, 1.0)
+    return _Sum.apply(x, axis, keepdims, False)
 
 
-def mean(x: Tensor) -> Tensor:
-    """Mean of all elements as a (1,) tensor.
+def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
+    """Mean over all elements (a (1,) tensor) or over ``axis``.
 
-    >>> m = pydiff.ops.mean(x)
+    >>> m = pydiff.ops.mean(x, axis=-1, keepdims=True)
     """
-    return _Sum.apply(x, 1.0 / x.numel)
+    return _Sum.apply(x, axis, keepdims, True)
 
 
 def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
@@ -211,21 +260,20 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
 class _CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, labels):
-        ctx.save_for_backward(logits, labels)
         lib = library(logits.device)
-        rows = lib.cross_entropy_rows(
-            spy.grid((logits.shape[0],)), logits.detach(), labels, _result="tensor"
-        )
-        return _reduce_all(rows, 1.0 / logits.shape[0])
+        batch = logits.shape[0]
+        lse, rows = empty((batch,), device=logits.device), empty((batch,), device=logits.device)
+        lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
+        ctx.save_for_backward(logits, labels, lse)
+        return _sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape((1,))
 
     @staticmethod
     def backward(ctx, g):
-        logits, labels = ctx.saved_tensors
-        batch = logits.shape[0]
-        per_row = zeros((batch,), device=logits.device).fill(float(g.numpy().reshape(-1)[0]) / batch)
+        logits, labels, lse = ctx.saved_tensors
         dz = empty(logits.shape, device=logits.device)
         library(logits.device).cross_entropy_rows_bwd(
-            spy.grid(logits.shape), logits.detach(), labels, per_row, dz
+            spy.grid(logits.shape), logits.detach(), labels, lse, g.detach().reshape((1,)),
+            1.0 / logits.shape[0], dz,
         )
         return dz, None
 
@@ -248,23 +296,129 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     return _CrossEntropy.apply(logits, labels)
 
 
-def log_softmax(logits: Tensor) -> Tensor:
-    """Row-wise log-softmax of a (B, C) tensor (forward only for now; no gradient).
-
-    >>> logp = pydiff.ops.log_softmax(logits)
-    """
-    _need_2d("log_softmax", logits=logits)
-    out = empty(logits.shape, device=logits.device)
-    library(logits.device).log_softmax_rows(spy.grid(logits.shape), logits.detach(), out)
+def _softmax_rows(z2: Tensor, scale: float, log_space: bool) -> Tensor:
+    lib = library(z2.device)
+    lse = empty((z2.shape[0],), device=z2.device)
+    lib.softmax_lse(spy.grid((z2.shape[0],)), z2, float(scale), lse)
+    out = empty(z2.shape, device=z2.device)
+    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), lse, int(log_space), out)
     return out
 
 
-def softmax(logits: Tensor) -> Tensor:
-    """Row-wise softmax of a (B, C) tensor (forward only for now; no gradient).
+def _softmax_rows_bwd(out2: Tensor, g2: Tensor, scale: float, log_space: bool) -> Tensor:
+    lib = library(out2.device)
+    dots = empty((out2.shape[0],), device=out2.device)
+    lib.softmax_row_dot(spy.grid((out2.shape[0],)), g2, out2, int(log_space), dots)
+    dz = empty(out2.shape, device=out2.device)
+    lib.softmax_bwd(spy.grid(out2.shape), out2, g2, dots, float(scale), int(log_space), dz)
+    return dz
+
+
+class _Softmax(Function):
+    @staticmethod
+    def forward(ctx, z, log_space):
+        ctx.log_space = log_space
+        out = _softmax_rows(_rows("log_softmax" if log_space else "softmax", z), 1.0, log_space)
+        out = out.reshape(z.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        rows = out.detach().reshape((out.numel // out.shape[-1], out.shape[-1]))
+        dz = _softmax_rows_bwd(rows, g.detach().reshape(rows.shape), 1.0, ctx.log_space)
+        return dz.reshape(out.shape)
+
+
+def _check_last_axis(name: str, axis: int, x: Tensor) -> None:
+    if isinstance(x, Tensor) and axis not in (-1, len(x.shape) - 1):
+        raise ValueError(f"{name}: only the last axis is supported (axis=-1), got axis={axis} for shape {x.shape}")
+
+
+def log_softmax(logits: Tensor, axis: int = -1) -> Tensor:
+    """Log-softmax over the last axis, log-sum-exp stable (finite for logits of +-1e4).
+
+    >>> logp = pydiff.ops.log_softmax(logits)
+    """
+    _check_last_axis("log_softmax", axis, logits)
+    _rows("log_softmax", logits)
+    return _Softmax.apply(logits, True)
+
+
+def softmax(logits: Tensor, axis: int = -1) -> Tensor:
+    """Softmax over the last axis, max-subtracted so large logits do not overflow.
 
     >>> p = pydiff.ops.softmax(logits)
     """
-    return exp(log_softmax(logits))
+    _check_last_axis("softmax", axis, logits)
+    _rows("softmax", logits)
+    return _Softmax.apply(logits, False)
+
+
+class _Attention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        p = _softmax_rows(_product("mm_nt", q, k, (q.shape[0], k.shape[0])), scale, False)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
+        return _product("mm_nn", p, v, (q.shape[0], v.shape[1]))
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, p = ctx.saved_tensors
+        dv = _product("mm_tn", p, g, v.shape) if v.requires_grad else None  # P^T dO
+        dp = _product("mm_nt", g, v, p.shape)  # dO V^T
+        ds = _softmax_rows_bwd(p, dp, ctx.scale, False)  # includes the scale
+        dq = _product("mm_nn", ds, k, q.shape) if q.requires_grad else None  # dS K
+        dk = _product("mm_tn", ds, q, k.shape) if k.requires_grad else None  # dS^T Q
+        return dq, dk, dv
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Scaled dot-product attention softmax(scale * Q K^T) V for 2-D Q (n, d), K (m, d), V (m, e).
+
+    ``scale`` defaults to 1/sqrt(d); ``scale=1.0`` is the unscaled form of the autodiff guide.
+    >>> out = pydiff.ops.attention(Q, K, V)          # (n, e)
+    """
+    _need_2d("attention", q=q, k=k, v=v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"attention: q {q.shape} and k {k.shape} must have the same last dimension")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"attention: k {k.shape} and v {v.shape} must have the same number of rows")
+    scale = 1.0 / float(np.sqrt(q.shape[1])) if scale is None else float(scale)
+    return _Attention.apply(q, k, v, scale)
+
+
+class _SiluAndMul(Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = _rows("silu_and_mul", x)
+        out = empty(x.shape[:-1] + (x.shape[-1] // 2,), device=x.device)
+        out2 = out.reshape((x2.shape[0], x2.shape[1] // 2))
+        library(x.device).silu_and_mul_fwd(spy.grid(out2.shape), x2, out2)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x2 = _rows("silu_and_mul", x)
+        dx = empty(x.shape, device=x.device)
+        g2 = g.detach().reshape((x2.shape[0], x2.shape[1] // 2))
+        library(x.device).silu_and_mul_bwd(spy.grid(g2.shape), x2, g2, dx.reshape(x2.shape))
+        return dx
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up where x = [gate | up] splits the last dimension (2H -> H).
+
+    >>> y = pydiff.ops.silu_and_mul(x)        # x (B, 2H) -> y (B, H)
+    """
+    _rows("silu_and_mul", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: the last dimension of {x.shape} must be even (gate | up)")
+    return _SiluAndMul.apply(x)
 
 
 class _RMSNorm(Function):
@@ -283,8 +437,10 @@ class _RMSNorm(Function):
     def backward(ctx, g):
         x, weight, inv_rms = ctx.saved_tensors
         lib = library(x.device)
+        c = empty((x.shape[0],), device=x.device)
+        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), x.detach(), weight.detach(), g.detach(), c)
         dx = empty(x.shape, device=x.device)
-        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), dx)
+        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), c, dx)
         dw = empty(weight.shape, device=x.device)
         lib.rms_norm_dw(spy.grid(weight.shape), x.detach(), inv_rms, g.detach(), dw)
         return dx, dw
@@ -302,3 +458,60 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     if eps <= 0:
         raise ValueError(f"rms_norm: eps={eps} must be positive")
     return _RMSNorm.apply(x, weight, eps)
+
+
+class _LayerNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        lib = library(x.device)
+        x2 = _rows("layer_norm", x)
+        rows, n = x2.shape
+        mu, r = empty((rows,), device=x.device), empty((rows,), device=x.device)
+        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), mu, r)
+        w = weight.detach() if weight is not None else _constant(x.device, n, 1.0)
+        b = bias.detach() if bias is not None else _constant(x.device, n, 0.0)
+        y = empty(x.shape, device=x.device)
+        lib.layer_norm_apply(spy.grid(x2.shape), x2, mu, r, w, b, y.reshape(x2.shape))
+        ctx.affine = (weight is not None, bias is not None)
+        ctx.save_for_backward(x, w, mu, r)  # row statistics saved: no recomputation
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, mu, r = ctx.saved_tensors
+        lib = library(x.device)
+        x2 = _rows("layer_norm", x)
+        g2 = g.detach().reshape(x2.shape)
+        c = empty((x2.shape[0], 2), device=x.device)
+        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, mu, r, w, g2, c)
+        dx = empty(x.shape, device=x.device)
+        lib.layer_norm_dx(spy.grid(x2.shape), x2, mu, r, w, g2, c, dx.reshape(x2.shape))
+        dw, db = empty((x2.shape[1],), device=x.device), empty((x2.shape[1],), device=x.device)
+        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, mu, r, g2, dw, db)
+        has_w, has_b = ctx.affine  # one gradient per tensor input: None inputs are not counted
+        return (dx,) + ((dw,) if has_w else ()) + ((db,) if has_b else ())
+
+
+_constants: dict[tuple[int, int, float], Tensor] = {}
+
+
+def _constant(device: Device, n: int, value: float) -> Tensor:
+    key = (id(device.native), n, value)
+    if key not in _constants:
+        _constants[key] = zeros((n,), device=device).fill(value)
+    return _constants[key]
+
+
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
+
+    >>> y = pydiff.ops.layer_norm(x, w, b)        # x (..., N); w, b (N,) or None
+    """
+    x2 = _rows("layer_norm", x)
+    for arg, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):
+            got = t.shape if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"layer_norm: {arg} must have shape ({x2.shape[1]},), got {got}")
+    if eps <= 0:
+        raise ValueError(f"layer_norm: eps={eps} must be positive")
+    return _LayerNorm.apply(x, weight, bias, eps)

@@ -159,3 +159,143 @@ def test_rms_norm(device):
     assert np.all(np.isfinite(zeros.numpy()))
     with pytest.raises(ValueError, match=r"weight must have shape \(5,\)"):
         ops.rms_norm(_t(device, X), _t(device, np.ones(4)))
+
+
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), (-1, False), (2, True)])
+def test_sum_and_mean_over_an_axis(device, axis, keepdims):
+    X = RNG.standard_normal((3, 4, 5))
+    want_sum = X.sum(axis=axis, keepdims=keepdims) if axis is not None else [X.sum()]
+    want_mean = X.mean(axis=axis, keepdims=keepdims) if axis is not None else [X.mean()]
+    got = ops.sum(_t(device, X), axis=axis, keepdims=keepdims).numpy()
+    np.testing.assert_allclose(got, want_sum, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.mean(_t(device, X), axis=axis, keepdims=keepdims).numpy(), want_mean, rtol=1e-5, atol=1e-6)
+    assert pydiff.gradcheck(lambda x: ops.mean(x, axis=axis, keepdims=keepdims), (_t(device, X[:2, :3, :2]),))
+    with pydiff.Tape() as tape:
+        x = _t(device, X)
+        s = ops.sum(x, axis=axis, keepdims=keepdims)
+    G = RNG.standard_normal(np.shape(want_sum))
+    tape.backward(s, grad=G)
+    dx = np.broadcast_to(np.expand_dims(G, axis) if axis is not None and not keepdims else np.reshape(G, (1,) * 3 if axis is None else G.shape), X.shape)
+    np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-6)
+
+
+def test_sum_is_pairwise_accurate_and_reproducible(device):
+    """2^20 float32 values: a sequential float32 sum drifts by ~1e-4 relative; pairwise
+    summation stays within a few ulps of the float64 sum, with the same bits every run."""
+    values = RNG.uniform(0.0, 1.0, 2**20).astype(np.float32)
+    exact = values.astype(np.float64).sum()
+    sequential = np.cumsum(values, dtype=np.float32)[-1]  # what one accumulator per thread gives
+    assert abs(sequential - exact) / exact > 1e-5  # the test below can tell the two apart
+    x = _t(device, values, grad=False)
+    first = ops.sum(x).numpy()[0]
+    assert abs(first - exact) / exact < 1e-6
+    assert all(ops.sum(x).numpy()[0] == first for _ in range(3))
+
+
+def test_reduction_errors(device):
+    x = _t(device, np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"sum: axis=2 is out of range for a tensor of shape \(2, 3\)"):
+        ops.sum(x, axis=2)
+    with pytest.raises(ValueError, match=r"softmax: only the last axis is supported"):
+        ops.softmax(x, axis=0)
+
+
+def _softmax(Z):
+    P = np.exp(Z - Z.max(-1, keepdims=True))
+    return P / P.sum(-1, keepdims=True)
+
+
+def test_softmax_and_log_softmax_backward(device):
+    Z = RNG.standard_normal((2, 3, 5))
+    G = RNG.standard_normal((2, 3, 5))
+    P = _softmax(Z)
+    for op, fwd, bwd in [
+        (ops.softmax, P, P * (G - (G * P).sum(-1, keepdims=True))),
+        (ops.log_softmax, np.log(P), G - P * G.sum(-1, keepdims=True)),
+    ]:
+        z = _t(device, Z)
+        with pydiff.Tape() as tape:
+            y = op(z)
+        np.testing.assert_allclose(y.numpy(), fwd, rtol=1e-5, atol=1e-6)
+        tape.backward(y, grad=G)
+        np.testing.assert_allclose(z.grad.numpy(), bwd, rtol=1e-4, atol=1e-5)
+        assert pydiff.gradcheck(op, (_t(device, Z[0]),))
+    # +-1e4 logits: exact one-hot probabilities, finite log-probabilities and gradients
+    z = _t(device, [[1e4, -1e4, 0.0]])
+    with pydiff.Tape() as tape:
+        y = ops.log_softmax(z)
+    tape.backward(y, grad=np.ones((1, 3)))
+    np.testing.assert_allclose(y.numpy(), [[0.0, -2e4, -1e4]], rtol=1e-6)
+    np.testing.assert_allclose(z.grad.numpy(), [[-2.0, 1.0, 1.0]], atol=1e-6)
+    np.testing.assert_allclose(ops.softmax(_t(device, [[1e4, -1e4, 0.0]])).numpy(), [[1.0, 0.0, 0.0]])
+
+
+def test_cross_entropy_backward_closed_form(device):
+    Z, labels = RNG.standard_normal((4, 6)), np.array([5, 0, 2, 2])
+    z = _t(device, Z)
+    with pydiff.Tape() as tape:
+        loss = ops.cross_entropy(z, labels)
+    tape.backward(loss, grad=np.array([3.0]))
+    np.testing.assert_allclose(z.grad.numpy(), 3.0 * (_softmax(Z) - np.eye(6)[labels]) / 4, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_norm(device):
+    X, W, B = RNG.standard_normal((2, 3, 6)), RNG.uniform(0.5, 1.5, 6), RNG.standard_normal(6)
+    mu, var = X.mean(-1, keepdims=True), X.var(-1, keepdims=True)
+    xh = (X - mu) / np.sqrt(var + 1e-5)
+    x, w, b = _t(device, X), _t(device, W), _t(device, B)
+    with pydiff.Tape() as tape:
+        y = ops.layer_norm(x, w, b)
+    np.testing.assert_allclose(y.numpy(), xh * W + B, rtol=1e-4, atol=1e-5)
+    G = RNG.standard_normal(X.shape)
+    tape.backward(y, grad=G)
+    gh = G * W
+    dx = (gh - gh.mean(-1, keepdims=True) - xh * (gh * xh).mean(-1, keepdims=True)) / np.sqrt(var + 1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(w.grad.numpy(), (G * xh).sum((0, 1)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(b.grad.numpy(), G.sum((0, 1)), rtol=1e-5, atol=1e-5)
+    assert pydiff.gradcheck(ops.layer_norm, (_t(device, X[0]), _t(device, W), _t(device, B)))
+    assert pydiff.gradcheck(lambda x: ops.layer_norm(x, eps=1e-3), (_t(device, X[0]),))
+    const = ops.layer_norm(_t(device, np.full((2, 4), 7.0)))
+    np.testing.assert_array_equal(const.numpy(), np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"layer_norm: bias must have shape \(6,\), got \(5,\)"):
+        ops.layer_norm(x, w, _t(device, np.ones(5)))
+
+
+def test_silu_and_mul_matches_the_seed_formulas(device):
+    X = RNG.standard_normal((3, 8))
+    gate, up = X[:, :4], X[:, 4:]
+    sig = 1 / (1 + np.exp(-gate))
+    x = _t(device, X)
+    with pydiff.Tape() as tape:
+        y = ops.silu_and_mul(x)
+    np.testing.assert_allclose(y.numpy(), gate * sig * up, rtol=1e-5, atol=1e-6)
+    G = RNG.standard_normal((3, 4))
+    tape.backward(y, grad=G)
+    want = np.concatenate([G * up * sig * (1 + gate * (1 - sig)), G * gate * sig], axis=-1)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert pydiff.gradcheck(ops.silu_and_mul, (_t(device, X[:2]),))
+    with pytest.raises(ValueError, match=r"silu_and_mul: the last dimension of \(2, 3\) must be even"):
+        ops.silu_and_mul(_t(device, np.ones((2, 3))))
+
+
+def test_attention_forward_backward(device):
+    n, m, d, e = 4, 5, 3, 2
+    Q, K, V = RNG.standard_normal((n, d)), RNG.standard_normal((m, d)), RNG.standard_normal((m, e))
+    for scale in (None, 1.0):
+        s = 1 / np.sqrt(d) if scale is None else scale
+        P = _softmax(s * Q @ K.T)
+        q, k, v = _t(device, Q), _t(device, K), _t(device, V)
+        with pydiff.Tape() as tape:
+            out = ops.attention(q, k, v, scale=scale)
+        np.testing.assert_allclose(out.numpy(), P @ V, rtol=1e-5, atol=1e-6)
+        G = RNG.standard_normal((n, e))
+        tape.backward(out, grad=G)
+        dP = G @ V.T
+        dS = s * P * (dP - (dP * P).sum(-1, keepdims=True))
+        np.testing.assert_allclose(v.grad.numpy(), P.T @ G, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(q.grad.numpy(), dS @ K, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(k.grad.numpy(), dS.T @ Q, rtol=1e-4, atol=1e-5)
+    assert pydiff.gradcheck(ops.attention, (_t(device, Q), _t(device, K), _t(device, V)))
+    with pytest.raises(ValueError, match=r"attention: k \(5, 3\) and v \(4, 2\) must have the same number of rows"):
+        ops.attention(q, k, _t(device, V[:4]))
