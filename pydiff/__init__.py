@@ -28,6 +28,7 @@ from .device import (
 )
 from .checks import GradcheckError, gradcheck
 from .function import Function, FunctionCtx
+from .forward import hessian, hvp, jvp, vjp
 from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
 from . import nn, ops, optim
@@ -58,6 +59,10 @@ __all__ = [
     "default_device",
     "empty",
     "gradcheck",
+    "hessian",
+    "hvp",
+    "jvp",
+    "vjp",
     "get_zero_policy",
     "load_module",
     "load_module_from_source",

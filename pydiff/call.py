@@ -71,6 +71,35 @@ def _deep_native(value: Any) -> Any:
     return value
 
 
+def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
+    """Device-wide scratch tensors shaped like ``t``: 'zeros' (read, never written) or 'sink'
+    (written, never read). Shared per shape and dtype."""
+    key = (t.shape, t._native.dtype.full_name, role)
+    pool = device.scratch
+    if key not in pool:
+        make = spy.Tensor.zeros if role == "zeros" else spy.Tensor.empty
+        pool[key] = make(device.native, t._native.shape, t._grad_dtype())
+    return pool[key]
+
+
+def fwd_tensor_struct(fn: Any, p: ParamInfo, t: Tensor, tangent: Any = None,
+                      grad_in: Any = None, grad_out: Any = None) -> dict:
+    """The fields of pydiff's FwdDiffTensor<N> / RWFwdDiffTensor<N> for a pydiff tensor."""
+    if t.dtype != "float" or len(t.shape) != p.fwd_dims:
+        raise ValueError(
+            f"{fn.label}: parameter '{p.name}' is a {p.type_name}, which takes a float tensor with "
+            f"exactly {p.fwd_dims} dimension(s); got dtype {t.dtype} and shape {t.shape} (SlangPy "
+            "cannot vectorise over this struct: index the extra dimensions inside the function)"
+        )
+    dev = fn.module.device
+    return {
+        "primal": t._native,
+        "tangent": tangent if tangent is not None else scratch(dev, t, "zeros"),
+        "grad_in": grad_in if grad_in is not None else scratch(dev, t, "zeros"),
+        "grad_out": grad_out if grad_out is not None else scratch(dev, t, "sink"),
+    }
+
+
 def _wrap_result(fn: Any, native_result: Any, given: Any) -> Any:
     if isinstance(given, Tensor):
         return given
@@ -92,6 +121,9 @@ def forward_call(fn: Any, args: tuple, kwargs: dict) -> Any:
                     f"a tensor with gradients (requires_grad=True / .with_grads()) or declare the "
                     f"parameter as the interface type I{p.type_name}"
                 )
+            if p.tensor_kind == "fwd":
+                native_args.append(fwd_tensor_struct(fn, p, value))
+                continue
             native_args.append(value._as_native(True))
         elif type(value) in _PLAIN:
             native_args.append(value)
@@ -199,17 +231,8 @@ class _Backward:
         self.device = fn.module.device
 
     def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
-        """Gradient buffers for a tensor whose gradient nobody asked for.
-
-        'zeros' is read as an upstream gradient (never written); 'sink' receives gradients
-        that are thrown away. Shared per shape and dtype.
-        """
-        key = (t.shape, t._native.dtype.full_name, role)
-        pool = self.device.scratch
-        if key not in pool:
-            make = spy.Tensor.zeros if role == "zeros" else spy.Tensor.empty
-            pool[key] = make(self.device.native, t._native.shape, t._grad_dtype())
-        return pool[key]
+        """Gradient buffers for a tensor whose gradient nobody asked for."""
+        return scratch(self.device, t, role)
 
     def _desc(self, p: ParamInfo) -> str:
         return f"{self.label}: parameter '{p.name}'"
@@ -393,6 +416,10 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
                 native_kwargs.update(b.inout_args(p, value))
             elif isinstance(value, Tensor):
                 native_kwargs[p.name] = b.tensor_arg(p, value)
+                if p.tensor_kind == "fwd":
+                    bound_native = native_kwargs[p.name]
+                    native_kwargs[p.name] = fwd_tensor_struct(
+                        fn, p, value, None, bound_native.grad_in, bound_native.grad_out)
             elif type(value) in _PLAIN:
                 native_kwargs[p.name] = value
             elif isinstance(value, spy.Tensor):

@@ -143,6 +143,19 @@ def _find_file(path: str | Path, device: Device) -> Path:
     )
 
 
+_IMPORTS_PYDIFF = re.compile(r"^\s*(?:__exported\s+)?import\s+pydiff\s*;", re.MULTILINE)
+
+
+def _links(source: str, dev: Device) -> list:
+    """Modules SlangPy must import into its generated kernels: pydiff's library when the
+    source imports it (its types, e.g. FwdDiffTensor, appear in the kernel's parameters)."""
+    if not _IMPORTS_PYDIFF.search(source):
+        return []
+    from .ops import library
+
+    return [library(dev).native]
+
+
 def load_module(path: str | Path, device: Device | str | None = None, *, lint: bool = True) -> Module:
     """Load a ``.slang`` file: a path, or a name on the device's include paths.
 
@@ -153,7 +166,7 @@ def load_module(path: str | Path, device: Device | str | None = None, *, lint: b
     file = _find_file(path, dev)
     source = file.read_text(encoding="utf-8", errors="replace")
     try:
-        native = spy.Module.load_from_file(dev.native, str(file))
+        native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
     except spy.SlangCompileError as exc:
         raise _compile_error(exc, str(file), None) from None
     spec = '"' + str(file).replace("\\", "/") + '"'
@@ -171,7 +184,7 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
         raise ValueError(f"name={name!r}: a module name must be a Slang identifier")
     dev = resolve_device(device)
     try:
-        native = spy.Module.load_from_source(dev.native, name, source)
+        native = spy.Module.load_from_source(dev.native, name, source, link=_links(source, dev))
     except spy.SlangCompileError as exc:
         raise _compile_error(exc, f"<{name}>", name) from None
     return Module(native, dev, name, source, f"<{name}>", name)
@@ -243,6 +256,13 @@ class ShaderFunction:
         """The backward (reverse-mode) version of this function."""
         return self._bwds
 
+    @property
+    def fwds(self) -> Any:
+        """The forward-mode version: ``y, dy = fn.fwds(x.with_tangent(u))`` (see pydiff.jvp)."""
+        from .forward import ForwardFunction
+
+        return ForwardFunction(self)
+
     def _bwds_without(self, names: tuple[str, ...], wrapper: bool = False) -> Any:
         """The backward kernel for a call whose listed parameters carry no gradient.
 
@@ -278,6 +298,7 @@ class OverloadedFunction:
     def __init__(self, overloads: list[ShaderFunction]):
         self._overloads = overloads
         self.bwds = _OverloadedBackward(self)
+        self.fwds = _OverloadedForward(self)
 
     @property
     def name(self) -> str:
@@ -309,6 +330,14 @@ class _OverloadedBackward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn.select(args, kwargs).bwds(*args, **kwargs)
+
+
+class _OverloadedForward:
+    def __init__(self, fn: OverloadedFunction):
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn.select(args, kwargs).fwds(*args, **kwargs)
 
 
 class BackwardFunction:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +24,15 @@ class ParamInfo:
     io: str  # "in", "out" or "inout"
     no_diff: bool
     differentiable: bool  # a vectorisable value whose derivative flows (float, float3, ...)
-    tensor_kind: str | None  # "diff" (concrete DiffTensor), "idiff" (interface), "plain"
+    tensor_kind: str | None  # "diff" (concrete DiffTensor), "idiff" (interface), "plain",
+    #                          "fwd" (pydiff's FwdDiffTensor/RWFwdDiffTensor: forward mode too)
     access: str | None  # "read", "write", "read_write" for tensor parameters
+
+    fwd_dims: int = 0  # N of FwdDiffTensor<N>
 
     @property
     def is_diff_tensor(self) -> bool:
-        return self.tensor_kind in ("diff", "idiff")
+        return self.tensor_kind in ("diff", "idiff", "fwd")
 
     @property
     def reads_value(self) -> bool:
@@ -76,11 +80,21 @@ def _tensor_info(t: Any) -> tuple[str | None, str | None]:
     return "plain", access
 
 
+_FWD_TENSOR = re.compile(r"(?:^|\W)(RW)?FwdDiffTensor<\s*(\d+)\s*>$")
+
+
 def describe_function(reflected: Any) -> list[ParamInfo]:
     out = []
     for p in reflected.parameters:
         t = p.type
         kind, access = _tensor_info(t)
+        fwd = _FWD_TENSOR.search(t.full_name)
+        if fwd:
+            kind, access = "fwd", ("read_write" if fwd.group(1) else "read")
+            no_diff = spy.ModifierID.nodiff in p.modifiers
+            io = _IO.get(str(p.io_type).split(".")[-1], "in")
+            out.append(ParamInfo(p.name, t.full_name, io, no_diff, False, kind, access, int(fwd.group(2))))
+            continue
         no_diff = spy.ModifierID.nodiff in p.modifiers and kind is None
         io = _IO.get(str(p.io_type).split(".")[-1], "in")
         differentiable = (

@@ -106,6 +106,7 @@ class Tensor:
         self.zero_policy = zero_policy
         self._bound: spy.Tensor | None = None
         self._producer: Any = None  # the Tape that recorded the call writing this tensor
+        self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
 
     # --- description -------------------------------------------------------------------
     @property
@@ -292,6 +293,41 @@ class Tensor:
             _state=self._state,
             zero_policy=self._zero_policy,
         )
+
+    @property
+    def tangent(self) -> "Tensor | None":
+        """Forward mode: the tangent (directional derivative) of these values, or None.
+
+        ``.fwds`` reads it for inputs and fills it for outputs.
+        >>> x.with_tangent(np.ones(x.shape)); y, dy = m.f.fwds(x)
+        """
+        return self._tangent
+
+    def with_tangent(self, tangent: Any) -> "Tensor":
+        """Attach a tangent (a pydiff.Tensor or host data of the same shape); returns self.
+
+        >>> x = pydiff.tensor([1.0, 2.0]).with_tangent([1.0, 0.0])
+        """
+        if tangent is None:
+            self._tangent = None
+            return self
+        if isinstance(tangent, Tensor):
+            if tangent.device != self.device:
+                raise ValueError(f"tangent is on device {tangent.device!r}, the tensor on {self.device!r}")
+            if tangent.shape != self.shape or tangent.dtype != self.dtype:
+                raise ValueError(
+                    f"tangent has shape {tangent.shape} and dtype {tangent.dtype}; the tensor has "
+                    f"shape {self.shape} and dtype {self.dtype}"
+                )
+            self._tangent = tangent
+            return self
+        arr = np.asarray(tangent, dtype=np.float64)
+        want = self.expected_numpy_shape()
+        if arr.shape != want:
+            raise ValueError(f"tangent has shape {arr.shape}; the tensor's values have shape {want}")
+        self._tangent = Tensor(spy.Tensor.empty(self._device.native, self._native.shape, self._native.dtype),
+                               self._device).copy_from_numpy(arr)
+        return self
 
     def requires_grad_(self, flag: bool = True) -> "Tensor":
         """Attach (or drop) a zeroed shared gradient buffer in place; returns self."""
