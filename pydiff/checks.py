@@ -45,6 +45,37 @@ def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
     return np.concatenate([o.numpy().astype(np.float64).ravel() for o in _outputs(f(*inputs))])
 
 
+def _wants_forward(fn: Any, check_forward: bool | None) -> bool:
+    if check_forward is not None:
+        if check_forward and not isinstance(fn, ShaderFunction):
+            raise TypeError("gradcheck: check_forward=True needs a module function (forward mode runs Slang's fwd_diff)")
+        return check_forward
+    if not isinstance(fn, ShaderFunction) or not fn.differentiable:
+        return False
+    # Automatic only where forward mode can see every input's derivative.
+    return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)
+
+
+def _check_forward(fn: ShaderFunction, inputs: Sequence[Any], checked: list, us: dict,
+                   fd_ju: np.ndarray, v_flat: np.ndarray, u_jtv: float, atol: float,
+                   rtol: float) -> tuple[float, str] | None:
+    args = list(inputs)
+    for k, t in checked:
+        args[k] = Tensor(t._native, t._device, _state=t._state).with_tangent(us[k])
+    _, tangent = fn.fwds(*args)
+    jvp = np.asarray(tangent.numpy() if isinstance(tangent, Tensor) else tangent, np.float64).ravel()
+    excess = np.abs(jvp - fd_ju) - (atol + rtol * np.abs(fd_ju))
+    i = int(np.argmax(excess))
+    if excess[i] > 0:
+        return (float(excess[i]), f"forward mode: JVP element {i} is {jvp[i]:.6g} but the central "
+                                  f"difference along u gives {fd_ju[i]:.6g}")
+    ju_v = float(jvp @ v_flat)
+    gap = abs(ju_v - u_jtv) - (atol + rtol * abs(ju_v))
+    if gap > 0:
+        return (gap, f"forward/reverse adjoint test: <JVP(u), v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
+    return None
+
+
 def gradcheck(
     fn: Any,
     inputs: Sequence[Any],
@@ -54,6 +85,7 @@ def gradcheck(
     rtol: float = 1e-2,
     raise_exception: bool = True,
     seed: int = 0,
+    check_forward: bool | None = None,
 ) -> bool:
     """Check the backward of ``fn`` at ``inputs`` against central finite differences.
 
@@ -67,6 +99,9 @@ def gradcheck(
          FD_i = <v, (f(x + eps e_i) - f(x - eps e_i)) / (2 eps)>;
       2. adjoint test: ``|<J u, v> - <u, J^T v>| <= atol + rtol * |<J u, v>|`` with J u by a
          central difference along u (exact up to rounding for linear maps).
+      3. forward mode (module functions; ``check_forward=None`` checks it whenever the
+         function supports ``.fwds``): the JVP ``J u`` from ``fn.fwds`` against the central
+         difference along u, element by element, and ``<JVP(u), v> = <u, J^T v>``.
     Returns True, or raises GradcheckError naming the worst element (input, index, analytic,
     numeric); with ``raise_exception=False`` returns False instead.
 
@@ -139,6 +174,11 @@ def gradcheck(
         gap = abs(ju_v - u_jtv) - (atol + rtol * abs(ju_v))
         if gap > 0 and worst is None:
             worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
+        for k, t in checked:
+            t.copy_from_numpy(originals[k])
+        if worst is None and _wants_forward(fn, check_forward):
+            fd_ju = (plus_minus[0] - plus_minus[1]) / (2 * eps)
+            worst = _check_forward(fn, inputs, checked, us, fd_ju, v_flat, u_jtv, atol, rtol)
     finally:
         for k, t in checked:
             t.copy_from_numpy(originals[k])

@@ -45,7 +45,7 @@ def _generated(fn: ShaderFunction, kind: str, source: str) -> ShaderFunction:
 
 def _header(fn: ShaderFunction) -> str:
     uses_pydiff = any(p.tensor_kind == "fwd" for p in fn.params)
-    return ("import pydiff;\n" if uses_pydiff else "") + f"import {fn.module._import_spec};\n"
+    return "import slangpy;\n" + ("import pydiff;\n" if uses_pydiff else "") + f"import {fn.module._import_spec};\n"
 
 
 def _need_differentiable(fn: ShaderFunction, what: str) -> None:
@@ -148,7 +148,7 @@ def _split_pair(result: Tensor, type_name: str, wrapper: ShaderFunction) -> tupl
 
 def forward_mode_call(fn: ShaderFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
-    wrapper = fwd_wrapper(fn)
+    _need_differentiable(fn, ".fwds")
     bound, options = _bind(fn, args, kwargs)
     want = options.pop("_result", "tensor")
     if want not in ("tensor", "numpy"):
@@ -189,6 +189,7 @@ def forward_mode_call(fn: ShaderFunction, args: tuple, kwargs: dict) -> Any:
                 )
             call_args.append(value)
     ret = fn._ret_name
+    wrapper = fwd_wrapper(fn)
     with suspend_recording():
         out = forward_call(wrapper, tuple(call_args), {"_result": "tensor"} if ret != "void" else {})
     if ret == "void":
