@@ -17,6 +17,9 @@ test: setup
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]" || echo "(PyTorch not installed: benchmark runs without it)"
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_tape.py
+	$(PY) benchmarks/bench_forward.py
+	$(PY) benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -306,11 +306,12 @@ def dir_wrapper(fn: ShaderFunction) -> ShaderFunction:
     params, args = [], []
     for p in fn.params:
         n, t = p.name, p.type_name
-        if p.tensor_kind == "fwd" or (p.tensor_kind is not None and p.access != "read"):
+        if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
             raise TypeError(
-                f"hvp: parameter '{n}' of {fn.label} is a {t}; hvp supports functions of values "
-                "(float scalars, vectors, matrices) with read-only tensor inputs (third-order "
-                "derivatives through custom tensor derivatives crash the bundled Slang compiler)"
+                f"hvp: parameter '{n}' of {fn.label} is a {t}: a second derivative through "
+                "differentiable tensor loads crashes the bundled Slang compiler (segfault), so "
+                "pydiff refuses it. For hvp, declare read-only tensor inputs ITensor<float, N> and "
+                "read them with no_diff(t[i]), or pass them as no_diff arrays"
             )
         if p.differentiable and p.io != "in":
             raise TypeError(f"hvp: parameter '{n}' of {fn.label} is {p.io}; hvp needs inputs only")

@@ -157,3 +157,15 @@ def test_fit_chain_recovers_parameters():
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("fitted a, b, c ="))
     fitted = [float(v) for v in line.split("=")[1].split("truth")[0].split(",")]
     np.testing.assert_allclose(fitted, [1.5, 1.2, 0.3], atol=0.03)
+
+
+def test_pinn_sample_solves_poisson():
+    out = subprocess.run(
+        [sys.executable, "samples/pinn_poisson.py", "--steps", "600", "--plot="], capture_output=True,
+        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    check = next(ln for ln in out.stdout.splitlines() if ln.startswith("u'' written out vs pydiff.hvp"))
+    assert float(check.split()[-1]) < 1e-4
+    final = next(ln for ln in out.stdout.splitlines() if "max |u - sin(pi x)|" in ln)
+    assert float(final.split("=")[-1]) < 2e-2, final
