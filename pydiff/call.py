@@ -19,7 +19,7 @@ import slangpy as spy
 from .params import ParamInfo
 from .policy import BackwardScope, ZeroPolicy, _active_scope, backward_scope, get_zero_policy
 from .tape import _active_tape
-from .tensor import Tensor, copy_tensor
+from .tensor import Tensor, copy_tensor, new_native
 
 _MISSING = object()
 _PLAIN = (float, int, bool)
@@ -77,8 +77,7 @@ def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
     key = (t.shape, t._native.dtype.full_name, role)
     pool = device.scratch
     if key not in pool:
-        make = spy.Tensor.zeros if role == "zeros" else spy.Tensor.empty
-        pool[key] = make(device.native, t._native.shape, t._grad_dtype())
+        pool[key] = new_native(device, t._native.shape, t._grad_dtype(), zero=role == "zeros")
     return pool[key]
 
 
