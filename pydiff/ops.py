@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from . import kernels
 from .device import Device
 from .function import Function
 from .module import Module, load_module
@@ -84,9 +85,41 @@ def _need_2d(name: str, **tensors: Tensor) -> None:
             raise ValueError(f"{name}: {arg} must be a 2-D float tensor, got {got}")
 
 
-def _product(kind: str, a: Tensor, b: Tensor, shape: tuple[int, int]) -> Tensor:
+def _blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
+    """Rows and columns of C per thread for the fast product kernels, or None when the
+    shapes do not fit them (B is read as float4 rows: mm_nt needs K % 4 == 0, the others
+    N % 4 == 0)."""
+    if kind == "mm_nt":
+        if k % 4:
+            return None
+        cols = n if n <= 16 else next(c for c in (8, 4, 2, 1) if n % c == 0)
+    else:
+        if n % 4:
+            return None
+        cols = 8 if n % 8 == 0 else 4
+    rows = next(r for r in (8, 4, 2, 1) if m % r == 0 and r * cols <= 80)
+    return rows, cols
+
+
+def _product(kind: str, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> Tensor:
+    """C = a (x) b per ``kind`` (mm_nn, mm_nt, mm_tn), plus ``bias`` per column (mm_nt)."""
     out = empty(shape, device=a.device)
+    m, n = shape
+    k = a.shape[0] if kind == "mm_tn" else a.shape[1]
+    block = _blocking(kind, m, n, k)
+    if block is not None and kernels.float4_ready(a, b, out, *([bias] if bias is not None else [])):
+        rows, cols = block
+        kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
+                             HAS_BIAS=int(bias is not None))
+        bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": 0.0}
+        if kind == "mm_nt":
+            bindings["bias"] = (bias if bias is not None else a).native.storage
+        kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
+        out._state.wrote(kind)
+        return out
     getattr(library(a.device), kind)(spy.grid(shape), a.detach(), b.detach(), out)
+    if bias is not None:
+        library(a.device).add_bias(spy.grid(shape), out, bias.detach())
     return out
 
 
@@ -119,10 +152,7 @@ class _Linear(Function):
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
-        y = _product("mm_nt", x, w, (x.shape[0], w.shape[0]))  # x W^T
-        if b is not None:
-            library(x.device).add_bias(spy.grid(y.shape), y, b.detach())
-        return y
+        return _product("mm_nt", x, w, (x.shape[0], w.shape[0]), bias=b)  # x W^T + b
 
     @staticmethod
     def backward(ctx, g):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from . import kernels
 from .ops import library
 from .tensor import Tensor, zeros
 
@@ -82,9 +83,16 @@ class SGD(Optimizer):
         d = self.defaults
         first = 1 if self.step_count == 0 else 0
         for k, p in enumerate(self.params):
-            lib = library(p.device)
             buf = self._buffer(k, "momentum_buffer")
-            lib.sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
+            if kernels.float4_ready(p, p.grad, buf):
+                kernel = kernels.get(p.device, "optim.slang", "sgd_step4")
+                count = -(-p.numel // 4)
+                kernels.dispatch(kernel, count, p=p.native.storage, grad=p.grad.native.storage,
+                                 buf=buf.native.storage, count=count, lr=d["lr"], momentum=d["momentum"],
+                                 weight_decay=d["weight_decay"], first=first)
+                p._state.wrote("SGD.step")
+                continue
+            library(p.device).sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
         self.step_count += 1
 
 
@@ -123,9 +131,19 @@ class Adam(Optimizer):
         step_size = d["lr"] / (1.0 - d["beta1"] ** t)
         bias2_sqrt = (1.0 - d["beta2"] ** t) ** 0.5
         for k, p in enumerate(self.params):
-            lib = library(p.device)
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
-            lib.adamw_step(
+            if kernels.float4_ready(p, p.grad, m, v):
+                kernel = kernels.get(p.device, "optim.slang", "adamw_step4")
+                count = -(-p.numel // 4)
+                kernels.dispatch(
+                    kernel, count, p=p.native.storage, grad=p.grad.native.storage, m=m.native.storage,
+                    v=v.native.storage, count=count, decay=decay, l2=l2, one_minus_b1=1.0 - d["beta1"],
+                    beta2=d["beta2"], one_minus_b2=1.0 - d["beta2"], step_size=step_size,
+                    bias2_sqrt=bias2_sqrt, eps=d["eps"],
+                )
+                p._state.wrote(f"{type(self).__name__}.step")
+                continue
+            library(p.device).adamw_step(
                 p.detach(), p.grad, m, v, decay, l2, 1.0 - d["beta1"], d["beta2"],
                 1.0 - d["beta2"], step_size, bias2_sqrt, d["eps"],
             )

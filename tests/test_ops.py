@@ -299,3 +299,25 @@ def test_attention_forward_backward(device):
     assert pydiff.gradcheck(ops.attention, (_t(device, Q), _t(device, K), _t(device, V)))
     with pytest.raises(ValueError, match=r"attention: k \(5, 3\) and v \(4, 2\) must have the same number of rows"):
         ops.attention(q, k, _t(device, V[:4]))
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 8, 12), (8, 12, 10), (12, 4, 16)])
+def test_fast_product_kernels_match_numpy(device, m, k, n):
+    """Shapes that take the specialised float4 kernels on Vulkan (and the SlangPy kernels
+    elsewhere): forward with bias, and both gradients, against NumPy."""
+    X, W, B = RNG.standard_normal((m, k)), RNG.standard_normal((n, k)), RNG.standard_normal(n)
+    x, w, b = _t(device, X), _t(device, W), _t(device, B)
+    with pydiff.Tape() as tape:
+        y = ops.linear(x, w, b)
+    np.testing.assert_allclose(y.numpy(), X @ W.T + B, rtol=1e-5, atol=1e-5)
+    G = RNG.standard_normal((m, n))
+    tape.backward(y, grad=G)
+    np.testing.assert_allclose(x.grad.numpy(), G @ W, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), G.T @ X, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b.grad.numpy(), G.sum(0), rtol=1e-5, atol=1e-5)
+    A2 = RNG.standard_normal((k, n))
+    np.testing.assert_allclose(ops.matmul(_t(device, X), _t(device, A2)).numpy(), X @ A2, rtol=1e-5, atol=1e-5)
+    if device.type == "vulkan":
+        from pydiff import kernels
+
+        assert kernels.float4_ready(x, w, y)  # the fast path was eligible, so it ran

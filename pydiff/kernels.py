@@ -1,0 +1,59 @@
+"""Compute kernels from pydiff's ``shaders/kernels/``, specialised per shape and dispatched
+directly: the fast path of a few ops and the optimizers, where SlangPy's generated
+per-element kernels leave too much speed behind (typed float4 loads, register blocking).
+
+    k = kernels.get(device, "matmul.slang", "mm_nt", M=256, N=64, K=64, RB=4, CB=8, TG=32, HAS_BIAS=0)
+    kernels.dispatch(k, threads=512, a=x_buffer, b=w_buffer, bias=b_buffer, c=out_buffer, beta=0.0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import slangpy as spy
+
+from ._errors import PydiffError
+from .device import Device, shader_dir
+from .policy import _active_scope
+from .tensor import Tensor
+
+_kernels: dict[tuple, Any] = {}
+
+
+def get(device: Device, file: str, entry: str, **defines: int) -> Any:
+    """The compute kernel ``entry`` of shaders/kernels/``file`` with ``defines``, built once."""
+    key = (id(device.native), file, entry, tuple(sorted(defines.items())))
+    kernel = _kernels.get(key)
+    if kernel is None:
+        path = shader_dir() / "kernels" / file
+        source = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items())) + path.read_text()
+        name = f"pydiff_kernel_{entry}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+        try:
+            module = device.native.load_module_from_source(name, source)
+            program = device.native.link_program([module], [module.entry_point(entry)])
+        except Exception as exc:  # a bug in pydiff's own shaders, not the user's
+            raise PydiffError(f"pydiff kernel {file}:{entry} {defines} failed to build:\n{exc}") from None
+        kernel = _kernels[key] = device.native.create_compute_kernel(program)
+    return kernel
+
+
+def dispatch(kernel: Any, threads: int, **bindings: Any) -> None:
+    """Run ``threads`` threads now, or append them to the running backward's command encoder
+    (so they stay in order with the kernels queued there)."""
+    scope = _active_scope.get()
+    encoder = getattr(scope, "_encoder", None)
+    if encoder is not None:
+        kernel.dispatch([threads, 1, 1], command_encoder=encoder, **bindings)
+    else:
+        kernel.dispatch([threads, 1, 1], **bindings)
+
+
+def float4_ready(*tensors: Tensor) -> bool:
+    """All tensors are contiguous Vulkan float tensors at the start of a float4-typed buffer."""
+    for t in tensors:
+        n = t._native
+        if (t._device.type != "vulkan" or n.dtype.full_name != "float" or n.offset != 0
+                or not n.is_contiguous() or n.storage.desc.format != spy.Format.rgba32_float):
+            return False
+    return True
