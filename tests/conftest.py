@@ -1,11 +1,10 @@
-"""One `device` fixture over every backend that opens here (CUDA/D3D12 skipped when absent).
-
-PYDIFF_DEVICE_TYPES=vulkan,cuda selects backends; the default tries all three.
+"""pydiff's own tests use its pytest plugin (pydiff.testing): one `device` fixture over every
+backend that opens here (CUDA/D3D12 skipped when absent); `--pydiff-device=vulkan,cuda` or
+PYDIFF_DEVICE_TYPES selects backends.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,6 @@ import pytest
 import pydiff
 
 SHADERS = Path(__file__).parent / "shaders"
-_TYPES = [t.strip() for t in os.environ.get("PYDIFF_DEVICE_TYPES", "cuda,d3d12,vulkan").split(",") if t.strip()]
-
-
-@pytest.fixture(params=_TYPES, scope="session")
-def device(request) -> pydiff.Device:
-    try:
-        return pydiff.create_device(request.param)
-    except pydiff.DeviceUnavailableError as exc:
-        pytest.skip(f"{request.param} not available here: {str(exc).splitlines()[0][:120]}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,84 @@
+"""The ``pydiff`` command line.
+
+    pydiff check shaders/my_module.slang [--function f ...] [--device vulkan] [--seed 0] [--json]
+    pydiff info [--json]
+
+Exit status of ``check``: 0 when every check passes (or nothing could be checked), 1 when
+any fails, 2 when the file cannot be read or compiled or the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from ._errors import DeviceUnavailableError, SlangCompileError
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .modcheck import check_module, format_table
+
+    progress = None
+    if not args.json and sys.stderr.isatty():
+        def progress(name: str) -> None:
+            print(f"checking {name} ...", file=sys.stderr)
+    try:
+        results = check_module(args.file, functions=args.function or None, device=args.device,
+                               seed=args.seed, points=args.points, eps=args.eps, atol=args.atol,
+                               rtol=args.rtol, progress=progress)
+    except FileNotFoundError as exc:
+        print(f"pydiff check: {exc}", file=sys.stderr)
+        return 2
+    except SlangCompileError as exc:
+        print(f"pydiff check: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, DeviceUnavailableError) as exc:
+        print(f"pydiff check: {exc}", file=sys.stderr)
+        return 2
+    failed = [r for r in results if r.status == "FAIL"]
+    if args.json:
+        print(json.dumps({"file": args.file, "passed": not failed,
+                          "results": [r.as_dict() for r in results]}, indent=2))
+    elif not results:
+        print(f"{args.file}: no [Differentiable] functions: nothing to check")
+    else:
+        print(format_table(results))
+        counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED")}
+        print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} skipped")
+    return 1 if failed else 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .info import collect, format_info
+
+    data = collect()
+    print(json.dumps(data, indent=2) if args.json else format_info(data))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pydiff", description="pydiff: differentiable Slang shaders from Python")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="check every [Differentiable] function of a .slang file "
+                                         "against finite differences")
+    check.add_argument("file", help="the .slang file")
+    check.add_argument("--function", action="append", metavar="NAME", help="check only this function (repeatable)")
+    check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
+    check.add_argument("--seed", type=int, default=0, help="random seed of the sample points")
+    check.add_argument("--points", type=int, default=16, help="sample points per function (default 16)")
+    check.add_argument("--eps", type=float, default=1e-3, help="finite-difference step (default 1e-3)")
+    check.add_argument("--atol", type=float, default=1e-3)
+    check.add_argument("--rtol", type=float, default=1e-2)
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
+    check.set_defaults(run=_check)
+    info = sub.add_parser("info", help="versions, devices that open here, features, shader search path")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(run=_info)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

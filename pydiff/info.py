@@ -1,0 +1,73 @@
+"""What ``pydiff info`` reports: versions, the devices that open here, the features pydiff
+uses on each, and the shader search path.
+
+    data = pydiff.info.collect()
+    print(pydiff.info.format_info(data))
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+import slangpy as spy
+
+from ._errors import DeviceUnavailableError
+from .device import AUTO_ORDER, _open, shader_dir
+
+# The device features pydiff relies on, by the name SlangPy reports.
+_FEATURES = {
+    "atomic_float": "float atomics (gradient accumulation of .bwds)",
+    "atomic_int64": "int64 atomics (fixed-point deterministic accumulation)",
+    "atomic_half": "half atomics (half-precision gradients)",
+}
+
+
+def collect() -> dict[str, Any]:
+    from . import __version__
+
+    devices = []
+    for name in AUTO_ORDER:
+        try:
+            dev = _open(name, ())
+        except DeviceUnavailableError as exc:
+            devices.append({"type": name, "opens": False, "why": str(exc).splitlines()[0]})
+            continue
+        features = {str(f).split(".")[-1] for f in dev.native.features}
+        devices.append({
+            "type": name,
+            "opens": True,
+            "adapter": dev.adapter_name,
+            "features": {k: (k in features or (k == "atomic_float" and name == "cuda")) for k in _FEATURES},
+            "include_paths": [str(p) for p in dev.native.desc.compiler_options.include_paths],
+        })
+    return {
+        "pydiff": __version__,
+        "slangpy": spy.__version__,
+        "slang": getattr(spy, "SLANG_BUILD_TAG", "unknown"),
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "shader_dir": str(shader_dir()),
+        "devices": devices,
+    }
+
+
+def format_info(data: dict[str, Any]) -> str:
+    lines = [
+        f"pydiff   {data['pydiff']}",
+        f"slangpy  {data['slangpy']} (Slang {data['slang']})",
+        f"numpy    {data['numpy']}; Python {data['python']} on {data['platform']}",
+        f"pydiff's shader library: {data['shader_dir']}",
+        "devices:",
+    ]
+    for d in data["devices"]:
+        if not d["opens"]:
+            lines.append(f"  {d['type']:7s} not available: {d['why']}")
+            continue
+        lines.append(f"  {d['type']:7s} {d['adapter']}")
+        for key, what in _FEATURES.items():
+            lines.append(f"          {'yes' if d['features'][key] else 'no ':3s}  {what}")
+        lines.append(f"          shader search path: {', '.join(d['include_paths']) or '(none)'}")
+    return "\n".join(lines)

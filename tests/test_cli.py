@@ -1,0 +1,91 @@
+"""The pydiff command line, run as a subprocess on good and deliberately broken shaders."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+SHADERS = Path(__file__).parent / "shaders"
+
+
+def pydiff_cli(*args: str, device=None):
+    env = dict(os.environ)
+    if device is not None:
+        env["PYDIFF_DEVICE"] = device.type
+    return subprocess.run([sys.executable, "-m", "pydiff", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600, env=env)
+
+
+def test_check_passes_correct_functions_with_kinks_and_domains(device):
+    out = pydiff_cli("check", str(SHADERS / "check_good.slang"), "--json", device=device)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["passed"]
+    rows = {(r["function"], r["parameter"], r["mode"]): r for r in report["results"]}
+    for fn in ("smooth", "kink", "logarithm", "field", "split", "cube"):
+        assert rows[(fn, "(all)", "adjoint")]["status"] == "PASS", fn
+        assert rows[(fn, "(all)", "forward")]["status"] == "PASS", fn
+    assert rows[("smooth", "y", "backward")]["status"] == "PASS"
+    assert rows[("field", "p", "backward")]["status"] == "PASS"
+    assert ("field", "k", "backward") not in rows  # no_diff: held fixed
+    assert rows[("logarithm", "x", "backward")]["points"] == 8  # negative samples: outside the domain
+    assert not any(r["function"] == "not_differentiable" for r in report["results"])
+
+
+def test_check_flags_a_wrong_backward_derivative(device):
+    out = pydiff_cli("check", str(SHADERS / "check_wrong.slang"), device=device)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(ln.startswith("cube") and " backward " in ln and "FAIL" in ln for ln in lines), out.stdout
+    assert any(ln.startswith("fine") and " backward " in ln and "PASS" in ln for ln in lines), out.stdout
+    assert "1 failed" in out.stdout or "2 failed" in out.stdout
+    only_fine = pydiff_cli("check", str(SHADERS / "check_wrong.slang"), "--function", "fine", device=device)
+    assert only_fine.returncode == 0, only_fine.stdout
+
+
+def test_check_reports_skips_with_reasons(device):
+    out = pydiff_cli("check", str(SHADERS / "chain.slang"), "--json", device=device)
+    report = json.loads(out.stdout)
+    skipped = {r["function"]: r["why"] for r in report["results"] if r["status"] == "SKIPPED"}
+    assert "tensor parameter 'x'" in skipped["halve_sum"]
+    assert "inout parameter 'v'" in skipped["double_in_place"]
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (("check", "tests/shaders/syntax_error.slang"), 2, r"syntax_error.slang:\d+: Slang compile error"),
+        (("check", "tests/shaders/no_such_file.slang"), 2, "not found"),
+        (("check", "tests/shaders/check_wrong.slang", "--function", "nope"), 2, "no \\[Differentiable\\] function named nope"),
+    ],
+)
+def test_check_errors_are_messages_not_tracebacks(device, args, code, message):
+    import re
+
+    out = pydiff_cli(*args, device=device)
+    assert out.returncode == code
+    assert re.search(message, out.stderr), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_check_with_nothing_to_check(device):
+    out = pydiff_cli("check", str(SHADERS / "check_none.slang"), device=device)
+    assert out.returncode == 0
+    assert "no [Differentiable] functions: nothing to check" in out.stdout
+
+
+def test_info_lists_versions_devices_and_paths(device):
+    out = pydiff_cli("info", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["slangpy"] == "0.43.1"
+    opened = {d["type"]: d for d in data["devices"] if d["opens"]}
+    assert device.type in opened
+    assert set(opened[device.type]["features"]) >= {"atomic_float", "atomic_int64"}
+    assert data["shader_dir"] in opened[device.type]["include_paths"]
+    text = pydiff_cli("info").stdout
+    assert "slangpy  0.43.1" in text and "float atomics" in text
