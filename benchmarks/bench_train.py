@@ -36,11 +36,12 @@ def main() -> None:
     layers = [nn.Linear(64, 64, seed=0), nn.Linear(64, 10, seed=1)]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
     xb = pydiff.tensor(X)
+    yb = pydiff.tensor(Y.astype(np.int32))  # data on the device once, as in a training loop
 
     def pydiff_step():
         opt.zero_grad()
         with pydiff.Tape() as tape:
-            loss = ops.cross_entropy(layers[1](ops.relu(layers[0](xb))), Y)
+            loss = ops.cross_entropy(layers[1](ops.relu(layers[0](xb))), yb)
         tape.backward(loss)
         opt.step()
         dev.native.wait_for_idle()

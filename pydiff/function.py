@@ -35,9 +35,32 @@ class FunctionCtx:
     def __init__(self) -> None:
         self.saved_tensors: tuple = ()
         self.needs_input_grad: tuple[bool, ...] = ()
+        self._inputs: list[Tensor] = []
+        self._targets: set[int] = set()
+        self._name = "Function"
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tuple(tensors)
+
+    def grad_target(self, k: int) -> Tensor | None:
+        """In ``backward``: tensor input ``k``'s gradient buffer, ready to be **added** into
+        (its zeroing policy applied), or None when it needs no gradient. Add your gradient
+        there yourself (e.g. with a kernel that accumulates) and return None for input k:
+        this saves a temporary and a separate accumulation.
+
+        >>> target = ctx.grad_target(0)
+        >>> if target is not None: m.add_into(target, g)          # then return None for it
+        """
+        from .policy import _active_scope
+
+        x = self._inputs[k]
+        if not x.requires_grad:
+            return None
+        scope = _active_scope.get()
+        if scope is not None and k not in self._targets:
+            scope.before_accumulate(x, x.grad_out, f"input {k} of {self._name}")
+        self._targets.add(k)
+        return x.grad_out
 
 
 class Function:
@@ -72,6 +95,7 @@ class Function:
         ctx = FunctionCtx()
         inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
         ctx.needs_input_grad = tuple(a.requires_grad for _, a in inputs)
+        ctx._inputs, ctx._name = [a for _, a in inputs], cls.__name__
         tape = active_tape()
         if not cls._has_backward():
             return cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
@@ -124,6 +148,11 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
         )
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, (g, x) in enumerate(zip(grads, inputs)):
+            if k in ctx._targets:
+                if g is not None:
+                    raise RuntimeError(f"{cls.__name__}.backward() added input {k}'s gradient through "
+                                       "ctx.grad_target and also returned one; return None for it")
+                continue
             if g is None or not x.requires_grad:
                 continue
             arr = None if isinstance(g, Tensor) else np.asarray(g, dtype=np.float64)
@@ -136,9 +165,15 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
                 )
             scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
             if isinstance(g, Tensor) and g.dtype == "float" == x.grad_out.dtype and g.device == x.device:
+                from . import kernels
                 from .ops import library  # on the device: no host round trip
 
-                library(x.device).accumulate(x.grad_out, g.detach())
+                if g.shape == x.grad_out.shape and kernels.float4_ready(g, x.grad_out):
+                    count = -(-g.numel // 4)
+                    kernels.dispatch(kernels.get(x.device, "elementwise.slang", "accumulate4"), count,
+                                     dst=x.grad_out.native.storage, src=g.native.storage, count=count)
+                else:
+                    library(x.device).accumulate(x.grad_out, g.detach())
             else:
                 arr = g.numpy() if arr is None else arr
                 x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)

@@ -72,7 +72,39 @@ sin = _elementwise("op_sin", "sin")
 cos = _elementwise("op_cos", "cos")
 tanh = _elementwise("op_tanh", "tanh")
 sigmoid = _elementwise("op_sigmoid", "sigmoid")
-relu = _elementwise("op_relu", "relu")
+_relu_slang = _elementwise("op_relu", "relu")
+
+
+class _Relu(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = empty(x.shape, device=x.device)
+        _elementwise_kernel("relu4", x, x=x, y=y)
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if not kernels.float4_ready(g):
+            return np.where(x.numpy() > 0, g.numpy(), 0.0)
+        target = ctx.grad_target(0) if kernels.float4_ready(x.grad_out) else None
+        if target is not None:
+            _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=target)
+            return None
+        dx = zeros(x.shape, device=x.device)
+        _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=dx)
+        return dx
+
+
+def relu(x: Tensor) -> Tensor:
+    """Elementwise max(x, 0); its derivative at 0 is 0 (PyTorch's subgradient).
+
+    >>> y = pydiff.ops.relu(x)
+    """
+    if isinstance(x, Tensor) and x.dtype == "float" and kernels.float4_ready(x):
+        return _Relu.apply(x)
+    return _relu_slang(x)
 gelu = _elementwise("op_gelu", "gelu")
 silu = _elementwise("op_silu", "silu")
 swiglu = _elementwise("op_swiglu", "swiglu")
@@ -101,26 +133,40 @@ def _blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
     return rows, cols
 
 
+def _fast_product(kind: str, a: Tensor, b: Tensor, out: Tensor, beta: float,
+                  bias: Tensor | None = None) -> bool:
+    """out = beta * out + a (x) b (+ bias) with the specialised kernels; False if they do not fit."""
+    m, n = out.shape
+    k = a.shape[0] if kind == "mm_tn" else a.shape[1]
+    block = _blocking(kind, m, n, k)
+    if block is None or not kernels.float4_ready(a, b, out, *([bias] if bias is not None else [])):
+        return False
+    rows, cols = block
+    kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
+                         HAS_BIAS=int(bias is not None))
+    bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": float(beta)}
+    if kind == "mm_nt":
+        bindings["bias"] = (bias if bias is not None else a).native.storage
+    kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
+    out._state.wrote(kind)
+    return True
+
+
 def _product(kind: str, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> Tensor:
     """C = a (x) b per ``kind`` (mm_nn, mm_nt, mm_tn), plus ``bias`` per column (mm_nt)."""
     out = empty(shape, device=a.device)
-    m, n = shape
-    k = a.shape[0] if kind == "mm_tn" else a.shape[1]
-    block = _blocking(kind, m, n, k)
-    if block is not None and kernels.float4_ready(a, b, out, *([bias] if bias is not None else [])):
-        rows, cols = block
-        kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
-                             HAS_BIAS=int(bias is not None))
-        bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": 0.0}
-        if kind == "mm_nt":
-            bindings["bias"] = (bias if bias is not None else a).native.storage
-        kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
-        out._state.wrote(kind)
+    if _fast_product(kind, a, b, out, 0.0, bias):
         return out
     getattr(library(a.device), kind)(spy.grid(shape), a.detach(), b.detach(), out)
     if bias is not None:
         library(a.device).add_bias(spy.grid(shape), out, bias.detach())
     return out
+
+
+def _elementwise_kernel(name: str, count_of: Tensor, **buffers: Tensor) -> None:
+    count = -(-count_of.numel // 4)
+    kernels.dispatch(kernels.get(count_of.device, "elementwise.slang", name), count,
+                     count=count, **{k: t.native.storage for k, t in buffers.items()})
 
 
 class _MatMul(Function):
@@ -148,6 +194,29 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return _MatMul.apply(a, b)
 
 
+def _linear_backward_in_place(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> bool:
+    """Add dx = g W, dW = g^T x and db = column sums of g straight into the gradient buffers
+    with the specialised kernels (no temporaries, no separate accumulation)."""
+    batch, n_out = g.shape
+    n_in = x.shape[1]
+    if not (_blocking("mm_nn", batch, n_in, n_out) and _blocking("mm_tn", n_out, n_in, batch)
+            and kernels.float4_ready(g, x, w)):
+        return False
+    inputs = [x, w] + ([ctx._inputs[2]] if has_bias else [])
+    if not all(kernels.float4_ready(t.grad_out) for t in inputs if t.requires_grad):
+        return False
+    dx, dw = ctx.grad_target(0), ctx.grad_target(1)
+    if dx is not None:
+        _fast_product("mm_nn", g, w, dx, 1.0)
+    if dw is not None:
+        _fast_product("mm_tn", g, x, dw, 1.0)
+    db = ctx.grad_target(2) if has_bias else None
+    if db is not None:
+        kernel = kernels.get(g.device, "elementwise.slang", "column_sums_acc")
+        kernels.dispatch(kernel, n_out, g=g.native.storage, dst=db.native.storage, M=batch, N=n_out)
+    return True
+
+
 class _Linear(Function):
     @staticmethod
     def forward(ctx, x, w, b):
@@ -157,6 +226,8 @@ class _Linear(Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
+        if _linear_backward_in_place(ctx, g, x, w, has_bias=True):
+            return None, None, None
         dx = _product("mm_nn", g, w, x.shape) if x.requires_grad else None  # g W
         dw = _product("mm_tn", g, x, w.shape) if w.requires_grad else None  # g^T x
         db = _sum_mid(g.detach().reshape((1,) + g.shape), 1.0).reshape((g.shape[1],))
@@ -170,6 +241,9 @@ class _LinearNoBias(_Linear):
 
     @staticmethod
     def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        if _linear_backward_in_place(ctx, g, x, w, has_bias=False):
+            return None, None
         return _Linear.backward(ctx, g)[:2]
 
 
@@ -308,12 +382,19 @@ class _CrossEntropy(Function):
         return dz, None
 
 
+# Label tensors already range-checked, by identity of their version state: (version, shape).
+_labels_checked: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+
 def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     """Mean softmax cross-entropy of (B, C) logits against B integer labels; log-sum-exp stable.
 
     >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
     """
     _need_2d("cross_entropy", logits=logits)
+    if isinstance(labels, Tensor) and labels.dtype == "int" and _labels_checked.get(id(labels._state)) == (
+            labels._state.version, logits.shape):
+        return _CrossEntropy.apply(logits, labels)  # checked before and unchanged since: no host read
     lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
     if lab.shape != (logits.shape[0],):
         raise ValueError(f"cross_entropy: labels have shape {lab.shape}, expected ({logits.shape[0]},)")
@@ -323,6 +404,8 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
         from .tensor import tensor
 
         labels = tensor(lab.astype(np.int32), device=logits.device)
+    else:
+        _labels_checked[id(labels._state)] = (labels._state.version, logits.shape)
     return _CrossEntropy.apply(logits, labels)
 
 

@@ -207,3 +207,35 @@ def test_gradcheck_catches_wrong_function_backward(device, m):
     with pytest.raises(pydiff.GradcheckError, match=r"Legendre3Wrong.*input 0, element \(\d,\): analytic .* numeric"):
         pydiff.gradcheck(F["Legendre3Wrong"], (x,))
     assert pydiff.gradcheck(F["Legendre3Wrong"], (x,), raise_exception=False) is False
+
+
+def test_backward_adding_into_grad_target(device):
+    """A backward may add its gradient straight into ctx.grad_target(k) and return None."""
+    import pydiff
+
+    class Twice(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return pydiff.tensor(2.0 * x.numpy(), device=x.device)
+
+        @staticmethod
+        def backward(ctx, g):
+            target = ctx.grad_target(0)
+            target.copy_from_numpy(target.numpy() + 2.0 * g.numpy())
+            return None
+
+    x = pydiff.tensor(np.array([1.0, -2.0, 3.0], np.float32), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.full(3, 10.0, np.float32))  # accumulate policy: added to
+    with pydiff.Tape() as tape:
+        y = Twice.apply(x)
+    tape.backward(y, grad=np.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(x.grad.numpy(), [12.0, 14.0, 16.0])
+    x.zero_grad()
+    with pydiff.zero_policy("strict"):
+        with pydiff.Tape() as tape:
+            y = Twice.apply(x)
+        tape.backward(y, grad=np.ones(3))
+        with pydiff.Tape() as tape:
+            y = Twice.apply(x)
+        with pytest.raises(pydiff.StaleGradientError):
+            tape.backward(y, grad=np.ones(3))  # the policy applies to grad targets too

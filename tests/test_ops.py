@@ -321,3 +321,13 @@ def test_fast_product_kernels_match_numpy(device, m, k, n):
         from pydiff import kernels
 
         assert kernels.float4_ready(x, w, y)  # the fast path was eligible, so it ran
+
+
+def test_label_tensors_are_checked_again_after_a_write(device):
+    logits = _t(device, RNG.standard_normal((3, 4)))
+    labels = pydiff.tensor(np.array([0, 1, 3], np.int32), device=device)
+    ops.cross_entropy(logits, labels)
+    ops.cross_entropy(logits, labels)  # unchanged: no host read
+    labels.copy_from_numpy(np.array([0, 4, 1], np.int32))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\), got 0\.\.4"):
+        ops.cross_entropy(logits, labels)
