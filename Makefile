@@ -21,5 +21,10 @@ bench: setup
 	$(PY) benchmarks/bench_forward.py
 	$(PY) benchmarks/bench_train.py
 
+# The docs site (mkdocs.yml, docs/): strict, so broken links and references fail the build.
+docs: setup
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache build dist site *.egg-info
