@@ -22,6 +22,7 @@ import numpy as np
 import slangpy as spy
 
 from .call import _bind, _check_device, fwd_tensor_struct, forward_call, scratch
+from .kernels import flush_pending
 from .module import OverloadedFunction, ShaderFunction, load_module_from_source
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -149,6 +150,7 @@ def _split_pair(result: Tensor, type_name: str, wrapper: ShaderFunction) -> tupl
 def forward_mode_call(fn: ShaderFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
     _need_differentiable(fn, ".fwds")
+    flush_pending()
     bound, options = _bind(fn, args, kwargs)
     want = options.pop("_result", "tensor")
     if want not in ("tensor", "numpy"):

@@ -20,6 +20,7 @@ from . import lint
 from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .device import Device, resolve_device, shader_dir
 from .call import backward_call, forward_call
+from .kernels import flush_pending
 from .params import ParamInfo, describe_function
 
 _LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
@@ -249,6 +250,7 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flush_pending()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
     @property

@@ -13,6 +13,25 @@ from .ops import library
 from .tensor import Tensor, zeros
 
 
+class _Batch:
+    """One command encoder per device for a step's kernels (parameters are independent, so
+    their order does not matter): one submission instead of one per parameter."""
+
+    def __init__(self) -> None:
+        self._encoders: dict[int, tuple[Any, Any]] = {}
+
+    def encoder(self, p: Tensor) -> Any:
+        key = id(p.device.native)
+        if key not in self._encoders:
+            self._encoders[key] = (p.device.native, p.device.native.create_command_encoder())
+        return self._encoders[key][1]
+
+    def submit(self) -> None:
+        for device, encoder in self._encoders.values():
+            device.submit_command_buffer(encoder.finish())
+        self._encoders.clear()
+
+
 class Optimizer:
     """Base class: holds parameters (tensors with gradients) and per-parameter state."""
 
@@ -82,17 +101,19 @@ class SGD(Optimizer):
     def step(self) -> None:
         d = self.defaults
         first = 1 if self.step_count == 0 else 0
+        batch = _Batch()
         for k, p in enumerate(self.params):
             buf = self._buffer(k, "momentum_buffer")
             if kernels.float4_ready(p, p.grad, buf):
                 kernel = kernels.get(p.device, "optim.slang", "sgd_step4")
                 count = -(-p.numel // 4)
-                kernels.dispatch(kernel, count, p=p.native.storage, grad=p.grad.native.storage,
+                kernels.dispatch(kernel, count, encoder=batch.encoder(p), p=p.native.storage, grad=p.grad.native.storage,
                                  buf=buf.native.storage, count=count, lr=d["lr"], momentum=d["momentum"],
                                  weight_decay=d["weight_decay"], first=first)
                 p._state.wrote("SGD.step")
                 continue
             library(p.device).sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
+        batch.submit()
         self.step_count += 1
 
 
@@ -130,13 +151,14 @@ class Adam(Optimizer):
         l2 = 0.0 if self._decoupled else wd
         step_size = d["lr"] / (1.0 - d["beta1"] ** t)
         bias2_sqrt = (1.0 - d["beta2"] ** t) ** 0.5
+        batch = _Batch()
         for k, p in enumerate(self.params):
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
             if kernels.float4_ready(p, p.grad, m, v):
                 kernel = kernels.get(p.device, "optim.slang", "adamw_step4")
                 count = -(-p.numel // 4)
                 kernels.dispatch(
-                    kernel, count, p=p.native.storage, grad=p.grad.native.storage, m=m.native.storage,
+                    kernel, count, encoder=batch.encoder(p), p=p.native.storage, grad=p.grad.native.storage, m=m.native.storage,
                     v=v.native.storage, count=count, decay=decay, l2=l2, one_minus_b1=1.0 - d["beta1"],
                     beta2=d["beta2"], one_minus_b2=1.0 - d["beta2"], step_size=step_size,
                     bias2_sqrt=bias2_sqrt, eps=d["eps"],
@@ -147,6 +169,7 @@ class Adam(Optimizer):
                 p.detach(), p.grad, m, v, decay, l2, 1.0 - d["beta1"], d["beta2"],
                 1.0 - d["beta2"], step_size, bias2_sqrt, d["eps"],
             )
+        batch.submit()
 
 
 class AdamW(Adam):

@@ -13,7 +13,7 @@ import numpy as np
 import slangpy as spy
 
 from .device import Device, resolve_device
-from .policy import ZeroPolicy
+from .policy import ZeroPolicy, _active_scope
 
 _NUMPY_TO_SLANG = {
     np.dtype(np.float32): "float",
@@ -71,6 +71,13 @@ def _element_shape(native_dtype: Any) -> tuple[int, ...]:
     """Trailing NumPy dimensions one element occupies (float3 -> (3,), float4x4 -> (4, 4))."""
     shape = tuple(int(s) for s in native_dtype.shape)
     return shape
+
+
+def _flush_pending() -> None:
+    """Kernels queued in a batched backward must run before the host reads or writes."""
+    scope = _active_scope.get()
+    if scope is not None and scope._encoder is not None:
+        scope.flush()
 
 
 class Tensor:
@@ -162,6 +169,7 @@ class Tensor:
     # --- data in and out ---------------------------------------------------------------
     def numpy(self) -> np.ndarray:
         """Copy to a NumPy array (vector elements become a trailing dimension)."""
+        _flush_pending()
         return self._native.to_numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -193,6 +201,7 @@ class Tensor:
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
         arr = np.ascontiguousarray(arr)
+        _flush_pending()
         self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
         self._state.holds_result_of = None
         self._state.wrote("a host write (copy_from_numpy/fill)")
@@ -353,6 +362,7 @@ class Tensor:
         return self.copy_from_numpy(arr)
 
     def _clear(self) -> None:
+        _flush_pending()
         self._native.clear()
         self._state.holds_result_of = None
         self._state.wrote("a host write (zeroing)")
@@ -565,6 +575,7 @@ def copy_tensor(dst: Tensor, src: Tensor) -> None:
     if not (src._native.is_contiguous() and dst._native.is_contiguous()):
         dst.copy_from_numpy(src.numpy())
         return
+    _flush_pending()
     encoder = device.create_command_encoder()
     stride = src._native.dtype.buffer_layout.stride
     encoder.copy_buffer(
