@@ -27,6 +27,8 @@ from .device import (
     shader_dir,
 )
 from .checks import GradcheckError, gradcheck
+from .determinism import NondeterminismWarning, deterministic, is_deterministic, set_deterministic
+from .fixed_point import GradientOverflowError
 from .function import Function, FunctionCtx
 from .forward import hessian, hvp, jvp, vjp
 from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
@@ -44,7 +46,9 @@ __all__ = [
     "Function",
     "FunctionCtx",
     "GradcheckError",
+    "GradientOverflowError",
     "Module",
+    "NondeterminismWarning",
     "PydiffError",
     "ShaderFunction",
     "ShaderTrapError",
@@ -57,10 +61,12 @@ __all__ = [
     "available_devices",
     "create_device",
     "default_device",
+    "deterministic",
     "empty",
     "gradcheck",
     "hessian",
     "hvp",
+    "is_deterministic",
     "jvp",
     "vjp",
     "get_zero_policy",
@@ -71,6 +77,7 @@ __all__ = [
     "optim",
     "ones",
     "set_default_device",
+    "set_deterministic",
     "set_zero_policy",
     "shader_dir",
     "tensor",

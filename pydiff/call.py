@@ -16,6 +16,9 @@ from typing import Any
 
 import slangpy as spy
 
+from . import broadcast_grad
+from .determinism import is_deterministic, warn_nondeterministic
+from .fixed_point import FixedPointAccumulator, dummy_fields
 from .params import ParamInfo
 from .policy import BackwardScope, ZeroPolicy, _active_scope, backward_scope, get_zero_policy
 from .tape import _active_tape
@@ -82,8 +85,9 @@ def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
 
 
 def fwd_tensor_struct(fn: Any, p: ParamInfo, t: Tensor, tangent: Any = None,
-                      grad_in: Any = None, grad_out: Any = None) -> dict:
-    """The fields of pydiff's FwdDiffTensor<N> / RWFwdDiffTensor<N> for a pydiff tensor."""
+                      grad_in: Any = None, grad_out: dict | None = None) -> dict:
+    """The fields of pydiff's FwdDiffTensor<N> / RWFwdDiffTensor<N> for a pydiff tensor;
+    ``grad_out`` is a FixedPointGrad's fields (FixedPointAccumulator.fields())."""
     if t.dtype != "float" or len(t.shape) != p.fwd_dims:
         raise ValueError(
             f"{fn.label}: parameter '{p.name}' is a {p.type_name}, which takes a float tensor with "
@@ -95,7 +99,7 @@ def fwd_tensor_struct(fn: Any, p: ParamInfo, t: Tensor, tangent: Any = None,
         "primal": t._native,
         "tangent": tangent if tangent is not None else scratch(dev, t, "zeros"),
         "grad_in": grad_in if grad_in is not None else scratch(dev, t, "zeros"),
-        "grad_out": grad_out if grad_out is not None else scratch(dev, t, "sink"),
+        "grad_out": grad_out if grad_out is not None else dummy_fields(dev),
     }
 
 
@@ -228,6 +232,11 @@ class _Backward:
         self.after: list[tuple[Tensor, Tensor]] = []  # (temp gradient, destination) copies
         self.no_grad: list[str] = []  # vectorised parameters bound without a gradient
         self.device = fn.module.device
+        self.shape: tuple[int, ...] | None = None  # the call's shape, when pydiff can tell
+        self.separate: set[int] = set()  # grad buffers several parameters add into
+        self.reductions: list[tuple[spy.Tensor, Tensor]] = []  # (full-shape grad, parameter)
+        self.fixed: list[tuple[FixedPointAccumulator, spy.Tensor]] = []  # (words, add into)
+        self.untracked: list[str] = []  # deterministic mode: gradients left to float atomics
 
     def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
         """Gradient buffers for a tensor whose gradient nobody asked for."""
@@ -292,7 +301,45 @@ class _Backward:
             sink = self._scratch(t, "sink")
             return t._native.with_grads(grad_in=sink, grad_out=sink, zero=False)
         self._accumulating(t, p)
+        if p.tensor_kind is None and p.differentiable:
+            return self._vectorised_grad(p, t)
         return t._as_native(True)
+
+    def _vectorised_grad(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
+        """Bind a vectorised input's gradient: a full-shape buffer summed after the call when
+        the value is broadcast (or, in deterministic mode, shared with another parameter)."""
+        broadcast = broadcast_grad.is_broadcast(t, self.shape)
+        shared = t._grad_out._storage_key() in self.separate
+        if not (broadcast or shared):
+            return t._as_native(True)
+        if t._grad_out.dtype not in broadcast_grad.EXPANDABLE:
+            self.untracked.append(
+                f"the gradient of parameter '{p.name}' ({t.dtype}, broadcast or shared) is added "
+                f"with float atomics: pydiff sums only {'/'.join(broadcast_grad.EXPANDABLE)} "
+                "gradients itself; pass a full-shape tensor and sum it with pydiff.ops.sum"
+            )
+            return t._as_native(True)
+        native = broadcast_grad.expand(
+            self.scope, self.device, t, self.shape if broadcast else t.shape, len(self.reductions))
+        self.reductions.append((native.grad_out, t))
+        return native
+
+    def fwd_arg(self, p: ParamInfo, t: Tensor) -> dict:
+        """pydiff's FwdDiffTensor: gradients go to a fixed-point accumulator, added into the
+        gradient buffer SlangPy would have used after the call."""
+        bound = self.tensor_arg(p, t)
+        acc = FixedPointAccumulator(
+            self.scope, self.device, t.numel, self._desc(p), len(self.fixed), t.requires_grad)
+        if t.requires_grad:
+            self.fixed.append((acc, bound.grad_out))
+        return fwd_tensor_struct(self.fn, p, t, None, bound.grad_in, acc.fields())
+
+    def after_call(self) -> None:
+        """Sum the full-shape and fixed-point gradients into their buffers (in order)."""
+        for acc, grad in self.fixed:
+            acc.add_into(grad)
+        for full, t in self.reductions:
+            broadcast_grad.reduce_into(self.scope, self.device, full, t)
 
     def inout_args(self, p: ParamInfo, value: Any) -> dict[str, Any]:
         """The two wrapper arguments (value before, value after) for an ``inout`` parameter."""
@@ -359,13 +406,21 @@ def _fast_backward(fn: Any, bound: list, options: dict, result: Any) -> bool:
     ACCUMULATE policy, outside any larger backward. Returns False to take the general path."""
     if _active_scope.get() is not None or get_zero_policy() is not ZeroPolicy.ACCUMULATE:
         return False
+    if is_deterministic():
+        return False
     dev = fn._module._device
     native_args = []
     written = []
+    shape = result._shape if type(result) is Tensor else None
     for p, value in bound:
         if type(value) is Tensor:
             if value._device is not dev:
                 return False
+            if p.tensor_kind is None:
+                if shape is None:
+                    shape = value._shape
+                elif value._shape != shape:
+                    return False  # maybe broadcast: its gradient is summed apart
             if p.differentiable and p.io == "in" and p.tensor_kind is None:
                 grad = value._grad_out
                 if grad is None or value._zero_policy is not None:
@@ -406,19 +461,23 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
     result = options.pop("_result", _MISSING)
     if not fn._has_diff_inout and _fast_backward(fn, bound, options, result):
         return
+    deterministic = is_deterministic()
+    if deterministic:
+        warn_nondeterministic(fn)
     with backward_scope(fn._bwds_label) as scope:
         b = _Backward(fn, scope)
+        b.shape = broadcast_grad.call_shape(fn, bound, result)
+        if deterministic:
+            b.separate = _shared_grads(bound)
         use_wrapper = fn._has_diff_inout
         native_kwargs: dict[str, Any] = {}
         for p, value in bound:
             if use_wrapper and p.io == "inout":
                 native_kwargs.update(b.inout_args(p, value))
+            elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
+                native_kwargs[p.name] = b.fwd_arg(p, value)
             elif isinstance(value, Tensor):
                 native_kwargs[p.name] = b.tensor_arg(p, value)
-                if p.tensor_kind == "fwd":
-                    bound_native = native_kwargs[p.name]
-                    native_kwargs[p.name] = fwd_tensor_struct(
-                        fn, p, value, None, bound_native.grad_in, bound_native.grad_out)
             elif type(value) in _PLAIN:
                 native_kwargs[p.name] = value
             elif isinstance(value, spy.Tensor):
@@ -441,4 +500,19 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
                 scope.dispatch(node, *native_args, **options)
         except Exception as exc:
             raise _resolve_error(fn, exc) from None
+        b.after_call()
+        if deterministic and b.untracked:
+            warn_nondeterministic(fn, b.untracked)
         b.finish()
+
+
+def _shared_grads(bound: list) -> set[int]:
+    """Gradient buffers that more than one parameter of this call adds into: their atomic
+    adds to one element would meet in any order, so each gets a buffer of its own."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for p, value in bound:
+        if type(value) is Tensor and value._grad_out is not None and p.writes_gradient:
+            key = value._grad_out._storage_key()
+            (shared if key in seen else seen).add(key)
+    return shared

@@ -22,7 +22,7 @@ import numpy as np
 
 from .device import Device, resolve_device
 from .module import OverloadedFunction, ShaderFunction, load_module
-from .tensor import Tensor, tensor as make_tensor
+from .tensor import tensor as make_tensor
 
 _SCALAR = {"float": (), "half": (), "double": ()}
 _VECTOR = re.compile(r"^(?:vector<(float|half),\s*(\d)>|(float|half)(\d))$")
@@ -285,8 +285,11 @@ def check_module(path: str | Path, functions: list[str] | None = None, device: D
 def format_table(results: list[CheckResult]) -> str:
     head = ("function", "parameter", "mode", "max abs err", "max rel err", "points", "status")
     rows = [head]
+
+    def err(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2e}"
+
     for r in results:
-        err = (lambda v: "-" if v is None else f"{v:.2e}")
         status = r.status + (f": {r.why}" if r.why else "")
         kinks = f" ({r.near_kinks} near kinks)" if r.near_kinks else ""
         rows.append((r.function, r.parameter, r.mode, err(r.max_abs_error), err(r.max_rel_error),

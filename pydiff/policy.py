@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ._errors import StaleGradientError
 
@@ -93,6 +93,7 @@ class BackwardScope:
         # first calls flush().
         self._device = device
         self._encoder = None
+        self._on_finish: list = []  # checks that read results back (fixed-point overflow)
 
     def dispatch(self, node, *args, **kwargs) -> None:
         """Run a SlangPy function node now, or append it to this backward's encoder."""
@@ -108,6 +109,14 @@ class BackwardScope:
         if self._encoder is not None:
             self._device.native.submit_command_buffer(self._encoder.finish())
             self._encoder = None
+
+    def clear(self, native: Any) -> None:
+        """Zero a SlangPy tensor in order with the kernels appended so far."""
+        native.clear(self._encoder) if self._encoder is not None else native.clear()
+
+    def on_finish(self, check: Callable[[], None]) -> None:
+        """Run ``check`` when this backward ends, after its kernels have run."""
+        self._on_finish.append(check)
 
     def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
         """Apply the owner's policy to its ``grad`` before this backward adds into it."""
@@ -137,6 +146,9 @@ class BackwardScope:
         self.flush()
         for grad in self._written:
             grad._holds_result_of = self.label
+        checks, self._on_finish = self._on_finish, []
+        for check in checks:
+            check()
 
 
 class backward_scope:

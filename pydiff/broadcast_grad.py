@@ -1,0 +1,145 @@
+"""Gradients of broadcast parameters without contended float atomics.
+
+SlangPy adds the gradient of a parameter broadcast over a vectorised call (a bias, a (1,)
+coefficient) with one float atomic per call element, all into the same address: slow,
+different bits every run, and inaccurate (2^24 adds of ~0.5 are off by 2%). pydiff instead
+binds the parameter's values as a stride-0 view of the call's shape with a *full-shape*
+gradient buffer behind it, so each thread adds into its own element, then sums that buffer
+along the broadcast axes in a fixed order with compensated sums (shaders/accumulate.slang),
+in float32 for float and half parameters, and adds the result into ``grad_out`` rounded once.
+
+    shape = call_shape(fn, bound, result)           # (2**24,) for polynomial(a, b, c, x)
+    native = expand(scope, device, a, shape, ordinal=0)     # bind this instead of a
+    reduce_into(scope, device, native.grad_out, shape, a)   # after the call: a.grad += sum
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import slangpy as spy
+
+from .tensor import Tensor
+
+EXPANDABLE = ("float", "half")  # gradient dtypes the reduction kernels read
+_MIN_CHUNK = 64  # fewest elements one thread sums
+_TARGET_THREADS = 16384  # enough threads to fill a GPU; more passes below this
+
+
+def call_shape(fn: Any, bound: list, result: Any) -> tuple[int, ...] | None:
+    """The shape SlangPy vectorises the call over, or None when pydiff cannot tell.
+
+    NumPy's right-aligned broadcast of the vectorised tensor arguments (and the result).
+    A tensor whose element type differs from its parameter's (a float tensor for a float3
+    parameter), or an argument such as spy.grid, could add dimensions: None then.
+    """
+    shapes = []
+    for p, value in bound:
+        if type(value) is Tensor:
+            if p.tensor_kind is not None:
+                continue  # whole-tensor parameters do not vectorise
+            if value.dtype != p.type_name:
+                return None
+            shapes.append(value.shape)
+        elif value is None or isinstance(value, (bool, int, float)):
+            continue
+        else:
+            return None
+    if type(result) is Tensor:
+        if result.dtype != fn._ret_name:
+            return None
+        shapes.append(result.shape)
+    if not shapes:
+        return None
+    try:
+        return tuple(int(s) for s in np.broadcast_shapes(*shapes))
+    except ValueError:
+        return None  # SlangPy will report the mismatch
+
+
+def is_broadcast(t: Tensor, shape: tuple[int, ...] | None) -> bool:
+    """Whether ``t`` is read by more call elements than it has (its gradient is a sum)."""
+    if shape is None or t.shape == shape:
+        return False
+    return int(np.prod(shape, dtype=np.int64)) > t.numel
+
+
+def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: int) -> spy.Tensor:
+    """``t``'s values as a stride-0 view of ``shape``, with a zeroed full-shape gradient."""
+    grad_dtype = t._grad_dtype()
+    key = ("broadcast-grad", shape, grad_dtype.full_name, ordinal)
+    if key not in device.scratch:
+        # One spare element: Vulkan clears whole 4-byte words, so an odd count of halves
+        # would keep its last element (SlangPy's Tensor.clear rounds the size down).
+        numel = int(np.prod(shape, dtype=np.int64))
+        device.scratch[key] = spy.Tensor.zeros(device.native, (numel + 1,), grad_dtype).view(shape)
+    full = device.scratch[key]
+    scope.clear(full)
+    values = t._native if t.shape else t._native.view((1,))
+    return values.broadcast_to(shape).with_grads(grad_in=full, grad_out=full, zero=False)
+
+
+def _reduced_runs(shape: tuple[int, ...], target: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Runs [a, b) of consecutive axes of ``shape`` that ``target`` (right-aligned) sums over."""
+    padded = (1,) * (len(shape) - len(target)) + tuple(target)
+    runs: list[tuple[int, int]] = []
+    for axis, (n, keep) in enumerate(zip(shape, padded)):
+        if keep == 1 and n != 1:
+            if runs and runs[-1][1] == axis:
+                runs[-1] = (runs[-1][0], axis + 1)
+            else:
+                runs.append((axis, axis + 1))
+    return runs
+
+
+def _sum_axes(scope: Any, lib: Any, x: spy.Tensor, dtype: str, outer: int, n: int, inner: int) -> spy.Tensor:
+    """Sum the middle axis of an (outer, n, inner) view, in passes of fixed chunks (float out)."""
+    while True:
+        chunks = max(1, min(-(-n // _MIN_CHUNK), -(-_TARGET_THREADS // max(outer * inner, 1))))
+        chunk = -(-n // chunks)
+        chunks = -(-n // chunk)
+        out = spy.Tensor.empty(lib.device_native, (outer, chunks, inner), "float")
+        node = lib.partial_sums[dtype]
+        scope.dispatch(node, spy.grid((outer, chunks, inner)), x.view((outer, n, inner)), chunk, out)
+        if chunks == 1:
+            return out
+        x, n, dtype = out, chunks, "float"
+
+
+class _Kernels:
+    """The library's reduction kernels, looked up once per device."""
+
+    def __init__(self, device: Any):
+        from .ops import library
+
+        native = library(device).native
+        self.device_native = device.native
+        self.partial_sums = {"float": native.det_partial_sums_float, "half": native.det_partial_sums_half}
+        self.add_into = {"float": native.det_add_into_float, "half": native.det_add_into_half}
+
+
+def _kernels(device: Any) -> _Kernels:
+    key = ("broadcast-grad", "kernels")
+    if key not in device.scratch:
+        device.scratch[key] = _Kernels(device)
+    return device.scratch[key]
+
+
+def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
+    """Dispatch ``t.grad_out += full`` summed over the axes ``t`` was broadcast along."""
+    lib = _kernels(device)
+    dtype = t.grad_out.dtype
+    shape = list(full.shape)
+    x = full
+    runs = _reduced_runs(tuple(shape), t.shape) or [(0, 0)]  # none: one pass converts to float
+    for a, b in runs:
+        outer = int(np.prod(shape[:a], dtype=np.int64))
+        n = int(np.prod(shape[a:b], dtype=np.int64))
+        inner = int(np.prod(shape[b:], dtype=np.int64))
+        x = _sum_axes(scope, lib, x, dtype, outer, n, inner)
+        shape[a:b] = [1] * (b - a)
+        dtype = "float"
+    numel = max(t.numel, 1)
+    grad = t.grad_out._native.view((numel,))
+    scope.dispatch(lib.add_into[t.grad_out.dtype], spy.grid((numel,)), x.view((numel,)), grad)

@@ -1,0 +1,107 @@
+"""Deterministic mode: every gradient pydiff produces is bitwise the same from run to run.
+
+pydiff's own reductions (broadcast parameters, FwdDiffTensor gradients, ops, optimizers) are
+order-independent in every mode; deterministic mode adds what costs extra (separate buffers
+for a tensor passed to several parameters) and warns, naming the function, about what a
+user's shader does that pydiff cannot make deterministic (docs/determinism.md).
+
+    pydiff.set_deterministic(True)               # process-wide
+    with pydiff.deterministic():                 # this block only
+        m.f.bwds(x, _result=1.0)                 # NondeterminismWarning if f uses float atomics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import lint
+
+_global = False
+_context: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pydiff_deterministic", default=None)
+_warned: set[tuple[str, str]] = set()  # (function label, reason): each warning once
+
+
+class NondeterminismWarning(UserWarning):
+    """Deterministic mode is on, but a function's gradients may differ from run to run."""
+
+
+def set_deterministic(enabled: bool = True) -> None:
+    """Turn deterministic mode on or off for the whole process.
+
+    >>> pydiff.set_deterministic(True)
+    >>> m.f.bwds(x, _result=1.0)      # the same bits every run
+    >>> pydiff.set_deterministic(False)
+    """
+    global _global
+    _global = bool(enabled)
+
+
+def is_deterministic() -> bool:
+    """Whether deterministic mode is on here (the innermost block, else the process-wide one)."""
+    inner = _context.get()
+    return _global if inner is None else inner
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True) -> Iterator[None]:
+    """Deterministic mode (or, with False, not) inside the block.
+
+    >>> with pydiff.deterministic():
+    ...     loss.backward()
+    """
+    token = _context.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def _module_source(module: Any) -> str | None:
+    path = Path(module.file)
+    if not module.file.startswith("<") and path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    return lint.scanned_source(module.file)
+
+
+def _reasons(fn: Any) -> list[str]:
+    """Why ``fn``'s backward may not be deterministic (empty when pydiff can vouch for it)."""
+    cached = getattr(fn, "_nondeterminism", None)
+    if cached is not None:
+        return cached
+    reasons = []
+    for p in fn.params:
+        if p.tensor_kind in ("diff", "idiff") and p.writes_gradient:
+            reasons.append(
+                f"parameter '{p.name}' is a SlangPy {p.type_name}, whose gradient is added with "
+                f"float atomics at indices pydiff cannot see; declare it pydiff's "
+                f"{'RW' if p.access == 'read_write' else ''}FwdDiffTensor<N> (import pydiff;), "
+                "whose gradients are summed in fixed point"
+            )
+    source = _module_source(fn.module)
+    if source is not None:
+        found = lint.float_atomic_functions(source).get(fn.name)
+        if found:
+            reasons.append(found)
+    fn._nondeterminism = reasons
+    return reasons
+
+
+def warn_nondeterministic(fn: Any, extra: list[str] = ()) -> None:
+    """In deterministic mode, warn once per function and reason that pydiff cannot keep the
+    promise for it (called by ``.bwds``)."""
+    for reason in [*_reasons(fn), *extra]:
+        key = (fn.label, reason)
+        if key in _warned:
+            continue
+        _warned.add(key)
+        warnings.warn(
+            f"{fn.label}.bwds: deterministic mode cannot make this gradient bitwise reproducible: "
+            f"{reason}",
+            NondeterminismWarning,
+            stacklevel=4,
+        )
+
