@@ -103,6 +103,7 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
         ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
         ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
         ("legendre_function.py", "gradcheck: True"),
+        ("deterministic_gradients.py --log2 16 --runs 3", "pydiff                        1 bit pattern(s)"),
         ("attention_block.py --steps 60", "gradcheck of the block (layer_norm, attention, silu_and_mul, linear): True"),
     ],
 )
