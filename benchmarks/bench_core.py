@@ -10,7 +10,6 @@ with ratios. Timings only; the tests never assert on speed.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +17,9 @@ import slangpy as spy
 
 import pydiff
 
+from timing import best_of
+
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up: kernel compilation and caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:

@@ -10,24 +10,15 @@ the CPU when installed. Prints times and ratios; the tests never assert on speed
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 
 import pydiff
 
+from timing import best_of
+
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
-
-
-def best_of(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

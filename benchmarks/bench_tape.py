@@ -6,25 +6,15 @@
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 
 import pydiff
 
+from timing import best_of
+
 SHADER = Path(__file__).resolve().parent.parent / "tests" / "shaders" / "chain.slang"
-
-
-def best_of(fn, repeats: int = 5, inner: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
 
 
 def main() -> None:
@@ -62,7 +52,7 @@ def main() -> None:
             op.bwds(inp, _result=out)
         dev.native.wait_for_idle()
 
-    t_tape, t_hand = best_of(taped), best_of(by_hand)
+    t_tape, t_hand = best_of(taped, 5, 20), best_of(by_hand, 5, 20)
     x.zero_grad()
     x2.zero_grad()
     taped()

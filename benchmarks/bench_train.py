@@ -6,22 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import pydiff
 from pydiff import nn, ops, optim
 
-
-def best_of(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from timing import best_of
 
 
 def main() -> None:

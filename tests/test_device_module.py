@@ -108,12 +108,18 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
     ],
 )
 def test_samples_run(sample, expected):
+    out = _run_sample(*sample.split())
+    assert expected in out.stdout
+
+
+def _run_sample(*args: str) -> subprocess.CompletedProcess:
+    """Run samples/<args[0]> with the rest as arguments from the repository root; must succeed."""
     out = subprocess.run(
-        [sys.executable, *f"samples/{sample}".split()], capture_output=True, text=True,
+        [sys.executable, f"samples/{args[0]}", *args[1:]], capture_output=True, text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert expected in out.stdout
+    return out
 
 
 def test_batched_mixed_index_kinds_refused(device):
@@ -150,22 +156,14 @@ float g(IDiffTensor<float, 1> x, int i) { return x.load(i); }   // not different
 
 
 def test_fit_chain_recovers_parameters():
-    out = subprocess.run(
-        [sys.executable, "samples/fit_chain.py", "--steps", "200", "--plot="], capture_output=True,
-        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run_sample("fit_chain.py", "--steps", "200", "--plot=")
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("fitted a, b, c ="))
     fitted = [float(v) for v in line.split("=")[1].split("truth")[0].split(",")]
     np.testing.assert_allclose(fitted, [1.5, 1.2, 0.3], atol=0.03)
 
 
 def test_pinn_sample_solves_poisson():
-    out = subprocess.run(
-        [sys.executable, "samples/pinn_poisson.py", "--steps", "600", "--plot="], capture_output=True,
-        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run_sample("pinn_poisson.py", "--steps", "600", "--plot=")
     check = next(ln for ln in out.stdout.splitlines() if ln.startswith("u'' written out vs pydiff.hvp"))
     assert float(check.split()[-1]) < 1e-4
     final = next(ln for ln in out.stdout.splitlines() if "max |u - sin(pi x)|" in ln)
