@@ -482,6 +482,17 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
     shape = tuple(int(s) for s in shape)
     if name != "float" or dev.type != "vulkan":
         make = spy.Tensor.zeros if zero else spy.Tensor.empty
+        refl = _probe_dtype(dev, name) if isinstance(dtype, str) else dtype
+        stride = int(refl.buffer_layout.stride)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if shape and (count * stride) % 4:
+            # SlangPy's clear() zeroes whole 4-byte words and leaves the last element of,
+            # e.g., an odd number of halves: pad the storage to whole words.
+            padded = count
+            while (padded * stride) % 4:
+                padded += 1
+            native = make(dev.native, (padded,), dtype).view(shape)
+            return native
         return make(dev.native, shape, dtype)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     storage = dev.native.create_buffer(

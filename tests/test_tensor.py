@@ -81,3 +81,14 @@ def test_requires_grad_in_place_and_item(device):
 def test_round_trip_is_exact(values):
     x = pydiff.tensor(np.array(values, np.float32))
     np.testing.assert_array_equal(x.numpy(), np.array(values, np.float32))
+
+
+def test_odd_sized_half_tensors_zero_completely(device):
+    """SlangPy's clear() works in 4-byte words: the last of an odd number of halves used to
+    keep its old value (a stale gradient after zero_grad)."""
+    t = pydiff.tensor(np.array([3.0, 5.0, 7.0], np.float16), dtype="half", device=device, requires_grad=True)
+    t.grad.copy_from_numpy(np.array([1.0, 2.0, 3.0], np.float16))
+    t.zero_grad()
+    np.testing.assert_array_equal(t.grad.numpy(), [0.0, 0.0, 0.0])
+    for n in (1, 3, 5):
+        np.testing.assert_array_equal(pydiff.zeros((n,), dtype="half", device=device).numpy(), np.zeros(n))
