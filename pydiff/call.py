@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
 from . import broadcast_grad
@@ -469,6 +470,8 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         if deterministic:
             b.separate = _shared_grads(bound)
+            if b.shape is None:
+                b.untracked += _maybe_broadcast(bound, result)
         use_wrapper = fn._has_diff_inout
         native_kwargs: dict[str, Any] = {}
         for p, value in bound:
@@ -504,6 +507,30 @@ def backward_call(fn: Any, args: tuple, kwargs: dict) -> None:
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
         b.finish()
+
+
+_GENERATED_ARGS = {"GridArg", "CallIdArg", "ThreadIdArg", "WangHashArg", "RandFloatArg"}
+
+
+def _maybe_broadcast(bound: list, result: Any) -> list[str]:
+    """When pydiff cannot tell a call's shape, the vectorised inputs that may be broadcast
+    (smaller than another argument, or beside a grid/call-id argument): their gradients may
+    be added with float atomics, which deterministic mode must not keep quiet about."""
+    tensors = [v for _, v in bound if type(v) is Tensor] + ([result] if type(result) is Tensor else [])
+    largest = max([t.numel for t in tensors] + [v.size for _, v in bound if isinstance(v, np.ndarray)],
+                  default=0)
+    generated = any(type(v).__name__ in _GENERATED_ARGS for _, v in bound)
+    found = []
+    for p, v in bound:
+        if (type(v) is Tensor and p.tensor_kind is None and p.differentiable and v.requires_grad
+                and (generated or v.numel < largest)):
+            found.append(
+                f"pydiff cannot tell the shape of this call (a grid/call-id argument, or a tensor "
+                f"whose element type differs from its parameter's), so parameter '{p.name}' may be "
+                "broadcast and its gradient added with float atomics; pass tensors whose dtype "
+                "matches each parameter (e.g. dtype='float3') to let pydiff sum it in order"
+            )
+    return found
 
 
 def _shared_grads(bound: list) -> set[int]:

@@ -28,14 +28,10 @@ def _check(args: argparse.Namespace) -> int:
         results = check_module(args.file, functions=args.function or None, device=args.device,
                                seed=args.seed, points=args.points, eps=args.eps, atol=args.atol,
                                rtol=args.rtol, progress=progress)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, SlangCompileError, ValueError, DeviceUnavailableError) as exc:
         print(f"pydiff check: {exc}", file=sys.stderr)
-        return 2
-    except SlangCompileError as exc:
-        print(f"pydiff check: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, DeviceUnavailableError) as exc:
-        print(f"pydiff check: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"file": args.file, "passed": False, "error": str(exc), "results": []}, indent=2))
         return 2
     failed = [r for r in results if r.status == "FAIL"]
     if args.json:
@@ -64,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = sub.add_parser("check", help="check every [Differentiable] function of a .slang file "
                                          "against finite differences")
     check.add_argument("file", help="the .slang file")
-    check.add_argument("--function", action="append", metavar="NAME", help="check only this function (repeatable)")
+    check.add_argument("--function", action="extend", nargs="+", metavar="NAME",
+                       help="check only these functions (--function a b, or repeated)")
     check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
     check.add_argument("--seed", type=int, default=0, help="random seed of the sample points")
     check.add_argument("--points", type=int, default=16, help="sample points per function (default 16)")

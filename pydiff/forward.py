@@ -362,7 +362,9 @@ def hvp(fn: Any, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
         else:
             u_arr = np.asarray(u, dtype=np.float64)
         if u_arr.shape != want:
-            raise ValueError(f"hvp: direction for '{p.name}' has shape {u_arr.shape}; the value has shape {want}")
+            if u_arr.size != int(np.prod(want)) or (u_arr.ndim and want != (1,) + u_arr.shape):
+                raise ValueError(f"hvp: direction for '{p.name}' has shape {u_arr.shape}; the value has shape {want}")
+            u_arr = u_arr.reshape(want)  # a number given for a number
         direction = make_tensor(u_arr.astype(np.float32), dtype=leaf.dtype, device=dev) if leaf.shape else float(u_arr)
         call_args += [leaf, direction]
         leaves.append((leaf, host))

@@ -27,7 +27,10 @@ def get(device: Device, file: str, entry: str, **defines: int) -> Any:
     kernel = _kernels.get(key)
     if kernel is None:
         path = shader_dir() / "kernels" / file
-        source = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(defines.items())) + path.read_text()
+        # ENTRY_<name> lets a file compile only the entry point asked for (no warnings
+        # from the others' loops that run zero times for these shapes).
+        macros = {**defines, f"ENTRY_{entry}": 1}
+        source = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(macros.items())) + path.read_text()
         name = f"pydiff_kernel_{entry}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
         try:
             module = device.native.load_module_from_source(name, source)

@@ -41,6 +41,7 @@ class CheckResult:
     max_rel_error: float | None = None
     points: int = 0
     near_kinks: int = 0
+    outside_domain: int = 0
     why: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def check_function(fn: ShaderFunction, device: Device, *, seed: int = 0, points:
             valid &= smooth(d1, d2) & np.isfinite(d1)
         ad = analytic[p.name]
         cmp = _compare(ad, fd, np.repeat(valid[:, None], comps, axis=1), atol, rtol)
-        results.append(_row(name, p.name, "backward", cmp, valid, points))
+        results.append(_row(name, p.name, "backward", cmp, valid, points, finite))
 
     # adjoint (dot-product) test and forward mode along one random direction u
     u = {p.name: rng.uniform(-1.0, 1.0, values[p.name].shape) for p in fn.params
@@ -206,13 +207,13 @@ def check_function(fn: ShaderFunction, device: Device, *, seed: int = 0, points:
     ju1, ju2 = project(d1), project(d2)
     valid = finite & smooth(ju1, ju2) & np.isfinite(ju1)
     ut_jtv = sum(np.sum(u[k].reshape(points, -1) * analytic[k], axis=1) for k in u)
-    results.append(_row(name, "(all)", "adjoint", _compare(ut_jtv, ju1, valid, atol, rtol), valid, points))
+    results.append(_row(name, "(all)", "adjoint", _compare(ut_jtv, ju1, valid, atol, rtol), valid, points, finite))
     if forward:
-        results.append(_forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol))
+        results.append(_forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol, finite))
     return results
 
 
-def _forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol) -> CheckResult:
+def _forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol, finite) -> CheckResult:
     args = []
     for p in fn.params:
         dtype, elem = value_shape(p.type_name)
@@ -238,17 +239,21 @@ def _forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol) -> Ch
     small = np.concatenate(d2, axis=1)
     ok = valid & np.all(np.abs(fd - small) <= atol + rtol * np.abs(fd), axis=1)
     cmp = _compare(jvp, fd, np.repeat(ok[:, None], fd.shape[1], axis=1), atol, rtol)
-    return _row(fn.name, "(all)", "forward", cmp, ok, points)
+    return _row(fn.name, "(all)", "forward", cmp, ok, points, finite)
 
 
-def _row(function: str, parameter: str, mode: str, cmp, valid: np.ndarray, points: int) -> CheckResult:
+def _row(function: str, parameter: str, mode: str, cmp, valid: np.ndarray, points: int,
+         finite: np.ndarray) -> CheckResult:
     used = int(valid.sum())
+    outside = int((~finite).sum())
+    kinks = points - used - outside
     if cmp is None:
-        return CheckResult(function, parameter, mode, "SKIPPED", points=0, near_kinks=points - used,
+        return CheckResult(function, parameter, mode, "SKIPPED", points=0, near_kinks=kinks,
+                           outside_domain=outside,
                            why="no sample point where the function is finite and smooth")
     max_abs, max_rel, failed = cmp
     return CheckResult(function, parameter, mode, "FAIL" if failed else "PASS", max_abs, max_rel,
-                       used, points - used)
+                       used, kinks, outside)
 
 
 def differentiable_functions(module: Any) -> list[ShaderFunction]:
@@ -258,6 +263,20 @@ def differentiable_functions(module: Any) -> list[ShaderFunction]:
         overloads = fn._overloads if isinstance(fn, OverloadedFunction) else [fn]
         found += [f for f in overloads if f.differentiable]
     return found
+
+
+_GENERIC = re.compile(
+    r"\[\s*Differentiable\s*\](?:\s*\[[^\]]*\])*\s*(?:public\s+)?[\w<>,\s]+?\s+(\w+)\s*<[^>()]*>\s*\(")
+
+
+def _generic_differentiable(path: Path, module: Any) -> list[str]:
+    """Names of [Differentiable] generic functions (Slang reflection does not list them)."""
+    try:
+        text = re.sub(r"//[^\n]*", "", path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return []
+    known = set(module.function_names())
+    return sorted({m.group(1) for m in _GENERIC.finditer(text)} - known)
 
 
 def check_module(path: str | Path, functions: list[str] | None = None, device: Device | str | None = None,
@@ -275,6 +294,10 @@ def check_module(path: str | Path, functions: list[str] | None = None, device: D
                              f"(it has: {', '.join(sorted(names)) or 'none'})")
         found = [f for f in found if f.name in functions]
     results = []
+    for name in _generic_differentiable(Path(path), module):
+        if not functions or name in functions:
+            results.append(CheckResult(name, "-", "-", "SKIPPED",
+                                       why="generic function: pydiff check cannot choose its type arguments"))
     for fn in found:
         if progress:
             progress(fn.name)
@@ -291,7 +314,9 @@ def format_table(results: list[CheckResult]) -> str:
 
     for r in results:
         status = r.status + (f": {r.why}" if r.why else "")
-        kinks = f" ({r.near_kinks} near kinks)" if r.near_kinks else ""
+        left_out = [f"{r.near_kinks} near kinks"] * bool(r.near_kinks) + [
+            f"{r.outside_domain} outside the domain"] * bool(r.outside_domain)
+        kinks = f" ({', '.join(left_out)})" if left_out else ""
         rows.append((r.function, r.parameter, r.mode, err(r.max_abs_error), err(r.max_rel_error),
                      f"{r.points}{kinks}", status))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]

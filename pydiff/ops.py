@@ -51,6 +51,9 @@ def _check_broadcast(name: str, *values: Any) -> None:
 
 def _elementwise(slang_name: str, name: str):
     def op(*args: Any) -> Tensor:
+        for k, a in enumerate(args):
+            if isinstance(a, Tensor) and a.dtype != "float":
+                raise ValueError(f"{name}: argument {k} has dtype {a.dtype}; pydiff.ops work on float tensors")
         _check_broadcast(name, *args)
         lib = library(_device_of(*args))
         return getattr(lib, slang_name)(*args, _result="tensor")
@@ -217,6 +220,16 @@ def _linear_backward_in_place(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bia
     return True
 
 
+def _linear_backward(g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> tuple:
+    """dx = g W, dW = g^T x (and db = column sums of g) as new tensors."""
+    dx = _product("mm_nn", g, w, x.shape) if x.requires_grad else None
+    dw = _product("mm_tn", g, x, w.shape) if w.requires_grad else None
+    if not has_bias:
+        return dx, dw
+    db = _sum_mid(g.detach().reshape((1,) + g.shape), 1.0).reshape((g.shape[1],))
+    return dx, dw, db
+
+
 class _Linear(Function):
     @staticmethod
     def forward(ctx, x, w, b):
@@ -228,10 +241,7 @@ class _Linear(Function):
         x, w = ctx.saved_tensors
         if _linear_backward_in_place(ctx, g, x, w, has_bias=True):
             return None, None, None
-        dx = _product("mm_nn", g, w, x.shape) if x.requires_grad else None  # g W
-        dw = _product("mm_tn", g, x, w.shape) if w.requires_grad else None  # g^T x
-        db = _sum_mid(g.detach().reshape((1,) + g.shape), 1.0).reshape((g.shape[1],))
-        return dx, dw, db
+        return _linear_backward(g, x, w, has_bias=True)
 
 
 class _LinearNoBias(_Linear):
@@ -244,7 +254,7 @@ class _LinearNoBias(_Linear):
         x, w = ctx.saved_tensors
         if _linear_backward_in_place(ctx, g, x, w, has_bias=False):
             return None, None
-        return _Linear.backward(ctx, g)[:2]
+        return _linear_backward(g, x, w, has_bias=False)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -297,7 +307,8 @@ def _sum_mid(x3: Tensor, scale: float) -> Tensor:
 def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[int, ...], int]:
     """(x as an (outer, n, inner) view, the result shape with the axis kept as 1, n)."""
     if not isinstance(x, Tensor) or x.dtype != "float":
-        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {type(x).__name__}")
+        got = f"a tensor of dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {got}")
     shape = x.shape if x.shape else (1,)
     if axis is None:
         return x.detach().reshape((1, x.numel, 1)), (1,), x.numel
@@ -318,9 +329,10 @@ class _Sum(Function):
         ctx.x3_shape, ctx.x_shape, ctx.scale = x3.shape, x.shape, (1.0 / n if mean else 1.0)
         total = _sum_mid(x3, ctx.scale)
         if axis is None:
-            return total.reshape((1,))
+            # all elements: (1,), or NumPy's all-ones shape with keepdims
+            return total.reshape((1,) * max(len(x.shape), 1) if keepdims else (1,))
         shape = kept if keepdims else tuple(d for k, d in enumerate(kept) if k != int(axis) % len(kept))
-        return total.reshape(shape)
+        return total.reshape(shape or (1,))  # pydiff has no 0-d results: a lone number is (1,)
 
     @staticmethod
     def backward(ctx, g):
@@ -335,6 +347,7 @@ class _Sum(Function):
 
 def sum(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """Sum over all elements (a (1,) tensor) or over ``axis``, pairwise in a fixed order.
+    NumPy's axis/keepdims rules, except that a result NumPy gives as a 0-d scalar is (1,).
 
     >>> total = pydiff.ops.sum(x)             # shape (1,)
     >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules
@@ -382,20 +395,19 @@ class _CrossEntropy(Function):
         return dz, None
 
 
-# Label tensors already range-checked, by identity of their version state: (version, shape).
-_labels_checked: dict[int, tuple[int, tuple[int, ...]]] = {}
-
-
 def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     """Mean softmax cross-entropy of (B, C) logits against B integer labels; log-sum-exp stable.
 
     >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
     """
     _need_2d("cross_entropy", logits=logits)
-    if isinstance(labels, Tensor) and labels.dtype == "int" and _labels_checked.get(id(labels._state)) == (
-            labels._state.version, logits.shape):
+    if isinstance(labels, Tensor) and labels.dtype == "int" and labels._state.checked == (
+            labels._state.version, "labels", logits.shape):
         return _CrossEntropy.apply(logits, labels)  # checked before and unchanged since: no host read
     lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    if lab.size and not np.issubdtype(lab.dtype, np.integer):
+        if not np.all(np.isfinite(lab)) or np.any(lab != np.round(lab)):
+            raise ValueError(f"cross_entropy: labels must be integer class indices, got {lab.dtype} values")
     if lab.shape != (logits.shape[0],):
         raise ValueError(f"cross_entropy: labels have shape {lab.shape}, expected ({logits.shape[0]},)")
     if lab.size and (lab.min() < 0 or lab.max() >= logits.shape[1]):
@@ -405,7 +417,7 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
 
         labels = tensor(lab.astype(np.int32), device=logits.device)
     else:
-        _labels_checked[id(labels._state)] = (labels._state.version, logits.shape)
+        labels._state.checked = (labels._state.version, "labels", logits.shape)
     return _CrossEntropy.apply(logits, labels)
 
 

@@ -43,12 +43,13 @@ class _GradState:
     ``version`` counts writes, ``last_writer`` names the latest (tape overwrite detection).
     """
 
-    __slots__ = ("holds_result_of", "version", "last_writer")
+    __slots__ = ("holds_result_of", "version", "last_writer", "checked")
 
     def __init__(self) -> None:
         self.holds_result_of: str | None = None
         self.version = 0
         self.last_writer = "nothing"
+        self.checked: Any = None  # (version, what) of the latest validation of the values
 
     def wrote(self, writer: str) -> None:
         self.version += 1

@@ -33,6 +33,7 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
     assert rows[("field", "p", "backward")]["status"] == "PASS"
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
     assert rows[("logarithm", "x", "backward")]["points"] == 8  # negative samples: outside the domain
+    assert rows[("logarithm", "x", "backward")]["outside_domain"] == 8
     assert not any(r["function"] == "not_differentiable" for r in report["results"])
 
 
@@ -89,3 +90,18 @@ def test_info_lists_versions_devices_and_paths(device):
     assert data["shader_dir"] in opened[device.type]["include_paths"]
     text = pydiff_cli("info").stdout
     assert "slangpy  0.43.1" in text and "float atomics" in text
+
+
+def test_check_lists_generic_functions_and_takes_several_names(device, tmp_path):
+    src = tmp_path / "generic.slang"
+    src.write_text("[Differentiable] float g<let N : int>(float x) { return N * x * x; }\n"
+                   "[Differentiable] float h(float x) { return x; }\n"
+                   "[Differentiable] float k(float x) { return 3.0 * x; }\n")
+    out = pydiff_cli("check", str(src), "--json", device=device)
+    report = json.loads(out.stdout)
+    assert {r["function"]: r["why"] for r in report["results"] if r["status"] == "SKIPPED"} == {
+        "g": "generic function: pydiff check cannot choose its type arguments"}
+    both = json.loads(pydiff_cli("check", str(src), "--json", "--function", "h", "k", device=device).stdout)
+    assert {r["function"] for r in both["results"]} == {"h", "k"}
+    missing = pydiff_cli("check", str(tmp_path / "none.slang"), "--json", device=device)
+    assert missing.returncode == 2 and "not found" in json.loads(missing.stdout)["error"]

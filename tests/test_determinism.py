@@ -282,3 +282,17 @@ def test_lint_finds_float_atomics_through_calls_and_derivatives():
     found = lint.float_atomic_functions(src)
     assert set(found) == {"f_bwd", "f", "g"}
     assert "f_bwd()" in found["g"]
+
+
+def test_deterministic_mode_warns_when_the_call_shape_is_unknown(device):
+    """A float tensor for a float3 parameter: pydiff cannot tell the call's shape, so a
+    (1,) parameter may be broadcast with float atomics; deterministic mode says so."""
+    m = pydiff.load_module_from_source(
+        "det_unknown_shape", "[Differentiable] float f3(float a, float3 v) { return a * (v.x + v.y * v.z); }",
+        device=device)
+    V = np.random.default_rng(3).random((64, 3)).astype(np.float32)
+    a = pydiff.tensor([1.0], device=device, requires_grad=True)
+    v = pydiff.tensor(V, device=device)
+    y = m.f3(a, v, _result="tensor")
+    with pydiff.deterministic(), pytest.warns(pydiff.NondeterminismWarning, match=r"cannot tell the shape of this call.*'a'"):
+        m.f3.bwds(a, v, _result=y.with_grads(ones=True))

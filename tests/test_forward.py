@@ -164,3 +164,16 @@ def test_forward_mode_errors(device, load):
         pydiff.hvp(m.twist, (_t(device, np.ones((1, 3)), "float3"),), (np.ones((1, 3)),))
     with pytest.raises(TypeError, match=r"jvp needs a Slang function"):
         pydiff.jvp(lambda v: v, (x,), (np.ones(3),))
+
+
+def test_hessian_with_plain_numbers(device, load):
+    m = load("forward", device)
+    xs = np.array([0.5, -1.0, 2.0])
+    H = pydiff.hessian(m.poly, (2.0, 8.0, -1.0, _t(device, xs)))
+    # d2/da dx_i = 2 x_i, d2/db dx_i = 1, d2/dx_i^2 = 2a; nothing else
+    np.testing.assert_allclose(H[0, 3:], 2 * xs, rtol=1e-6)
+    np.testing.assert_allclose(H[1, 3:], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.diag(H)[3:], 4.0, rtol=1e-6)
+    np.testing.assert_allclose(H, H.T, atol=1e-6)
+    hv = pydiff.hvp(m.poly, (2.0, 8.0, -1.0, _t(device, xs)), (1.0, 0.0, 0.0, np.zeros(3)))
+    np.testing.assert_allclose(hv[3].numpy(), 2 * xs, rtol=1e-6)
