@@ -4,7 +4,7 @@
     pydiff info [--json]
 
 Exit status of ``check``: 0 when every check passes (or nothing could be checked), 1 when
-any fails, 2 when the file cannot be read or compiled or the arguments are wrong.
+any fails or a function could not be run, 2 when the file cannot be read or compiled or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _check(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"file": args.file, "passed": False, "error": str(exc), "results": []}, indent=2))
         return 2
-    failed = [r for r in results if r.status == "FAIL"]
+    failed = [r for r in results if r.status in ("FAIL", "ERROR")]
     if args.json:
         print(json.dumps({"file": args.file, "passed": not failed,
                           "results": [r.as_dict() for r in results]}, indent=2))
@@ -41,8 +41,9 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{args.file}: no [Differentiable] functions: nothing to check")
     else:
         print(format_table(results))
-        counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED")}
-        print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} skipped")
+        counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED", "ERROR")}
+        errors = f", {counts['ERROR']} could not run" if counts["ERROR"] else ""
+        print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} skipped{errors}")
     return 1 if failed else 0
 
 
