@@ -374,11 +374,25 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
     return mean(mul(d, d))
 
 
+def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
+    """The two-kernel cross-entropy applies: Vulkan, contiguous float logits and int labels."""
+    n = labels.native
+    return (kernels.float4_ready(logits) and labels.dtype == "int" and n.offset == 0
+            and n.is_contiguous())
+
+
 class _CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, labels):
-        lib = library(logits.device)
         batch = logits.shape[0]
+        if _ce_fast(logits, labels):
+            lse, loss = empty((batch,), device=logits.device), empty((1,), device=logits.device)
+            kernel = kernels.get(logits.device, "cross_entropy.slang", "ce_forward")
+            kernels.dispatch(kernel, 256, z=logits.native.storage, labels=labels.native.storage,
+                             lse=lse.native.storage, loss=loss.native.storage, B=batch, C=logits.shape[1])
+            ctx.save_for_backward(logits, labels, lse)
+            return loss
+        lib = library(logits.device)
         lse, rows = empty((batch,), device=logits.device), empty((batch,), device=logits.device)
         lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
         ctx.save_for_backward(logits, labels, lse)
@@ -387,6 +401,15 @@ class _CrossEntropy(Function):
     @staticmethod
     def backward(ctx, g):
         logits, labels, lse = ctx.saved_tensors
+        if _ce_fast(logits, labels) and kernels.float4_ready(g) and logits.requires_grad and \
+                kernels.float4_ready(logits.grad_out):
+            target = ctx.grad_target(0)
+            count = logits.numel
+            kernel = kernels.get(logits.device, "cross_entropy.slang", "ce_backward_acc")
+            kernels.dispatch(kernel, count, z=logits.native.storage, labels=labels.native.storage,
+                             lse=lse.native.storage, g=g.native.storage, dz=target.native.storage,
+                             B=logits.shape[0], C=logits.shape[1])
+            return None, None
         dz = empty(logits.shape, device=logits.device)
         library(logits.device).cross_entropy_rows_bwd(
             spy.grid(logits.shape), logits.detach(), labels, lse, g.detach().reshape((1,)),
