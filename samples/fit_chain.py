@@ -54,22 +54,10 @@ def main() -> None:
     print(f"final loss {loss.item():.5f}")
     print("fitted a, b, c =", ", ".join(f"{fitted[k]:.3f}" for k in "abc"), " truth:", truth)
     if args.plot:
-        try:
-            import matplotlib
+        from plotting import save_line_plot
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no plot; pip install pydiff[plot])")
-            return
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(xs, ys, ".", ms=3, alpha=0.5, label="data")
-        ax.plot(xs, pred.numpy(), "r-", label="fit (pydiff tape)")
-        ax.set_xlabel("x")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        print("plot written to", args.plot)
+        save_line_plot(args.plot, [(xs, ys, ".", "data"), (xs, pred.numpy(), "r-", "fit (pydiff tape)")],
+                       xlabel="x", size=(6, 3.5))
 
 
 if __name__ == "__main__":

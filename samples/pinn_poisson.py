@@ -62,23 +62,11 @@ def main() -> None:
     err = np.max(np.abs(u - np.sin(np.pi * x_test)))
     print(f"mean squared residual {loss.item():.3e}; max |u - sin(pi x)| on [0, 1] = {err:.2e}")
     if args.plot:
-        try:
-            import matplotlib
+        from plotting import save_line_plot
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no plot; pip install pydiff[plot])")
-            return
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.plot(x_test, np.sin(np.pi * x_test), "k--", label="exact sin(pi x)")
-        ax.plot(x_test, u, label="pydiff PINN")
-        ax.set_xlabel("x")
-        ax.legend()
-        ax.set_title(f"u'' = -pi^2 sin(pi x); max error {err:.1e}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        print("plot written to", args.plot)
+        save_line_plot(args.plot, [(x_test, np.sin(np.pi * x_test), "k--", "exact sin(pi x)"),
+                                   (x_test, u, "-", "pydiff PINN")],
+                       xlabel="x", title=f"u'' = -pi^2 sin(pi x); max error {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -88,22 +88,10 @@ def main() -> None:
     print(f"data: {name}")
     print(f"final training loss {losses[-1]:.4f}; test accuracy {acc * 100:.1f}%")
     if args.plot:
-        try:
-            import matplotlib
+        from plotting import save_line_plot
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no plot; pip install pydiff[plot])")
-            return
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.plot(range(1, len(losses) + 1), losses)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("cross-entropy")
-        ax.set_title(f"pydiff MLP on {name}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        print("loss curve written to", args.plot)
+        save_line_plot(args.plot, [(range(1, len(losses) + 1), losses, "-", None)], xlabel="epoch",
+                       ylabel="cross-entropy", title=f"pydiff MLP on {name}")
 
 
 if __name__ == "__main__":
