@@ -12,12 +12,13 @@ import numpy as np
 import pydiff
 from pydiff import nn, ops, optim
 
-from timing import best_of
+from timing import best_of, interleaved
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=10_000_000)
+    ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds of 20 steps")
     args = ap.parse_args()
     dev = pydiff.default_device()
     rng = np.random.default_rng(0)
@@ -52,7 +53,7 @@ def main() -> None:
         for w, g in ((W1, dW1), (b1, db1), (W2, dW2), (b2, db2)):
             w -= 1e-3 * g
 
-    rows = [("MLP step 256x64x64x10", best_of(pydiff_step), best_of(numpy_step), "NumPy")]
+    contenders = {"pydiff": pydiff_step, "NumPy": numpy_step}
     try:
         import torch
 
@@ -66,9 +67,12 @@ def main() -> None:
             loss.backward()
             topt.step()
 
-        rows.append(("MLP step 256x64x64x10", rows[0][1], best_of(torch_step), "PyTorch-CPU"))
+        contenders["PyTorch-CPU"] = torch_step
     except ImportError:
         pass
+    # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over
+    # seconds, which best-of timings of one contender after another turn into noise.
+    steps = interleaved(contenders, rounds=args.rounds, inner=20)
 
     n = args.params
     p = pydiff.tensor(rng.standard_normal(n).astype(np.float32), requires_grad=True)
@@ -88,8 +92,12 @@ def main() -> None:
     gbs_adam, gbs_copy = moved / t_adam / 1e9, 8 * n / t_copy / 1e9
 
     print(f"device: {dev.type} ({dev.adapter_name})")
-    for name, t_p, t_o, other in rows:
-        print(f"{name}: pydiff {t_p * 1e3:.2f} ms, {other} {t_o * 1e3:.2f} ms, pydiff/{other} = {t_p / t_o:.1f}x")
+    (p_med, p_min) = steps.pop("pydiff")
+    print(f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps): "
+          f"pydiff {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms")
+    for other, (o_med, o_min) in steps.items():
+        print(f"  {other}: {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms; pydiff/{other} = "
+              f"{p_med / o_med:.1f}x (median), {p_min / o_min:.1f}x (best)")
     print(f"fused AdamW, {n / 1e6:.0f}M params: {t_adam * 1e3:.1f} ms = {gbs_adam:.1f} GB/s; "
           f"NumPy memcpy {gbs_copy:.1f} GB/s; ratio {gbs_adam / gbs_copy:.2f} of the copy bandwidth")
 

@@ -1,11 +1,14 @@
-"""Shared timing for the benchmarks: best of several runs after a warm-up run.
+"""Shared timing for the benchmarks: best of several runs after a warm-up run, and
+interleaved rounds for comparisons on a machine whose speed drifts (a shared VM).
 
-    from timing import best_of
+    from timing import best_of, interleaved
     seconds = best_of(lambda: (step(), device.native.wait_for_idle()), repeats=5)
+    medians = interleaved({"pydiff": step, "torch": torch_step}, rounds=15, inner=20)
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -21,3 +24,20 @@ def best_of(fn: Callable[[], object], repeats: int = 5, inner: int = 1) -> float
             fn()
         best = min(best, (time.perf_counter() - t0) / inner)
     return best
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15, inner: int = 20,
+                warmup: int = 20) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds per call of each function, timed in alternating rounds of
+    ``inner`` calls so that a slow spell of the machine hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}

@@ -35,7 +35,7 @@ from .module import BackwardFunction, Module, ShaderFunction, load_module, load_
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
 from . import nn, ops, optim
 from .tape import Tape
-from .tensor import Tensor, empty, ones, tensor, zeros
+from .tensor import Tensor, empty, empty_cache, ones, tensor, zeros
 
 __version__ = "0.1.0"
 
@@ -63,6 +63,7 @@ __all__ = [
     "default_device",
     "deterministic",
     "empty",
+    "empty_cache",
     "gradcheck",
     "hessian",
     "hvp",

@@ -15,6 +15,7 @@ in float32 for float and half parameters, and adds the result into ``grad_out`` 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,7 @@ def is_broadcast(t: Tensor, shape: tuple[int, ...] | None) -> bool:
     """Whether ``t`` is read by more call elements than it has (its gradient is a sum)."""
     if shape is None or t.shape == shape:
         return False
-    return int(np.prod(shape, dtype=np.int64)) > t.numel
+    return math.prod(shape) > t.numel
 
 
 def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: int) -> spy.Tensor:
@@ -72,7 +73,7 @@ def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: 
     if key not in device.scratch:
         # One spare element: Vulkan clears whole 4-byte words, so an odd count of halves
         # would keep its last element (SlangPy's Tensor.clear rounds the size down).
-        numel = int(np.prod(shape, dtype=np.int64))
+        numel = math.prod(shape)
         device.scratch[key] = spy.Tensor.zeros(device.native, (numel + 1,), grad_dtype).view(shape)
     full = device.scratch[key]
     scope.clear(full)
@@ -134,9 +135,9 @@ def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     x = full
     runs = _reduced_runs(tuple(shape), t.shape) or [(0, 0)]  # none: one pass converts to float
     for a, b in runs:
-        outer = int(np.prod(shape[:a], dtype=np.int64))
-        n = int(np.prod(shape[a:b], dtype=np.int64))
-        inner = int(np.prod(shape[b:], dtype=np.int64))
+        outer = math.prod(shape[:a])
+        n = math.prod(shape[a:b])
+        inner = math.prod(shape[b:])
         x = _sum_axes(scope, lib, x, dtype, outer, n, inner)
         shape[a:b] = [1] * (b - a)
         dtype = "float"

@@ -171,7 +171,8 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
                 if g.shape == x.grad_out.shape and kernels.float4_ready(g, x.grad_out):
                     count = -(-g.numel // 4)
                     kernels.dispatch(kernels.get(x.device, "elementwise.slang", "accumulate4"), count,
-                                     dst=x.grad_out.native.storage, src=g.native.storage, count=count)
+                                     dst=x.grad_out.native.storage, dst_in=x.grad_out.native.storage,
+                                     src=g.native.storage, count=count)
                 else:
                     library(x.device).accumulate(x.grad_out, g.detach())
             else:

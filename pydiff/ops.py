@@ -93,10 +93,10 @@ class _Relu(Function):
             return np.where(x.numpy() > 0, g.numpy(), 0.0)
         target = ctx.grad_target(0) if kernels.float4_ready(x.grad_out) else None
         if target is not None:
-            _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=target)
+            _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=target, dx_in=target)
             return None
         dx = zeros(x.shape, device=x.device)
-        _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=dx)
+        _elementwise_kernel("relu_bwd_acc4", x, x=x, g=g, dx=dx, dx_in=dx)
         return dx
 
 
@@ -145,8 +145,9 @@ def _fast_product(kind: str, a: Tensor, b: Tensor, out: Tensor, beta: float,
     if block is None or not kernels.float4_ready(a, b, out, *([bias] if bias is not None else [])):
         return False
     rows, cols = block
+    a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
     kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
-                         HAS_BIAS=int(bias is not None))
+                         HAS_BIAS=int(bias is not None), A_VEC=int(a_vec))
     bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": float(beta)}
     if kind == "mm_nt":
         bindings["bias"] = (bias if bias is not None else a).native.storage

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from . import kernels
+from .kernels import flush_pending
 from .ops import library
 from .tensor import Tensor, zeros
 
@@ -54,9 +55,12 @@ class Optimizer:
         self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
 
     def zero_grad(self) -> None:
-        """Zero every parameter's gradient."""
+        """Zero every parameter's gradient (one submission per device)."""
+        flush_pending()  # kernels already queued run before these clears
+        batch = _Batch()
         for p in self.params:
-            p.zero_grad()
+            p._zero_grad(batch.encoder(p))
+        batch.submit()
 
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters, step count and state buffers as NumPy arrays (a copy)."""
@@ -107,8 +111,9 @@ class SGD(Optimizer):
             if kernels.float4_ready(p, p.grad, buf):
                 kernel = kernels.get(p.device, "optim.slang", "sgd_step4")
                 count = -(-p.numel // 4)
-                kernels.dispatch(kernel, count, encoder=batch.encoder(p), p=p.native.storage, grad=p.grad.native.storage,
-                                 buf=buf.native.storage, count=count, lr=d["lr"], momentum=d["momentum"],
+                kernels.dispatch(kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
+                                 grad=p.grad.native.storage, buf=buf.native.storage, buf_in=buf.native.storage,
+                                 count=count, lr=d["lr"], momentum=d["momentum"],
                                  weight_decay=d["weight_decay"], first=first)
                 p._state.wrote("SGD.step")
                 continue
@@ -158,8 +163,9 @@ class Adam(Optimizer):
                 kernel = kernels.get(p.device, "optim.slang", "adamw_step4")
                 count = -(-p.numel // 4)
                 kernels.dispatch(
-                    kernel, count, encoder=batch.encoder(p), p=p.native.storage, grad=p.grad.native.storage, m=m.native.storage,
-                    v=v.native.storage, count=count, decay=decay, l2=l2, one_minus_b1=1.0 - d["beta1"],
+                    kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
+                    grad=p.grad.native.storage, m=m.native.storage, m_in=m.native.storage, v=v.native.storage,
+                    v_in=v.native.storage, count=count, decay=decay, l2=l2, one_minus_b1=1.0 - d["beta1"],
                     beta2=d["beta2"], one_minus_b2=1.0 - d["beta2"], step_size=step_size,
                     bias2_sqrt=bias2_sqrt, eps=d["eps"],
                 )

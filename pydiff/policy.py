@@ -104,6 +104,12 @@ class BackwardScope:
             self._encoder = self._device.native.create_command_encoder()
         node.append_to(self._encoder, *args, **kwargs)
 
+    def encoder(self) -> Any:
+        """This backward's command encoder (created on first use; needs a batching device)."""
+        if self._encoder is None:
+            self._encoder = self._device.native.create_command_encoder()
+        return self._encoder
+
     def flush(self) -> None:
         """Submit the kernels appended so far (before a host read or an ordered copy)."""
         if self._encoder is not None:

@@ -161,10 +161,6 @@ class Tape:
                 "tape.backward: the output has no gradient buffer, so nothing it depends on "
                 "requires a gradient (create inputs with requires_grad=True)"
             )
-        # Intermediates restart from zero; then the seed goes into the output's upstream.
-        for entry in entries:
-            for t in entry.writes:
-                t.zero_grad()
         upstream = output.grad_in
         if isinstance(grad, Tensor):
             grad = grad.numpy()
@@ -174,8 +170,20 @@ class Tape:
                 f"tape.backward: grad has shape {seed.shape}, the output needs "
                 f"{output.expected_numpy_shape()}"
             )
-        upstream.copy_from_numpy(seed)
         with backward_scope("tape.backward", output.device if _BATCH else None) as scope:
+            # Intermediates restart from zero, then the seed goes into the output's upstream:
+            # recorded into the backward's own command list when it has one (one submission).
+            encoder = scope.encoder() if scope._device is not None else None
+            for entry in entries:
+                for t in entry.writes:
+                    t._zero_grad(encoder)
+            if encoder is not None and upstream._float_storage_at_start():
+                encoder.upload_buffer_data(upstream.native.storage, 0,
+                                           np.ascontiguousarray(seed, dtype=np.float32).ravel())
+                upstream._state.holds_result_of = None
+                upstream._state.wrote("a host write (copy_from_numpy/fill)")
+            else:
+                upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):
                 entry.run_backward(entry)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -140,7 +142,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(self._shape)
 
     @property
     def differentiable(self) -> bool:
@@ -207,6 +209,11 @@ class Tensor:
         self._state.holds_result_of = None
         self._state.wrote("a host write (copy_from_numpy/fill)")
         return self
+
+    def _float_storage_at_start(self) -> bool:
+        """A contiguous float tensor starting at its buffer's first byte (raw uploads fit)."""
+        n = self._native
+        return n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()
 
     def _scalar_name(self) -> str:
         t = self._native.dtype
@@ -349,8 +356,14 @@ class Tensor:
 
     def zero_grad(self) -> "Tensor":
         """Zero the gradient buffers (grad_in and grad_out); returns self."""
-        for g in {id(g): g for g in (self._grad_in, self._grad_out) if g is not None}.values():
-            g._clear()
+        return self._zero_grad()
+
+    def _zero_grad(self, encoder: Any = None) -> "Tensor":
+        grad_in, grad_out = self._grad_in, self._grad_out
+        if grad_in is not None:
+            grad_in._clear(encoder)
+        if grad_out is not None and grad_out is not grad_in:
+            grad_out._clear(encoder)
         return self
 
     def detach(self) -> "Tensor":
@@ -362,9 +375,13 @@ class Tensor:
         arr = np.full(self.expected_numpy_shape(), value)
         return self.copy_from_numpy(arr)
 
-    def _clear(self) -> None:
-        _flush_pending()
-        self._native.clear()
+    def _clear(self, encoder: Any = None) -> None:
+        """Zero the values now, or in order with the commands of ``encoder``."""
+        if encoder is None:
+            _flush_pending()
+            self._native.clear()
+        else:
+            self._native.clear(encoder)
         self._state.holds_result_of = None
         self._state.wrote("a host write (zeroing)")
 
@@ -374,7 +391,7 @@ class Tensor:
         >>> flat = x.reshape((x.numel,))
         """
         shape = _shape_tuple(shape)
-        if int(np.prod(shape)) != self.numel:
+        if math.prod(shape) != self.numel:
             raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
         if not self._native.is_contiguous():
             raise ValueError("reshape: the tensor is not contiguous; clone() it first")
@@ -485,7 +502,7 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
         make = spy.Tensor.zeros if zero else spy.Tensor.empty
         refl = _probe_dtype(dev, name) if isinstance(dtype, str) else dtype
         stride = int(refl.buffer_layout.stride)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape) if shape else 1
         if shape and (count * stride) % 4:
             # SlangPy's clear() zeroes whole 4-byte words and leaves the last element of,
             # e.g., an odd number of halves: pad the storage to whole words.
@@ -495,11 +512,8 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
             native = make(dev.native, (padded,), dtype).view(shape)
             return native
         return make(dev.native, shape, dtype)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    storage = dev.native.create_buffer(
-        element_count=max(1, -(-count // 4)), struct_size=16, usage=_STORAGE_USAGE,
-        format=spy.Format.rgba32_float,
-    )
+    count = math.prod(shape) if shape else 1
+    storage = _float4_storage(dev, max(1, -(-count // 4)))
     strides, step = [], 1
     for d in reversed(shape):
         strides.append(step)
@@ -509,6 +523,52 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
         native.clear()
     return native
 
+
+
+# Float4 storage buffers kept for reuse, per (device, float4 count): creating a buffer costs
+# lavapipe about 40 us, more than most kernels of a small training step. A buffer is free when
+# nothing but this pool refers to it (SlangPy's objects share Python's reference count, so
+# views and tensors built on it count too).
+_pool: dict[tuple[int, int], list] = {}
+_POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: bigger buffers are rare enough to allocate each time
+_POOL_MAX_PER_SIZE = 32
+
+
+def _float4_storage(dev: Device, float4s: int) -> Any:
+    pooled = float4s <= _POOL_MAX_FLOAT4S and not _encoder_pending()
+    if pooled:
+        buffers = _pool.setdefault((id(dev.native), float4s), [])
+        for buffer in buffers:
+            # References: the list, this loop's variable and getrefcount's argument.
+            if sys.getrefcount(buffer) == 3:
+                return buffer
+    buffer = dev.native.create_buffer(
+        element_count=float4s, struct_size=16, usage=_STORAGE_USAGE, format=spy.Format.rgba32_float,
+    )
+    if pooled and len(buffers) < _POOL_MAX_PER_SIZE:
+        buffers.append(buffer)
+    return buffer
+
+
+def _encoder_pending() -> bool:
+    """Kernels are recorded but not yet submitted: a buffer freed since may still be written
+    by them, so it must not be handed out again before they run."""
+    scope = _active_scope.get()
+    return scope is not None and scope._encoder is not None
+
+
+def empty_cache(device: Device | None = None) -> None:
+    """Release the unused storage buffers pydiff keeps for reuse (all devices by default).
+
+    >>> del activations
+    >>> pydiff.empty_cache()
+    """
+    from . import kernels
+
+    kernels.release_objects()
+    for key, buffers in list(_pool.items()):
+        if device is None or key[0] == id(device.native):
+            _pool[key] = [b for b in buffers if sys.getrefcount(b) > 3]  # list, comprehension, argument
 
 
 def _probe_dtype(dev: Device, name: str) -> Any:
