@@ -557,7 +557,7 @@ def _encoder_pending() -> bool:
     return scope is not None and scope._encoder is not None
 
 
-def empty_cache(device: Device | None = None) -> None:
+def empty_cache(device: Device | str | None = None) -> None:
     """Release the unused storage buffers pydiff keeps for reuse (all devices by default).
 
     >>> del activations
@@ -565,9 +565,10 @@ def empty_cache(device: Device | None = None) -> None:
     """
     from . import kernels
 
+    native_id = None if device is None else id(resolve_device(device).native)
     kernels.release_objects()
     for key, buffers in list(_pool.items()):
-        if device is None or key[0] == id(device.native):
+        if native_id is None or key[0] == native_id:
             _pool[key] = [b for b in buffers if sys.getrefcount(b) > 3]  # list, comprehension, argument
 
 

@@ -4,6 +4,7 @@ something still reads or writes: values are checked against NumPy after each reu
 import gc
 
 import numpy as np
+import pytest
 
 import pydiff
 from pydiff import ops
@@ -57,3 +58,8 @@ def test_empty_cache_releases_and_keeps_working(device):
     pydiff.empty_cache(device)
     np.testing.assert_array_equal(kept.numpy(), np.ones(32, np.float32))
     np.testing.assert_array_equal(ops.relu(kept).numpy(), np.ones(32, np.float32))
+
+
+def test_empty_cache_names_a_bad_device():
+    with pytest.raises((ValueError, TypeError), match="device"):
+        pydiff.empty_cache("not-a-device")
