@@ -91,9 +91,7 @@ def dispatch(kernel: Any, threads: int, *, encoder: Any = None, **bindings: Any)
     if encoder is None:
         scope = _active_scope.get()
         if scope is not None and scope._device is not None:
-            if scope._encoder is None:
-                scope._encoder = scope._device.native.create_command_encoder()
-            encoder = scope._encoder
+            encoder = scope.encoder()
     buffers, scalars = [], []
     for item in bindings.items():
         (buffers if isinstance(item[1], spy.Buffer) else scalars).append(item)

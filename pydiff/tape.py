@@ -177,12 +177,7 @@ class Tape:
             for entry in entries:
                 for t in entry.writes:
                     t._zero_grad(encoder)
-            if encoder is not None and upstream._float_storage_at_start():
-                encoder.upload_buffer_data(upstream.native.storage, 0,
-                                           np.ascontiguousarray(seed, dtype=np.float32).ravel())
-                upstream._state.holds_result_of = None
-                upstream._state.wrote("a host write (copy_from_numpy/fill)")
-            else:
+            if encoder is None or not upstream._upload(seed, encoder):
                 upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):

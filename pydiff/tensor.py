@@ -206,14 +206,22 @@ class Tensor:
         arr = np.ascontiguousarray(arr)
         _flush_pending()
         self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
+        return self._wrote_from_host()
+
+    def _upload(self, data: Any, encoder: Any) -> bool:
+        """Record a copy of float ``data`` (of this tensor's shape) into ``encoder``, in order
+        with its other commands; False (nothing done) unless the storage takes raw floats."""
+        n = self._native
+        if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
+            return False
+        encoder.upload_buffer_data(n.storage, 0, np.ascontiguousarray(data, dtype=np.float32).ravel())
+        self._wrote_from_host()
+        return True
+
+    def _wrote_from_host(self) -> "Tensor":
         self._state.holds_result_of = None
         self._state.wrote("a host write (copy_from_numpy/fill)")
         return self
-
-    def _float_storage_at_start(self) -> bool:
-        """A contiguous float tensor starting at its buffer's first byte (raw uploads fit)."""
-        n = self._native
-        return n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()
 
     def _scalar_name(self) -> str:
         t = self._native.dtype
@@ -502,7 +510,7 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
         make = spy.Tensor.zeros if zero else spy.Tensor.empty
         refl = _probe_dtype(dev, name) if isinstance(dtype, str) else dtype
         stride = int(refl.buffer_layout.stride)
-        count = math.prod(shape) if shape else 1
+        count = math.prod(shape)
         if shape and (count * stride) % 4:
             # SlangPy's clear() zeroes whole 4-byte words and leaves the last element of,
             # e.g., an odd number of halves: pad the storage to whole words.
@@ -512,7 +520,7 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
             native = make(dev.native, (padded,), dtype).view(shape)
             return native
         return make(dev.native, shape, dtype)
-    count = math.prod(shape) if shape else 1
+    count = math.prod(shape)
     storage = _float4_storage(dev, max(1, -(-count // 4)))
     strides, step = [], 1
     for d in reversed(shape):
