@@ -25,7 +25,7 @@ def main() -> None:
     X = rng.standard_normal((256, 64)).astype(np.float32)
     Y = rng.integers(0, 10, 256)
 
-    layers = [nn.Linear(64, 64, seed=0), nn.Linear(64, 10, seed=1)]
+    layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]  # relu fused
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
     xb = pydiff.tensor(X)
     yb = pydiff.tensor(Y.astype(np.int32))  # data on the device once, as in a training loop
@@ -33,7 +33,7 @@ def main() -> None:
     def pydiff_step():
         opt.zero_grad()
         with pydiff.Tape() as tape:
-            loss = ops.cross_entropy(layers[1](ops.relu(layers[0](xb))), yb)
+            loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
         tape.backward(loss)
         opt.step()
         dev.native.wait_for_idle()

@@ -27,15 +27,19 @@ def best_of(fn: Callable[[], object], repeats: int = 5, inner: int = 1) -> float
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15, inner: int = 20,
-                warmup: int = 20) -> dict[str, tuple[float, float]]:
+                warmup: int = 20, pause: float = 0.25) -> dict[str, tuple[float, float]]:
     """(median, min) seconds per call of each function, timed in alternating rounds of
-    ``inner`` calls so that a slow spell of the machine hits every contender alike."""
+    ``inner`` calls so that a slow spell of the machine hits every contender alike. Each
+    round starts after ``pause`` seconds idle: worker threads that spin for a while after
+    their work (OpenMP's, lavapipe's) would otherwise slow the next contender down."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            time.sleep(pause)
+            fn()  # one untimed call: caches and threads back in shape after the pause
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()

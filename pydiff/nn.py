@@ -16,15 +16,21 @@ from .tensor import Tensor, tensor
 
 class Linear:
     """y = x W^T + b, W of shape (out, in); PyTorch's default init U(-1/sqrt(in), 1/sqrt(in)).
+    ``activation="relu"`` applies relu in the same kernels (see ``ops.linear``).
 
     >>> layer = pydiff.nn.Linear(4, 3, seed=0)
     >>> layer(x).shape        # x of shape (batch, 4) -> (batch, 3)
+    >>> hidden = pydiff.nn.Linear(4, 16, activation="relu")
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: Device | str | None = None, seed: int | None = None):
+                 device: Device | str | None = None, seed: int | None = None,
+                 activation: str | None = None):
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: in_features={in_features}, out_features={out_features} must be positive")
+        if activation not in ops._ACTIVATIONS:
+            raise ValueError(f"Linear: activation={activation!r}; expected one of {ops._ACTIVATIONS}")
+        self.activation = activation
         dev = resolve_device(device)
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(in_features)
@@ -32,7 +38,7 @@ class Linear:
         self.bias = tensor(rng.uniform(-bound, bound, out_features), device=dev, requires_grad=True) if bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.activation)
 
     def parameters(self) -> list[Tensor]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])

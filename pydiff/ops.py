@@ -12,6 +12,7 @@ same product/reduction kernels (no atomics). See shaders/ops/*.slang for the mat
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from . import kernels
 from .device import Device
 from .function import Function
 from .module import Module, load_module
-from .tensor import Tensor, empty, zeros
+from .tensor import Tensor, empty, tensor, zeros
 
 _libraries: dict[int, Module] = {}
 
@@ -137,34 +138,46 @@ def _blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
 
 
 def _fast_product(kind: str, a: Tensor, b: Tensor, out: Tensor, beta: float,
-                  bias: Tensor | None = None) -> bool:
-    """out = beta * out + a (x) b (+ bias) with the specialised kernels; False if they do not fit."""
+                  bias: Tensor | None = None, *, relu: bool = False, mask: Tensor | None = None,
+                  db: Tensor | None = None) -> bool:
+    """out = beta * out + a (x) b (+ bias, then relu) with the specialised kernels, A read
+    through ``mask`` (A * [mask > 0]) and, for mm_tn, ``db`` = beta * db + column sums of
+    (masked) A; False, with nothing done, if the kernels do not fit."""
     m, n = out.shape
     k = a.shape[0] if kind == "mm_tn" else a.shape[1]
     block = _blocking(kind, m, n, k)
-    if block is None or not kernels.float4_ready(a, b, out, *([bias] if bias is not None else [])):
+    extra = [t for t in (bias, mask, db) if t is not None]
+    if block is None or not kernels.float4_ready(a, b, out, *extra):
         return False
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
     kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
-                         HAS_BIAS=int(bias is not None), A_VEC=int(a_vec))
+                         HAS_BIAS=int(bias is not None), A_VEC=int(a_vec), RELU=int(relu),
+                         MASK=int(mask is not None), HAS_DB=int(db is not None))
     bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": float(beta)}
     if kind == "mm_nt":
         bindings["bias"] = (bias if bias is not None else a).native.storage
+    if mask is not None:
+        bindings["mask"] = mask.native.storage
+    if db is not None:
+        bindings["db"] = db.native.storage
+        db._state.wrote(kind)
     kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
     out._state.wrote(kind)
     return True
 
 
-def _product(kind: str, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None = None) -> Tensor:
-    """C = a (x) b per ``kind`` (mm_nn, mm_nt, mm_tn), plus ``bias`` per column (mm_nt)."""
+def _product(kind: str, a: Tensor, b: Tensor, shape: tuple[int, int], bias: Tensor | None = None,
+             relu: bool = False) -> Tensor:
+    """C = a (x) b per ``kind`` (mm_nn, mm_nt, mm_tn), plus ``bias`` per column and then
+    max(C, 0) with ``relu`` (mm_nt)."""
     out = empty(shape, device=a.device)
-    if _fast_product(kind, a, b, out, 0.0, bias):
+    if _fast_product(kind, a, b, out, 0.0, bias, relu=relu):
         return out
     getattr(library(a.device), kind)(spy.grid(shape), a.detach(), b.detach(), out)
     if bias is not None:
         library(a.device).add_bias(spy.grid(shape), out, bias.detach())
-    return out
+    return _relu_slang(out) if relu else out
 
 
 def _elementwise_kernel(name: str, count_of: Tensor, **buffers: Tensor) -> None:
@@ -198,24 +211,36 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return _MatMul.apply(a, b)
 
 
-def _linear_backward_in_place(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> bool:
-    """Add dx = g W, dW = g^T x and db = column sums of g straight into the gradient buffers
-    with the specialised kernels (no temporaries, no separate accumulation)."""
+# The bias gradient is summed inside the dW product (one sequential sum per column, like
+# dW's own) up to this many rows; above, by the pairwise column-sum kernel.
+_FUSED_DB_MAX_ROWS = 4096
+
+
+def _linear_backward_in_place(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool,
+                              mask: Tensor | None = None) -> bool:
+    """Add dx = g' W, dW = g'^T x and db = column sums of g' straight into the gradient
+    buffers with the specialised kernels (no temporaries, no separate accumulation), where
+    g' = g * [mask > 0] (the relu of a fused linear + relu) or g. False, with nothing done,
+    when they do not fit."""
     batch, n_out = g.shape
     n_in = x.shape[1]
     if not (_blocking("mm_nn", batch, n_in, n_out) and _blocking("mm_tn", n_out, n_in, batch)
-            and kernels.float4_ready(g, x, w)):
+            and kernels.float4_ready(g, x, w, *([mask] if mask is not None else []))):
         return False
     inputs = [x, w] + ([ctx._inputs[2]] if has_bias else [])
     if not all(kernels.float4_ready(t.grad_out) for t in inputs if t.requires_grad):
         return False
+    wants_db = has_bias and ctx._inputs[2].requires_grad
+    fuse_db = wants_db and w.requires_grad and batch <= _FUSED_DB_MAX_ROWS
+    if mask is not None and wants_db and not fuse_db:
+        return False  # the column-sum kernel reads g unmasked: the caller masks g first
     dx, dw = ctx.grad_target(0), ctx.grad_target(1)
-    if dx is not None:
-        _fast_product("mm_nn", g, w, dx, 1.0)
-    if dw is not None:
-        _fast_product("mm_tn", g, x, dw, 1.0)
     db = ctx.grad_target(2) if has_bias else None
-    if db is not None:
+    if dx is not None:
+        _fast_product("mm_nn", g, w, dx, 1.0, mask=mask)
+    if dw is not None:
+        _fast_product("mm_tn", g, x, dw, 1.0, mask=mask, db=db if fuse_db else None)
+    if db is not None and not fuse_db:
         kernel = kernels.get(g.device, "elementwise.slang", "column_sums_acc")
         kernels.dispatch(kernel, n_out, g=g.native.storage, dst=db.native.storage, M=batch, N=n_out)
     return True
@@ -231,48 +256,65 @@ def _linear_backward(g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> tuple:
     return dx, dw, db
 
 
+def _relu_masked(g: Tensor, y: Tensor) -> Tensor:
+    """g * [y > 0] as a new tensor (the relu backward, for the unfused paths)."""
+    if kernels.float4_ready(g, y):
+        gz = zeros(g.shape, device=g.device)
+        _elementwise_kernel("relu_bwd_acc4", y, x=y, g=g, dx=gz, dx_in=gz)
+        return gz
+    return tensor(np.where(y.numpy() > 0, g.numpy(), 0.0).astype(np.float32), device=g.device)
+
+
 class _Linear(Function):
     @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        return _product("mm_nt", x, w, (x.shape[0], w.shape[0]), bias=b)  # x W^T + b
+    def forward(ctx, x, w, b, activation=None):
+        relu = activation == "relu"
+        y = _product("mm_nt", x, w, (x.shape[0], w.shape[0]), bias=b, relu=relu)  # x W^T + b
+        ctx.save_for_backward(x, w, y if relu else None)
+        ctx.has_bias = b is not None
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        if _linear_backward_in_place(ctx, g, x, w, has_bias=True):
-            return None, None, None
-        return _linear_backward(g, x, w, has_bias=True)
+        x, w, y = ctx.saved_tensors
+        nones = (None,) * (3 if ctx.has_bias else 2)
+        if _linear_backward_in_place(ctx, g, x, w, ctx.has_bias, mask=y):
+            return nones
+        if y is not None:
+            g = _relu_masked(g, y)
+            if _linear_backward_in_place(ctx, g, x, w, ctx.has_bias):
+                return nones
+        return _linear_backward(g, x, w, ctx.has_bias)
 
 
 class _LinearNoBias(_Linear):
     @staticmethod
-    def forward(ctx, x, w):
-        return _Linear.forward(ctx, x, w, None)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        if _linear_backward_in_place(ctx, g, x, w, has_bias=False):
-            return None, None
-        return _linear_backward(g, x, w, has_bias=False)
+    def forward(ctx, x, w, activation=None):
+        return _Linear.forward(ctx, x, w, None, activation)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight.T + bias`` with weight of shape (out, in), as in PyTorch.
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """``x @ weight.T + bias`` with weight of shape (out, in), as in PyTorch; with
+    ``activation="relu"``, ``relu`` of that, fused into the same kernels (forward and backward).
 
     >>> y = pydiff.ops.linear(x, W, b)       # x (B, in), W (out, in), b (out,)
+    >>> h = pydiff.ops.linear(x, W, b, activation="relu")   # = relu(linear(x, W, b))
     """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"linear: activation={activation!r}; expected one of {_ACTIVATIONS}")
     _need_2d("linear", x=x, weight=weight)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"linear: x has {x.shape[1]} features but weight {weight.shape} expects {weight.shape[1]}"
         )
     if bias is None:
-        return _LinearNoBias.apply(x, weight)
+        return _LinearNoBias.apply(x, weight, activation)
     if bias.shape != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
-    return _Linear.apply(x, weight, bias)
+    return _Linear.apply(x, weight, bias, activation)
+
+
+_ACTIVATIONS = (None, "relu")
 
 
 def _rows(name: str, x: Tensor) -> Tensor:
@@ -316,7 +358,7 @@ def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[in
     if not isinstance(axis, (int, np.integer)) or not -len(shape) <= axis < len(shape):
         raise ValueError(f"{name}: axis={axis!r} is out of range for a tensor of shape {x.shape}")
     axis = int(axis) % len(shape)
-    outer, n = int(np.prod(shape[:axis])), shape[axis]
+    outer, n = math.prod(shape[:axis]), shape[axis]
     kept = shape[:axis] + (1,) + shape[axis + 1:]
     return x.detach().reshape((outer, n, x.numel // max(outer * n, 1))), kept, n
 

@@ -381,3 +381,43 @@ def test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs(device)
     np.testing.assert_allclose(loss.numpy(), [-np.mean(np.log(P[np.arange(1000), L]))], rtol=1e-6)
     np.testing.assert_allclose(z.grad.numpy(), 2 * (P - np.eye(7)[L]) / 1000, rtol=1e-4, atol=1e-7)
     assert len(set(losses)) == 1
+
+
+@pytest.mark.parametrize("batch, n_in, n_out, bias", [
+    (256, 64, 64, True),    # fast kernels: relu in the product, the mask in dx/dW, db fused
+    (32, 16, 12, False),
+    (6, 5, 3, True),        # K % 4 != 0: SlangPy products, relu and mask as separate steps
+    (4104, 8, 4, True),     # more rows than the fused bias sum takes: mask applied first
+])
+def test_linear_relu_fused_matches_numpy(device, batch, n_in, n_out, bias):
+    X = RNG.standard_normal((batch, n_in))
+    W = RNG.standard_normal((n_out, n_in))
+    b = RNG.standard_normal(n_out) if bias else np.zeros(n_out)
+    G = RNG.standard_normal((batch, n_out))
+    x, w = _t(device, X), _t(device, W)
+    bb = _t(device, b) if bias else None
+    with pydiff.Tape() as tape:
+        y = ops.linear(x, w, bb, activation="relu")
+    tape.backward(y, grad=G)
+    x32, w32, b32 = (v.astype(np.float32).astype(np.float64) for v in (X, W, b))
+    z = x32 @ w32.T + b32
+    gz = np.where(z > 0, G.astype(np.float32), 0.0)
+    scale = np.sqrt(batch)
+    np.testing.assert_allclose(y.numpy(), np.maximum(z, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), gz @ w32, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), gz.T @ x32, rtol=1e-5, atol=1e-5 * scale)
+    if bias:
+        np.testing.assert_allclose(bb.grad.numpy(), gz.sum(0), rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_linear_relu_gradcheck_and_bad_activation(device):
+    X, W, b = RNG.standard_normal((4, 3)), RNG.standard_normal((2, 3)), RNG.standard_normal(2)
+    assert pydiff.gradcheck(lambda x, w, b: ops.linear(x, w, b, activation="relu"),
+                            (_t(device, X), _t(device, W), _t(device, b)))
+    with pytest.raises(ValueError, match=r"linear: activation='tanh'"):
+        ops.linear(_t(device, X), _t(device, W), activation="tanh")
+    with pytest.raises(ValueError, match=r"Linear: activation='gelu'"):
+        pydiff.nn.Linear(3, 2, activation="gelu")
+    layer = pydiff.nn.Linear(3, 2, seed=0, activation="relu", device=device)
+    expected = np.maximum(X.astype(np.float32) @ layer.weight.numpy().T + layer.bias.numpy(), 0)
+    np.testing.assert_allclose(layer(_t(device, X, grad=False)).numpy(), expected, rtol=1e-5, atol=1e-6)
