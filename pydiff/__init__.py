@@ -26,6 +26,7 @@ from .device import (
     set_default_device,
     shader_dir,
 )
+from .capturing import CapturedStep, CaptureError, capture
 from .checks import GradcheckError, gradcheck
 from .determinism import NondeterminismWarning, deterministic, is_deterministic, set_deterministic
 from .fixed_point import GradientOverflowError
@@ -41,6 +42,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackwardFunction",
+    "CaptureError",
+    "CapturedStep",
     "Device",
     "DeviceUnavailableError",
     "Function",
@@ -60,6 +63,7 @@ __all__ = [
     "ZeroPolicy",
     "available_devices",
     "create_device",
+    "capture",
     "default_device",
     "deterministic",
     "empty",

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import slangpy as spy
 
+from . import capturing
 from .call import _bind, _check_device, fwd_tensor_struct, forward_call, scratch
 from .kernels import flush_pending
 from .module import OverloadedFunction, ShaderFunction, load_module_from_source
@@ -150,6 +151,7 @@ def _split_pair(result: Tensor, type_name: str, wrapper: ShaderFunction) -> tupl
 def forward_mode_call(fn: ShaderFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
     _need_differentiable(fn, ".fwds")
+    capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     flush_pending()
     bound, options = _bind(fn, args, kwargs)
     want = options.pop("_result", "tensor")

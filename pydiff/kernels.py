@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import slangpy as spy
 
+from . import capturing
 from ._errors import PydiffError
 from .device import Device, shader_dir
 from .policy import _active_scope
@@ -83,11 +84,15 @@ def release_objects() -> None:
     _objects_bytes = 0
 
 
-def dispatch(kernel: Any, threads: int, *, encoder: Any = None, **bindings: Any) -> None:
+def dispatch(kernel: Any, threads: int, *, encoder: Any = None,
+             dynamic: Callable[[], dict] | None = None, **bindings: Any) -> None:
     """Run ``threads`` threads now, or append them to ``encoder`` or to the running batched
     backward's command encoder (submitted together: about 30 us a kernel on lavapipe instead
     of 60-200). Anything that must see their results first flushes the backward (pydiff's
-    calls and host reads do)."""
+    calls and host reads do). ``dynamic`` returns uniforms that may change from step to step
+    (a captured step re-reads them on replay); they are bound now too."""
+    if dynamic is not None:
+        bindings.update(dynamic())
     if encoder is None:
         scope = _active_scope.get()
         if scope is not None and scope._device is not None:
@@ -95,6 +100,9 @@ def dispatch(kernel: Any, threads: int, *, encoder: Any = None, **bindings: Any)
     buffers, scalars = [], []
     for item in bindings.items():
         (buffers if isinstance(item[1], spy.Buffer) else scalars).append(item)
+    rec = capturing.recording()
+    if rec is not None:
+        rec.record_dispatch(kernel, threads, buffers, scalars, dynamic)
     root = _bound_object(kernel, buffers, scalars)
     if root is None:
         if encoder is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import slangpy as spy
 
-from . import lint
+from . import capturing, lint
 from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .device import Device, resolve_device, shader_dir
 from .call import backward_call, forward_call
@@ -250,6 +250,7 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        capturing.refuse(f"calling {self._module.name}.{self._name} through SlangPy")
         flush_pending()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
@@ -355,6 +356,7 @@ class BackwardFunction:
         self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        capturing.refuse(f"{self._fn.module.name}.{self._fn.name}.bwds (SlangPy)")
         return backward_call(self._fn, args, kwargs)
 
     def __repr__(self) -> str:

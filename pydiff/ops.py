@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import kernels
+from . import capturing, kernels
 from .device import Device
 from .function import Function
 from .module import Module, load_module
@@ -467,24 +467,33 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
     """
     _need_2d("cross_entropy", logits=logits)
-    if isinstance(labels, Tensor) and labels.dtype == "int" and labels._state.checked == (
-            labels._state.version, "labels", logits.shape):
-        return _CrossEntropy.apply(logits, labels)  # checked before and unchanged since: no host read
+    if isinstance(labels, Tensor) and labels.dtype == "int":
+        _check_labels(labels, logits.shape)
+        # A captured step re-checks labels copied in since (out-of-range ones would read
+        # outside the logits' rows).
+        capturing.on_replay(lambda: _check_labels(labels, logits.shape))
+        return _CrossEntropy.apply(logits, labels)
     lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    _check_label_values(lab, logits.shape)
+    return _CrossEntropy.apply(logits, tensor(lab.astype(np.int32), device=logits.device))
+
+
+def _check_labels(labels: Tensor, logits_shape: tuple) -> None:
+    """Range-check an int label tensor on the host, once per version of its values."""
+    stamp = (labels._state.version, "labels", logits_shape)
+    if labels._state.checked != stamp:
+        _check_label_values(labels.numpy(), logits_shape)
+        labels._state.checked = stamp
+
+
+def _check_label_values(lab: np.ndarray, logits_shape: tuple) -> None:
     if lab.size and not np.issubdtype(lab.dtype, np.integer):
         if not np.all(np.isfinite(lab)) or np.any(lab != np.round(lab)):
             raise ValueError(f"cross_entropy: labels must be integer class indices, got {lab.dtype} values")
-    if lab.shape != (logits.shape[0],):
-        raise ValueError(f"cross_entropy: labels have shape {lab.shape}, expected ({logits.shape[0]},)")
-    if lab.size and (lab.min() < 0 or lab.max() >= logits.shape[1]):
-        raise ValueError(f"cross_entropy: labels must lie in [0, {logits.shape[1]}), got {lab.min()}..{lab.max()}")
-    if not isinstance(labels, Tensor) or labels.dtype != "int":
-        from .tensor import tensor
-
-        labels = tensor(lab.astype(np.int32), device=logits.device)
-    else:
-        labels._state.checked = (labels._state.version, "labels", logits.shape)
-    return _CrossEntropy.apply(logits, labels)
+    if lab.shape != (logits_shape[0],):
+        raise ValueError(f"cross_entropy: labels have shape {lab.shape}, expected ({logits_shape[0]},)")
+    if lab.size and (lab.min() < 0 or lab.max() >= logits_shape[1]):
+        raise ValueError(f"cross_entropy: labels must lie in [0, {logits_shape[1]}), got {lab.min()}..{lab.max()}")
 
 
 def _softmax_rows(z2: Tensor, scale: float, log_space: bool) -> Tensor:

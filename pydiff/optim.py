@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from . import kernels
+from . import capturing, kernels
 from .kernels import flush_pending
 from .ops import library
 from .tensor import Tensor, zeros
@@ -54,6 +54,9 @@ class Optimizer:
         self.step_count = 0
         self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
 
+    def _advance(self) -> None:
+        self.step_count += 1
+
     def zero_grad(self) -> None:
         """Zero every parameter's gradient (one submission per device)."""
         flush_pending()  # kernels already queued run before these clears
@@ -87,6 +90,8 @@ class Optimizer:
 
     def _buffer(self, k: int, name: str) -> Tensor:
         if name not in self.state[k]:
+            capturing.refuse(f"{type(self).__name__} creating its state on its first step (run one "
+                           "step before capturing)")
             p = self.params[k]
             self.state[k][name] = zeros(p.shape, device=p.device)
         return self.state[k][name]
@@ -102,6 +107,12 @@ class SGD(Optimizer):
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         super().__init__(params, {"lr": float(lr), "momentum": float(momentum), "weight_decay": float(weight_decay)})
 
+    def _hyper(self) -> dict:
+        """The kernel's uniforms, read at each step (and at each replay of a captured one)."""
+        d = self.defaults
+        return {"lr": d["lr"], "momentum": d["momentum"], "weight_decay": d["weight_decay"],
+                "first": 1 if self.step_count == 0 else 0}
+
     def step(self) -> None:
         d = self.defaults
         first = 1 if self.step_count == 0 else 0
@@ -113,13 +124,13 @@ class SGD(Optimizer):
                 count = -(-p.numel // 4)
                 kernels.dispatch(kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
                                  grad=p.grad.native.storage, buf=buf.native.storage, buf_in=buf.native.storage,
-                                 count=count, lr=d["lr"], momentum=d["momentum"],
-                                 weight_decay=d["weight_decay"], first=first)
+                                 count=count, dynamic=self._hyper)
                 p._state.wrote("SGD.step")
                 continue
             library(p.device).sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
         batch.submit()
-        self.step_count += 1
+        self._advance()
+        capturing.on_replay(self._advance)
 
 
 class Adam(Optimizer):
@@ -147,15 +158,23 @@ class Adam(Optimizer):
                      "weight_decay": float(weight_decay)}
         )
 
-    def step(self) -> None:
-        d = self.defaults
-        self.step_count += 1
-        t = self.step_count
+    def _hyper(self) -> dict:
+        """The kernel's uniforms for the current step count (bias correction), read at each
+        step and at each replay of a captured one."""
+        d, t = self.defaults, self.step_count
         wd = d["weight_decay"]
-        decay = 1.0 - d["lr"] * wd if self._decoupled else 1.0
-        l2 = 0.0 if self._decoupled else wd
-        step_size = d["lr"] / (1.0 - d["beta1"] ** t)
-        bias2_sqrt = (1.0 - d["beta2"] ** t) ** 0.5
+        return {
+            "decay": 1.0 - d["lr"] * wd if self._decoupled else 1.0,
+            "l2": 0.0 if self._decoupled else wd,
+            "one_minus_b1": 1.0 - d["beta1"], "beta2": d["beta2"], "one_minus_b2": 1.0 - d["beta2"],
+            "step_size": d["lr"] / (1.0 - d["beta1"] ** t),
+            "bias2_sqrt": (1.0 - d["beta2"] ** t) ** 0.5, "eps": d["eps"],
+        }
+
+    def step(self) -> None:
+        self._advance()
+        capturing.on_replay(self._advance)
+        h = self._hyper()
         batch = _Batch()
         for k, p in enumerate(self.params):
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
@@ -165,15 +184,13 @@ class Adam(Optimizer):
                 kernels.dispatch(
                     kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
                     grad=p.grad.native.storage, m=m.native.storage, m_in=m.native.storage, v=v.native.storage,
-                    v_in=v.native.storage, count=count, decay=decay, l2=l2, one_minus_b1=1.0 - d["beta1"],
-                    beta2=d["beta2"], one_minus_b2=1.0 - d["beta2"], step_size=step_size,
-                    bias2_sqrt=bias2_sqrt, eps=d["eps"],
+                    v_in=v.native.storage, count=count, dynamic=self._hyper,
                 )
                 p._state.wrote(f"{type(self).__name__}.step")
                 continue
             library(p.device).adamw_step(
-                p.detach(), p.grad, m, v, decay, l2, 1.0 - d["beta1"], d["beta2"],
-                1.0 - d["beta2"], step_size, bias2_sqrt, d["eps"],
+                p.detach(), p.grad, m, v, h["decay"], h["l2"], h["one_minus_b1"], h["beta2"],
+                h["one_minus_b2"], h["step_size"], h["bias2_sqrt"], h["eps"],
             )
         batch.submit()
 

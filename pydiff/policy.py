@@ -97,6 +97,9 @@ class BackwardScope:
 
     def dispatch(self, node, *args, **kwargs) -> None:
         """Run a SlangPy function node now, or append it to this backward's encoder."""
+        from . import capturing
+
+        capturing.refuse(f"a SlangPy backward kernel ({self.label})")
         if self._device is None:
             node(*args, **kwargs)
             return
@@ -118,10 +121,18 @@ class BackwardScope:
 
     def clear(self, native: Any) -> None:
         """Zero a SlangPy tensor in order with the kernels appended so far."""
+        from . import capturing
+
         native.clear(self._encoder) if self._encoder is not None else native.clear()
+        rec = capturing.recording()
+        if rec is not None:
+            rec.record_clear(native)
 
     def on_finish(self, check: Callable[[], None]) -> None:
         """Run ``check`` when this backward ends, after its kernels have run."""
+        from . import capturing
+
+        capturing.refuse("a check that reads a backward's results (deterministic mode's overflow check)")
         self._on_finish.append(check)
 
     def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:

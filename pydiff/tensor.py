@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import slangpy as spy
 
+from . import capturing
 from .device import Device, resolve_device
 from .policy import ZeroPolicy, _active_scope
 
@@ -204,6 +205,7 @@ class Tensor:
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
         arr = np.ascontiguousarray(arr)
+        capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
         _flush_pending()
         self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
         return self._wrote_from_host()
@@ -214,7 +216,11 @@ class Tensor:
         n = self._native
         if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
             return False
-        encoder.upload_buffer_data(n.storage, 0, np.ascontiguousarray(data, dtype=np.float32).ravel())
+        values = np.ascontiguousarray(data, dtype=np.float32).ravel()
+        encoder.upload_buffer_data(n.storage, 0, values)
+        rec = capturing.recording()
+        if rec is not None:
+            rec.record_upload(n.storage, values)
         self._wrote_from_host()
         return True
 
@@ -390,6 +396,9 @@ class Tensor:
             self._native.clear()
         else:
             self._native.clear(encoder)
+        rec = capturing.recording()
+        if rec is not None:
+            rec.record_clear(self._native)
         self._state.holds_result_of = None
         self._state.wrote("a host write (zeroing)")
 
@@ -506,8 +515,9 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
     pydiff's fast kernels read as typed float4 loads (about 3x cheaper on lavapipe)."""
     name = dtype if isinstance(dtype, str) else dtype.full_name
     shape = tuple(int(s) for s in shape)
+    rec = capturing.recording()
     if name != "float" or dev.type != "vulkan":
-        make = spy.Tensor.zeros if zero else spy.Tensor.empty
+        make = spy.Tensor.zeros if zero and rec is None else spy.Tensor.empty
         refl = _probe_dtype(dev, name) if isinstance(dtype, str) else dtype
         stride = int(refl.buffer_layout.stride)
         count = math.prod(shape)
@@ -517,9 +527,14 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
             padded = count
             while (padded * stride) % 4:
                 padded += 1
-            native = make(dev.native, (padded,), dtype).view(shape)
-            return native
-        return make(dev.native, shape, dtype)
+            native = make(dev.native, (padded,), dtype)
+            if zero and rec is not None:
+                _clear_recorded(native, rec)
+            return native.view(shape)
+        native = make(dev.native, shape, dtype)
+        if zero and rec is not None:
+            _clear_recorded(native, rec)
+        return native
     count = math.prod(shape)
     storage = _float4_storage(dev, max(1, -(-count // 4)))
     strides, step = [], 1
@@ -529,7 +544,14 @@ def new_native(dev: Device, shape: Sequence[int], dtype: Any, zero: bool = False
     native = spy.Tensor(storage, _probe_dtype(dev, "float"), list(shape), list(reversed(strides)), 0)
     if zero:
         native.clear()
+        if rec is not None:
+            rec.record_clear(native)
     return native
+
+
+def _clear_recorded(native: spy.Tensor, rec: Any) -> None:
+    native.clear()
+    rec.record_clear(native)
 
 
 
@@ -656,6 +678,7 @@ def copy_tensor(dst: Tensor, src: Tensor) -> None:
     if not (src._native.is_contiguous() and dst._native.is_contiguous()):
         dst.copy_from_numpy(src.numpy())
         return
+    capturing.refuse("copy_tensor")
     _flush_pending()
     encoder = device.create_command_encoder()
     stride = src._native.dtype.buffer_layout.stride

@@ -1,0 +1,165 @@
+"""Capture a step once, replay its GPU commands: no Python per op on later steps.
+
+A training step of small tensors spends most of its time in Python (ops, tape, optimizer)
+and in per-kernel binding, not in its kernels. ``capture`` runs a function once, as usual,
+and records the commands pydiff issued for it (its kernels, zeroing, constant uploads);
+``replay()`` submits them again, in order, on the same buffers, in one command list, like
+``torch.cuda.CUDAGraph``.
+
+    step = pydiff.capture(train_step)                    # runs train_step once
+    for xb_host, yb_host in batches:
+        xb.copy_from_numpy(xb_host); yb.copy_from_numpy(yb_host)
+        step.replay()                                    # same kernels, new data
+    print(step.result.item())                            # train_step's return value, updated
+
+What stays the same on replay: the tensors (their buffers), shapes and the kernels chosen.
+What is re-read on replay: optimizer hyper-parameters and step counts (bias correction goes
+on), and labels changed since they were range-checked. Everything else a captured function
+computes on the host (Python control flow, numbers read back) is frozen, so anything pydiff
+cannot record raises ``CaptureError`` during the capture instead of replaying stale work:
+calls of Slang functions through SlangPy (``fn(...)``, ``fn.bwds``, ``fn.fwds``, and the ops
+built on them: the elementwise ops, sum/mean, softmax, norms, attention), host writes
+(``copy_from_numpy``, ``pydiff.tensor(array)``), optimizer state created on the first step
+(run one step first) and deterministic-mode overflow checks. What can be captured: the ops
+that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int labels, on
+float tensors of a Vulkan device), pydiff.nn, the optimizers, ``zero_grad`` and
+``Tape.backward``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+import numpy as np
+
+from ._errors import PydiffError
+
+
+class CaptureError(PydiffError, RuntimeError):
+    """Something inside ``pydiff.capture`` cannot be recorded for replay."""
+
+
+_recording: contextvars.ContextVar["CapturedStep | None"] = contextvars.ContextVar(
+    "pydiff_capture", default=None
+)
+
+
+def recording() -> "CapturedStep | None":
+    """The capture in progress, if any (pydiff's kernels and clears report to it)."""
+    return _recording.get()
+
+
+def refuse(what: str) -> None:
+    """Raise CaptureError if a capture is in progress: ``what`` cannot be replayed."""
+    if _recording.get() is not None:
+        raise CaptureError(
+            f"pydiff.capture: {what} cannot be recorded for replay. A captured step may use the "
+            "ops that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int "
+            "labels, on float tensors of Vulkan devices), pydiff.nn, the optimizers, zero_grad "
+            "and Tape.backward, on tensors already on the device; copy new inputs into the "
+            "captured tensors before replay()."
+        )
+
+
+def on_replay(action: Callable[[], None]) -> None:
+    """Run ``action`` at this point of every replay of the capture in progress (host state
+    that advances per step, e.g. an optimizer's step count). No-op outside a capture."""
+    rec = _recording.get()
+    if rec is not None:
+        rec._commands.append(("host", action))
+
+
+class CapturedStep:
+    """What ``pydiff.capture`` returns: ``replay()`` and the captured call's ``result``."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict):
+        if _recording.get() is not None:
+            raise CaptureError("pydiff.capture: captures cannot be nested")
+        self._commands: list[tuple] = []
+        self._device: Any = None
+        self.replays = 0
+        token = _recording.set(self)
+        try:
+            self.result = fn(*args, **kwargs)
+        finally:
+            _recording.reset(token)
+            from .kernels import flush_pending
+
+            flush_pending()
+        if self._device is None:
+            raise CaptureError("pydiff.capture: the function issued no GPU work to record")
+
+    # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
+    def _use_device(self, native_device: Any) -> None:
+        if self._device is None:
+            self._device = native_device
+        elif self._device is not native_device:
+            raise CaptureError("pydiff.capture: the step uses two devices; capture one device's work")
+
+    def record_dispatch(self, kernel: Any, threads: int, buffers: list, scalars: list,
+                        dynamic: Callable[[], dict] | None) -> None:
+        import slangpy as spy
+
+        self._use_device(kernel.device)
+        root = kernel.device.create_root_shader_object(kernel.program)
+        cursor = spy.ShaderCursor(root).find_entry_point(0)
+        for name, value in [*buffers, *scalars]:
+            cursor[name] = value
+        # The buffers ride along: their memory must outlive the capture, and Python must
+        # not hand them to other tensors (pydiff's pool checks their reference counts).
+        self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
+
+    def record_clear(self, native: Any) -> None:
+        self._use_device(native.storage.device)
+        self._commands.append(("clear", native))
+
+    def record_upload(self, buffer: Any, data: np.ndarray) -> None:
+        self._use_device(buffer.device)
+        self._commands.append(("upload", buffer, np.array(data, copy=True)))
+
+    # --- replay ---------------------------------------------------------------------------
+    def replay(self) -> Any:
+        """Submit the captured commands again (one command list); returns ``result``."""
+        if _recording.get() is not None:
+            raise CaptureError("pydiff.capture: replay() inside a capture")
+        from .kernels import flush_pending
+
+        flush_pending()
+        device = self._device
+        encoder = device.create_command_encoder()
+        for command in self._commands:
+            kind = command[0]
+            if kind == "dispatch":
+                _, kernel, root, cursor, threads, dynamic, _ = command
+                if dynamic is not None:
+                    for name, value in dynamic().items():
+                        cursor[name] = value  # uniforms are copied when the dispatch is recorded
+                compute = encoder.begin_compute_pass()
+                compute.bind_pipeline(kernel.pipeline, root)
+                compute.dispatch([threads, 1, 1])
+                compute.end()
+            elif kind == "clear":
+                command[1].clear(encoder)
+            elif kind == "upload":
+                encoder.upload_buffer_data(command[1], 0, command[2])
+            else:  # host state for the dispatches after it (their uniforms are read now)
+                command[1]()
+        device.submit_command_buffer(encoder.finish())
+        self.replays += 1
+        return self.result
+
+    def __repr__(self) -> str:
+        kinds = [c[0] for c in self._commands]
+        return (f"<pydiff.CapturedStep: {kinds.count('dispatch')} kernels, {kinds.count('clear')} "
+                f"clears, {kinds.count('upload')} uploads, replayed {self.replays}x>")
+
+
+def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CapturedStep:
+    """Run ``fn(*args, **kwargs)`` once, recording pydiff's GPU commands; replay them with
+    ``.replay()``. See the module docstring for what a captured step may contain.
+
+    >>> step = pydiff.capture(train_step)      # after one ordinary train_step()
+    >>> step.replay(); loss = step.result.item()
+    """
+    return CapturedStep(fn, args, kwargs)

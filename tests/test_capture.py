@@ -1,0 +1,133 @@
+"""pydiff.capture: a replayed step computes what the same step run eagerly computes (new data,
+changing hyper-parameters, optimizer step counts), and what cannot be replayed is refused."""
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import nn, ops, optim
+
+RNG = np.random.default_rng(5)
+
+
+@pytest.fixture(autouse=True)
+def _vulkan_only(device):
+    if device.type != "vulkan":
+        pytest.skip("capture records pydiff's own kernels, which run on Vulkan devices only")
+
+
+def _batches(n, batch=32, features=8, classes=3):
+    return [(RNG.standard_normal((batch, features)).astype(np.float32),
+             RNG.integers(0, classes, batch).astype(np.int32)) for _ in range(n)]
+
+
+def _mlp(device, make_opt):
+    layers = [nn.Linear(8, 16, seed=0, activation="relu", device=device), nn.Linear(16, 3, seed=1, device=device)]
+    return layers, make_opt([p for layer in layers for p in layer.parameters()])
+
+
+def _step_fn(layers, opt, xb, yb):
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
+        tape.backward(loss)
+        opt.step()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["adamw", "sgd"])
+def test_replay_matches_eager_steps_with_new_batches(device, make_opt):
+    data = _batches(6)
+    eager_layers, eager_opt = _mlp(device, make_opt)
+    xb, yb = pydiff.tensor(data[0][0], device=device), pydiff.tensor(data[0][1], device=device)
+    eager = _step_fn(eager_layers, eager_opt, xb, yb)
+    expected = []
+    for x, y in data:
+        xb.copy_from_numpy(x)
+        yb.copy_from_numpy(y)
+        expected.append(eager().item())
+
+    layers, opt = _mlp(device, make_opt)
+    xc, yc = pydiff.tensor(data[0][0], device=device), pydiff.tensor(data[0][1], device=device)
+    step = _step_fn(layers, opt, xc, yc)
+    got = [step().item()]                      # an ordinary first step creates the optimizer state
+    xc.copy_from_numpy(data[1][0])
+    yc.copy_from_numpy(data[1][1])
+    captured = pydiff.capture(step)            # the second step, run and recorded
+    got.append(captured.result.item())
+    for x, y in data[2:]:
+        clutter = [pydiff.zeros((32, 16), device=device) for _ in range(4)]  # new tensors between replays
+        xc.copy_from_numpy(x)
+        yc.copy_from_numpy(y)
+        got.append(captured.replay().item())
+        del clutter
+    np.testing.assert_array_equal(got, expected)  # same kernels, same order: the same bits
+    for a, b in zip(layers + [None], eager_layers + [None]):
+        if a is not None:
+            np.testing.assert_array_equal(a.weight.numpy(), b.weight.numpy())
+    assert opt.step_count == eager_opt.step_count == len(data)
+
+
+def test_replay_reads_changed_hyper_parameters(device):
+    """The learning rate is read at every replay: a schedule set between replays applies."""
+    X = RNG.standard_normal((8, 4)).astype(np.float32)
+    W0 = RNG.standard_normal((4, 4)).astype(np.float32)
+    G = RNG.standard_normal((8, 4)).astype(np.float32)
+    x = pydiff.tensor(X, device=device)
+    w = pydiff.tensor(W0, device=device, requires_grad=True)
+    opt = optim.SGD([w], lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            y = ops.linear(x, w)
+        tape.backward(y, grad=G)                      # dL/dW = G^T X, a constant
+        opt.step()
+
+    step()
+    captured = pydiff.capture(step)
+    dw = G.astype(np.float64).T @ X
+    expected = W0 - 0.1 * dw - 0.1 * dw
+    for lr in (0.05, 0.01):
+        opt.defaults["lr"] = lr
+        captured.replay()
+        expected = expected - lr * dw
+    np.testing.assert_allclose(w.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_rechecks_changed_labels(device):
+    layers, opt = _mlp(device, lambda ps: optim.AdamW(ps))
+    (x, y), = _batches(1)
+    xb, yb = pydiff.tensor(x, device=device), pydiff.tensor(y, device=device)
+    step = _step_fn(layers, opt, xb, yb)
+    step()
+    captured = pydiff.capture(step)
+    yb.copy_from_numpy(np.full(32, 7, np.int32))   # class 7 of 3
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        captured.replay()
+
+
+def test_what_cannot_be_replayed_is_refused(device, load):
+    m = load("calls", device)
+    x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
+    with pytest.raises(pydiff.CaptureError, match=r"calls.square through SlangPy"):
+        pydiff.capture(lambda: m.square(x))
+    with pytest.raises(pydiff.CaptureError, match=r"host write"):
+        pydiff.capture(lambda: ops.relu(pydiff.tensor(np.ones(4, np.float32), device=device)))
+    w = pydiff.tensor(np.ones((2, 4), np.float32), device=device, requires_grad=True)
+    opt = optim.AdamW([w])
+    with pytest.raises(pydiff.CaptureError, match=r"run one step before capturing"):
+        pydiff.capture(opt.step)
+    with pytest.raises(pydiff.CaptureError, match=r"no GPU work"):
+        pydiff.capture(lambda: None)
+    with pytest.raises(pydiff.CaptureError, match=r"nested"):
+        pydiff.capture(lambda: pydiff.capture(lambda: ops.relu(x)))
+    captured = pydiff.capture(lambda: ops.relu(x))
+    with pytest.raises(pydiff.CaptureError, match=r"replay\(\) inside a capture"):
+        pydiff.capture(captured.replay)
+    np.testing.assert_array_equal(captured.replay().numpy(), np.ones(4, np.float32))
