@@ -1,6 +1,6 @@
 """Train an MLP (linear -> relu -> linear -> cross_entropy, AdamW) with pydiff.
 
-    python samples/train_mlp.py [--epochs 30] [--plot loss.png]
+    python samples/train_mlp.py [--epochs 30] [--plot loss.png] [--no-capture]
 
 Uses scikit-learn's bundled handwritten-digits set (8x8 images, 10 classes) when
 scikit-learn is installed (`pip install scikit-learn`); otherwise a generated 3-class
@@ -11,6 +11,7 @@ loss curve as a PNG (matplotlib, if installed).
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 
@@ -51,13 +52,28 @@ def accuracy(layers, x, y) -> float:
 
 
 def train(epochs: int = 30, batch: int = 64, hidden: int = 64, lr: float = 1e-2, seed: int = 0,
-          progress: bool = True):
+          progress: bool = True, capture: bool = True):
     x_tr, y_tr, x_te, y_te, name = load_data(seed)
     classes = int(y_tr.max()) + 1
     # The hidden layer's relu runs inside its linear kernels (forward and backward).
     layers = [nn.Linear(x_tr.shape[1], hidden, seed=seed, activation="relu"),
               nn.Linear(hidden, classes, seed=seed + 1)]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=lr, weight_decay=1e-4)
+    # One batch's tensors on the device; each step copies the next batch into them.
+    xb = pydiff.empty((batch, x_tr.shape[1]))
+    yb = pydiff.empty((batch,), dtype="int")
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
+        tape.backward(loss)
+        opt.step()
+        return loss
+
+    # After one ordinary step (it creates AdamW's state), the next is captured and the rest
+    # replay its kernels: no Python per op (pydiff.capture; docs/capture.md).
+    replay = None
     rng = np.random.default_rng(seed)
     losses = []
     epochs_iter = trange(epochs, desc="training") if (trange and progress) else range(epochs)
@@ -66,12 +82,19 @@ def train(epochs: int = 30, batch: int = 64, hidden: int = 64, lr: float = 1e-2,
         epoch_loss = []
         for start in range(0, len(order) - batch + 1, batch):
             idx = order[start : start + batch]
-            xb = pydiff.tensor(x_tr[idx])
-            opt.zero_grad()
-            with pydiff.Tape() as tape:
-                loss = ops.cross_entropy(layers[1](layers[0](xb)), y_tr[idx])
-            tape.backward(loss)
-            opt.step()
+            xb.copy_from_numpy(x_tr[idx])
+            yb.copy_from_numpy(y_tr[idx])
+            if replay is not None:
+                loss = replay()
+            elif capture and opt.step_count == 1:
+                try:
+                    captured = pydiff.capture(step)
+                    loss, replay = captured.result, captured.replay
+                except pydiff.CaptureError as why:  # e.g. a device without pydiff's own kernels
+                    print(f"(not captured: {why})")
+                    capture, loss = False, step()
+            else:
+                loss = step()
             epoch_loss.append(loss.item())
         losses.append(float(np.mean(epoch_loss)))
         if trange and progress:
@@ -85,8 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--plot", default="train_mlp_loss.png", help="PNG for the loss curve ('' to skip)")
+    ap.add_argument("--no-capture", action="store_true", help="run every step eagerly (no pydiff.capture)")
     args = ap.parse_args()
-    layers, losses, acc, name = train(args.epochs)
+    t0 = time.perf_counter()
+    layers, losses, acc, name = train(args.epochs, capture=not args.no_capture)
+    print(f"trained in {time.perf_counter() - t0:.1f} s")
     print(f"data: {name}")
     print(f"final training loss {losses[-1]:.4f}; test accuracy {acc * 100:.1f}%")
     if args.plot:

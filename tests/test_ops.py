@@ -134,10 +134,13 @@ def test_mlp_learns_end_to_end(device):
     pydiff.set_default_device(device)
     try:
         _, losses, acc, name = sample.train(epochs=15, progress=False)
+        _, eager_losses, _, _ = sample.train(epochs=2, progress=False, capture=False)
     finally:
         pydiff.set_default_device(None)
     assert losses[-1] < losses[0] / 2
     assert acc >= 0.85, f"{name}: test accuracy {acc:.3f}"
+    # The sample replays a captured step: its first epochs match running every step eagerly.
+    np.testing.assert_allclose(losses[:2], eager_losses, rtol=1e-6)
 
 
 def test_rms_norm(device):
