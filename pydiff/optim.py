@@ -135,7 +135,7 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     """Adam with bias correction; ``weight_decay`` is added to the gradient (L2), as in
-    ``torch.optim.Adam``. One fused kernel per parameter updates p, m and v.
+    ``torch.optim.Adam``. One fused kernel updates p, m and v of up to four parameters.
 
     >>> opt = pydiff.optim.Adam([W, b], lr=1e-3)
     """
@@ -176,23 +176,35 @@ class Adam(Optimizer):
         capturing.on_replay(self._advance)
         h = self._hyper()
         batch = _Batch()
+        fast: dict[int, list] = {}  # per device: (p, m, v) for the four-parameter kernel
         for k, p in enumerate(self.params):
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
             if kernels.float4_ready(p, p.grad, m, v):
-                kernel = kernels.get(p.device, "optim.slang", "adamw_step4")
-                count = -(-p.numel // 4)
-                kernels.dispatch(
-                    kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
-                    grad=p.grad.native.storage, m=m.native.storage, m_in=m.native.storage, v=v.native.storage,
-                    v_in=v.native.storage, count=count, dynamic=self._hyper,
-                )
-                p._state.wrote(f"{type(self).__name__}.step")
+                fast.setdefault(id(p.device.native), []).append((p, m, v))
                 continue
             library(p.device).adamw_step(
                 p.detach(), p.grad, m, v, h["decay"], h["l2"], h["one_minus_b1"], h["beta2"],
                 h["one_minus_b2"], h["step_size"], h["bias2_sqrt"], h["eps"],
             )
+        for group in fast.values():
+            for first in range(0, len(group), 4):
+                self._dispatch_four(group[first:first + 4], batch)
         batch.submit()
+
+    def _dispatch_four(self, slots: list, batch: _Batch) -> None:
+        """One kernel updating up to four parameters (threads split by float4 ranges)."""
+        bindings, end = {}, 0
+        for k in range(4):
+            p, m, v = slots[min(k, len(slots) - 1)]
+            if k < len(slots):
+                end += -(-p.numel // 4)
+                p._state.wrote(f"{type(self).__name__}.step")
+            bindings.update({f"p{k}": p.native.storage, f"p{k}_in": p.native.storage,
+                             f"g{k}": p.grad.native.storage, f"m{k}": m.native.storage,
+                             f"m{k}_in": m.native.storage, f"v{k}": v.native.storage,
+                             f"v{k}_in": v.native.storage, f"end{k}": end})
+        kernel = kernels.get(slots[0][0].device, "optim.slang", "adamw_step4_multi")
+        kernels.dispatch(kernel, end, encoder=batch.encoder(slots[0][0]), dynamic=self._hyper, **bindings)
 
 
 class AdamW(Adam):
