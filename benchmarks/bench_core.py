@@ -17,7 +17,7 @@ import slangpy as spy
 
 import pydiff
 
-from timing import best_of
+from timing import best_of, describe
 
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
 
@@ -32,7 +32,7 @@ def main() -> None:
     dev = pydiff.create_device(args.device)
     m = pydiff.load_module(SOURCE, device=dev)
     raw = spy.Module.load_from_file(dev.native, str(SOURCE))
-    print(f"device: {dev.type} ({dev.adapter_name})")
+    print(f"device: {describe(dev)}")
     rows = []
 
     def sync():

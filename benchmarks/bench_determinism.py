@@ -14,12 +14,14 @@ The tests never assert on speed.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 import pydiff
+from timing import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +66,9 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=24, help="log2 of the number of elements")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    # Races between threads are what this benchmark shows: on lavapipe keep its worker pool
+    # (pydiff would run compute inline on a 2-CPU machine, one thread, and no races).
+    os.environ.setdefault("LP_NUM_THREADS", str(os.cpu_count() or 2))
     dev = pydiff.default_device()
     n = 1 << args.large
     m = pydiff.load_module(ROOT / "samples" / "polynomial.slang", device=dev)
@@ -103,7 +108,7 @@ def main() -> None:
         ("pydiff deterministic", deterministic_run, lambda: a.grad.numpy()),
         ("pydiff FwdDiffTensor (int64)", pydiff_run(fixed.polynomial_fixed), lambda: a.grad.numpy()),
     ]
-    print(f"device: {dev.type} ({dev.adapter_name}); broadcast parameter over {n:,} elements, "
+    print(f"device: {describe(dev)}; broadcast parameter over {n:,} elements, "
           f"best of {args.repeats}")
     print(f"{'path':30s} {'time':>9s} {'rel. error':>11s} {'bit patterns':>13s}")
     times = {}

@@ -16,7 +16,7 @@ import numpy as np
 
 import pydiff
 
-from timing import best_of
+from timing import best_of, describe
 
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
 
@@ -39,7 +39,7 @@ def main() -> None:
     t_fwd = best_of(lambda: (m.polynomial(2.0, 8.0, -1.0, x, _result=y), sync()))
     t_jvp = best_of(lambda: (m.polynomial.fwds(2.0, 8.0, -1.0, x), sync()))
     t_bwd = best_of(lambda: (m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y), sync()))
-    print(f"device: {dev.type} ({dev.adapter_name}); {n:,} elements")
+    print(f"device: {describe(dev)}; {n:,} elements")
     print(f"forward call       {t_fwd * 1e3:8.1f} ms")
     print(f"fwds (value + JVP) {t_jvp * 1e3:8.1f} ms   = {t_jvp / t_fwd:.2f}x the forward call")
     print(f"bwds (VJP)         {t_bwd * 1e3:8.1f} ms   fwds/bwds = {t_jvp / t_bwd:.2f}x")

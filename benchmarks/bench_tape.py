@@ -12,7 +12,7 @@ import numpy as np
 
 import pydiff
 
-from timing import best_of
+from timing import best_of, describe
 
 SHADER = Path(__file__).resolve().parent.parent / "tests" / "shaders" / "chain.slang"
 
@@ -59,7 +59,7 @@ def main() -> None:
     by_hand()
     if not np.array_equal(x.grad.numpy(), x2.grad.numpy()):
         raise SystemExit("tape and by-hand gradients differ")
-    print(f"device: {dev.type} ({dev.adapter_name}); {args.calls} calls of {args.size} elements")
+    print(f"device: {describe(dev)}; {args.calls} calls of {args.size} elements")
     print(f"tape.backward      {t_tape * 1e3:8.3f} ms")
     print(f"by hand (.bwds x{args.calls}) {t_hand * 1e3:8.3f} ms")
     print(f"tape / by hand     {t_tape / t_hand:8.2f}x")

@@ -12,7 +12,7 @@ import numpy as np
 import pydiff
 from pydiff import nn, ops, optim
 
-from timing import best_of, interleaved
+from timing import best_of, describe, interleaved
 
 
 def main() -> None:
@@ -107,7 +107,7 @@ def main() -> None:
     t_copy = best_of(lambda: np.copyto(dst, src), 5)  # reads + writes 8 bytes per float
     gbs_adam, gbs_copy = moved / t_adam / 1e9, 8 * n / t_copy / 1e9
 
-    print(f"device: {dev.type} ({dev.adapter_name})")
+    print(f"device: {describe(dev)}")
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
     print(f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):")
     for name, (p_med, p_min) in ours.items():

@@ -7,6 +7,7 @@ uses on each, and the shader search path.
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import Any
 
@@ -51,6 +52,7 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
         "shader_dir": str(shader_dir()),
         "devices": devices,
+        "lavapipe_threads": os.environ.get("LP_NUM_THREADS"),
     }
 
 
@@ -67,6 +69,12 @@ def format_info(data: dict[str, Any]) -> str:
             lines.append(f"  {d['type']:7s} not available: {d['why']}")
             continue
         lines.append(f"  {d['type']:7s} {d['adapter']}")
+        if "llvmpipe" in d["adapter"]:
+            threads = data.get("lavapipe_threads")
+            lines.append("          compute threads: " + (
+                "a worker per CPU (lavapipe's default)" if threads is None
+                else "inline, in lavapipe's queue thread (LP_NUM_THREADS=0)" if threads.strip() == "0"
+                else f"LP_NUM_THREADS={threads}"))
         for key, what in _FEATURES.items():
             lines.append(f"          {'yes' if d['features'][key] else 'no ':3s}  {what}")
         lines.append(f"          shader search path: {', '.join(d['include_paths']) or '(none)'}")

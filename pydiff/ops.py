@@ -124,17 +124,24 @@ def _need_2d(name: str, **tensors: Tensor) -> None:
 def _blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
     """Rows and columns of C per thread for the fast product kernels, or None when the
     shapes do not fit them (B is read as float4 rows: mm_nt needs K % 4 == 0, the others
-    N % 4 == 0)."""
+    N % 4 == 0). Blocks of up to 128 accumulators: on lavapipe, 8 x 16 blocks beat 8 x 8
+    by 10-35% on a training step's products (each load feeds more multiply-adds)."""
     if kind == "mm_nt":
         if k % 4:
             return None
-        cols = n if n <= 16 else next(c for c in (8, 4, 2, 1) if n % c == 0)
+        cols = n if n <= 16 else next(c for c in (16, 8, 4, 2, 1) if n % c == 0)
     else:
         if n % 4:
             return None
-        cols = 8 if n % 8 == 0 else 4
-    rows = next(r for r in (8, 4, 2, 1) if m % r == 0 and r * cols <= 80)
+        cols = next(c for c in (16, 8, 4) if n % c == 0)
+    budget = _BLOCK_ACCUMULATORS // cols
+    rows = next((r for r in (16, 8, 4) if m % r == 0 and r <= budget), None)
+    if rows is None:  # e.g. 10 rows: 5 per thread rather than 2
+        rows = next(r for r in range(min(16, budget, m), 0, -1) if m % r == 0)
     return rows, cols
+
+
+_BLOCK_ACCUMULATORS = 128
 
 
 def _fast_product(kind: str, a: Tensor, b: Tensor, out: Tensor, beta: float,
@@ -151,10 +158,13 @@ def _fast_product(kind: str, a: Tensor, b: Tensor, out: Tensor, beta: float,
         return False
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
+    c_vec = beta != 0 and n % 4 == 0 and cols % 4 == 0  # C read back as float4s to add to it
     kernel = kernels.get(a.device, "matmul.slang", kind, M=m, N=n, K=k, RB=rows, CB=cols, TG=32,
                          HAS_BIAS=int(bias is not None), A_VEC=int(a_vec), RELU=int(relu),
-                         MASK=int(mask is not None), HAS_DB=int(db is not None))
+                         MASK=int(mask is not None), HAS_DB=int(db is not None), C_VEC=int(c_vec))
     bindings = {"a": a.native.storage, "b": b.native.storage, "c": out.native.storage, "beta": float(beta)}
+    if c_vec:
+        bindings["c_in"] = out.native.storage
     if kind == "mm_nt":
         bindings["bias"] = (bias if bias is not None else a).native.storage
     if mask is not None:

@@ -12,6 +12,7 @@ deterministic mode also covers tensors passed twice and warns about what it cann
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,9 @@ def main() -> None:
     ap.add_argument("--log2", type=int, default=20, help="log2 of the number of elements")
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
+    # Atomics race between threads. On a machine with two CPUs or fewer pydiff runs lavapipe
+    # (Vulkan on the CPU) in one thread, where they would not race: keep its worker pool here.
+    os.environ.setdefault("LP_NUM_THREADS", str(os.cpu_count() or 2))
     dev = pydiff.default_device()
     n = 1 << args.log2
     xs = np.random.default_rng(0).uniform(0.5, 1.0, n).astype(np.float32)

@@ -39,6 +39,31 @@ def test_default_device_is_reused():
     assert pydiff.default_device() is pydiff.default_device()
 
 
+def test_lavapipe_runs_inline_on_small_machines_unless_the_user_chose():
+    from pydiff.device import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads
+
+    env = {}
+    assert choose_lavapipe_threads(env, cpus=LAVAPIPE_INLINE_MAX_CPUS) == "0"
+    assert env == {"LP_NUM_THREADS": "0"}
+    env = {"LP_NUM_THREADS": "3"}
+    assert choose_lavapipe_threads(env, cpus=1) == "3" and env == {"LP_NUM_THREADS": "3"}
+    env = {}
+    assert choose_lavapipe_threads(env, cpus=LAVAPIPE_INLINE_MAX_CPUS + 1) is None and env == {}
+
+
+def test_opening_a_device_applies_the_lavapipe_thread_choice():
+    code = (
+        "import os, pydiff\n"
+        "pydiff.available_devices()\n"
+        "print(os.environ.get('LP_NUM_THREADS'), len(os.sched_getaffinity(0)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    threads, cpus = out[-2], int(out[-1])
+    assert threads == ("0" if cpus <= 2 else "None")
+
+
 def test_shader_library_on_include_path(device):
     assert (pydiff.shader_dir() / "pydiff.slang").is_file()
     m = pydiff.load_module_from_source(

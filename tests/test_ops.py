@@ -304,7 +304,7 @@ def test_attention_forward_backward(device):
         ops.attention(q, k, _t(device, V[:4]))
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 8, 12), (8, 12, 10), (12, 4, 16)])
+@pytest.mark.parametrize("m,k,n", [(16, 8, 12), (8, 12, 10), (12, 4, 16), (10, 16, 32), (7, 20, 8)])
 def test_fast_product_kernels_match_numpy(device, m, k, n):
     """Shapes that take the specialised float4 kernels on Vulkan (and the SlangPy kernels
     elsewhere): forward with bias, and both gradients, against NumPy."""
