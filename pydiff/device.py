@@ -37,10 +37,10 @@ _UNSUPPORTED = {
 
 # Mesa's lavapipe (Vulkan on the CPU) hands each dispatch to a pool of one worker thread per
 # core. On two cores that hand-off costs more than the second core gives back for the small
-# kernels of a training step (measured here: a trivial dispatch 22 us pooled, 4 us inline; a
-# 256x64x64x10 MLP step 1.7x PyTorch-CPU pooled, 1.1x inline), so pydiff asks lavapipe to run
-# compute inline on machines this small, unless LP_NUM_THREADS is already set. Large kernels
-# give up their second core (AdamW over 10M parameters about 1.5x slower).
+# kernels of a training step (measured: an empty dispatch 22 us pooled, 4 us inline; an eager
+# 256x64x64x10 MLP step 3.7x PyTorch-CPU pooled, 2.3x inline), so pydiff asks lavapipe to run
+# compute inline on machines this small, unless LP_NUM_THREADS is already set. Kernels over
+# millions of elements give up the second core (about 2x slower): docs/devices.md.
 LAVAPIPE_INLINE_MAX_CPUS = 2
 
 
