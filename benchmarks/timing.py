@@ -8,10 +8,11 @@ interleaved rounds for comparisons on a machine whose speed drifts (a shared VM)
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Callable
+
+from pydiff.device import lavapipe_threads_text
 
 
 def describe(dev) -> str:
@@ -19,10 +20,7 @@ def describe(dev) -> str:
     it inline on machines of two CPUs or fewer: see docs/devices.md)."""
     text = f"{dev.type} ({dev.adapter_name})"
     if "llvmpipe" in dev.adapter_name:
-        threads = os.environ.get("LP_NUM_THREADS")
-        text += "; lavapipe compute " + (
-            "inline (LP_NUM_THREADS=0)" if threads is not None and threads.strip() == "0"
-            else f"on LP_NUM_THREADS={threads} workers" if threads else "on a worker per CPU")
+        text += "; lavapipe compute " + lavapipe_threads_text()
     return text
 
 

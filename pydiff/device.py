@@ -69,6 +69,18 @@ def choose_lavapipe_threads(environ: dict | None = None, cpus: int | None = None
     return env["LP_NUM_THREADS"]
 
 
+def lavapipe_threads_text(value: str | None = None) -> str:
+    """How lavapipe runs compute for ``LP_NUM_THREADS=value`` (default: the environment's).
+
+    >>> pydiff.device.lavapipe_threads_text("0")
+    'inline (LP_NUM_THREADS=0)'
+    """
+    value = os.environ.get("LP_NUM_THREADS") if value is None else value
+    if value is None or not value.strip():
+        return "on a worker per CPU (lavapipe's default)"
+    return "inline (LP_NUM_THREADS=0)" if value.strip() == "0" else f"on LP_NUM_THREADS={value} workers"
+
+
 def shader_dir() -> Path:
     """Folder of pydiff's Slang library: installed package data first, then the checkout."""
     here = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ import numpy as np
 import slangpy as spy
 
 from ._errors import DeviceUnavailableError
-from .device import AUTO_ORDER, _open, shader_dir
+from .device import AUTO_ORDER, _open, lavapipe_threads_text, shader_dir
 
 # The device features pydiff relies on, by the name SlangPy reports.
 _FEATURES = {
@@ -70,11 +70,7 @@ def format_info(data: dict[str, Any]) -> str:
             continue
         lines.append(f"  {d['type']:7s} {d['adapter']}")
         if "llvmpipe" in d["adapter"]:
-            threads = data.get("lavapipe_threads")
-            lines.append("          compute threads: " + (
-                "a worker per CPU (lavapipe's default)" if threads is None
-                else "inline, in lavapipe's queue thread (LP_NUM_THREADS=0)" if threads.strip() == "0"
-                else f"LP_NUM_THREADS={threads}"))
+            lines.append("          compute: " + lavapipe_threads_text(data.get("lavapipe_threads") or ""))
         for key, what in _FEATURES.items():
             lines.append(f"          {'yes' if d['features'][key] else 'no ':3s}  {what}")
         lines.append(f"          shader search path: {', '.join(d['include_paths']) or '(none)'}")
