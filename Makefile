@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench docs clean
+.PHONY: setup demo test lint bench docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Style and structure (CI runs it): ruff at 100 columns, formatting included.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # PyTorch-CPU is an optional comparison; the benchmark skips it when missing.
 bench: setup

@@ -52,12 +52,15 @@ def main() -> None:
             for _ in range(args.calls):
                 call()
             sync()
+
         return run
 
     fwd_p = best_of(loop(lambda: m.polynomial(2.0, 8.0, -1.0, px, _result=py)), 5) / args.calls
     fwd_r = best_of(loop(lambda: raw.polynomial(2.0, 8.0, -1.0, rx, _result=ry)), 5) / args.calls
     bwd_p = best_of(loop(lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py)), 5) / args.calls
-    bwd_r = best_of(loop(lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry)), 5) / args.calls
+    bwd_r = (
+        best_of(loop(lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry)), 5) / args.calls
+    )
     rows += [
         ("call, 16 elements", fwd_p * 1e6, fwd_r * 1e6, "us"),
         ("bwds, 16 elements", bwd_p * 1e6, bwd_r * 1e6, "us"),

@@ -80,7 +80,7 @@ def main() -> None:
     y = pydiff.empty((n,), device=dev).with_grads(ones=True)
     a = pydiff.tensor([2.0], device=dev, requires_grad=True)
     native_a = a.native.with_grads()
-    native_y = y._as_native(True)
+    native_y = y.bind(True)
 
     def sync():
         dev.native.wait_for_idle()
@@ -89,12 +89,14 @@ def main() -> None:
         def run():
             native_a.grad_out.clear()
             fn.bwds(native_a, 8.0, -1.0, x.native, _result=native_y)
+
         return run
 
     def pydiff_run(fn):
         def run():
             a.zero_grad()
             fn.bwds(a, 8.0, -1.0, x, _result=y)
+
         return run
 
     def deterministic_run():
@@ -102,25 +104,45 @@ def main() -> None:
             pydiff_run(m.polynomial)()
 
     rows = [
-        ("SlangPy atomic (1 address)", raw(m.polynomial.native), lambda: native_a.grad_out.to_numpy()),
-        ("SlangPy load_uniform", raw(uniform.polynomial_uniform.native), lambda: native_a.grad_out.to_numpy()),
+        (
+            "SlangPy atomic (1 address)",
+            raw(m.polynomial.native),
+            lambda: native_a.grad_out.to_numpy(),
+        ),
+        (
+            "SlangPy load_uniform",
+            raw(uniform.polynomial_uniform.native),
+            lambda: native_a.grad_out.to_numpy(),
+        ),
         ("pydiff default", pydiff_run(m.polynomial), lambda: a.grad.numpy()),
         ("pydiff deterministic", deterministic_run, lambda: a.grad.numpy()),
-        ("pydiff FwdDiffTensor (int64)", pydiff_run(fixed.polynomial_fixed), lambda: a.grad.numpy()),
+        (
+            "pydiff FwdDiffTensor (int64)",
+            pydiff_run(fixed.polynomial_fixed),
+            lambda: a.grad.numpy(),
+        ),
     ]
-    print(f"device: {describe(dev)}; broadcast parameter over {n:,} elements, "
-          f"best of {args.repeats}")
+    print(
+        f"device: {describe(dev)}; broadcast parameter over {n:,} elements, best of {args.repeats}"
+    )
     print(f"{'path':30s} {'time':>9s} {'rel. error':>11s} {'bit patterns':>13s}")
     times = {}
     for name, run, read in rows:
         t, value, bits = measure(run, read, sync, args.repeats)
         times[name] = t
-        print(f"{name:30s} {t * 1e3:7.1f} ms {abs(value - want) / want:11.1e} "
-              f"{len(bits):>6d} of {args.repeats}")
-    det, atomic, default = (times["pydiff deterministic"], times["SlangPy atomic (1 address)"],
-                            times["pydiff default"])
-    print(f"deterministic / SlangPy atomic = {det / atomic:.2f}x (target <= 1.0); "
-          f"deterministic / pydiff default = {det / default:.2f}x (target <= 1.5)")
+        print(
+            f"{name:30s} {t * 1e3:7.1f} ms {abs(value - want) / want:11.1e} "
+            f"{len(bits):>6d} of {args.repeats}"
+        )
+    det, atomic, default = (
+        times["pydiff deterministic"],
+        times["SlangPy atomic (1 address)"],
+        times["pydiff default"],
+    )
+    print(
+        f"deterministic / SlangPy atomic = {det / atomic:.2f}x (target <= 1.0); "
+        f"deterministic / pydiff default = {det / default:.2f}x (target <= 1.5)"
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ def main() -> None:
     print(f"fwds (value + JVP) {t_jvp * 1e3:8.1f} ms   = {t_jvp / t_fwd:.2f}x the forward call")
     print(f"bwds (VJP)         {t_bwd * 1e3:8.1f} ms   fwds/bwds = {t_jvp / t_bwd:.2f}x")
     t_np = best_of(lambda: (2.0 * xs * xs + 8.0 * xs - 1.0, 4.0 * xs + 8.0))
-    print(f"NumPy value + closed-form derivative {t_np * 1e3:.1f} ms   pydiff fwds/NumPy = {t_jvp / t_np:.2f}x")
+    print(
+        f"NumPy value + closed-form derivative {t_np * 1e3:.1f} ms   "
+        f"pydiff fwds/NumPy = {t_jvp / t_np:.2f}x"
+    )
     try:
         import torch
         from torch.func import jvp
@@ -53,7 +56,10 @@ def main() -> None:
         return
     tx, tt = torch.from_numpy(xs), torch.ones(n)
     t_torch = best_of(lambda: jvp(lambda v: 2.0 * v * v + 8.0 * v - 1.0, (tx,), (tt,)))
-    print(f"PyTorch-CPU torch.func.jvp {t_torch * 1e3:.1f} ms   pydiff fwds/PyTorch = {t_jvp / t_torch:.2f}x")
+    print(
+        f"PyTorch-CPU torch.func.jvp {t_torch * 1e3:.1f} ms   "
+        f"pydiff fwds/PyTorch = {t_jvp / t_torch:.2f}x"
+    )
 
 
 if __name__ == "__main__":

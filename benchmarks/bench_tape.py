@@ -1,6 +1,6 @@
 """tape.backward over N recorded calls against the same N .bwds calls made by hand.
 
-    python benchmarks/bench_tape.py [--calls 10] [--size 16]
+python benchmarks/bench_tape.py [--calls 10] [--size 16]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A 256 x 64 x 64 x 10 MLP training step and the fused AdamW step, against NumPy/PyTorch.
 
-    python benchmarks/bench_train.py [--params 10000000]
+python benchmarks/bench_train.py [--params 10000000]
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ def main() -> None:
     yb = pydiff.tensor(Y.astype(np.int32))  # data on the device once, as in a training loop
 
     def make_step():
-        layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]  # relu fused
+        layers = [
+            nn.Linear(64, 64, seed=0, activation="relu"),
+            nn.Linear(64, 10, seed=1),
+        ]  # relu fused
         opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
 
         def step():
@@ -39,6 +42,7 @@ def main() -> None:
             tape.backward(loss)
             opt.step()
             return loss
+
         return layers, step
 
     layers, eager_step = make_step()
@@ -69,7 +73,11 @@ def main() -> None:
         for w, g in ((W1, dW1), (b1, db1), (W2, dW2), (b2, db2)):
             w -= 1e-3 * g
 
-    contenders = {"pydiff": pydiff_step, "pydiff captured": pydiff_captured_step, "NumPy": numpy_step}
+    contenders = {
+        "pydiff": pydiff_step,
+        "pydiff captured": pydiff_captured_step,
+        "NumPy": numpy_step,
+    }
     try:
         import torch
 
@@ -109,15 +117,21 @@ def main() -> None:
 
     print(f"device: {describe(dev)}")
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
-    print(f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):")
+    print(
+        f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):"
+    )
     for name, (p_med, p_min) in ours.items():
         how = "pydiff.capture, replay()" if name.endswith("captured") else "eager: ops, Tape, AdamW"
         print(f"  {name} ({how}): {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms")
         for other, (o_med, o_min) in steps.items():
-            print(f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms: "
-                  f"{p_med / o_med:.1f}x (median), {p_min / o_min:.1f}x (best)")
-    print(f"fused AdamW, {n / 1e6:.0f}M params: {t_adam * 1e3:.1f} ms = {gbs_adam:.1f} GB/s; "
-          f"NumPy memcpy {gbs_copy:.1f} GB/s; ratio {gbs_adam / gbs_copy:.2f} of the copy bandwidth")
+            print(
+                f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms: "
+                f"{p_med / o_med:.1f}x (median), {p_min / o_min:.1f}x (best)"
+            )
+    print(
+        f"fused AdamW, {n / 1e6:.0f}M params: {t_adam * 1e3:.1f} ms = {gbs_adam:.1f} GB/s; "
+        f"NumPy memcpy {gbs_copy:.1f} GB/s; ratio {gbs_adam / gbs_copy:.2f} of the copy bandwidth"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ def best_of(fn: Callable[[], object], repeats: int = 5, inner: int = 1) -> float
     return best
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15, inner: int = 20,
-                warmup: int = 20, pause: float = 0.25) -> dict[str, tuple[float, float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    rounds: int = 15,
+    inner: int = 20,
+    warmup: int = 20,
+    pause: float = 0.25,
+) -> dict[str, tuple[float, float]]:
     """(median, min) seconds per call of each function, timed in alternating rounds of
     ``inner`` calls so that a slow spell of the machine hits every contender alike. Each
     round starts after ``pause`` seconds idle: worker threads that spin for a while after

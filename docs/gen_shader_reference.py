@@ -151,7 +151,7 @@ def function_name(decl: str) -> str | None:
 
 def _decl(head: str, body: str | None, member: bool = False) -> Decl | None:
     attrs, rest = _split_attributes(head)
-    entry = any(re.match(r'\[\s*shader\s*\(', a) for a in attrs)
+    entry = any(re.match(r"\[\s*shader\s*\(", a) for a in attrs)
     if not (rest.startswith("public ") or entry):
         return None
     m = re.match(r"public\s+(struct|interface|enum)\s+(\w+)", rest)
@@ -164,7 +164,9 @@ def _decl(head: str, body: str | None, member: bool = False) -> Decl | None:
         return d
     name = function_name(rest)
     if name:
-        return Decl("entry point" if entry else ("method" if member else "function"), name, rest, attrs)
+        return Decl(
+            "entry point" if entry else ("method" if member else "function"), name, rest, attrs
+        )
     m = re.search(r"(\w+)\s*(\[[^\]]*\])?\s*(=.*)?$", rest)
     return Decl("field", m.group(1), rest, attrs) if m else None
 
@@ -236,17 +238,32 @@ def render() -> str:
     files = shader_files()
     main, parts = files[0], files[1:]
     included = set(main.includes)
-    out = ["## `pydiff.slang` {#pydiff-slang}", "", "```text", main.header, "```", "",
-           "Parts, in include order: " + ", ".join(
-               f"[`{f.path.as_posix()}`](#{_anchor(f.path.as_posix())})" for f in parts
-               if f.path.as_posix() in included) + ".", ""]
+    out = [
+        "## `pydiff.slang` {#pydiff-slang}",
+        "",
+        "```text",
+        main.header,
+        "```",
+        "",
+        "Parts, in include order: "
+        + ", ".join(
+            f"[`{f.path.as_posix()}`](#{_anchor(f.path.as_posix())})"
+            for f in parts
+            if f.path.as_posix() in included
+        )
+        + ".",
+        "",
+    ]
     index: list[tuple[str, str, str]] = []
     for f in parts:
         rel = f.path.as_posix()
         out += [f"## `{rel}` {{#{_anchor(rel)}}}", ""]
         if rel not in included:
-            out += ["*Not part of `import pydiff;`: loaded by pydiff on its own "
-                    "(compute entry points dispatched directly).*", ""]
+            out += [
+                "*Not part of `import pydiff;`: loaded by pydiff on its own "
+                "(compute entry points dispatched directly).*",
+                "",
+            ]
         if f.header:
             out += ["```text", f.header, "```", ""]
         if not f.decls:
@@ -273,6 +290,7 @@ def render() -> str:
 
 
 # -- MkDocs hook ----------------------------------------------------------------------------
+
 
 def on_config(config):
     # `mkdocs serve` rebuilds when a shader changes.

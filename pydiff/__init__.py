@@ -10,8 +10,15 @@
 Everything listed in ``__all__`` is public; other names may change.
 """
 
-from ._errors import (
+from importlib.metadata import PackageNotFoundError as _NotInstalled
+from importlib.metadata import version as _version
+
+from .errors import (
+    CaptureError,
     DeviceUnavailableError,
+    GradcheckError,
+    GradientOverflowError,
+    NondeterminismWarning,
     PydiffError,
     ShaderTrapError,
     ShaderTrapWarning,
@@ -26,22 +33,40 @@ from .device import (
     set_default_device,
     shader_dir,
 )
-from .capturing import CapturedStep, CaptureError, capture
-from .checks import GradcheckError, gradcheck
-from .determinism import NondeterminismWarning, deterministic, is_deterministic, set_deterministic
-from .fixed_point import GradientOverflowError
+from .capturing import CapturedStep, capture
+from .creation import empty, empty_cache, ones, tensor, zeros
+from .determinism import deterministic, is_deterministic, set_deterministic
 from .function import Function, FunctionCtx
-from .forward import hessian, hvp, jvp, vjp
-from .module import BackwardFunction, Module, ShaderFunction, load_module, load_module_from_source
+from .gradcheck import gradcheck
+from .module import (
+    BackwardFunction,
+    Module,
+    OverloadedFunction,
+    ShaderFunction,
+    load_module,
+    load_module_from_source,
+)
+from .forward_mode import ForwardFunction
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
-from . import nn, ops, optim
+from .signature import ParamInfo, Signature
+from .storage import Storage
 from .tape import Tape
-from .tensor import Tensor, empty, empty_cache, ones, tensor, zeros
+from .tensor import Tensor
+from .transforms import hessian, hvp, jvp, vjp
+from . import nn, ops, optim
 
-__version__ = "0.1.0"
+try:  # one place: the version pyproject.toml gives the installed package
+    __version__ = _version("pydiff")
+except _NotInstalled:  # a source checkout that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BackwardFunction",
+    "ForwardFunction",
+    "OverloadedFunction",
+    "ParamInfo",
+    "Signature",
+    "Storage",
     "CaptureError",
     "CapturedStep",
     "Device",

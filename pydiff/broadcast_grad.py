@@ -10,7 +10,7 @@ in float32 for float and half parameters, and adds the result into ``grad_out`` 
 
     shape = call_shape(fn, bound, result)           # (2**24,) for polynomial(a, b, c, x)
     native = expand(scope, device, a, shape, ordinal=0)     # bind this instead of a
-    reduce_into(scope, device, native.grad_out, shape, a)   # after the call: a.grad += sum
+    reduce_into(scope, device, native.grad_out, a)          # after the call: a.grad += sum
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from .signature import FunctionTarget
 from .tensor import Tensor
 
 EXPANDABLE = ("float", "half")  # gradient dtypes the reduction kernels read
@@ -28,7 +29,7 @@ _MIN_CHUNK = 64  # fewest elements one thread sums
 _TARGET_THREADS = 16384  # enough threads to fill a GPU; more passes below this
 
 
-def call_shape(fn: Any, bound: list, result: Any) -> tuple[int, ...] | None:
+def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] | None:
     """The shape SlangPy vectorises the call over, or None when pydiff cannot tell.
 
     NumPy's right-aligned broadcast of the vectorised tensor arguments (and the result).
@@ -48,7 +49,7 @@ def call_shape(fn: Any, bound: list, result: Any) -> tuple[int, ...] | None:
         else:
             return None
     if type(result) is Tensor:
-        if result.dtype != fn._ret_name:
+        if result.dtype != fn.signature.return_type:
             return None
         shapes.append(result.shape)
     if not shapes:
@@ -68,7 +69,7 @@ def is_broadcast(t: Tensor, shape: tuple[int, ...] | None) -> bool:
 
 def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: int) -> spy.Tensor:
     """``t``'s values as a stride-0 view of ``shape``, with a zeroed full-shape gradient."""
-    grad_dtype = t._grad_dtype()
+    grad_dtype = t.grad_dtype
     key = ("broadcast-grad", shape, grad_dtype.full_name, ordinal)
     if key not in device.scratch:
         # One spare element: Vulkan clears whole 4-byte words, so an odd count of halves
@@ -76,8 +77,8 @@ def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: 
         numel = math.prod(shape)
         device.scratch[key] = spy.Tensor.zeros(device.native, (numel + 1,), grad_dtype).view(shape)
     full = device.scratch[key]
-    scope.clear(full)
-    values = t._native if t.shape else t._native.view((1,))
+    scope.clear(device, full)
+    values = t.native if t.shape else t.native.view((1,))
     return values.broadcast_to(shape).with_grads(grad_in=full, grad_out=full, zero=False)
 
 
@@ -94,7 +95,9 @@ def _reduced_runs(shape: tuple[int, ...], target: tuple[int, ...]) -> list[tuple
     return runs
 
 
-def _sum_axes(scope: Any, lib: Any, x: spy.Tensor, dtype: str, outer: int, n: int, inner: int) -> spy.Tensor:
+def _sum_axes(
+    scope: Any, lib: "_Kernels", x: spy.Tensor, dtype: str, outer: int, n: int, inner: int
+) -> spy.Tensor:
     """Sum the middle axis of an (outer, n, inner) view, in passes of fixed chunks (float out)."""
     while True:
         chunks = max(1, min(-(-n // _MIN_CHUNK), -(-_TARGET_THREADS // max(outer * inner, 1))))
@@ -102,7 +105,8 @@ def _sum_axes(scope: Any, lib: Any, x: spy.Tensor, dtype: str, outer: int, n: in
         chunks = -(-n // chunk)
         out = spy.Tensor.empty(lib.device_native, (outer, chunks, inner), "float")
         node = lib.partial_sums[dtype]
-        scope.dispatch(node, spy.grid((outer, chunks, inner)), x.view((outer, n, inner)), chunk, out)
+        grid = spy.grid((outer, chunks, inner))
+        scope.dispatch(node, grid, x.view((outer, n, inner)), chunk, out)
         if chunks == 1:
             return out
         x, n, dtype = out, chunks, "float"
@@ -112,24 +116,15 @@ class _Kernels:
     """The library's reduction kernels, looked up once per device."""
 
     def __init__(self, device: Any):
-        from .ops import library
-
-        native = library(device).native
+        lib = device.library
         self.device_native = device.native
-        self.partial_sums = {"float": native.det_partial_sums_float, "half": native.det_partial_sums_half}
-        self.add_into = {"float": native.det_add_into_float, "half": native.det_add_into_half}
-
-
-def _kernels(device: Any) -> _Kernels:
-    key = ("broadcast-grad", "kernels")
-    if key not in device.scratch:
-        device.scratch[key] = _Kernels(device)
-    return device.scratch[key]
+        self.partial_sums = {"float": lib.det_partial_sums_float, "half": lib.det_partial_sums_half}
+        self.add_into = {"float": lib.det_add_into_float, "half": lib.det_add_into_half}
 
 
 def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     """Dispatch ``t.grad_out += full`` summed over the axes ``t`` was broadcast along."""
-    lib = _kernels(device)
+    lib = device.cached(("broadcast-grad", "kernels"), lambda: _Kernels(device))
     dtype = t.grad_out.dtype
     shape = list(full.shape)
     x = full
@@ -142,5 +137,5 @@ def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
         shape[a:b] = [1] * (b - a)
         dtype = "float"
     numel = max(t.numel, 1)
-    grad = t.grad_out._native.view((numel,))
+    grad = t.grad_out.native.view((numel,))
     scope.dispatch(lib.add_into[t.grad_out.dtype], spy.grid((numel,)), x.view((numel,)), grad)

@@ -33,11 +33,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._errors import PydiffError
+import slangpy as spy
 
-
-class CaptureError(PydiffError, RuntimeError):
-    """Something inside ``pydiff.capture`` cannot be recorded for replay."""
+from .errors import CaptureError
 
 
 _recording: contextvars.ContextVar["CapturedStep | None"] = contextvars.ContextVar(
@@ -67,7 +65,7 @@ def on_replay(action: Callable[[], None]) -> None:
     that advances per step, e.g. an optimizer's step count). No-op outside a capture."""
     rec = _recording.get()
     if rec is not None:
-        rec._commands.append(("host", action))
+        rec.record_host(action)
 
 
 class CapturedStep:
@@ -77,31 +75,38 @@ class CapturedStep:
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: captures cannot be nested")
         self._commands: list[tuple] = []
-        self._device: Any = None
+        self._queue: Any = None  # the CommandQueue of the one device the step uses
         self.replays = 0
         token = _recording.set(self)
         try:
             self.result = fn(*args, **kwargs)
         finally:
             _recording.reset(token)
-            from .kernels import flush_pending
-
-            flush_pending()
-        if self._device is None:
+            if self._queue is not None:
+                self._queue.flush()
+        if self._queue is None:
             raise CaptureError("pydiff.capture: the function issued no GPU work to record")
 
     # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
-    def _use_device(self, native_device: Any) -> None:
-        if self._device is None:
-            self._device = native_device
-        elif self._device is not native_device:
-            raise CaptureError("pydiff.capture: the step uses two devices; capture one device's work")
+    def _use_device(self, queue: Any) -> None:
+        if self._queue is None:
+            self._queue = queue
+        elif self._queue is not queue:
+            raise CaptureError(
+                "pydiff.capture: the step uses two devices; capture one device's work"
+            )
 
-    def record_dispatch(self, kernel: Any, threads: int, buffers: list, scalars: list,
-                        dynamic: Callable[[], dict] | None) -> None:
-        import slangpy as spy
-
-        self._use_device(kernel.device)
+    def record_dispatch(
+        self,
+        queue: Any,
+        kernel: Any,
+        threads: int,
+        buffers: list,
+        scalars: list,
+        dynamic: Callable[[], dict] | None,
+    ) -> None:
+        """A kernel dispatch (``queue``: the device's CommandQueue)."""
+        self._use_device(queue)
         root = kernel.device.create_root_shader_object(kernel.program)
         cursor = spy.ShaderCursor(root).find_entry_point(0)
         for name, value in [*buffers, *scalars]:
@@ -110,12 +115,18 @@ class CapturedStep:
         # not hand them to other tensors (pydiff's pool checks their reference counts).
         self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
 
-    def record_clear(self, native: Any) -> None:
-        self._use_device(native.storage.device)
+    def record_host(self, action: Callable[[], None]) -> None:
+        """Host code to run at this point of every replay."""
+        self._commands.append(("host", action))
+
+    def record_clear(self, queue: Any, native: Any) -> None:
+        """Zeroing of a SlangPy tensor."""
+        self._use_device(queue)
         self._commands.append(("clear", native))
 
-    def record_upload(self, buffer: Any, data: np.ndarray) -> None:
-        self._use_device(buffer.device)
+    def record_upload(self, queue: Any, buffer: Any, data: np.ndarray) -> None:
+        """A host upload of ``data`` into ``buffer`` (replayed with the same values)."""
+        self._use_device(queue)
         self._commands.append(("upload", buffer, np.array(data, copy=True)))
 
     # --- replay ---------------------------------------------------------------------------
@@ -123,10 +134,8 @@ class CapturedStep:
         """Submit the captured commands again (one command list); returns ``result``."""
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: replay() inside a capture")
-        from .kernels import flush_pending
-
-        flush_pending()
-        device = self._device
+        self._queue.flush()
+        device = self._queue.native
         encoder = device.create_command_encoder()
         for command in self._commands:
             kind = command[0]
@@ -151,8 +160,10 @@ class CapturedStep:
 
     def __repr__(self) -> str:
         kinds = [c[0] for c in self._commands]
-        return (f"<pydiff.CapturedStep: {kinds.count('dispatch')} kernels, {kinds.count('clear')} "
-                f"clears, {kinds.count('upload')} uploads, replayed {self.replays}x>")
+        return (
+            f"<pydiff.CapturedStep: {kinds.count('dispatch')} kernels, {kinds.count('clear')} "
+            f"clears, {kinds.count('upload')} uploads, replayed {self.replays}x>"
+        )
 
 
 def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CapturedStep:

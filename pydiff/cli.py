@@ -4,7 +4,8 @@
     pydiff info [--json]
 
 Exit status of ``check``: 0 when every check passes (or nothing could be checked), 1 when
-any fails or a function could not be run, 2 when the file cannot be read or compiled or the arguments are wrong.
+any fails or a function could not be run, 2 when the file cannot be read or compiled or the
+arguments are wrong.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 from typing import Sequence
 
-from ._errors import DeviceUnavailableError, SlangCompileError
+from .errors import DeviceUnavailableError, SlangCompileError
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -22,28 +23,55 @@ def _check(args: argparse.Namespace) -> int:
 
     progress = None
     if not args.json and sys.stderr.isatty():
+
         def progress(name: str) -> None:
             print(f"checking {name} ...", file=sys.stderr)
+
     try:
-        results = check_module(args.file, functions=args.function or None, device=args.device,
-                               seed=args.seed, points=args.points, eps=args.eps, atol=args.atol,
-                               rtol=args.rtol, progress=progress)
+        results = check_module(
+            args.file,
+            functions=args.function or None,
+            device=args.device,
+            seed=args.seed,
+            points=args.points,
+            eps=args.eps,
+            atol=args.atol,
+            rtol=args.rtol,
+            progress=progress,
+        )
     except (FileNotFoundError, SlangCompileError, ValueError, DeviceUnavailableError) as exc:
         print(f"pydiff check: {exc}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"file": args.file, "passed": False, "error": str(exc), "results": []}, indent=2))
+            print(
+                json.dumps(
+                    {"file": args.file, "passed": False, "error": str(exc), "results": []}, indent=2
+                )
+            )
         return 2
     failed = [r for r in results if r.status in ("FAIL", "ERROR")]
     if args.json:
-        print(json.dumps({"file": args.file, "passed": not failed,
-                          "results": [r.as_dict() for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "file": args.file,
+                    "passed": not failed,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+            )
+        )
     elif not results:
         print(f"{args.file}: no [Differentiable] functions: nothing to check")
     else:
         print(format_table(results))
-        counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED", "ERROR")}
+        counts = {
+            s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIPPED", "ERROR")
+        }
         errors = f", {counts['ERROR']} could not run" if counts["ERROR"] else ""
-        print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} skipped{errors}")
+        print(
+            f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIPPED']} "
+            f"skipped{errors}"
+        )
     return 1 if failed else 0
 
 
@@ -56,22 +84,37 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pydiff", description="pydiff: differentiable Slang shaders from Python")
+    parser = argparse.ArgumentParser(
+        prog="pydiff", description="pydiff: differentiable Slang shaders from Python"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="check every [Differentiable] function of a .slang file "
-                                         "against finite differences")
+    check = sub.add_parser(
+        "check",
+        help="check every [Differentiable] function of a .slang file against finite differences",
+    )
     check.add_argument("file", help="the .slang file")
-    check.add_argument("--function", action="extend", nargs="+", metavar="NAME",
-                       help="check only these functions (--function a b, or repeated)")
+    check.add_argument(
+        "--function",
+        action="extend",
+        nargs="+",
+        metavar="NAME",
+        help="check only these functions (--function a b, or repeated)",
+    )
     check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
     check.add_argument("--seed", type=int, default=0, help="random seed of the sample points")
-    check.add_argument("--points", type=int, default=16, help="sample points per function (default 16)")
-    check.add_argument("--eps", type=float, default=1e-3, help="finite-difference step (default 1e-3)")
+    check.add_argument(
+        "--points", type=int, default=16, help="sample points per function (default 16)"
+    )
+    check.add_argument(
+        "--eps", type=float, default=1e-3, help="finite-difference step (default 1e-3)"
+    )
     check.add_argument("--atol", type=float, default=1e-3)
     check.add_argument("--rtol", type=float, default=1e-2)
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     check.set_defaults(run=_check)
-    info = sub.add_parser("info", help="versions, devices that open here, features, shader search path")
+    info = sub.add_parser(
+        "info", help="versions, devices that open here, features, shader search path"
+    )
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
     args = parser.parse_args(argv)

@@ -15,18 +15,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
 from . import lint
+from .errors import NondeterminismWarning
 
 _global = False
-_context: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pydiff_deterministic", default=None)
+_context: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "pydiff_deterministic", default=None
+)
 _warned: set[tuple[str, str]] = set()  # (function label, reason): each warning once
+_reasons_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> reasons
 
-
-class NondeterminismWarning(UserWarning):
-    """Deterministic mode is on, but a function's gradients may differ from run to run."""
+__all__ = [
+    "NondeterminismWarning",
+    "deterministic",
+    "is_deterministic",
+    "set_deterministic",
+    "warn_nondeterministic",
+]
 
 
 def set_deterministic(enabled: bool = True) -> None:
@@ -69,7 +78,7 @@ def _module_source(module: Any) -> str | None:
 
 def _reasons(fn: Any) -> list[str]:
     """Why ``fn``'s backward may not be deterministic (empty when pydiff can vouch for it)."""
-    cached = getattr(fn, "_nondeterminism", None)
+    cached = _reasons_of.get(fn)
     if cached is not None:
         return cached
     reasons = []
@@ -86,7 +95,7 @@ def _reasons(fn: Any) -> list[str]:
         found = lint.float_atomic_functions(source).get(fn.name)
         if found:
             reasons.append(found)
-    fn._nondeterminism = reasons
+    _reasons_of[fn] = reasons
     return reasons
 
 
@@ -104,4 +113,3 @@ def warn_nondeterministic(fn: Any, extra: list[str] = ()) -> None:
             NondeterminismWarning,
             stacklevel=4,
         )
-

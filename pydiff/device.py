@@ -1,4 +1,5 @@
-"""Devices: open a SlangPy device with pydiff's shader library on its include path.
+"""Devices: a SlangPy device with pydiff's shader library on its include path, and
+everything pydiff keeps per device.
 
     dev = pydiff.create_device()            # CUDA, then D3D12, then Vulkan
     print(dev.type, dev.adapter_name)
@@ -11,11 +12,19 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
-from ._errors import DeviceUnavailableError
+from .buffer_pool import BufferPool
+from .command_queue import CommandQueue
+from .errors import DeviceUnavailableError
+from .kernels import KernelCache
+from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapipe_threads)
+    LAVAPIPE_INLINE_MAX_CPUS,
+    choose_lavapipe_threads,
+    lavapipe_threads_text,
+)
 
 #: Order in which ``type="auto"`` tries backends: fastest first.
 AUTO_ORDER = ("cuda", "d3d12", "vulkan")
@@ -33,52 +42,6 @@ _UNSUPPORTED = {
     "cpu": "SlangPy 0.43's CPU device cannot dispatch vectorised calls nor run bwds; "
     "use 'vulkan' (on a machine without a GPU, Mesa's lavapipe: run `make setup`)",
 }
-
-
-# Mesa's lavapipe (Vulkan on the CPU) hands each dispatch to a pool of one worker thread per
-# core. On two cores that hand-off costs more than the second core gives back for the small
-# kernels of a training step (measured: an empty dispatch 22 us pooled, 4 us inline; an eager
-# 256x64x64x10 MLP step 3.7x PyTorch-CPU pooled, 2.3x inline), so pydiff asks lavapipe to run
-# compute inline on machines this small, unless LP_NUM_THREADS is already set. Kernels over
-# millions of elements give up the second core (about 2x slower): docs/devices.md.
-LAVAPIPE_INLINE_MAX_CPUS = 2
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def choose_lavapipe_threads(environ: dict | None = None, cpus: int | None = None) -> str | None:
-    """Set ``LP_NUM_THREADS=0`` (lavapipe runs compute inline) on machines with at most
-    ``LAVAPIPE_INLINE_MAX_CPUS`` usable CPUs unless the variable is already set; returns the
-    value in effect (None: lavapipe's own default, a thread per core). Lavapipe reads it when
-    a Vulkan device is created, so pydiff calls this before opening its first device.
-
-    >>> os.environ["LP_NUM_THREADS"] = "2"      # before pydiff opens a device: keep the pool
-    >>> pydiff.device.choose_lavapipe_threads()
-    '2'
-    """
-    env = os.environ if environ is None else environ
-    if "LP_NUM_THREADS" not in env:
-        if (_usable_cpus() if cpus is None else cpus) > LAVAPIPE_INLINE_MAX_CPUS:
-            return None
-        env["LP_NUM_THREADS"] = "0"
-    return env["LP_NUM_THREADS"]
-
-
-def lavapipe_threads_text(value: str | None = None) -> str:
-    """How lavapipe runs compute for ``LP_NUM_THREADS=value`` (default: the environment's).
-
-    >>> pydiff.device.lavapipe_threads_text("0")
-    'inline (LP_NUM_THREADS=0)'
-    """
-    value = os.environ.get("LP_NUM_THREADS") if value is None else value
-    if value is None or not value.strip():
-        return "on a worker per CPU (lavapipe's default)"
-    return "inline (LP_NUM_THREADS=0)" if value.strip() == "0" else f"on LP_NUM_THREADS={value} workers"
 
 
 def shader_dir() -> Path:
@@ -116,7 +79,17 @@ def _quiet_native_output() -> Iterator[None]:
 
 
 class Device:
-    """A SlangPy device plus the per-device state pydiff keeps (scratch buffers, modules).
+    """A SlangPy device and what pydiff keeps for it, each reached as an attribute:
+
+    - ``native``: the ``slangpy.Device``; ``type``: 'vulkan', 'cuda', ...
+    - ``queue``: pending GPU work (``CommandQueue``); ``flush()`` submits it;
+    - ``library``: pydiff's Slang library (``shaders/pydiff.slang``) as a raw SlangPy module,
+      loaded on first use;
+    - ``kernels``: compiled compute kernels and bound shader objects (``KernelCache``);
+    - ``pool``: float4 storage buffers kept for reuse (``BufferPool``);
+    - ``scratch``: gradient buffers of shapes in use, reused across calls (a dict);
+    - ``dtype(name)``: SlangPy's reflection of a Slang element type;
+    - ``cached(key, make)``: a per-device memo for the layers above (wrapped modules, constants).
 
     >>> dev = pydiff.create_device("vulkan")
     >>> dev.type, dev.native        # 'vulkan', the slangpy.Device underneath
@@ -126,8 +99,13 @@ class Device:
     def __init__(self, native: spy.Device, type_name: str):
         self.native = native
         self.type = type_name
-        # Throwaway gradient buffers for tensors whose gradient nobody asked for (see call.py).
+        self.queue = CommandQueue(native)
+        self.kernels = KernelCache(native, shader_dir(), self.queue)
+        self.pool = BufferPool(native, self.queue)
         self.scratch: dict = {}
+        self._library: spy.Module | None = None
+        self._dtypes: dict[str, Any] = {}
+        self._cache: dict[Any, Any] = {}
 
     @property
     def adapter_name(self) -> str:
@@ -137,6 +115,42 @@ class Device:
     def supports_float_atomics(self) -> bool:
         feats = {str(f).split(".")[-1] for f in self.native.features}
         return "atomic_float" in feats or self.type == "cuda"
+
+    @property
+    def library(self) -> spy.Module:
+        """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module."""
+        if self._library is None:
+            path = shader_dir() / "pydiff.slang"
+            self._library = spy.Module.load_from_file(self.native, str(path))
+        return self._library
+
+    def dtype(self, name: str) -> Any:
+        """SlangPy's reflection of the Slang element type ``name`` ('float', 'float3', ...)."""
+        found = self._dtypes.get(name)
+        if found is None:
+            try:
+                found = spy.Tensor.empty(self.native, (1,), name).dtype
+            except Exception as exc:
+                raise TypeError(
+                    f"dtype={name!r}: not a Slang type SlangPy can store ({exc})"
+                ) from None
+            self._dtypes[name] = found
+        return found
+
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` once per key on this device (for objects built by higher layers)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def flush(self) -> None:
+        """Submit the work queued on this device (before reading results on the host)."""
+        self.queue.flush()
+
+    def empty_cache(self) -> None:
+        """Release the storage buffers and bound shader objects kept for reuse."""
+        self.kernels.release_objects()
+        self.pool.prune()
 
     def __repr__(self) -> str:
         return f"<pydiff.Device {self.type}: {self.adapter_name}>"
@@ -166,7 +180,9 @@ def _normalise_type(type: str | spy.DeviceType) -> str:
     return name
 
 
-def _open(type_name: str, include_paths: tuple[str, ...]) -> Device:
+def open_device(type_name: str, include_paths: tuple[str, ...] = ()) -> Device:
+    """Open (or return the already open) device of a normalised type name and include paths;
+    DeviceUnavailableError when it cannot be opened (remembered: later calls fail fast)."""
     key = (type_name, include_paths)
     if key in _open_devices:
         return _open_devices[key]
@@ -209,17 +225,17 @@ def create_device(
     if name == "auto":
         override = os.environ.get("PYDIFF_DEVICE", "").strip()
         if override:
-            return _open(_normalise_type(override), paths)
+            return open_device(_normalise_type(override), paths)
         errors = []
         for candidate in AUTO_ORDER:
             try:
-                return _open(candidate, paths)
+                return open_device(candidate, paths)
             except DeviceUnavailableError as exc:
                 errors.append(str(exc))
         raise DeviceUnavailableError(
             "no GPU backend could be opened here:\n  " + "\n  ".join(errors)
         )
-    return _open(name, paths)
+    return open_device(name, paths)
 
 
 def available_devices() -> list[str]:
@@ -231,7 +247,7 @@ def available_devices() -> list[str]:
     found = []
     for name in AUTO_ORDER:
         try:
-            _open(name, ())
+            open_device(name, ())
             found.append(name)
         except DeviceUnavailableError:
             pass
@@ -252,7 +268,13 @@ def set_default_device(device: Device | str | None) -> None:
     _default = create_device(device) if isinstance(device, str) else device
 
 
+def open_devices() -> list[Device]:
+    """The devices pydiff has opened in this process."""
+    return list(_open_devices.values())
+
+
 def resolve_device(device: Device | str | None) -> Device:
+    """A Device from a Device, a type name, a slangpy.Device, or None (the default one)."""
     if device is None:
         return default_device()
     if isinstance(device, Device):
@@ -263,7 +285,9 @@ def resolve_device(device: Device | str | None) -> Device:
         for dev in _open_devices.values():
             if dev.native is device:
                 return dev
-        return Device(device, str(device.info.type).split(".")[-1])
+        dev = Device(device, str(device.info.type).split(".")[-1])
+        _open_devices[("slangpy", (str(id(device)),))] = dev
+        return dev
     raise TypeError(f"device={device!r}: expected a pydiff.Device, a type name or None")
 
 
@@ -271,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pydiff.device``: print the device types that open (exit 1 if none)."""
     found = available_devices()
     for name in found:
-        print(f"{name}: {_open(name, ()).adapter_name}")
+        print(f"{name}: {open_device(name).adapter_name}")
     if not found:
         for msg in _failed_types.values():
             print(msg, file=sys.stderr)

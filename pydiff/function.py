@@ -1,17 +1,17 @@
 """Custom differentiable operations with a PyTorch-style ``Function`` API.
 
-    class Scale(pydiff.Function):
-        @staticmethod
-        def forward(ctx, x, s):
-            ctx.s = s
-            return m.scale(x, s, _result="tensor")
-        @staticmethod
-        def backward(ctx, grad):
-            return m.scale(grad, ctx.s, _result="tensor")
+class Scale(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return m.scale(x, s, _result="tensor")
+    @staticmethod
+    def backward(ctx, grad):
+        return m.scale(grad, ctx.s, _result="tensor")
 
-    with pydiff.Tape() as tape:
-        y = Scale.apply(x, 2.0)
-    tape.backward(y, grad=np.ones(y.shape))
+with pydiff.Tape() as tape:
+    y = Scale.apply(x, 2.0)
+tape.backward(y, grad=np.ones(y.shape))
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .policy import backward_scope
+from .backward_scope import active_scope, backward_scope
+from .creation import tensor as make_tensor
 from .tape import active_tape, suspend_recording
-from .tensor import Tensor, tensor as make_tensor
+from .tensor import Tensor, float4_ready
 
 
 class FunctionCtx:
@@ -32,12 +33,15 @@ class FunctionCtx:
     >>> x, w = ctx.saved_tensors
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "Function", inputs: list[Tensor] | None = None) -> None:
         self.saved_tensors: tuple = ()
-        self.needs_input_grad: tuple[bool, ...] = ()
-        self._inputs: list[Tensor] = []
-        self._targets: set[int] = set()
-        self._name = "Function"
+        #: The tensor inputs of ``forward``, in order, and which of them need a gradient.
+        self.inputs: list[Tensor] = list(inputs or [])
+        self.needs_input_grad: tuple[bool, ...] = tuple(t.requires_grad for t in self.inputs)
+        #: The Function's class name (for messages).
+        self.name = name
+        #: Inputs whose gradient ``backward`` added itself through ``grad_target``.
+        self.targets: set[int] = set()
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tuple(tensors)
@@ -51,15 +55,13 @@ class FunctionCtx:
         >>> target = ctx.grad_target(0)
         >>> if target is not None: m.add_into(target, g)          # then return None for it
         """
-        from .policy import _active_scope
-
-        x = self._inputs[k]
+        x = self.inputs[k]
         if not x.requires_grad:
             return None
-        scope = _active_scope.get()
-        if scope is not None and k not in self._targets:
-            scope.before_accumulate(x, x.grad_out, f"input {k} of {self._name}")
-        self._targets.add(k)
+        scope = active_scope()
+        if scope is not None and k not in self.targets:
+            scope.before_accumulate(x, x.grad_out, f"input {k} of {self.name}")
+        self.targets.add(k)
         return x.grad_out
 
 
@@ -73,8 +75,13 @@ class Function:
     none; non-tensor arguments are not counted). Gradients may be pydiff Tensors or arrays.
 
     >>> class Legendre3(pydiff.Function):
-    ...     forward = staticmethod(lambda ctx, x: (ctx.save_for_backward(x), m.p3(x, _result="tensor"))[1])
-    ...     backward = staticmethod(lambda ctx, g: m.p3_grad(ctx.saved_tensors[0], g, _result="tensor"))
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return m.p3(x, _result="tensor")
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         return m.p3_grad(ctx.saved_tensors[0], g, _result="tensor")
     """
 
     @staticmethod
@@ -92,10 +99,8 @@ class Function:
     @classmethod
     def apply(cls, *args: Any) -> Any:
         """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs."""
-        ctx = FunctionCtx()
         inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
-        ctx.needs_input_grad = tuple(a.requires_grad for _, a in inputs)
-        ctx._inputs, ctx._name = [a for _, a in inputs], cls.__name__
+        ctx = FunctionCtx(cls.__name__, [a for _, a in inputs])
         tape = active_tape()
         if not cls._has_backward():
             return cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
@@ -103,10 +108,12 @@ class Function:
             result = cls.forward(ctx, *args)
         outputs_tuple = isinstance(result, tuple)
         device = inputs[0][1].device if inputs else None
-        outputs = tuple(_as_tensor(o, device, cls, "forward", k) for k, o in enumerate(
-            result if outputs_tuple else (result,)))
+        outputs = tuple(
+            _as_tensor(o, device, cls, "forward", k)
+            for k, o in enumerate(result if outputs_tuple else (result,))
+        )
         for o in outputs:
-            o._state.wrote(f"{cls.__name__}.forward")
+            o.storage.wrote(f"{cls.__name__}.forward")
         if tape is not None and any(ctx.needs_input_grad):
             for o in outputs:
                 if not o.requires_grad:
@@ -132,9 +139,7 @@ def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor
 
 
 def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
-    from .policy import _active_scope
-
-    outer = _active_scope.get()
+    outer = active_scope()
     if outer is not None:
         outer.flush()  # the upstream gradients must be complete before user code reads them
     grad_outputs = tuple(o.grad_in for o in outputs)
@@ -148,10 +153,12 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
         )
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, (g, x) in enumerate(zip(grads, inputs)):
-            if k in ctx._targets:
+            if k in ctx.targets:
                 if g is not None:
-                    raise RuntimeError(f"{cls.__name__}.backward() added input {k}'s gradient through "
-                                       "ctx.grad_target and also returned one; return None for it")
+                    raise RuntimeError(
+                        f"{cls.__name__}.backward() added input {k}'s gradient through "
+                        "ctx.grad_target and also returned one; return None for it"
+                    )
                 continue
             if g is None or not x.requires_grad:
                 continue
@@ -164,18 +171,33 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
                     f"{k} has shape {want}"
                 )
             scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
-            if isinstance(g, Tensor) and g.dtype == "float" == x.grad_out.dtype and g.device == x.device:
-                from . import kernels
-                from .ops import library  # on the device: no host round trip
-
-                if g.shape == x.grad_out.shape and kernels.float4_ready(g, x.grad_out):
-                    count = -(-g.numel // 4)
-                    kernels.dispatch(kernels.get(x.device, "elementwise.slang", "accumulate4"), count,
-                                     dst=x.grad_out.native.storage, dst_in=x.grad_out.native.storage,
-                                     src=g.native.storage, count=count)
-                else:
-                    library(x.device).accumulate(x.grad_out, g.detach())
+            if (
+                isinstance(g, Tensor)
+                and g.dtype == "float" == x.grad_out.dtype
+                and g.device == x.device
+            ):
+                _add_on_device(x.grad_out, g)  # no host round trip
             else:
                 arr = g.numpy() if arr is None else arr
                 x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)
             scope.mark_result(x.grad_out)
+
+
+def _add_on_device(dst: Tensor, src: Tensor) -> None:
+    """dst += src for float tensors of one device and shape."""
+    dev = dst.device
+    if src.shape == dst.shape and float4_ready(src, dst):
+        count = -(-src.numel // 4)
+        kernel = dev.kernels.get("tensor_helpers.slang", "accumulate4")
+        dev.kernels.dispatch(
+            kernel,
+            count,
+            dst=dst.native.storage,
+            dst_in=dst.native.storage,
+            src=src.native.storage,
+            count=count,
+        )
+    else:
+        dev.flush()  # SlangPy runs it now: what is queued goes first
+        dev.library.accumulate(dst.native, src.native)
+    dst.storage.wrote("a Function's gradient")

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from ._errors import DeviceUnavailableError
-from .device import AUTO_ORDER, _open, lavapipe_threads_text, shader_dir
+from .device import AUTO_ORDER, lavapipe_threads_text, open_device, shader_dir
+from .errors import DeviceUnavailableError
 
 # The device features pydiff relies on, by the name SlangPy reports.
 _FEATURES = {
@@ -31,18 +31,23 @@ def collect() -> dict[str, Any]:
     devices = []
     for name in AUTO_ORDER:
         try:
-            dev = _open(name, ())
+            dev = open_device(name)
         except DeviceUnavailableError as exc:
             devices.append({"type": name, "opens": False, "why": str(exc).splitlines()[0]})
             continue
         features = {str(f).split(".")[-1] for f in dev.native.features}
-        devices.append({
-            "type": name,
-            "opens": True,
-            "adapter": dev.adapter_name,
-            "features": {k: (k in features or (k == "atomic_float" and name == "cuda")) for k in _FEATURES},
-            "include_paths": [str(p) for p in dev.native.desc.compiler_options.include_paths],
-        })
+        devices.append(
+            {
+                "type": name,
+                "opens": True,
+                "adapter": dev.adapter_name,
+                "features": {
+                    k: (k in features or (k == "atomic_float" and name == "cuda"))
+                    for k in _FEATURES
+                },
+                "include_paths": [str(p) for p in dev.native.desc.compiler_options.include_paths],
+            }
+        )
     return {
         "pydiff": __version__,
         "slangpy": spy.__version__,
@@ -70,7 +75,9 @@ def format_info(data: dict[str, Any]) -> str:
             continue
         lines.append(f"  {d['type']:7s} {d['adapter']}")
         if "llvmpipe" in d["adapter"]:
-            lines.append("          compute: " + lavapipe_threads_text(data.get("lavapipe_threads") or ""))
+            lines.append(
+                "          compute: " + lavapipe_threads_text(data.get("lavapipe_threads") or "")
+            )
         for key, what in _FEATURES.items():
             lines.append(f"          {'yes' if d['features'][key] else 'no ':3s}  {what}")
         lines.append(f"          shader search path: {', '.join(d['include_paths']) or '(none)'}")

@@ -5,7 +5,8 @@ IWDiffTensor, IRWDiffTensor) an index is either a list of integer scalars ("scal
 ``t[i]``, ``t[i, j]``, ``t.load(i, j)``) or one array/vector ("array": ``t[idx]`` with
 ``int[2] idx``, ``int2``, or a lone ``uint`` on a 1-D tensor). Inside one ``[Differentiable]``
 function, using both kinds makes ``.bwds`` segfault in the Slang compiler; ``.load``/``.store``
-with an array index gives all-zero gradients; a loop condition reading ``t.shape`` hangs. Concrete DiffTensor types have neither problem.
+with an array index gives all-zero gradients; a loop condition reading ``t.shape`` hangs.
+Concrete DiffTensor types have neither problem.
 
     findings = pydiff.lint.scan_source(open("layer.slang").read(), "layer.slang")
     for f in findings: print(f)          # layer.slang:12: in dense(): ...
@@ -302,8 +303,12 @@ _ATOMIC = re.compile(
     r"\b(Interlocked(?:Add|AddF32|AddF16|AddF64|CompareExchange\w*)|atomicAdd|AtomicTensor|"
     r"InterlockedAddF32|_NvInterlockedAdd\w*)\b"
 )
-_ANY_FUNCTION = re.compile(r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<[^<>(){};]*>)?\s*\(([^(){};]*)\)\s*\{")
-_DERIVATIVE_ATTR = re.compile(r"\[\s*(BackwardDerivative|BackwardDerivativeOf)\s*\(\s*([A-Za-z_]\w*)")
+_ANY_FUNCTION = re.compile(
+    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<[^<>(){};]*>)?\s*\(([^(){};]*)\)\s*\{"
+)
+_DERIVATIVE_ATTR = re.compile(
+    r"\[\s*(BackwardDerivative|BackwardDerivativeOf)\s*\(\s*([A-Za-z_]\w*)"
+)
 _KEYWORDS = {"if", "for", "while", "switch", "return", "else", "do"}
 
 
@@ -324,7 +329,9 @@ def _all_functions(src: str) -> dict[str, tuple[str, str]]:
         end = _matching(src, brace, "{", "}")
         if end < 0:
             continue
-        head_start = max(src.rfind(";", prev_end, m.start()), src.rfind("}", prev_end, m.start()), prev_end)
+        head_start = max(
+            src.rfind(";", prev_end, m.start()), src.rfind("}", prev_end, m.start()), prev_end
+        )
         attrs = src[head_start : m.start() + 1]
         body = src[brace:end]
         attrs_old, body_old = out.get(name, ("", ""))
@@ -368,7 +375,11 @@ def float_atomic_functions(source: str) -> dict[str, str]:
                 if kind == "BackwardDerivative" and target in reason:
                     reason[name] = reason[target]
             for callee, why in list(reason.items()):
-                if name not in reason and callee != name and re.search(rf"\b{callee}\s*(<[^<>]*>)?\s*\(", body):
+                if (
+                    name not in reason
+                    and callee != name
+                    and re.search(rf"\b{callee}\s*(<[^<>]*>)?\s*\(", body)
+                ):
                     reason[name] = why
             changed = changed or name in reason
     return reason

@@ -23,7 +23,7 @@ import numpy as np
 from .device import Device, resolve_device
 from . import tensorcheck
 from .module import OverloadedFunction, ShaderFunction, load_module
-from .tensor import tensor as make_tensor
+from .creation import tensor as make_tensor
 
 _SCALAR = {"float": (), "half": (), "double": ()}
 _VECTOR = re.compile(r"^(?:vector<(float|half),\s*(\d)>|(float|half)(\d))$")
@@ -71,8 +71,8 @@ def _skip_reason(fn: ShaderFunction) -> str | None:
         if value_shape(p.type_name) is None:
             return (f"parameter '{p.name}' has type {p.type_name}: only float scalars, vectors and "
                     "matrices are sampled (ints, structs and arrays have no general valid range)")
-    if fn._ret_name != "void" and value_shape(fn._ret_name) is None:
-        return f"result type {fn._ret_name} is not a float scalar, vector or matrix"
+    if fn.signature.return_type != "void" and value_shape(fn.signature.return_type) is None:
+        return f"result type {fn.signature.return_type} is not a float scalar, vector or matrix"
     if not any(p.differentiable for p in fn.params):
         return "no differentiable parameter"
     return None
@@ -95,7 +95,7 @@ class _Sampler:
                 args.append(t)
             else:
                 args.append(make_tensor(values[p.name].astype(np.float32), dtype=dtype, device=self.device))
-        if self.fn._ret_name != "void":
+        if self.fn.signature.return_type != "void":
             outs.insert(0, self.fn(*args, _result="tensor"))
         else:
             self.fn(*args)
@@ -117,7 +117,7 @@ def _random_values(fn: ShaderFunction, points: int, rng: np.random.Generator) ->
 def _analytic_vjp(fn: ShaderFunction, device: Device, values: dict[str, np.ndarray],
                   upstream: list[np.ndarray], points: int) -> dict[str, np.ndarray]:
     """J^T v by the function's own .bwds, per differentiable input."""
-    args, leaves, out_index = [], {}, 0 if fn._ret_name == "void" else 1
+    args, leaves, out_index = [], {}, 0 if fn.signature.return_type == "void" else 1
     for p in fn.params:
         dtype, elem = value_shape(p.type_name)
         if p.io == "out":
@@ -132,9 +132,9 @@ def _analytic_vjp(fn: ShaderFunction, device: Device, values: dict[str, np.ndarr
             leaves[p.name] = t
         args.append(t)
     kwargs = {}
-    if fn._ret_name != "void":
+    if fn.signature.return_type != "void":
         res = fn(*args, _result="tensor").with_grads()
-        _, elem = value_shape(fn._ret_name)
+        _, elem = value_shape(fn.signature.return_type)
         res.grad_in.copy_from_numpy(upstream[0].reshape((points,) + elem))
         kwargs["_result"] = res
     fn.bwds(*args, **kwargs)
@@ -248,7 +248,7 @@ def _forward_row(fn, device, values, u, d1, d2, valid, points, atol, rtol, finit
     except Exception as exc:  # e.g. a result type forward mode cannot return
         return CheckResult(fn.name, "(all)", "forward", "SKIPPED", why=f"forward mode unavailable: {str(exc).splitlines()[0]}")
     tangents = []
-    if fn._ret_name != "void":
+    if fn.signature.return_type != "void":
         tangents.append(result[1].numpy().astype(np.float64).reshape(points, -1))
     for p, a in zip(fn.params, args):
         if p.io == "out":
@@ -279,7 +279,7 @@ def differentiable_functions(module: Any) -> list[ShaderFunction]:
     found = []
     for name in module.function_names():
         fn = getattr(module, name)
-        overloads = fn._overloads if isinstance(fn, OverloadedFunction) else [fn]
+        overloads = fn.overloads if isinstance(fn, OverloadedFunction) else [fn]
         found += [f for f in overloads if f.differentiable]
     return found
 

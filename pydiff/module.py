@@ -1,8 +1,8 @@
 """Slang modules and their functions: SlangPy calls with pydiff's gradient handling.
 
-    m = pydiff.load_module("polynomial.slang")
-    y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
-    m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
+m = pydiff.load_module("polynomial.slang")
+y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
+m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, lint
-from ._errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
+from .backward_call import backward_call
 from .device import Device, resolve_device, shader_dir
-from .call import backward_call, forward_call
-from .kernels import flush_pending
-from .params import ParamInfo, describe_function
+from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
+from .forward_call import forward_call
+from .forward_mode import ForwardFunction
+from .signature import ParamInfo, Signature
 
 _LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
 
@@ -30,7 +31,9 @@ def _compile_error(exc: Exception, display_name: str, hashed_name: str | None) -
     text = str(exc)
     if hashed_name:
         # SlangPy names source modules by a hash and prepends one line to their text.
-        text = re.sub(r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text)
+        text = re.sub(
+            r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text
+        )
         text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
     m = _LOCATION.search(text)
     file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
@@ -49,43 +52,37 @@ class Module:
     >>> m.function_names()           # ['polynomial', ...]
     """
 
-    def __init__(self, native: spy.Module, device: Device, name: str, source: str | None,
-                 file: str, import_spec: str, lint_source: bool = True):
-        self._native = native
+    def __init__(
+        self,
+        native: spy.Module,
+        device: Device,
+        name: str,
+        source: str | None,
+        file: str,
+        import_spec: str,
+        lint_source: bool = True,
+    ):
+        #: The SlangPy module underneath, its device, name and file ("<name>" for source).
+        self.native = native
+        self.device = device
+        self.name = name
+        self.file = file
+        #: What a generated Slang module writes after ``import`` to use this one.
+        self.import_spec = import_spec
+        #: Trap findings per function name (``.bwds`` of these is refused).
+        self.traps: dict[str, list[lint.Finding]] = {}
         self._function_names: list[str] | None = None
         if file.startswith("<"):
             self._decl_loader = lambda: device.native.load_module_from_source(name, source)
         else:
             self._decl_loader = lambda: device.native.load_module(file)
-        self._device = device
-        self._name = name
-        self._file = file
-        self._import_spec = import_spec
         self._functions: dict[str, ShaderFunction] = {}
-        self._traps: dict[str, list[lint.Finding]] = {}
         if source is not None and lint_source:
             findings = lint.scan_source(source, file)
             for f in findings:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self._traps = lint.affected_functions(source, findings)
-
-    @property
-    def native(self) -> spy.Module:
-        """The SlangPy module underneath."""
-        return self._native
-
-    @property
-    def device(self) -> Device:
-        return self._device
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def file(self) -> str:
-        return self._file
+            self.traps = lint.affected_functions(source, findings)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""
@@ -104,16 +101,16 @@ class Module:
         fn = self._functions.get(name)
         if fn is not None:
             return fn
-        reflected = self._native.layout.find_function_by_name(name)
+        reflected = self.native.layout.find_function_by_name(name)
         if reflected is None:
             names = self.function_names()
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             listing = f" (it has: {', '.join(names)})" if names and not close else ""
             raise AttributeError(
-                f"module '{self._name}' ({self._file}) has no function '{name}'{hint}{listing}"
+                f"module '{self.name}' ({self.file}) has no function '{name}'{hint}{listing}"
             )
-        native = getattr(self._native, name)
+        native = getattr(self.native, name)
         if reflected.is_overloaded:
             fn = OverloadedFunction(
                 [ShaderFunction(self, name, native, o) for o in reflected.overloads]
@@ -125,7 +122,7 @@ class Module:
         return fn
 
     def __repr__(self) -> str:
-        return f"<pydiff.Module {self._name} from {self._file} on {self._device.type}>"
+        return f"<pydiff.Module {self.name} from {self.file} on {self.device.type}>"
 
 
 def _find_file(path: str | Path, device: Device) -> Path:
@@ -152,12 +149,12 @@ def _links(source: str, dev: Device) -> list:
     source imports it (its types, e.g. FwdDiffTensor, appear in the kernel's parameters)."""
     if not _IMPORTS_PYDIFF.search(source):
         return []
-    from .ops import library
-
-    return [library(dev).native]
+    return [dev.library]
 
 
-def load_module(path: str | Path, device: Device | str | None = None, *, lint: bool = True) -> Module:
+def load_module(
+    path: str | Path, device: Device | str | None = None, *, lint: bool = True
+) -> Module:
     """Load a ``.slang`` file: a path, or a name on the device's include paths.
 
     >>> m = pydiff.load_module("samples/polynomial.slang")
@@ -177,7 +174,8 @@ def load_module(path: str | Path, device: Device | str | None = None, *, lint: b
 def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
     """Compile Slang source text as a module called ``name``.
 
-    >>> m = pydiff.load_module_from_source("sq", "[Differentiable] float sq(float x) { return x*x; }")
+    >>> src = "[Differentiable] float sq(float x) { return x*x; }"
+    >>> m = pydiff.load_module_from_source("sq", src)
     >>> m.sq(3.0)
     9.0
     """
@@ -198,60 +196,45 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
 class ShaderFunction:
     """A function of a loaded module: call it to run forward, ``.bwds`` for the backward.
 
+    Public fields: ``name``, ``module``, ``native`` (the SlangPy function), ``signature``
+    (its ``Signature``), ``label`` ("module.function"), and ``native_bwds``.
+
     >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
     >>> m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True))
     >>> x.grad.numpy()
     """
 
     def __init__(self, module: Module, name: str, native: Any, reflected: Any):
-        self._module = module
-        self._name = name
-        self._native = native
-        self._reflected = reflected
+        self.module = module
+        self.name = name
+        self.native = native
         # Reflection is read once here: these sit on every call's path.
+        self.signature = Signature.reflect(name, reflected)
         self.label = f"{module.name}.{name}"
-        self._bwds_label = f"{self.label}.bwds"
-        self._differentiable = bool(reflected.differentiable)
-        ret = reflected.return_type
-        self._ret_name = ret.full_name if ret is not None else "void"
-        self._params: list[ParamInfo] = describe_function(reflected)
-        self._call_label = f"{self.label} (forward call)"
-        self._written_params = [i for i, p in enumerate(self._params) if p.writes_value]
-        self._has_diff_inout = any(p.io == "inout" and p.differentiable for p in self._params)
+        self.call_label = f"{self.label} (forward call)"
+        self.bwds_label = f"{self.label}.bwds"
+        self.native_bwds = native.bwds
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
-        self._native_bwds = native.bwds
+        self._generated: dict[str, ShaderFunction] = {}
         self._bwds = BackwardFunction(self)
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def module(self) -> Module:
-        return self._module
-
-    @property
-    def native(self) -> Any:
-        """The SlangPy function underneath."""
-        return self._native
-
-    @property
     def differentiable(self) -> bool:
-        return self._differentiable
+        return self.signature.differentiable
 
     @property
     def params(self) -> list[ParamInfo]:
-        return self._params
+        return self.signature.params
 
     def __repr__(self) -> str:
         sig = ", ".join(f"{p.type_name} {p.name}" for p in self.params)
-        return f"<pydiff.ShaderFunction {self._module.name}.{self._name}({sig})>"
+        return f"<pydiff.ShaderFunction {self.module.name}.{self.name}({sig})>"
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capturing.refuse(f"calling {self._module.name}.{self._name} through SlangPy")
-        flush_pending()  # kernels queued in a batched backward run first
+        capturing.refuse(f"calling {self.module.name}.{self.name} through SlangPy")
+        self.module.device.flush()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
     @property
@@ -260,35 +243,57 @@ class ShaderFunction:
         return self._bwds
 
     @property
-    def fwds(self) -> Any:
+    def fwds(self) -> ForwardFunction:
         """The forward-mode version: ``y, dy = fn.fwds(x.with_tangent(u))`` (see pydiff.jvp)."""
-        from .forward import ForwardFunction
-
         return ForwardFunction(self)
 
-    def _bwds_without(self, names: tuple[str, ...], wrapper: bool = False) -> Any:
+    def bwds_kernel(self, no_grad: tuple[str, ...], wrapper: bool = False) -> Any:
         """The backward kernel for a call whose listed parameters carry no gradient.
 
         SlangPy keys its kernel cache on dtype and dimensions only; a prelude comment naming
         the gradient layout gives each layout its own kernel (nothing else changes).
         ``wrapper`` selects the generated ``inout`` wrapper instead of the function itself.
         """
-        key = (wrapper, names)
+        key = (wrapper, no_grad)
         node = self._layouts.get(key)
         if node is None:
-            base = inout_wrapper(self) if wrapper else self._native
-            node = base.prelude(f"// pydiff gradient layout: none for {', '.join(names)}").bwds
+            base = self._inout() if wrapper else self.native
+            node = base.prelude(f"// pydiff gradient layout: none for {', '.join(no_grad)}").bwds
             self._layouts[key] = node
         return node
 
-    def _trap_check(self) -> None:
-        found = self._module._traps.get(self._name)
+    def check_traps(self) -> None:
+        """Raise ShaderTrapError if the load-time scan found a trap in this function."""
+        found = self.module.traps.get(self.name)
         if found:
             lines = "\n  ".join(str(f) for f in found)
             raise ShaderTrapError(
-                f"{self._module.name}.{self._name}.bwds refused: SlangPy 0.43 would return wrong "
+                f"{self.module.name}.{self.name}.bwds refused: SlangPy 0.43 would return wrong "
                 f"gradients or crash the process on:\n  {lines}"
             )
+
+    def generated(self, kind: str, source: str) -> "ShaderFunction":
+        """Compile generated Slang ``source`` defining ``<name>__pydiff_<kind>`` (a wrapper of
+        this function: forward mode, directional derivative, ...) once, as a ShaderFunction."""
+        if kind not in self._generated:
+            digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+            module = load_module_from_source(
+                f"pydiff_{kind}_{self.name}_{digest}", source, device=self.module.device
+            )
+            self._generated[kind] = getattr(module, f"{self.name}__pydiff_{kind}")
+        return self._generated[kind]
+
+    def _inout(self) -> Any:
+        """The SlangPy function of the generated ``inout`` wrapper (see inout_wrapper_source)."""
+        if self._inout_wrapper is None:
+            src = inout_wrapper_source(self)
+            name = f"pydiff_inout_{self.name}_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
+            try:
+                native = spy.Module.load_from_source(self.module.device.native, name, src)
+            except spy.SlangCompileError as exc:
+                raise _compile_error(exc, f"<inout wrapper of {self.name}>", name) from None
+            self._inout_wrapper = getattr(native, f"{self.name}__pydiff_inout")
+        return self._inout_wrapper
 
 
 class OverloadedFunction:
@@ -299,24 +304,24 @@ class OverloadedFunction:
     """
 
     def __init__(self, overloads: list[ShaderFunction]):
-        self._overloads = overloads
+        self.overloads = overloads
         self.bwds = _OverloadedBackward(self)
         self.fwds = _OverloadedForward(self)
 
     @property
     def name(self) -> str:
-        return self._overloads[0].name
+        return self.overloads[0].name
 
     def select(self, args: tuple, kwargs: dict) -> ShaderFunction:
         names = {k for k in kwargs if not k.startswith("_")}
         count = len(args) + len(names)
-        for fn in self._overloads:
+        for fn in self.overloads:
             params = [p.name for p in fn.params]
-            if len(params) == count and names <= set(params[len(args):]):
+            if len(params) == count and names <= set(params[len(args) :]):
                 return fn
-        shown = "\n  ".join(repr(f) for f in self._overloads)
+        shown = "\n  ".join(repr(f) for f in self.overloads)
         raise TypeError(
-            f"{self._overloads[0].label}: no overload takes {count} argument(s)"
+            f"{self.overloads[0].label}: no overload takes {count} argument(s)"
             f"{' named ' + ', '.join(sorted(names)) if names else ''}; overloads:\n  {shown}"
         )
 
@@ -324,7 +329,7 @@ class OverloadedFunction:
         return self.select(args, kwargs)(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"<pydiff overloaded function {self.name} ({len(self._overloads)} overloads)>"
+        return f"<pydiff overloaded function {self.name} ({len(self.overloads)} overloads)>"
 
 
 class _OverloadedBackward:
@@ -363,14 +368,12 @@ class BackwardFunction:
         return f"<pydiff bwds of {self._fn!r}>"
 
 
-def inout_wrapper(fn: ShaderFunction) -> Any:
+def inout_wrapper_source(fn: ShaderFunction) -> str:
     """A generated Slang function that turns each ``inout`` parameter into in + out.
 
     SlangPy 0.43's bwds never seeds the gradient of an ``inout`` value (it returns zeros);
     with the value split into an input and an ``out`` the generated backward is correct.
     """
-    if fn._inout_wrapper is not None:
-        return fn._inout_wrapper
     params, call_args, pre, post = [], [], [], []
     for p in fn.params:
         mods = "no_diff " if p.no_diff else ""
@@ -382,24 +385,31 @@ def inout_wrapper(fn: ShaderFunction) -> Any:
             io = "out " if p.io == "out" else ""
             params.append(f"{io}{mods}{p.type_name} {p.name}")
         call_args.append(p.name)
-    ret_name = fn._ret_name
+    ret_name = fn.signature.return_type
     call = f"{fn.name}({', '.join(call_args)})"
     body = [*pre]
     if ret_name == "void":
         body += [f"{call};", *post]
     else:
         body += [f"{ret_name} __r = {call};", *post, "return __r;"]
-    src = (
-        f"import {fn.module._import_spec};\n"
+    return (
+        f"import {fn.module.import_spec};\n"
         f"[Differentiable]\n{ret_name} {fn.name}__pydiff_inout({', '.join(params)})\n{{\n    "
         + "\n    ".join(body)
         + "\n}\n"
     )
-    digest = hashlib.sha1(src.encode()).hexdigest()[:12]
-    name = f"pydiff_inout_{fn.name}_{digest}"
-    try:
-        native = spy.Module.load_from_source(fn.module.device.native, name, src)
-    except spy.SlangCompileError as exc:
-        raise _compile_error(exc, f"<inout wrapper of {fn.name}>", name) from None
-    fn._inout_wrapper = getattr(native, f"{fn.name}__pydiff_inout")
-    return fn._inout_wrapper
+
+
+def library(device: Device) -> Module:
+    """pydiff's own shader library (shaders/pydiff.slang, ``device.library``) as a Module:
+    its functions called from Python validate, record on tapes and have ``.bwds``.
+
+    >>> lib = pydiff.module.library(dev)
+    >>> y = lib.op_exp(x, _result="tensor")
+    """
+
+    def wrap() -> Module:
+        path = str(shader_dir() / "pydiff.slang")
+        return Module(device.library, device, "pydiff", None, path, "pydiff")
+
+    return device.cached("pydiff.module.library", wrap)

@@ -1,8 +1,8 @@
 """Just enough of a layer library for the samples: a Linear layer holding W and b.
 
-    layer = pydiff.nn.Linear(64, 10)
-    y = layer(x)                       # x @ W.T + b
-    opt = pydiff.optim.AdamW(layer.parameters())
+layer = pydiff.nn.Linear(64, 10)
+y = layer(x)                       # x @ W.T + b
+opt = pydiff.optim.AdamW(layer.parameters())
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 
 from . import ops
 from .device import Device, resolve_device
-from .tensor import Tensor, tensor
+from .creation import tensor
+from .tensor import Tensor
 
 
 class Linear:
@@ -23,19 +24,35 @@ class Linear:
     >>> hidden = pydiff.nn.Linear(4, 16, activation="relu")
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: Device | str | None = None, seed: int | None = None,
-                 activation: str | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Device | str | None = None,
+        seed: int | None = None,
+        activation: str | None = None,
+    ):
         if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"Linear: in_features={in_features}, out_features={out_features} must be positive")
-        if activation not in ops._ACTIVATIONS:
-            raise ValueError(f"Linear: activation={activation!r}; expected one of {ops._ACTIVATIONS}")
+            raise ValueError(
+                f"Linear: in_features={in_features}, out_features={out_features} must be positive"
+            )
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(
+                f"Linear: activation={activation!r}; expected one of {ops.ACTIVATIONS}"
+            )
         self.activation = activation
         dev = resolve_device(device)
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(in_features)
-        self.weight = tensor(rng.uniform(-bound, bound, (out_features, in_features)), device=dev, requires_grad=True)
-        self.bias = tensor(rng.uniform(-bound, bound, out_features), device=dev, requires_grad=True) if bias else None
+        self.weight = tensor(
+            rng.uniform(-bound, bound, (out_features, in_features)), device=dev, requires_grad=True
+        )
+        self.bias = (
+            tensor(rng.uniform(-bound, bound, out_features), device=dev, requires_grad=True)
+            if bias
+            else None
+        )
 
     def __call__(self, x: Tensor) -> Tensor:
         return ops.linear(x, self.weight, self.bias, self.activation)

@@ -1,36 +1,37 @@
 """Optimizers as fused Slang kernels (shaders/optim/): one pass updates parameter and state.
 
-    opt = pydiff.optim.AdamW([W, b], lr=1e-3)
-    opt.zero_grad(); tape.backward(loss); opt.step()
+opt = pydiff.optim.AdamW([W, b], lr=1e-3)
+opt.zero_grad(); tape.backward(loss); opt.step()
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-from . import capturing, kernels
-from .kernels import flush_pending
-from .ops import library
-from .tensor import Tensor, zeros
+from . import capturing
+from .creation import zeros
+from .device import Device
+from .module import library
+from .tensor import Tensor, float4_ready
 
 
 class _Batch:
-    """One command encoder per device for a step's kernels (parameters are independent, so
-    their order does not matter): one submission instead of one per parameter."""
+    """Each device's kernels of one step in one batch (parameters are independent, so their
+    order does not matter): one submission per device instead of one per parameter."""
 
     def __init__(self) -> None:
-        self._encoders: dict[int, tuple[Any, Any]] = {}
+        self._open: dict[int, tuple[Device, object]] = {}
 
-    def encoder(self, p: Tensor) -> Any:
-        key = id(p.device.native)
-        if key not in self._encoders:
-            self._encoders[key] = (p.device.native, p.device.native.create_command_encoder())
-        return self._encoders[key][1]
+    def join(self, p: Tensor) -> None:
+        dev = p.device
+        if id(dev) not in self._open:
+            self._open[id(dev)] = (dev, dev.queue.begin_batch())
 
     def submit(self) -> None:
-        for device, encoder in self._encoders.values():
-            device.submit_command_buffer(encoder.finish())
-        self._encoders.clear()
+        for dev, token in self._open.values():
+            dev.queue.end_batch(token)
+            dev.flush()  # a batch this joined: the step's work still runs now
+        self._open.clear()
 
 
 class Optimizer:
@@ -42,10 +43,14 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__}: params is empty")
         for k, p in enumerate(self.params):
             if not isinstance(p, Tensor):
-                raise TypeError(f"{type(self).__name__}: params[{k}] is a {type(p).__name__}, not a pydiff.Tensor")
+                raise TypeError(
+                    f"{type(self).__name__}: params[{k}] is a {type(p).__name__}, not a "
+                    "pydiff.Tensor"
+                )
             if not p.requires_grad or p.dtype != "float":
                 raise ValueError(
-                    f"{type(self).__name__}: params[{k}] must be a float tensor with requires_grad=True"
+                    f"{type(self).__name__}: params[{k}] must be a float tensor with "
+                    "requires_grad=True"
                 )
         for key, value in defaults.items():
             if isinstance(value, float) and value < 0:
@@ -59,10 +64,10 @@ class Optimizer:
 
     def zero_grad(self) -> None:
         """Zero every parameter's gradient (one submission per device)."""
-        flush_pending()  # kernels already queued run before these clears
         batch = _Batch()
         for p in self.params:
-            p._zero_grad(batch.encoder(p))
+            batch.join(p)
+            p.zero_grad(p.device.queue.encoder())
         batch.submit()
 
     def state_dict(self) -> dict[str, Any]:
@@ -77,7 +82,8 @@ class Optimizer:
         """Restore what state_dict() returned (shapes are checked)."""
         if len(state["state"]) != len(self.params):
             raise ValueError(
-                f"load_state_dict: {len(state['state'])} parameter states for {len(self.params)} parameters"
+                f"load_state_dict: {len(state['state'])} parameter states for {len(self.params)} "
+                "parameters"
             )
         self.defaults.update(state["defaults"])
         self.step_count = int(state["step"])
@@ -85,13 +91,18 @@ class Optimizer:
             self.state[k] = {}
             for name, arr in saved.items():
                 if arr.shape != p.expected_numpy_shape():
-                    raise ValueError(f"load_state_dict: state '{name}' of param {k} has shape {arr.shape}, param {p.shape}")
+                    raise ValueError(
+                        f"load_state_dict: state '{name}' of param {k} has shape {arr.shape}, "
+                        f"param {p.shape}"
+                    )
                 self.state[k][name] = zeros(p.shape, device=p.device).copy_from_numpy(arr)
 
     def _buffer(self, k: int, name: str) -> Tensor:
         if name not in self.state[k]:
-            capturing.refuse(f"{type(self).__name__} creating its state on its first step (run one "
-                           "step before capturing)")
+            capturing.refuse(
+                f"{type(self).__name__} creating its state on its first step (run one "
+                "step before capturing)"
+            )
             p = self.params[k]
             self.state[k][name] = zeros(p.shape, device=p.device)
         return self.state[k][name]
@@ -104,14 +115,23 @@ class SGD(Optimizer):
     >>> opt.step()
     """
 
-    def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-        super().__init__(params, {"lr": float(lr), "momentum": float(momentum), "weight_decay": float(weight_decay)})
+    def __init__(
+        self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ):
+        super().__init__(
+            params,
+            {"lr": float(lr), "momentum": float(momentum), "weight_decay": float(weight_decay)},
+        )
 
     def _hyper(self) -> dict:
         """The kernel's uniforms, read at each step (and at each replay of a captured one)."""
         d = self.defaults
-        return {"lr": d["lr"], "momentum": d["momentum"], "weight_decay": d["weight_decay"],
-                "first": 1 if self.step_count == 0 else 0}
+        return {
+            "lr": d["lr"],
+            "momentum": d["momentum"],
+            "weight_decay": d["weight_decay"],
+            "first": 1 if self.step_count == 0 else 0,
+        }
 
     def step(self) -> None:
         d = self.defaults
@@ -119,15 +139,26 @@ class SGD(Optimizer):
         batch = _Batch()
         for k, p in enumerate(self.params):
             buf = self._buffer(k, "momentum_buffer")
-            if kernels.float4_ready(p, p.grad, buf):
-                kernel = kernels.get(p.device, "optim.slang", "sgd_step4")
+            if float4_ready(p, p.grad, buf):
+                batch.join(p)
+                kernel = p.device.kernels.get("optim/sgd.slang", "sgd_step4")
                 count = -(-p.numel // 4)
-                kernels.dispatch(kernel, count, encoder=batch.encoder(p), p=p.native.storage, p_in=p.native.storage,
-                                 grad=p.grad.native.storage, buf=buf.native.storage, buf_in=buf.native.storage,
-                                 count=count, dynamic=self._hyper)
-                p._state.wrote("SGD.step")
+                p.device.kernels.dispatch(
+                    kernel,
+                    count,
+                    p=p.native.storage,
+                    p_in=p.native.storage,
+                    grad=p.grad.native.storage,
+                    buf=buf.native.storage,
+                    buf_in=buf.native.storage,
+                    count=count,
+                    dynamic=self._hyper,
+                )
+                p.storage.wrote("SGD.step")
                 continue
-            library(p.device).sgd_step(p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first)
+            library(p.device).sgd_step(
+                p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first
+            )
         batch.submit()
         self._advance()
         capturing.on_replay(self._advance)
@@ -154,8 +185,14 @@ class Adam(Optimizer):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"{type(self).__name__}: betas={betas} must lie in [0, 1)")
         super().__init__(
-            params, {"lr": float(lr), "beta1": float(b1), "beta2": float(b2), "eps": float(eps),
-                     "weight_decay": float(weight_decay)}
+            params,
+            {
+                "lr": float(lr),
+                "beta1": float(b1),
+                "beta2": float(b2),
+                "eps": float(eps),
+                "weight_decay": float(weight_decay),
+            },
         )
 
     def _hyper(self) -> dict:
@@ -166,9 +203,12 @@ class Adam(Optimizer):
         return {
             "decay": 1.0 - d["lr"] * wd if self._decoupled else 1.0,
             "l2": 0.0 if self._decoupled else wd,
-            "one_minus_b1": 1.0 - d["beta1"], "beta2": d["beta2"], "one_minus_b2": 1.0 - d["beta2"],
+            "one_minus_b1": 1.0 - d["beta1"],
+            "beta2": d["beta2"],
+            "one_minus_b2": 1.0 - d["beta2"],
             "step_size": d["lr"] / (1.0 - d["beta1"] ** t),
-            "bias2_sqrt": (1.0 - d["beta2"] ** t) ** 0.5, "eps": d["eps"],
+            "bias2_sqrt": (1.0 - d["beta2"] ** t) ** 0.5,
+            "eps": d["eps"],
         }
 
     def step(self) -> None:
@@ -179,16 +219,26 @@ class Adam(Optimizer):
         fast: dict[int, list] = {}  # per device: (p, m, v) for the four-parameter kernel
         for k, p in enumerate(self.params):
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
-            if kernels.float4_ready(p, p.grad, m, v):
+            if float4_ready(p, p.grad, m, v):
                 fast.setdefault(id(p.device.native), []).append((p, m, v))
                 continue
             library(p.device).adamw_step(
-                p.detach(), p.grad, m, v, h["decay"], h["l2"], h["one_minus_b1"], h["beta2"],
-                h["one_minus_b2"], h["step_size"], h["bias2_sqrt"], h["eps"],
+                p.detach(),
+                p.grad,
+                m,
+                v,
+                h["decay"],
+                h["l2"],
+                h["one_minus_b1"],
+                h["beta2"],
+                h["one_minus_b2"],
+                h["step_size"],
+                h["bias2_sqrt"],
+                h["eps"],
             )
         for group in fast.values():
             for first in range(0, len(group), 4):
-                self._dispatch_four(group[first:first + 4], batch)
+                self._dispatch_four(group[first : first + 4], batch)
         batch.submit()
 
     def _dispatch_four(self, slots: list, batch: _Batch) -> None:
@@ -198,13 +248,23 @@ class Adam(Optimizer):
             p, m, v = slots[min(k, len(slots) - 1)]
             if k < len(slots):
                 end += -(-p.numel // 4)
-                p._state.wrote(f"{type(self).__name__}.step")
-            bindings.update({f"p{k}": p.native.storage, f"p{k}_in": p.native.storage,
-                             f"g{k}": p.grad.native.storage, f"m{k}": m.native.storage,
-                             f"m{k}_in": m.native.storage, f"v{k}": v.native.storage,
-                             f"v{k}_in": v.native.storage, f"end{k}": end})
-        kernel = kernels.get(slots[0][0].device, "optim.slang", "adamw_step4_multi")
-        kernels.dispatch(kernel, end, encoder=batch.encoder(slots[0][0]), dynamic=self._hyper, **bindings)
+                p.storage.wrote(f"{type(self).__name__}.step")
+            bindings.update(
+                {
+                    f"p{k}": p.native.storage,
+                    f"p{k}_in": p.native.storage,
+                    f"g{k}": p.grad.native.storage,
+                    f"m{k}": m.native.storage,
+                    f"m{k}_in": m.native.storage,
+                    f"v{k}": v.native.storage,
+                    f"v{k}_in": v.native.storage,
+                    f"end{k}": end,
+                }
+            )
+        dev = slots[0][0].device
+        batch.join(slots[0][0])
+        kernel = dev.kernels.get("optim/adamw.slang", "adamw_step4_multi")
+        dev.kernels.dispatch(kernel, end, dynamic=self._hyper, **bindings)
 
 
 class AdamW(Adam):
@@ -215,6 +275,12 @@ class AdamW(Adam):
 
     _decoupled = True
 
-    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay)

@@ -1,23 +1,24 @@
 """Host-side tape: record Slang calls, then run their backward kernels in reverse order.
 
-    with pydiff.Tape() as tape:
-        h = m.layer(x, w, _result="tensor")
-        loss = m.loss(h, _result="tensor")
-    tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
+with pydiff.Tape() as tape:
+    h = m.layer(x, w, _result="tensor")
+    loss = m.loss(h, _result="tensor")
+tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from .policy import backward_scope
+from .backward_scope import backward_scope
 from .tensor import Tensor
 
-import os
+# PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = os.environ.get("PYDIFF_TAPE_BATCH", "1") == "1"
 _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
     "pydiff_tape", default=None
@@ -97,16 +98,16 @@ class Tape:
         entry = _Entry(
             len(self._entries) + 1,
             label,
-            [(desc, t, t._state.version) for desc, t in reads],
+            [(desc, t, t.storage.version) for desc, t in reads],
             list(writes),
             run_backward,
             payload,
         )
         for _, t in reads:
-            self._touched[id(t._state)] = t
+            self._touched[id(t.storage)] = t
         for t in writes:
-            self._touched[id(t._state)] = t
-            t._producer = self
+            self._touched[id(t.storage)] = t
+            t.producer = self
         self._entries.append(entry)
         return entry
 
@@ -116,21 +117,21 @@ class Tape:
     # --- backward -----------------------------------------------------------------------
     def _needed(self, output: Tensor) -> list[_Entry]:
         """Entries the output depends on, in recording order."""
-        needed_states = {id(output._state)}
+        needed = {id(output.storage)}
         chosen = []
         for entry in reversed(self._entries):
-            if any(id(t._state) in needed_states for t in entry.writes):
+            if any(id(t.storage) in needed for t in entry.writes):
                 chosen.append(entry)
-                needed_states.update(id(t._state) for _, t, _ in entry.reads)
+                needed.update(id(t.storage) for _, t, _ in entry.reads)
         return chosen[::-1]
 
     def _check_versions(self, entries: list[_Entry]) -> None:
         for entry in entries:
             for desc, t, version in entry.reads:
-                if t._state.version != version:
+                if t.storage.version != version:
                     raise RuntimeError(
                         f"tape.backward: {desc} was read by call #{entry.index} "
-                        f"({entry.label}) and later overwritten by {t._state.last_writer}; "
+                        f"({entry.label}) and later overwritten by {t.storage.last_writer}; "
                         "its backward needs the value it read. Write the new values to "
                         "another tensor, or run backward before overwriting."
                     )
@@ -142,7 +143,9 @@ class Tape:
         output has one element (then 1).
         """
         if not isinstance(output, Tensor):
-            raise TypeError(f"tape.backward: output must be a pydiff.Tensor, not {type(output).__name__}")
+            raise TypeError(
+                f"tape.backward: output must be a pydiff.Tensor, not {type(output).__name__}"
+            )
         entries = self._needed(output)
         if not entries:
             raise RuntimeError(
@@ -173,11 +176,11 @@ class Tape:
         with backward_scope("tape.backward", output.device if _BATCH else None) as scope:
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
-            encoder = scope.encoder() if scope._device is not None else None
+            encoder = output.device.queue.encoder()
             for entry in entries:
                 for t in entry.writes:
-                    t._zero_grad(encoder)
-            if encoder is None or not upstream._upload(seed, encoder):
+                    t.zero_grad(encoder)
+            if encoder is None or not upstream.upload(seed, encoder):
                 upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):

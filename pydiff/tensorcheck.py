@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from .tensor import Tensor, tensor as make_tensor
+from .creation import tensor as make_tensor
+from .tensor import Tensor
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
 _INDEX = re.compile(r"^(?:int|uint)(?:\[(\d)\]|(\d))?$|^(?:int|uint)\[(\d)\]$|^vector<(?:int|uint),\s*(\d)>$")
@@ -52,8 +53,8 @@ def skip_reason(fn: Any) -> str | None:
         elif p not in index and not (p.type_name == "float" and p.io == "in"):
             return (f"parameter '{p.name}' ({p.io} {p.type_name}) beside tensor parameters: only "
                     "float numbers (held fixed) are generated")
-    if fn._ret_name not in ("void", "float"):
-        return f"result type {fn._ret_name}: only float or void results are checked with tensor parameters"
+    if fn.signature.return_type not in ("void", "float"):
+        return f"result type {fn.signature.return_type}: only float or void results are checked with tensor parameters"
     if not any(p.is_diff_tensor and p.access in ("read", "read_write") for p in fn.params):
         return "no differentiable tensor input (DiffTensor, IDiffTensor or FwdDiffTensor) to check"
     return None
@@ -103,7 +104,7 @@ class _Setup:
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         args, made = self.args(values)
         out = {}
-        if self.fn._ret_name != "void":
+        if self.fn.signature.return_type != "void":
             if self.grid_shape:
                 result = self.fn(*args, _result="tensor").numpy()
             else:
@@ -131,11 +132,11 @@ def check_tensor_function(fn: Any, device: Any, *, size: int = 4, seed: int = 0,
     # analytic: .bwds with the upstream gradients on the outputs
     args, made = setup.args(setup.values, grads=True, upstream=upstream)
     kwargs = {}
-    if fn._ret_name != "void" and setup.grid_shape:
+    if fn.signature.return_type != "void" and setup.grid_shape:
         res = fn(*args, _result="tensor").with_grads()
         res.grad_in.copy_from_numpy(upstream["(result)"])
         kwargs["_result"] = res
-    elif fn._ret_name != "void":
+    elif fn.signature.return_type != "void":
         kwargs["_result"] = float(upstream["(result)"][0])  # one call: a number seeds it
     fn.bwds(*args, **kwargs)
     analytic = {p.name: made[p.name].grad.numpy().astype(np.float64) for p in setup.inputs if p.is_diff_tensor}

@@ -24,21 +24,29 @@ _DEFAULT_TYPES = "cuda,d3d12,vulkan"
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("pydiff")
     group.addoption(
-        "--pydiff-device", default=None, metavar="TYPES",
+        "--pydiff-device",
+        default=None,
+        metavar="TYPES",
         help="comma-separated device types for the `device` fixture (default: $PYDIFF_DEVICE_TYPES "
-             f"or {_DEFAULT_TYPES}); types that do not open here are skipped",
+        f"or {_DEFAULT_TYPES}); types that do not open here are skipped",
     )
 
 
 def device_types(config: Any) -> list[str]:
     """The backends the ``device`` fixture runs over, from the option or the environment."""
-    raw = config.getoption("--pydiff-device") or os.environ.get("PYDIFF_DEVICE_TYPES") or _DEFAULT_TYPES
+    raw = (
+        config.getoption("--pydiff-device")
+        or os.environ.get("PYDIFF_DEVICE_TYPES")
+        or _DEFAULT_TYPES
+    )
     types = [t.strip().lower() for t in raw.split(",") if t.strip()]
     known = {"cuda", "d3d12", "vulkan", "metal", "cpu"}
     bad = [t for t in types if t not in known]
     if bad:
-        raise pytest.UsageError(f"--pydiff-device / PYDIFF_DEVICE_TYPES: unknown device type(s) {bad}; "
-                                f"use {sorted(known - {'cpu', 'metal'})}")
+        raise pytest.UsageError(
+            f"--pydiff-device / PYDIFF_DEVICE_TYPES: unknown device type(s) {bad}; "
+            f"use {sorted(known - {'cpu', 'metal'})}"
+        )
     return types
 
 
@@ -48,7 +56,9 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_generate_tests(metafunc: Any) -> None:
     if "device" in metafunc.fixturenames and _uses_our_fixture(metafunc):
-        metafunc.parametrize("device", device_types(metafunc.config), indirect=True, scope="session")
+        metafunc.parametrize(
+            "device", device_types(metafunc.config), indirect=True, scope="session"
+        )
 
 
 def _uses_our_fixture(metafunc: Any) -> bool:
@@ -69,10 +79,16 @@ def device(request: Any) -> Any:
         pytest.skip(f"{kind} not available here: {str(exc).splitlines()[0][:120]}")
 
 
-
-def assert_gradients_close(fn: Any, inputs: Sequence[Any], expected: Sequence[Any] | None = None, *,
-                           grad_output: Any = None, eps: float = 1e-3, atol: float = 1e-3,
-                           rtol: float = 1e-2) -> None:
+def assert_gradients_close(
+    fn: Any,
+    inputs: Sequence[Any],
+    expected: Sequence[Any] | None = None,
+    *,
+    grad_output: Any = None,
+    eps: float = 1e-3,
+    atol: float = 1e-3,
+    rtol: float = 1e-2,
+) -> None:
     """Assert that ``fn``'s gradients are right.
 
     Without ``expected``: pydiff.gradcheck against central finite differences (and forward
@@ -82,18 +98,20 @@ def assert_gradients_close(fn: Any, inputs: Sequence[Any], expected: Sequence[An
     >>> assert_gradients_close(m.f, (x,), expected=[2 * x.numpy()])
     """
     import pydiff
-    from pydiff.checks import _as_callable
+    from pydiff.gradcheck import as_callable
 
     if expected is None:
         pydiff.gradcheck(fn, inputs, eps=eps, atol=atol, rtol=rtol)  # raises GradcheckError
         return
-    call = _as_callable(fn)
+    call = as_callable(fn)
     if len(expected) != len(inputs):
-        raise ValueError(f"assert_gradients_close: {len(inputs)} inputs but {len(expected)} expected gradients")
+        raise ValueError(
+            f"assert_gradients_close: {len(inputs)} inputs but {len(expected)} expected gradients"
+        )
     leaves = []
     for x in inputs:
         if isinstance(x, pydiff.Tensor) and x.differentiable:
-            x = pydiff.Tensor(x.native, x.device, _state=x._state).requires_grad_(True)
+            x = x.detach().requires_grad_(True)
         leaves.append(x)
     with pydiff.Tape() as tape:
         out = call(*leaves)
@@ -104,7 +122,15 @@ def assert_gradients_close(fn: Any, inputs: Sequence[Any], expected: Sequence[An
         if want is None:
             continue
         if not isinstance(leaf, pydiff.Tensor):
-            raise TypeError(f"assert_gradients_close: input {k} is not a pydiff.Tensor; expected gradient must be None")
+            raise TypeError(
+                f"assert_gradients_close: input {k} is not a pydiff.Tensor; expected gradient "
+                "must be None"
+            )
         got = leaf.grad.numpy()
-        np.testing.assert_allclose(got, np.asarray(want), rtol=rtol, atol=atol,
-                                   err_msg=f"gradient of input {k} of {getattr(fn, 'label', fn)}")
+        np.testing.assert_allclose(
+            got,
+            np.asarray(want),
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"gradient of input {k} of {getattr(fn, 'label', fn)}",
+        )

@@ -25,11 +25,22 @@ except ImportError:
 
 def make_weights(d: int, hidden: int, seed: int) -> dict[str, pydiff.Tensor]:
     rng = np.random.default_rng(seed)
-    shapes = {"ln_w": (d,), "ln_b": (d,), "wq": (d, d), "wk": (d, d), "wv": (d, d),
-              "w_up": (2 * hidden, d), "w_down": (d, hidden)}
+    shapes = {
+        "ln_w": (d,),
+        "ln_b": (d,),
+        "wq": (d, d),
+        "wk": (d, d),
+        "wv": (d, d),
+        "w_up": (2 * hidden, d),
+        "w_down": (d, hidden),
+    }
     weights = {}
     for name, shape in shapes.items():
-        init = 1.0 + 0.1 * rng.standard_normal(shape) if name == "ln_w" else rng.standard_normal(shape) / np.sqrt(shape[-1])
+        init = (
+            1.0 + 0.1 * rng.standard_normal(shape)
+            if name == "ln_w"
+            else rng.standard_normal(shape) / np.sqrt(shape[-1])
+        )
         weights[name] = pydiff.tensor(init.astype(np.float32), requires_grad=True)
     return weights
 
@@ -53,8 +64,10 @@ def main() -> None:
 
     # Every weight's gradient against float64 finite differences (small copy of the problem).
     small = pydiff.tensor(x.numpy()[:4])
-    ok = pydiff.gradcheck(lambda ln_w, wq, w_up: block(small, {**student, "ln_w": ln_w, "wq": wq, "w_up": w_up}),
-                          (student["ln_w"], student["wq"], student["w_up"]))
+    ok = pydiff.gradcheck(
+        lambda ln_w, wq, w_up: block(small, {**student, "ln_w": ln_w, "wq": wq, "w_up": w_up}),
+        (student["ln_w"], student["wq"], student["w_up"]),
+    )
     print(f"gradcheck of the block (layer_norm, attention, silu_and_mul, linear): {ok}")
 
     opt = optim.AdamW(list(student.values()), lr=3e-2, weight_decay=0.0)

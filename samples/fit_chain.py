@@ -31,9 +31,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     xs = np.linspace(-3, 3, 256).astype(np.float32)
     truth = (1.5, 1.2, 0.3)
-    ys = (truth[0] * np.sin(truth[1] * xs) + truth[2] + rng.normal(0, 0.05, xs.size)).astype(np.float32)
+    ys = (truth[0] * np.sin(truth[1] * xs) + truth[2] + rng.normal(0, 0.05, xs.size)).astype(
+        np.float32
+    )
     x, y = pydiff.tensor(xs), pydiff.tensor(ys)
-    params = {name: pydiff.tensor([v], requires_grad=True) for name, v in zip("abc", (1.0, 1.0, 0.0))}
+    params = {
+        name: pydiff.tensor([v], requires_grad=True) for name, v in zip("abc", (1.0, 1.0, 0.0))
+    }
     pydiff.set_zero_policy("reset")  # each backward starts the parameter gradients from zero
 
     steps = trange(args.steps, desc="fitting") if trange else range(args.steps)
@@ -56,8 +60,12 @@ def main() -> None:
     if args.plot:
         from plotting import save_line_plot
 
-        save_line_plot(args.plot, [(xs, ys, ".", "data"), (xs, pred.numpy(), "r-", "fit (pydiff tape)")],
-                       xlabel="x", size=(6, 3.5))
+        save_line_plot(
+            args.plot,
+            [(xs, ys, ".", "data"), (xs, pred.numpy(), "r-", "fit (pydiff tape)")],
+            xlabel="x",
+            size=(6, 3.5),
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A custom pydiff.Function (Legendre P3) with a hand-written backward, checked by gradcheck.
 
-    python samples/legendre_function.py
+python samples/legendre_function.py
 """
 
 from pathlib import Path

@@ -30,12 +30,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--points", type=int, default=64)
-    ap.add_argument("--plot", default="pinn_poisson.png", help="PNG of solution vs exact ('' to skip)")
+    ap.add_argument(
+        "--plot", default="pinn_poisson.png", help="PNG of solution vs exact ('' to skip)"
+    )
     args = ap.parse_args()
     m = pydiff.load_module(Path(__file__).with_name("pinn_poisson.slang"))
     rng = np.random.default_rng(0)
-    a, w, b = (pydiff.tensor(rng.standard_normal(HIDDEN).astype(np.float32) * s, requires_grad=True)
-               for s in (0.1, 3.0, 1.0))
+    a, w, b = (
+        pydiff.tensor(rng.standard_normal(HIDDEN).astype(np.float32) * s, requires_grad=True)
+        for s in (0.1, 3.0, 1.0)
+    )
 
     # The residual's u'' (written out) against Slang's own second derivative, by HVP.
     probe = pydiff.tensor(np.linspace(0.05, 0.95, 7).astype(np.float32))
@@ -45,7 +49,7 @@ def main() -> None:
 
     x_np = (np.arange(args.points) + 0.5) / args.points
     x = pydiff.tensor(x_np.astype(np.float32))
-    f = pydiff.tensor((-np.pi**2 * np.sin(np.pi * x_np)).astype(np.float32))
+    f = pydiff.tensor((-(np.pi**2) * np.sin(np.pi * x_np)).astype(np.float32))
     opt = optim.AdamW([a, w, b], lr=1e-2, weight_decay=0.0)
     steps = trange(args.steps, desc="training") if trange else range(args.steps)
     for step in steps:
@@ -64,9 +68,15 @@ def main() -> None:
     if args.plot:
         from plotting import save_line_plot
 
-        save_line_plot(args.plot, [(x_test, np.sin(np.pi * x_test), "k--", "exact sin(pi x)"),
-                                   (x_test, u, "-", "pydiff PINN")],
-                       xlabel="x", title=f"u'' = -pi^2 sin(pi x); max error {err:.1e}")
+        save_line_plot(
+            args.plot,
+            [
+                (x_test, np.sin(np.pi * x_test), "k--", "exact sin(pi x)"),
+                (x_test, u, "-", "pydiff PINN"),
+            ],
+            xlabel="x",
+            title=f"u'' = -pi^2 sin(pi x); max error {err:.1e}",
+        )
 
 
 if __name__ == "__main__":

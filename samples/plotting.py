@@ -1,7 +1,7 @@
 """The samples' one plotting helper: line plots to a PNG with matplotlib, if installed.
 
-    from plotting import save_line_plot
-    save_line_plot("loss.png", [(steps, losses, "-", "loss")], xlabel="step")
+from plotting import save_line_plot
+save_line_plot("loss.png", [(steps, losses, "-", "loss")], xlabel="step")
 """
 
 from __future__ import annotations
@@ -9,9 +9,15 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-def save_line_plot(path: str, curves: Sequence[tuple[Any, Any, str, str | None]], *, xlabel: str,
-                   ylabel: str | None = None, title: str | None = None,
-                   size: tuple[float, float] = (5, 3)) -> bool:
+def save_line_plot(
+    path: str,
+    curves: Sequence[tuple[Any, Any, str, str | None]],
+    *,
+    xlabel: str,
+    ylabel: str | None = None,
+    title: str | None = None,
+    size: tuple[float, float] = (5, 3),
+) -> bool:
     """Plot (x, y, format, label) curves into ``path``; False (and a hint) without matplotlib."""
     try:
         import matplotlib

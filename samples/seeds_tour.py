@@ -1,6 +1,6 @@
 """Every example of the SlangPy autodiff docs, with pydiff: values and gradients printed.
 
-    python samples/seeds_tour.py
+python samples/seeds_tour.py
 """
 
 from pathlib import Path

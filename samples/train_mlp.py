@@ -51,13 +51,22 @@ def accuracy(layers, x, y) -> float:
     return float(np.mean(np.argmax(logits.numpy(), axis=1) == y))
 
 
-def train(epochs: int = 30, batch: int = 64, hidden: int = 64, lr: float = 1e-2, seed: int = 0,
-          progress: bool = True, capture: bool = True):
+def train(
+    epochs: int = 30,
+    batch: int = 64,
+    hidden: int = 64,
+    lr: float = 1e-2,
+    seed: int = 0,
+    progress: bool = True,
+    capture: bool = True,
+):
     x_tr, y_tr, x_te, y_te, name = load_data(seed)
     classes = int(y_tr.max()) + 1
     # The hidden layer's relu runs inside its linear kernels (forward and backward).
-    layers = [nn.Linear(x_tr.shape[1], hidden, seed=seed, activation="relu"),
-              nn.Linear(hidden, classes, seed=seed + 1)]
+    layers = [
+        nn.Linear(x_tr.shape[1], hidden, seed=seed, activation="relu"),
+        nn.Linear(hidden, classes, seed=seed + 1),
+    ]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=lr, weight_decay=1e-4)
     # One batch's tensors on the device; each step copies the next batch into them.
     xb = pydiff.empty((batch, x_tr.shape[1]))
@@ -107,8 +116,12 @@ def train(epochs: int = 30, batch: int = 64, hidden: int = 64, lr: float = 1e-2,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--plot", default="train_mlp_loss.png", help="PNG for the loss curve ('' to skip)")
-    ap.add_argument("--no-capture", action="store_true", help="run every step eagerly (no pydiff.capture)")
+    ap.add_argument(
+        "--plot", default="train_mlp_loss.png", help="PNG for the loss curve ('' to skip)"
+    )
+    ap.add_argument(
+        "--no-capture", action="store_true", help="run every step eagerly (no pydiff.capture)"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     layers, losses, acc, name = train(args.epochs, capture=not args.no_capture)
@@ -118,8 +131,13 @@ def main() -> None:
     if args.plot:
         from plotting import save_line_plot
 
-        save_line_plot(args.plot, [(range(1, len(losses) + 1), losses, "-", None)], xlabel="epoch",
-                       ylabel="cross-entropy", title=f"pydiff MLP on {name}")
+        save_line_plot(
+            args.plot,
+            [(range(1, len(losses) + 1), losses, "-", None)],
+            xlabel="epoch",
+            ylabel="cross-entropy",
+            title=f"pydiff MLP on {name}",
+        )
 
 
 if __name__ == "__main__":

@@ -166,7 +166,9 @@ def test_cache_order_grad_call_then_no_grad_call(device, load):
     m = load("calls", device)
     x = _t(device, [3.0, 4.0], requires_grad=True)
     m.square.bwds(x, _result=1.0)
-    m.square.bwds(_t(device, [1.0, 2.0]), _result=1.0)  # SlangPy: "Missing required output gradients"
+    m.square.bwds(
+        _t(device, [1.0, 2.0]), _result=1.0
+    )  # SlangPy: "Missing required output gradients"
     y = _t(device, [5.0, 6.0], requires_grad=True)
     m.square.bwds(y, _result=1.0)
     np.testing.assert_allclose(y.grad.numpy(), [10.0, 12.0])

@@ -17,12 +17,20 @@ def _vulkan_only(device):
 
 
 def _batches(n, batch=32, features=8, classes=3):
-    return [(RNG.standard_normal((batch, features)).astype(np.float32),
-             RNG.integers(0, classes, batch).astype(np.int32)) for _ in range(n)]
+    return [
+        (
+            RNG.standard_normal((batch, features)).astype(np.float32),
+            RNG.integers(0, classes, batch).astype(np.int32),
+        )
+        for _ in range(n)
+    ]
 
 
 def _mlp(device, make_opt):
-    layers = [nn.Linear(8, 16, seed=0, activation="relu", device=device), nn.Linear(16, 3, seed=1, device=device)]
+    layers = [
+        nn.Linear(8, 16, seed=0, activation="relu", device=device),
+        nn.Linear(16, 3, seed=1, device=device),
+    ]
     return layers, make_opt([p for layer in layers for p in layer.parameters()])
 
 
@@ -34,13 +42,18 @@ def _step_fn(layers, opt, xb, yb):
         tape.backward(loss)
         opt.step()
         return loss
+
     return step
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
-    lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
-], ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+        lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+    ids=["adamw", "sgd"],
+)
 def test_replay_matches_eager_steps_with_new_batches(device, make_opt):
     data = _batches(6)
     eager_layers, eager_opt = _mlp(device, make_opt)
@@ -55,13 +68,15 @@ def test_replay_matches_eager_steps_with_new_batches(device, make_opt):
     layers, opt = _mlp(device, make_opt)
     xc, yc = pydiff.tensor(data[0][0], device=device), pydiff.tensor(data[0][1], device=device)
     step = _step_fn(layers, opt, xc, yc)
-    got = [step().item()]                      # an ordinary first step creates the optimizer state
+    got = [step().item()]  # an ordinary first step creates the optimizer state
     xc.copy_from_numpy(data[1][0])
     yc.copy_from_numpy(data[1][1])
-    captured = pydiff.capture(step)            # the second step, run and recorded
+    captured = pydiff.capture(step)  # the second step, run and recorded
     got.append(captured.result.item())
     for x, y in data[2:]:
-        clutter = [pydiff.zeros((32, 16), device=device) for _ in range(4)]  # new tensors between replays
+        clutter = [
+            pydiff.zeros((32, 16), device=device) for _ in range(4)
+        ]  # new tensors between replays
         xc.copy_from_numpy(x)
         yc.copy_from_numpy(y)
         got.append(captured.replay().item())
@@ -86,7 +101,7 @@ def test_replay_reads_changed_hyper_parameters(device):
         opt.zero_grad()
         with pydiff.Tape() as tape:
             y = ops.linear(x, w)
-        tape.backward(y, grad=G)                      # dL/dW = G^T X, a constant
+        tape.backward(y, grad=G)  # dL/dW = G^T X, a constant
         opt.step()
 
     step()
@@ -102,12 +117,12 @@ def test_replay_reads_changed_hyper_parameters(device):
 
 def test_replay_rechecks_changed_labels(device):
     layers, opt = _mlp(device, lambda ps: optim.AdamW(ps))
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     xb, yb = pydiff.tensor(x, device=device), pydiff.tensor(y, device=device)
     step = _step_fn(layers, opt, xb, yb)
     step()
     captured = pydiff.capture(step)
-    yb.copy_from_numpy(np.full(32, 7, np.int32))   # class 7 of 3
+    yb.copy_from_numpy(np.full(32, 7, np.int32))  # class 7 of 3
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
         captured.replay()
 

@@ -16,8 +16,14 @@ def pydiff_cli(*args: str, device=None):
     env = dict(os.environ)
     if device is not None:
         env["PYDIFF_DEVICE"] = device.type
-    return subprocess.run([sys.executable, "-m", "pydiff", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pydiff", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=env,
+    )
 
 
 def test_check_passes_correct_functions_with_kinks_and_domains(device):
@@ -32,10 +38,14 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
             assert rows[(fn, "(all)", "forward")]["status"] == "PASS", fn
     assert rows[("smooth", "y", "backward")]["status"] == "PASS"
     assert rows[("field", "p", "backward")]["status"] == "PASS"
-    assert rows[("dense", "w", "backward")]["status"] == "PASS"  # tensors of 4 elements per dimension
+    assert (
+        rows[("dense", "w", "backward")]["status"] == "PASS"
+    )  # tensors of 4 elements per dimension
     assert rows[("dense", "x", "backward")]["points"] == 4
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
-    assert rows[("logarithm", "x", "backward")]["points"] == 8  # negative samples: outside the domain
+    assert (
+        rows[("logarithm", "x", "backward")]["points"] == 8
+    )  # negative samples: outside the domain
     assert rows[("logarithm", "x", "backward")]["outside_domain"] == 8
     assert not any(r["function"] == "not_differentiable" for r in report["results"])
 
@@ -44,10 +54,16 @@ def test_check_flags_a_wrong_backward_derivative(device):
     out = pydiff_cli("check", str(SHADERS / "check_wrong.slang"), device=device)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert any(ln.startswith("cube") and " backward " in ln and "FAIL" in ln for ln in lines), out.stdout
-    assert any(ln.startswith("fine") and " backward " in ln and "PASS" in ln for ln in lines), out.stdout
+    assert any(ln.startswith("cube") and " backward " in ln and "FAIL" in ln for ln in lines), (
+        out.stdout
+    )
+    assert any(ln.startswith("fine") and " backward " in ln and "PASS" in ln for ln in lines), (
+        out.stdout
+    )
     assert "1 failed" in out.stdout or "2 failed" in out.stdout
-    only_fine = pydiff_cli("check", str(SHADERS / "check_wrong.slang"), "--function", "fine", device=device)
+    only_fine = pydiff_cli(
+        "check", str(SHADERS / "check_wrong.slang"), "--function", "fine", device=device
+    )
     assert only_fine.returncode == 0, only_fine.stdout
 
 
@@ -63,9 +79,17 @@ def test_check_reports_skips_with_reasons(device):
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (("check", "tests/shaders/syntax_error.slang"), 2, r"syntax_error.slang:\d+: Slang compile error"),
+        (
+            ("check", "tests/shaders/syntax_error.slang"),
+            2,
+            r"syntax_error.slang:\d+: Slang compile error",
+        ),
         (("check", "tests/shaders/no_such_file.slang"), 2, "not found"),
-        (("check", "tests/shaders/check_wrong.slang", "--function", "nope"), 2, "no \\[Differentiable\\] function named nope"),
+        (
+            ("check", "tests/shaders/check_wrong.slang", "--function", "nope"),
+            2,
+            "no \\[Differentiable\\] function named nope",
+        ),
     ],
 )
 def test_check_errors_are_messages_not_tracebacks(device, args, code, message):
@@ -98,14 +122,19 @@ def test_info_lists_versions_devices_and_paths(device):
 
 def test_check_lists_generic_functions_and_takes_several_names(device, tmp_path):
     src = tmp_path / "generic.slang"
-    src.write_text("[Differentiable] float g<let N : int>(float x) { return N * x * x; }\n"
-                   "[Differentiable] float h(float x) { return x; }\n"
-                   "[Differentiable] float k(float x) { return 3.0 * x; }\n")
+    src.write_text(
+        "[Differentiable] float g<let N : int>(float x) { return N * x * x; }\n"
+        "[Differentiable] float h(float x) { return x; }\n"
+        "[Differentiable] float k(float x) { return 3.0 * x; }\n"
+    )
     out = pydiff_cli("check", str(src), "--json", device=device)
     report = json.loads(out.stdout)
     assert {r["function"]: r["why"] for r in report["results"] if r["status"] == "SKIPPED"} == {
-        "g": "generic function: pydiff check cannot choose its type arguments"}
-    both = json.loads(pydiff_cli("check", str(src), "--json", "--function", "h", "k", device=device).stdout)
+        "g": "generic function: pydiff check cannot choose its type arguments"
+    }
+    both = json.loads(
+        pydiff_cli("check", str(src), "--json", "--function", "h", "k", device=device).stdout
+    )
     assert {r["function"] for r in both["results"]} == {"h", "k"}
     missing = pydiff_cli("check", str(tmp_path / "none.slang"), "--json", device=device)
     assert missing.returncode == 2 and "not found" in json.loads(missing.stdout)["error"]

@@ -98,8 +98,12 @@ def test_partial_broadcast_sums_the_right_axes(device):
     y.grad.copy_from_numpy(g)
     with pydiff.deterministic():
         m.polynomial.bwds(1.5, b, c, x, _result=y)
-    np.testing.assert_allclose(b.grad.numpy(), (xs * g).astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(c.grad.numpy()[:, 0], g.astype(np.float64).sum(1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        b.grad.numpy(), (xs * g).astype(np.float64).sum(0), rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        c.grad.numpy()[:, 0], g.astype(np.float64).sum(1), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_broadcast_respects_zero_policies(device):
@@ -110,7 +114,10 @@ def test_broadcast_respects_zero_policies(device):
     with pydiff.zero_policy("reset"):
         m.polynomial.bwds(a, 8.0, -1.0, x, _result=y)
     assert _rel(a.grad.numpy()[0], want) <= 1e-6
-    with pydiff.zero_policy("strict"), pytest.raises(pydiff.StaleGradientError, match="parameter 'a'"):
+    with (
+        pydiff.zero_policy("strict"),
+        pytest.raises(pydiff.StaleGradientError, match="parameter 'a'"),
+    ):
         m.polynomial.bwds(a, 8.0, -1.0, x, _result=y)
 
 
@@ -208,7 +215,9 @@ def test_linear_layer_through_the_tape(device, load):
             tape.backward(y, grad=G)
             results.add(w.grad.numpy().tobytes())
     assert len(results) == 1
-    np.testing.assert_allclose(w.grad.numpy(), G.astype(np.float64).T @ X.astype(np.float64), rtol=1e-6)
+    np.testing.assert_allclose(
+        w.grad.numpy(), G.astype(np.float64).T @ X.astype(np.float64), rtol=1e-6
+    )
 
 
 def test_ops_linear_weight_gradient_is_bitwise_reproducible(device):
@@ -260,16 +269,26 @@ def test_deterministic_mode_warns_about_float_atomics_in_user_shaders(device, lo
         warnings.simplefilter("error")
         d.uses_splat.bwds(x, total, _result=y)  # default mode: no promise, no warning
     with pydiff.deterministic():
-        with pytest.warns(pydiff.NondeterminismWarning, match=r"determinism\.uses_splat\.bwds.*InterlockedAdd' in splat_bwd\(\)"):
+        with pytest.warns(
+            pydiff.NondeterminismWarning,
+            match=r"determinism\.uses_splat\.bwds.*InterlockedAdd' in splat_bwd\(\)",
+        ):
             d.uses_splat.bwds(x, total, _result=y)
         w = pydiff.tensor([1.0], device=device, requires_grad=True)
         ids = pydiff.tensor(np.arange(4, dtype=np.int32), device=device)
-        with pytest.warns(pydiff.NondeterminismWarning, match=r"plain_gather\.bwds.*parameter 'w' is a SlangPy"):
-            d.plain_gather.bwds(ids, w, _result=pydiff.empty((4,), device=device).with_grads(ones=True))
+        with pytest.warns(
+            pydiff.NondeterminismWarning, match=r"plain_gather\.bwds.*parameter 'w' is a SlangPy"
+        ):
+            d.plain_gather.bwds(
+                ids, w, _result=pydiff.empty((4,), device=device).with_grads(ones=True)
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            d.gather_first.bwds(w, pydiff.tensor([1.0], device=device),
-                                _result=pydiff.empty((1,), device=device).with_grads(ones=True))
+            d.gather_first.bwds(
+                w,
+                pydiff.tensor([1.0], device=device),
+                _result=pydiff.empty((1,), device=device).with_grads(ones=True),
+            )
 
 
 def test_lint_finds_float_atomics_through_calls_and_derivatives():
@@ -288,11 +307,18 @@ def test_deterministic_mode_warns_when_the_call_shape_is_unknown(device):
     """A float tensor for a float3 parameter: pydiff cannot tell the call's shape, so a
     (1,) parameter may be broadcast with float atomics; deterministic mode says so."""
     m = pydiff.load_module_from_source(
-        "det_unknown_shape", "[Differentiable] float f3(float a, float3 v) { return a * (v.x + v.y * v.z); }",
-        device=device)
+        "det_unknown_shape",
+        "[Differentiable] float f3(float a, float3 v) { return a * (v.x + v.y * v.z); }",
+        device=device,
+    )
     V = np.random.default_rng(3).random((64, 3)).astype(np.float32)
     a = pydiff.tensor([1.0], device=device, requires_grad=True)
     v = pydiff.tensor(V, device=device)
     y = m.f3(a, v, _result="tensor")
-    with pydiff.deterministic(), pytest.warns(pydiff.NondeterminismWarning, match=r"cannot tell the shape of this call.*'a'"):
+    with (
+        pydiff.deterministic(),
+        pytest.warns(
+            pydiff.NondeterminismWarning, match=r"cannot tell the shape of this call.*'a'"
+        ),
+    ):
         m.f3.bwds(a, v, _result=y.with_grads(ones=True))

@@ -58,8 +58,14 @@ def test_opening_a_device_applies_the_lavapipe_thread_choice():
         "print(os.environ.get('LP_NUM_THREADS'), len(os.sched_getaffinity(0)))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "LP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.split()
     threads, cpus = out[-2], int(out[-1])
     assert threads == ("0" if cpus <= 2 else "None")
 
@@ -67,7 +73,9 @@ def test_opening_a_device_applies_the_lavapipe_thread_choice():
 def test_shader_library_on_include_path(device):
     assert (pydiff.shader_dir() / "pydiff.slang").is_file()
     m = pydiff.load_module_from_source(
-        "uses_lib", "import pydiff;\n[Differentiable] float twice_plus(float x) { return scale_add(2.0, x, 1.0); }",
+        "uses_lib",
+        "import pydiff;\n"
+        "[Differentiable] float twice_plus(float x) { return scale_add(2.0, x, 1.0); }",
         device=device,
     )
     x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
@@ -77,19 +85,27 @@ def test_shader_library_on_include_path(device):
 
 
 def test_missing_file_lists_searched_paths(device):
-    with pytest.raises(FileNotFoundError, match=r"(?s)'nope\.slang' not found; searched:.*nope\.slang"):
+    with pytest.raises(
+        FileNotFoundError, match=r"(?s)'nope\.slang' not found; searched:.*nope\.slang"
+    ):
         pydiff.load_module("nope.slang", device=device)
 
 
 def test_compile_error_has_file_and_line(device):
-    with pytest.raises(pydiff.SlangCompileError, match=r"syntax_error\.slang:5: Slang compile error") as info:
+    with pytest.raises(
+        pydiff.SlangCompileError, match=r"syntax_error\.slang:5: Slang compile error"
+    ) as info:
         pydiff.load_module(SHADERS / "syntax_error.slang", device=device)
     assert info.value.line == 5 and info.value.file.endswith("syntax_error.slang")
 
 
 def test_compile_error_from_source_names_module(device):
-    with pytest.raises(pydiff.SlangCompileError, match=r"(?s)<broken_src>:2: .*undefined identifier"):
-        pydiff.load_module_from_source("broken_src", "float g(float x) {\n  return y;\n}\n", device=device)
+    with pytest.raises(
+        pydiff.SlangCompileError, match=r"(?s)<broken_src>:2: .*undefined identifier"
+    ):
+        pydiff.load_module_from_source(
+            "broken_src", "float g(float x) {\n  return y;\n}\n", device=device
+        )
 
 
 def test_unknown_function_suggests_close_match(device, load):
@@ -110,11 +126,15 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
 
     x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
     y = pydiff.zeros((2,), device=device).with_grads(ones=True)
-    with pytest.raises(pydiff.ShaderTrapError, match=r"traps\.slang:8: in load_through_interface\(\)"):
+    with pytest.raises(
+        pydiff.ShaderTrapError, match=r"traps\.slang:8: in load_through_interface\(\)"
+    ):
         m.load_through_interface.bwds(spy.grid((2,)), x, y)
     with pytest.raises(pydiff.ShaderTrapError, match="traps.slang:8"):  # inherited by a caller
         m.calls_trapped.bwds(spy.grid((2,)), x, y, _result=1.0)
-    with pytest.raises(pydiff.ShaderTrapError, match=r"'input\[i\]'.*'bias\[idx\]'.*segfault.*as 'int'"):
+    with pytest.raises(
+        pydiff.ShaderTrapError, match=r"'input\[i\]'.*'bias\[idx\]'.*segfault.*as 'int'"
+    ):
         m.linear_uint.bwds(spy.grid((2,)), pydiff.zeros((2, 2), device=device), x, x, y)
     # Forward calls and untouched functions still work.
     m.load_through_interface(spy.grid((2,)), x, y)
@@ -128,8 +148,14 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
         ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
         ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
         ("legendre_function.py", "gradcheck: True"),
-        ("deterministic_gradients.py --log2 16 --runs 3", "pydiff                        1 bit pattern(s)"),
-        ("attention_block.py --steps 60", "gradcheck of the block (layer_norm, attention, silu_and_mul, linear): True"),
+        (
+            "deterministic_gradients.py --log2 16 --runs 3",
+            "pydiff                        1 bit pattern(s)",
+        ),
+        (
+            "attention_block.py --steps 60",
+            "gradcheck of the block (layer_norm, attention, silu_and_mul, linear): True",
+        ),
     ],
 )
 def test_samples_run(sample, expected):
@@ -140,8 +166,11 @@ def test_samples_run(sample, expected):
 def _run_sample(*args: str) -> subprocess.CompletedProcess:
     """Run samples/<args[0]> with the rest as arguments from the repository root; must succeed."""
     out = subprocess.run(
-        [sys.executable, f"samples/{args[0]}", *args[1:]], capture_output=True, text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300,
+        [sys.executable, f"samples/{args[0]}", *args[1:]],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     return out
@@ -156,7 +185,10 @@ def test_batched_mixed_index_kinds_refused(device):
     x = pydiff.zeros((2, 3), device=device, requires_grad=True)
     w = pydiff.zeros((4, 3), device=device, requires_grad=True)
     y = pydiff.zeros((2, 4), device=device).with_grads(ones=True)
-    with pytest.raises(pydiff.ShaderTrapError, match=r"'x\[xi\]'.*'w\[j, k\]'.*index every interface tensor the same way"):
+    with pytest.raises(
+        pydiff.ShaderTrapError,
+        match=r"'x\[xi\]'.*'w\[j, k\]'.*index every interface tensor the same way",
+    ):
         m.dense_multi_index.bwds(spy.grid((2, 4)), x, w, y)
 
 
@@ -189,7 +221,9 @@ def test_fit_chain_recovers_parameters():
 
 def test_pinn_sample_solves_poisson():
     out = _run_sample("pinn_poisson.py", "--steps", "600", "--plot=")
-    check = next(ln for ln in out.stdout.splitlines() if ln.startswith("u'' written out vs pydiff.hvp"))
+    check = next(
+        ln for ln in out.stdout.splitlines() if ln.startswith("u'' written out vs pydiff.hvp")
+    )
     assert float(check.split()[-1]) < 1e-4
     final = next(ln for ln in out.stdout.splitlines() if "max |u - sin(pi x)|" in ln)
     assert float(final.split("=")[-1]) < 2e-2, final

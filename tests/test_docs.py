@@ -32,7 +32,9 @@ def runnable_blocks(page: Path) -> list[tuple[int, str]]:
         fence = _FENCE.match(text, m.end())
         if not fence or fence.group(2).strip() not in ("python", "py"):
             line = text.count("\n", 0, m.start()) + 1
-            raise AssertionError(f"{page.name}:{line}: {MARKER} must be followed directly by a ```python block")
+            raise AssertionError(
+                f"{page.name}:{line}: {MARKER} must be followed directly by a ```python block"
+            )
         first_line = text.count("\n", 0, fence.start(3)) + 1
         blocks.append((first_line, fence.group(3)))
     return blocks
@@ -43,9 +45,17 @@ PAGES = sorted(p for p in DOCS.glob("*.md") if MARKER in p.read_text())
 
 def test_runnable_examples_exist_on_the_main_pages():
     names = {p.name for p in PAGES}
-    for page in ("index.md", "getting-started.md", "tensors-and-gradients.md", "tape.md",
-                 "functions.md", "custom-derivatives.md", "forward-mode.md", "ops-and-optimizers.md",
-                 "shader-library.md"):
+    for page in (
+        "index.md",
+        "getting-started.md",
+        "tensors-and-gradients.md",
+        "tape.md",
+        "functions.md",
+        "custom-derivatives.md",
+        "forward-mode.md",
+        "ops-and-optimizers.md",
+        "shader-library.md",
+    ):
         assert page in names, f"docs/{page} has no runnable example"
     for page in PAGES:
         assert runnable_blocks(page)  # also checks every marker is followed by a python block
@@ -63,8 +73,11 @@ def test_runnable_blocks(page: Path, monkeypatch):
 
 # -- the shader library reference -----------------------------------------------------------
 
+
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_shader_reference", DOCS / "gen_shader_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_shader_reference", DOCS / "gen_shader_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -84,9 +97,16 @@ def _public_names(src: str) -> set[str]:
     src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
     src = re.sub(r"//[^\n]*", " ", src)
     names = set(re.findall(r"\bpublic\s+(?:struct|interface|enum)\s+(\w+)", src))
-    names |= set(re.findall(r"\bpublic\s+(?!(?:struct|interface|enum)\b)[^;{}()=]*?\b(\w+)\s*(?:<[^<>();{}]*>)?\s*\(", src))
+    names |= set(
+        re.findall(
+            r"\bpublic\s+(?!(?:struct|interface|enum)\b)[^;{}()=]*?\b(\w+)\s*(?:<[^<>();{}]*>)?\s*\(",
+            src,
+        )
+    )
     names |= set(re.findall(r"\bpublic\s+[^;{}()=]*?\b(\w+)\s*(?:\[[^\]]*\])?\s*;", src))
-    names |= set(re.findall(r"\[\s*shader\s*\([^)]*\)\s*\]\s*(?:\[[^\]]*\]\s*)*\w+\s+(\w+)\s*\(", src))
+    names |= set(
+        re.findall(r"\[\s*shader\s*\([^)]*\)\s*\]\s*(?:\[[^\]]*\]\s*)*\w+\s+(\w+)\s*\(", src)
+    )
     return names
 
 
@@ -114,7 +134,9 @@ def test_shader_reference_scan_sees_the_library():
     assert {"op_add", "op_relu", "op_swiglu"} <= names and "op_relu_bwd" not in names
     names = _public_names((SHADERS / "forward_tensor.slang").read_text())
     assert {"FwdDiffTensor", "RWFwdDiffTensor", "fdt_load_fwd", "load", "store", "primal"} <= names
-    assert {"mm_nt", "mm_nn", "mm_tn"} <= _public_names((SHADERS / "kernels" / "matmul.slang").read_text())
+    assert {"mm_nt", "mm_nn", "mm_tn"} <= _public_names(
+        (SHADERS / "ops" / "matmul.slang").read_text()
+    )
 
 
 def test_shader_reference_hook_is_configured():

@@ -11,7 +11,9 @@ RNG = np.random.default_rng(11)
 
 
 def _t(device, data, dtype=None, grad=False):
-    return pydiff.tensor(np.asarray(data, np.float32), dtype=dtype, device=device, requires_grad=grad)
+    return pydiff.tensor(
+        np.asarray(data, np.float32), dtype=dtype, device=device, requires_grad=grad
+    )
 
 
 def test_jvp_of_scalar_functions_matches_closed_forms(device, load):
@@ -48,8 +50,14 @@ def test_jvp_equals_finite_difference_jacobian_times_u(device, load):
         np.testing.assert_allclose(dy.numpy()[n], J @ U[n], rtol=2e-3, atol=2e-3)
     # and the closed form of the Jacobian
     x, y, z = P.T
-    ju = np.stack([U[:, 0] * y + x * U[:, 1], np.cos(z) * U[:, 2] + U[:, 0],
-                   0.5 * np.exp(0.5 * y) * z * U[:, 1] + np.exp(0.5 * y) * U[:, 2]], 1)
+    ju = np.stack(
+        [
+            U[:, 0] * y + x * U[:, 1],
+            np.cos(z) * U[:, 2] + U[:, 0],
+            0.5 * np.exp(0.5 * y) * z * U[:, 1] + np.exp(0.5 * y) * U[:, 2],
+        ],
+        1,
+    )
     np.testing.assert_allclose(dy.numpy(), ju, rtol=1e-5, atol=1e-5)
 
 
@@ -86,7 +94,9 @@ def test_hvp_and_hessian_of_a_scalar_function_of_a_vector(device, load):
         return np.array([[-np.sin(x), z, y], [z, 0, x], [y, x, 0]])
 
     (hv,) = pydiff.hvp(m.energy, (_t(device, P, "float3"),), (V,))
-    np.testing.assert_allclose(hv.numpy(), np.stack([hess(p) @ v for p, v in zip(P, V)]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        hv.numpy(), np.stack([hess(p) @ v for p, v in zip(P, V)]), rtol=1e-5, atol=1e-6
+    )
     H = pydiff.hessian(m.energy, (_t(device, P[:1], "float3"),))
     np.testing.assert_allclose(H, hess(P[0]), rtol=1e-5, atol=1e-6)
     # the sum over a vectorised call: block diagonal
@@ -111,20 +121,30 @@ def test_laplacian_of_a_network_against_float64_finite_differences(device, load)
         return np.tanh(q[:, :1] * w0.astype(np.float64) + q[:, 1:] * w1 + b) @ a.astype(np.float64)
 
     h = 1e-3
-    fd = sum((u(pts + h * e) - 2 * u(pts) + u(pts - h * e)) / h**2 for e in (np.array([1.0, 0]), np.array([0, 1.0])))
+    fd = sum(
+        (u(pts + h * e) - 2 * u(pts) + u(pts - h * e)) / h**2
+        for e in (np.array([1.0, 0]), np.array([0, 1.0]))
+    )
     np.testing.assert_allclose(lap, fd, rtol=1e-4, atol=1e-4)
 
 
 def test_tensor_parameters_in_forward_and_reverse_mode(device, load):
     m = load("forward", device)
     M, K = 4, 6
-    W, dW, X, dX = RNG.standard_normal((M, K)), RNG.standard_normal((M, K)), RNG.standard_normal(K), RNG.standard_normal(K)
+    W, dW, X, dX = (
+        RNG.standard_normal((M, K)),
+        RNG.standard_normal((M, K)),
+        RNG.standard_normal(K),
+        RNG.standard_normal(K),
+    )
     w, x = _t(device, W, grad=True).with_tangent(dW), _t(device, X, grad=True).with_tangent(dX)
     y = pydiff.zeros((M,), device=device)
     m.dense_tanh.fwds(spy.grid((M,)), w, x, y)
     Z = W @ X
     np.testing.assert_allclose(y.numpy(), np.tanh(Z), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(y.tangent.numpy(), (1 - np.tanh(Z) ** 2) * (dW @ X + W @ dX), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        y.tangent.numpy(), (1 - np.tanh(Z) ** 2) * (dW @ X + W @ dX), rtol=1e-4, atol=1e-5
+    )
     G = RNG.standard_normal(M)
     with pydiff.Tape() as tape:
         y2 = pydiff.zeros((M,), device=device)
@@ -149,18 +169,37 @@ def test_gradcheck_checks_forward_mode(device, load):
 def test_forward_mode_errors(device, load):
     m = load("forward", device)
     x = _t(device, [1.0, 2.0, 3.0])
-    with pytest.raises(ValueError, match=r"tangent has shape \(2,\); the tensor's values have shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"tangent has shape \(2,\); the tensor's values have shape \(3,\)"
+    ):
         x.with_tangent([1.0, 2.0])
-    with pytest.raises(ValueError, match=r"forward\.poly\.fwds: parameter 'x': tangent has shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"forward\.poly\.fwds: parameter 'x': tangent has shape \(2,\)"
+    ):
         m.poly.fwds(1.0, 1.0, 1.0, (x, np.ones(2)))
-    with pytest.raises(TypeError, match=r"not_differentiable is not differentiable: mark it \[Differentiable\]"):
+    with pytest.raises(
+        TypeError, match=r"not_differentiable is not differentiable: mark it \[Differentiable\]"
+    ):
         m.not_differentiable.fwds(3)
     w = _t(device, np.ones((2, 1)), grad=True).with_tangent(np.ones((2, 1)))
-    with pytest.raises(TypeError, match=r"parameter 'w' is a .*DiffTensor.*no forward derivative.*FwdDiffTensor<2>"):
+    with pytest.raises(
+        TypeError, match=r"parameter 'w' is a .*DiffTensor.*no forward derivative.*FwdDiffTensor<2>"
+    ):
         m.dot_plain.fwds(spy.grid((2,)), w, _t(device, [1.0], grad=True))
-    with pytest.raises(ValueError, match=r"parameter 'x' is a FwdDiffTensor<1>, which takes a float tensor with exactly 1 dimension"):
-        m.dense_tanh(spy.grid((2,)), _t(device, np.ones((2, 3))), _t(device, np.ones((2, 3))), pydiff.zeros((2,), device=device))
-    with pytest.raises(TypeError, match=r"hvp: forward\.twist returns vector<float,3>; hvp needs a scalar"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'x' is a FwdDiffTensor<1>, "
+        r"which takes a float tensor with exactly 1 dimension",
+    ):
+        m.dense_tanh(
+            spy.grid((2,)),
+            _t(device, np.ones((2, 3))),
+            _t(device, np.ones((2, 3))),
+            pydiff.zeros((2,), device=device),
+        )
+    with pytest.raises(
+        TypeError, match=r"hvp: forward\.twist returns vector<float,3>; hvp needs a scalar"
+    ):
         pydiff.hvp(m.twist, (_t(device, np.ones((1, 3)), "float3"),), (np.ones((1, 3)),))
     with pytest.raises(TypeError, match=r"jvp needs a Slang function"):
         pydiff.jvp(lambda v: v, (x,), (np.ones(3),))

@@ -52,7 +52,11 @@ def _classes(m):
 
         @staticmethod
         def backward(ctx, g1, g2):
-            return m.add(m.scale(g1, 2.0, _result="tensor"), m.scale(g2, 3.0, _result="tensor"), _result="tensor")
+            return m.add(
+                m.scale(g1, 2.0, _result="tensor"),
+                m.scale(g2, 3.0, _result="tensor"),
+                _result="tensor",
+            )
 
     class Identity(pydiff.Function):
         @staticmethod
@@ -176,18 +180,25 @@ def test_wrong_gradient_count_and_shape(device, m):
     a, b = _t(device, X), _t(device, X)
     with pydiff.Tape() as tape:
         out = F["BadOp"].apply(a, b)
-    with pytest.raises(RuntimeError, match=r"BadOp\.backward\(\) returned 1 gradients but expected 2"):
+    with pytest.raises(
+        RuntimeError, match=r"BadOp\.backward\(\) returned 1 gradients but expected 2"
+    ):
         tape.backward(out, grad=np.ones((2, 2)))
     with pydiff.Tape() as tape:
         out = F["BadShape"].apply(a)
-    with pytest.raises(RuntimeError, match=r"BadShape\.backward\(\) gradient 0 has shape \(3,\) but input 0 has shape \(2, 2\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"BadShape\.backward\(\) gradient 0 has shape \(3,\) but input 0 has shape \(2, 2\)",
+    ):
         tape.backward(out, grad=np.ones((2, 2)))
 
 
 def test_function_outside_tape_just_runs(device, m):
     F = _classes(m)
     y = F["Legendre3"].apply(_t(device, [0.5, 1.0], grad=False))
-    np.testing.assert_allclose(y.numpy(), 0.5 * (5 * np.array([0.5, 1.0]) ** 3 - 3 * np.array([0.5, 1.0])), rtol=1e-6)
+    np.testing.assert_allclose(
+        y.numpy(), 0.5 * (5 * np.array([0.5, 1.0]) ** 3 - 3 * np.array([0.5, 1.0])), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", ["Scale", "Add", "Split", "Identity", "Legendre3", "AddAndScale"])
@@ -195,7 +206,11 @@ def test_gradcheck_passes_on_tutorial_functions(device, m, name):
     F = _classes(m)
     x, y = _t(device, [0.3, -0.7, 1.1]), _t(device, [0.2, 0.5, -0.4])
     args = {
-        "Scale": (x, 1.5), "Add": (x, y), "Split": (x,), "Identity": (x,), "Legendre3": (x,),
+        "Scale": (x, 1.5),
+        "Add": (x, y),
+        "Split": (x,),
+        "Identity": (x,),
+        "Legendre3": (x,),
         "AddAndScale": (x, y, 2.0),
     }[name]
     assert pydiff.gradcheck(F[name], args)
@@ -204,7 +219,10 @@ def test_gradcheck_passes_on_tutorial_functions(device, m, name):
 def test_gradcheck_catches_wrong_function_backward(device, m):
     F = _classes(m)
     x = _t(device, [0.3, -0.7, 1.1])
-    with pytest.raises(pydiff.GradcheckError, match=r"Legendre3Wrong.*input 0, element \(\d,\): analytic .* numeric"):
+    with pytest.raises(
+        pydiff.GradcheckError,
+        match=r"Legendre3Wrong.*input 0, element \(\d,\): analytic .* numeric",
+    ):
         pydiff.gradcheck(F["Legendre3Wrong"], (x,))
     assert pydiff.gradcheck(F["Legendre3Wrong"], (x,), raise_exception=False) is False
 

@@ -32,7 +32,10 @@ def test_python_callable_of_calls(device, load):
     s = _t(device, [1.3])
 
     def f(x, s):
-        return m.halve_sum(m.times(m.sine(x, _result="tensor"), m.scale(x, s, _result="tensor"), _result="tensor"), _result="tensor")
+        return m.halve_sum(
+            m.times(m.sine(x, _result="tensor"), m.scale(x, s, _result="tensor"), _result="tensor"),
+            _result="tensor",
+        )
 
     assert pydiff.gradcheck(f, (x, s))
 

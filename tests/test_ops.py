@@ -21,7 +21,10 @@ UNARY = {
     "tanh": (np.tanh, lambda x: 1 - np.tanh(x) ** 2),
     "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), lambda x: np.exp(-x) / (1 + np.exp(-x)) ** 2),
     "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(float)),
-    "silu": (lambda x: x / (1 + np.exp(-x)), lambda x: 1 / (1 + np.exp(-x)) * (1 + x * (1 - 1 / (1 + np.exp(-x))))),
+    "silu": (
+        lambda x: x / (1 + np.exp(-x)),
+        lambda x: 1 / (1 + np.exp(-x)) * (1 + x * (1 - 1 / (1 + np.exp(-x)))),
+    ),
     "gelu": (
         lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))),
         None,
@@ -46,7 +49,9 @@ def test_unary_forward_and_backward(device, name):
 def test_log_sqrt_and_binary_ops(device):
     xs, ys = np.array([0.5, 1.5, 3.0]), np.array([2.0, -1.0, 0.25])
     for name, ref in [("add", xs + ys), ("sub", xs - ys), ("mul", xs * ys), ("div", xs / ys)]:
-        np.testing.assert_allclose(getattr(ops, name)(_t(device, xs), _t(device, ys)).numpy(), ref, rtol=1e-6)
+        np.testing.assert_allclose(
+            getattr(ops, name)(_t(device, xs), _t(device, ys)).numpy(), ref, rtol=1e-6
+        )
         assert pydiff.gradcheck(getattr(ops, name), (_t(device, xs), _t(device, ys)))
     np.testing.assert_allclose(ops.log(_t(device, xs)).numpy(), np.log(xs), rtol=1e-6)
     np.testing.assert_allclose(ops.sqrt(_t(device, xs)).numpy(), np.sqrt(xs), rtol=1e-6)
@@ -88,7 +93,12 @@ def test_matmul_and_linear(device):
     np.testing.assert_allclose(a.grad.numpy(), G @ B.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(b.grad.numpy(), A.T @ G, rtol=1e-5, atol=1e-5)
     X, W, bb = RNG.standard_normal((6, 3)), RNG.standard_normal((2, 3)), RNG.standard_normal(2)
-    np.testing.assert_allclose(ops.linear(_t(device, X), _t(device, W), _t(device, bb)).numpy(), X @ W.T + bb, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        ops.linear(_t(device, X), _t(device, W), _t(device, bb)).numpy(),
+        X @ W.T + bb,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert pydiff.gradcheck(ops.linear, (_t(device, X[:3]), _t(device, W), _t(device, bb)))
     assert pydiff.gradcheck(ops.linear, (_t(device, X[:3]), _t(device, W)))
 
@@ -99,19 +109,27 @@ def test_reductions_and_losses(device):
     np.testing.assert_allclose(ops.mean(_t(device, X)).numpy(), [X.mean()], rtol=1e-5, atol=1e-7)
     assert pydiff.gradcheck(ops.mean, (_t(device, X),))
     T = RNG.standard_normal((3, 4))
-    np.testing.assert_allclose(ops.mse_loss(_t(device, X), _t(device, T)).numpy(), [np.mean((X - T) ** 2)], rtol=1e-5)
+    np.testing.assert_allclose(
+        ops.mse_loss(_t(device, X), _t(device, T)).numpy(), [np.mean((X - T) ** 2)], rtol=1e-5
+    )
     assert pydiff.gradcheck(ops.mse_loss, (_t(device, X), _t(device, T, grad=False)))
     labels = np.array([0, 3, 1])
     Z = RNG.standard_normal((3, 4))
     P = np.exp(Z - Z.max(1, keepdims=True))
     P /= P.sum(1, keepdims=True)
-    np.testing.assert_allclose(ops.cross_entropy(_t(device, Z), labels).numpy(), [-np.mean(np.log(P[np.arange(3), labels]))], rtol=1e-5)
+    np.testing.assert_allclose(
+        ops.cross_entropy(_t(device, Z), labels).numpy(),
+        [-np.mean(np.log(P[np.arange(3), labels]))],
+        rtol=1e-5,
+    )
     assert pydiff.gradcheck(lambda z: ops.cross_entropy(z, labels), (_t(device, Z),))
     np.testing.assert_allclose(ops.softmax(_t(device, Z)).numpy(), P, rtol=1e-5)
 
 
 def test_shape_errors(device):
-    with pytest.raises(ValueError, match=r"matmul: inner dimensions differ: a is \(2, 3\), b is \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"matmul: inner dimensions differ: a is \(2, 3\), b is \(2, 3\)"
+    ):
         ops.matmul(_t(device, np.ones((2, 3))), _t(device, np.ones((2, 3))))
     with pytest.raises(ValueError, match=r"linear: x has 3 features but weight \(2, 4\)"):
         ops.linear(_t(device, np.ones((2, 3))), _t(device, np.ones((2, 4))))
@@ -164,21 +182,35 @@ def test_rms_norm(device):
         ops.rms_norm(_t(device, X), _t(device, np.ones(4)))
 
 
-@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), (-1, False), (2, True)])
+@pytest.mark.parametrize(
+    "axis,keepdims", [(None, False), (0, False), (1, True), (-1, False), (2, True)]
+)
 def test_sum_and_mean_over_an_axis(device, axis, keepdims):
     X = RNG.standard_normal((3, 4, 5))
     want_sum = X.sum(axis=axis, keepdims=keepdims) if axis is not None else [X.sum()]
     want_mean = X.mean(axis=axis, keepdims=keepdims) if axis is not None else [X.mean()]
     got = ops.sum(_t(device, X), axis=axis, keepdims=keepdims).numpy()
     np.testing.assert_allclose(got, want_sum, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ops.mean(_t(device, X), axis=axis, keepdims=keepdims).numpy(), want_mean, rtol=1e-5, atol=1e-6)
-    assert pydiff.gradcheck(lambda x: ops.mean(x, axis=axis, keepdims=keepdims), (_t(device, X[:2, :3, :2]),))
+    np.testing.assert_allclose(
+        ops.mean(_t(device, X), axis=axis, keepdims=keepdims).numpy(),
+        want_mean,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert pydiff.gradcheck(
+        lambda x: ops.mean(x, axis=axis, keepdims=keepdims), (_t(device, X[:2, :3, :2]),)
+    )
     with pydiff.Tape() as tape:
         x = _t(device, X)
         s = ops.sum(x, axis=axis, keepdims=keepdims)
     G = RNG.standard_normal(np.shape(want_sum))
     tape.backward(s, grad=G)
-    dx = np.broadcast_to(np.expand_dims(G, axis) if axis is not None and not keepdims else np.reshape(G, (1,) * 3 if axis is None else G.shape), X.shape)
+    dx = np.broadcast_to(
+        np.expand_dims(G, axis)
+        if axis is not None and not keepdims
+        else np.reshape(G, (1,) * 3 if axis is None else G.shape),
+        X.shape,
+    )
     np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-6)
 
 
@@ -197,7 +229,9 @@ def test_sum_is_pairwise_accurate_and_reproducible(device):
 
 def test_reduction_errors(device):
     x = _t(device, np.ones((2, 3)))
-    with pytest.raises(ValueError, match=r"sum: axis=2 is out of range for a tensor of shape \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"sum: axis=2 is out of range for a tensor of shape \(2, 3\)"
+    ):
         ops.sum(x, axis=2)
     with pytest.raises(ValueError, match=r"softmax: only the last axis is supported"):
         ops.softmax(x, axis=0)
@@ -230,7 +264,9 @@ def test_softmax_and_log_softmax_backward(device):
     tape.backward(y, grad=np.ones((1, 3)))
     np.testing.assert_allclose(y.numpy(), [[0.0, -2e4, -1e4]], rtol=1e-6)
     np.testing.assert_allclose(z.grad.numpy(), [[-2.0, 1.0, 1.0]], atol=1e-6)
-    np.testing.assert_allclose(ops.softmax(_t(device, [[1e4, -1e4, 0.0]])).numpy(), [[1.0, 0.0, 0.0]])
+    np.testing.assert_allclose(
+        ops.softmax(_t(device, [[1e4, -1e4, 0.0]])).numpy(), [[1.0, 0.0, 0.0]]
+    )
 
 
 def test_cross_entropy_backward_closed_form(device):
@@ -239,7 +275,9 @@ def test_cross_entropy_backward_closed_form(device):
     with pydiff.Tape() as tape:
         loss = ops.cross_entropy(z, labels)
     tape.backward(loss, grad=np.array([3.0]))
-    np.testing.assert_allclose(z.grad.numpy(), 3.0 * (_softmax(Z) - np.eye(6)[labels]) / 4, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        z.grad.numpy(), 3.0 * (_softmax(Z) - np.eye(6)[labels]) / 4, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_layer_norm(device):
@@ -253,7 +291,9 @@ def test_layer_norm(device):
     G = RNG.standard_normal(X.shape)
     tape.backward(y, grad=G)
     gh = G * W
-    dx = (gh - gh.mean(-1, keepdims=True) - xh * (gh * xh).mean(-1, keepdims=True)) / np.sqrt(var + 1e-5)
+    dx = (gh - gh.mean(-1, keepdims=True) - xh * (gh * xh).mean(-1, keepdims=True)) / np.sqrt(
+        var + 1e-5
+    )
     np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(w.grad.numpy(), (G * xh).sum((0, 1)), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(b.grad.numpy(), G.sum((0, 1)), rtol=1e-5, atol=1e-5)
@@ -278,7 +318,9 @@ def test_silu_and_mul_matches_the_seed_formulas(device):
     want = np.concatenate([G * up * sig * (1 + gate * (1 - sig)), G * gate * sig], axis=-1)
     np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
     assert pydiff.gradcheck(ops.silu_and_mul, (_t(device, X[:2]),))
-    with pytest.raises(ValueError, match=r"silu_and_mul: the last dimension of \(2, 3\) must be even"):
+    with pytest.raises(
+        ValueError, match=r"silu_and_mul: the last dimension of \(2, 3\) must be even"
+    ):
         ops.silu_and_mul(_t(device, np.ones((2, 3))))
 
 
@@ -300,7 +342,9 @@ def test_attention_forward_backward(device):
         np.testing.assert_allclose(q.grad.numpy(), dS @ K, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(k.grad.numpy(), dS.T @ Q, rtol=1e-4, atol=1e-5)
     assert pydiff.gradcheck(ops.attention, (_t(device, Q), _t(device, K), _t(device, V)))
-    with pytest.raises(ValueError, match=r"attention: k \(5, 3\) and v \(4, 2\) must have the same number of rows"):
+    with pytest.raises(
+        ValueError, match=r"attention: k \(5, 3\) and v \(4, 2\) must have the same number of rows"
+    ):
         ops.attention(q, k, _t(device, V[:4]))
 
 
@@ -319,11 +363,13 @@ def test_fast_product_kernels_match_numpy(device, m, k, n):
     np.testing.assert_allclose(w.grad.numpy(), G.T @ X, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(b.grad.numpy(), G.sum(0), rtol=1e-5, atol=1e-5)
     A2 = RNG.standard_normal((k, n))
-    np.testing.assert_allclose(ops.matmul(_t(device, X), _t(device, A2)).numpy(), X @ A2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        ops.matmul(_t(device, X), _t(device, A2)).numpy(), X @ A2, rtol=1e-5, atol=1e-5
+    )
     if device.type == "vulkan":
-        from pydiff import kernels
+        from pydiff.tensor import float4_ready
 
-        assert kernels.float4_ready(x, w, y)  # the fast path was eligible, so it ran
+        assert float4_ready(x, w, y)  # the fast path was eligible, so it ran
 
 
 def test_label_tensors_are_checked_again_after_a_write(device):
@@ -363,7 +409,9 @@ def test_ops_refuse_non_float_tensors_and_fractional_labels(device):
     ints = pydiff.tensor(np.arange(3, dtype=np.int32), device=device)
     with pytest.raises(ValueError, match=r"relu: argument 0 has dtype int"):
         ops.relu(ints)
-    with pytest.raises(ValueError, match=r"mean: expected a float pydiff.Tensor, got a tensor of dtype int"):
+    with pytest.raises(
+        ValueError, match=r"mean: expected a float pydiff.Tensor, got a tensor of dtype int"
+    ):
         ops.mean(ints)
     with pytest.raises(ValueError, match=r"labels must be integer class indices"):
         ops.cross_entropy(_t(device, np.ones((2, 3))), np.array([0.5, 1.0]))
@@ -386,12 +434,15 @@ def test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs(device)
     assert len(set(losses)) == 1
 
 
-@pytest.mark.parametrize("batch, n_in, n_out, bias", [
-    (256, 64, 64, True),    # fast kernels: relu in the product, the mask in dx/dW, db fused
-    (32, 16, 12, False),
-    (6, 5, 3, True),        # K % 4 != 0: SlangPy products, relu and mask as separate steps
-    (4104, 8, 4, True),     # more rows than the fused bias sum takes: mask applied first
-])
+@pytest.mark.parametrize(
+    "batch, n_in, n_out, bias",
+    [
+        (256, 64, 64, True),  # fast kernels: relu in the product, the mask in dx/dW, db fused
+        (32, 16, 12, False),
+        (6, 5, 3, True),  # K % 4 != 0: SlangPy products, relu and mask as separate steps
+        (4104, 8, 4, True),  # more rows than the fused bias sum takes: mask applied first
+    ],
+)
 def test_linear_relu_fused_matches_numpy(device, batch, n_in, n_out, bias):
     X = RNG.standard_normal((batch, n_in))
     W = RNG.standard_normal((n_out, n_in))
@@ -415,12 +466,16 @@ def test_linear_relu_fused_matches_numpy(device, batch, n_in, n_out, bias):
 
 def test_linear_relu_gradcheck_and_bad_activation(device):
     X, W, b = RNG.standard_normal((4, 3)), RNG.standard_normal((2, 3)), RNG.standard_normal(2)
-    assert pydiff.gradcheck(lambda x, w, b: ops.linear(x, w, b, activation="relu"),
-                            (_t(device, X), _t(device, W), _t(device, b)))
+    assert pydiff.gradcheck(
+        lambda x, w, b: ops.linear(x, w, b, activation="relu"),
+        (_t(device, X), _t(device, W), _t(device, b)),
+    )
     with pytest.raises(ValueError, match=r"linear: activation='tanh'"):
         ops.linear(_t(device, X), _t(device, W), activation="tanh")
     with pytest.raises(ValueError, match=r"Linear: activation='gelu'"):
         pydiff.nn.Linear(3, 2, activation="gelu")
     layer = pydiff.nn.Linear(3, 2, seed=0, activation="relu", device=device)
     expected = np.maximum(X.astype(np.float32) @ layer.weight.numpy().T + layer.bias.numpy(), 0)
-    np.testing.assert_allclose(layer(_t(device, X, grad=False)).numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        layer(_t(device, X, grad=False)).numpy(), expected, rtol=1e-5, atol=1e-6
+    )

@@ -70,7 +70,12 @@ P0 = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
 
 @pytest.mark.parametrize("wd", [0.0, 0.05])
 def test_adamw_matches_rule(device, wd):
-    got, _ = _run(device, lambda ps: optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd), P0, _grads(P0.shape))
+    got, _ = _run(
+        device,
+        lambda ps: optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd),
+        P0,
+        _grads(P0.shape),
+    )
     want = _numpy_adam(P0, _grads(P0.shape), 1e-2, 0.9, 0.99, 1e-8, wd, decoupled=True)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     exact = _numpy_adam64(P0, _grads(P0.shape), 1e-2, 0.9, 0.99, 1e-8, wd)
@@ -96,14 +101,21 @@ def test_adamw_many_parameters_of_odd_sizes(device):
 
 
 def test_adam_l2_matches_rule(device):
-    got, _ = _run(device, lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1), P0, _grads(P0.shape))
+    got, _ = _run(
+        device, lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1), P0, _grads(P0.shape)
+    )
     want = _numpy_adam(P0, _grads(P0.shape), 1e-2, 0.9, 0.999, 1e-8, 0.1, decoupled=False)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.01)])
 def test_sgd_matches_rule(device, momentum, wd):
-    got, _ = _run(device, lambda ps: optim.SGD(ps, lr=0.01, momentum=momentum, weight_decay=wd), P0, _grads(P0.shape))
+    got, _ = _run(
+        device,
+        lambda ps: optim.SGD(ps, lr=0.01, momentum=momentum, weight_decay=wd),
+        P0,
+        _grads(P0.shape),
+    )
     want = _numpy_sgd(P0, _grads(P0.shape), 0.01, momentum, wd)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 

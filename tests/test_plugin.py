@@ -4,7 +4,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-USER_TESTS = '''
+USER_TESTS = """
 import numpy as np
 import pydiff
 from pydiff.testing import assert_gradients_close
@@ -21,12 +21,14 @@ def test_wrong_expectation_fails(device):
     m = pydiff.load_module_from_source("user_cube2", SRC, device=device)
     x = pydiff.tensor([0.5, -1.0], device=device, requires_grad=True)
     assert_gradients_close(m.cube, (x,), expected=[2 * x.numpy() ** 2])
-'''
+"""
 
 
 def test_plugin_fixture_and_helper(pytester, device):
     pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest_subprocess(f"--pydiff-device={device.type},cuda", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(
+        f"--pydiff-device={device.type},cuda", "-p", "no:cacheprovider"
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed") == 1, result.stdout.str()
     assert outcomes.get("failed") == 1

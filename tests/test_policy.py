@@ -43,7 +43,9 @@ def test_strict_raises_naming_tensor_parameter_and_earlier_backward(device, load
     m, x, g = _setup(device, load)
     with pydiff.zero_policy(pydiff.ZeroPolicy.STRICT):
         m.square.bwds(x, _result=1.0)
-        with pytest.raises(pydiff.StaleGradientError, match=r"calls\.square: parameter 'x'.*square\.bwds"):
+        with pytest.raises(
+            pydiff.StaleGradientError, match=r"calls\.square: parameter 'x'.*square\.bwds"
+        ):
             m.square.bwds(x, _result=1.0)
         np.testing.assert_allclose(x.grad.numpy(), g)  # nothing was added by the refused call
         x.zero_grad()

@@ -73,7 +73,9 @@ def test_process_inplace_with_separate_buffers(device, load):
 
     m = load("seeds", device)
     x = pydiff.tensor([1.0, 2.0, 3.0, 4.0], device=device)
-    x = x.with_grads(grad_in=pydiff.ones((4,), device=device), grad_out=pydiff.zeros((4,), device=device))
+    x = x.with_grads(
+        grad_in=pydiff.ones((4,), device=device), grad_out=pydiff.zeros((4,), device=device)
+    )
     m.process_inplace.bwds(idx=spy.grid((4,)), data=x)
     np.testing.assert_allclose(x.grad_out.numpy(), [2, 2, 2, 2])
     np.testing.assert_allclose(x.grad_in.numpy(), [1, 1, 1, 1])

@@ -40,7 +40,10 @@ def test_views_keep_their_storage(device):
 def test_repeated_steps_match_numpy(device):
     """Temporaries freed every step are reused by the next; gradients stay exact."""
     rng = np.random.default_rng(3)
-    X, W = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32)
+    X, W = (
+        rng.standard_normal((16, 8)).astype(np.float32),
+        rng.standard_normal((4, 8)).astype(np.float32),
+    )
     w = pydiff.tensor(W, device=device, requires_grad=True)
     x = pydiff.tensor(X, device=device)
     for step in range(5):
@@ -48,7 +51,9 @@ def test_repeated_steps_match_numpy(device):
         scale = float(step + 1)
         with pydiff.Tape() as tape:
             y = ops.relu(ops.linear(x, w))
-            loss = ops.sum(ops.mul(y, pydiff.tensor(np.full((16, 4), scale, np.float32), device=device)))
+            loss = ops.sum(
+                ops.mul(y, pydiff.tensor(np.full((16, 4), scale, np.float32), device=device))
+            )
         tape.backward(loss)
         mask = (X @ W.T > 0).astype(np.float32)
         np.testing.assert_allclose(w.grad.numpy(), (scale * mask).T @ X, rtol=1e-5, atol=1e-5)

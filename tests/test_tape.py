@@ -24,7 +24,9 @@ def test_chain_with_branch_matches_closed_form(device, load):
     up = np.array([1.0, 2.0, -1.0, 0.5])
     tape.backward(c, grad=up)
     xd = XS.astype(np.float64)
-    np.testing.assert_allclose(x.grad.numpy(), up * (2 * xd * np.sin(xd) + xd**2 * np.cos(xd)), rtol=1e-5)
+    np.testing.assert_allclose(
+        x.grad.numpy(), up * (2 * xd * np.sin(xd) + xd**2 * np.cos(xd)), rtol=1e-5
+    )
 
 
 def test_five_call_chain_with_two_leaves(device, load):
@@ -113,7 +115,10 @@ def test_read_then_overwrite_raises(device, load):
     with pydiff.Tape() as tape:
         y = m.square(x, _result="tensor")
         m.sine(x, _result=x)  # overwrites x, which square's backward needs
-    with pytest.raises(RuntimeError, match=r"parameter 'x' of chain.square was read by call #1.*overwritten by chain.sine"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"parameter 'x' of chain.square was read by call #1.*overwritten by chain.sine",
+    ):
         tape.backward(y, grad=np.ones(4))
 
 

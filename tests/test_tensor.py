@@ -32,7 +32,9 @@ def test_vector_dtype_takes_last_dimension(device):
 def test_zeros_ones_empty(device):
     np.testing.assert_array_equal(pydiff.zeros((2, 3), device=device).numpy(), np.zeros((2, 3)))
     np.testing.assert_array_equal(pydiff.ones(5, device=device).numpy(), np.ones(5))
-    np.testing.assert_array_equal(pydiff.ones((2,), dtype="float2", device=device).numpy(), np.ones((2, 2)))
+    np.testing.assert_array_equal(
+        pydiff.ones((2,), dtype="float2", device=device).numpy(), np.ones((2, 2))
+    )
     assert pydiff.empty((7,), device=device).shape == (7,)
 
 
@@ -86,9 +88,13 @@ def test_round_trip_is_exact(values):
 def test_odd_sized_half_tensors_zero_completely(device):
     """SlangPy's clear() works in 4-byte words: the last of an odd number of halves used to
     keep its old value (a stale gradient after zero_grad)."""
-    t = pydiff.tensor(np.array([3.0, 5.0, 7.0], np.float16), dtype="half", device=device, requires_grad=True)
+    t = pydiff.tensor(
+        np.array([3.0, 5.0, 7.0], np.float16), dtype="half", device=device, requires_grad=True
+    )
     t.grad.copy_from_numpy(np.array([1.0, 2.0, 3.0], np.float16))
     t.zero_grad()
     np.testing.assert_array_equal(t.grad.numpy(), [0.0, 0.0, 0.0])
     for n in (1, 3, 5):
-        np.testing.assert_array_equal(pydiff.zeros((n,), dtype="half", device=device).numpy(), np.zeros(n))
+        np.testing.assert_array_equal(
+            pydiff.zeros((n,), dtype="half", device=device).numpy(), np.zeros(n)
+        )

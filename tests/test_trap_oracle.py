@@ -24,31 +24,66 @@ CASES = [
     ("array-store", "int[1] idx", "float a = x[idx]; y.store(idx, a * a);", "3"),
     ("uint-1d-load", "uint idx", "float a = x.load(idx); y[idx] = a * a;", "3"),
     ("mixed-1d", "int[1] idx", "int i = idx[0]; float a = x[i]; y[idx] = a * a;", "3"),
-    ("uint-loop-1d", "int idx",
-     "float a = 0.0; [MaxIters(4)] for (uint k = 0; k < 1; k++) { a += x[idx + int(k)]; } "
-     "uint u = uint(idx); a = x[u]; y[idx] = a * a;", "3"),
-    ("2d-scalars", "int[2] idx", "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[i, j] = a * a;", "2,2"),
+    (
+        "uint-loop-1d",
+        "int idx",
+        "float a = 0.0; [MaxIters(4)] for (uint k = 0; k < 1; k++) { a += x[idx + int(k)]; } "
+        "uint u = uint(idx); a = x[u]; y[idx] = a * a;",
+        "3",
+    ),
+    (
+        "2d-scalars",
+        "int[2] idx",
+        "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[i, j] = a * a;",
+        "2,2",
+    ),
     ("2d-arrays", "int[2] idx", "float a = x[idx]; y[idx] = a * a;", "2,2"),
-    ("2d-mixed", "int[2] idx", "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[idx] = a * a;", "2,2"),
-    ("loop-bound-shape", "int idx",
-     "float s = 0.0; [MaxIters(8)] for (int i = 0; i < x.shape[0]; i++) { s += x[i]; } y[idx] = s * 0.0 + x[idx] * x[idx];", "3"),
-    ("loop-bound-local", "int idx",
-     "float s = 0.0; int n = x.shape[0]; [MaxIters(8)] for (int i = 0; i < n; i++) { s += x[i]; } y[idx] = s * 0.0 + x[idx] * x[idx];", "3"),
-    ("2d-local-array-mixed", "int[2] idx",
-     "int i = idx[0]; int j = idx[1]; int at[2] = { i, j }; float a = x[at]; y[i, j] = a * a;", "2,2"),
+    (
+        "2d-mixed",
+        "int[2] idx",
+        "int i = idx[0]; int j = idx[1]; float a = x[i, j]; y[idx] = a * a;",
+        "2,2",
+    ),
+    (
+        "loop-bound-shape",
+        "int idx",
+        "float s = 0.0; [MaxIters(8)] for (int i = 0; i < x.shape[0]; i++) { s += x[i]; } "
+        "y[idx] = s * 0.0 + x[idx] * x[idx];",
+        "3",
+    ),
+    (
+        "loop-bound-local",
+        "int idx",
+        "float s = 0.0; int n = x.shape[0]; "
+        "[MaxIters(8)] for (int i = 0; i < n; i++) { s += x[i]; } "
+        "y[idx] = s * 0.0 + x[idx] * x[idx];",
+        "3",
+    ),
+    (
+        "2d-local-array-mixed",
+        "int[2] idx",
+        "int i = idx[0]; int j = idx[1]; int at[2] = { i, j }; float a = x[at]; y[i, j] = a * a;",
+        "2,2",
+    ),
 ]
 
 
 def _oracle(params: str, body: str, shape: str) -> str:
     try:
         out = subprocess.run(
-            [sys.executable, ORACLE, params, body, shape], capture_output=True, text=True,
+            [sys.executable, ORACLE, params, body, shape],
+            capture_output=True,
+            text=True,
             timeout=45,  # a healthy variant takes about 3 s; a hung kernel never returns
         )
     except subprocess.TimeoutExpired:
         return "hang"
     if out.returncode != 0:
-        return "crash" if out.returncode < 0 or out.returncode in (139, 134) else f"error {out.stderr[-300:]}"
+        return (
+            "crash"
+            if out.returncode < 0 or out.returncode in (139, 134)
+            else f"error {out.stderr[-300:]}"
+        )
     return out.stdout.strip().splitlines()[-1]
 
 

@@ -10,7 +10,10 @@ from conftest import SHADERS
 
 def test_grad_shape_mismatch(device):
     x = pydiff.zeros((3,), device=device)
-    with pytest.raises(ValueError, match=r"grad_out: gradient shape \(4,\) does not match the primal's shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"grad_out: gradient shape \(4,\) does not match the primal's shape \(3,\)",
+    ):
         x.with_grads(grad_out=pydiff.zeros((4,), device=device))
 
 
@@ -62,12 +65,16 @@ def test_output_interface_tensor_without_grads(device, load):
     m = load("seeds", device)
     x = pydiff.zeros((4,), device=device, requires_grad=True)
     with pytest.raises(ValueError, match="parameter 'result' is written"):
-        m.polynomial_tensor.bwds(spy.grid((4,)), 2.0, 8.0, -1.0, x, pydiff.zeros((4,), device=device))
+        m.polynomial_tensor.bwds(
+            spy.grid((4,)), 2.0, 8.0, -1.0, x, pydiff.zeros((4,), device=device)
+        )
 
 
 def test_concrete_difftensor_without_grads(device, load):
     m = load("calls", device)
-    with pytest.raises(ValueError, match=r"parameter 't' is a concrete DiffTensor<float, 1>.*IDiffTensor"):
+    with pytest.raises(
+        ValueError, match=r"parameter 't' is a concrete DiffTensor<float, 1>.*IDiffTensor"
+    ):
         m.concrete_reader(spy.grid((2,)), pydiff.zeros((2,), device=device), _result="tensor")
     with pytest.raises(ValueError, match=r"parameter 't' is a concrete DiffTensor"):
         m.concrete_reader.bwds(spy.grid((2,)), pydiff.zeros((2,), device=device), _result=1.0)

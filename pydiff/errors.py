@@ -1,4 +1,10 @@
-"""Exceptions and warnings pydiff raises, in one place so users can catch them."""
+"""Every exception and warning pydiff raises, in one place so users can catch them.
+
+try:
+    m = pydiff.load_module("broken.slang")
+except pydiff.SlangCompileError as exc:
+    print(exc.file, exc.line)
+"""
 
 from __future__ import annotations
 
@@ -28,5 +34,21 @@ class DeviceUnavailableError(PydiffError, RuntimeError):
     """No device of the requested type could be opened on this machine."""
 
 
+class CaptureError(PydiffError, RuntimeError):
+    """Something inside ``pydiff.capture`` cannot be recorded for replay."""
+
+
+class GradcheckError(PydiffError, AssertionError):
+    """gradcheck found a gradient that disagrees with finite differences."""
+
+
+class GradientOverflowError(PydiffError, OverflowError):
+    """A fixed-point gradient left its range, or a contribution was NaN/inf."""
+
+
 class ShaderTrapWarning(UserWarning):
     """Raised at load time for shader patterns that will fail in ``.bwds``."""
+
+
+class NondeterminismWarning(UserWarning):
+    """Deterministic mode is on, but a function's gradients may differ from run to run."""

@@ -6,9 +6,9 @@ arrive in, and it is exact down to 2^-64. After the call the words are added int
 gradient (rounded once); contributions or sums out of range, and NaN/inf, raise instead of
 wrapping silently.
 
-    acc = FixedPointAccumulator.for_backward(scope, device, x, "f.bwds: parameter 'x'")
+    acc = FixedPointAccumulator(scope, device, x.numel, "f.bwds: parameter 'x'", 0, True)
     fields = acc.fields()            # the FixedPointGrad struct SlangPy binds
-    acc.finish(x.grad)               # after the call: x.grad += sum, then checked at scope end
+    acc.add_into(x.grad.native)      # after the call: x.grad += sum, checked at scope end
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ from typing import Any
 
 import slangpy as spy
 
-from ._errors import PydiffError
+from .errors import GradientOverflowError
 
 SUM_LIMIT = 2.0**31  # |every partial sum| must stay below this
 CONTRIBUTION_LIMIT = 2.0**30  # |each single contribution|
 RESOLUTION = 2.0**-64  # each contribution is truncated to a multiple of this
-
-
-class GradientOverflowError(PydiffError, OverflowError):
-    """A fixed-point gradient left its range, or a contribution was NaN/inf."""
 
 
 def dummy_fields(device: Any) -> dict:
@@ -46,7 +42,7 @@ class FixedPointAccumulator:
         if key not in device.scratch:
             device.scratch[key] = spy.Tensor.zeros(device.native, (2 * max(numel, 1),), "int64_t")
         self.words = device.scratch[key]
-        scope.clear(self.words)
+        scope.clear(device, self.words)
         self.status = spy.Tensor.zeros(device.native, (1,), "uint")
         self.scope, self.device, self.numel, self.desc = scope, device, numel, desc
         if checked:
@@ -57,9 +53,7 @@ class FixedPointAccumulator:
 
     def add_into(self, grad: Any) -> None:
         """Dispatch grad += the accumulated sum (``grad`` a contiguous float SlangPy tensor)."""
-        from .ops import library
-
-        node = library(self.device).native.det_fixed_point_add_into
+        node = self.device.library.det_fixed_point_add_into
         flat = grad.view((self.numel,))
         self.scope.dispatch(node, spy.grid((self.numel,)), self.words.storage, flat)
 
@@ -73,6 +67,7 @@ class FixedPointAccumulator:
         if bits & 1:
             raise GradientOverflowError(
                 f"{self.desc}: the gradient left pydiff's fixed-point range (each contribution "
-                f"|g| < 2^30 = {CONTRIBUTION_LIMIT:.0f}, every partial sum < 2^31 = {SUM_LIMIT:.0f}); "
+                f"|g| < 2^30 = {CONTRIBUTION_LIMIT:.0f}, every partial sum < 2^31 = "
+                f"{SUM_LIMIT:.0f}); "
                 "this gradient buffer is not valid. Scale the loss down"
             )

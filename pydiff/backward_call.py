@@ -1,0 +1,372 @@
+""".bwds of a shader function: bind each parameter's gradient buffers, apply the zeroing
+policy, run SlangPy's backward kernel, then finish what SlangPy leaves undone.
+
+Everything SlangPy 0.43 leaves to the user, or gets silently wrong, is handled here: which
+gradient buffers each parameter needs, scratch buffers for inputs that need no gradient,
+separate grad_in/grad_out for values a call both reads and writes, the ``inout`` backward
+(through a generated wrapper), broadcast parameters summed in a fixed order, zeroing
+policies and plain numbers as upstream gradients.
+
+    backward_call(fn, (2.0, x), {"_result": y.with_grads(ones=True)})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import slangpy as spy
+
+from . import broadcast_grad
+from .arguments import (
+    MISSING,
+    PLAIN,
+    bind_arguments,
+    check_device,
+    deep_bind,
+    fwd_tensor_struct,
+    resolve_error,
+    scratch,
+)
+from .backward_scope import BackwardScope, active_scope, backward_scope
+from .determinism import is_deterministic, warn_nondeterministic
+from .fixed_point_grad import FixedPointAccumulator
+from .policy import ZeroPolicy, get_zero_policy
+from .signature import FunctionTarget, ParamInfo
+from .tensor import Tensor
+
+_SCALAR_RESULTS = {"float", "half", "double"}
+
+
+class _Backward:
+    """Builds the native arguments of one ``.bwds`` call and the work to do after it."""
+
+    def __init__(self, fn: FunctionTarget, scope: BackwardScope):
+        self.fn = fn
+        self.scope = scope
+        self.label = fn.label
+        self.after: list[tuple[Tensor, Tensor]] = []  # (temp gradient, destination) copies
+        self.no_grad: list[str] = []  # vectorised parameters bound without a gradient
+        self.device = fn.module.device
+        self.shape: tuple[int, ...] | None = None  # the call's shape, when pydiff can tell
+        self.separate: set[int] = set()  # grad buffers several parameters add into
+        self.reductions: list[tuple[spy.Tensor, Tensor]] = []  # (full-shape grad, parameter)
+        self.fixed: list[tuple[FixedPointAccumulator, spy.Tensor]] = []  # (words, add into)
+        self.untracked: list[str] = []  # deterministic mode: gradients left to float atomics
+
+    def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
+        """Gradient buffers for a tensor whose gradient nobody asked for."""
+        return scratch(self.device, t, role)
+
+    def _desc(self, p: ParamInfo) -> str:
+        return f"{self.label}: parameter '{p.name}'"
+
+    def _accumulating(self, t: Tensor, p: ParamInfo) -> None:
+        grad = t.grad_out
+        if grad.shape != t.shape:
+            raise ValueError(f"{self._desc(p)}: gradient shape {grad.shape} != primal {t.shape}")
+        self.scope.before_accumulate(t, grad, self._desc(p))
+
+    def _needs_upstream(self, t: Tensor, p: ParamInfo, what: str) -> None:
+        if not t.requires_grad:
+            raise ValueError(
+                f"{self._desc(p)} is {what} by the call, so its backward reads the upstream "
+                f"gradient from the tensor's grad buffer, but the tensor has none; pass "
+                f"t.with_grads(...) holding dL/d{p.name} (or ones: .with_grads(ones=True))"
+            )
+
+    def _separate(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
+        """Bind a read-and-written tensor with distinct grad_in and grad_out buffers."""
+        if not t.requires_grad:
+            return t.native.with_grads(
+                grad_in=self._scratch(t, "zeros"), grad_out=self._scratch(t, "sink"), zero=False
+            )
+        if t.grad_in is not t.grad_out:
+            self._accumulating(t, p)
+            return t.bind(True)
+        # One shared buffer: it holds the upstream gradient now and must hold the gradient
+        # w.r.t. the value before the call afterwards.
+        upstream = t.grad_in
+        result = t.new_grad_buffer()
+        self.after.append((result, upstream))
+        return t.native.with_grads(grad_in=upstream.native, grad_out=result.native, zero=False)
+
+    def tensor_arg(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
+        check_device(self.fn, t, f"parameter '{p.name}'")
+        if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+            return t.native
+        if p.tensor_kind == "diff" and not t.requires_grad:
+            raise ValueError(
+                f"{self._desc(p)} is a concrete {p.type_name}: it needs a tensor with gradient "
+                f"buffers (requires_grad=True / .with_grads()); SlangPy would bind a null "
+                f"descriptor. For data that needs no gradient use I{p.type_name}"
+            )
+        if p.io == "out" or p.access == "write":
+            self._needs_upstream(t, p, "written")
+            return t.bind(True)
+        if p.access == "read_write":
+            return self._separate(t, p)
+        if not t.requires_grad:
+            if p.tensor_kind is None:
+                # A vectorised value with no gradient wanted: bind the primal alone, and
+                # make that part of the kernel's identity (SlangPy's call cache is blind to
+                # gradients and would reuse the wrong kernel for a later call).
+                self.no_grad.append(p.name)
+                return t.native
+            # Interface diff tensors need a gradient buffer on Vulkan/D3D12: a throwaway one.
+            sink = self._scratch(t, "sink")
+            return t.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
+        self._accumulating(t, p)
+        if p.tensor_kind is None and p.differentiable:
+            return self._vectorised_grad(p, t)
+        return t.bind(True)
+
+    def _vectorised_grad(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
+        """Bind a vectorised input's gradient: a full-shape buffer summed after the call when
+        the value is broadcast (or, in deterministic mode, shared with another parameter)."""
+        broadcast = broadcast_grad.is_broadcast(t, self.shape)
+        shared = id(t.grad_out.storage) in self.separate
+        if not (broadcast or shared):
+            return t.bind(True)
+        if t.grad_out.dtype not in broadcast_grad.EXPANDABLE:
+            self.untracked.append(
+                f"the gradient of parameter '{p.name}' ({t.dtype}, broadcast or shared) is added "
+                f"with float atomics: pydiff sums only {'/'.join(broadcast_grad.EXPANDABLE)} "
+                "gradients itself; pass a full-shape tensor and sum it with pydiff.ops.sum"
+            )
+            return t.bind(True)
+        native = broadcast_grad.expand(
+            self.scope, self.device, t, self.shape if broadcast else t.shape, len(self.reductions)
+        )
+        self.reductions.append((native.grad_out, t))
+        return native
+
+    def fwd_arg(self, p: ParamInfo, t: Tensor) -> dict:
+        """pydiff's FwdDiffTensor: gradients go to a fixed-point accumulator, added into the
+        gradient buffer SlangPy would have used after the call."""
+        bound = self.tensor_arg(p, t)
+        acc = FixedPointAccumulator(
+            self.scope, self.device, t.numel, self._desc(p), len(self.fixed), t.requires_grad
+        )
+        if t.requires_grad:
+            self.fixed.append((acc, bound.grad_out))
+        return fwd_tensor_struct(self.fn, p, t, None, bound.grad_in, acc.fields())
+
+    def after_call(self) -> None:
+        """Sum the full-shape and fixed-point gradients into their buffers (in order)."""
+        for acc, grad in self.fixed:
+            acc.add_into(grad)
+        for full, t in self.reductions:
+            broadcast_grad.reduce_into(self.scope, self.device, full, t)
+
+    def inout_args(self, p: ParamInfo, value: Any) -> dict[str, Any]:
+        """The two wrapper arguments (value before, value after) for an ``inout`` parameter."""
+        if not isinstance(value, Tensor):
+            return {f"{p.name}__in": deep_bind(value), f"{p.name}__out": deep_bind(value)}
+        check_device(self.fn, value, f"parameter '{p.name}'")
+        both = self._separate(value, p)
+        return {
+            f"{p.name}__in": value.native.with_grads(
+                grad_in=both.grad_out, grad_out=both.grad_out, zero=False
+            ),
+            f"{p.name}__out": value.native.with_grads(
+                grad_in=both.grad_in, grad_out=both.grad_in, zero=False
+            ),
+        }
+
+    def result_arg(self, result: Any) -> Any:
+        ret_name = self.fn.signature.return_type
+        if type(result) is Tensor and result.grad_in is not None:
+            if result.device is not self.device:
+                check_device(self.fn, result, "_result")
+            return result.bind(True)
+        if result is MISSING:
+            if ret_name == "void":
+                return MISSING
+            raise ValueError(
+                f"{self.label}.bwds needs _result=: the upstream gradient of its {ret_name} "
+                "result, as the result tensor with gradients (y.with_grads(ones=True)) or a number"
+            )
+        if isinstance(result, Tensor):
+            check_device(self.fn, result, "_result")
+            if not result.requires_grad:
+                raise ValueError(
+                    f"{self.label}.bwds: _result has no gradient buffer to read the upstream "
+                    "gradient from; pass y.with_grads(...) holding dL/dy (or "
+                    ".with_grads(ones=True))"
+                )
+            return result.bind(True)
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            if ret_name not in _SCALAR_RESULTS:
+                raise TypeError(
+                    f"{self.label}.bwds: a number as _result seeds a scalar result, but the "
+                    f"result is {ret_name}; pass a tensor with gradients"
+                )
+            # SlangPy reads a plain float as the primal and seeds a zero gradient.
+            return spy.diffPair(p=0.0, d=float(result))
+        if isinstance(result, spy.DiffPair):
+            return result
+        # NumPy arrays and raw SlangPy tensors are silently read as zero gradients by SlangPy.
+        raise TypeError(
+            f"{self.label}.bwds: _result must be a pydiff.Tensor with gradients, a number or a "
+            f"slangpy.diffPair, not {type(result).__name__}; e.g. "
+            "pydiff.tensor(upstream).with_grads() and copy the upstream into its .grad"
+        )
+
+    def finish(self) -> None:
+        for temp, dest in self.after:
+            self.scope.flush()
+            dest.copy_(temp)
+            self.scope.mark_result(dest)
+
+
+def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
+    """The common case without the general machinery: gradients simply added under the
+    ACCUMULATE policy, outside any larger backward. Returns False to take the general path."""
+    if active_scope() is not None or get_zero_policy() is not ZeroPolicy.ACCUMULATE:
+        return False
+    if is_deterministic():
+        return False
+    dev = fn.module.device
+    native_args = []
+    written = []
+    shape = result.shape if type(result) is Tensor else None
+    for p, value in bound:
+        if type(value) is Tensor:
+            if value.device is not dev:
+                return False
+            if p.tensor_kind is None:
+                if shape is None:
+                    shape = value.shape
+                elif value.shape != shape:
+                    return False  # maybe broadcast: its gradient is summed apart
+            if p.differentiable and p.io == "in" and p.tensor_kind is None:
+                grad = value.grad_out
+                if grad is None or value.zero_policy is not None:
+                    return False
+                written.append(grad)
+                native_args.append(value.bind(True))
+            elif p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+                native_args.append(value.native)
+            else:
+                return False
+        elif type(value) in PLAIN:
+            native_args.append(value)
+        else:
+            return False
+    if type(result) is Tensor and result.grad_in is not None and result.device is dev:
+        options["_result"] = result.bind(True)
+    elif not (result is MISSING and fn.signature.return_type == "void"):
+        return False
+    try:
+        fn.native_bwds(*native_args, **options)
+    except Exception as exc:
+        raise resolve_error(fn, exc) from None
+    for grad in written:
+        grad.storage.holds_result_of = fn.bwds_label
+    return True
+
+
+def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
+    label = fn.label
+    if not fn.signature.differentiable:
+        raise TypeError(
+            f"{label} is not differentiable: mark it [Differentiable] in "
+            f"{fn.module.file} to call .bwds"
+        )
+    if fn.module.traps:
+        fn.check_traps()
+    bound, options = bind_arguments(fn, args, kwargs)
+    result = options.pop("_result", MISSING)
+    if not fn.signature.has_diff_inout and _fast_backward(fn, bound, options, result):
+        return
+    deterministic = is_deterministic()
+    if deterministic:
+        warn_nondeterministic(fn)
+    with backward_scope(fn.bwds_label) as scope:
+        b = _Backward(fn, scope)
+        b.shape = broadcast_grad.call_shape(fn, bound, result)
+        if deterministic:
+            b.separate = _shared_grads(bound)
+            if b.shape is None:
+                b.untracked += _maybe_broadcast(bound, result)
+        use_wrapper = fn.signature.has_diff_inout
+        native_kwargs: dict[str, Any] = {}
+        for p, value in bound:
+            if use_wrapper and p.io == "inout":
+                native_kwargs.update(b.inout_args(p, value))
+            elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
+                native_kwargs[p.name] = b.fwd_arg(p, value)
+            elif isinstance(value, Tensor):
+                native_kwargs[p.name] = b.tensor_arg(p, value)
+            elif type(value) in PLAIN:
+                native_kwargs[p.name] = value
+            elif isinstance(value, spy.Tensor):
+                raise TypeError(
+                    f"{label}.bwds: parameter '{p.name}' is a raw slangpy.Tensor; pass a "
+                    "pydiff.Tensor (pydiff.tensor(...)) so pydiff can bind its gradient buffers"
+                )
+            else:
+                native_kwargs[p.name] = deep_bind(value)
+        native_args = list(native_kwargs.values())
+        native_result = b.result_arg(result)
+        if native_result is not MISSING:
+            options["_result"] = native_result
+        try:
+            if use_wrapper:
+                node = fn.bwds_kernel(tuple(b.no_grad), wrapper=True)
+                scope.dispatch(node, **native_kwargs, **options)
+            else:
+                node = fn.bwds_kernel(tuple(b.no_grad)) if b.no_grad else fn.native_bwds
+                scope.dispatch(node, *native_args, **options)
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
+        b.after_call()
+        if deterministic and b.untracked:
+            warn_nondeterministic(fn, b.untracked)
+        b.finish()
+
+
+_GENERATED_ARGS = {"GridArg", "CallIdArg", "ThreadIdArg", "WangHashArg", "RandFloatArg"}
+
+
+def _maybe_broadcast(bound: list, result: Any) -> list[str]:
+    """When pydiff cannot tell a call's shape, the vectorised inputs that may be broadcast
+    (smaller than another argument, or beside a grid/call-id argument): their gradients may
+    be added with float atomics, which deterministic mode must not keep quiet about."""
+    tensors = [v for _, v in bound if type(v) is Tensor] + (
+        [result] if type(result) is Tensor else []
+    )
+    largest = max(
+        [t.numel for t in tensors] + [v.size for _, v in bound if isinstance(v, np.ndarray)],
+        default=0,
+    )
+    generated = any(type(v).__name__ in _GENERATED_ARGS for _, v in bound)
+    found = []
+    for p, v in bound:
+        if (
+            type(v) is Tensor
+            and p.tensor_kind is None
+            and p.differentiable
+            and v.requires_grad
+            and (generated or v.numel < largest)
+        ):
+            found.append(
+                f"pydiff cannot tell the shape of this call (a grid/call-id argument, or a tensor "
+                f"whose element type differs from its parameter's), so parameter '{p.name}' may be "
+                "broadcast and its gradient added with float atomics; pass tensors whose dtype "
+                "matches each parameter (e.g. dtype='float3') to let pydiff sum it in order"
+            )
+    return found
+
+
+def _shared_grads(bound: list) -> set[int]:
+    """Gradient buffers that more than one parameter of this call adds into: their atomic
+    adds to one element would meet in any order, so each gets a buffer of its own."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for p, value in bound:
+        if type(value) is Tensor and value.grad_out is not None and p.writes_gradient:
+            key = id(value.grad_out.storage)
+            (shared if key in seen else seen).add(key)
+    return shared

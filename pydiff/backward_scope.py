@@ -1,0 +1,143 @@
+"""The backward scheduler: one top-level backward, inside which the zeroing policy acts once
+per gradient buffer and kernels are appended to the device's batch.
+
+    with backward_scope("tape.backward", device) as scope:
+        scope.before_accumulate(x, x.grad_out, "parameter 'x'")   # RESET zeroes it, STRICT checks
+        scope.dispatch(node, *args)                                # appended to device's batch
+    # on exit: the batch is submitted, gradients are marked as results, checks run
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import capturing
+from .errors import StaleGradientError
+from .policy import ZeroPolicy, get_zero_policy
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .tensor import Tensor
+
+_active_scope: contextvars.ContextVar["BackwardScope | None"] = contextvars.ContextVar(
+    "pydiff_backward_scope", default=None
+)
+
+
+def active_scope() -> "BackwardScope | None":
+    """The backward running here, if any."""
+    return _active_scope.get()
+
+
+class BackwardScope:
+    """One top-level backward: the policy acts once per gradient buffer inside it.
+
+    Nested scopes (a tape running many bwds) join the outermost one, so RESET zeroes a
+    buffer only before its first write and contributions within the backward add up. With a
+    ``device``, its kernels are appended to that device's batch (``device.queue``) and
+    submitted together; anything that must see their results first calls ``flush()``.
+    """
+
+    def __init__(self, label: str, device: "Device | None" = None):
+        self.label = label
+        self.device = device
+        self._seen: set[int] = set()
+        self._written: list["Tensor"] = []
+        self._on_finish: list[Callable[[], None]] = []  # checks that read results back
+
+    def dispatch(self, node: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a SlangPy function node now, or append it to the device's batch."""
+        capturing.refuse(f"a SlangPy backward kernel ({self.label})")
+        if self.device is None:
+            node(*args, **kwargs)
+            return
+        node.append_to(self.device.queue.encoder(), *args, **kwargs)
+
+    def flush(self) -> None:
+        """Submit the kernels appended so far (before a host read or an ordered copy)."""
+        if self.device is not None:
+            self.device.flush()
+
+    def clear(self, device: "Device", native: Any) -> None:
+        """Zero a SlangPy tensor of ``device`` in order with the kernels appended so far."""
+        encoder = device.queue.pending_encoder()
+        native.clear(encoder) if encoder is not None else native.clear()
+        rec = capturing.recording()
+        if rec is not None:
+            rec.record_clear(device.queue, native)
+
+    def on_finish(self, check: Callable[[], None]) -> None:
+        """Run ``check`` when this backward ends, after its kernels have run."""
+        capturing.refuse(
+            "a check that reads a backward's results (deterministic mode's overflow check)"
+        )
+        self._on_finish.append(check)
+
+    def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
+        """Apply the owner's policy to its ``grad`` before this backward adds into it."""
+        key = id(grad.storage)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        policy = owner.zero_policy or get_zero_policy()
+        if policy is ZeroPolicy.RESET:
+            self.flush()
+            grad.zero_()
+        elif policy is ZeroPolicy.STRICT and grad.storage.holds_result_of is not None:
+            raise StaleGradientError(
+                f"{owner_desc}: its gradient buffer still holds the result of "
+                f"{grad.storage.holds_result_of}; this backward ({self.label}) would add to "
+                "it. Call .zero_grad() on the tensor first, or use zero_policy('reset') or "
+                "'accumulate'."
+            )
+        self._written.append(grad)
+
+    def mark_result(self, grad: "Tensor") -> None:
+        """Record that ``grad`` now holds this backward's result (set, not added)."""
+        self._seen.add(id(grad.storage))
+        self._written.append(grad)
+
+    def finish(self) -> None:
+        self.flush()
+        for grad in self._written:
+            grad.storage.holds_result_of = self.label
+        checks, self._on_finish = self._on_finish, []
+        for check in checks:
+            check()
+
+
+class backward_scope:
+    """Enter a top-level backward, or join the one already running.
+
+    A class rather than a generator: this sits on every ``.bwds`` call's path.
+    """
+
+    __slots__ = ("label", "device", "_scope", "_token", "_batch")
+
+    def __init__(self, label: str, device: "Device | None" = None):
+        self.label = label
+        self.device = device
+
+    def __enter__(self) -> BackwardScope:
+        outer = _active_scope.get()
+        if outer is not None:
+            self._scope, self._token, self._batch = outer, None, None
+            return outer
+        self._scope = BackwardScope(self.label, self.device)
+        self._token = _active_scope.set(self._scope)
+        self._batch = self.device.queue.begin_batch() if self.device is not None else None
+        return self._scope
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._token is None:
+            return
+        _active_scope.reset(self._token)
+        try:
+            if exc_type is None:
+                self._scope.finish()
+            else:
+                self._scope.flush()
+        finally:
+            if self.device is not None:
+                self.device.queue.end_batch(self._batch)

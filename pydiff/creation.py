@@ -1,0 +1,111 @@
+"""Making tensors: from host data, empty, zeros, ones; and releasing cached storage.
+
+x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+w = pydiff.zeros((64, 32), requires_grad=True)
+pydiff.empty_cache()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .device import Device, open_devices, resolve_device
+from .storage import NUMPY_TO_SLANG, allocate, dtype_name, element_shape, shape_tuple
+from .tensor import Tensor
+
+
+def tensor(
+    data: Any,
+    dtype: Any = None,
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor holding a copy of ``data`` (NumPy array, nested lists, a scalar).
+
+    ``dtype`` defaults from the data (floating -> 'float', integer -> 'int'); with a vector
+    type such as 'float3' the last dimension of ``data`` holds the components.
+
+    >>> x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> p = pydiff.tensor(np.zeros((8, 3)), dtype="float3")    # shape (8,)
+    """
+    dev = resolve_device(device)
+    arr = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
+    if dtype is None:
+        if arr.dtype not in NUMPY_TO_SLANG:
+            raise TypeError(
+                f"data of NumPy dtype {arr.dtype} has no default Slang dtype; pass dtype="
+            )
+        name = NUMPY_TO_SLANG[arr.dtype]
+    else:
+        name = dtype_name(dtype)
+    elem = element_shape(dev.dtype(name))
+    if elem and arr.shape[len(arr.shape) - len(elem) :] != elem:
+        raise ValueError(
+            f"data of shape {arr.shape} cannot hold elements of dtype {name!r}: its last "
+            f"dimension(s) must be {elem}"
+        )
+    shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape
+    if shape == ():
+        shape = (1,)
+    out = empty(shape, dtype=name, device=dev)
+    out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def empty(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """An uninitialised tensor (gradient buffers, if asked for, are zeroed).
+
+    >>> y = pydiff.empty((1024,), dtype="float")
+    """
+    dev = resolve_device(device)
+    native = allocate(dev, shape_tuple(shape), dev.dtype(dtype_name(dtype)))
+    out = Tensor(native, dev)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def zeros(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor of zeros.
+
+    >>> w = pydiff.zeros((64, 32), requires_grad=True)
+    """
+    out = empty(shape, dtype, device, requires_grad)
+    out.native.clear()
+    return out
+
+
+def ones(
+    shape: int | Sequence[int],
+    dtype: Any = "float",
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor of ones.
+
+    >>> up = pydiff.ones((4,))
+    """
+    return empty(shape, dtype, device, requires_grad).fill(1.0)
+
+
+def empty_cache(device: Device | str | None = None) -> None:
+    """Release the unused storage buffers pydiff keeps for reuse (all devices by default).
+
+    >>> del activations
+    >>> pydiff.empty_cache()
+    """
+    devices = open_devices() if device is None else [resolve_device(device)]
+    for dev in devices:
+        dev.empty_cache()

@@ -1,0 +1,265 @@
+"""Forward mode of one shader function (``fn.fwds``): f(x) and its directional derivative
+J u in one pass, through a generated wrapper around Slang's ``fwd_diff``.
+
+    y, dy = m.f.fwds(x.with_tangent(u))                 # f(x) and J u
+    y, dy = m.f.fwds((2.0, 1.0), x)                     # a (value, tangent) pair for a number
+
+Slang derives the forward derivative; pydiff generates a small wrapper per function that
+splits each differentiable value into primal and tangent, and SlangPy vectorises it like
+any call.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+import numpy as np
+import slangpy as spy
+
+from . import capturing
+from .arguments import bind_arguments, check_device, fwd_tensor_struct, scratch
+from .forward_call import forward_call
+from .signature import FunctionTarget
+from .tape import suspend_recording
+from .tensor import Tensor
+
+
+class GeneratingFunction(FunctionTarget, Protocol):
+    """A shader function that can compile a generated wrapper of itself (ShaderFunction)."""
+
+    @property
+    def differentiable(self) -> bool: ...
+
+    def generated(self, kind: str, source: str) -> "GeneratingFunction": ...
+
+
+_FLOATISH = re.compile(
+    r"^(?:(?:float|half|double)(?:\d(?:x\d)?)?|vector<(?:float|half|double),\s*\d>|"
+    r"matrix<(?:float|half|double),\s*\d,\s*\d>)$"
+)
+
+
+def wrapper_header(fn: GeneratingFunction) -> str:
+    uses_pydiff = any(p.tensor_kind == "fwd" for p in fn.params)
+    return (
+        "import slangpy;\n"
+        + ("import pydiff;\n" if uses_pydiff else "")
+        + f"import {fn.module.import_spec};\n"
+    )
+
+
+def need_differentiable(fn: GeneratingFunction, what: str) -> None:
+    if not fn.differentiable:
+        raise TypeError(
+            f"{fn.label} is not differentiable: mark it [Differentiable] in {fn.module.file} "
+            f"to use {what}"
+        )
+
+
+def fwd_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
+    """``void/R[2] f__pydiff_fwd(primal, tangent, ...)``: fwd_diff(f) with every
+    differentiable value split into its primal and tangent; a result comes back as
+    {primal, tangent}."""
+    need_differentiable(fn, ".fwds")
+    params, args, pre, post = [], [], [], []
+    for p in fn.params:
+        n, t = p.name, p.type_name
+        if p.differentiable:
+            if p.io == "in":
+                params += [f"{t} {n}", f"{t}.Differential {n}__t"]
+                args.append(f"diffPair({n}, {n}__t)")
+            else:
+                params += [f"{p.io} {t} {n}", f"{p.io} {t}.Differential {n}__t"]
+                pre.append(
+                    f"DifferentialPair<{t}> {n}__p;"
+                    if p.io == "out"
+                    else f"var {n}__p = diffPair({n}, {n}__t);"
+                )
+                args.append(f"{n}__p")
+                post += [f"{n} = {n}__p.p;", f"{n}__t = {n}__p.d;"]
+        else:
+            io = "" if p.io == "in" else f"{p.io} "
+            params.append(f"{io}{t} {n}")
+            args.append(n)
+    ret = fn.signature.return_type
+    call = f"fwd_diff({fn.name})({', '.join(args)})"
+    if ret == "void":
+        rtype, body = "void", [*pre, f"{call};", *post]
+    elif _FLOATISH.match(ret):
+        rtype = f"{ret}[2]"
+        body = [
+            *pre,
+            f"let __r = {call};",
+            *post,
+            f"{ret} __o[2] = {{ __r.p, __r.d }};",
+            "return __o;",
+        ]
+    else:
+        raise TypeError(
+            f"{fn.label}.fwds: the result type {ret} has no tangent pydiff can return (float "
+            "scalars, vectors and matrices only); return the value through an out parameter"
+        )
+    source = (
+        wrapper_header(fn)
+        + f"{rtype} {fn.name}__pydiff_fwd({', '.join(params)})\n{{\n    "
+        + "\n    ".join(body)
+        + "\n}\n"
+    )
+    return fn.generated("fwd", source)
+
+
+def _zero_like(value: Any) -> Any:
+    if isinstance(value, (float, int)) and not isinstance(value, bool):
+        return 0.0
+    if isinstance(value, np.ndarray):
+        return np.zeros_like(value, dtype=np.float32)
+    return value * 0.0  # slangpy vector/matrix values
+
+
+def _tangent_tensor(t: Tensor) -> Tensor:
+    if t.tangent is None:
+        zero = Tensor(spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype), t.device)
+        t.with_tangent(zero)
+    return t.tangent
+
+
+def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any, Any]:
+    if isinstance(value, tuple) and len(value) == 2:
+        primal, tangent = value
+        if isinstance(primal, Tensor):
+            view = primal.detach()
+            try:
+                view.with_tangent(tangent)
+            except ValueError as exc:
+                raise ValueError(f"{fn.label}.fwds: parameter '{p.name}': {exc}") from None
+            return view, view.tangent
+        if isinstance(primal, np.ndarray) or isinstance(tangent, np.ndarray):
+            a, b = np.asarray(primal), np.asarray(tangent)
+            if a.shape != b.shape:
+                raise ValueError(
+                    f"{fn.label}.fwds: parameter '{p.name}': tangent has shape {b.shape} but the "
+                    f"value has shape {a.shape}"
+                )
+        return primal, tangent
+    if isinstance(value, Tensor):
+        check_device(fn, value, f"parameter '{p.name}'")
+        return value, (
+            value.tangent
+            if value.tangent is not None
+            else Tensor(scratch(fn.module.device, value, "zeros"), value.device)
+        )
+    return value, _zero_like(value)
+
+
+def _split_pair(
+    result: Tensor, type_name: str, wrapper: GeneratingFunction
+) -> tuple[Tensor, Tensor]:
+    """Views of a tensor of R[2] elements as two tensors of R: primal and tangent."""
+    native = result.native
+    rtype = wrapper.module.native.layout.find_type_by_name(type_name)
+    strides = [2 * s for s in native.strides]
+    shape = list(native.shape)
+    primal = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset)
+    tangent = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset + 1)
+    return Tensor(primal, result.device), Tensor(tangent, result.device)
+
+
+def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
+    """``fn.fwds(...)``: see ForwardFunction."""
+    need_differentiable(fn, ".fwds")
+    capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
+    fn.module.device.flush()  # kernels queued in a batched backward run first
+    bound, options = bind_arguments(fn, args, kwargs)
+    want = options.pop("_result", "tensor")
+    if want not in ("tensor", "numpy"):
+        raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")
+    if options:
+        raise TypeError(f"{fn.label}.fwds: unsupported options {sorted(options)}")
+    call_args: list[Any] = []
+    any_array = False
+    for p, value in bound:
+        any_array = any_array or isinstance(value, (Tensor, np.ndarray))
+        if p.differentiable:
+            if p.io == "in":
+                call_args += list(_primal_and_tangent(fn, p, value))
+                continue
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{fn.label}.fwds: parameter '{p.name}' is {p.io}: pass a pydiff.Tensor to "
+                    "receive it"
+                )
+            call_args += [value, _tangent_tensor(value)]
+        elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
+            check_device(fn, value, f"parameter '{p.name}'")
+            tangent = (
+                _tangent_tensor(value)
+                if p.writes_value
+                else (value.tangent if value.tangent is not None else None)
+            )
+            call_args.append(
+                fwd_tensor_struct(fn, p, value, tangent.native if tangent is not None else None)
+            )
+        elif p.tensor_kind is not None and isinstance(value, Tensor):
+            if value.tangent is not None or p.writes_value:
+                what = (
+                    "would ignore its tangent"
+                    if not p.writes_value
+                    else "cannot give the tangents it writes"
+                )
+                raise TypeError(
+                    f"{fn.label}.fwds: parameter '{p.name}' is a {p.type_name}, whose loads and "
+                    f"stores have no forward derivative in SlangPy, so forward mode {what}; "
+                    "declare it pydiff's "
+                    f"{'RW' if p.writes_value else ''}FwdDiffTensor<{len(value.shape)}> "
+                    "(import pydiff;) to use forward mode"
+                )
+            call_args.append(value)
+        else:
+            if isinstance(value, tuple) and len(value) == 2 and not p.no_diff and p.io == "in":
+                raise TypeError(
+                    f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) carries no derivative "
+                    "(not differentiable or no_diff), so it takes no (value, tangent) pair"
+                )
+            call_args.append(value)
+    ret = fn.signature.return_type
+    wrapper = fwd_wrapper(fn)
+    with suspend_recording():
+        out = forward_call(
+            wrapper, tuple(call_args), {"_result": "tensor"} if ret != "void" else {}
+        )
+    if ret == "void":
+        return None
+    if not isinstance(out, Tensor):  # not vectorised: SlangPy returned the value itself
+        pair = np.asarray(out)
+        return (pair[0], pair[1]) if any_array else (as_scalar(pair[0]), as_scalar(pair[1]))
+    primal, tangent = _split_pair(out, ret, wrapper)
+    if not any_array and not primal.shape:
+        return as_scalar(primal.numpy()), as_scalar(tangent.numpy())
+    if want == "numpy":
+        return primal.numpy(), tangent.numpy()
+    return primal, tangent
+
+
+def as_scalar(x: Any) -> Any:
+    a = np.asarray(x)
+    return float(a) if a.ndim == 0 else a
+
+
+class ForwardFunction:
+    """``fn.fwds``: forward mode. Give each differentiable argument a tangent (a tensor's
+    ``.with_tangent(u)``, or a ``(value, tangent)`` pair); returns ``(result, result_tangent)``
+    and fills ``.tangent`` of out/inout and RWFwdDiffTensor arguments. Arguments without a
+    tangent are held fixed (tangent 0).
+
+    >>> y, dy = m.polynomial.fwds(2.0, 8.0, -1.0, x.with_tangent(np.ones(4)))
+    """
+
+    def __init__(self, fn: GeneratingFunction):
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return forward_mode_call(self._fn, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<pydiff fwds of {self._fn!r}>"

@@ -1,0 +1,56 @@
+"""Argument checks and views shared by pydiff's ops (not public API).
+
+need_2d("matmul", a=a, b=b)            # ValueError naming the argument otherwise
+x2 = rows_view("softmax", x)           # x as (rows, last dimension)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .device import Device
+from .tensor import Tensor
+
+
+def device_of(*values: Any) -> Device:
+    for v in values:
+        if isinstance(v, Tensor):
+            return v.device
+    raise TypeError("expected at least one pydiff.Tensor argument")
+
+
+def check_broadcast(name: str, *values: Any) -> None:
+    shapes = [v.shape for v in values if isinstance(v, Tensor)]
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(
+            f"{name}: shapes {' and '.join(map(str, shapes))} do not broadcast"
+        ) from None
+
+
+def need_2d(name: str, **tensors: Tensor) -> None:
+    for arg, t in tensors.items():
+        if not isinstance(t, Tensor) or len(t.shape) != 2 or t.dtype != "float":
+            got = t.shape if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {arg} must be a 2-D float tensor, got {got}")
+
+
+def rows_view(name: str, x: Tensor) -> Tensor:
+    """``x`` as a 2-D (rows, last dim) view, for the ops that work along the last dimension."""
+    if not isinstance(x, Tensor) or x.dtype != "float" or len(x.shape) < 1:
+        got = x.shape if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a float tensor with at least 1 dimension, got {got}")
+    if x.numel == 0:
+        raise ValueError(f"{name}: the tensor {x.shape} is empty")
+    return x.detach().reshape((x.numel // x.shape[-1], x.shape[-1]))
+
+
+def check_last_axis(name: str, axis: int, x: Tensor) -> None:
+    if isinstance(x, Tensor) and axis not in (-1, len(x.shape) - 1):
+        raise ValueError(
+            f"{name}: only the last axis is supported (axis=-1), got axis={axis} for shape "
+            f"{x.shape}"
+        )

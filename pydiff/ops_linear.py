@@ -1,0 +1,188 @@
+"""Matrix products: matmul, linear (fused bias and relu) and scaled dot-product attention,
+whose backward passes are the same product kernels (no atomics), adding into the gradient
+buffers in place where the kernels fit.
+
+    y = ops_linear.linear(x, W, b, activation="relu")
+    out = ops_linear.attention(q, k, v)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .function import Function
+from .ops_args import need_2d
+from .ops_norm import softmax_rows, softmax_rows_bwd
+from .ops_reduce import sum_mid
+from .products import blocking, fast_product, product, relu_masked
+from .tensor import Tensor, float4_ready
+
+ACTIVATIONS = (None, "relu")
+
+
+class _MatMul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return product("mm_nn", a, b, (a.shape[0], b.shape[1]))
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        da = product("mm_nt", g, b, a.shape) if a.requires_grad else None  # g B^T
+        db = product("mm_tn", a, g, b.shape) if b.requires_grad else None  # A^T g
+        return da, db
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """Matrix product of 2-D tensors (M, K) @ (K, N).
+
+    >>> c = pydiff.ops.matmul(a, b)
+    """
+    need_2d("matmul", a=a, b=b)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: inner dimensions differ: a is {a.shape}, b is {b.shape}")
+    return _MatMul.apply(a, b)
+
+
+# The bias gradient is summed inside the dW product (one sequential sum per column, like
+# dW's own) up to this many rows; above, by the pairwise column-sum kernel.
+_FUSED_DB_MAX_ROWS = 4096
+
+
+def _linear_backward_in_place(
+    ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool, mask: Tensor | None = None
+) -> bool:
+    """Add dx = g' W, dW = g'^T x and db = column sums of g' straight into the gradient
+    buffers with the specialised kernels (no temporaries, no separate accumulation), where
+    g' = g * [mask > 0] (the relu of a fused linear + relu) or g. False, with nothing done,
+    when they do not fit."""
+    batch, n_out = g.shape
+    n_in = x.shape[1]
+    if not (
+        blocking("mm_nn", batch, n_in, n_out)
+        and blocking("mm_tn", n_out, n_in, batch)
+        and float4_ready(g, x, w, *([mask] if mask is not None else []))
+    ):
+        return False
+    inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
+    if not all(float4_ready(t.grad_out) for t in inputs if t.requires_grad):
+        return False
+    wants_db = has_bias and ctx.inputs[2].requires_grad
+    fuse_db = wants_db and w.requires_grad and batch <= _FUSED_DB_MAX_ROWS
+    if mask is not None and wants_db and not fuse_db:
+        return False  # the column-sum kernel reads g unmasked: the caller masks g first
+    dx, dw = ctx.grad_target(0), ctx.grad_target(1)
+    db = ctx.grad_target(2) if has_bias else None
+    if dx is not None:
+        fast_product("mm_nn", g, w, dx, 1.0, mask=mask)
+    if dw is not None:
+        fast_product("mm_tn", g, x, dw, 1.0, mask=mask, db=db if fuse_db else None)
+    if db is not None and not fuse_db:
+        kernel = g.device.kernels.get("ops/reduce.slang", "column_sums_acc")
+        g.device.kernels.dispatch(
+            kernel, n_out, g=g.native.storage, dst=db.native.storage, M=batch, N=n_out
+        )
+    return True
+
+
+def _linear_backward(g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> tuple:
+    """dx = g W, dW = g^T x (and db = column sums of g) as new tensors."""
+    dx = product("mm_nn", g, w, x.shape) if x.requires_grad else None
+    dw = product("mm_tn", g, x, w.shape) if w.requires_grad else None
+    if not has_bias:
+        return dx, dw
+    db = sum_mid(g.detach().reshape((1,) + g.shape), 1.0).reshape((g.shape[1],))
+    return dx, dw, db
+
+
+class _Linear(Function):
+    @staticmethod
+    def forward(ctx, x, w, b, activation=None):
+        relu = activation == "relu"
+        y = product("mm_nt", x, w, (x.shape[0], w.shape[0]), bias=b, relu=relu)  # x W^T + b
+        ctx.save_for_backward(x, w, y if relu else None)
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, y = ctx.saved_tensors
+        nones = (None,) * (3 if ctx.has_bias else 2)
+        if _linear_backward_in_place(ctx, g, x, w, ctx.has_bias, mask=y):
+            return nones
+        if y is not None:
+            g = relu_masked(g, y)
+            if _linear_backward_in_place(ctx, g, x, w, ctx.has_bias):
+                return nones
+        return _linear_backward(g, x, w, ctx.has_bias)
+
+
+class _LinearNoBias(_Linear):
+    @staticmethod
+    def forward(ctx, x, w, activation=None):
+        return _Linear.forward(ctx, x, w, None, activation)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
+) -> Tensor:
+    """``x @ weight.T + bias`` with weight of shape (out, in), as in PyTorch; with
+    ``activation="relu"``, ``relu`` of that, fused into the same kernels (forward and backward).
+
+    >>> y = pydiff.ops.linear(x, W, b)       # x (B, in), W (out, in), b (out,)
+    >>> h = pydiff.ops.linear(x, W, b, activation="relu")   # = relu(linear(x, W, b))
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation={activation!r}; expected one of {ACTIVATIONS}")
+    need_2d("linear", x=x, weight=weight)
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear: x has {x.shape[1]} features but weight {weight.shape} expects "
+            f"{weight.shape[1]}"
+        )
+    if bias is None:
+        return _LinearNoBias.apply(x, weight, activation)
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+    return _Linear.apply(x, weight, bias, activation)
+
+
+class _Attention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        p = softmax_rows(product("mm_nt", q, k, (q.shape[0], k.shape[0])), scale, False)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
+        return product("mm_nn", p, v, (q.shape[0], v.shape[1]))
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, p = ctx.saved_tensors
+        dv = product("mm_tn", p, g, v.shape) if v.requires_grad else None  # P^T dO
+        dp = product("mm_nt", g, v, p.shape)  # dO V^T
+        ds = softmax_rows_bwd(p, dp, ctx.scale, False)  # includes the scale
+        dq = product("mm_nn", ds, k, q.shape) if q.requires_grad else None  # dS K
+        dk = product("mm_tn", ds, q, k.shape) if k.requires_grad else None  # dS^T Q
+        return dq, dk, dv
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Scaled dot-product attention softmax(scale * Q K^T) V for 2-D Q (n, d), K (m, d), V (m, e).
+
+    ``scale`` defaults to 1/sqrt(d); ``scale=1.0`` is the unscaled form of the autodiff guide.
+    >>> out = pydiff.ops.attention(Q, K, V)          # (n, e)
+    """
+    need_2d("attention", q=q, k=k, v=v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"attention: q {q.shape} and k {k.shape} must have the same last dimension"
+        )
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"attention: k {k.shape} and v {v.shape} must have the same number of rows"
+        )
+    scale = 1.0 / float(np.sqrt(q.shape[1])) if scale is None else float(scale)
+    return _Attention.apply(q, k, v, scale)

@@ -1,0 +1,198 @@
+"""Row-wise ops over the last dimension: softmax and log_softmax (log-sum-exp stable),
+SiLU-and-multiply, RMSNorm and LayerNorm, each with a hand-written backward that reuses the
+statistics of its forward.
+
+    p = ops_norm.softmax(logits)
+    y = ops_norm.layer_norm(x, w, b)
+"""
+
+from __future__ import annotations
+
+import slangpy as spy
+
+from .creation import empty, zeros
+from .device import Device
+from .function import Function
+from .module import library
+from .ops_args import check_last_axis, need_2d, rows_view
+from .tensor import Tensor
+
+
+def softmax_rows(z2: Tensor, scale: float, log_space: bool) -> Tensor:
+    lib = library(z2.device)
+    lse = empty((z2.shape[0],), device=z2.device)
+    lib.softmax_lse(spy.grid((z2.shape[0],)), z2, float(scale), lse)
+    out = empty(z2.shape, device=z2.device)
+    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), lse, int(log_space), out)
+    return out
+
+
+def softmax_rows_bwd(out2: Tensor, g2: Tensor, scale: float, log_space: bool) -> Tensor:
+    lib = library(out2.device)
+    dots = empty((out2.shape[0],), device=out2.device)
+    lib.softmax_row_dot(spy.grid((out2.shape[0],)), g2, out2, int(log_space), dots)
+    dz = empty(out2.shape, device=out2.device)
+    lib.softmax_bwd(spy.grid(out2.shape), out2, g2, dots, float(scale), int(log_space), dz)
+    return dz
+
+
+class _Softmax(Function):
+    @staticmethod
+    def forward(ctx, z, log_space):
+        ctx.log_space = log_space
+        out = softmax_rows(rows_view("log_softmax" if log_space else "softmax", z), 1.0, log_space)
+        out = out.reshape(z.shape)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        rows = out.detach().reshape((out.numel // out.shape[-1], out.shape[-1]))
+        dz = softmax_rows_bwd(rows, g.detach().reshape(rows.shape), 1.0, ctx.log_space)
+        return dz.reshape(out.shape)
+
+
+def log_softmax(logits: Tensor, axis: int = -1) -> Tensor:
+    """Log-softmax over the last axis, log-sum-exp stable (finite for logits of +-1e4).
+
+    >>> logp = pydiff.ops.log_softmax(logits)
+    """
+    check_last_axis("log_softmax", axis, logits)
+    rows_view("log_softmax", logits)
+    return _Softmax.apply(logits, True)
+
+
+def softmax(logits: Tensor, axis: int = -1) -> Tensor:
+    """Softmax over the last axis, max-subtracted so large logits do not overflow.
+
+    >>> p = pydiff.ops.softmax(logits)
+    """
+    check_last_axis("softmax", axis, logits)
+    rows_view("softmax", logits)
+    return _Softmax.apply(logits, False)
+
+
+class _SiluAndMul(Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = rows_view("silu_and_mul", x)
+        out = empty(x.shape[:-1] + (x.shape[-1] // 2,), device=x.device)
+        out2 = out.reshape((x2.shape[0], x2.shape[1] // 2))
+        library(x.device).silu_and_mul_fwd(spy.grid(out2.shape), x2, out2)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x2 = rows_view("silu_and_mul", x)
+        dx = empty(x.shape, device=x.device)
+        g2 = g.detach().reshape((x2.shape[0], x2.shape[1] // 2))
+        library(x.device).silu_and_mul_bwd(spy.grid(g2.shape), x2, g2, dx.reshape(x2.shape))
+        return dx
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(gate) * up where x = [gate | up] splits the last dimension (2H -> H).
+
+    >>> y = pydiff.ops.silu_and_mul(x)        # x (B, 2H) -> y (B, H)
+    """
+    rows_view("silu_and_mul", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: the last dimension of {x.shape} must be even (gate | up)")
+    return _SiluAndMul.apply(x)
+
+
+class _RMSNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        lib = library(x.device)
+        batch = x.shape[0]
+        inv_rms = empty((batch,), device=x.device)
+        lib.rms_norm_inv(spy.grid((batch,)), x.detach(), float(eps), inv_rms)
+        y = empty(x.shape, device=x.device)
+        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), y)
+        ctx.save_for_backward(x, weight, inv_rms)  # inv_rms saved: no recomputation
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, inv_rms = ctx.saved_tensors
+        lib = library(x.device)
+        c = empty((x.shape[0],), device=x.device)
+        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), x.detach(), weight.detach(), g.detach(), c)
+        dx = empty(x.shape, device=x.device)
+        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), c, dx)
+        dw = empty(weight.shape, device=x.device)
+        lib.rms_norm_dw(spy.grid(weight.shape), x.detach(), inv_rms, g.detach(), dw)
+        return dx, dw
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dimension of a (B, N) tensor, scaled by ``weight`` (N,).
+
+    >>> y = pydiff.ops.rms_norm(x, w, eps=1e-6)
+    """
+    need_2d("rms_norm", x=x)
+    if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
+        got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[1]},), got {got}")
+    if eps <= 0:
+        raise ValueError(f"rms_norm: eps={eps} must be positive")
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _LayerNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        lib = library(x.device)
+        x2 = rows_view("layer_norm", x)
+        rows, n = x2.shape
+        mu, r = empty((rows,), device=x.device), empty((rows,), device=x.device)
+        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), mu, r)
+        w = weight.detach() if weight is not None else _constant(x.device, n, 1.0)
+        b = bias.detach() if bias is not None else _constant(x.device, n, 0.0)
+        y = empty(x.shape, device=x.device)
+        lib.layer_norm_apply(spy.grid(x2.shape), x2, mu, r, w, b, y.reshape(x2.shape))
+        ctx.affine = (weight is not None, bias is not None)
+        ctx.save_for_backward(x, w, mu, r)  # row statistics saved: no recomputation
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, mu, r = ctx.saved_tensors
+        lib = library(x.device)
+        x2 = rows_view("layer_norm", x)
+        g2 = g.detach().reshape(x2.shape)
+        c = empty((x2.shape[0], 2), device=x.device)
+        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, mu, r, w, g2, c)
+        dx = empty(x.shape, device=x.device)
+        lib.layer_norm_dx(spy.grid(x2.shape), x2, mu, r, w, g2, c, dx.reshape(x2.shape))
+        dw, db = empty((x2.shape[1],), device=x.device), empty((x2.shape[1],), device=x.device)
+        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, mu, r, g2, dw, db)
+        has_w, has_b = ctx.affine  # one gradient per tensor input: None inputs are not counted
+        return (dx,) + ((dw,) if has_w else ()) + ((db,) if has_b else ())
+
+
+def _constant(device: Device, n: int, value: float) -> Tensor:
+    """A (n,) tensor of ``value``, made once per device (LayerNorm without weight or bias)."""
+    make = lambda: zeros((n,), device=device).fill(value)  # noqa: E731
+    return device.cached(("ops.constant", n, value), make)
+
+
+def layer_norm(
+    x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
+) -> Tensor:
+    """LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
+
+    >>> y = pydiff.ops.layer_norm(x, w, b)        # x (..., N); w, b (N,) or None
+    """
+    x2 = rows_view("layer_norm", x)
+    for arg, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):
+            got = t.shape if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"layer_norm: {arg} must have shape ({x2.shape[1]},), got {got}")
+    if eps <= 0:
+        raise ValueError(f"layer_norm: eps={eps} must be positive")
+    return _LayerNorm.apply(x, weight, bias, eps)

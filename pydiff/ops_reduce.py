@@ -1,0 +1,228 @@
+"""Reductions and losses: sum, mean (any axis), mse_loss and cross_entropy, summed pairwise in
+a fixed order on the device (no atomics), with their backward passes.
+
+    total = ops_reduce.sum(x, axis=0)
+    loss = ops_reduce.cross_entropy(logits, labels)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import slangpy as spy
+
+from . import capturing
+from .creation import empty, tensor
+from .function import Function
+from .module import library
+from .ops_args import need_2d
+from .ops_elementwise import mul, sub
+from .tensor import Tensor, float4_ready
+
+
+# A reduction over n elements runs as ceil(n / chunk) threads per output, then once more over
+# the partial sums: enough threads to keep the device busy, each adding at least _MIN_CHUNK.
+_MIN_CHUNK, _TARGET_THREADS = 256, 1024
+
+
+def sum_mid(x3: Tensor, scale: float) -> Tensor:
+    """out[o, 0, j] = scale * sum_k x3[o, k, j], pairwise and in a fixed order, on the device."""
+    lib = library(x3.device)
+    outer, n, inner = x3.shape
+    while True:
+        chunks = max(1, min(-(-n // _MIN_CHUNK), -(-_TARGET_THREADS // (outer * inner))))
+        chunk = -(-n // chunks)
+        chunks = -(-n // chunk)
+        out = empty((outer, chunks, inner), device=x3.device)
+        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale if chunks == 1 else 1.0), out)
+        if chunks == 1:
+            return out
+        x3, n = out, chunks
+
+
+def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[int, ...], int]:
+    """(x as an (outer, n, inner) view, the result shape with the axis kept as 1, n)."""
+    if not isinstance(x, Tensor) or x.dtype != "float":
+        got = f"a tensor of dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {got}")
+    shape = x.shape if x.shape else (1,)
+    if axis is None:
+        return x.detach().reshape((1, x.numel, 1)), (1,), x.numel
+    if not isinstance(axis, (int, np.integer)) or not -len(shape) <= axis < len(shape):
+        raise ValueError(f"{name}: axis={axis!r} is out of range for a tensor of shape {x.shape}")
+    axis = int(axis) % len(shape)
+    outer, n = math.prod(shape[:axis]), shape[axis]
+    kept = shape[:axis] + (1,) + shape[axis + 1 :]
+    return x.detach().reshape((outer, n, x.numel // max(outer * n, 1))), kept, n
+
+
+class _Sum(Function):
+    @staticmethod
+    def forward(ctx, x, axis, keepdims, mean):
+        x3, kept, n = _axis_view("mean" if mean else "sum", x, axis)
+        if n == 0:
+            raise ValueError(f"{'mean' if mean else 'sum'}: axis {axis} of {x.shape} is empty")
+        ctx.x3_shape, ctx.x_shape, ctx.scale = x3.shape, x.shape, (1.0 / n if mean else 1.0)
+        total = sum_mid(x3, ctx.scale)
+        if axis is None:
+            # all elements: (1,), or NumPy's all-ones shape with keepdims
+            return total.reshape((1,) * max(len(x.shape), 1) if keepdims else (1,))
+        shape = (
+            kept if keepdims else tuple(d for k, d in enumerate(kept) if k != int(axis) % len(kept))
+        )
+        return total.reshape(shape or (1,))  # pydiff has no 0-d results: a lone number is (1,)
+
+    @staticmethod
+    def backward(ctx, g):
+        outer, n, inner = ctx.x3_shape
+        dx = empty(ctx.x_shape, device=g.device)
+        library(g.device).broadcast_mid(
+            spy.grid(ctx.x3_shape),
+            g.detach().reshape((outer, 1, inner)),
+            float(ctx.scale),
+            dx.reshape(ctx.x3_shape),
+        )
+        return dx
+
+
+def sum(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Sum over all elements (a (1,) tensor) or over ``axis``, pairwise in a fixed order.
+    NumPy's axis/keepdims rules, except that a result NumPy gives as a 0-d scalar is (1,).
+
+    >>> total = pydiff.ops.sum(x)             # shape (1,)
+    >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules
+    """
+    return _Sum.apply(x, axis, keepdims, False)
+
+
+def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
+    """Mean over all elements (a (1,) tensor) or over ``axis``.
+
+    >>> m = pydiff.ops.mean(x, axis=-1, keepdims=True)
+    """
+    return _Sum.apply(x, axis, keepdims, True)
+
+
+def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
+    """Mean squared error, a (1,) tensor.
+
+    >>> loss = pydiff.ops.mse_loss(y, target)
+    """
+    if prediction.shape != target.shape:
+        raise ValueError(
+            f"mse_loss: prediction {prediction.shape} and target {target.shape} differ"
+        )
+    d = sub(prediction, target)
+    return mean(mul(d, d))
+
+
+def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
+    """The two-kernel cross-entropy applies: Vulkan, contiguous float logits and int labels."""
+    n = labels.native
+    return float4_ready(logits) and labels.dtype == "int" and n.offset == 0 and n.is_contiguous()
+
+
+class _CrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, labels):
+        batch = logits.shape[0]
+        if _ce_fast(logits, labels):
+            lse, loss = empty((batch,), device=logits.device), empty((1,), device=logits.device)
+            kernel = logits.device.kernels.get("ops/cross_entropy.slang", "ce_forward")
+            logits.device.kernels.dispatch(
+                kernel,
+                256,
+                z=logits.native.storage,
+                labels=labels.native.storage,
+                lse=lse.native.storage,
+                loss=loss.native.storage,
+                B=batch,
+                C=logits.shape[1],
+            )
+            ctx.save_for_backward(logits, labels, lse)
+            return loss
+        lib = library(logits.device)
+        lse, rows = empty((batch,), device=logits.device), empty((batch,), device=logits.device)
+        lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
+        ctx.save_for_backward(logits, labels, lse)
+        return sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape((1,))
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, labels, lse = ctx.saved_tensors
+        if (
+            _ce_fast(logits, labels)
+            and float4_ready(g)
+            and logits.requires_grad
+            and float4_ready(logits.grad_out)
+        ):
+            target = ctx.grad_target(0)
+            count = logits.numel
+            kernel = logits.device.kernels.get("ops/cross_entropy.slang", "ce_backward_acc")
+            logits.device.kernels.dispatch(
+                kernel,
+                count,
+                z=logits.native.storage,
+                labels=labels.native.storage,
+                lse=lse.native.storage,
+                g=g.native.storage,
+                dz=target.native.storage,
+                B=logits.shape[0],
+                C=logits.shape[1],
+            )
+            return None, None
+        dz = empty(logits.shape, device=logits.device)
+        library(logits.device).cross_entropy_rows_bwd(
+            spy.grid(logits.shape),
+            logits.detach(),
+            labels,
+            lse,
+            g.detach().reshape((1,)),
+            1.0 / logits.shape[0],
+            dz,
+        )
+        return dz, None
+
+
+def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
+    """Mean softmax cross-entropy of (B, C) logits against B integer labels; log-sum-exp stable.
+
+    >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
+    """
+    need_2d("cross_entropy", logits=logits)
+    if isinstance(labels, Tensor) and labels.dtype == "int":
+        _check_labels(labels, logits.shape)
+        # A captured step re-checks labels copied in since (out-of-range ones would read
+        # outside the logits' rows).
+        capturing.on_replay(lambda: _check_labels(labels, logits.shape))
+        return _CrossEntropy.apply(logits, labels)
+    lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    _check_label_values(lab, logits.shape)
+    return _CrossEntropy.apply(logits, tensor(lab.astype(np.int32), device=logits.device))
+
+
+def _check_labels(labels: Tensor, logits_shape: tuple) -> None:
+    """Range-check an int label tensor on the host, once per version of its values."""
+    stamp = (labels.storage.version, "labels", logits_shape)
+    if labels.storage.checked != stamp:
+        _check_label_values(labels.numpy(), logits_shape)
+        labels.storage.checked = stamp
+
+
+def _check_label_values(lab: np.ndarray, logits_shape: tuple) -> None:
+    if lab.size and not np.issubdtype(lab.dtype, np.integer):
+        if not np.all(np.isfinite(lab)) or np.any(lab != np.round(lab)):
+            raise ValueError(
+                f"cross_entropy: labels must be integer class indices, got {lab.dtype} values"
+            )
+    if lab.shape != (logits_shape[0],):
+        raise ValueError(
+            f"cross_entropy: labels have shape {lab.shape}, expected ({logits_shape[0]},)"
+        )
+    if lab.size and (lab.min() < 0 or lab.max() >= logits_shape[1]):
+        raise ValueError(
+            f"cross_entropy: labels must lie in [0, {logits_shape[1]}), got "
+            f"{lab.min()}..{lab.max()}"
+        )

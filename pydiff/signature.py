@@ -1,0 +1,189 @@
+"""A Slang function's signature as pydiff needs it, read once from SlangPy's reflection.
+
+sig = Signature.reflect("f", module.native.layout.find_function_by_name("f"))
+sig.return_type, sig.differentiable            # 'float', True
+[(p.name, p.io, p.tensor_kind, p.access) for p in sig.params]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import slangpy as spy
+
+_IO = {"inn": "in", "out": "out", "inout": "inout"}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter: its name, Slang type, direction and, for tensors, kind and access."""
+
+    name: str
+    type_name: str
+    io: str  # "in", "out" or "inout"
+    no_diff: bool
+    differentiable: bool  # a vectorisable value whose derivative flows (float, float3, ...)
+    tensor_kind: str | None  # "diff" (concrete DiffTensor), "idiff" (interface), "plain",
+    #                          "fwd" (pydiff's FwdDiffTensor/RWFwdDiffTensor: forward mode too)
+    access: str | None  # "read", "write", "read_write" for tensor parameters
+
+    fwd_dims: int = 0  # N of FwdDiffTensor<N>
+
+    @property
+    def is_diff_tensor(self) -> bool:
+        return self.tensor_kind in ("diff", "idiff", "fwd")
+
+    @property
+    def reads_value(self) -> bool:
+        """The call reads the argument's values."""
+        if self.tensor_kind is not None:
+            return self.access in ("read", "read_write")
+        return self.io in ("in", "inout")
+
+    @property
+    def writes_value(self) -> bool:
+        """The call writes into the argument (an output, in-place or read-write tensor)."""
+        if self.tensor_kind is not None:
+            return self.access in ("write", "read_write")
+        return self.io in ("out", "inout")
+
+    @property
+    def in_place(self) -> bool:
+        return self.reads_value and self.writes_value
+
+    @property
+    def reads_gradient(self) -> bool:
+        """The backward reads an upstream gradient (grad_in) for this parameter."""
+        if self.is_diff_tensor:
+            return self.access in ("write", "read_write")
+        return self.differentiable and self.io in ("out", "inout")
+
+    @property
+    def writes_gradient(self) -> bool:
+        """The backward adds a gradient (into grad_out) for this parameter."""
+        if self.is_diff_tensor:
+            return self.access in ("read", "read_write")
+        return self.differentiable and self.io in ("in", "inout")
+
+
+def _tensor_info(t: Any) -> tuple[str | None, str | None]:
+    kind = getattr(t, "tensor_type", None)
+    if kind is None:
+        return None, None
+    kind_name = str(kind).split(".")[-1]
+    access = str(t.access).split(".")[-1]
+    if kind_name == "idiff_tensor":
+        return "idiff", access
+    if kind_name == "diff_tensor":
+        return "diff", access
+    return "plain", access
+
+
+_FWD_TENSOR = re.compile(r"(?:^|\W)(RW)?FwdDiffTensor<\s*(\d+)\s*>$")
+
+
+def describe_function(reflected: Any) -> list[ParamInfo]:
+    """One ParamInfo per parameter of a reflected SlangPy function, in order."""
+    out = []
+    for p in reflected.parameters:
+        t = p.type
+        kind, access = _tensor_info(t)
+        fwd = _FWD_TENSOR.search(t.full_name)
+        if fwd:
+            kind, access = "fwd", ("read_write" if fwd.group(1) else "read")
+            no_diff = spy.ModifierID.nodiff in p.modifiers
+            io = _IO.get(str(p.io_type).split(".")[-1], "in")
+            out.append(
+                ParamInfo(p.name, t.full_name, io, no_diff, False, kind, access, int(fwd.group(2)))
+            )
+            continue
+        no_diff = spy.ModifierID.nodiff in p.modifiers and kind is None
+        io = _IO.get(str(p.io_type).split(".")[-1], "in")
+        differentiable = (
+            kind is None
+            and not no_diff
+            and bool(p.differentiable)
+            and bool(reflected.differentiable)
+        )
+        out.append(ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access))
+    return out
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What every call of one shader function needs to know, read once at load time.
+
+    ``params``: one ParamInfo each; ``return_type``: the Slang type name ('void' when none);
+    ``differentiable``: the function is [Differentiable]; ``written``: indices of the
+    parameters the call writes into; ``has_diff_inout``: a differentiable ``inout`` value
+    (its backward goes through a generated in/out wrapper).
+
+    >>> sig = fn.signature
+    >>> sig.return_type, [p.name for p in sig.params if p.differentiable]
+    ('float', ['x'])
+    """
+
+    name: str
+    params: list[ParamInfo]
+    return_type: str
+    differentiable: bool
+    written: tuple[int, ...] = field(init=False)
+    has_diff_inout: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "written", tuple(i for i, p in enumerate(self.params) if p.writes_value)
+        )
+        object.__setattr__(
+            self,
+            "has_diff_inout",
+            any(p.io == "inout" and p.differentiable for p in self.params),
+        )
+
+    @classmethod
+    def reflect(cls, name: str, reflected: Any) -> "Signature":
+        """The signature of a SlangPy reflected function (``layout.find_function_by_name``)."""
+        ret = reflected.return_type
+        return cls(
+            name,
+            describe_function(reflected),
+            ret.full_name if ret is not None else "void",
+            bool(reflected.differentiable),
+        )
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{p.type_name} {p.name}" for p in self.params)
+        return f"{self.return_type} {self.name}({params})"
+
+
+class ModuleTarget(Protocol):
+    """What the call layer reads of a loaded module (pydiff.Module provides it)."""
+
+    name: str
+    file: str
+    device: Any
+    import_spec: str
+    traps: dict[str, list]
+
+
+class FunctionTarget(Protocol):
+    """What the call layer reads of a shader function (pydiff.ShaderFunction provides it):
+    its names, signature, module and the SlangPy function underneath."""
+
+    name: str
+    label: str  # "module.function"
+    call_label: str  # how a forward call is named as a tensor's last writer
+    bwds_label: str  # how a backward is named (zeroing policies, errors)
+    signature: Signature
+    module: ModuleTarget
+    native: Any  # the SlangPy function
+    native_bwds: Any  # its SlangPy backward
+
+    @property
+    def params(self) -> list[ParamInfo]: ...
+
+    def bwds_kernel(self, no_grad: tuple[str, ...], wrapper: bool = False) -> Any: ...
+
+    def check_traps(self) -> None: ...

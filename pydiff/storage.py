@@ -1,0 +1,161 @@
+"""Tensor storage: the device memory behind tensors and the bookkeeping every view of it
+shares (version counter, last writer, which backward's result it holds), plus Slang/NumPy
+dtype names.
+
+    native = allocate(device, (4, 3), device.dtype("float"), zero=True)   # a SlangPy tensor
+    st = Storage(native.storage)
+    st.wrote("m.f (forward call)"); st.version, st.last_writer   # 1, 'm.f (forward call)'
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import slangpy as spy
+
+from . import capturing
+
+if TYPE_CHECKING:
+    from .device import Device
+
+NUMPY_TO_SLANG = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "float",  # Slang has no double atomics: float is the useful default
+    np.dtype(np.float16): "half",
+    np.dtype(np.int32): "int",
+    np.dtype(np.int64): "int",
+    np.dtype(np.uint32): "uint",
+    np.dtype(np.bool_): "bool",
+}
+SCALAR_NUMPY = {
+    "float": np.float32,
+    "half": np.float16,
+    "double": np.float64,
+    "int": np.int32,
+    "uint": np.uint32,
+    "bool": np.bool_,
+    "int64_t": np.int64,
+    "uint64_t": np.uint64,
+}
+
+
+class Storage:
+    """What every view of one buffer shares.
+
+    Fields (all public, documented here, read and written by the layers above):
+      ``buffer``: the SlangPy buffer holding the values (None until known);
+      ``version``: how many times the values were written (the tape's overwrite check);
+      ``last_writer``: a description of the latest write, for error messages;
+      ``holds_result_of``: the label of the backward whose result a gradient buffer holds
+      (the STRICT zeroing policy), None once zeroed or written otherwise;
+      ``checked``: a stamp ``(version, what, ...)`` of the latest validation of the values
+      (e.g. label ranges), so they are checked again only after a write.
+
+    Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
+    storage may carry different gradient buffers, see ``Tensor.with_grads``).
+    """
+
+    __slots__ = ("buffer", "holds_result_of", "version", "last_writer", "checked")
+
+    def __init__(self, buffer: Any = None) -> None:
+        self.buffer = buffer
+        self.holds_result_of: str | None = None
+        self.version = 0
+        self.last_writer = "nothing"
+        self.checked: Any = None
+
+    def wrote(self, writer: str) -> None:
+        """Count a write of the values by ``writer``."""
+        self.version += 1
+        self.last_writer = writer
+
+
+def dtype_name(dtype: Any) -> str:
+    """The Slang type name for a dtype given as a Python type, NumPy dtype or a name."""
+    if dtype is float:
+        return "float"
+    if dtype is int:
+        return "int"
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        return NUMPY_TO_SLANG[np.dtype(dtype)]
+    if isinstance(dtype, str) and dtype.strip():
+        return dtype.strip()
+    raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
+
+
+def element_shape(native_dtype: Any) -> tuple[int, ...]:
+    """Trailing NumPy dimensions one element occupies (float3 -> (3,), float4x4 -> (4, 4))."""
+    return tuple(int(s) for s in native_dtype.shape)
+
+
+def shape_tuple(shape: Any) -> tuple[int, ...]:
+    """A shape argument as a tuple of positive ints (an int is a 1-D shape)."""
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape={shape!r}: expected an int or a sequence of ints") from None
+    if not out or any(s <= 0 for s in out):
+        raise ValueError(f"shape={shape!r}: every dimension must be a positive integer")
+    return out
+
+
+def float4_layout(native: spy.Tensor) -> bool:
+    """A contiguous float tensor at the start of an rgba32_float buffer (readable as float4s)."""
+    return (
+        native.dtype.full_name == "float"
+        and native.offset == 0
+        and native.is_contiguous()
+        and native.storage.desc.format == spy.Format.rgba32_float
+    )
+
+
+def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False) -> spy.Tensor:
+    """A SlangPy tensor for new values of ``shape`` and ``dtype`` (a name or reflection).
+
+    On Vulkan, float tensors live in a buffer with the rgba32_float format (padded to whole
+    float4s, reused from ``dev.pool``), which SlangPy binds as usual and pydiff's fast kernels
+    read as typed float4 loads (about 3x cheaper on lavapipe).
+    """
+    name = dtype if isinstance(dtype, str) else dtype.full_name
+    shape = tuple(int(s) for s in shape)
+    rec = capturing.recording()
+    if name != "float" or dev.type != "vulkan":
+        return _allocate_plain(dev, shape, dtype, name, zero, rec)
+    count = math.prod(shape)
+    buffer = dev.pool.float4_buffer(max(1, -(-count // 4)))
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    native = spy.Tensor(buffer, dev.dtype("float"), list(shape), list(reversed(strides)), 0)
+    if zero:
+        native.clear()
+        if rec is not None:
+            rec.record_clear(dev.queue, native)
+    return native
+
+
+def _allocate_plain(
+    dev: "Device", shape: tuple, dtype: Any, name: str, zero: bool, rec: Any
+) -> spy.Tensor:
+    make = spy.Tensor.zeros if zero and rec is None else spy.Tensor.empty
+    refl = dev.dtype(name) if isinstance(dtype, str) else dtype
+    stride = int(refl.buffer_layout.stride)
+    count = math.prod(shape)
+    padded = count
+    if shape and (count * stride) % 4:
+        # SlangPy's clear() zeroes whole 4-byte words and leaves the last element of,
+        # e.g., an odd number of halves: pad the storage to whole words.
+        while (padded * stride) % 4:
+            padded += 1
+    native = make(dev.native, (padded,), dtype).view(shape) if padded != count else None
+    if native is None:
+        native = make(dev.native, shape, dtype)
+    if zero and rec is not None:
+        native.clear()
+        rec.record_clear(dev.queue, native)
+    return native
