@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from . import lint
 from .errors import NondeterminismWarning
+from .signature import FunctionTarget
 
 _global = False
 _context: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
@@ -76,7 +77,7 @@ def _module_source(module: Any) -> str | None:
     return lint.scanned_source(module.file)
 
 
-def _reasons(fn: Any) -> list[str]:
+def _reasons(fn: FunctionTarget) -> list[str]:
     """Why ``fn``'s backward may not be deterministic (empty when pydiff can vouch for it)."""
     cached = _reasons_of.get(fn)
     if cached is not None:
@@ -99,7 +100,7 @@ def _reasons(fn: Any) -> list[str]:
     return reasons
 
 
-def warn_nondeterministic(fn: Any, extra: list[str] = ()) -> None:
+def warn_nondeterministic(fn: FunctionTarget, extra: list[str] = ()) -> None:
     """In deterministic mode, warn once per function and reason that pydiff cannot keep the
     promise for it (called by ``.bwds``)."""
     for reason in [*_reasons(fn), *extra]:

@@ -7,9 +7,10 @@ Every tensor parameter gets a small tensor of ``size`` elements per dimension; t
 parameter (``int`` or ``int[N]``/``intN``) runs over a grid of that size, so the function
 may read any element of its inputs. Read-only float tensors are inputs (random values, half
 positive and half negative); written tensors and the result are outputs. A function with
-no index parameter is called once. The gradient of each differentiable input tensor comes from ``.bwds`` for a random upstream gradient and is
-compared, element by element, with central differences of <v, outputs>: one element
-perturbed at a time, so this suits small tensors.
+no index parameter is called once. The gradient of each differentiable input tensor comes
+from ``.bwds`` for a random upstream gradient and is compared, element by element, with
+central differences of <v, outputs> (pydiff.finite_diff, steps eps and eps/4 to leave out
+kinks): one element perturbed at a time, so this suits small tensors.
 """
 
 from __future__ import annotations
@@ -20,41 +21,67 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
+from . import finite_diff as fd
 from .creation import tensor as make_tensor
+from .device import Device
+from .module import ShaderFunction
 from .tensor import Tensor
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
-_INDEX = re.compile(r"^(?:int|uint)(?:\[(\d)\]|(\d))?$|^(?:int|uint)\[(\d)\]$|^vector<(?:int|uint),\s*(\d)>$")
+_INDEX = re.compile(
+    r"^(?:int|uint)(?:\[(\d)\]|(\d))?$|^(?:int|uint)\[(\d)\]$|^vector<(?:int|uint),\s*(\d)>$"
+)
 
 
 def tensor_dims(type_name: str) -> int | None:
-    """N of a float tensor type (IDiffTensor<float, N>, FwdDiffTensor<N>, ...), else None."""
+    """N of a float tensor type (IDiffTensor<float, N>, FwdDiffTensor<N>, ...), else None.
+
+    >>> tensor_dims("IDiffTensor<float, 2>"), tensor_dims("FwdDiffTensor<1>"), tensor_dims("int")
+    (2, 1, None)
+    """
     m = _DIMS.search(type_name)
     return int(m.group(1) or m.group(2)) if m else None
 
 
 def index_dims(type_name: str) -> int | None:
-    """How many grid dimensions an index parameter takes (int: 1, int[2]/int2: 2), else None."""
+    """How many grid dimensions an index parameter takes (int: 1, int[2]/int2: 2), else None.
+
+    >>> index_dims("int"), index_dims("int2"), index_dims("float")
+    (1, 2, None)
+    """
     m = _INDEX.match(type_name)
     if not m:
         return None
     return int(next((g for g in m.groups() if g), 1))
 
 
-def skip_reason(fn: Any) -> str | None:
+def skip_reason(fn: ShaderFunction) -> str | None:
+    """Why ``pydiff check`` cannot generate inputs for this tensor function, or None.
+
+    skip_reason(m.dense)           # None: void dense(int i, IDiffTensor<float, 2> w, ...)
+    """
     index = [p for p in fn.params if index_dims(p.type_name) is not None and p.tensor_kind is None]
     if len(index) > 1:
-        return ("tensor parameters with several int parameters: pydiff check runs one index over a "
-                "grid; check this function with pydiff.gradcheck on tensors of your shapes")
+        return (
+            "tensor parameters with several int parameters: pydiff check runs one index over a "
+            "grid; check this function with pydiff.gradcheck on tensors of your shapes"
+        )
     for p in fn.params:
         if p.tensor_kind is not None:
             if tensor_dims(p.type_name) is None:
-                return f"tensor parameter '{p.name}' ({p.type_name}): only float tensors are generated"
+                return (
+                    f"tensor parameter '{p.name}' ({p.type_name}): only float tensors are generated"
+                )
         elif p not in index and not (p.type_name == "float" and p.io == "in"):
-            return (f"parameter '{p.name}' ({p.io} {p.type_name}) beside tensor parameters: only "
-                    "float numbers (held fixed) are generated")
+            return (
+                f"parameter '{p.name}' ({p.io} {p.type_name}) beside tensor parameters: only "
+                "float numbers (held fixed) are generated"
+            )
     if fn.signature.return_type not in ("void", "float"):
-        return f"result type {fn.signature.return_type}: only float or void results are checked with tensor parameters"
+        return (
+            f"result type {fn.signature.return_type}: only float or void results are checked "
+            "with tensor parameters"
+        )
     if not any(p.is_diff_tensor and p.access in ("read", "read_write") for p in fn.params):
         return "no differentiable tensor input (DiffTensor, IDiffTensor or FwdDiffTensor) to check"
     return None
@@ -63,22 +90,32 @@ def skip_reason(fn: Any) -> str | None:
 class _Setup:
     """Builds the arguments of one call and reads its outputs back."""
 
-    def __init__(self, fn: Any, device: Any, size: int, rng: np.random.Generator):
+    def __init__(self, fn: ShaderFunction, device: Device, size: int, rng: np.random.Generator):
         self.fn, self.device, self.size = fn, device, size
-        self.index = next((p for p in fn.params if p.tensor_kind is None and index_dims(p.type_name) is not None), None)
+        self.index = next(
+            (p for p in fn.params if p.tensor_kind is None and index_dims(p.type_name) is not None),
+            None,
+        )
         self.grid_shape = (size,) * index_dims(self.index.type_name) if self.index else ()
         self.inputs = [p for p in fn.params if p.tensor_kind is not None and p.access == "read"]
         self.outputs = [p for p in fn.params if p.tensor_kind is not None and p.access != "read"]
-        self.numbers = {p.name: float(rng.uniform(0.5, 1.5)) for p in fn.params
-                        if p.tensor_kind is None and p is not self.index}
+        self.numbers = {
+            p.name: float(rng.uniform(0.5, 1.5))
+            for p in fn.params
+            if p.tensor_kind is None and p is not self.index
+        }
         self.values = {}
         for p in self.inputs:
             shape = (size,) * tensor_dims(p.type_name)
             sign = np.where(np.arange(int(np.prod(shape))).reshape(shape) % 2 == 0, 1.0, -1.0)
             self.values[p.name] = rng.uniform(0.2, 1.5, shape) * sign
 
-    def args(self, values: dict[str, np.ndarray], grads: bool = False,
-             upstream: dict[str, np.ndarray] | None = None) -> tuple[list, dict[str, Tensor]]:
+    def args(
+        self,
+        values: dict[str, np.ndarray],
+        grads: bool = False,
+        upstream: dict[str, np.ndarray] | None = None,
+    ) -> tuple[list, dict[str, Tensor]]:
         args, made = [], {}
         for p in self.fn.params:
             if p is self.index:
@@ -92,7 +129,10 @@ class _Setup:
                 made[p.name] = t
                 args.append(t)
             else:
-                t = make_tensor(np.zeros((self.size,) * tensor_dims(p.type_name), np.float32), device=self.device)
+                t = make_tensor(
+                    np.zeros((self.size,) * tensor_dims(p.type_name), np.float32),
+                    device=self.device,
+                )
                 if grads or p.tensor_kind == "diff":
                     t = t.with_grads()
                     if upstream is not None:
@@ -117,17 +157,29 @@ class _Setup:
         return out
 
 
-def check_tensor_function(fn: Any, device: Any, *, size: int = 4, seed: int = 0, eps: float = 1e-3,
-                          atol: float = 1e-3, rtol: float = 1e-2,
-                          row: Callable[..., Any]) -> list[Any]:
-    """Backward rows (one per differentiable input tensor) and the adjoint row."""
+def check_tensor_function(
+    fn: ShaderFunction,
+    device: Device,
+    *,
+    size: int = 4,
+    seed: int = 0,
+    eps: float = 1e-3,
+    atol: float = 1e-3,
+    rtol: float = 1e-2,
+    row: Callable[..., Any],
+) -> list[Any]:
+    """Backward rows (one per differentiable input tensor) and the adjoint row, each made by
+    ``row(parameter, mode, ad, fd, valid, n)`` from AD, FD and the usable entries of n.
+
+        rows = check_tensor_function(m.dense, device, row=lambda *a: a[:2])
+    """
     rng = np.random.default_rng(seed)
     setup = _Setup(fn, device, size, rng)
     base = setup.run(setup.values)
     upstream = {k: rng.uniform(-1.0, 1.0, v.shape) for k, v in base.items()}
 
-    def project(outs: dict[str, np.ndarray]) -> float:
-        return float(sum(np.sum(upstream[k] * v) for k, v in outs.items()))
+    def project(values: dict[str, np.ndarray]) -> float:  # <v, outputs at values>
+        return float(fd.dot(setup.run(values), upstream))
 
     # analytic: .bwds with the upstream gradients on the outputs
     args, made = setup.args(setup.values, grads=True, upstream=upstream)
@@ -139,32 +191,29 @@ def check_tensor_function(fn: Any, device: Any, *, size: int = 4, seed: int = 0,
     elif fn.signature.return_type != "void":
         kwargs["_result"] = float(upstream["(result)"][0])  # one call: a number seeds it
     fn.bwds(*args, **kwargs)
-    analytic = {p.name: made[p.name].grad.numpy().astype(np.float64) for p in setup.inputs if p.is_diff_tensor}
-
-    def central(name: str, flat: int, h: float) -> float:
-        plus = {k: v.copy() for k, v in setup.values.items()}
-        minus = {k: v.copy() for k, v in setup.values.items()}
-        plus[name].reshape(-1)[flat] += h
-        minus[name].reshape(-1)[flat] -= h
-        return (project(setup.run(plus)) - project(setup.run(minus))) / (2 * h)
+    analytic = {
+        p.name: made[p.name].grad.numpy().astype(np.float64)
+        for p in setup.inputs
+        if p.is_diff_tensor
+    }
 
     rows = []
     finite = np.array([all(np.all(np.isfinite(v)) for v in base.values())])
     for p in setup.inputs:
         if not p.is_diff_tensor:
             continue
-        n = setup.values[p.name].size
-        fd, valid = np.zeros(n), np.ones(n, bool)
-        for i in range(n):
-            d1, d2 = central(p.name, i, eps), central(p.name, i, eps / 4)
-            fd[i] = d1
-            valid[i] = np.isfinite(d1) and abs(d1 - d2) <= atol + rtol * abs(d1)
-        rows.append(row(p.name, "backward", analytic[p.name].reshape(-1), fd, valid & finite[0], n))
+        d1, d2 = (fd.per_element(project, setup.values, p.name, h) for h in (eps, eps / 4))
+        valid = fd.smooth(d1, d2, atol, rtol)
+        rows.append(
+            row(p.name, "backward", analytic[p.name].reshape(-1), d1, valid & finite[0], d1.size)
+        )
     # adjoint: <J u, v> along one random direction u over all differentiable inputs
-    u = {p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape) for p in setup.inputs if p.is_diff_tensor}
-    plus = {k: v + eps * u.get(k, 0.0) for k, v in setup.values.items()}
-    minus = {k: v - eps * u.get(k, 0.0) for k, v in setup.values.items()}
-    ju_v = (project(setup.run(plus)) - project(setup.run(minus))) / (2 * eps)
-    u_jtv = float(sum(np.sum(u[k] * analytic[k]) for k in u))
+    u = {
+        p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape)
+        for p in setup.inputs
+        if p.is_diff_tensor
+    }
+    ju_v = fd.central(project, setup.values, u, eps)
+    u_jtv = float(fd.dot(u, analytic))
     rows.append(row("(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1))
     return rows

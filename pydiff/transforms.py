@@ -12,7 +12,7 @@ to build, and writing ``bwd_diff(fwd_diff(f))`` in one expression crashes the co
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -23,8 +23,11 @@ from .policy import zero_policy
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
+#: A function of a loaded module (forward mode and second order need Slang's fwd_diff).
+Shader = Union[ShaderFunction, OverloadedFunction]
 
-def _shader_function(fn: Any, what: str, args: Sequence[Any]) -> ShaderFunction:
+
+def _shader_function(fn: Shader, what: str, args: Sequence[Any]) -> ShaderFunction:
     if isinstance(fn, OverloadedFunction):
         return fn.select(tuple(args), {})
     if isinstance(fn, ShaderFunction):
@@ -35,7 +38,7 @@ def _shader_function(fn: Any, what: str, args: Sequence[Any]) -> ShaderFunction:
     )
 
 
-def jvp(fn: Any, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+def jvp(fn: Shader, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
     """Jacobian-vector product: ``(f(primals), J tangents)`` in one forward-mode pass.
 
     ``tangents`` lines up with ``primals`` (None for arguments held fixed). For a function
@@ -64,7 +67,9 @@ def jvp(fn: Any, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, 
     return tuple(written), tuple(w.tangent for w in written)
 
 
-def vjp(fn: Any, primals: Sequence[Any], cotangents: Any) -> tuple[Any, tuple]:
+def vjp(
+    fn: Shader | Callable[..., Any], primals: Sequence[Any], cotangents: Any
+) -> tuple[Any, tuple]:
     """Vector-Jacobian product: ``(f(primals), J^T cotangents)`` by reverse mode on a tape.
 
     ``fn`` is a module function or a Python callable of pydiff calls; gradients come back for
@@ -137,7 +142,7 @@ def dir_wrapper(fn: ShaderFunction) -> ShaderFunction:
     return fn.generated("dir", source)
 
 
-def hvp(fn: Any, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
+def hvp(fn: Shader, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
     """Hessian-vector product of a scalar-valued Slang function (summed over a vectorised
     call): one ``H v`` per differentiable argument (None for the others).
 
@@ -204,7 +209,7 @@ def hvp(fn: Any, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
-def hessian(fn: Any, primals: Sequence[Any], max_inputs: int = 1024) -> np.ndarray:
+def hessian(fn: Shader, primals: Sequence[Any], max_inputs: int = 1024) -> np.ndarray:
     """The Hessian of a scalar-valued Slang function (of the sum over a vectorised call)
     w.r.t. all its differentiable arguments, flattened and concatenated: one HVP per input.
 

@@ -1,0 +1,179 @@
+"""The finite-difference core of pydiff's derivative checks (a leaf: NumPy only).
+
+``pydiff.gradcheck``, ``pydiff check`` (modcheck) and its tensor variant (tensorcheck) all
+test analytic derivatives (AD) against central differences (FD) with these pieces:
+
+    central(evaluate, values, direction, h)      # (f(x + h d) - f(x - h d)) / (2 h)
+    per_element(evaluate, values, name, h)       # one central difference per element
+    smooth(d_eps, d_small, atol, rtol)           # step eps vs eps/4: no kink, finite
+    excess / worst_excess / compare              # |AD - FD| against atol + rtol * |FD|
+    adjoint_gap(ju_v, u_jtv, atol, rtol)         # <J u, v> against <u, J^T v>
+    dot(a, b)                                    # sum of elementwise products
+
+Inputs are a ``values`` dict (name -> float64 array) and ``evaluate(values) -> outputs``;
+outputs are an array or number, or a list/tuple/dict of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import numpy as np
+
+Values = Mapping[Any, np.ndarray]
+
+
+def _shifted(values: Values, direction: Values, h: float) -> dict[Any, np.ndarray]:
+    """values + h * direction; a key without a direction keeps its very array."""
+    return {k: v + h * direction[k] if k in direction else v for k, v in values.items()}
+
+
+def _quotient(plus: Any, minus: Any, h: float) -> Any:
+    """(plus - minus) / (2 h) through lists, tuples and dicts of outputs."""
+    if isinstance(plus, Mapping):
+        return {k: _quotient(plus[k], minus[k], h) for k in plus}
+    if isinstance(plus, (list, tuple)):
+        return type(plus)(_quotient(a, b, h) for a, b in zip(plus, minus))
+    return (plus - minus) / (2 * h)
+
+
+def central(evaluate: Callable[[Values], Any], values: Values, direction: Values, h: float) -> Any:
+    """Central difference ``(evaluate(x + h d) - evaluate(x - h d)) / (2 h)`` along ``direction``.
+
+    ``values`` maps names to arrays; names missing from ``direction`` are held fixed (passed
+    through as the same array objects). ``evaluate`` is called at x + h d, then at x - h d;
+    its output may be an array or number, or a list, tuple or dict of them (differenced
+    item by item).
+
+    >>> f = lambda v: v["x"] ** 2 * v["y"]
+    >>> d = central(f, {"x": np.array([1.0, 2.0]), "y": np.array(3.0)},
+    ...             {"x": np.array([1.0, 0.0])}, 1e-3)
+    >>> np.round(d, 6).tolist()
+    [6.0, 0.0]
+    """
+    plus = evaluate(_shifted(values, direction, h))
+    minus = evaluate(_shifted(values, direction, -h))
+    return _quotient(plus, minus, h)
+
+
+def per_element(
+    evaluate: Callable[[Values], Any],
+    values: Values,
+    name: Any,
+    h: float,
+    *,
+    batch: int = 0,
+    project: Callable[[Any], Any] | None = None,
+) -> np.ndarray:
+    """Central differences along each element of ``values[name]``, one element at a time.
+
+    ``evaluate`` (or ``project`` applied to its central difference) must give a number.
+    With ``batch=1`` the leading axis holds independent sample points: element j of every
+    point is perturbed in the same two calls and each gives one number per point. Returns
+    shape ``values[name].shape[:batch] + (elements,)``, elements counted after the batch axes.
+
+    >>> f = lambda v: float(np.sum(v["x"] ** 2))
+    >>> np.round(per_element(f, {"x": np.array([1.0, -2.0])}, "x", 1e-3), 6).tolist()
+    [2.0, -4.0]
+    >>> pts = {"p": np.array([[1.0, 2.0], [3.0, 4.0]])}        # 2 points, 2 components
+    >>> g = lambda v: v["p"][:, 0] * v["p"][:, 1]              # one number per point
+    >>> np.round(per_element(g, pts, "p", 1e-3, batch=1), 6).tolist()
+    [[2.0, 1.0], [4.0, 3.0]]
+    """
+    base = np.asarray(values[name])
+    lead = base.shape[:batch]
+    count = int(np.prod(base.shape[batch:]))
+    out = np.zeros(lead + (count,))
+    for j in range(count):
+        unit = np.zeros(lead + (count,))
+        unit[..., j] = 1.0
+        d = central(evaluate, values, {name: unit.reshape(base.shape)}, h)
+        out[..., j] = d if project is None else project(d)
+    return out
+
+
+def smooth(d_eps: Any, d_small: Any, atol: float, rtol: float) -> np.ndarray:
+    """Where a central difference is usable: finite, and step eps agrees with a smaller step.
+
+    ``d_eps`` and ``d_small`` are the differences with steps eps and eps/4; where they
+    disagree by more than ``atol + rtol * |d_eps|`` the point lies near a kink or a
+    discontinuity.
+
+    >>> smooth(np.array([1.0, 1.0, np.nan]), np.array([1.0, 0.5, np.nan]), 1e-3, 1e-2).tolist()
+    [True, False, False]
+    """
+    with np.errstate(invalid="ignore"):  # inf - inf: not finite, hence not smooth
+        return np.isfinite(d_eps) & (np.abs(d_eps - d_small) <= atol + rtol * np.abs(d_eps))
+
+
+def excess(ad: Any, fd: Any, atol: float, rtol: float) -> Any:
+    """``|AD - FD| - (atol + rtol * |FD|)``: positive where AD fails against the reference FD.
+
+    >>> excess(np.array([1.0, 2.0]), np.array([1.0005, 2.1]), 1e-3, 1e-2).round(4).tolist()
+    [-0.0105, 0.078]
+    """
+    return np.abs(ad - fd) - (atol + rtol * np.abs(fd))
+
+
+def worst_excess(ad: np.ndarray, fd: np.ndarray, atol: float, rtol: float) -> tuple[int, float]:
+    """(flat index, excess) of the element with the largest excess (``np.argmax``; a NaN
+    excess comes first). The check fails there when the excess is above 0.
+
+    >>> worst_excess(np.array([1.0, 2.0]), np.array([1.0005, 2.1]), 1e-3, 1e-2)[0]
+    1
+    """
+    e = np.ravel(excess(ad, fd, atol, rtol))
+    i = int(np.argmax(e))
+    return i, float(e[i])
+
+
+class Comparison(NamedTuple):
+    """AD against FD over the valid entries (see ``compare``)."""
+
+    max_abs: float  # max |AD - FD|
+    max_rel: float  # max |AD - FD| / max(|FD|, atol)
+    failed: bool  # some entry has |AD - FD| > atol + rtol * |FD|
+
+
+def compare(
+    ad: np.ndarray, fd: np.ndarray, valid: np.ndarray, atol: float, rtol: float
+) -> Comparison | None:
+    """Max absolute and relative error and the verdict over entries where ``valid``;
+    None when no entry is valid.
+
+    >>> compare(np.array([1.0, 5.0]), np.array([1.0005, 2.0]), np.array([True, False]),
+    ...         1e-3, 1e-2).failed
+    False
+    """
+    if not valid.any():
+        return None
+    err = np.abs(ad - fd)[valid]
+    ref = np.abs(fd)[valid]
+    rel = err / np.maximum(ref, atol)
+    failed = (excess(ad, fd, atol, rtol)[valid] > 0).any()
+    return Comparison(float(err.max()), float(rel.max()), bool(failed))
+
+
+def adjoint_gap(ju_v: float, u_jtv: float, atol: float, rtol: float) -> float:
+    """Adjoint (dot-product) test: ``|<J u, v> - <u, J^T v>| - (atol + rtol * |<J u, v>|)``.
+
+    ``ju_v`` comes from a central difference (or forward mode) along u, ``u_jtv`` from the
+    backward pass; the test fails when the gap is above 0.
+
+    >>> adjoint_gap(2.0, 2.0005, 1e-3, 1e-2) > 0
+    False
+    """
+    return float(excess(u_jtv, ju_v, atol, rtol))
+
+
+def dot(a: Any, b: Any, axis: int | None = None) -> Any:
+    """``sum_k sum(a[k] * b[k])``: dicts matched by the keys of ``a``, sequences item by item;
+    with ``axis`` the inner sums run along that axis only (e.g. one number per point).
+
+    >>> float(dot({"x": np.array([1.0, 2.0])}, {"x": np.array([3.0, 4.0])}))
+    11.0
+    >>> dot([np.array([[1.0, 2.0], [3.0, 4.0]])], [np.ones((2, 2))], axis=1).tolist()
+    [3.0, 7.0]
+    """
+    pairs = ((a[k], b[k]) for k in a) if isinstance(a, Mapping) else zip(a, b)
+    return sum(np.sum(x * y, axis=axis) for x, y in pairs)
