@@ -262,10 +262,11 @@ def default_device() -> Device:
     return _default
 
 
-def set_default_device(device: Device | str | None) -> None:
-    """Make ``device`` the default (a Device, a type name, or None to reopen lazily)."""
+def set_default_device(device: Device | str | spy.Device | None) -> None:
+    """Make ``device`` the default (a Device, a type name, a slangpy.Device, or None to
+    reopen lazily)."""
     global _default
-    _default = create_device(device) if isinstance(device, str) else device
+    _default = None if device is None else resolve_device(device)
 
 
 def open_devices() -> list[Device]:

@@ -72,6 +72,20 @@ class Storage:
         self.last_writer = writer
 
 
+def has_c_strides(arr: np.ndarray) -> bool:
+    """Whether ``arr`` has exactly the strides of a C-ordered array of its shape, size-1 axes
+    included (NumPy calls ``a[None]`` contiguous; SlangPy's copy refuses its 0 stride).
+
+    >>> has_c_strides(np.zeros(3, np.float32)[None])
+    False
+    """
+    want, step = [], arr.itemsize
+    for d in reversed(arr.shape):
+        want.append(step)
+        step *= d
+    return tuple(reversed(want)) == arr.strides
+
+
 def dtype_name(dtype: Any) -> str:
     """The Slang type name for a dtype given as a Python type, NumPy dtype or a name."""
     if dtype is float:

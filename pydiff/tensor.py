@@ -16,7 +16,8 @@ import slangpy as spy
 from . import capturing
 from .device import Device
 from .policy import ZeroPolicy
-from .storage import SCALAR_NUMPY, Storage, allocate, element_shape, float4_layout, shape_tuple
+from .storage import SCALAR_NUMPY, Storage, allocate, element_shape, shape_tuple
+from .storage import float4_layout, has_c_strides
 
 
 class Tensor:
@@ -154,7 +155,8 @@ class Tensor:
         np_type = SCALAR_NUMPY.get(self.scalar_type)
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
-        arr = np.ascontiguousarray(arr)
+        if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
+            arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
         self._device.flush()
         self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)

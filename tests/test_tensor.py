@@ -98,3 +98,30 @@ def test_odd_sized_half_tensors_zero_completely(device):
         np.testing.assert_array_equal(
             pydiff.zeros((n,), dtype="half", device=device).numpy(), np.zeros(n)
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: a[None],  # stride 0 on the new axis: NumPy calls it contiguous
+        lambda a: a[:, None],
+        lambda a: np.expand_dims(a, 0),
+        lambda a: np.repeat(a, 2)[::2],  # a strided view
+        lambda a: a.astype(np.float64),
+    ],
+)
+def test_host_arrays_of_any_strides_are_copied_exactly(device, make):
+    arr = make(np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(pydiff.tensor(arr, device=device).numpy(), arr)
+    t = pydiff.zeros(arr.shape, device=device).copy_from_numpy(arr)
+    np.testing.assert_array_equal(t.numpy(), arr)
+
+
+def test_a_raw_slangpy_device_can_be_the_default(device):
+    pydiff.set_default_device(device.native)
+    try:
+        assert pydiff.default_device() is device
+        x = pydiff.tensor([1.0, 2.0], requires_grad=True)
+        assert x.device is device
+    finally:
+        pydiff.set_default_device(None)
