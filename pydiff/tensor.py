@@ -17,7 +17,7 @@ from . import capturing
 from .device import Device
 from .policy import ZeroPolicy
 from .storage import SCALAR_NUMPY, Storage, allocate, element_shape, shape_tuple
-from .storage import float4_layout, has_c_strides
+from .storage import float4_layout, has_c_strides, read_back
 
 
 class Tensor:
@@ -122,7 +122,7 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """Copy to a NumPy array (vector elements become a trailing dimension)."""
         self._device.flush()  # kernels queued in a batched backward run first
-        return self._native.to_numpy()
+        return read_back(self._device, self._native)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.numpy()

@@ -125,3 +125,27 @@ def test_a_raw_slangpy_device_can_be_the_default(device):
         assert x.device is device
     finally:
         pydiff.set_default_device(None)
+
+
+@pytest.mark.parametrize(
+    "shape, strides, offset",
+    [
+        ((16,), (1,), 0),  # the start of a large buffer
+        ((16,), (1,), 1000),  # the middle
+        ((4, 4), (4, 1), 4096),
+        ((5,), (3,), 7),  # strided
+        ((3, 2), (1, 3), 11),  # transposed layout
+        ((4096,), (1,), 0),  # more than half the buffer: SlangPy's own read
+    ],
+)
+def test_views_read_back_exactly(device, shape, strides, offset):
+    import slangpy as spy
+
+    base = np.arange(8192, dtype=np.float32)
+    t = pydiff.tensor(base, device=device)
+    n = t.native
+    view = pydiff.Tensor(spy.Tensor(n.storage, n.dtype, list(shape), list(strides), offset), device)
+    want = np.lib.stride_tricks.as_strided(
+        base[offset:], shape=shape, strides=tuple(4 * s for s in strides)
+    )
+    np.testing.assert_array_equal(view.numpy(), want)
