@@ -26,6 +26,7 @@ bench: setup
 	$(PY) benchmarks/bench_forward.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_determinism.py
+	$(PY) benchmarks/bench_startup.py
 
 # The docs site (mkdocs.yml, docs/): strict, so broken links and references fail the build.
 docs: setup

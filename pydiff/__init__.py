@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
 
 from .errors import (
+    CacheWarning,
     CaptureError,
     DeviceUnavailableError,
     GradcheckError,
@@ -62,6 +63,7 @@ except _NotInstalled:  # a source checkout that is not installed
 
 __all__ = [
     "BackwardFunction",
+    "CacheWarning",
     "ForwardFunction",
     "OverloadedFunction",
     "ParamInfo",

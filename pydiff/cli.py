@@ -2,6 +2,7 @@
 
     pydiff check shaders/my_module.slang [--function f ...] [--device vulkan] [--seed 0] [--json]
     pydiff info [--json]
+    pydiff cache [info | clear]
 
 Exit status of ``check``: 0 when every check passes (or nothing could be checked), 1 when
 any fails or a function could not be run, 2 when the file cannot be read or compiled or the
@@ -83,6 +84,19 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from . import compile_cache
+    from .info import format_cache
+
+    if args.action == "clear":
+        removed = compile_cache.clear()
+        where = compile_cache.root()
+        print(f"pydiff cache: removed {removed / (1 << 20):.1f} MB from {where}")
+    else:
+        print(format_cache(compile_cache.usage()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pydiff", description="pydiff: differentiable Slang shaders from Python"
@@ -117,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
+    cache = sub.add_parser(
+        "cache", help="the persistent compile cache: where and how big, or clear it"
+    )
+    cache.add_argument("action", choices=["info", "clear"], nargs="?", default="info")
+    cache.set_defaults(run=_cache)
     args = parser.parse_args(argv)
     return args.run(args)
 

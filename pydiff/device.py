@@ -9,6 +9,7 @@ everything pydiff keeps per device.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
+from . import compile_cache
 from .buffer_pool import BufferPool
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
@@ -42,6 +44,28 @@ _UNSUPPORTED = {
     "cpu": "SlangPy 0.43's CPU device cannot dispatch vectorised calls nor run bwds; "
     "use 'vulkan' (on a machine without a GPU, Mesa's lavapipe: run `make setup`)",
 }
+
+
+def missing_driver(type_name: str) -> str | None:
+    """Why ``type_name`` cannot open on this machine without asking SlangPy, or None.
+
+    Probing a backend that is not there costs SlangPy 0.25-0.3 s each (CUDA and D3D12 on a
+    Linux machine without an NVIDIA driver: half a second of every ``"auto"`` start), so the
+    platform and the driver library are looked at first.
+    """
+    if type_name == "d3d12" and sys.platform != "win32":
+        return "D3D12 exists on Windows only"
+    if type_name == "metal" and sys.platform != "darwin":
+        return "Metal exists on macOS only"
+    if type_name == "cuda":
+        if sys.platform == "darwin":
+            return "CUDA does not run on macOS"
+        library = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+        try:
+            ctypes.CDLL(library)
+        except OSError:
+            return f"no NVIDIA driver ({library} cannot be loaded)"
+    return None
 
 
 def shader_dir() -> Path:
@@ -96,9 +120,13 @@ class Device:
     >>> x = pydiff.zeros((4,), device=dev)
     """
 
-    def __init__(self, native: spy.Device, type_name: str):
+    def __init__(
+        self, native: spy.Device, type_name: str, cache_paths: tuple[str, str] | None = None
+    ):
         self.native = native
         self.type = type_name
+        #: (module cache, shader cache) folders of the persistent compile cache, or None.
+        self.cache_paths = cache_paths
         self.queue = CommandQueue(native)
         self.kernels = KernelCache(native, shader_dir(), self.queue)
         self.pool = BufferPool(native, self.queue)
@@ -162,7 +190,7 @@ class Device:
         return id(self.native)
 
 
-_open_devices: dict[tuple[str, tuple[str, ...]], Device] = {}
+_open_devices: dict[tuple, Device] = {}
 _failed_types: dict[str, str] = {}
 _default: Device | None = None
 
@@ -180,19 +208,44 @@ def _normalise_type(type: str | spy.DeviceType) -> str:
     return name
 
 
-def open_device(type_name: str, include_paths: tuple[str, ...] = ()) -> Device:
-    """Open (or return the already open) device of a normalised type name and include paths;
-    DeviceUnavailableError when it cannot be opened (remembered: later calls fail fast)."""
-    key = (type_name, include_paths)
+def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | None) -> Any:
+    """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches."""
+    options: dict[str, Any] = {}
+    if caches is not None:
+        options = {
+            "module_cache_path": caches[0],
+            "shader_cache_path": caches[1],
+            "shader_cache_size": compile_cache.max_bytes(),
+        }
+    return spy.Device(
+        type=_TYPES[type_name],
+        compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},
+        **options,
+    )
+
+
+def open_device(
+    type_name: str,
+    include_paths: tuple[str, ...] = (),
+    cache_dir: str | os.PathLike | bool | None = None,
+) -> Device:
+    """Open (or return the already open) device of a normalised type name, include paths and
+    cache folder (see compile_cache.root); DeviceUnavailableError when it cannot be opened
+    (remembered: later calls fail fast)."""
+    base = compile_cache.root(cache_dir)
+    key = (type_name, include_paths, str(base))
     if key in _open_devices:
         return _open_devices[key]
+    if type_name not in _failed_types and (why := missing_driver(type_name)):
+        _failed_types[type_name] = f"could not open a '{type_name}' device: {why}"
     if type_name in _failed_types:
         raise DeviceUnavailableError(_failed_types[type_name])
     paths = [str(shader_dir()), *include_paths]
     choose_lavapipe_threads()
+    caches = compile_cache.prepare(base, type_name)
     try:
         with _quiet_native_output():
-            native = spy.create_device(type=_TYPES[type_name], include_paths=paths)
+            native = _create_native(type_name, paths, caches)
     except Exception as exc:  # slangpy raises RuntimeError("Failed to create device!")
         hint = (
             " On a machine without a GPU, install Mesa's lavapipe (Vulkan on the CPU): "
@@ -202,19 +255,26 @@ def open_device(type_name: str, include_paths: tuple[str, ...] = ()) -> Device:
         )
         msg = f"could not open a '{type_name}' device: {str(exc).splitlines()[0]}.{hint}"
         _failed_types[type_name] = msg
+        compile_cache.discard_new(caches)
         raise DeviceUnavailableError(msg) from None
-    dev = Device(native, type_name)
+    dev = Device(native, type_name, caches)
     _open_devices[key] = dev
     return dev
 
 
 def create_device(
-    type: str | spy.DeviceType = "auto", include_paths: Sequence[str | os.PathLike] = ()
+    type: str | spy.DeviceType = "auto",
+    include_paths: Sequence[str | os.PathLike] = (),
+    *,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> Device:
     """Open a device; ``"auto"`` tries CUDA, then D3D12, then Vulkan.
 
     The environment variable ``PYDIFF_DEVICE`` (e.g. ``vulkan``) overrides ``"auto"``.
-    Devices are cached: asking twice for the same type and include paths returns the same one.
+    Compiled modules and shaders persist between processes in ``cache_dir`` (default: the
+    per-user cache folder, ``$PYDIFF_CACHE_DIR``; ``False`` or ``PYDIFF_CACHE=0``: none; see
+    docs/devices.md). Devices are cached: asking twice for the same type, include paths and
+    cache folder returns the same one.
 
     >>> dev = pydiff.create_device()
     >>> dev = pydiff.create_device("vulkan", include_paths=["my_shaders"])
@@ -225,17 +285,17 @@ def create_device(
     if name == "auto":
         override = os.environ.get("PYDIFF_DEVICE", "").strip()
         if override:
-            return open_device(_normalise_type(override), paths)
+            return open_device(_normalise_type(override), paths, cache_dir)
         errors = []
         for candidate in AUTO_ORDER:
             try:
-                return open_device(candidate, paths)
+                return open_device(candidate, paths, cache_dir)
             except DeviceUnavailableError as exc:
                 errors.append(str(exc))
         raise DeviceUnavailableError(
             "no GPU backend could be opened here:\n  " + "\n  ".join(errors)
         )
-    return open_device(name, paths)
+    return open_device(name, paths, cache_dir)
 
 
 def available_devices() -> list[str]:

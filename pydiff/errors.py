@@ -50,5 +50,9 @@ class ShaderTrapWarning(UserWarning):
     """Raised at load time for shader patterns that will fail in ``.bwds``."""
 
 
+class CacheWarning(UserWarning):
+    """pydiff's persistent compile cache cannot be used (the run goes on without it)."""
+
+
 class NondeterminismWarning(UserWarning):
     """Deterministic mode is on, but a function's gradients may differ from run to run."""

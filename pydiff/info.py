@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from . import compile_cache
 from .device import AUTO_ORDER, lavapipe_threads_text, open_device, shader_dir
 from .errors import DeviceUnavailableError
 
@@ -58,7 +59,17 @@ def collect() -> dict[str, Any]:
         "shader_dir": str(shader_dir()),
         "devices": devices,
         "lavapipe_threads": os.environ.get("LP_NUM_THREADS"),
+        "compile_cache": compile_cache.usage(),
     }
+
+
+def format_cache(cache: dict[str, Any]) -> str:
+    """One line on the persistent compile cache (where, how big, the bound)."""
+    if not cache["enabled"]:
+        return "compile cache: off (PYDIFF_CACHE=0)"
+    mb = cache["bytes"] / (1 << 20)
+    bound = cache["max_bytes"] / (1 << 20)
+    return f"compile cache: {cache['path']} ({mb:.1f} MB; each cache bounded at {bound:.0f} MB)"
 
 
 def format_info(data: dict[str, Any]) -> str:
@@ -67,6 +78,7 @@ def format_info(data: dict[str, Any]) -> str:
         f"slangpy  {data['slangpy']} (Slang {data['slang']})",
         f"numpy    {data['numpy']}; Python {data['python']} on {data['platform']}",
         f"pydiff's shader library: {data['shader_dir']}",
+        format_cache(data["compile_cache"]),
         "devices:",
     ]
     for d in data["devices"]:
