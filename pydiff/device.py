@@ -148,8 +148,9 @@ class Device:
     def library(self) -> spy.Module:
         """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module."""
         if self._library is None:
-            path = shader_dir() / "pydiff.slang"
-            self._library = spy.Module.load_from_file(self.native, str(path))
+            # By name, as a user's `import pydiff;` finds it: with a module cache, loading it
+            # by path makes a second copy whose types (FwdDiffTensor<N>) differ from theirs.
+            self._library = spy.Module(self.native.load_module("pydiff"))
         return self._library
 
     def dtype(self, name: str) -> Any:

@@ -118,6 +118,9 @@ def test_info_lists_versions_devices_and_paths(device):
     assert data["shader_dir"] in opened[device.type]["include_paths"]
     text = pydiff_cli("info").stdout
     assert "slangpy  0.43.1" in text and "float atomics" in text
+    cache = data["compile_cache"]
+    assert set(cache) >= {"enabled", "path", "bytes", "max_bytes"}
+    assert ("compile cache: " + (cache["path"] or "off")) in text
 
 
 def test_check_lists_generic_functions_and_takes_several_names(device, tmp_path):

@@ -264,3 +264,26 @@ def test_damaged_finds_bad_modules_and_databases(tmp_path):
         "short.slang-module",
     ]
     assert (modules / "good.slang-module").exists() and not (shaders / "lock.mdb").exists()
+
+
+def test_a_module_importing_pydiff_shares_its_types(tmp_path, backend):
+    """With a module cache, pydiff's library loaded by path was a second copy whose
+    FwdDiffTensor<N> did not match the one a user's `import pydiff;` sees."""
+    code = textwrap.dedent(
+        """
+        import json, numpy as np, slangpy as spy, pydiff
+        m = pydiff.load_module(%r)
+        rng = np.random.default_rng(0)
+        W, X = rng.standard_normal((4, 6)), rng.standard_normal(6)
+        w = pydiff.tensor(W, requires_grad=True).with_tangent(np.zeros((4, 6)))
+        x = pydiff.tensor(X, requires_grad=True).with_tangent(np.ones(6))
+        y = pydiff.zeros((4,))
+        m.dense_tanh.fwds(spy.grid((4,)), w, x, y)
+        z = W @ X
+        want = (1 - np.tanh(z) ** 2) * W.sum(axis=1)
+        print(json.dumps(float(np.abs(y.tangent.numpy() - want).max())))
+        """
+        % str(ROOT / "tests" / "shaders" / "forward.slang")
+    )
+    for _ in range(2):  # cold, then warm
+        assert _run(code, tmp_path / "cache", device=backend)[0] < 1e-4

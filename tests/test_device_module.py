@@ -227,3 +227,15 @@ def test_pinn_sample_solves_poisson():
     assert float(check.split()[-1]) < 1e-4
     final = next(ln for ln in out.stdout.splitlines() if "max |u - sin(pi x)|" in ln)
     assert float(final.split("=")[-1]) < 2e-2, final
+
+
+def test_backends_without_a_driver_are_not_probed(monkeypatch):
+    """A missing platform or driver is said at once, without SlangPy's slow failed probe."""
+    from pydiff.device import missing_driver
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert "Windows" in missing_driver("d3d12")
+    assert "macOS" in missing_driver("metal")
+    assert missing_driver("vulkan") is None
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert "macOS" in missing_driver("cuda")
