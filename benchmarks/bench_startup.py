@@ -44,6 +44,8 @@ def main() -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("PYDIFF_CACHE")}
     rows: dict[str, list[float]] = {"cache off": [], "cold cache": [], "warm cache": []}
     imports: list[float] = []
+    bridge_on: list[float] = []  # import pydiff with SlangPy's torch bridge forced on
+    torch = _torch_installed()
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):  # interleaved: the machine's speed drifts
             cold = Path(tmp) / f"cold{run}"
@@ -58,14 +60,22 @@ def main() -> None:
             )
             rows["warm cache"].append(_timed([sys.executable, str(SAMPLE)], warm_env))
             imports.append(_timed([sys.executable, "-c", "import pydiff"], base))
+            if torch:
+                on = {**base, "PYDIFF_SLANGPY_TORCH": "on"}
+                bridge_on.append(_timed([sys.executable, "-c", "import pydiff"], on))
     off = statistics.median(rows["cache off"])
-    torch = "installed" if _torch_installed() else "not installed"
-    print(f"time to first gradient, samples/polynomial.py (median of {args.runs}; torch {torch}):")
+    said = "installed" if torch else "not installed"
+    print(f"time to first gradient, samples/polynomial.py (median of {args.runs}; torch {said}):")
     for name, times in rows.items():
         med = statistics.median(times)
         spread = f"{min(times):.2f}-{max(times):.2f}"
         print(f"  {name:11s} {med:5.2f} s  ({spread} s)   vs cache off: {med / off:.2f}x")
     print(f"import pydiff: {statistics.median(imports):.2f} s (median)")
+    if bridge_on:
+        print(
+            f"import pydiff with SlangPy's torch bridge loaded (PYDIFF_SLANGPY_TORCH=on): "
+            f"{statistics.median(bridge_on):.2f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 Everything listed in ``__all__`` is public; other names may change.
 """
 
+from . import slangpy_loader  # noqa: F401 (first: loads SlangPy, without torch if it cannot help)
 from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
 

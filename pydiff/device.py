@@ -9,7 +9,6 @@ everything pydiff keeps per device.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from .buffer_pool import BufferPool
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
 from .kernels import KernelCache
+from .slangpy_loader import missing_driver
 from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapipe_threads)
     LAVAPIPE_INLINE_MAX_CPUS,
     choose_lavapipe_threads,
@@ -44,28 +44,6 @@ _UNSUPPORTED = {
     "cpu": "SlangPy 0.43's CPU device cannot dispatch vectorised calls nor run bwds; "
     "use 'vulkan' (on a machine without a GPU, Mesa's lavapipe: run `make setup`)",
 }
-
-
-def missing_driver(type_name: str) -> str | None:
-    """Why ``type_name`` cannot open on this machine without asking SlangPy, or None.
-
-    Probing a backend that is not there costs SlangPy 0.25-0.3 s each (CUDA and D3D12 on a
-    Linux machine without an NVIDIA driver: half a second of every ``"auto"`` start), so the
-    platform and the driver library are looked at first.
-    """
-    if type_name == "d3d12" and sys.platform != "win32":
-        return "D3D12 exists on Windows only"
-    if type_name == "metal" and sys.platform != "darwin":
-        return "Metal exists on macOS only"
-    if type_name == "cuda":
-        if sys.platform == "darwin":
-            return "CUDA does not run on macOS"
-        library = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-        try:
-            ctypes.CDLL(library)
-        except OSError:
-            return f"no NVIDIA driver ({library} cannot be loaded)"
-    return None
 
 
 def shader_dir() -> Path:

@@ -75,8 +75,21 @@ def test_modules_fit_one_sitting():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
+# Private names of other libraries pydiff must write, each with its reason (not pydiff's own).
+ALLOWED = {
+    # SlangPy's torch detection would import torch on its first call (slangpy_loader.py).
+    "slangpy_loader": {"._torch_module"},
+}
+
+
 def test_no_private_reach_through():
-    found = {p.stem: r for p in PKG.glob("*.py") if (r := _private_reaches(p))}
+    found = {}
+    for p in PKG.glob("*.py"):
+        reaches = [
+            r for r in _private_reaches(p) if r.split(": ")[-1] not in ALLOWED.get(p.stem, ())
+        ]
+        if reaches:
+            found[p.stem] = reaches
     assert not found, f"private names reached from outside their object: {found}"
 
 
