@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -146,8 +147,6 @@ def _intact_lmdb(data: Path, lock: Path) -> bool:
 def damaged(modules: Path, shaders: Path) -> list[str]:
     """Find and remove damaged cache files (SlangPy itself would recompile silently, or
     fail); returns what was removed. Files another process is creating right now are spared."""
-    import time
-
     now, removed = time.time(), []
     for _, size, path in _files(modules):
         if path.suffix != ".slang-module":

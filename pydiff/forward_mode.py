@@ -242,6 +242,11 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
 
 
 def as_scalar(x: Any) -> Any:
+    """A Python float for a 0-d value, the array otherwise.
+
+    >>> as_scalar(np.asarray(2.0)), as_scalar(np.ones(2))
+    (2.0, array([1., 1.]))
+    """
     a = np.asarray(x)
     return float(a) if a.ndim == 0 else a
 
