@@ -115,7 +115,7 @@ def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     head = "\n".join(lines[:12])
     more = f"\n... ({len(lines) - 12} more lines of SlangPy's report)" if len(lines) > 12 else ""
     hint = ""
-    if sum(1 for ln in lines[:60] if f" {fn.name}(" in ln) > 3:
+    if is_builtin_name(fn.module.device, fn.name):
         hint = (
             f"\nHint: '{fn.name}' is also the name of Slang built-in functions, which SlangPy "
             "cannot tell apart from yours; rename your function."
@@ -123,3 +123,16 @@ def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     return TypeError(
         f"{fn.label}: SlangPy could not match the arguments to the function:\n{head}{more}{hint}"
     )
+
+
+def is_builtin_name(device: Any, name: str) -> bool:
+    """Whether Slang's core module defines a function ``name`` (found by reflection in an
+    empty module compiled once per device); False when that cannot be told."""
+    try:
+        probe = device.cached(
+            "pydiff-builtin-probe",
+            lambda: device.native.load_module_from_source("pydiff_builtin_probe", ""),
+        )
+        return probe.layout.find_function_by_name(name) is not None
+    except Exception:  # a device without source loading: no hint rather than a wrong one
+        return False

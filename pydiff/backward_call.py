@@ -30,6 +30,7 @@ from .arguments import (
 )
 from .backward_scope import BackwardScope, active_scope, backward_scope
 from .determinism import is_deterministic, warn_nondeterministic
+from .errors import warn_once
 from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo
@@ -94,6 +95,7 @@ class _Backward:
     def tensor_arg(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
         check_device(self.fn, t, f"parameter '{p.name}'")
         if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+            warn_no_gradient(self.fn, p, t)
             return t.native
         if p.tensor_kind == "diff" and not t.requires_grad:
             raise ValueError(
@@ -220,6 +222,19 @@ class _Backward:
             self.scope.mark_result(dest)
 
 
+def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
+    """A tensor that wants a gradient, bound where none flows: say so once per call site."""
+    if not t.requires_grad:
+        return
+    why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
+    warn_once(
+        f"{fn.label}: parameter '{p.name}' is {why}, so .bwds gives it no gradient, but the "
+        "tensor passed requires one: its gradient stays unchanged. Pass t.detach() to say no "
+        "gradient is wanted, or make the parameter differentiable (drop no_diff; a float type; "
+        "a DiffTensor)"
+    )
+
+
 def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
     """The common case without the general machinery: gradients simply added under the
     ACCUMULATE policy, outside any larger backward. Returns False to take the general path."""
@@ -247,6 +262,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
                 written.append(grad)
                 native_args.append(value.bind(True))
             elif p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
+                warn_no_gradient(fn, p, value)
                 native_args.append(value.native)
             else:
                 return False

@@ -59,6 +59,7 @@ def _check(args: argparse.Namespace) -> int:
                     "results": [r.as_dict() for r in results],
                 },
                 indent=2,
+                allow_nan=False,  # strict JSON: rows write non-finite errors as strings
             )
         )
     elif not results:

@@ -8,6 +8,13 @@ except pydiff.SlangCompileError as exc:
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_warned: set = set()
+
 
 class PydiffError(Exception):
     """Base class of pydiff's own exceptions."""
@@ -56,3 +63,27 @@ class CacheWarning(UserWarning):
 
 class NondeterminismWarning(UserWarning):
     """Deterministic mode is on, but a function's gradients may differ from run to run."""
+
+
+class GradientFlowWarning(UserWarning):
+    """A tensor that wants a gradient passes through something no gradient flows through
+    (a ``no_diff`` parameter, a non-differentiable function): its gradient stays unchanged."""
+
+
+def warn_once(message: str, category: type[Warning] = GradientFlowWarning) -> None:
+    """Warn once per message and call site: the first frame outside pydiff, so a loop that
+    repeats one call warns once, and each line of user code that does it is named.
+
+        warn_once("f: parameter 'k' is no_diff; its gradient stays unchanged")
+    """
+    frame = inspect.currentframe()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        _PACKAGE_DIR
+    ):
+        frame = frame.f_back
+    filename, lineno = (frame.f_code.co_filename, frame.f_lineno) if frame else ("pydiff", 0)
+    key = (message, category, filename, lineno)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn_explicit(message, category, filename, lineno)

@@ -109,15 +109,24 @@ def smooth(d_eps: Any, d_small: Any, atol: float, rtol: float) -> np.ndarray:
 def excess(ad: Any, fd: Any, atol: float, rtol: float) -> Any:
     """``|AD - FD| - (atol + rtol * |FD|)``: positive where AD fails against the reference FD.
 
+    A NaN or infinity on either side is a failure (``inf``): every comparison with NaN is
+    false, so it would otherwise pass; callers leave out non-finite FD entries (outside the
+    domain) before comparing when that is what they mean.
+
     >>> excess(np.array([1.0, 2.0]), np.array([1.0005, 2.1]), 1e-3, 1e-2).round(4).tolist()
     [-0.0105, 0.078]
+    >>> excess(np.array([np.nan, np.inf]), np.array([1.0, np.inf]), 1e-3, 1e-2).tolist()
+    [inf, inf]
     """
-    return np.abs(ad - fd) - (atol + rtol * np.abs(fd))
+    ad, fd = np.asarray(ad, np.float64), np.asarray(fd, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.abs(ad - fd) - (atol + rtol * np.abs(fd))
+    return np.where(np.isfinite(ad) & np.isfinite(fd), e, np.inf)
 
 
 def worst_excess(ad: np.ndarray, fd: np.ndarray, atol: float, rtol: float) -> tuple[int, float]:
-    """(flat index, excess) of the element with the largest excess (``np.argmax``; a NaN
-    excess comes first). The check fails there when the excess is above 0.
+    """(flat index, excess) of the element with the largest excess (a NaN or infinity on
+    either side counts as ``inf``). The check fails there when the excess is above 0.
 
     >>> worst_excess(np.array([1.0, 2.0]), np.array([1.0005, 2.1]), 1e-3, 1e-2)[0]
     1
@@ -132,14 +141,16 @@ class Comparison(NamedTuple):
 
     max_abs: float  # max |AD - FD|
     max_rel: float  # max |AD - FD| / max(|FD|, atol)
-    failed: bool  # some entry has |AD - FD| > atol + rtol * |FD|
+    failed: bool  # some entry has |AD - FD| > atol + rtol * |FD|, or a non-finite AD
+    nonfinite: int = 0  # valid entries (FD finite) where AD is NaN or infinite
 
 
 def compare(
     ad: np.ndarray, fd: np.ndarray, valid: np.ndarray, atol: float, rtol: float
 ) -> Comparison | None:
     """Max absolute and relative error and the verdict over entries where ``valid``;
-    None when no entry is valid.
+    None when no entry is valid. A NaN or infinite AD where FD is valid fails (and makes
+    the maxima NaN/inf); ``nonfinite`` counts those entries.
 
     >>> compare(np.array([1.0, 5.0]), np.array([1.0005, 2.0]), np.array([True, False]),
     ...         1e-3, 1e-2).failed
@@ -147,11 +158,13 @@ def compare(
     """
     if not valid.any():
         return None
-    err = np.abs(ad - fd)[valid]
-    ref = np.abs(fd)[valid]
-    rel = err / np.maximum(ref, atol)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(ad - fd)[valid]
+        ref = np.abs(fd)[valid]
+        rel = err / np.maximum(ref, atol)
     failed = (excess(ad, fd, atol, rtol)[valid] > 0).any()
-    return Comparison(float(err.max()), float(rel.max()), bool(failed))
+    bad = int((~np.isfinite(np.broadcast_to(ad, valid.shape)))[valid].sum())
+    return Comparison(float(err.max()), float(rel.max()), bool(failed), bad)
 
 
 def adjoint_gap(ju_v: float, u_jtv: float, atol: float, rtol: float) -> float:

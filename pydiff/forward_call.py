@@ -20,6 +20,7 @@ from .arguments import (
     resolve_error,
 )
 from .backward_call import backward_call
+from .errors import warn_once
 from .signature import FunctionTarget, ParamInfo
 from .tape import Tape, active_tape
 from .tensor import Tensor
@@ -121,8 +122,11 @@ def _record(
         values.append(value)
     if type(out) is Tensor:
         writes.append(out)
-    if not fn.signature.differentiable or not needs_grad:
+    if not needs_grad:
         return  # constants as far as gradients go
+    if not fn.signature.differentiable:
+        _record_cut(tape, fn, reads, writes)
+        return
     for t in writes:
         if not t.requires_grad:
             t.requires_grad_(True)
@@ -136,5 +140,28 @@ def _record(
 
     def run_backward(entry: Any) -> None:
         backward_call(fn, bwd_values, dict(extra))
+
+    tape.record(fn.label, reads, writes, run_backward)
+
+
+def _record_cut(tape: Tape, fn: FunctionTarget, reads: list, writes: list) -> None:
+    """A function without derivatives read a tensor that wants a gradient: its float
+    outputs join the tape, so a backward that needs a gradient through them says that none
+    flows (once per call site) instead of leaving the inputs' gradients silently unchanged."""
+    outs = [t for t in writes if t.differentiable]
+    if not outs:
+        return  # integer results (indices, masks): piecewise constant, no gradient to lose
+    for t in outs:
+        if not t.requires_grad:
+            t.requires_grad_(True)
+    wanting = ", ".join(desc for desc, t in reads if t.requires_grad)
+
+    def run_backward(entry: Any) -> None:
+        warn_once(
+            f"tape.backward: the gradient flows through {fn.label}, which is not "
+            f"[Differentiable], so {wanting} get(s) no gradient through it. Mark it "
+            f"[Differentiable] in {fn.module.file}, or pass t.detach() to say no gradient "
+            "is wanted"
+        )
 
     tape.record(fn.label, reads, writes, run_backward)

@@ -108,10 +108,7 @@ class Function:
             result = cls.forward(ctx, *args)
         outputs_tuple = isinstance(result, tuple)
         device = inputs[0][1].device if inputs else None
-        outputs = tuple(
-            _as_tensor(o, device, cls, "forward", k)
-            for k, o in enumerate(result if outputs_tuple else (result,))
-        )
+        outputs = _own_outputs(cls, result if outputs_tuple else (result,), inputs, device)
         for o in outputs:
             o.storage.wrote(f"{cls.__name__}.forward")
         if tape is not None and any(ctx.needs_input_grad):
@@ -130,6 +127,11 @@ class Function:
 def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
     if isinstance(value, Tensor):
         return value
+    if isinstance(value, list) and any(isinstance(v, Tensor) for v in value):
+        raise TypeError(
+            f"{cls.__name__}.{where}() returned a list holding pydiff Tensors; return several "
+            "outputs as a tuple (return a, b)"
+        )
     if isinstance(value, (np.ndarray, list, float, int)):
         return make_tensor(np.asarray(value, dtype=np.float32), device=device)
     raise TypeError(
@@ -138,19 +140,85 @@ def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor
     )
 
 
+def _own_outputs(cls: type, items: tuple, inputs: list, device: Any) -> tuple[Tensor, ...]:
+    """The outputs as tensors of their own: an output that is an input, a view of one (same
+    storage) or another output again is copied. Sharing an input's gradient buffers would
+    count that input's gradient twice (the seed and backward's gradient land in one buffer),
+    and marking the output written would look like an overwrite of the input."""
+    taken = {id(t.storage) for _, t in inputs}
+    outputs = []
+    for k, o in enumerate(items):
+        t = _as_tensor(o, device, cls, "forward", k)
+        if id(t.storage) in taken:
+            t = t.clone()
+        taken.add(id(t.storage))
+        outputs.append(t)
+    return tuple(outputs)
+
+
+_GRAD_TYPES = "a pydiff.Tensor, a NumPy array (or number) or None"
+
+
+def _expected(cls: type, inputs: list[Tensor]) -> str:
+    shapes = ", ".join(f"input {k}: shape {x.expected_numpy_shape()}" for k, x in enumerate(inputs))
+    return (
+        f"{cls.__name__}.backward() must return one gradient per tensor input of forward "
+        f"({len(inputs)}: {shapes}), each {_GRAD_TYPES} (None: no gradient for that input); "
+        "several as a tuple"
+    )
+
+
+def _gradients(cls: type, ctx: FunctionCtx, grads: Any, inputs: list[Tensor]) -> tuple:
+    """backward's return value as one checked entry per tensor input."""
+    name = cls.__name__
+    if grads is None and not ctx.targets:
+        raise TypeError(
+            f"{name}.backward() returned None (a missing return?). {_expected(cls, inputs)}; "
+            f"to give no gradient at all return {'(None,)' if len(inputs) == 1 else 'Nones'}"
+        )
+    if isinstance(grads, list) and len(inputs) > 1:
+        if len(grads) == len(inputs) and all(
+            g is None or isinstance(g, (Tensor, np.ndarray)) for g in grads
+        ):
+            grads = tuple(grads)  # a list of one gradient per input
+    if not isinstance(grads, tuple):
+        grads = (grads,)
+    if len(grads) != len(inputs):
+        raise RuntimeError(
+            f"{name}.backward() returned {len(grads)} gradients but expected "
+            f"{len(inputs)} (one per tensor input of forward, None where there is none). "
+            f"{_expected(cls, inputs)}"
+        )
+    checked = []
+    for k, g in enumerate(grads):
+        if g is None or isinstance(g, Tensor):
+            checked.append(g)
+            continue
+        what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
+        if isinstance(g, (str, bytes, dict, set)) or not isinstance(
+            g, (np.ndarray, list, tuple, float, int, np.number)
+        ):
+            raise TypeError(f"{what}; it must be {_GRAD_TYPES}. {_expected(cls, inputs)}")
+        try:
+            arr = np.asarray(g)
+            if arr.dtype.kind not in "biuf":
+                raise TypeError(f"elements of type {arr.dtype}")
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{what} that is not an array of numbers ({exc}); it must be {_GRAD_TYPES}. "
+                f"{_expected(cls, inputs)}"
+            ) from None
+        checked.append(arr)
+    return tuple(checked)
+
+
 def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
     outer = active_scope()
     if outer is not None:
         outer.flush()  # the upstream gradients must be complete before user code reads them
     grad_outputs = tuple(o.grad_in for o in outputs)
-    grads = cls.backward(ctx, *grad_outputs)
-    if not isinstance(grads, tuple):
-        grads = (grads,)
-    if len(grads) != len(inputs):
-        raise RuntimeError(
-            f"{cls.__name__}.backward() returned {len(grads)} gradients but expected "
-            f"{len(inputs)} (one per tensor input of forward, None where there is none)"
-        )
+    grads = _gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, (g, x) in enumerate(zip(grads, inputs)):
             if k in ctx.targets:
@@ -162,13 +230,14 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
                 continue
             if g is None or not x.requires_grad:
                 continue
-            arr = None if isinstance(g, Tensor) else np.asarray(g, dtype=np.float64)
+            arr = None if isinstance(g, Tensor) else g
             want = x.expected_numpy_shape()
             got = g.expected_numpy_shape() if isinstance(g, Tensor) else arr.shape
             if got != want:
+                kind = f" (a {g.dtype} tensor)" if isinstance(g, Tensor) else ""
                 raise RuntimeError(
-                    f"{cls.__name__}.backward() gradient {k} has shape {got} but input "
-                    f"{k} has shape {want}"
+                    f"{cls.__name__}.backward() gradient {k} has shape {got}{kind} but input "
+                    f"{k} has shape {want} ({x.dtype}); return a gradient of the input's shape"
                 )
             scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
             if (

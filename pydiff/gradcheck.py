@@ -14,19 +14,31 @@ import numpy as np
 from . import finite_diff as fd
 from .errors import GradcheckError
 from .function import Function
-from .module import ShaderFunction
+from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape
 from .tensor import Tensor
 
 
 def as_callable(fn: Any) -> Callable[..., Any]:
-    """``fn`` as a plain callable returning tensors (module functions return a tensor).
+    """``fn`` as a plain callable returning tensors: a module function returns its result
+    tensor and then every tensor argument it writes (out, inout, RW tensors), in order.
 
     as_callable(m.square)(x)       # a pydiff.Tensor, as m.square(x, _result="tensor")
+    as_callable(m.scale_inout)(s, v)   # (v,): the value the call wrote into v
     """
+    if isinstance(fn, OverloadedFunction):
+        return lambda *a: as_callable(fn.select(a, {}))(*a)
     if isinstance(fn, ShaderFunction):
-        return lambda *a: fn(*a, _result="tensor")
+        if not fn.signature.written:
+            return lambda *a: fn(*a, _result="tensor")
+
+        def call(*a: Any) -> tuple:
+            out = fn(*a, _result="tensor") if fn.signature.return_type != "void" else fn(*a)
+            written = [a[i] for i in fn.signature.written if i < len(a)]
+            return tuple(o for o in [out, *written] if isinstance(o, Tensor))
+
+        return call
     if inspect.isclass(fn) and issubclass(fn, Function):
         return fn.apply
     if callable(fn):
@@ -36,9 +48,23 @@ def as_callable(fn: Any) -> Callable[..., Any]:
     )
 
 
+def leaves(value: Any, label: str) -> list[tuple[str, Tensor]]:
+    """Every pydiff tensor in ``value``, through dicts (structs), lists and tuples, with a
+    label saying where: ``leaves({"w": w, "k": 2.0}, "input 1")`` -> [("input 1['w']", w)]."""
+    if isinstance(value, Tensor):
+        return [(label, value)]
+    found: list[tuple[str, Tensor]] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found += leaves(v, f"{label}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found += leaves(v, f"{label}[{i}]")
+    return found
+
+
 def _outputs(value: Any) -> list[Tensor]:
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    outs = [o for o in items if isinstance(o, Tensor)]
+    outs = [t for _, t in leaves(value, "output")]
     if not outs:
         raise TypeError("gradcheck: fn returned no pydiff.Tensor")
     return outs
@@ -48,15 +74,65 @@ def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
     return np.concatenate([o.numpy().astype(np.float64).ravel() for o in _outputs(f(*inputs))])
 
 
-def _wants_forward(fn: Any, check_forward: bool | None) -> bool:
-    if check_forward is not None:
-        if check_forward and not isinstance(fn, ShaderFunction):
+class _Inputs:
+    """Every tensor among the inputs (nested ones too), their values at the start, and a
+    ``load`` that puts the values wanted back before each evaluation: the checked ones at
+    their perturbed values, the others at their start values. A tensor written since (an
+    in-place call: ``inout``, ``IRWDiffTensor``) is found by its storage version and
+    restored, so every evaluation starts from the same inputs."""
+
+    def __init__(self, inputs: Sequence[Any]):
+        self.tensors: dict[int, tuple[str, Tensor]] = {}
+        for k, value in enumerate(inputs):
+            for label, t in leaves(value, f"input {k}"):
+                self.tensors.setdefault(id(t.storage), (label, t))
+        self.originals = {sid: t.numpy() for sid, (_, t) in self.tensors.items()}
+        self.loaded = {
+            sid: (self.originals[sid], t.storage.version) for sid, (_, t) in self.tensors.items()
+        }
+
+        #: The tensors with gradients at the start: the ones checked.
+        self.checked = [(label, t) for label, t in self.tensors.values() if t.requires_grad]
+
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        for sid, (label, t) in self.tensors.items():
+            want = values.get(label, self.originals[sid])
+            held, version = self.loaded[sid]
+            if want is not held or t.storage.version != version:
+                t.copy_from_numpy(want)
+                self.loaded[sid] = (want, t.storage.version)
+
+    def restore(self, finish: bool = False) -> None:
+        """Start values back; with ``finish``, also drop the gradient buffers a tape gave
+        to written tensors that had none."""
+        self.load({})
+        if finish:
+            wanted = {id(t) for _, t in self.checked}
+            for _, t in self.tensors.values():
+                if id(t) not in wanted and t.requires_grad:
+                    t.requires_grad_(False)
+
+
+def _nested(inputs: Sequence[Any]) -> bool:
+    return any(isinstance(a, (dict, list, tuple)) for a in inputs)
+
+
+def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -> bool:
+    if check_forward:
+        if not isinstance(fn, ShaderFunction):
             raise TypeError(
                 "gradcheck: check_forward=True needs a module function "
                 "(forward mode runs Slang's fwd_diff)"
             )
+        if _nested(inputs):
+            raise TypeError(
+                f"gradcheck: check_forward=True with struct (dict) or list arguments of "
+                f"{fn.label}: .fwds takes tangents of tensors and numbers only; leave "
+                "check_forward=None to check the backward alone"
+            )
+    if check_forward is not None:
         return check_forward
-    if not isinstance(fn, ShaderFunction) or not fn.differentiable:
+    if not isinstance(fn, ShaderFunction) or not fn.differentiable or _nested(inputs):
         return False
     # Automatic only where forward mode can see every input's derivative.
     return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)
@@ -65,7 +141,6 @@ def _wants_forward(fn: Any, check_forward: bool | None) -> bool:
 def _check_forward(
     fn: ShaderFunction,
     inputs: Sequence[Any],
-    checked: list,
     us: dict,
     fd_ju: np.ndarray,
     v_flat: np.ndarray,
@@ -73,13 +148,20 @@ def _check_forward(
     atol: float,
     rtol: float,
 ) -> tuple[float, str] | None:
-    args = list(inputs)
-    for k, t in checked:
-        args[k] = t.detach().with_tangent(us[k])
-    _, tangent = fn.fwds(*args)
-    jvp = np.asarray(
-        tangent.numpy() if isinstance(tangent, Tensor) else tangent, np.float64
-    ).ravel()
+    # Detached views: tangents go on them, not on the caller's tensors.
+    args = [a.detach() if isinstance(a, Tensor) else a for a in inputs]
+    for k, a in enumerate(inputs):
+        if f"input {k}" in us:
+            args[k].with_tangent(us[f"input {k}"])
+    result = fn.fwds(*args)
+    tangents = [] if result is None else [result[1]]
+    tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
+    jvp = np.concatenate(
+        [
+            np.asarray(t.numpy() if isinstance(t, Tensor) else t, np.float64).ravel()
+            for t in tangents
+        ]
+    )
     i, excess = fd.worst_excess(jvp, fd_ju, atol, rtol)
     if excess > 0:
         return (
@@ -97,6 +179,51 @@ def _check_forward(
     return None
 
 
+def _element_message(
+    label: str, index: tuple, ad: float, num: float, atol: float, rtol: float
+) -> str:
+    where = f"{label}, element {index}"
+    if not np.isfinite(num):
+        return (
+            f"{where}: the finite difference is {num:.6g} (the function is not finite near "
+            "this point, so its derivative cannot be checked here; move the point)"
+        )
+    if not np.isfinite(ad):
+        return f"{where}: analytic {ad:.6g} where the finite difference is finite ({num:.6g})"
+    return (
+        f"{where}: analytic {ad:.6g}, numeric {num:.6g} (|diff| {abs(ad - num):.3g} > "
+        f"atol + rtol*|numeric| = {atol + rtol * abs(num):.3g})"
+    )
+
+
+def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs, rng: Any) -> tuple:
+    """J^T v for random upstream v, summed here over one backward per output, each on a
+    tape of its own from the start values: an in-place input is also an output, and a
+    second backward over one recording would start from the values the first one left."""
+    saved = {k: t.grad.numpy().copy() for k, t in checked}
+    analytic = {k: np.zeros(t.expected_numpy_shape()) for k, t in checked}
+    vs: list[np.ndarray] = []
+    j = 0
+    try:
+        with zero_policy("accumulate"):
+            while j == 0 or j < len(vs):
+                state.restore()
+                with Tape() as tape:
+                    outs = _outputs(f(*inputs))
+                if not vs:
+                    vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]
+                for _, t in checked:
+                    t.zero_grad()
+                tape.backward(outs[j], grad=vs[j])
+                for k, t in checked:
+                    analytic[k] += t.grad.numpy().astype(np.float64)
+                j += 1
+    finally:
+        for k, t in checked:  # leave the caller's gradients as they were
+            t.grad.copy_from_numpy(saved[k])
+    return analytic, np.concatenate([v.ravel() for v in vs])
+
+
 def gradcheck(
     fn: Any,
     inputs: Sequence[Any],
@@ -111,8 +238,11 @@ def gradcheck(
     """Check the backward of ``fn`` at ``inputs`` against central finite differences.
 
     ``fn`` is a module function (called with ``_result="tensor"``), a ``pydiff.Function``
-    subclass, or a Python callable of pydiff calls returning tensor(s). Inputs with
-    ``requires_grad`` are checked; others are held fixed.
+    subclass, or a Python callable of pydiff calls returning tensor(s); a module function's
+    outputs are its result and the tensors it writes (out, inout, read-write). Tensors with
+    ``requires_grad`` are checked, also inside dicts (structs), lists and tuples; others are
+    held fixed. Inputs written in place are put back before every evaluation. A NaN or
+    infinite gradient, or a finite difference that is not finite, fails.
 
     Pass rule, with random upstream v and direction u (fixed by ``seed``):
       1. vector-Jacobian product: for every element i of every checked input,
@@ -131,60 +261,30 @@ def gradcheck(
     True
     """
     f = as_callable(fn)
-    checked = [(k, t) for k, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+    state = _Inputs(inputs)
+    checked = state.checked
     if not checked:
         raise ValueError("gradcheck: no input has requires_grad=True; nothing to check")
     rng = np.random.default_rng(seed)
     originals = {k: t.numpy().astype(np.float64) for k, t in checked}
-
-    # Analytic J^T v through the tape, into fresh gradient buffers.
-    with Tape() as tape:
-        outs = _outputs(f(*inputs))
-    vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]
-    saved = {k: t.grad.numpy().copy() for k, t in checked}
-    for _, t in checked:
-        t.zero_grad()
-    with zero_policy("accumulate"):
-        if len(outs) == 1:
-            tape.backward(outs[0], grad=vs[0])
-        else:
-            # Several outputs: L = sum_j <v_j, out_j>, one backward per output.
-            for o, v in zip(outs, vs):
-                tape.backward(o, grad=v)
-    analytic = {k: t.grad.numpy().astype(np.float64) for k, t in checked}
-    for k, t in checked:  # leave the caller's gradients as they were
-        t.grad.copy_from_numpy(saved[k])
-    v_flat = np.concatenate([v.ravel() for v in vs])
-
-    loaded = dict(originals)  # the array each checked input holds now
-
-    def load(values: dict[int, np.ndarray]) -> None:  # uploads only what changed
-        for k, t in checked:
-            if values[k] is not loaded[k]:
-                t.copy_from_numpy(values[k])
-                loaded[k] = values[k]
-
-    def evaluate(values: dict[int, np.ndarray]) -> np.ndarray:  # f at values, flattened
-        load(values)
-        return _flat_outputs(f, inputs)
-
-    def project(values: dict[int, np.ndarray]) -> float:  # <v, f(values)>
-        return float(v_flat @ evaluate(values))
-
     worst: tuple[float, str] | None = None
     try:
+        analytic, v_flat = _analytic(f, inputs, checked, state, rng)
+
+        def evaluate(values: dict[str, np.ndarray]) -> np.ndarray:  # f at values, flattened
+            state.load(values)
+            return _flat_outputs(f, inputs)
+
+        def project(values: dict[str, np.ndarray]) -> float:  # <v, f(values)>
+            return float(v_flat @ evaluate(values))
+
         for k, _ in checked:
             numeric = fd.per_element(project, originals, k, eps)
             ad = analytic[k].ravel()
             i, excess = fd.worst_excess(ad, numeric, atol, rtol)
             if excess > 0 and (worst is None or excess > worst[0]):
-                index = np.unravel_index(i, originals[k].shape)
-                worst = (
-                    excess,
-                    f"input {k}, element {tuple(int(j) for j in index)}: analytic {ad[i]:.6g}, "
-                    f"numeric {numeric[i]:.6g} (|diff| {abs(ad[i] - numeric[i]):.3g} > "
-                    f"atol + rtol*|numeric| = {atol + rtol * abs(numeric[i]):.3g})",
-                )
+                index = tuple(int(j) for j in np.unravel_index(i, originals[k].shape))
+                worst = (excess, _element_message(k, index, ad[i], numeric[i], atol, rtol))
         # Adjoint dot-product test along a random direction u.
         us = {k: rng.uniform(-1.0, 1.0, originals[k].shape) for k, _ in checked}
         fd_ju = fd.central(evaluate, originals, us, eps)
@@ -193,12 +293,11 @@ def gradcheck(
         gap = fd.adjoint_gap(ju_v, u_jtv, atol, rtol)
         if gap > 0 and worst is None:
             worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
-        load(originals)  # forward mode runs at x itself
-        if worst is None and _wants_forward(fn, check_forward):
-            worst = _check_forward(fn, inputs, checked, us, fd_ju, v_flat, u_jtv, atol, rtol)
+        state.restore()  # forward mode runs at x itself
+        if worst is None and _wants_forward(fn, inputs, check_forward):
+            worst = _check_forward(fn, inputs, us, fd_ju, v_flat, u_jtv, atol, rtol)
     finally:
-        for k, t in checked:
-            t.copy_from_numpy(originals[k])
+        state.restore(finish=True)
     if worst is None:
         return True
     name = getattr(fn, "label", getattr(fn, "__name__", repr(fn)))

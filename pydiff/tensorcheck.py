@@ -4,9 +4,11 @@
     rows = check_tensor_function(fn, device, size=4, seed=0)
 
 Every tensor parameter gets a small tensor of ``size`` elements per dimension; the index
-parameter (``int`` or ``int[N]``/``intN``) runs over a grid of that size, so the function
-may read any element of its inputs. Read-only float tensors are inputs (random values, half
-positive and half negative); written tensors and the result are outputs. A function with
+parameter (the first ``int`` or ``int[N]``/``intN``) runs over a grid of that size, so the
+function may read any element of its inputs; further ints are held at a small value (1 to
+size - 1, a valid index) and float numbers at a value in [0.5, 1.5]. Read-only float
+tensors are inputs (random values, half positive and half negative); written tensors and
+the result are outputs. A function with
 no index parameter is called once. The gradient of each differentiable input tensor comes
 from ``.bwds`` for a random upstream gradient and is compared, element by element, with
 central differences of <v, outputs> (pydiff.finite_diff, steps eps and eps/4 to leave out
@@ -28,6 +30,7 @@ from .module import ShaderFunction
 from .tensor import Tensor
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
+_FIXED = ("float", "int", "uint")  # held fixed beside tensors (ints after the first: 1..size-1)
 _INDEX = re.compile(
     r"^(?:int|uint)(?:\[(\d)\]|(\d))?$|^(?:int|uint)\[(\d)\]$|^vector<(?:int|uint),\s*(\d)>$"
 )
@@ -61,21 +64,16 @@ def skip_reason(fn: ShaderFunction) -> str | None:
     skip_reason(m.dense)           # None: void dense(int i, IDiffTensor<float, 2> w, ...)
     """
     index = [p for p in fn.params if index_dims(p.type_name) is not None and p.tensor_kind is None]
-    if len(index) > 1:
-        return (
-            "tensor parameters with several int parameters: pydiff check runs one index over a "
-            "grid; check this function with pydiff.gradcheck on tensors of your shapes"
-        )
     for p in fn.params:
         if p.tensor_kind is not None:
             if tensor_dims(p.type_name) is None:
                 return (
                     f"tensor parameter '{p.name}' ({p.type_name}): only float tensors are generated"
                 )
-        elif p not in index and not (p.type_name == "float" and p.io == "in"):
+        elif p.io != "in" or not (p in index[:1] or p.type_name in _FIXED):
             return (
                 f"parameter '{p.name}' ({p.io} {p.type_name}) beside tensor parameters: only "
-                "float numbers (held fixed) are generated"
+                "an index, float numbers and further ints (held fixed) are generated"
             )
     if fn.signature.return_type not in ("void", "float"):
         return (
@@ -97,10 +95,14 @@ class _Setup:
             None,
         )
         self.grid_shape = (size,) * index_dims(self.index.type_name) if self.index else ()
-        self.inputs = [p for p in fn.params if p.tensor_kind is not None and p.access == "read"]
+        # Read-write (in-place) tensors are inputs and outputs: each call gets fresh tensors
+        # of the values, so a call's writes never reach the next one.
+        self.inputs = [p for p in fn.params if p.tensor_kind is not None and p.reads_value]
         self.outputs = [p for p in fn.params if p.tensor_kind is not None and p.access != "read"]
-        self.numbers = {
+        self.numbers: dict[str, float | int] = {
             p.name: float(rng.uniform(0.5, 1.5))
+            if p.type_name == "float"
+            else int(rng.integers(1, max(size, 2)))  # a further int: small, a valid index
             for p in fn.params
             if p.tensor_kind is None and p is not self.index
         }
@@ -124,8 +126,11 @@ class _Setup:
                 args.append(self.numbers[p.name])
             elif p in self.inputs:
                 t = make_tensor(values[p.name].astype(np.float32), device=self.device)
-                if grads and p.is_diff_tensor:
+                if (grads and p.is_diff_tensor) or p.tensor_kind == "diff":
                     t.requires_grad_(True)
+                if grads and p in self.outputs and upstream is not None:
+                    up = make_tensor(upstream[p.name].astype(np.float32), device=self.device)
+                    t = t.with_grads(grad_in=up, grad_out=t.grad)  # separate: read and written
                 made[p.name] = t
                 args.append(t)
             else:

@@ -70,10 +70,36 @@ def test_check_flags_a_wrong_backward_derivative(device):
 def test_check_reports_skips_with_reasons(device):
     out = pydiff_cli("check", str(SHADERS / "chain.slang"), "--json", device=device)
     report = json.loads(out.stdout)
+    rows = {(r["function"], r["parameter"], r["mode"]): r for r in report["results"]}
+    assert rows[("halve_sum", "x", "backward")]["status"] == "PASS"  # a tensor function once
+    # inout parameters are checked (issue 15), not skipped
+    assert rows[("double_in_place", "v", "backward")]["status"] == "PASS"
+    assert rows[("double_in_place", "(all)", "forward")]["status"] == "PASS"
     skipped = {r["function"]: r["why"] for r in report["results"] if r["status"] == "SKIPPED"}
-    assert "inout parameter 'v'" in skipped["double_in_place"]
-    rows = {(r["function"], r["parameter"]): r for r in report["results"]}
-    assert rows[("halve_sum", "x")]["status"] == "PASS"  # a tensor function called once
+    assert "double_in_place" not in skipped
+
+
+def _strict(text):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_check_json_is_strict_and_nan_gradients_fail(device):
+    out = pydiff_cli("check", str(SHADERS / "check_nan.slang"), "--json", device=device)
+    assert out.returncode == 1, out.stdout + out.stderr
+    report = _strict(out.stdout)  # no bare NaN / Infinity
+    assert report["passed"] is False
+    rows = {(r["function"], r["parameter"], r["mode"]): r for r in report["results"]}
+    for fn in ("nan_grad", "inf_grad", "half_nan"):
+        row = rows[(fn, "x", "backward")]
+        assert row["status"] == "FAIL" and "NaN or infinite" in row["why"]
+        assert row["max_abs_error"] in ("nan", "inf")
+    assert rows[("fine", "x", "backward")]["status"] == "PASS"
+    assert isinstance(rows[("fine", "x", "backward")]["max_abs_error"], float)
+    text = pydiff_cli("check", str(SHADERS / "check_nan.slang"), device=device)
+    assert text.returncode == 1 and "NaN or infinite" in text.stdout
 
 
 @pytest.mark.parametrize(

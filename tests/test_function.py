@@ -257,3 +257,168 @@ def test_backward_adding_into_grad_target(device):
             y = Twice.apply(x)
         with pytest.raises(pydiff.StaleGradientError):
             tape.backward(y, grad=np.ones(3))  # the policy applies to grad targets too
+
+
+# --- outputs that alias inputs (issue 15, class 7) and backward's return value (class 16) ---
+X3 = np.array([1.0, -2.0, 0.5])
+
+
+def _aliasing(m):
+    class Identity(pydiff.Function):  # returns its input unchanged
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class GradScale(pydiff.Function):  # identity forward, scaled gradient
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.s = s
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return ctx.s * g.numpy()
+
+    class SameTwice(pydiff.Function):  # one tensor returned as two outputs
+        @staticmethod
+        def forward(ctx, x):
+            y = m.scale(x, 2.0, _result="tensor")
+            return y, y
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return 2.0 * (g1.numpy() + g2.numpy())
+
+    class InputAndNew(pydiff.Function):  # (x, 3x): an input inside a tuple of outputs
+        @staticmethod
+        def forward(ctx, x):
+            return (x, m.scale(x, 3.0, _result="tensor"))
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return g1.numpy() + 3.0 * g2.numpy()
+
+    class View(pydiff.Function):  # a view (same storage) of the input
+        @staticmethod
+        def forward(ctx, x):
+            return x.reshape((x.numel,))
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.numpy().reshape(ctx.inputs[0].shape)
+
+    return locals()
+
+
+def test_identity_and_gradient_scaling_count_the_input_once(device, m):
+    F = _aliasing(m)
+    x = _t(device, X3)
+    with pydiff.Tape() as tape:
+        y = F["Identity"].apply(x)
+        z = m.square(y, _result="tensor")
+    assert y is not x
+    tape.backward(z, grad=np.ones(3))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * X3, rtol=1e-6)  # d(x^2)/dx, not twice it
+
+    x = _t(device, X3)
+    x.grad.fill(1.0)  # accumulate: added to, not lost
+    with pydiff.Tape() as tape:
+        y = F["GradScale"].apply(x, 0.25)
+    tape.backward(y, grad=np.array([4.0, 8.0, -4.0]))
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 3.0, 0.0], rtol=1e-6)
+
+
+def test_returning_an_input_is_not_an_overwrite_of_it(device, m):
+    """A call that read x before the Function still backpropagates (x was not written)."""
+    F = _aliasing(m)
+    x = _t(device, X3)
+    with pydiff.Tape() as tape:
+        sq = m.square(x, _result="tensor")
+        y = F["Identity"].apply(x)
+        total = m.add(sq, y, _result="tensor")
+    tape.backward(total, grad=np.ones(3))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * X3 + 1, rtol=1e-6)
+    np.testing.assert_allclose(x.numpy(), X3)
+
+
+def test_same_tensor_twice_input_in_tuple_and_views(device, m):
+    F = _aliasing(m)
+    x = _t(device, X3)
+    with pydiff.Tape() as tape:
+        a, b = F["SameTwice"].apply(x)
+        c = m.times(a, b, _result="tensor")  # 4 x^2
+    assert a is not b
+    tape.backward(c, grad=np.ones(3))
+    np.testing.assert_allclose(x.grad.numpy(), 8 * X3, rtol=1e-6)
+
+    x = _t(device, X3)
+    with pydiff.Tape() as tape:
+        same, tripled = F["InputAndNew"].apply(x)
+        c = m.times(same, tripled, _result="tensor")  # 3 x^2
+    tape.backward(c, grad=np.ones(3))
+    np.testing.assert_allclose(x.grad.numpy(), 6 * X3, rtol=1e-6)
+
+    x2 = _t(device, X3.reshape(3, 1))
+    with pydiff.Tape() as tape:
+        v = F["View"].apply(x2)
+        s = m.square(v, _result="tensor")
+    tape.backward(s, grad=np.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(x2.grad.numpy().ravel(), 2 * X3 * [1, 2, 3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["Identity", "SameTwice", "InputAndNew", "View"])
+def test_gradcheck_passes_on_aliasing_outputs(device, m, name):
+    x = _t(device, [0.3, -0.7, 1.1])
+    assert pydiff.gradcheck(_aliasing(m)[name], (x,))
+
+
+def _returning(value_of):
+    class Returns(pydiff.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return pydiff.tensor(a.numpy() + b.numpy(), device=a.device)
+
+        @staticmethod
+        def backward(ctx, g):
+            return value_of(g)
+
+    return Returns
+
+
+@pytest.mark.parametrize(
+    "value_of, error, message",
+    [
+        (lambda g: "grad", RuntimeError, r"returned 1 gradients but expected 2"),
+        (lambda g: ("grad", g), TypeError, r"Returns\.backward\(\) gradient 0 is a str"),
+        (lambda g: ({"x": g}, g), TypeError, r"gradient 0 is a dict; it must be a pydiff"),
+        (lambda g: (["a", "b"], g), TypeError, r"gradient 0 is a list that is not an array"),
+        (lambda g: None, TypeError, r"Returns\.backward\(\) returned None \(a missing return\?\)"),
+        (lambda g: (g, g, g), RuntimeError, r"returned 3 gradients but expected 2"),
+        (lambda g: (g, np.ones(5)), RuntimeError, r"gradient 1 has shape \(5,\) but input 1"),
+    ],
+)
+def test_backward_return_errors_name_the_function_and_what_to_return(
+    device, value_of, error, message
+):
+    a, b = _t(device, X3), _t(device, X3)
+    with pydiff.Tape() as tape:
+        out = _returning(value_of).apply(a, b)
+    with pytest.raises(error, match=message) as info:
+        tape.backward(out, grad=np.ones(3))
+    if error is TypeError or "expected" in message:
+        assert "must return one gradient per tensor input of forward (2: input 0: shape (3,)" in (
+            str(info.value)
+        )
+
+
+def test_backward_may_return_a_list_of_gradients(device):
+    a, b = _t(device, X3), _t(device, X3)
+    with pydiff.Tape() as tape:
+        out = _returning(lambda g: [2.0 * g.numpy(), None]).apply(a, b)
+    tape.backward(out, grad=np.ones(3))
+    np.testing.assert_allclose(a.grad.numpy(), 2.0)
+    np.testing.assert_allclose(b.grad.numpy(), 0.0)

@@ -84,3 +84,95 @@ void apply_bwd(int i, DiffTensor<float, 1> x, float d)
 
     with pytest.raises(pydiff.GradcheckError):
         pydiff.gradcheck(f, (x,))
+
+
+# --- NaN and infinite gradients (issue 15, class 9) ---
+@pytest.mark.parametrize("name", ["nan_grad", "inf_grad", "half_nan"])
+def test_nan_or_inf_gradient_fails(device, load, name):
+    m = load("check_nan", device)
+    x = _t(device, [0.3, -0.7, 1.1])
+    with pytest.raises(pydiff.GradcheckError, match=r"analytic (nan|inf|-inf) where the finite"):
+        pydiff.gradcheck(getattr(m, name), (x,))
+    assert pydiff.gradcheck(getattr(m, name), (x,), raise_exception=False) is False
+    assert pydiff.gradcheck(m.fine, (x,))  # the same module, a right derivative
+
+
+def test_not_finite_function_is_not_a_pass(device, load):
+    """At x = 0 log(x) is -inf: the finite difference is not finite, nothing can be checked."""
+    src = "[Differentiable] float lg(float x) { return log(x); }"
+    m = pydiff.load_module_from_source("gc_log", src, device=device)
+    with pytest.raises(pydiff.GradcheckError, match=r"finite difference is (nan|inf|-inf)"):
+        pydiff.gradcheck(m.lg, (_t(device, [0.0, 1.0]),))
+    assert pydiff.gradcheck(m.lg, (_t(device, [0.5, 1.0]),))
+
+
+# --- tensors nested in structs (dicts) and lists (class 10) ---
+def test_struct_arguments_are_checked_field_by_field(device, load):
+    m = load("check_coverage", device)
+    p = {"a": _t(device, [0.5, -1.5]), "b": _t(device, [[0.2, 0.4], [-0.3, 0.9]])}
+    x = _t(device, [0.3, -0.7])
+    assert pydiff.gradcheck(m.affine, (p, x))
+    with pytest.raises(pydiff.GradcheckError, match=r"affine_wrong: input 0\['a'\], element"):
+        pydiff.gradcheck(m.affine_wrong, (p, x))
+    outer = {"inner": p, "c": _t(device, [1.2, -0.6])}
+    assert pydiff.gradcheck(m.nested, (outer, x))
+
+
+def test_list_arguments_of_a_callable(device, load):
+    m = load("check_coverage", device)
+    a, b = _t(device, [0.5, -1.5]), _t(device, [[0.2, 0.4], [-0.3, 0.9]])
+
+    def f(pair, x):
+        return m.affine({"a": pair[0], "b": pair[1]}, x, _result="tensor")
+
+    def wrong(pair, x):
+        return m.affine_wrong({"a": pair[0], "b": pair[1]}, x, _result="tensor")
+
+    x = _t(device, [0.3, -0.7])
+    assert pydiff.gradcheck(f, ([a, b], x))
+    with pytest.raises(pydiff.GradcheckError, match=r"input 0\[0\], element"):
+        pydiff.gradcheck(wrong, ([a, b], x))
+
+
+# --- functions writing their inputs in place: restored between evaluations ---
+@pytest.mark.parametrize("name", ["scale_inout", "two_inouts"])
+def test_inout_functions_pass_and_inputs_are_restored(device, load, name):
+    m = load("check_coverage", device)
+    s = _t(device, [0.5, -1.2])
+    a = _t(device, [0.3, 0.9])
+    args = (s, a) if name == "scale_inout" else (s, a, _t(device, [[1.1, 0.2], [-0.4, 0.7]]))
+    before = [t.numpy().copy() for t in args]
+    assert pydiff.gradcheck(getattr(m, name), args)
+    for t, b in zip(args, before):
+        np.testing.assert_array_equal(t.numpy(), b)
+    # an inout input that wants no gradient is restored too, and gets no gradient buffer
+    held = _t(device, [0.3, 0.9], grad=False)
+    assert pydiff.gradcheck(m.scale_inout, (s, held))
+    np.testing.assert_array_equal(held.numpy(), np.float32([0.3, 0.9]))
+    assert not held.requires_grad
+
+
+def test_inout_wrong_derivative_fails(device, load):
+    m = load("check_coverage", device)
+    s, v = _t(device, [0.5, -1.2]), _t(device, [0.3, 0.9])
+    with pytest.raises(pydiff.GradcheckError, match=r"scale_inout_wrong: input 1, element"):
+        pydiff.gradcheck(m.scale_inout_wrong, (s, v))
+
+
+def test_rw_tensor_in_place(device, load):
+    import slangpy as spy
+
+    m = load("check_coverage", device)
+    d = _t(device, [0.3, -0.9, 1.3])
+
+    def f(fn):
+        def call(d):
+            fn(spy.grid((3,)), d)
+            return d
+
+        return call
+
+    assert pydiff.gradcheck(f(m.square_inplace), (d,))
+    np.testing.assert_array_equal(d.numpy(), np.float32([0.3, -0.9, 1.3]))
+    with pytest.raises(pydiff.GradcheckError):
+        pydiff.gradcheck(f(m.square_inplace_wrong), (d,))

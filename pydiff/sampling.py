@@ -1,0 +1,182 @@
+"""What ``pydiff check`` generates for a function of numbers: every parameter broken into
+leaves (float scalars/vectors/matrices, ints, and the fields of structs, nested), random
+values per sample point, and the arguments of one vectorised call.
+
+    layout = Layout.of(fn)                       # or a str: why fn cannot be sampled
+    values = layout.random_values(16, rng)       # leaf key -> (points, ...) array
+    args, written = layout.arguments(values, 16, device)
+
+Float leaves get values half positive, half negative, none near 0; int leaves small values
+1..3 (valid as counts, exponents or small indices); ``out`` parameters zeros. A leaf's key is
+its parameter name, with field names after a dot for struct fields (``p.a``). Every call
+builds its tensors afresh from the values, so an ``inout`` argument written by one call
+never leaks into the next.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .creation import tensor as make_tensor
+from .module import ShaderFunction
+
+_SCALAR = {"float": (), "half": (), "double": ()}
+_VECTOR = re.compile(r"^(?:vector<(float|half),\s*(\d)>|(float|half)(\d))$")
+_MATRIX = re.compile(r"^(?:matrix<(float|half),\s*(\d),\s*(\d)>|(float|half)(\d)x(\d))$")
+_INT = {"int": "int", "uint": "uint", "int32_t": "int", "uint32_t": "uint"}
+
+
+def value_shape(type_name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(pydiff dtype, trailing NumPy dims) of a float scalar/vector/matrix type, else None.
+
+    >>> value_shape("float3"), value_shape("matrix<float, 2, 3>"), value_shape("int")
+    (('float3', (3,)), ('float2x3', (2, 3)), None)
+    """
+    if type_name in _SCALAR:
+        return type_name, ()
+    m = _VECTOR.match(type_name)
+    if m:
+        base, n = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return f"{base}{n}", (int(n),)
+    m = _MATRIX.match(type_name)
+    if m:
+        base, r, c = (m.group(1), m.group(2), m.group(3)) if m.group(1) else m.group(4, 5, 6)
+        return f"{base}{r}x{c}", (int(r), int(c))
+    return None
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One generated value: ``key`` (``p`` or ``p.field``), the field path inside its
+    parameter, its dtype and trailing dims, and whether a gradient flows to it."""
+
+    key: str
+    path: tuple[str, ...]
+    dtype: str
+    elem: tuple[int, ...]
+    is_int: bool
+    differentiable: bool
+
+
+class Layout:
+    """The leaves of every parameter of one function (see the module docstring)."""
+
+    def __init__(self, fn: ShaderFunction, leaves: dict[str, list[Leaf]]):
+        self.fn = fn
+        self.leaves = leaves  # parameter name -> its leaves
+
+    @classmethod
+    def of(cls, fn: ShaderFunction) -> "Layout | str":
+        """The layout, or a sentence saying which parameter cannot be generated."""
+        found: dict[str, list[Leaf]] = {}
+        for p in fn.params:
+            diff = p.differentiable and not p.no_diff
+            got = _leaves(fn, p.type_name, p.name, (), diff, depth=0)
+            if isinstance(got, str):
+                return f"parameter '{p.name}' ({p.type_name}): {got}"
+            if p.io != "in" and any(leaf.path or leaf.is_int for leaf in got):
+                return (
+                    f"{p.io} parameter '{p.name}' has type {p.type_name}: only float scalars, "
+                    "vectors and matrices are generated as outputs"
+                )
+            found[p.name] = got
+        ret = fn.signature.return_type
+        if ret != "void" and value_shape(ret) is None:
+            return f"result type {ret} is not a float scalar, vector or matrix"
+        return cls(fn, found)
+
+    def inputs(self) -> list[Leaf]:
+        """Leaves the call reads (in and inout parameters)."""
+        return [leaf for p in self.fn.params if p.io != "out" for leaf in self.leaves[p.name]]
+
+    def checked(self) -> list[Leaf]:
+        """Leaves whose gradient is checked: differentiable floats the call reads."""
+        return [leaf for leaf in self.inputs() if leaf.differentiable and not leaf.is_int]
+
+    def random_values(self, points: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        values = {}
+        for leaf in self.inputs():
+            shape = (points,) + leaf.elem
+            if leaf.is_int:
+                values[leaf.key] = rng.integers(1, 4, shape).astype(np.float64)
+                continue
+            magnitude = rng.uniform(0.2, 1.5, shape)
+            sign = np.where(
+                np.arange(points).reshape((points,) + (1,) * len(leaf.elem)) % 2 == 0, 1.0, -1.0
+            )
+            values[leaf.key] = magnitude * sign
+        return values
+
+    def arguments(
+        self, values: dict[str, np.ndarray], points: int, device: Any, grads: bool = False
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """The call's arguments built from ``values`` (fresh tensors), and the tensor of
+        every leaf by key (with gradient buffers on checked leaves when ``grads``)."""
+        checked = {leaf.key for leaf in self.checked()} if grads else set()
+        made: dict[str, Any] = {}
+        args = []
+        for p in self.fn.params:
+            fields: dict[str, Any] = {}
+            for leaf in self.leaves[p.name]:
+                if leaf.is_int:
+                    data = values[leaf.key].astype(np.int32)
+                    t = make_tensor(data, dtype=leaf.dtype, device=device)
+                else:
+                    data = np.zeros((points,) + leaf.elem) if p.io == "out" else values[leaf.key]
+                    t = make_tensor(data.astype(np.float32), dtype=leaf.dtype, device=device)
+                if leaf.key in checked:
+                    t.requires_grad_(True)
+                made[leaf.key] = t
+                if not leaf.path:
+                    args.append(t)
+                    break
+                _put(fields, leaf.path, t)
+            else:
+                args.append(fields)
+        return args, made
+
+    def outputs(self) -> list[Leaf]:
+        """What a call gives, besides its result: out and inout parameters, in order."""
+        return [self.leaves[p.name][0] for p in self.fn.params if p.io != "in"]
+
+
+def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for name in path[:-1]:
+        tree = tree.setdefault(name, {})
+    tree[path[-1]] = value
+
+
+def _leaves(
+    fn: ShaderFunction, type_name: str, key: str, path: tuple, diff: bool, depth: int
+) -> list[Leaf] | str:
+    shape = value_shape(type_name)
+    if shape is not None:
+        return [Leaf(key, path, shape[0], shape[1], False, diff)]
+    if type_name in _INT:
+        return [Leaf(key, path, _INT[type_name], (), True, False)]
+    reflected = None
+    if depth < 4:
+        try:
+            reflected = fn.module.native.layout.find_type_by_name(type_name)
+        except Exception:  # not a type this module's reflection can name
+            reflected = None
+    fields = getattr(reflected, "fields", None) if reflected is not None else None
+    if not fields:
+        return (
+            "only float scalars, vectors and matrices, ints and structs of them are generated "
+            "(arrays, resources and other types have no general valid range)"
+        )
+    differentiable = diff and bool(getattr(reflected, "differentiable", False))
+    out: list[Leaf] = []
+    for name, var in fields.items():
+        got = _leaves(
+            fn, var.type.full_name, f"{key}.{name}", path + (name,), differentiable, depth + 1
+        )
+        if isinstance(got, str):
+            return f"field '{name}' ({var.type.full_name}): {got}"
+        out += got
+    return out
