@@ -77,9 +77,7 @@ def warn_once(message: str, category: type[Warning] = GradientFlowWarning) -> No
         warn_once("f: parameter 'k' is no_diff; its gradient stays unchanged")
     """
     frame = inspect.currentframe()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        _PACKAGE_DIR
-    ):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame = frame.f_back
     filename, lineno = (frame.f_code.co_filename, frame.f_lineno) if frame else ("pydiff", 0)
     key = (message, category, filename, lineno)
