@@ -27,6 +27,7 @@ from .errors import (
     ShaderTrapWarning,
     SlangCompileError,
     StaleGradientError,
+    TensorTooLargeError,
 )
 from .device import (
     Device,
@@ -88,6 +89,7 @@ __all__ = [
     "ShaderTrapWarning",
     "SlangCompileError",
     "StaleGradientError",
+    "TensorTooLargeError",
     "Tape",
     "Tensor",
     "ZeroPolicy",

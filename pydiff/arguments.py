@@ -8,11 +8,15 @@ into what SlangPy binds: shared by the forward call, ``.bwds`` and ``.fwds``.
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
+from .buffer_pool import MAX_ELEMENTS, allocation_failed, check_size
 from .fixed_point_grad import dummy_fields
+from .host_values import convert, element_base
 from .signature import FunctionTarget, ParamInfo
 from .storage import allocate
 from .tensor import Tensor
@@ -47,6 +51,110 @@ def bind_arguments(
     if missing:
         raise TypeError(f"{label}() is missing argument(s): {', '.join(missing)}")
     return [(p, values[p.name]) for p in params], options
+
+
+def prepare_arguments(fn: FunctionTarget, bound: list, options: dict) -> None:
+    """After ``bind_arguments``, for the forward call, ``.bwds`` and ``.fwds``: convert host
+    values (NumPy arrays, lists, numbers) to their parameters' types in ``bound`` (in place;
+    see host_values), then refuse a call too large for the device (``check_call_size``)."""
+    for i, (p, value) in enumerate(bound):
+        if type(value) is not Tensor:
+            new = convert(fn.label, p, value, fn.module.device)
+            if new is not value and not _overloads_differ(fn, i):
+                bound[i] = (p, new)
+    check_call_size(fn, bound, options)
+    check_result(fn, bound, options.get("_result", MISSING))
+
+
+_FLOATS = ("float", "half", "double")
+
+
+def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
+    """Refuse a ``_result`` tensor that would lose values: an integer or bool tensor for a
+    floating-point result (SlangPy truncates every value), or one smaller than the shape the
+    arguments broadcast to (several threads would write one element: a race)."""
+    if type(result) is not Tensor:
+        return
+    returns = fn.signature.return_type
+    want, got = element_base(returns), element_base(result.dtype)
+    if want in _FLOATS and got is not None and got not in _FLOATS:
+        raise TypeError(
+            f"{fn.label}: _result has dtype {result.dtype} but the function returns "
+            f"{returns}: every value would be truncated; pass a {want} tensor "
+            f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
+        )
+    if result.dtype != returns:
+        return  # element dimensions may be vectorised over: SlangPy checks the shape
+    shapes = [
+        v.shape
+        for p, v in bound
+        if type(v) is Tensor and p.tensor_kind is None and v.dtype == p.type_name
+    ]
+    if not shapes:
+        return
+    try:
+        args_shape = tuple(int(d) for d in np.broadcast_shapes(*shapes))
+        whole = tuple(int(d) for d in np.broadcast_shapes(args_shape, result.shape))
+    except ValueError:
+        return  # SlangPy reports shapes that do not broadcast
+    if whole != tuple(result.shape):
+        raise ValueError(
+            f"{fn.label}: _result has shape {tuple(result.shape)} but the arguments broadcast "
+            f"to shape {args_shape}: several call elements would write the same result element "
+            f"(a race). Pass a _result of shape {whole}, or _result='tensor'"
+        )
+
+
+def _overloads_differ(fn: FunctionTarget, i: int) -> bool:
+    """Whether overloads of ``fn`` with as many parameters take different element types at
+    position ``i`` (then SlangPy picks the overload from the value as given: pydiff does not
+    convert it to one overload's type). Read only when a value needs converting."""
+    try:
+        reflected = fn.module.native.layout.find_function_by_name(fn.name)
+        if reflected is None or not reflected.is_overloaded:
+            return False
+        n = len(fn.params)
+        bases = {
+            element_base(o.parameters[i].type.full_name)
+            for o in reflected.overloads
+            if len(o.parameters) == n
+        }
+    except Exception:  # no reflection to tell: convert as the selected overload says
+        return False
+    return len(bases) > 1
+
+
+def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
+    """Refuse, before SlangPy allocates anything, a call whose shape (the broadcast of its
+    vectorised tensor arguments and result) is more than the device can index or hold: its
+    result (``_result="tensor"``) and a broadcast parameter's gradient have that shape."""
+    shapes, total, element_bytes = [], 1, 4
+    result = options.get("_result", MISSING)
+    for p, value in [*bound, (None, result)]:
+        if type(value) is np.ndarray and p is not None and element_base(p.type_name) == p.type_name:
+            shapes.append(value.shape)  # a host array for a scalar parameter vectorises too
+            total *= max(value.size, 1)
+            continue
+        if type(value) is not Tensor:
+            continue
+        if p is not None and (p.tensor_kind is not None or value.dtype != p.type_name):
+            continue  # whole tensors do not vectorise; other element types change the shape
+        shapes.append(value.shape)
+        total *= max(value.numel, 1)
+        element_bytes = max(element_bytes, int(value.native.dtype.buffer_layout.stride))
+    if total <= MAX_ELEMENTS or len(shapes) < 2:
+        return  # the call shape has at most the product of the arguments' sizes
+    try:
+        shape = np.broadcast_shapes(*shapes)
+    except ValueError:
+        return  # SlangPy reports shapes that do not broadcast
+    if result == "tensor" and math.prod(shape) > 0:
+        try:
+            ret = fn.module.device.dtype(fn.signature.return_type)
+            element_bytes = max(element_bytes, int(ret.buffer_layout.stride))
+        except TypeError:
+            pass
+    check_size(f"{fn.label}: the call", fn.module.device.type, shape, element_bytes)
 
 
 def check_device(fn: FunctionTarget, t: Tensor, where: str) -> None:
@@ -109,6 +217,8 @@ def fwd_tensor_struct(
 def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     """SlangPy's overload-resolution report lists every candidate (hundreds of lines for a
     name shared with a Slang builtin); keep its head and say what to do."""
+    if "createBuffer" in str(exc):  # SlangPy allocating a result or a temporary failed
+        return allocation_failed(None, exc, f"{fn.label}: ")
     if type(exc).__name__ != "ResolveException":
         return exc
     lines = str(exc).splitlines()

@@ -22,18 +22,21 @@ from .arguments import (
     MISSING,
     PLAIN,
     bind_arguments,
+    prepare_arguments,
     check_device,
     deep_bind,
     fwd_tensor_struct,
     resolve_error,
     scratch,
 )
+from .creation import tensor as make_tensor
 from .backward_scope import BackwardScope, active_scope, backward_scope
 from .determinism import is_deterministic, warn_nondeterministic
 from .errors import warn_once
 from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo
+from .storage import allocate
 from .tensor import Tensor
 
 _SCALAR_RESULTS = {"float", "half", "double"}
@@ -76,6 +79,14 @@ class _Backward:
                 f"t.with_grads(...) holding dL/d{p.name} (or ones: .with_grads(ones=True))"
             )
 
+    def _own_primal(self, t: Tensor, bound: spy.Tensor, keep: bool) -> spy.Tensor:
+        """``bound``'s gradient buffers on values of the backward's own. A backward kernel
+        reruns the forward, which writes into written parameters: into ``t`` that would change
+        the caller's values behind the version counters (a second backward over a recording
+        would then read the wrong values). ``keep``: the call also reads them (a copy)."""
+        primal = t.clone().native if keep else primal_sink(self.device, t)
+        return primal.with_grads(grad_in=bound.grad_in, grad_out=bound.grad_out, zero=False)
+
     def _separate(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
         """Bind a read-and-written tensor with distinct grad_in and grad_out buffers."""
         if not t.requires_grad:
@@ -105,9 +116,9 @@ class _Backward:
             )
         if p.io == "out" or p.access == "write":
             self._needs_upstream(t, p, "written")
-            return t.bind(True)
+            return self._own_primal(t, t.bind(True), keep=False)
         if p.access == "read_write":
-            return self._separate(t, p)
+            return self._own_primal(t, self._separate(t, p), keep=True)
         if not t.requires_grad:
             if p.tensor_kind is None:
                 # A vectorised value with no gradient wanted: bind the primal alone, and
@@ -171,17 +182,33 @@ class _Backward:
             f"{p.name}__in": value.native.with_grads(
                 grad_in=both.grad_out, grad_out=both.grad_out, zero=False
             ),
-            f"{p.name}__out": value.native.with_grads(
+            f"{p.name}__out": primal_sink(self.device, value).with_grads(
                 grad_in=both.grad_in, grad_out=both.grad_in, zero=False
             ),
         }
+
+    def _half_seed(self, value: float) -> spy.Tensor:
+        """A number seeding a half result: SlangPy's diffPair holds no half, so a half
+        tensor of the call's shape carries the seed."""
+        if self.shape is None:
+            raise TypeError(
+                f"{self.label}.bwds: a number as _result of a half function needs the call's "
+                "shape, which pydiff cannot tell from these arguments; pass the result as a "
+                "half tensor with gradients (y.with_grads(ones=True))"
+            )
+        seed = make_tensor(np.full(self.shape, value), dtype="half", device=self.device)
+        return primal_sink(self.device, seed).with_grads(
+            grad_in=seed.native, grad_out=seed.native, zero=False
+        )
 
     def result_arg(self, result: Any) -> Any:
         ret_name = self.fn.signature.return_type
         if type(result) is Tensor and result.grad_in is not None:
             if result.device is not self.device:
                 check_device(self.fn, result, "_result")
-            return result.bind(True)
+            return primal_sink(self.device, result).with_grads(
+                grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
+            )
         if result is MISSING:
             if ret_name == "void":
                 return MISSING
@@ -197,13 +224,17 @@ class _Backward:
                     "gradient from; pass y.with_grads(...) holding dL/dy (or "
                     ".with_grads(ones=True))"
                 )
-            return result.bind(True)
+            return primal_sink(self.device, result).with_grads(
+                grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
+            )
         if isinstance(result, (int, float)) and not isinstance(result, bool):
             if ret_name not in _SCALAR_RESULTS:
                 raise TypeError(
                     f"{self.label}.bwds: a number as _result seeds a scalar result, but the "
                     f"result is {ret_name}; pass a tensor with gradients"
                 )
+            if ret_name == "half":
+                return self._half_seed(float(result))
             # SlangPy reads a plain float as the primal and seeds a zero gradient.
             return spy.diffPair(p=0.0, d=float(result))
         if isinstance(result, spy.DiffPair):
@@ -220,6 +251,14 @@ class _Backward:
             self.scope.flush()
             dest.copy_(temp)
             self.scope.mark_result(dest)
+
+
+def primal_sink(device: Any, t: Tensor) -> spy.Tensor:
+    """Where a backward kernel may write forward values nobody reads (per shape and dtype)."""
+    key = (t.shape, t.native.dtype.full_name, "primal sink")
+    if key not in device.scratch:
+        device.scratch[key] = allocate(device, t.native.shape, t.native.dtype)
+    return device.scratch[key]
 
 
 def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
@@ -271,7 +310,9 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
         else:
             return False
     if type(result) is Tensor and result.grad_in is not None and result.device is dev:
-        options["_result"] = result.bind(True)
+        options["_result"] = primal_sink(dev, result).with_grads(
+            grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
+        )
     elif not (result is MISSING and fn.signature.return_type == "void"):
         return False
     try:
@@ -283,6 +324,66 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     return True
 
 
+def _values_read(fn: FunctionTarget, bound: list) -> list:
+    """A parameter the call reads and writes, holding what this function's forward call
+    wrote: ``.bwds`` differentiates at the value the call read, kept by the forward call
+    (for tensors with gradient buffers); without that copy, refused."""
+    out = []
+    for p, value in bound:
+        if type(value) is Tensor and p.in_place and value.storage.last_writer == fn.call_label:
+            kept = value.storage.before
+            if kept is None or kept[0] != value.storage.version:
+                raise ValueError(
+                    f"{fn.bwds_label}: parameter '{p.name}' ({p.type_name}) was overwritten "
+                    f"by {fn.call_label}, so it holds the value the call wrote, not the value "
+                    "it read, and .bwds would differentiate at the wrong point (pydiff keeps "
+                    "the value read only for tensors that had gradient buffers at the call). "
+                    "Give the tensor gradient buffers before the call (requires_grad=True / "
+                    f".with_grads()), record the call on a pydiff.Tape, or keep a copy before "
+                    f"the call (before = {p.name}.clone()) and pass it to .bwds"
+                )
+            snap = kept[1]
+            value = Tensor(
+                snap.native,
+                value.device,
+                value.grad_in,
+                value.grad_out,
+                storage=snap.storage,
+                zero_policy=value.zero_policy,
+            )
+        out.append((p, value))
+    return out
+
+
+def _refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> None:
+    """The result's upstream gradient and an input's gradient in one buffer: the backward
+    would add the input's gradient to the upstream it reads (in place through _result)."""
+    if type(result) is not Tensor or result.grad_in is None:
+        return
+    for p, value in bound:
+        if type(value) is Tensor and value.grad_out is not None and p.reads_value:
+            if value.grad_out.storage is result.grad_in.storage:
+                raise ValueError(
+                    f"{fn.bwds_label}: _result's gradient buffer is also the gradient buffer of "
+                    f"parameter '{p.name}' (the call wrote its input through _result?): the "
+                    "input's gradient would be added to the upstream gradient it is computed "
+                    "from. Pass the result and the input with gradient buffers of their own"
+                )
+
+
+def _positional_result(fn: FunctionTarget, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """SlangPy's ``f.bwds(x, result)``: one argument more than the parameters of a function
+    that returns a value is the result (with its gradient), as ``_result=``."""
+    if len(args) != len(fn.params) + 1 or fn.signature.return_type == "void":
+        return args, kwargs
+    if "_result" in kwargs:
+        raise TypeError(
+            f"{fn.bwds_label}: the result is given twice, as the last positional argument and "
+            "as _result=; pass it once"
+        )
+    return args[:-1], {**kwargs, "_result": args[-1]}
+
+
 def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
     label = fn.label
     if not fn.signature.differentiable:
@@ -292,7 +393,11 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
         )
     if fn.module.traps:
         fn.check_traps()
+    args, kwargs = _positional_result(fn, args, kwargs)
     bound, options = bind_arguments(fn, args, kwargs)
+    bound = _values_read(fn, bound)
+    _refuse_shared_result_grad(fn, bound, kwargs.get("_result"))
+    prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
     if not fn.signature.has_diff_inout and _fast_backward(fn, bound, options, result):
         return

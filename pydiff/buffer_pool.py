@@ -6,19 +6,34 @@ Python's reference count, so tensors and views built on a buffer count too.
 
     buffer = device.pool.float4_buffer(256)      # 256 float4s, new or reused
     device.pool.prune()                          # release the unused ones
+
+Every cache pydiff keeps per device is bounded (docs/ops-and-optimizers.md, "Memory"): the
+pool by ``POOL_MAX_PER_SIZE`` buffers of one size and ``POOL_MAX_BYTES`` in all; the
+per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 """
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Sequence
 
 import slangpy as spy
 
 from .command_queue import CommandQueue
+from .errors import TensorTooLargeError
+
+#: Most elements of one tensor and threads of one call: SlangPy indexes both with 32-bit
+#: signed ints (``int lin_idx`` in its tensor.slang), so more would wrap around silently.
+MAX_ELEMENTS = 2**31 - 1
+#: Most bytes of one buffer where the API bounds it: Vulkan's maxStorageBufferRange is a 32-bit
+#: count of bytes (lavapipe refuses 2**32).
+MAX_BUFFER_BYTES = {"vulkan": 2**32 - 1}
 
 POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: bigger buffers are rare enough to allocate each time
 POOL_MAX_PER_SIZE = 32
+POOL_MAX_BYTES = 256 << 20  # all sizes together; beyond, free buffers are released first
 STORAGE_USAGE = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
 
 
@@ -29,6 +44,7 @@ class BufferPool:
         self.native = native_device
         self.queue = queue
         self._buffers: dict[int, list] = {}
+        self.bytes = 0  # of the buffers in the pool, free or not
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
@@ -41,18 +57,100 @@ class BufferPool:
                 # References: the list, this loop's variable and getrefcount's argument.
                 if sys.getrefcount(buffer) == 3:
                     return buffer
-        buffer = self.native.create_buffer(
-            element_count=float4s,
-            struct_size=16,
-            usage=STORAGE_USAGE,
-            format=spy.Format.rgba32_float,
-        )
+        try:
+            buffer = self.native.create_buffer(
+                element_count=float4s,
+                struct_size=16,
+                usage=STORAGE_USAGE,
+                format=spy.Format.rgba32_float,
+            )
+        except RuntimeError as exc:
+            raise allocation_failed(16 * float4s, exc) from None
         if pooled and len(buffers) < POOL_MAX_PER_SIZE:
-            buffers.append(buffer)
+            if self.bytes + 16 * float4s > POOL_MAX_BYTES:
+                self.prune()
+                buffers = self._buffers.setdefault(float4s, [])
+            if self.bytes + 16 * float4s <= POOL_MAX_BYTES:
+                buffers.append(buffer)
+                self.bytes += 16 * float4s
         return buffer
 
     def prune(self) -> None:
         """Release the buffers nothing else refers to."""
         for size, buffers in list(self._buffers.items()):
             # References: the list, the comprehension's variable and getrefcount's argument.
-            self._buffers[size] = [b for b in buffers if sys.getrefcount(b) > 3]
+            kept = [b for b in buffers if sys.getrefcount(b) > 3]
+            self.bytes -= 16 * size * (len(buffers) - len(kept))
+            if kept:
+                self._buffers[size] = kept
+            else:
+                del self._buffers[size]
+
+    def sizes(self) -> dict[str, int]:
+        """How many buffers the pool holds and their bytes."""
+        return {"buffers": sum(map(len, self._buffers.values())), "bytes": self.bytes}
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in readable units: '64.0 GiB'."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # unreachable
+
+
+def check_size(what: str, device_type: str, shape: Sequence[int], element_bytes: int) -> None:
+    """Raise TensorTooLargeError, before anything is allocated, when ``shape`` holds more
+    elements than SlangPy can index or more bytes than one buffer of ``device_type`` can hold.
+
+    >>> check_size("pydiff.zeros", "vulkan", (2**34,), 4)   # TensorTooLargeError: ... 64.0 GiB
+    """
+    numel = math.prod(shape)
+    nbytes = numel * element_bytes
+    max_bytes = MAX_BUFFER_BYTES.get(device_type)
+    if numel <= MAX_ELEMENTS and (max_bytes is None or nbytes <= max_bytes):
+        return
+    limit = f"at most {MAX_ELEMENTS:,} elements (SlangPy indexes them with 32-bit ints)"
+    if max_bytes is not None:
+        limit += f" and {max_bytes:,} bytes per buffer ({device_type}'s limit)"
+    raise TensorTooLargeError(
+        f"{what} of shape {tuple(shape)} is {numel:,} elements = {nbytes:,} bytes "
+        f"({format_bytes(nbytes)}, {element_bytes} bytes each), more than a {device_type} "
+        f"device allows: {limit}; split the work into smaller tensors or calls"
+    )
+
+
+def allocation_failed(nbytes: int | None, exc: Exception, what: str = "") -> TensorTooLargeError:
+    """The error for a buffer the device refused (of ``nbytes`` if known)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    size = f" of {format_bytes(nbytes)} ({nbytes:,} bytes)" if nbytes is not None else ""
+    return TensorTooLargeError(
+        f"{what}the device could not allocate a buffer{size}: {first}; it may be out of "
+        "memory (free tensors, pydiff.empty_cache()) or the buffer may exceed the device's "
+        "own limit"
+    )
+
+
+class BoundedDict(OrderedDict):
+    """A dict keeping only the ``max_items`` most recently used entries (a read or a write
+    counts as a use); evicted values are released when nothing else refers to them.
+
+    >>> d = BoundedDict(2); d["a"] = 1; d["b"] = 2; d["a"]; d["c"] = 3; list(d)
+    ['a', 'c']
+    """
+
+    def __init__(self, max_items: int) -> None:
+        super().__init__()
+        self.max_items = max_items
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_items:
+            self.popitem(last=False)

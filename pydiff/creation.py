@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .storage import NUMPY_TO_SLANG, allocate, dtype_name, element_shape, shape_tuple
 from .tensor import Tensor
@@ -66,9 +67,17 @@ def empty(
 
     >>> y = pydiff.empty((1024,), dtype="float")
     """
+    return _new("pydiff.empty", shape, dtype, device, requires_grad)
+
+
+def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) -> Tensor:
+    """An uninitialised tensor, its size checked against the device's limits first."""
     dev = resolve_device(device)
-    native = allocate(dev, shape_tuple(shape), dev.dtype(dtype_name(dtype)))
-    out = Tensor(native, dev)
+    shape, name = shape_tuple(shape), dtype_name(dtype)
+    refl = dev.dtype(name)
+    # Gradient buffers as well: as many bytes again per buffer, checked here up front.
+    check_size(f"{what}(dtype={name!r})", dev.type, shape, int(refl.buffer_layout.stride))
+    out = Tensor(allocate(dev, shape, refl), dev)
     return out.requires_grad_(True) if requires_grad else out
 
 
@@ -82,7 +91,7 @@ def zeros(
 
     >>> w = pydiff.zeros((64, 32), requires_grad=True)
     """
-    out = empty(shape, dtype, device, requires_grad)
+    out = _new("pydiff.zeros", shape, dtype, device, requires_grad)
     out.native.clear()
     return out
 
@@ -97,7 +106,7 @@ def ones(
 
     >>> up = pydiff.ones((4,))
     """
-    return empty(shape, dtype, device, requires_grad).fill(1.0)
+    return _new("pydiff.ones", shape, dtype, device, requires_grad).fill(1.0)
 
 
 def empty_cache(device: Device | str | None = None) -> None:

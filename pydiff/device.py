@@ -8,16 +8,19 @@ everything pydiff keeps per device.
 
 from __future__ import annotations
 
+
 import contextlib
+import itertools
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
 from . import compile_cache
-from .buffer_pool import BufferPool
+from .buffer_pool import BoundedDict, BufferPool
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
 from .kernels import KernelCache
@@ -27,6 +30,11 @@ from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapip
     choose_lavapipe_threads,
     lavapipe_threads_text,
 )
+
+#: Bounds of the per-device memos (least recently used entries dropped, made again on demand):
+#: ``scratch`` holds buffers per shape, ``cached`` objects per key such as a constant's size.
+SCRATCH_MAX_ITEMS = 256
+CACHED_MAX_ITEMS = 1024
 
 #: Order in which ``type="auto"`` tries backends: fastest first.
 AUTO_ORDER = ("cuda", "d3d12", "vulkan")
@@ -89,7 +97,8 @@ class Device:
       loaded on first use;
     - ``kernels``: compiled compute kernels and bound shader objects (``KernelCache``);
     - ``pool``: float4 storage buffers kept for reuse (``BufferPool``);
-    - ``scratch``: gradient buffers of shapes in use, reused across calls (a dict);
+    - ``scratch``: gradient buffers of shapes in use, reused across calls (a dict of the
+      ``SCRATCH_MAX_ITEMS`` most recently used), one per thread;
     - ``dtype(name)``: SlangPy's reflection of a Slang element type;
     - ``cached(key, make)``: a per-device memo for the layers above (wrapped modules, constants).
 
@@ -103,15 +112,27 @@ class Device:
     ):
         self.native = native
         self.type = type_name
+        #: This device's number among those opened in this process (1, 2, ...), in its repr.
+        self.ordinal = next(_ordinals)
         #: (module cache, shader cache) folders of the persistent compile cache, or None.
         self.cache_paths = cache_paths
         self.queue = CommandQueue(native)
         self.kernels = KernelCache(native, shader_dir(), self.queue)
         self.pool = BufferPool(native, self.queue)
-        self.scratch: dict = {}
+        self._per_thread = threading.local()
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
-        self._cache: dict[Any, Any] = {}
+        self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS)
+
+    @property
+    def scratch(self) -> dict:
+        """This thread's scratch buffers: a backward writes a broadcast parameter's full-shape
+        gradient (or fixed-point words) into one and reads it back, so threads sharing one
+        would add up each other's gradients."""
+        buffers = getattr(self._per_thread, "scratch", None)
+        if buffers is None:
+            buffers = self._per_thread.scratch = BoundedDict(SCRATCH_MAX_ITEMS)
+        return buffers
 
     @property
     def adapter_name(self) -> str:
@@ -145,7 +166,8 @@ class Device:
         return found
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` once per key on this device (for objects built by higher layers)."""
+        """``make()`` once per key on this device (for objects built by higher layers; the
+        ``CACHED_MAX_ITEMS`` most recently used are kept)."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -160,7 +182,8 @@ class Device:
         self.pool.prune()
 
     def __repr__(self) -> str:
-        return f"<pydiff.Device {self.type}: {self.adapter_name}>"
+        # The ordinal tells two devices of one type and adapter apart in error messages.
+        return f"<pydiff.Device #{self.ordinal} {self.type}: {self.adapter_name}>"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Device) and other.native is self.native
@@ -169,6 +192,7 @@ class Device:
         return id(self.native)
 
 
+_ordinals = itertools.count(1)
 _open_devices: dict[tuple, Device] = {}
 _failed_types: dict[str, str] = {}
 _default: Device | None = None

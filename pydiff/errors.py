@@ -20,6 +20,11 @@ class PydiffError(Exception):
     """Base class of pydiff's own exceptions."""
 
 
+class TensorTooLargeError(PydiffError, ValueError, MemoryError):
+    """A tensor, gradient buffer or call larger than the device can hold or index; the
+    message says how much was asked and the limit."""
+
+
 class SlangCompileError(PydiffError):
     """A Slang module failed to compile; the message starts with ``file:line``."""
 

@@ -14,6 +14,7 @@ from .arguments import (
     MISSING,
     PLAIN,
     bind_arguments,
+    prepare_arguments,
     check_device,
     deep_bind,
     fwd_tensor_struct,
@@ -55,13 +56,16 @@ def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
 def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     """Run ``fn`` forward on pydiff values; returns what SlangPy returns, tensors wrapped."""
     bound, options = bind_arguments(fn, args, kwargs)
+    prepare_arguments(fn, bound, options)
     native_args = [_native_argument(fn, p, value) for p, value in bound]
     result = options.get("_result", MISSING)
     if isinstance(result, Tensor):
         check_device(fn, result, "_result")
         options["_result"] = result.bind(True)
     tape = active_tape()
-    snapshots = _snapshot_in_place(bound) if tape is not None else None
+    if tape is not None and isinstance(result, Tensor):
+        _refuse_result_alias(fn, bound, result)
+    snapshots = _snapshot_in_place(bound, tape is not None)
     # Positional: SlangPy's keyword path costs ~10 us more per call.
     try:
         out = _wrap_result(fn, fn.native(*native_args, **options), result)
@@ -72,6 +76,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         value = bound[i][1]
         if type(value) is Tensor:
             value.storage.wrote(label)
+            if i in snapshots:  # the values read, for this call's .bwds
+                value.storage.before = (value.storage.version, snapshots[i])
     if type(out) is Tensor and out is result:
         out.storage.wrote(label)
     if tape is not None:
@@ -79,12 +85,30 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _snapshot_in_place(bound: list) -> dict[int, Tensor]:
-    """Copies of in-place arguments taken before the call: their backward needs them."""
+def _refuse_result_alias(fn: FunctionTarget, bound: list, result: Tensor) -> None:
+    """On a tape, ``_result=`` naming a tensor the call also reads would be an in-place
+    update through the result, whose backward needs the value before the call (and two
+    gradients in one buffer): refused, with the way out."""
+    for p, value in bound:
+        if type(value) is Tensor and p.reads_value and value.storage is result.storage:
+            raise ValueError(
+                f"{fn.label}: _result is the tensor passed as parameter '{p.name}' (or a view of "
+                "its storage): on a tape, a call may not overwrite its own input through "
+                "_result. Write to a new tensor (_result='tensor') and use that, or make the "
+                f"parameter inout in the shader"
+            )
+
+
+def _snapshot_in_place(bound: list, recording: bool) -> dict[int, Tensor]:
+    """Copies of in-place arguments taken before the call: their backward needs them (on a
+    tape always; off a tape for tensors with gradient buffers, for an explicit ``.bwds``)."""
     return {
         i: value.clone()
         for i, (p, value) in enumerate(bound)
-        if p.in_place and type(value) is Tensor and (p.differentiable or p.is_diff_tensor)
+        if p.in_place
+        and type(value) is Tensor
+        and (p.differentiable or p.is_diff_tensor)
+        and (recording or value.requires_grad)
     }
 
 

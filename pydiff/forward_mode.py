@@ -18,7 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing
-from .arguments import bind_arguments, check_device, fwd_tensor_struct, scratch
+from .arguments import bind_arguments, prepare_arguments, check_device, fwd_tensor_struct, scratch
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -171,6 +171,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
+    prepare_arguments(fn, bound, {"_result": "tensor", **options})
     want = options.pop("_result", "tensor")
     if want not in ("tensor", "numpy"):
         raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")

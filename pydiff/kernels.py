@@ -25,9 +25,16 @@ from .errors import PydiffError
 # Root shader objects with the buffers of recent dispatches bound, for reuse: binding by
 # keyword builds a new object each time (about half of a dispatch's 30-45 us on the CPU). An
 # object keeps its buffers' device memory alive, so a key of buffer handles cannot match a
-# different, newer buffer; only small buffers are kept this way, and only so many bytes.
+# different, newer buffer; only small buffers are kept this way. Both caches are LRU and
+# bounded: a buffer that died (a temporary of one step) never matches again, so without a
+# bound its objects would pile up (about 11 KB each on lavapipe, plus the buffers they pin).
+# A training step's working set is far below these counts; a miss costs one object (~15 us).
+OBJECTS_MAX = 512
 OBJECTS_MAX_BYTES = 64 << 20
 OBJECT_MAX_BUFFER = 4 << 20
+# Compiled kernels are specialised per shape (matmul's M, N, K): a loop over changing shapes
+# compiles new ones; the least recently used beyond this many are dropped (rebuilt on demand).
+KERNELS_MAX = 128
 
 
 class KernelCache:
@@ -37,17 +44,30 @@ class KernelCache:
         self.native = native_device
         self.shader_dir = shader_dir
         self.queue = queue
-        self._kernels: dict[tuple, Any] = {}
+        self._kernels: OrderedDict = OrderedDict()
         self._objects: OrderedDict = OrderedDict()
         self._objects_bytes = 0
 
     def get(self, file: str, entry: str, **defines: int) -> Any:
-        """The compute kernel ``entry`` of shaders/``file`` with ``defines``, built once."""
+        """The compute kernel ``entry`` of shaders/``file`` with ``defines``, built once (the
+        ``KERNELS_MAX`` most recently used are kept)."""
         key = (file, entry, tuple(sorted(defines.items())))
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = self._build(file, entry, defines)
+            while len(self._kernels) > KERNELS_MAX:
+                self._drop_objects_of(self._kernels.popitem(last=False)[1])
+        else:
+            self._kernels.move_to_end(key)
         return kernel
+
+    def sizes(self) -> dict[str, int]:
+        """How much each cache holds: kernels, bound objects and the bytes of their buffers."""
+        return {
+            "kernels": len(self._kernels),
+            "objects": len(self._objects),
+            "object_bytes": self._objects_bytes,
+        }
 
     def _build(self, file: str, entry: str, defines: dict[str, int]) -> Any:
         # PYDIFF_KERNEL selects a file's compute entry points (its SlangPy functions are
@@ -67,7 +87,8 @@ class KernelCache:
         return self.native.create_compute_kernel(program)
 
     def _bound_object(self, kernel: Any, buffers: list, scalars: list) -> Any:
-        key = (id(kernel), *(b.native_handle.value for _, b in buffers))
+        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
+        key = (kernel, *(b.native_handle.value for _, b in buffers))
         entry = self._objects.get(key)
         if entry is None:
             if any(b.size > OBJECT_MAX_BUFFER for _, b in buffers):
@@ -79,7 +100,7 @@ class KernelCache:
                 cursor[name] = buffer
             entry = self._objects[key] = (root, cursor, size)
             self._objects_bytes += size
-            while self._objects_bytes > OBJECTS_MAX_BYTES:
+            while self._objects_bytes > OBJECTS_MAX_BYTES or len(self._objects) > OBJECTS_MAX:
                 self._objects_bytes -= self._objects.popitem(last=False)[1][2]
         else:
             self._objects.move_to_end(key)
@@ -87,6 +108,11 @@ class KernelCache:
         for name, value in scalars:  # uniforms are copied when the dispatch is recorded
             cursor[name] = value
         return root
+
+    def _drop_objects_of(self, kernel: Any) -> None:
+        """Forget the bound objects of an evicted kernel (they would keep it alive)."""
+        for key in [k for k in self._objects if k[0] is kernel]:
+            self._objects_bytes -= self._objects.pop(key)[2]
 
     def release_objects(self) -> None:
         """Drop the cached shader objects (and the device memory they keep alive)."""

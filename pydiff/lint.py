@@ -185,6 +185,40 @@ def _accesses(fn: _Function, tensors: dict[str, int], types: dict[str, str]) -> 
     return sorted(out, key=lambda a: a.offset)
 
 
+def _own_break(body: str, start: int) -> int:
+    """Offset of a ``break`` of the loop whose body starts at ``start`` (not one of a nested
+    loop or switch), or -1."""
+    i = len(body) - len(body[start:].lstrip())
+    if i >= len(body):
+        return -1
+    if body[i] != "{":
+        end = body.find(";", i)
+        m = re.search(r"\bbreak\b", body[i:end])
+        return i + m.start() if m and not re.match(r"\s*(for|while|do|switch)\b", body[i:]) else -1
+    end = _matching(body, i, "{", "}")
+    inner = body[i + 1 : end]
+    nested = re.compile(r"\b(for|while|switch)\s*\(|\bdo\s*\{")
+    pos = 0
+    while True:
+        b = re.search(r"\bbreak\b", inner[pos:])
+        n = nested.search(inner[pos:])
+        if b is None:
+            return -1
+        if n is None or b.start() < n.start():
+            return i + 1 + pos + b.start()
+        head_end = pos + n.end()
+        if inner[head_end - 1] == "(":  # skip the header, then the nested statement/block
+            head_end = _matching(inner, head_end - 1, "(", ")") + 1
+        rest = inner[head_end:].lstrip()
+        skip_at = len(inner) - len(rest)
+        if rest.startswith("{"):
+            pos = _matching(inner, skip_at, "{", "}") + 1
+        else:
+            pos = inner.find(";", skip_at) + 1
+        if pos <= 0:
+            return -1
+
+
 def _show(a: _Access) -> str:
     inner = ", ".join(x.strip() for x in a.args)
     if a.op == "[]":
@@ -224,6 +258,32 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
         for loop in re.finditer(r"\b(for|while)\s*\(", fn.body):
             close = _matching(fn.body, loop.end() - 1, "(", ")")
             header = fn.body[loop.end() : close]
+            after = fn.body[close + 1 :].lstrip()
+            if loop.group(1) == "while" and not after.startswith(";"):
+                short = re.search(r"&&|\|\|", header)
+                if short:
+                    op = short.group(0)
+                    add(
+                        loop.start(),
+                        "while-short-circuit",
+                        f"a while loop whose condition uses '{op}' makes SlangPy 0.43 bwds crash "
+                        f"the process (a segfault in the Slang compiler); write the condition "
+                        f"with '{op[0]}' (no short-circuit: both sides are evaluated), or as a "
+                        "for loop: 'for (; a && b; )'",
+                    )
+            if loop.group(1) == "while" and not after.startswith(";"):
+                brk = _own_break(fn.body, close + 1)
+                attrs = fn.body[max(0, loop.start() - 80) : loop.start()]
+                unrolled = re.search(r"\[\s*ForceUnroll\s*\]\s*$", attrs)
+                if brk >= 0 and not unrolled and header.strip() not in ("true", "1"):
+                    add(
+                        brk,
+                        "while-break",
+                        f"'break' inside 'while ({header.strip()})': SlangPy 0.43 bwds drops "
+                        "the breaking iteration's derivative (wrong gradients, no error); "
+                        f"write the loop as 'for (; {header.strip()}; )' (same break), or as "
+                        "'while (true)' with the condition as an 'if (...) break;'",
+                    )
             for name in tensors:
                 if re.search(rf"\b{name}\s*\.\s*shape\b", header):
                     add(

@@ -14,11 +14,28 @@ from .device import Device
 from .tensor import Tensor
 
 
-def device_of(*values: Any) -> Device:
-    for v in values:
-        if isinstance(v, Tensor):
-            return v.device
-    raise TypeError("expected at least one pydiff.Tensor argument")
+def same_device(name: str, **values: Any) -> Device:
+    """The device of the tensors among ``values`` (named by argument); ValueError naming the
+    two arguments and their devices when they are on different devices (an op's kernels read
+    every buffer on one device: another device's buffer would be garbage or a crash).
+
+    >>> same_device("matmul", a=a, b=b)
+    """
+    first: tuple[str, Any] | None = None
+    for arg, v in values.items():
+        if not isinstance(v, Tensor):
+            continue
+        if first is None:
+            first = (arg, v.device)
+        elif v.device != first[1]:
+            raise ValueError(
+                f"{name}: {first[0]} is on {first[1]!r} but {arg} is on {v.device!r}; "
+                "tensors of one op must be on one device (create them there, or copy with "
+                "pydiff.tensor(t.numpy(), device=...))"
+            )
+    if first is None:
+        raise TypeError(f"{name}: expected at least one pydiff.Tensor argument")
+    return first[1]
 
 
 def check_broadcast(name: str, *values: Any) -> None:

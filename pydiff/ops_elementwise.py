@@ -14,7 +14,7 @@ import numpy as np
 from .creation import empty, zeros
 from .function import Function
 from .module import library
-from .ops_args import check_broadcast, device_of
+from .ops_args import check_broadcast, same_device
 from .products import elementwise_kernel
 from .tensor import Tensor, float4_ready
 
@@ -27,7 +27,7 @@ def _elementwise(slang_name: str, name: str):
                     f"{name}: argument {k} has dtype {a.dtype}; pydiff.ops work on float tensors"
                 )
         check_broadcast(name, *args)
-        lib = library(device_of(*args))
+        lib = library(same_device(name, **{f"argument {k}": a for k, a in enumerate(args)}))
         return getattr(lib, slang_name)(*args, _result="tensor")
 
     op.__name__ = name

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .function import Function
-from .ops_args import need_2d
+from .ops_args import need_2d, same_device
 from .ops_norm import softmax_rows, softmax_rows_bwd
 from .ops_reduce import sum_mid
 from .products import blocking, fast_product, product, relu_masked
@@ -42,6 +42,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     >>> c = pydiff.ops.matmul(a, b)
     """
     need_2d("matmul", a=a, b=b)
+    same_device("matmul", a=a, b=b)
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: inner dimensions differ: a is {a.shape}, b is {b.shape}")
     return _MatMul.apply(a, b)
@@ -138,6 +139,7 @@ def linear(
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r}; expected one of {ACTIVATIONS}")
     need_2d("linear", x=x, weight=weight)
+    same_device("linear", x=x, weight=weight, bias=bias)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"linear: x has {x.shape[1]} features but weight {weight.shape} expects "
@@ -176,6 +178,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Te
     >>> out = pydiff.ops.attention(Q, K, V)          # (n, e)
     """
     need_2d("attention", q=q, k=k, v=v)
+    same_device("attention", q=q, k=k, v=v)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"attention: q {q.shape} and k {k.shape} must have the same last dimension"

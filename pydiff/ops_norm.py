@@ -14,7 +14,7 @@ from .creation import empty, zeros
 from .device import Device
 from .function import Function
 from .module import library
-from .ops_args import check_last_axis, need_2d, rows_view
+from .ops_args import check_last_axis, need_2d, rows_view, same_device
 from .tensor import Tensor
 
 
@@ -135,6 +135,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     >>> y = pydiff.ops.rms_norm(x, w, eps=1e-6)
     """
     need_2d("rms_norm", x=x)
+    same_device("rms_norm", x=x, weight=weight)
     if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
         got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[1]},), got {got}")
@@ -189,6 +190,7 @@ def layer_norm(
     >>> y = pydiff.ops.layer_norm(x, w, b)        # x (..., N); w, b (N,) or None
     """
     x2 = rows_view("layer_norm", x)
+    same_device("layer_norm", x=x, weight=weight, bias=bias)
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):
             got = t.shape if isinstance(t, Tensor) else type(t).__name__

@@ -17,7 +17,7 @@ from . import capturing
 from .creation import empty, tensor
 from .function import Function
 from .module import library
-from .ops_args import need_2d
+from .ops_args import need_2d, same_device
 from .ops_elementwise import mul, sub
 from .tensor import Tensor, float4_ready
 
@@ -110,6 +110,7 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
 
     >>> loss = pydiff.ops.mse_loss(y, target)
     """
+    same_device("mse_loss", prediction=prediction, target=target)
     if prediction.shape != target.shape:
         raise ValueError(
             f"mse_loss: prediction {prediction.shape} and target {target.shape} differ"
@@ -192,6 +193,7 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
     """
     need_2d("cross_entropy", logits=logits)
+    same_device("cross_entropy", logits=logits, labels=labels)
     if isinstance(labels, Tensor) and labels.dtype == "int":
         _check_labels(labels, logits.shape)
         # A captured step re-checks labels copied in since (out-of-range ones would read

@@ -104,7 +104,10 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
         differentiable = (
             kind is None
             and not no_diff
-            and bool(p.differentiable)
+            # a generic parameter (T : IFloat / __BuiltinFloatingPointType / IDifferentiable)
+            # reflects as not differentiable before specialisation: its gradient would be a
+            # silent zero (issue 15); it is differentiable whenever the argument is
+            and (bool(p.differentiable) or bool(getattr(t, "is_generic", False)))
             and bool(reflected.differentiable)
         )
         out.append(ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access))

@@ -16,7 +16,7 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing
-from .buffer_pool import STORAGE_USAGE
+from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
 
 if TYPE_CHECKING:
     from .device import Device
@@ -40,6 +40,9 @@ SCALAR_NUMPY = {
     "int64_t": np.int64,
     "uint64_t": np.uint64,
 }
+# What host data is converted to before an upload: Slang's bool is 4 bytes, NumPy's 1 (SlangPy
+# copies NumPy bools byte for byte, so bool tensors got their values packed into element 0).
+UPLOAD_NUMPY = {**SCALAR_NUMPY, "bool": np.uint32}
 
 
 class Storage:
@@ -58,7 +61,7 @@ class Storage:
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
     """
 
-    __slots__ = ("buffer", "holds_result_of", "version", "last_writer", "checked")
+    __slots__ = ("buffer", "holds_result_of", "version", "last_writer", "checked", "before")
 
     def __init__(self, buffer: Any = None) -> None:
         self.buffer = buffer
@@ -66,11 +69,15 @@ class Storage:
         self.version = 0
         self.last_writer = "nothing"
         self.checked: Any = None
+        #: (version, copy): the values before the in-place call that made ``version``, kept
+        #: for its ``.bwds`` (which differentiates at the values the call read).
+        self.before: tuple[int, Any] | None = None
 
     def wrote(self, writer: str) -> None:
         """Count a write of the values by ``writer``."""
         self.version += 1
         self.last_writer = writer
+        self.before = None
 
 
 def has_c_strides(arr: np.ndarray) -> bool:
@@ -138,6 +145,9 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer
     """
     shape, strides = list(native.shape), list(native.strides)
+    if native.dtype.full_name == "bool":  # 4-byte words, which SlangPy would read as bytes
+        words = spy.Tensor(native.storage, dev.dtype("uint"), shape, strides, native.offset)
+        return read_back(dev, words) != 0
     if not shape or min(shape) <= 0:
         return native.to_numpy()
     stride = int(native.dtype.buffer_layout.stride)
@@ -160,6 +170,8 @@ def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False
     """
     name = dtype if isinstance(dtype, str) else dtype.full_name
     shape = tuple(int(s) for s in shape)
+    refl = dev.dtype(name) if isinstance(dtype, str) else dtype
+    check_size(f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
     rec = capturing.recording()
     if name != "float" or dev.type != "vulkan":
         return _allocate_plain(dev, shape, dtype, name, zero, rec)
@@ -190,9 +202,12 @@ def _allocate_plain(
         # e.g., an odd number of halves: pad the storage to whole words.
         while (padded * stride) % 4:
             padded += 1
-    native = make(dev.native, (padded,), dtype).view(shape) if padded != count else None
-    if native is None:
-        native = make(dev.native, shape, dtype)
+    try:
+        native = make(dev.native, (padded,), dtype).view(shape) if padded != count else None
+        if native is None:
+            native = make(dev.native, shape, dtype)
+    except RuntimeError as exc:  # the device's own limit or out of memory: say how much
+        raise allocation_failed(padded * stride, exc) from None
     if zero and rec is not None:
         native.clear()
         rec.record_clear(dev.queue, native)

@@ -16,7 +16,7 @@ import slangpy as spy
 from . import capturing
 from .device import Device
 from .policy import ZeroPolicy
-from .storage import SCALAR_NUMPY, Storage, allocate, element_shape, shape_tuple
+from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape, shape_tuple
 from .storage import float4_layout, has_c_strides, read_back
 
 
@@ -152,7 +152,7 @@ class Tensor:
                 f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
-        np_type = SCALAR_NUMPY.get(self.scalar_type)
+        np_type = UPLOAD_NUMPY.get(self.scalar_type)
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
@@ -251,7 +251,7 @@ class Tensor:
         if not isinstance(grad, Tensor):
             raise TypeError(f"{name}: expected a pydiff.Tensor, got {type(grad).__name__}")
         if grad.device != self.device:
-            raise ValueError(f"{name}: on device {grad.device.type}, primal on {self.device.type}")
+            raise ValueError(f"{name}: on device {grad.device!r}, primal on {self.device!r}")
         if grad.shape != self.shape:
             raise ValueError(
                 f"{name}: gradient shape {grad.shape} does not match the primal's shape "

@@ -34,5 +34,6 @@ def test_hint_only_for_a_builtin_name(m):
         m.myf(bad, _result="tensor")
     assert "built-in" not in str(own.value)  # five overloads, all the user's
     with pytest.raises(TypeError, match="could not match") as builtin:
-        m.lerp(bad, 1, _result="tensor")
+        # (an int NumPy array would be converted to float: an int tensor is not)
+        m.lerp(pydiff.zeros((2, 2), dtype="int", device=m.device), 1, _result="tensor")
     assert "'lerp' is also the name of Slang built-in functions" in str(builtin.value)

@@ -59,6 +59,82 @@ CASES = [
         "y[idx] = s * 0.0 + x[idx] * x[idx];",
         "3",
     ),
+    # issue 15: a short-circuit operator in a while condition segfaults bwds (for and
+    # do-while are fine, and so are the non-short-circuit & and |, the fixes lint suggests)
+    (
+        "while-and",
+        "int idx",
+        "float a = x[idx]; float t = a; int k = 0; "
+        "[MaxIters(4)] while (t < 100.0 && k < 2) { t = t * 1.5 + a; k++; } "
+        "y[idx] = a * a + 0.0 * t;",
+        "3",
+    ),
+    (
+        "while-or-ints",
+        "int idx",
+        "float a = x[idx]; float t = a; int k = 0; "
+        "[MaxIters(4)] while (k < 2 || k < 0) { t = t * 1.5 + a; k++; } "
+        "y[idx] = a * a + 0.0 * t;",
+        "3",
+    ),
+    (
+        "while-bitand",
+        "int idx",
+        "float a = x[idx]; float t = a; int k = 0; "
+        "[MaxIters(4)] while (t < 100.0 & k < 2) { t = t * 1.5 + a; k++; } "
+        "y[idx] = a * a + 0.0 * t;",
+        "3",
+    ),
+    (
+        "for-and",
+        "int idx",
+        "float a = x[idx]; float t = a; int k = 0; "
+        "[MaxIters(4)] for (; t < 100.0 && k < 2; k++) { t = t * 1.5 + a; } "
+        "y[idx] = a * a + 0.0 * t;",
+        "3",
+    ),
+    (
+        "do-while-and",
+        "int idx",
+        "float a = x[idx]; float t = a; int k = 0; "
+        "[MaxIters(4)] do { t = t * 1.5 + a; k++; } while (t < 100.0 && k < 2); "
+        "y[idx] = a * a + 0.0 * t;",
+        "3",
+    ),
+    # issue 15 class 4: 'break' in a while (cond) loop drops the breaking iteration's
+    # derivative; for/do-while/while (true)/[ForceUnroll]/continue/return are right.
+    # Expected dt/da in float64 closed form (t = c*a, c from the iteration count; no kink at
+    # a = 1, 2, 3 with the threshold 5.3): 8.125, 4.75, 2.5.
+    *(
+        (name, "int idx", "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = t;")
+        for name, loop in [
+            (
+                "while-break",
+                "[MaxIters(20)] while (t < 100.0) { t = 1.5*t + a; if (t > 5.3) break; }",
+            ),
+            (
+                "while-break-counter",
+                "[MaxIters(20)] while (k < 20) { k++; t = 1.5*t + a; if (t > 5.3) break; }",
+            ),
+            ("while-no-break", "[MaxIters(20)] while (t < 5.3) { t = 1.5*t + a; }"),
+            (
+                "while-true-break",
+                "[MaxIters(20)] while (true) { t = 1.5*t + a; if (t > 5.3) break; }",
+            ),
+            (
+                "while-unroll-break",
+                "[ForceUnroll] while (k < 20) { k++; t = 1.5*t + a; if (t > 5.3) break; }",
+            ),
+            (
+                "for-break",
+                "[MaxIters(20)] for (; t < 100.0; ) { t = 1.5*t + a; if (t > 5.3) break; }",
+            ),
+            (
+                "do-break",
+                "[MaxIters(20)] do { t = 1.5*t + a; if (t > 5.3) break; } while (t < 100.0);",
+            ),
+        ]
+    ),
     (
         "2d-local-array-mixed",
         "int[2] idx",
@@ -68,10 +144,13 @@ CASES = [
 ]
 
 
-def _oracle(params: str, body: str, shape: str) -> str:
+LOOP_GRAD = "8.125,4.75,2.5"  # d/da of the issue-15 loop cases at a = 1, 2, 3
+
+
+def _oracle(params: str, body: str, shape: str, expected: str = "") -> str:
     try:
         out = subprocess.run(
-            [sys.executable, ORACLE, params, body, shape],
+            [sys.executable, ORACLE, params, body, shape, "", expected],
             capture_output=True,
             text=True,
             timeout=45,  # a healthy variant takes about 3 s; a hung kernel never returns
@@ -99,6 +178,7 @@ def test_lint_verdict_matches_slangpy(case):
         f"IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
     )
     refused = bool(lint.affected_functions(src, lint.scan_source(src)))
-    outcome = _oracle(params, body, shape)
-    assert outcome in ("ok", "wrong", "crash", "hang"), outcome
+    expected = LOOP_GRAD if "t = 1.5*t + a" in body else ""
+    outcome = _oracle(params, body, shape, expected)
+    assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
     assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"

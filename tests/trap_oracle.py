@@ -1,9 +1,12 @@
 """Run one shader variant through raw SlangPy in this process and print what happened.
 
 Used by test_trap_oracle.py in a subprocess (a variant may segfault). Prints 'ok' when the
-backward gives dL/dx = 2x for y = x*x, 'wrong' otherwise.
+backward gives the expected dL/dx (by default 2x, for y = x*x), 'wrong' otherwise.
 
-    python tests/trap_oracle.py "<params>" "<body>" 2,2
+    python tests/trap_oracle.py "<params>" "<body>" 2,2 ["<prefix source>" ["g0,g1,..."]]
+
+The optional prefix is Slang source put before ``f`` (helper functions); the optional
+expected gradients (float64, from the caller's closed form or finite differences) replace 2x.
 """
 
 import sys
@@ -12,10 +15,12 @@ import numpy as np
 import slangpy as spy
 
 params, body, shape_arg = sys.argv[1:4]
+prefix = sys.argv[4] if len(sys.argv) > 4 else ""
+expected_arg = sys.argv[5] if len(sys.argv) > 5 else ""
 shape = tuple(int(s) for s in shape_arg.split(","))
 dims = len(shape)
 src = (
-    "import slangpy;\n[Differentiable]\nvoid f("
+    f"import slangpy;\n{prefix}\n[Differentiable]\nvoid f("
     f"{params}, IDiffTensor<float, {dims}> x, IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
 )
 device = spy.create_device(type=spy.DeviceType.vulkan)
@@ -27,4 +32,11 @@ module.f(spy.grid(shape), x, y)
 y.grad.copy_from_numpy(np.ones(shape, np.float32))
 sys.stdout.flush()
 module.f.bwds(spy.grid(shape), x, y)
-print("ok" if np.allclose(x.grad.to_numpy(), 2 * xs) else "wrong", flush=True)
+if expected_arg:
+    expected = np.array([float(v) for v in expected_arg.split(",")]).reshape(shape)
+else:
+    expected = 2.0 * xs
+got = x.grad.to_numpy()
+print(
+    "ok" if np.allclose(got, expected, rtol=1e-4, atol=1e-5) else f"wrong {got.ravel()}", flush=True
+)

@@ -1,7 +1,8 @@
-"""Wrong gradients found while reviewing the core restructuring (issue 14) that are older than
-it and belong to issue 15 ("every gradient is correct or refused"). Each is a strict xfail:
-when a fix lands the test passes, pytest reports XPASS as a failure, and the marker goes.
-References are float64 closed forms."""
+"""Regression tests for two wrong gradients found while reviewing the core restructuring
+(issue 14) and fixed in issue 15: `.bwds` used to write forward values into the tensors a
+call writes (out, inout, _result), behind the version counters, so a second tape.backward or
+the gradient of a second output of one recording was wrong. References are float64 closed
+forms."""
 
 import numpy as np
 import pytest
@@ -22,11 +23,6 @@ def m(device):
     return pydiff.load_module_from_source("known_issues", SOURCE, device=device)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: .bwds of an inout/out call writes forward values back into the output, "
-    "with no version bump, so a second tape.backward over the recording reads the wrong value",
-)
 def test_second_backward_after_an_in_place_call(device, m):
     X = np.array([0.5, 1.0, 2.0])
     x = pydiff.tensor(X, device=device, requires_grad=True)
@@ -44,11 +40,6 @@ def test_second_backward_after_an_in_place_call(device, m):
         np.testing.assert_allclose(s.grad.numpy(), [np.sum(X**2)], rtol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: the first tape.backward rewrites an in-place intermediate, so the "
-    "gradient of a second output of the same recording is silently wrong (9x here)",
-)
 def test_two_outputs_of_one_recording(device, m):
     X = np.array([0.5, 0.8, 1.1])
     x = pydiff.tensor(X, device=device, requires_grad=True)

@@ -1,0 +1,147 @@
+"""Host values (NumPy arrays, lists, NumPy and Python numbers) passed to a shader function's
+scalar, vector or matrix parameter: converted to the parameter's element type, as NumPy would,
+or refused with an error naming the parameter when the conversion would change a value.
+
+SlangPy matches a NumPy array only of the parameter's exact dtype and C-contiguous layout; it
+reports anything else as an overload failure or "numpy array is not contiguous". pydiff
+converts before SlangPy sees the value, for the forward call, ``.bwds`` and ``.fwds`` alike:
+
+    m.f(np.array([0.5, 1.0]))             # float64 -> float32 for a float parameter
+    m.f(a[::2]); m.f(a[::-1]); m.f(a.T)   # strided, reversed, Fortran views: copied
+    m.f(np.array(2.0)); m.f(2)            # 0-d arrays and ints for a float parameter
+    m.g(np.array([1.5]))                  # ValueError: int parameter 'i', values 1.5 truncated
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .creation import tensor
+from .signature import ParamInfo
+from .storage import SCALAR_NUMPY, has_c_strides
+
+_FLOATS = ("float", "half", "double")
+_INTS = ("int", "uint", "int64_t", "uint64_t")
+_FLOAT_MAX = float(np.finfo(np.float32).max)
+
+
+def element_base(type_name: str) -> str | None:
+    """The scalar type of a scalar, vector or matrix parameter ('vector<float,3>' -> 'float');
+    None for other types (structs, arrays, tensors, generics)."""
+    name = type_name.strip()
+    for prefix in ("vector<", "matrix<"):
+        if name.startswith(prefix):
+            name = name[len(prefix) :].split(",")[0].strip()
+    return name if name in SCALAR_NUMPY else None
+
+
+def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
+    """``value`` for parameter ``p`` of the function ``label``: unchanged when SlangPy takes
+    it as it is (or it is not a host number or array), else converted; ValueError/TypeError
+    naming the parameter when converting would change a value (truncated floats, ints out of
+    range, finite values that overflow) or the dtype has no meaning for it. SlangPy takes no
+    NumPy bool arrays: those become bool tensors on ``device``."""
+    kind = type(value)
+    if kind is float and p.type_name == "float" and abs(value) <= _FLOAT_MAX:
+        return value  # the common case, first
+    if p.tensor_kind is not None or value is None or kind is bool:
+        return value
+    base = element_base(p.type_name)
+    if base is None:
+        return value
+    if isinstance(value, np.generic):
+        value = value.item()
+        kind = type(value)
+    if kind in (int, float):
+        return _number(label, p, base, value)
+    if kind is list:  # (a tuple is .fwds's (value, tangent) pair)
+        if p.type_name != base:
+            return value  # a list for a vector or matrix parameter: one value, SlangPy's rule
+        arr = np.asarray(value)
+        if arr.dtype == object or arr.dtype.kind in "USV":
+            return value  # not numbers: SlangPy reports it
+        value = arr
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0 and not p.writes_value:
+            return convert(label, p, value[()], device)
+        if value.dtype.kind == "b" and base == "bool" and not p.writes_value:
+            return tensor(value, dtype="bool", device=device)
+        return _array(label, p, base, value)
+    return value
+
+
+def _where(label: str, p: ParamInfo) -> str:
+    return f"{label}: parameter '{p.name}' ({p.type_name})"
+
+
+def _number(label: str, p: ParamInfo, base: str, v: int | float) -> int | float:
+    if base in _FLOATS:
+        top = float(np.finfo(SCALAR_NUMPY[base]).max)
+        too_big = abs(v) > top if isinstance(v, int) else math.isfinite(v) and abs(v) > top
+        if too_big:
+            raise ValueError(
+                f"{_where(label, p)}: {v!r} is beyond the largest {base} ({top:.6g}) and would "
+                "become inf"
+            )
+        return float(v)
+    if base in _INTS:
+        info = np.iinfo(SCALAR_NUMPY[base])
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(
+                f"{_where(label, p)}: got the float {v!r}, which an integer parameter would "
+                "truncate; pass an int (e.g. round(x))"
+            )
+        if not info.min <= v <= info.max:
+            raise ValueError(
+                f"{_where(label, p)}: {v!r} is outside the range of {base} [{info.min}, {info.max}]"
+            )
+        return int(v)
+    return v
+
+
+def _array(label: str, p: ParamInfo, base: str, arr: np.ndarray) -> np.ndarray:
+    target = np.dtype(SCALAR_NUMPY[base])
+    if arr.dtype == target and has_c_strides(arr):
+        return arr
+    where = f"{_where(label, p)}: a NumPy array of dtype {arr.dtype}, strides {arr.strides}"
+    if p.writes_value:
+        raise TypeError(
+            f"{where} is written by the call, and a converted copy would lose what it writes; "
+            f"pass a pydiff.Tensor or a C-contiguous {target} array"
+        )
+    k = arr.dtype.kind
+    if k == "b" and target.kind != "b":
+        raise TypeError(
+            f"{where}: booleans for a {base} parameter are most likely a mistake; convert "
+            f"them yourself (mask.astype(np.{target}))"
+        )
+    if k not in "biuf" or (target.kind == "b" and k != "b"):
+        raise TypeError(f"{where}: cannot be converted to {base}; pass {target} values")
+    if base in _FLOATS:
+        with np.errstate(over="ignore"):
+            out = arr.astype(target)
+        bad = np.isfinite(arr) & ~np.isfinite(out) if k == "f" else ~np.isfinite(out)
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{where}: element {i} = {arr[i].item()!r} is beyond the largest {base} and would "
+                "become inf"
+            )
+    elif base in _INTS:
+        info = np.iinfo(target)
+        bad = (arr != np.round(arr)) if k == "f" else np.zeros(arr.shape, bool)
+        with np.errstate(invalid="ignore"):
+            bad |= ~((arr >= info.min) & (arr <= info.max))
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{where}: element {i} = {arr[i].item()!r} is not an integer in the range of "
+                f"{base}; round or clip it yourself"
+            )
+        out = arr.astype(target)
+    else:
+        out = arr.astype(target)
+    return out if has_c_strides(out) else out.copy(order="C")
