@@ -76,19 +76,20 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     if type(result) is not Tensor:
         return
     returns = fn.signature.return_type
-    want, got = element_base(returns), element_base(result.dtype)
+    result_type = result.native.dtype.full_name
+    want, got = element_base(returns), element_base(result_type)
     if want in _FLOATS and got is not None and got not in _FLOATS:
         raise TypeError(
             f"{fn.label}: _result has dtype {result.dtype} but the function returns "
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
         )
-    if result.dtype != returns:
+    if result_type != returns:
         return  # element dimensions may be vectorised over: SlangPy checks the shape
     shapes = [
         v.shape
         for p, v in bound
-        if type(v) is Tensor and p.tensor_kind is None and v.dtype == p.type_name
+        if type(v) is Tensor and p.tensor_kind is None and v.native.dtype.full_name == p.type_name
     ]
     if not shapes:
         return
