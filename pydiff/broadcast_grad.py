@@ -99,12 +99,11 @@ def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] 
 
 
 def _plain_grid(value: Any) -> bool:
-    """A ``spy.grid`` of a fixed shape, stride 1 and offset 0: its shape is its part of the
-    call shape."""
+    """A ``spy.grid`` of a fixed shape: its shape is its part of the call shape, whatever its
+    stride and offset (they change the ids it yields, not how many threads run)."""
     if type(value).__name__ != "GridArg":
         return False
-    shape, stride, offset = list(value.shape), list(value.stride), list(value.offset)
-    return all(d > 0 for d in shape) and all(s == 1 for s in stride) and not any(offset)
+    return all(int(d) > 0 for d in value.shape)
 
 
 def is_broadcast(t: Tensor, shape: tuple[int, ...] | None) -> bool:

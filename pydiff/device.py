@@ -96,7 +96,7 @@ class Device:
     - ``library``: pydiff's Slang library (``shaders/pydiff.slang``) as a raw SlangPy module,
       loaded on first use;
     - ``kernels``: compiled compute kernels and bound shader objects (``KernelCache``);
-    - ``pool``: float4 storage buffers kept for reuse (``BufferPool``);
+    - ``pool``: float4 storage buffers kept for reuse (``BufferPool``), one per thread;
     - ``scratch``: gradient buffers of shapes in use, reused across calls (a dict of the
       ``SCRATCH_MAX_ITEMS`` most recently used), one per thread;
     - ``dtype(name)``: SlangPy's reflection of a Slang element type;
@@ -118,7 +118,6 @@ class Device:
         self.cache_paths = cache_paths
         self.queue = CommandQueue(native)
         self.kernels = KernelCache(native, shader_dir(), self.queue)
-        self.pool = BufferPool(native, self.queue)
         self._per_thread = threading.local()
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
@@ -133,6 +132,16 @@ class Device:
         if buffers is None:
             buffers = self._per_thread.scratch = BoundedDict(SCRATCH_MAX_ITEMS)
         return buffers
+
+    @property
+    def pool(self) -> BufferPool:
+        """This thread's pool of float4 buffers. Per thread because a buffer is handed out
+        again once nothing refers to it and this thread has no unsubmitted work: another
+        thread's pending kernels may still write a buffer it has just let go."""
+        pool = getattr(self._per_thread, "pool", None)
+        if pool is None:
+            pool = self._per_thread.pool = BufferPool(self.native, self.queue)
+        return pool
 
     @property
     def adapter_name(self) -> str:

@@ -55,6 +55,8 @@ def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
 
 def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     """Run ``fn`` forward on pydiff values; returns what SlangPy returns, tensors wrapped."""
+    if fn.module.traps:
+        fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
     prepare_arguments(fn, bound, options)
     native_args = [_native_argument(fn, p, value) for p, value in bound]

@@ -12,6 +12,7 @@ pydiff tensors, so it sits below them.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -47,11 +48,18 @@ class KernelCache:
         self._kernels: OrderedDict = OrderedDict()
         self._objects: OrderedDict = OrderedDict()
         self._objects_bytes = 0
+        # Threads share the kernels and bound objects: the lock keeps a lookup from racing an
+        # eviction, and a bound object's uniforms from being set by two threads at once.
+        self._lock = threading.RLock()
 
     def get(self, file: str, entry: str, **defines: int) -> Any:
         """The compute kernel ``entry`` of shaders/``file`` with ``defines``, built once (the
         ``KERNELS_MAX`` most recently used are kept)."""
         key = (file, entry, tuple(sorted(defines.items())))
+        with self._lock:
+            return self._get(key, file, entry, defines)
+
+    def _get(self, key: tuple, file: str, entry: str, defines: dict) -> Any:
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = self._build(file, entry, defines)
@@ -116,8 +124,9 @@ class KernelCache:
 
     def release_objects(self) -> None:
         """Drop the cached shader objects (and the device memory they keep alive)."""
-        self._objects.clear()
-        self._objects_bytes = 0
+        with self._lock:
+            self._objects.clear()
+            self._objects_bytes = 0
 
     def dispatch(
         self,
@@ -142,6 +151,12 @@ class KernelCache:
         rec = capturing.recording()
         if rec is not None:
             rec.record_dispatch(self.queue, kernel, threads, buffers, scalars, dynamic)
+        with self._lock:
+            self._record(kernel, threads, encoder, bindings, buffers, scalars)
+
+    def _record(
+        self, kernel: Any, threads: int, encoder: Any, bindings: dict, buffers: list, scalars: list
+    ) -> None:
         root = self._bound_object(kernel, buffers, scalars)
         if root is None:
             if encoder is not None:

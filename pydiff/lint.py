@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .lint_flow import matching as _matching
+from .lint_flow import own_break, promotions
+
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
 _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s*>")
@@ -45,6 +48,11 @@ class Finding:
         """Whether .bwds must be refused (a crash or wrong gradient), not only warned about."""
         return self.kind != "vector-index-order"
 
+    @property
+    def crashes_call(self) -> bool:
+        """Whether even a forward call must be refused (the kernel's build crashes)."""
+        return self.kind == "do-while-break"
+
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
 
@@ -56,18 +64,6 @@ def _strip_comments(src: str) -> str:
         return re.sub(r"[^\n]", " ", m.group(0))
 
     return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"', blank, src, flags=re.S)
-
-
-def _matching(src: str, start: int, open_ch: str, close_ch: str) -> int:
-    depth = 0
-    for i in range(start, len(src)):
-        if src[i] == open_ch:
-            depth += 1
-        elif src[i] == close_ch:
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
 
 
 def _split_top(text: str) -> list[str]:
@@ -185,40 +181,6 @@ def _accesses(fn: _Function, tensors: dict[str, int], types: dict[str, str]) -> 
     return sorted(out, key=lambda a: a.offset)
 
 
-def _own_break(body: str, start: int) -> int:
-    """Offset of a ``break`` of the loop whose body starts at ``start`` (not one of a nested
-    loop or switch), or -1."""
-    i = len(body) - len(body[start:].lstrip())
-    if i >= len(body):
-        return -1
-    if body[i] != "{":
-        end = body.find(";", i)
-        m = re.search(r"\bbreak\b", body[i:end])
-        return i + m.start() if m and not re.match(r"\s*(for|while|do|switch)\b", body[i:]) else -1
-    end = _matching(body, i, "{", "}")
-    inner = body[i + 1 : end]
-    nested = re.compile(r"\b(for|while|switch)\s*\(|\bdo\s*\{")
-    pos = 0
-    while True:
-        b = re.search(r"\bbreak\b", inner[pos:])
-        n = nested.search(inner[pos:])
-        if b is None:
-            return -1
-        if n is None or b.start() < n.start():
-            return i + 1 + pos + b.start()
-        head_end = pos + n.end()
-        if inner[head_end - 1] == "(":  # skip the header, then the nested statement/block
-            head_end = _matching(inner, head_end - 1, "(", ")") + 1
-        rest = inner[head_end:].lstrip()
-        skip_at = len(inner) - len(rest)
-        if rest.startswith("{"):
-            pos = _matching(inner, skip_at, "{", "}") + 1
-        else:
-            pos = inner.find(";", skip_at) + 1
-        if pos <= 0:
-            return -1
-
-
 def _show(a: _Access) -> str:
     inner = ", ".join(x.strip() for x in a.args)
     if a.op == "[]":
@@ -272,7 +234,7 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                         "for loop: 'for (; a && b; )'",
                     )
             if loop.group(1) == "while" and not after.startswith(";"):
-                brk = _own_break(fn.body, close + 1)
+                brk = own_break(fn.body, close + 1)
                 attrs = fn.body[max(0, loop.start() - 80) : loop.start()]
                 unrolled = re.search(r"\[\s*ForceUnroll\s*\]\s*$", attrs)
                 if brk >= 0 and not unrolled and header.strip() not in ("true", "1"):
@@ -294,6 +256,18 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                         f"local first: 'int n = {name}.shape[0];' and loop to n",
                     )
                     break
+        for loop in re.finditer(r"\bdo\s*\{", fn.body):
+            brk = own_break(fn.body, loop.end() - 1)
+            if brk >= 0:
+                add(
+                    brk,
+                    "do-while-break",
+                    "'break' inside a do { } while loop: SlangPy 0.43 can crash the process "
+                    "on it, even in a forward call (a segfault in the Slang compiler); write it as "
+                    "'[MaxIters(n)] for (;;) { ...; if (!(cond)) break; }' (same breaks)",
+                )
+        for offset, message in promotions(fn.params, fn.body):
+            add(offset, "scalar-vector-promotion", message)
         scalar = [a for a in accesses if a.kind == "scalar"]
         array = [a for a in accesses if a.kind == "array"]
         if scalar and array:

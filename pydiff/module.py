@@ -262,13 +262,15 @@ class ShaderFunction:
             self._layouts[key] = node
         return node
 
-    def check_traps(self) -> None:
-        """Raise ShaderTrapError if the load-time scan found a trap in this function."""
-        found = self.module.traps.get(self.name)
+    def check_traps(self, forward: bool = False) -> None:
+        """Raise ShaderTrapError if the load-time scan found a trap in this function (with
+        ``forward``: only one that crashes the forward call too)."""
+        found = [f for f in self.module.traps.get(self.name, ()) if f.crashes_call or not forward]
         if found:
             lines = "\n  ".join(str(f) for f in found)
             raise ShaderTrapError(
-                f"{self.module.name}.{self.name}.bwds refused: SlangPy 0.43 would return wrong "
+                f"{self.module.name}.{self.name}{'' if forward else '.bwds'} refused: "
+                "SlangPy 0.43 would return wrong "
                 f"gradients or crash the process on:\n  {lines}"
             )
 

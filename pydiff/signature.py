@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import slangpy as spy
 
+from .errors import warn_once
+
 _IO = {"inn": "in", "out": "out", "inout": "inout"}
 
 
@@ -30,6 +32,9 @@ class ParamInfo:
     access: str | None  # "read", "write", "read_write" for tensor parameters
 
     fwd_dims: int = 0  # N of FwdDiffTensor<N>
+    #: fields of a struct parameter that get no gradient (all of a struct that is not
+    #: IDifferentiable; no_diff and integer fields of one that is)
+    no_grad_fields: tuple[str, ...] = ()
 
     @property
     def is_diff_tensor(self) -> bool:
@@ -110,7 +115,29 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
             and (bool(p.differentiable) or bool(getattr(t, "is_generic", False)))
             and bool(reflected.differentiable)
         )
-        out.append(ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access))
+        fields = tuple(getattr(t, "fields", None) or ()) if kind is None else ()
+        if fields:
+            deriv = getattr(t, "derivative", None) if differentiable else None
+            flowing = set(getattr(deriv, "fields", None) or ()) if deriv is not None else set()
+            fields = tuple(sorted(f for f in fields if f not in flowing))
+        out.append(
+            ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access, 0, fields)
+        )
+    return out
+
+
+def fields_without_gradient(p: ParamInfo, value: Any, path: str = "") -> list[str]:
+    """The paths ('p.b') in a struct argument (a dict) of tensors that require a gradient but
+    sit in fields that get none: their gradient would silently stay zero."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for key, v in value.items():
+        where = f"{path or p.name}.{key}"
+        if isinstance(v, dict):
+            out += fields_without_gradient(p, v, where) if not path else []
+        elif key in p.no_grad_fields and getattr(v, "requires_grad", False):
+            out.append(where)
     return out
 
 
@@ -189,4 +216,16 @@ class FunctionTarget(Protocol):
 
     def bwds_kernel(self, no_grad: tuple[str, ...], wrapper: bool = False) -> Any: ...
 
-    def check_traps(self) -> None: ...
+    def check_traps(self, forward: bool = False) -> None: ...
+
+
+def warn_struct_fields(fn: FunctionTarget, bound: list) -> None:
+    """Tensors requiring gradients in struct fields that get none: say so once per site."""
+    for p, value in bound:
+        for where in fields_without_gradient(p, value) if p.no_grad_fields else ():
+            why = "no_diff/integer" if p.differentiable else f"{p.type_name} is not IDifferentiable"
+            warn_once(
+                f"{fn.label}: '{where}' requires a gradient but gets none ({why}): it stays "
+                f"unchanged. Declare 'struct {p.type_name} : IDifferentiable' with float fields, "
+                "or pass the tensor detached"
+            )

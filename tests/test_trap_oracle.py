@@ -106,7 +106,7 @@ CASES = [
     # Expected dt/da in float64 closed form (t = c*a, c from the iteration count; no kink at
     # a = 1, 2, 3 with the threshold 5.3): 8.125, 4.75, 2.5.
     *(
-        (name, "int idx", "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = t;")
+        (name, "int idx", "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = t;", "3")
         for name, loop in [
             (
                 "while-break",
@@ -136,6 +136,14 @@ CASES = [
         ]
     ),
     (
+        "while-and-floats-break",
+        "int idx",
+        "float a = x[idx]; float t = a; "
+        "[MaxIters(20)] while (t < 100.0 && t > 0.0) { t = 1.5*t + a; if (t > 5.3) break; } "
+        "y[idx] = t;",
+        "3",
+    ),
+    (
         "2d-local-array-mixed",
         "int[2] idx",
         "int i = idx[0]; int j = idx[1]; int at[2] = { i, j }; float a = x[at]; y[i, j] = a * a;",
@@ -147,10 +155,10 @@ CASES = [
 LOOP_GRAD = "8.125,4.75,2.5"  # d/da of the issue-15 loop cases at a = 1, 2, 3
 
 
-def _oracle(params: str, body: str, shape: str, expected: str = "") -> str:
+def _oracle(params: str, body: str, shape: str, expected: str = "", prefix: str = "") -> str:
     try:
         out = subprocess.run(
-            [sys.executable, ORACLE, params, body, shape, "", expected],
+            [sys.executable, ORACLE, params, body, shape, prefix, expected],
             capture_output=True,
             text=True,
             timeout=45,  # a healthy variant takes about 3 s; a hung kernel never returns
@@ -180,5 +188,39 @@ def test_lint_verdict_matches_slangpy(case):
     refused = bool(lint.affected_functions(src, lint.scan_source(src)))
     expected = LOOP_GRAD if "t = 1.5*t + a" in body else ""
     outcome = _oracle(params, body, shape, expected)
+    assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
+    assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
+
+
+# issue 15 class 10: a float scalar LEFT of a float vector in + - * / is promoted implicitly and
+# its derivative dropped. g(s, v) summed over v = (1, 2, 3): d/ds = 6 wherever s enters once.
+PROMOTION_CASES = [
+    ("s-times-v", "return s * v;", "6,6,6"),
+    ("s-plus-v", "return s + v - float3(s);", "0,0,0"),
+    ("scalar-local-times-v", "float t = s * 1.0; return t * v;", "6,6,6"),
+    ("v-times-s", "return v * s;", "6,6,6"),
+    ("explicit-splat", "return float3(s) * v;", "6,6,6"),
+    ("assign-splat", "float3 u = s; return u * v;", "6,6,6"),
+    ("v-plus-s-times-v", "return v + s * v;", "6,6,6"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PROMOTION_CASES, ids=[c[0] for c in PROMOTION_CASES])
+def test_promotion_lint_matches_slangpy(case):
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    _, g, expected = case
+    prefix = "[Differentiable] float3 g(float s, float3 v) { " + g + " }"
+    body = "float a = x[idx]; float3 w = g(a, float3(1.0, 2.0, 3.0)); y[idx] = w.x + w.y + w.z;"
+    src = (
+        prefix
+        + "\n[Differentiable]\nvoid f(int idx, IDiffTensor<float, 1> x, "
+        + "IWDiffTensor<float, 1> y)\n{\n"
+        + body
+        + "\n}\n"
+    )
+    refused = bool(lint.affected_functions(src, lint.scan_source(src)).get("f"))
+    outcome = _oracle("int idx", body, "3", expected, prefix)
     assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
     assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
