@@ -51,7 +51,7 @@ class Finding:
     @property
     def crashes_call(self) -> bool:
         """Whether even a forward call must be refused (the kernel's build crashes)."""
-        return self.kind == "do-while-break"
+        return self.kind in ("do-while-break", "struct-interface-tensor")
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
@@ -300,7 +300,35 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                     f"prefer 'int[N]'",
                 )
                 break
+    findings += _struct_interface_tensors(src, file)
     return findings
+
+
+_STRUCT = re.compile(r"\bstruct\s+([A-Za-z_]\w*)[^{;]*\{")
+_INTERFACE_TENSOR = re.compile(r"\bI(?:RW|W)?(?:Diff)?Tensor\s*<")
+
+
+def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
+    """Functions taking a struct with an interface tensor field (ITensor, IDiffTensor, ...):
+    SlangPy 0.43 segfaults building any call of them, forward included."""
+    holders = []
+    for m in _STRUCT.finditer(src):
+        end = _matching(src, m.end() - 1, "{", "}")
+        if end > 0 and _INTERFACE_TENSOR.search(src[m.end() : end]):
+            holders.append(m.group(1))
+    found = []
+    for m in _ANY_FUNCTION.finditer(src) if holders else ():
+        held = [h for h in holders if re.search(rf"\b{h}\b", m.group(3))]
+        if held and m.group(1) not in _KEYWORDS:
+            why = (
+                f"struct {held[0]} has an interface tensor field (ITensor/IDiffTensor/...): "
+                "SlangPy 0.43 crashes the process building any call that passes it, the forward "
+                "call included; declare the field with a concrete type (Tensor<float, N>, "
+                "DiffTensor<float, N>, ...)"
+            )
+            kind = "struct-interface-tensor"
+            found.append(Finding(file, _line_of(src, m.start(1)), m.group(1), kind, why))
+    return found
 
 
 def affected_functions(source: str, findings: list[Finding]) -> dict[str, list[Finding]]:
@@ -326,6 +354,8 @@ def affected_functions(source: str, findings: list[Finding]) -> dict[str, list[F
                         if f not in result[name]:
                             result[name].append(f)
                             changed = True
+    for name, fs in own.items():  # not differentiable, but refused all the same
+        result.setdefault(name, fs)
     return {k: v for k, v in result.items() if v}
 
 
