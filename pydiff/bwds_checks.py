@@ -49,7 +49,7 @@ def values_read(fn: FunctionTarget, bound: list) -> list:
     for p, value in bound:
         if type(value) is Tensor and p.in_place and value.storage.last_writer == fn.call_label:
             kept = value.storage.before
-            if kept is None or kept[0] != value.storage.version:
+            if kept is None or kept[0] != value.storage.version or kept[1].shape != value.shape:
                 raise ValueError(
                     f"{fn.bwds_label}: parameter '{p.name}' ({p.type_name}) was overwritten "
                     f"by {fn.call_label}, so it holds the value the call wrote, not the value "

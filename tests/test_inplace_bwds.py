@@ -130,3 +130,14 @@ def test_repeated_tape_backward_over_in_place_calls(device, m):
         np.testing.assert_allclose(v.numpy(), S**2 * V**2, rtol=1e-5)
         np.testing.assert_allclose(s.grad.numpy(), 2 * S * V**2, rtol=1e-5)
         np.testing.assert_allclose(x.grad.numpy(), 2 * S**2 * V, rtol=1e-5)
+
+
+def test_kept_value_of_a_view_is_not_used_for_another_shape(device, m):
+    s = pydiff.tensor([2.0], device=device, requires_grad=True)
+    x = pydiff.tensor(np.array([0.5, -1.0, 2.0, 3.0]), device=device, requires_grad=True)
+    view = x.reshape((2, 2)).with_grads(ones=True)
+    m.scale_inout(s, view)  # the values read are kept, shaped (2, 2)
+    with pytest.raises(ValueError, match="overwritten by"):
+        m.scale_inout.bwds(s, x)  # same storage, shape (4,): refused, not mis-bound
+    m.scale_inout.bwds(s, view)  # the view itself: differentiates at the values read
+    np.testing.assert_allclose(s.grad.numpy(), [0.5 - 1.0 + 2.0 + 3.0], rtol=1e-6)
