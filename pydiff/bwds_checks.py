@@ -59,17 +59,22 @@ def values_read(fn: FunctionTarget, bound: list) -> list:
                     f".with_grads()), record the call on a pydiff.Tape, or keep a copy before "
                     f"the call (before = {p.name}.clone()) and pass it to .bwds"
                 )
-            snap = kept[1]
-            value = Tensor(
-                snap.native,
-                value.device,
-                value.grad_in,
-                value.grad_out,
-                storage=snap.storage,
-                zero_policy=value.zero_policy,
-            )
+            value = with_values_of(value, kept[1])
         out.append((p, value))
     return out
+
+
+def with_values_of(t: Tensor, before: Tensor) -> Tensor:
+    """``t``'s gradient buffers (and policy) on the values of ``before``, a copy taken before
+    an in-place call: what that call's backward reads."""
+    return Tensor(
+        before.native,
+        t.device,
+        t.grad_in,
+        t.grad_out,
+        storage=before.storage,
+        zero_policy=t.zero_policy,
+    )
 
 
 def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> None:

@@ -21,6 +21,7 @@ from .arguments import (
     resolve_error,
 )
 from .backward_call import backward_call
+from .bwds_checks import with_values_of
 from .errors import warn_once
 from .signature import FunctionTarget, ParamInfo
 from .tape import Tape, active_tape
@@ -129,14 +130,7 @@ def _record(
             # The backward reads the value before the call (the copy) and adds into the
             # gradient buffers of the tensor the caller holds.
             snap = snapshots[i]
-            view = Tensor(
-                snap.native,
-                value.device,
-                value.grad_in,
-                value.grad_out,
-                storage=snap.storage,
-                zero_policy=value.zero_policy,
-            )
+            view = with_values_of(value, snap)
             reads.append((f"parameter '{p.name}' of {fn.label}", snap))
             writes.append(value)
             values.append((view, value))
