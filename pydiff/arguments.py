@@ -179,6 +179,29 @@ def deep_bind(value: Any) -> Any:
     return value
 
 
+def nested_tensors(value: Any) -> list[Tensor]:
+    """The pydiff tensors in ``value``: itself, or those inside dicts/lists (struct fields),
+    in the order ``map_tensors`` visits them."""
+    if type(value) is Tensor:
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in nested_tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in nested_tensors(v)]
+    return []
+
+
+def map_tensors(value: Any, f: Any) -> Any:
+    """``value`` with each pydiff tensor ``t`` in it (itself, or in dicts/lists) as ``f(t)``."""
+    if type(value) is Tensor:
+        return f(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, f) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and nested_tensors(value):
+        return type(value)(map_tensors(v, f) for v in value)
+    return value
+
+
 def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
     """Device-wide scratch tensors shaped like ``t``: 'zeros' (read, never written) or 'sink'
     (written, never read). Shared per shape and dtype."""

@@ -26,14 +26,18 @@ from .arguments import (
     check_device,
     deep_bind,
     fwd_tensor_struct,
+    nested_tensors,
     resolve_error,
     scratch,
 )
 from .creation import tensor as make_tensor
 from .bwds_checks import (
+    maybe_broadcast,
     positional_result,
     primal_sink,
     refuse_shared_result_grad,
+    refuse_written_struct,
+    shared_grads,
     values_read,
     warn_no_gradient,
 )
@@ -112,6 +116,8 @@ class _Backward:
         check_device(self.fn, t, f"parameter '{p.name}'")
         if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
             warn_no_gradient(self.fn, p, t)
+            if p.writes_value:  # the backward reruns the forward: not into the caller's values
+                return t.clone().native if p.reads_value else primal_sink(self.device, t)
             return t.native
         if p.tensor_kind == "diff" and not t.requires_grad:
             raise ValueError(
@@ -139,10 +145,35 @@ class _Backward:
             return self._vectorised_grad(p, t)
         return t.bind(True)
 
+    def struct_arg(self, p: ParamInfo, value: Any, field: str | None = None) -> Any:
+        """A struct argument: each tensor in its fields bound as a parameter of its own (a
+        differentiable field always with gradient buffers, scratch ones where none is wanted,
+        as SlangPy's cached kernel may expect them; values of its own where the call writes)."""
+        if type(value) is not Tensor:
+            key = lambda k: k if field is None else field  # noqa: E731 (top-level field name)
+            if isinstance(value, dict):
+                return {k: self.struct_arg(p, v, key(k)) for k, v in value.items()}
+            if isinstance(value, (list, tuple)) and nested_tensors(value):
+                return type(value)(self.struct_arg(p, v, field) for v in value)
+            return value
+        check_device(self.fn, value, f"parameter '{p.name}'")
+        if not value.differentiable or field in p.no_grad_fields:
+            if p.writes_value:
+                return value.clone().native if p.reads_value else primal_sink(self.device, value)
+            return value.native
+        if p.writes_value:
+            if p.reads_value or not value.requires_grad:
+                return self._own_primal(value, self._separate(value, p), keep=p.reads_value)
+            return self._own_primal(value, value.bind(True), keep=False)
+        if not value.requires_grad:
+            return self._separate(value, p)  # zeros read, sink written
+        self._accumulating(value, p)
+        return value.bind(True)
+
     def _vectorised_grad(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
         """Bind a vectorised input's gradient: a full-shape buffer summed after the call when
         the value is broadcast (or, in deterministic mode, shared with another parameter)."""
-        broadcast = broadcast_grad.is_broadcast(t, self.shape)
+        broadcast = broadcast_grad.is_broadcast(t, self.shape, p)
         shared = id(t.grad_out.storage) in self.separate
         if not (broadcast or shared):
             return t.bind(True)
@@ -154,7 +185,7 @@ class _Backward:
             )
             return t.bind(True)
         native = broadcast_grad.expand(
-            self.scope, self.device, t, self.shape if broadcast else t.shape, len(self.reductions)
+            self.scope, self.device, t, self.shape if broadcast else None, len(self.reductions), p
         )
         self.reductions.append((native.grad_out, t))
         return native
@@ -274,6 +305,8 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             if value.device is not dev:
                 return False
             if p.tensor_kind is None:
+                if value.native.dtype.full_name != p.type_name:
+                    return False  # a float tensor for a float3: maybe broadcast, summed apart
                 if shape is None:
                     shape = value.shape
                 elif value.shape != shape:
@@ -284,6 +317,8 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
                     return False
                 written.append(grad)
                 native_args.append(value.bind(True))
+            elif p.writes_value and not p.differentiable:
+                return False  # the general path binds a copy for the rerun forward to write
             elif p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
                 warn_no_gradient(fn, p, value)
                 native_args.append(value.native)
@@ -319,6 +354,7 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
         fn.check_traps()
     args, kwargs = positional_result(fn, args, kwargs)
     bound, options = bind_arguments(fn, args, kwargs)
+    refuse_written_struct(fn, bound, fn.bwds_label)
     bound = values_read(fn, bound)
     warn_struct_fields(fn, bound)
     refuse_shared_result_grad(fn, bound, kwargs.get("_result"))
@@ -333,9 +369,9 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
         b = _Backward(fn, scope)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         if deterministic:
-            b.separate = _shared_grads(bound)
+            b.separate = shared_grads(bound)
             if b.shape is None:
-                b.untracked += _maybe_broadcast(bound, result)
+                b.untracked += maybe_broadcast(bound, result)
         use_wrapper = fn.signature.has_diff_inout
         native_kwargs: dict[str, Any] = {}
         for p, value in bound:
@@ -353,7 +389,7 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
                     "pydiff.Tensor (pydiff.tensor(...)) so pydiff can bind its gradient buffers"
                 )
             else:
-                native_kwargs[p.name] = deep_bind(value)
+                native_kwargs[p.name] = b.struct_arg(p, value)
         native_args = list(native_kwargs.values())
         native_result = b.result_arg(result)
         if native_result is not MISSING:
@@ -371,48 +407,3 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
         b.finish()
-
-
-_GENERATED_ARGS = {"GridArg", "CallIdArg", "ThreadIdArg", "WangHashArg", "RandFloatArg"}
-
-
-def _maybe_broadcast(bound: list, result: Any) -> list[str]:
-    """When pydiff cannot tell a call's shape, the vectorised inputs that may be broadcast
-    (smaller than another argument, or beside a grid/call-id argument): their gradients may
-    be added with float atomics, which deterministic mode must not keep quiet about."""
-    tensors = [v for _, v in bound if type(v) is Tensor] + (
-        [result] if type(result) is Tensor else []
-    )
-    largest = max(
-        [t.numel for t in tensors] + [v.size for _, v in bound if isinstance(v, np.ndarray)],
-        default=0,
-    )
-    generated = any(type(v).__name__ in _GENERATED_ARGS for _, v in bound)
-    found = []
-    for p, v in bound:
-        if (
-            type(v) is Tensor
-            and p.tensor_kind is None
-            and p.differentiable
-            and v.requires_grad
-            and (generated or v.numel < largest)
-        ):
-            found.append(
-                f"pydiff cannot tell the shape of this call (a grid/call-id argument, or a tensor "
-                f"whose element type differs from its parameter's), so parameter '{p.name}' may be "
-                "broadcast and its gradient added with float atomics; pass tensors whose dtype "
-                "matches each parameter (e.g. dtype='float3') to let pydiff sum it in order"
-            )
-    return found
-
-
-def _shared_grads(bound: list) -> set[int]:
-    """Gradient buffers that more than one parameter of this call adds into: their atomic
-    adds to one element would meet in any order, so each gets a buffer of its own."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for p, value in bound:
-        if type(value) is Tensor and value.grad_out is not None and p.writes_gradient:
-            key = id(value.grad_out.storage)
-            (shared if key in seen else seen).add(key)
-    return shared

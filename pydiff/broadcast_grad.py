@@ -26,39 +26,73 @@ import slangpy as spy
 from .signature import FunctionTarget
 from .tensor import Tensor
 
-EXPANDABLE = ("float", "half")  # gradient dtypes the reduction kernels read
-_FLOAT_AGGREGATE = re.compile(r"^(vector<float,(\d+)>|matrix<float,(\d+),(\d+)>)$")
+EXPANDABLE = ("float", "half")  # scalars the reduction kernels read (and their vectors, matrices)
+_AGGREGATE = re.compile(
+    r"^(?:vector<(float|half),(\d+)>|matrix<(float|half),(\d+),(\d+)>|(float|half)\[(\d+)\])$"
+)
+_GENERATED = {"CallIdArg", "ThreadIdArg", "WangHashArg", "RandFloatArg"}  # no part of the shape
 
 
-def float_components(t: Tensor) -> int:
-    """How many floats one gradient element of ``t`` is: 1 for float, N for a float vector,
-    R*C for a float matrix (SlangPy packs them tightly); 0 when pydiff cannot sum it."""
+def _aggregate(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(scalar, element shape) of a float/half vector, matrix or array type name, else None."""
+    m = _AGGREGATE.match(name.replace(" ", ""))
+    if not m:
+        return None
+    if m.group(1):
+        return m.group(1), (int(m.group(2)),)
+    if m.group(6):
+        return m.group(6), (int(m.group(7)),)
+    return m.group(3), (int(m.group(4)), int(m.group(5)))
+
+
+def components(t: Tensor) -> tuple[str, int]:
+    """(scalar, count) of one gradient element of ``t``: ('float', 1) for float, ('float', N)
+    for a float vector, ('half', R*C) for a half matrix (SlangPy packs them tightly);
+    ('', 0) when pydiff cannot sum it."""
     native = t.grad_out.native if t.grad_out is not None else None
     if native is None or not native.is_contiguous():
-        return 0
+        return "", 0
     name = native.dtype.full_name.replace(" ", "")
-    if name == "float":
-        return 1
-    m = _FLOAT_AGGREGATE.match(name)
-    if not m:
-        return 0
-    return int(m.group(2)) if m.group(2) else int(m.group(3)) * int(m.group(4))
+    if name in EXPANDABLE:
+        return name, 1
+    found = _aggregate(name)
+    if found is None:
+        return "", 0
+    return found[0], math.prod(found[1])
 
 
 def expandable(t: Tensor) -> bool:
-    """Whether pydiff sums ``t``'s broadcast gradient itself (float/half, float vectors and
+    """Whether pydiff sums ``t``'s broadcast gradient itself (float/half, their vectors and
     matrices)."""
-    return t.grad_out.dtype in EXPANDABLE or float_components(t) > 1
+    return components(t)[1] > 0
 
 
-def _as_floats(device: Any, x: spy.Tensor, shape: list[int], k: int) -> spy.Tensor:
-    """A contiguous tensor of k-float elements seen as floats, with a last axis of k."""
+def element_axes(p: Any, t: Tensor) -> int | None:
+    """How many trailing axes of ``t`` one element of parameter ``p`` takes: 0 when ``t``'s
+    element type is the parameter's, 1 for a float tensor of shape (..., N) passed to a
+    float<N> parameter, 2 for (..., R, C) to a floatRxC one; None when pydiff cannot tell."""
+    return _element_axes(p.type_name, t)
+
+
+def _element_axes(type_name: str, t: Tensor) -> int | None:
+    name = t.native.dtype.full_name
+    if name == type_name:
+        return 0
+    found = _aggregate(type_name)
+    if found is None or found[0] != name.replace(" ", ""):
+        return None
+    k = len(found[1])
+    return k if tuple(t.shape[-k:]) == found[1] and len(t.shape) >= k else None
+
+
+def _as_scalars(device: Any, x: spy.Tensor, shape: list[int], k: int, scalar: str) -> spy.Tensor:
+    """A contiguous tensor of k-scalar elements seen as scalars, with a last axis of k."""
     dims = [*shape, k]
     strides, step = [], 1
     for d in reversed(dims):
         strides.append(step)
         step *= d
-    return spy.Tensor(x.storage, device.dtype("float"), dims, strides[::-1], x.offset * k)
+    return spy.Tensor(x.storage, device.dtype(scalar), dims, strides[::-1], x.offset * k)
 
 
 _MIN_CHUNK = 64  # fewest elements one thread sums
@@ -69,27 +103,32 @@ def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] 
     """The shape SlangPy vectorises the call over, or None when pydiff cannot tell.
 
     NumPy's right-aligned broadcast of the vectorised tensor arguments (and the result).
-    A tensor whose element type differs from its parameter's (a float tensor for a float3
-    parameter), or an argument such as spy.grid, could add dimensions: None then.
+    A float tensor for a float vector or matrix parameter contributes its shape without the
+    element's axes; spy.call_id/thread_id/wang_hash/rand_float nothing (they follow the call
+    shape). Any other element type mismatch, or an argument of unknown shape: None.
     """
     shapes = []
     for p, value in bound:
         if type(value) is Tensor:
             if p.tensor_kind is not None:
                 continue  # whole-tensor parameters do not vectorise
-            if value.native.dtype.full_name != p.type_name:
+            k = element_axes(p, value)
+            if k is None:
                 return None
-            shapes.append(value.shape)
+            shapes.append(value.shape[: len(value.shape) - k])
         elif value is None or isinstance(value, (bool, int, float)):
+            continue
+        elif type(value).__name__ in _GENERATED:
             continue
         elif _plain_grid(value):
             shapes.append(tuple(int(d) for d in value.shape))
         else:
             return None
     if type(result) is Tensor:
-        if result.native.dtype.full_name != fn.signature.return_type:
+        k = _element_axes(fn.signature.return_type, result)
+        if k is None:
             return None
-        shapes.append(result.shape)
+        shapes.append(result.shape[: len(result.shape) - k])
     if not shapes:
         return None
     try:
@@ -106,15 +145,28 @@ def _plain_grid(value: Any) -> bool:
     return all(int(d) > 0 for d in value.shape)
 
 
-def is_broadcast(t: Tensor, shape: tuple[int, ...] | None) -> bool:
-    """Whether ``t`` is read by more call elements than it has (its gradient is a sum)."""
-    if shape is None or t.shape == shape:
+def _own_shape(t: Tensor, p: Any) -> tuple[int, ...]:
+    """``t``'s shape without the axes one element of ``p`` takes."""
+    k = (element_axes(p, t) or 0) if p is not None else 0
+    return tuple(t.shape[: len(t.shape) - k])
+
+
+def is_broadcast(t: Tensor, shape: tuple[int, ...] | None, p: Any = None) -> bool:
+    """Whether ``t`` (passed to parameter ``p``) is read by more call elements than it has
+    elements of ``p``'s type (its gradient is a sum)."""
+    own = _own_shape(t, p)
+    if shape is None or own == shape:
         return False
-    return math.prod(shape) > t.numel
+    return math.prod(shape) > math.prod(own)
 
 
-def expand(scope: Any, device: Any, t: Tensor, shape: tuple[int, ...], ordinal: int) -> spy.Tensor:
-    """``t``'s values as a stride-0 view of ``shape``, with a zeroed full-shape gradient."""
+def expand(
+    scope: Any, device: Any, t: Tensor, shape: tuple[int, ...] | None, ordinal: int, p: Any = None
+) -> spy.Tensor:
+    """``t``'s values as a stride-0 view of the call ``shape`` (None: ``t``'s own), with a
+    zeroed full-shape gradient (a float tensor for a float3 parameter keeps its last axis)."""
+    own = _own_shape(t, p)
+    shape = tuple(shape if shape is not None else own) + tuple(t.shape[len(own) :])
     grad_dtype = t.grad_dtype
     key = ("broadcast-grad", shape, grad_dtype.full_name, ordinal)
     if key not in device.scratch:
@@ -181,11 +233,11 @@ def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     x = full
     target = tuple(t.shape)
     grad = t.grad_out.native
-    k = float_components(t)
-    if k > 1:  # float vectors/matrices: sum them as floats with a last axis of k
-        x = _as_floats(device, full, shape, k)
-        grad = _as_floats(device, grad, list(t.shape), k)
-        shape, target, dtype = [*shape, k], (*target, k), "float"
+    scalar, k = components(t)
+    if k > 1:  # vectors/matrices: sum them as scalars with a last axis of k
+        x = _as_scalars(device, full, shape, k, scalar)
+        grad = _as_scalars(device, grad, list(t.shape), k, scalar)
+        shape, target, dtype = [*shape, k], (*target, k), scalar
     runs = _reduced_runs(tuple(shape), target) or [(0, 0)]  # none: one pass converts
     for a, b in runs:
         outer = math.prod(shape[:a])
@@ -197,7 +249,7 @@ def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     numel = max(t.numel, 1) * max(k, 1)
     grad = grad.view((numel,))
     scope.dispatch(
-        lib.add_into["float" if k > 1 else t.grad_out.dtype],
+        lib.add_into[scalar],
         spy.grid((numel,)),
         x.view((numel,)),
         grad,

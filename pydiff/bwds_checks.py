@@ -1,8 +1,10 @@
 """Checks and buffers of a ``.bwds`` call before anything runs: the result given
-positionally (as SlangPy takes it), in-place parameters holding what the call wrote (the
-values it read are used instead, or the call is refused), a result sharing an input's
-gradient buffer, tensors that want a gradient where none flows, and the buffers a backward
-kernel writes forward values into.
+positionally (as SlangPy takes it), parameters holding what the call wrote (in place, or
+through another parameter or ``_result``: the values it read are used instead, or the call
+is refused), an upstream gradient (of the result or a written parameter) sharing an input's
+gradient buffer, written struct arguments (SlangPy cannot build their backward), tensors
+that want a gradient where none flows, parameters deterministic mode must sum apart, and
+the buffers a backward kernel writes forward values into.
 
     args, kwargs = positional_result(fn, (x, y), {})      # -> (x,), {"_result": y}
     bound = values_read(fn, bound)
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
 from .errors import warn_once
@@ -42,26 +45,54 @@ def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
 
 
 def values_read(fn: FunctionTarget, bound: list) -> list:
-    """A parameter the call reads and writes, holding what this function's forward call
-    wrote: ``.bwds`` differentiates at the value the call read, kept by the forward call
-    (for tensors with gradient buffers); without that copy, refused."""
+    """A parameter whose values this function's latest forward call read and then overwrote
+    (in place, or through another parameter or ``_result``): ``.bwds`` differentiates at the
+    values the call read, kept by the forward call (``Storage.before``); without that copy,
+    refused."""
     out = []
     for p, value in bound:
-        if type(value) is Tensor and p.in_place and value.storage.last_writer == fn.call_label:
-            kept = value.storage.before
-            if kept is None or kept[0] != value.storage.version or kept[1].shape != value.shape:
-                raise ValueError(
-                    f"{fn.bwds_label}: parameter '{p.name}' ({p.type_name}) was overwritten "
-                    f"by {fn.call_label}, so it holds the value the call wrote, not the value "
-                    "it read, and .bwds would differentiate at the wrong point (pydiff keeps "
-                    "the value read only for tensors that had gradient buffers at the call). "
-                    "Give the tensor gradient buffers before the call (requires_grad=True / "
-                    f".with_grads()), record the call on a pydiff.Tape, or keep a copy before "
-                    f"the call (before = {p.name}.clone()) and pass it to .bwds"
-                )
-            value = with_values_of(value, kept[1])
+        if type(value) is Tensor and p.reads_value:
+            st = value.storage
+            kept = st.before
+            if (
+                kept is not None
+                and kept[0] == st.version
+                and st.last_writer == fn.call_label
+                and p.name in st.read_by_writer  # not a later call's read at another one
+            ):
+                if st.reread:
+                    raise ValueError(_read_again(fn, p))
+                if kept[1] is None or kept[1].shape != value.shape:
+                    raise ValueError(_overwritten(fn, p, value))
+                value = with_values_of(value, kept[1])
         out.append((p, value))
     return out
+
+
+def _overwritten(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> str:
+    grads = (
+        "Give the tensor gradient buffers before the call (requires_grad=True / "
+        ".with_grads()), record the call on a pydiff.Tape, or keep"
+        if t.differentiable
+        else "Record the call on a pydiff.Tape, or keep"
+    )
+    return (
+        f"{fn.bwds_label}: parameter '{p.name}' ({p.type_name}) was overwritten by "
+        f"{fn.call_label}, so it holds the value the call wrote, not the value it read, and "
+        ".bwds would differentiate at the wrong point (off a tape, pydiff keeps the value read "
+        "only for tensors that had gradient buffers at the call, of the shape passed here). "
+        f"{grads} a copy before the call (before = {p.name}.clone()) and pass it to .bwds"
+    )
+
+
+def _read_again(fn: FunctionTarget, p: ParamInfo) -> str:
+    return (
+        f"{fn.bwds_label}: parameter '{p.name}' holds values that {fn.call_label} read and "
+        f"then overwrote, and a later {fn.call_label} read them again at '{p.name}': .bwds "
+        "cannot tell which of the two calls it differentiates. Keep a copy of the values each "
+        f"call read (before = {p.name}.clone()) and pass it to .bwds, or record the calls on "
+        "a pydiff.Tape"
+    )
 
 
 def with_values_of(t: Tensor, before: Tensor) -> Tensor:
@@ -78,19 +109,39 @@ def with_values_of(t: Tensor, before: Tensor) -> Tensor:
 
 
 def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> None:
-    """The result's upstream gradient and an input's gradient in one buffer: the backward
-    would add the input's gradient to the upstream it reads (in place through _result)."""
-    if type(result) is not Tensor or result.grad_in is None:
-        return
-    for p, value in bound:
-        if type(value) is Tensor and value.grad_out is not None and p.reads_value:
-            if value.grad_out.storage is result.grad_in.storage:
+    """An upstream gradient (of the result, or of a parameter the call writes) and another
+    parameter's gradient in one buffer: the backward would add that input's gradient to the
+    upstream it reads (a call writing its own input through _result or another parameter)."""
+    upstream = [(f"parameter '{p.name}'", i, v) for i, (p, v) in enumerate(bound) if p.writes_value]
+    upstream.append(("_result", -1, result))
+    for what, j, w in upstream:
+        if type(w) is not Tensor or w.grad_in is None:
+            continue
+        for i, (p, value) in enumerate(bound):
+            if i == j or type(value) is not Tensor or value.grad_out is None:
+                continue
+            if p.reads_value and value.grad_out.storage is w.grad_in.storage:
                 raise ValueError(
-                    f"{fn.bwds_label}: _result's gradient buffer is also the gradient buffer of "
-                    f"parameter '{p.name}' (the call wrote its input through _result?): the "
+                    f"{fn.bwds_label}: {what}'s gradient buffer is also the gradient buffer of "
+                    f"parameter '{p.name}' (the call wrote its input through {what}?): the "
                     "input's gradient would be added to the upstream gradient it is computed "
-                    "from. Pass the result and the input with gradient buffers of their own"
+                    "from. Pass the written tensor and the input with gradient buffers of their "
+                    "own (x.with_grads(...))"
                 )
+
+
+def refuse_written_struct(fn: FunctionTarget, bound: list, where: str) -> None:
+    """A struct argument (a dict) the call writes (``out``/``inout``): SlangPy 0.43's
+    backward of it fails inside its generated code, so it is refused first, with the fix."""
+    for p, value in bound:
+        if p.writes_value and isinstance(value, dict):
+            raise TypeError(
+                f"{where}: parameter '{p.name}' is an {p.io} {p.type_name} given as a dict (a "
+                "struct the call writes): SlangPy 0.43 cannot build the backward of a function "
+                "that writes a struct argument (its generated code fails to compile). Return "
+                "the struct as the function's result instead, or write each field through an "
+                "out/inout parameter (or a tensor) of its own"
+            )
 
 
 def positional_result(fn: FunctionTarget, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -104,3 +155,49 @@ def positional_result(fn: FunctionTarget, args: tuple, kwargs: dict) -> tuple[tu
             "as _result=; pass it once"
         )
     return args[:-1], {**kwargs, "_result": args[-1]}
+
+
+_GENERATED_ARGS = {"GridArg", "CallIdArg", "ThreadIdArg", "WangHashArg", "RandFloatArg"}
+
+
+def maybe_broadcast(bound: list, result: Any) -> list[str]:
+    """When pydiff cannot tell a call's shape, the vectorised inputs that may be broadcast
+    (smaller than another argument, or beside a grid/call-id argument): their gradients may
+    be added with float atomics, which deterministic mode must not keep quiet about."""
+    tensors = [v for _, v in bound if type(v) is Tensor] + (
+        [result] if type(result) is Tensor else []
+    )
+    largest = max(
+        [t.numel for t in tensors] + [v.size for _, v in bound if isinstance(v, np.ndarray)],
+        default=0,
+    )
+    generated = any(type(v).__name__ in _GENERATED_ARGS for _, v in bound)
+    found = []
+    for p, v in bound:
+        if (
+            type(v) is Tensor
+            and p.tensor_kind is None
+            and p.differentiable
+            and v.requires_grad
+            and (generated or v.numel < largest)
+        ):
+            found.append(
+                f"pydiff cannot tell the shape of this call (a grid without a fixed shape, a "
+                f"struct argument, or a tensor whose element type pydiff cannot match to its "
+                f"parameter's), so parameter '{p.name}' may be "
+                "broadcast and its gradient added with float atomics; pass tensors whose dtype "
+                "matches each parameter (e.g. dtype='float3') to let pydiff sum it in order"
+            )
+    return found
+
+
+def shared_grads(bound: list) -> set[int]:
+    """Gradient buffers that more than one parameter of this call adds into: their atomic
+    adds to one element would meet in any order, so each gets a buffer of its own."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for p, value in bound:
+        if type(value) is Tensor and value.grad_out is not None and p.writes_gradient:
+            key = id(value.grad_out.storage)
+            (shared if key in seen else seen).add(key)
+    return shared

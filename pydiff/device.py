@@ -119,6 +119,10 @@ class Device:
         self.queue = CommandQueue(native)
         self.kernels = KernelCache(native, shader_dir(), self.queue)
         self._per_thread = threading.local()
+        # The shared per-device state below (the library, dtypes, the memo) is filled lazily
+        # by whichever thread comes first: the lock makes that a check-and-fill, never a
+        # lookup racing another thread's eviction of the same key.
+        self._lock = threading.RLock()
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
         self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS)
@@ -155,6 +159,10 @@ class Device:
     @property
     def library(self) -> spy.Module:
         """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module."""
+        with self._lock:
+            return self._load_library()
+
+    def _load_library(self) -> spy.Module:
         if self._library is None:
             # By name, as a user's `import pydiff;` finds it: with a module cache, loading it
             # by path makes a second copy whose types (FwdDiffTensor<N>) differ from theirs.
@@ -163,6 +171,13 @@ class Device:
 
     def dtype(self, name: str) -> Any:
         """SlangPy's reflection of the Slang element type ``name`` ('float', 'float3', ...)."""
+        found = self._dtypes.get(name)
+        if found is not None:
+            return found
+        with self._lock:
+            return self._dtype(name)
+
+    def _dtype(self, name: str) -> Any:
         found = self._dtypes.get(name)
         if found is None:
             try:
@@ -177,9 +192,10 @@ class Device:
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()`` once per key on this device (for objects built by higher layers; the
         ``CACHED_MAX_ITEMS`` most recently used are kept)."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = make()
+            return self._cache[key]
 
     def flush(self) -> None:
         """Submit the work queued on this device (before reading results on the host)."""
@@ -202,6 +218,9 @@ class Device:
 
 
 _ordinals = itertools.count(1)
+# Opening a device (and the default one) is one step per process: two threads asking at once
+# get the same Device, not two devices whose tensors would not mix.
+_open_lock = threading.RLock()
 _open_devices: dict[tuple, Device] = {}
 _failed_types: dict[str, str] = {}
 _default: Device | None = None
@@ -244,6 +263,13 @@ def open_device(
     """Open (or return the already open) device of a normalised type name, include paths and
     cache folder (see compile_cache.root); DeviceUnavailableError when it cannot be opened
     (remembered: later calls fail fast)."""
+    with _open_lock:
+        return _open_device(type_name, include_paths, cache_dir)
+
+
+def _open_device(
+    type_name: str, include_paths: tuple[str, ...], cache_dir: str | os.PathLike | bool | None
+) -> Device:
     base = compile_cache.root(cache_dir)
     key = (type_name, include_paths, str(base))
     if key in _open_devices:
@@ -329,9 +355,10 @@ def available_devices() -> list[str]:
 def default_device() -> Device:
     """The device used when ``device=`` is omitted; opened on first use."""
     global _default
-    if _default is None:
-        _default = create_device("auto")
-    return _default
+    with _open_lock:
+        if _default is None:
+            _default = create_device("auto")
+        return _default
 
 
 def set_default_device(device: Device | str | spy.Device | None) -> None:
@@ -355,13 +382,19 @@ def resolve_device(device: Device | str | None) -> Device:
     if isinstance(device, str):
         return create_device(device)
     if isinstance(device, spy.Device):
-        for dev in _open_devices.values():
-            if dev.native is device:
-                return dev
-        dev = Device(device, str(device.info.type).split(".")[-1])
-        _open_devices[("slangpy", (str(id(device)),))] = dev
-        return dev
+        with _open_lock:
+            return _wrap_native(device)
     raise TypeError(f"device={device!r}: expected a pydiff.Device, a type name or None")
+
+
+def _wrap_native(device: spy.Device) -> Device:
+    """The Device of a slangpy.Device pydiff did not open (made once)."""
+    for dev in _open_devices.values():
+        if dev.native is device:
+            return dev
+    dev = Device(device, str(device.info.type).split(".")[-1])
+    _open_devices[("slangpy", (str(id(device)),))] = dev
+    return dev
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,7 +55,8 @@ class GradcheckError(PydiffError, AssertionError):
 
 
 class GradientOverflowError(PydiffError, OverflowError):
-    """A fixed-point gradient left its range, or a contribution was NaN/inf."""
+    """A fixed-point gradient's finite contribution or partial sum left its range (inf and
+    NaN are carried, as IEEE sums give them)."""
 
 
 class ShaderTrapWarning(UserWarning):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
 from .arguments import (
     MISSING,
     PLAIN,
+    map_tensors,
+    nested_tensors,
     bind_arguments,
     prepare_arguments,
     check_device,
@@ -21,8 +24,9 @@ from .arguments import (
     resolve_error,
 )
 from .backward_call import backward_call
-from .bwds_checks import with_values_of
+from .bwds_checks import refuse_written_struct, with_values_of
 from .errors import warn_once
+from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
 from .tape import Tape, active_tape
 from .tensor import Tensor
@@ -65,95 +69,227 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if isinstance(result, Tensor):
         check_device(fn, result, "_result")
         options["_result"] = result.bind(True)
+    elif result is not MISSING:
+        _check_host_result(fn, bound, result)
     tape = active_tape()
-    if tape is not None and isinstance(result, Tensor):
-        _refuse_result_alias(fn, bound, result)
-    snapshots = _snapshot_in_place(bound, tape is not None)
+    aliased = _aliased_reads(fn, bound, result)
+    needs_grad = any(p.reads_value and _any_grad(v) for p, v in bound)
+    if tape is not None and needs_grad:
+        _refuse_aliases(fn, bound, result, aliased)
+        if fn.signature.differentiable:
+            refuse_written_struct(fn, bound, f"{fn.label} on a tape")
+    snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
+    _mark_reread(fn, bound)
     # Positional: SlangPy's keyword path costs ~10 us more per call.
     try:
         out = _wrap_result(fn, fn.native(*native_args, **options), result)
     except Exception as exc:
         raise resolve_error(fn, exc) from None
-    label = fn.call_label
-    for i in fn.signature.written:
-        value = bound[i][1]
-        if type(value) is Tensor:
-            value.storage.wrote(label)
-            if i in snapshots:  # the values read, for this call's .bwds
-                value.storage.before = (value.storage.version, snapshots[i])
-    if type(out) is Tensor and out is result:
-        out.storage.wrote(label)
+    _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
     return out
 
 
-def _refuse_result_alias(fn: FunctionTarget, bound: list, result: Tensor) -> None:
-    """On a tape, ``_result=`` naming a tensor the call also reads would be an in-place
-    update through the result, whose backward needs the value before the call (and two
-    gradients in one buffer): refused, with the way out."""
-    for p, value in bound:
-        if type(value) is Tensor and p.reads_value and value.storage is result.storage:
+def _check_host_result(fn: FunctionTarget, bound: list, result: Any) -> None:
+    """A forward call's ``_result`` that is not a pydiff tensor. A number has nowhere to put
+    the values (SlangPy hands it back unchanged); a NumPy array, which SlangPy writes into,
+    must hold the function's values (no integers for a float result), be C-contiguous, and
+    be as large as the call (else several call elements write one element: a race)."""
+    if isinstance(result, (bool, int, float, np.generic)):
+        raise TypeError(
+            f"{fn.label}: _result={result!r}: a number as _result only seeds the result's "
+            "gradient in .bwds; a forward call writes its result into _result='tensor', "
+            "'numpy', or a tensor or C-contiguous array of the call's shape"
+        )
+    if type(result) is not np.ndarray:
+        return
+    returns = fn.signature.return_type
+    base = element_base(returns)
+    if base in ("float", "half", "double") and result.dtype.kind not in "fc":
+        raise TypeError(
+            f"{fn.label}: _result is a NumPy array of dtype {result.dtype} but the function "
+            f"returns {returns}: every value would be truncated; pass a float32 array or "
+            "_result='numpy'"
+        )
+    if not result.flags.c_contiguous:
+        raise TypeError(
+            f"{fn.label}: _result is a NumPy array with strides {result.strides} (a view "
+            "that is not C-contiguous), which SlangPy cannot write into; pass a contiguous "
+            "array (np.empty(shape, np.float32)) or _result='numpy', then copy into the view"
+        )
+    edims = 0 if base == returns.strip() else returns.count(",")  # vector 1, matrix 2
+    call = result.shape[: result.ndim - edims] if edims else result.shape
+    shapes = [
+        v.shape
+        for p, v in bound
+        if (type(v) is Tensor and p.tensor_kind is None and v.native.dtype.full_name == p.type_name)
+        or (type(v) is np.ndarray and element_base(p.type_name) == p.type_name.strip())
+    ]
+    try:
+        args = tuple(int(d) for d in np.broadcast_shapes(*shapes))
+        whole = tuple(int(d) for d in np.broadcast_shapes(args, call))
+    except ValueError:
+        return  # SlangPy reports shapes that do not broadcast
+    if base is not None and whole != tuple(call):
+        raise ValueError(
+            f"{fn.label}: _result is a NumPy array of shape {result.shape} but the arguments "
+            f"broadcast to shape {args}: several call elements would write the same result "
+            f"element (a race). Pass an array for call shape {whole}, or _result='numpy'"
+        )
+
+
+def _aliased_reads(fn: FunctionTarget, bound: list, result: Any) -> dict[int, str]:
+    """Parameters whose values the call reads from a storage that another parameter (or
+    ``_result``) of the same call writes: {index: what writes it}. Such a call overwrites an
+    input it read, as an in-place parameter does."""
+    writers: dict[int, list[int]] = {}  # id(storage) -> writing parameters (-1: the result)
+    for j in fn.signature.written:
+        v = bound[j][1]
+        for t in (v,) if type(v) is Tensor else () if type(v) in PLAIN else nested_tensors(v):
+            writers.setdefault(id(t.storage), []).append(j)  # or tensors in a struct's fields
+    if type(result) is Tensor:
+        writers.setdefault(id(result.storage), []).append(-1)
+    if not writers:
+        return {}
+    found: dict[int, str] = {}
+    for i, (p, value) in enumerate(bound):
+        if type(value) in PLAIN or not p.reads_value:
+            continue
+        for t in (value,) if type(value) is Tensor else nested_tensors(value):
+            others = [j for j in writers.get(id(t.storage), ()) if j != i]
+            if others:
+                j = others[0]
+                found[i] = "_result" if j == -1 else f"parameter '{bound[j][0].name}'"
+                break
+    return found
+
+
+def _refuse_aliases(fn: FunctionTarget, bound: list, result: Any, aliased: dict) -> None:
+    """On a tape, a call that writes a tensor it also reads through another parameter (or
+    through ``_result``) would need the value before the call, and two gradients in one
+    buffer: refused, with the way out."""
+    for i, what in aliased.items():
+        p = bound[i][0]
+        if what == "_result":
             raise ValueError(
-                f"{fn.label}: _result is the tensor passed as parameter '{p.name}' (or a view of "
-                "its storage): on a tape, a call may not overwrite its own input through "
+                f"{fn.label}: _result is the tensor passed as parameter '{p.name}' (or a view "
+                "of its storage): on a tape, a call may not overwrite its own input through "
                 "_result. Write to a new tensor (_result='tensor') and use that, or make the "
-                f"parameter inout in the shader"
+                "parameter inout in the shader"
             )
+        raise ValueError(
+            f"{fn.label}: {what}, which the call writes, is the tensor passed as parameter "
+            f"'{p.name}', which it reads (or a view of its storage): on a tape, a call may not "
+            "overwrite its own input through another parameter. Pass a new tensor to write "
+            "into and use that, or make one inout parameter read and write the value"
+        )
 
 
-def _snapshot_in_place(bound: list, recording: bool) -> dict[int, Tensor]:
-    """Copies of in-place arguments taken before the call: their backward needs them (on a
-    tape always; off a tape for tensors with gradient buffers, for an explicit ``.bwds``)."""
-    return {
-        i: value.clone()
-        for i, (p, value) in enumerate(bound)
-        if p.in_place
-        and type(value) is Tensor
-        and (p.differentiable or p.is_diff_tensor)
-        and (recording or value.requires_grad)
-    }
+def _snapshot_read_values(
+    fn: FunctionTarget, bound: list, aliased: dict, recording: bool
+) -> dict[int, Tensor]:
+    """Copies taken before the call of the values it reads and overwrites (in-place
+    parameters, inputs aliasing a written parameter or ``_result``): their backward reruns
+    the forward on them. Taken on a tape for every such tensor of a differentiable function,
+    off a tape for tensors with gradient buffers (for an explicit ``.bwds``); one copy per
+    storage."""
+    copies: dict[tuple, Tensor] = {}
+
+    def copy(t: Tensor) -> Tensor:
+        key = (id(t.storage), t.shape)
+        if key not in copies:
+            copies[key] = t.clone()
+        return copies[key]
+
+    out: dict[int, Any] = {}
+    for i, (p, value) in enumerate(bound):
+        if type(value) in PLAIN or not (p.in_place or i in aliased):
+            continue
+        if not (_any_grad(value) or (recording and fn.signature.differentiable)):
+            continue
+        if type(value) is Tensor:
+            out[i] = copy(value)
+        elif nested_tensors(value):  # an inout struct with tensor fields: copy each
+            out[i] = map_tensors(value, copy)
+    return out
+
+
+def _count_writes(
+    fn: FunctionTarget, bound: list, result: Tensor | None, snapshots: dict[int, Tensor]
+) -> None:
+    """Count the call's writes, and mark storages the call read and overwrote with the
+    values it read (``Storage.before``: the copy, or None when none was kept), so that an
+    explicit ``.bwds`` of this call differentiates at them or refuses."""
+    label = fn.call_label
+    storages = set()
+    for t in [bound[i][1] for i in fn.signature.written] + [result]:
+        for u in (t,) if type(t) is Tensor else () if t is None else nested_tensors(t):
+            u.storage.wrote(label)  # the tensor, or those in a written struct's fields
+            storages.add(id(u.storage))
+    if not storages:
+        return
+    for i, (p, value) in enumerate(bound):
+        if type(value) is Tensor and p.reads_value and id(value.storage) in storages:
+            st = value.storage
+            st.read_by_writer += (p.name,)
+            if st.before is None or snapshots.get(i) is not None:
+                st.before = (st.version, snapshots.get(i))
+
+
+def _mark_reread(fn: FunctionTarget, bound: list) -> None:
+    """Values this function overwrote after reading them at a parameter, read again at that
+    parameter by this call: an explicit ``.bwds`` could mean either call (refused there)."""
+    for p, value in bound:
+        if type(value) is Tensor and value.storage.last_writer == fn.call_label:
+            if p.name in value.storage.read_by_writer:
+                value.storage.reread = True  # reset if this call writes the values again
 
 
 def _record(
     tape: Tape, fn: FunctionTarget, bound: list, options: dict, out: Any, snapshots: dict
 ) -> None:
     """Put a forward call on the tape, giving its outputs gradient buffers when needed."""
-    reads, writes, values = [], [], []
+    reads, writes, values, plain, views = [], [], [], [], []
     needs_grad = False
     for i, (p, value) in enumerate(bound):
-        if type(value) is not Tensor:
+        tensors = nested_tensors(value)  # the tensor itself, or those in a struct's fields
+        if not tensors:
             values.append(value)
             continue
-        needs_grad = needs_grad or (p.reads_value and value.requires_grad)
+        desc = f"parameter '{p.name}' of {fn.label}"
+        needs_grad = needs_grad or (p.reads_value and _any_grad(value))
         if i in snapshots:
-            # The backward reads the value before the call (the copy) and adds into the
-            # gradient buffers of the tensor the caller holds.
-            snap = snapshots[i]
-            view = with_values_of(value, snap)
-            reads.append((f"parameter '{p.name}' of {fn.label}", snap))
-            writes.append(value)
-            values.append((view, value))
-            continue
-        if p.reads_value:
-            reads.append((f"parameter '{p.name}' of {fn.label}", value))
-        if p.writes_value:
-            writes.append(value)
-        values.append(value)
+            # The backward reads the values before the call (the copies) and adds into the
+            # gradient buffers of the tensors the caller holds.
+            copies = nested_tensors(snapshots[i])
+            pairs = [(with_values_of(t, c), t) for t, c in zip(tensors, copies)]
+            views += pairs
+            reads += [(desc, c) for c in copies]
+            writes += tensors
+            it = iter(v for v, _ in pairs)
+            values.append(map_tensors(value, lambda t: next(it)))
+        else:
+            if p.reads_value:
+                reads += [(desc, t) for t in tensors]
+            if p.writes_value:
+                writes += tensors
+            values.append(value)
+        if p.writes_value and not (p.differentiable or p.is_diff_tensor):
+            plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
     if type(out) is Tensor:
         writes.append(out)
     if not needs_grad:
         return  # constants as far as gradients go
     if not fn.signature.differentiable:
-        _record_cut(tape, fn, reads, writes)
+        _record_cut(tape, fn, reads, writes, [t for _, t in views])
         return
     for t in writes:
-        if not t.requires_grad:
+        if not t.requires_grad and t.differentiable and all(t is not u for u in plain):
             t.requires_grad_(True)
-    for v in values:
-        if type(v) is tuple:  # in-place: the view shares the (maybe new) gradient buffers
-            v[0].share_grads(v[1])
-    bwd_values = tuple(v[0] if type(v) is tuple else v for v in values)
+    for view, t in views:  # in-place: the view shares the (maybe new) gradient buffers
+        view.share_grads(t)
+    bwd_values = tuple(values)
     extra = {k: v for k, v in options.items() if k != "_result"}
     if type(out) is Tensor:
         extra["_result"] = out
@@ -164,19 +300,29 @@ def _record(
     tape.record(fn.label, reads, writes, run_backward)
 
 
-def _record_cut(tape: Tape, fn: FunctionTarget, reads: list, writes: list) -> None:
+def _record_cut(
+    tape: Tape, fn: FunctionTarget, reads: list, writes: list, in_place: list[Tensor]
+) -> None:
     """A function without derivatives read a tensor that wants a gradient: its float
     outputs join the tape, so a backward that needs a gradient through them says that none
-    flows (once per call site) instead of leaving the inputs' gradients silently unchanged."""
+    flows (once per call site) instead of leaving the inputs' gradients silently unchanged.
+    An in-place argument's gradient buffer, which held the gradient of the value after the
+    call, is zeroed: none flows to the value before it."""
     outs = [t for t in writes if t.differentiable]
     if not outs:
         return  # integer results (indices, masks): piecewise constant, no gradient to lose
     for t in outs:
         if not t.requires_grad:
             t.requires_grad_(True)
-    wanting = ", ".join(desc for desc, t in reads if t.requires_grad)
+    wanting = ", ".join(
+        [desc for desc, t in reads if t.requires_grad]
+        + (["its in-place argument(s)"] if any(t.requires_grad for t in in_place) else [])
+    )
 
     def run_backward(entry: Any) -> None:
+        for t in in_place:
+            if t.requires_grad:
+                t.zero_grad(t.device.queue.encoder())  # in order with the batched backward
         warn_once(
             f"tape.backward: the gradient flows through {fn.label}, which is not "
             f"[Differentiable], so {wanting} get(s) no gradient through it. Mark it "
@@ -185,3 +331,10 @@ def _record_cut(tape: Tape, fn: FunctionTarget, reads: list, writes: list) -> No
         )
 
     tape.record(fn.label, reads, writes, run_backward)
+
+
+def _any_grad(value: Any) -> bool:
+    """Whether ``value`` is, or holds in its fields, a tensor that wants a gradient."""
+    if type(value) is Tensor:
+        return value.requires_grad
+    return type(value) not in PLAIN and any(t.requires_grad for t in nested_tensors(value))

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .lint_flow import matching as _matching
-from .lint_flow import own_break, promotions
+from .lint_flow import do_while_break, promotions, while_break
 
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
@@ -222,30 +222,22 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
             header = fn.body[loop.end() : close]
             after = fn.body[close + 1 :].lstrip()
             if loop.group(1) == "while" and not after.startswith(";"):
-                short = re.search(r"&&|\|\|", header)
+                short = re.search(r"&&|\|\||\?", header)
                 if short:
                     op = short.group(0)
+                    fix = f"'{op[0]}'" if op != "?" else "'select(c, a, b)'"
                     add(
                         loop.start(),
                         "while-short-circuit",
-                        f"a while loop whose condition uses '{op}' makes SlangPy 0.43 bwds crash "
-                        f"the process (a segfault in the Slang compiler); write the condition "
-                        f"with '{op[0]}' (no short-circuit: both sides are evaluated), or as a "
-                        "for loop: 'for (; a && b; )'",
+                        f"a while loop whose condition uses '{op if op != '?' else '?:'}' makes "
+                        "SlangPy 0.43 bwds crash the process (a segfault in the Slang compiler); "
+                        f"write the condition with {fix} (no short-circuit: all operands are "
+                        "evaluated), or as a for loop: 'for (; cond; )'",
                     )
             if loop.group(1) == "while" and not after.startswith(";"):
-                brk = own_break(fn.body, close + 1)
-                attrs = fn.body[max(0, loop.start() - 80) : loop.start()]
-                unrolled = re.search(r"\[\s*ForceUnroll\s*\]\s*$", attrs)
-                if brk >= 0 and not unrolled and header.strip() not in ("true", "1"):
-                    add(
-                        brk,
-                        "while-break",
-                        f"'break' inside 'while ({header.strip()})': SlangPy 0.43 bwds drops "
-                        "the breaking iteration's derivative (wrong gradients, no error); "
-                        f"write the loop as 'for (; {header.strip()}; )' (same break), or as "
-                        "'while (true)' with the condition as an 'if (...) break;'",
-                    )
+                found = while_break(fn.body, loop.start(), close, set(types))
+                if found:
+                    add(found[0], "while-break", found[1])
             for name in tensors:
                 if re.search(rf"\b{name}\s*\.\s*shape\b", header):
                     add(
@@ -257,15 +249,9 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
                     )
                     break
         for loop in re.finditer(r"\bdo\s*\{", fn.body):
-            brk = own_break(fn.body, loop.end() - 1)
-            if brk >= 0:
-                add(
-                    brk,
-                    "do-while-break",
-                    "'break' inside a do { } while loop: SlangPy 0.43 can crash the process "
-                    "on it, even in a forward call (a segfault in the Slang compiler); write it as "
-                    "'[MaxIters(n)] for (;;) { ...; if (!(cond)) break; }' (same breaks)",
-                )
+            found = do_while_break(fn.body, loop.end() - 1, set(types))
+            if found:
+                add(found[0], "do-while-break", found[1])
         for offset, message in promotions(fn.params, fn.body):
             add(offset, "scalar-vector-promotion", message)
         scalar = [a for a in accesses if a.kind == "scalar"]

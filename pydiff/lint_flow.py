@@ -1,7 +1,9 @@
 """Control-flow and expression scans behind pydiff.lint: the loop a ``break`` leaves, implicit
 scalar-to-vector promotion. Measured on SlangPy 0.43.1 (docs/traps.md, issue 15).
 
-    own_break(body, body.index("{"))          # offset of the loop's own break, or -1
+    own_breaks(body, body.index("{"))         # offsets of the loop's own breaks
+    while_break(body, loop_start, header_close, {"k"})   # (offset, message) or None
+    do_while_break(body, body.index("{", loop_start), {"k"})
     promotions(["float s", "float3 v"], "{ return s * v; }")   # [(9, "'s * v': ...")]
 """
 
@@ -22,9 +24,9 @@ def matching(src: str, start: int, open_ch: str, close_ch: str) -> int:
     return -1
 
 
-def own_break(body: str, start: int) -> int:
-    """Offset of a ``break`` of the loop whose body starts at ``start``, not one of a nested
-    loop or switch; -1 when none."""
+def own_breaks(body: str, start: int) -> list[int]:
+    """Offsets of the ``break``s of the loop whose body starts at ``start``, not those of a
+    nested loop or switch."""
     i = start + len(body[start:]) - len(body[start:].lstrip())
     block = body.startswith("{", i)
     text = body[i : matching(body, i, "{", "}") if block else body.find(";", i) + 1]
@@ -38,33 +40,144 @@ def own_break(body: str, start: int) -> int:
         )
         text = text[: m.start()] + " " * (stop + 1 - m.start()) + text[stop + 1 :]
         pos = stop + 1
-    b = re.search(r"\bbreak\b", text)
-    return i + b.start() if b else -1
+    return [i + b.start() for b in re.finditer(r"\bbreak\b", text)]
+
+
+_LOOP_LOCAL = re.compile(r"\b([A-Za-z_]\w*)(?:\s*<[^<>;]*>)?\s+([A-Za-z_]\w*)\s*(?=[=;\[,])")
+_ASSIGNED = re.compile(
+    r"(?<![\w.])([A-Za-z_]\w*)\s*(?:\[[^\[\];]*\]|\.\s*\w+)*\s*(?:[-+*/%&|^]|<<|>>)?=(?!=)"
+    r"|(?:\+\+|--)\s*([A-Za-z_]\w*)|(?<![\w.])([A-Za-z_]\w*)\s*(?:\+\+|--)"
+)
+_NOT_TYPES = {"return", "else", "break", "continue", "case", "goto", "do", "in", "out", "inout"}
+
+
+def assigned_before_break(body: str, start: int, int_names: set[str]) -> tuple[int, str] | None:
+    """(offset of the loop's own ``break``, a variable from outside the loop, not an integer,
+    assigned before it in the iteration) for the loop body starting at ``start``; or None."""
+    for brk in own_breaks(body, start):
+        before = body[start:brk]
+        local = {m.group(2) for m in _LOOP_LOCAL.finditer(before) if m.group(1) not in _NOT_TYPES}
+        for m in _ASSIGNED.finditer(before):
+            name = next(g for g in m.groups() if g)
+            if name not in local and name not in int_names and name not in _NOT_TYPES:
+                return brk, name
+    return None
+
+
+def while_break(body: str, loop: int, close: int, int_names: set[str]) -> tuple[int, str] | None:
+    """The ``break`` of ``while (cond) {...}`` (starting at ``loop``, header closing at
+    ``close``) that SlangPy 0.43 differentiates wrongly, with its message; None if right.
+
+    Measured (tests/test_trap_oracle.py): the backward drops the breaking iteration's
+    derivative when a variable from outside the loop (not an integer) is assigned before the
+    ``break`` in that iteration. A guard first (``if (t > c) break; t = ...``), loop locals,
+    integer counters, calls with ``inout`` arguments, ``for``, ``while (true)``,
+    ``[ForceUnroll]``, ``continue`` and ``return`` are all right.
+    """
+    header = body[body.index("(", loop) + 1 : close].strip()
+    attrs = body[max(0, loop - 80) : loop]
+    if header in ("true", "1") or re.search(r"\[\s*ForceUnroll\s*\]\s*$", attrs):
+        return None
+    found = assigned_before_break(body, close + 1, int_names)
+    if found is None:
+        return None
+    return found[0], (
+        f"'break' inside 'while ({header})' after '{found[1]}' is assigned in the same "
+        "iteration: SlangPy 0.43 bwds drops the breaking iteration's derivative (wrong "
+        f"gradients, no error); write the loop as 'for (; {header}; )' (same body), or as "
+        "'while (true)' with the condition as an 'if (...) break;'"
+    )
+
+
+def do_while_break(body: str, brace: int, int_names: set[str]) -> tuple[int, str] | None:
+    """The ``break`` of ``do {...} while (cond);`` (body at ``brace``) that may crash SlangPy
+    0.43, forward call included: measured on ``do { t = 1.5 * t + a; if (t > 5.3) break; }
+    while (t < 100.0);``. Conservative: flagged whenever a variable from outside the loop is
+    assigned before the ``break`` (some such variants, with an int counter, do build); a
+    guard first and ``while (true)`` are right."""
+    end = matching(body, brace, "{", "}")
+    if end < 0 or re.match(r"\s*while\s*\(\s*(true|1)\s*\)", body[end + 1 :]):
+        return None
+    found = assigned_before_break(body, brace, int_names)
+    if found is None:
+        return None
+    return found[0], (
+        f"'break' inside a do {{ }} while loop after '{found[1]}' is assigned in the same "
+        "iteration: SlangPy 0.43 can crash the process on it, even in a forward call (a "
+        "segfault in the Slang compiler); write it as "
+        "'[MaxIters(n)] for (;;) { ...; if (!(cond)) break; }' (same breaks)"
+    )
 
 
 _FLOAT_DECL = re.compile(r"\b(float|half|double)(\d?)\s+([A-Za-z_]\w*)\s*(?=[,;=)]|$)")
-_PROMOTE = re.compile(r"\b([A-Za-z_]\w*)\s*(?=([-+*/])(?!=)\s*([A-Za-z_]\w*)\b(?!\s*[\[(.]))")
+_LOCAL_INIT = re.compile(r"\b(?:float|half|double)1?\s+([A-Za-z_]\w*)\s*=\s*([^;,]*)[;,]")
+_ONE = r"(?:[*/]\s*1(?:\.0*)?[fhl]?|[-+]\s*0(?:\.0*)?[fhl]?)"
+_COPY = re.compile(rf"\(?\s*([A-Za-z_]\w*)\s*\)?\s*{_ONE}?\s*")
+_LEFT = re.compile(  # lookaheads: 'a - s * v' must not consume 's'
+    r"(?<![\w.])(\(\s*)?([A-Za-z_]\w*)(?=(\s*\))?\s*([-+*/])(?!=)\s*([A-Za-z_]\w*)\b(?!\s*[\[(.]))"
+)
+_RIGHT = re.compile(
+    r"(?<![\w.])([A-Za-z_]\w*)(?=\s*([-+])(=)?(?!=)\s*(\(\s*)?([A-Za-z_]\w*)(\s*\))?(?![\w.\[(]))"
+)
+
+
+def _promoted(params: list[str], body: str) -> tuple[set[str], set[str]]:
+    """(float scalars holding a parameter's value as it came, float vector names)."""
+    scalars, vectors = set(), set()
+    for p in params:
+        m = _FLOAT_DECL.search(p)
+        if m and "no_diff" not in p:
+            (scalars if m.group(2) in ("", "1") else vectors).add(m.group(3))
+    vectors |= {m.group(3) for m in _FLOAT_DECL.finditer(body) if m.group(2) not in ("", "1")}
+    for m in _LOCAL_INIT.finditer(body):  # float t = s; float t = s * 1.0: still s itself
+        copy = _COPY.fullmatch(m.group(2))
+        if copy and copy.group(1) in scalars:
+            scalars.add(m.group(1))
+    return scalars, vectors
+
+
+def _unary(body: str, at: int) -> bool:
+    """Whether the + or - just before ``at`` is a unary sign."""
+    prev = body[:at].rstrip()[:-1].rstrip()
+    return not prev or prev[-1] in "=(,?:[{;" or re.search(r"\breturn$", prev) is not None
 
 
 def promotions(params: list[str], body: str) -> list[tuple[int, str]]:
-    """``s * v`` with a float scalar s left of a float vector v: Slang drops ds (issue 15)."""
-    text = ", ".join(params) + ";\n" + body
-    decl = {m.group(3): m.group(2) in ("", "1") for m in _FLOAT_DECL.finditer(text)}
+    """Implicit promotion of a float parameter (or a plain copy of it) to a vector: Slang's
+    backward drops its derivative (issue 15). Measured: ``s op v`` for + - * /, ``v + s``,
+    ``v - s``, ``v += s``, ``v -= s`` (``(s)`` too); ``v * s``, ``v / s``, ``*=``, ``/=``,
+    ``floatN(s)``, ``float3 u = s;``, a float argument to a float3 parameter, and a computed
+    scalar (``2.0 * s``, ``-s``, a value loaded from a tensor) are right."""
+    scalars, vectors = _promoted(params, body)
     out = []
-    for m in _PROMOTE.finditer(body):
-        s, op, v = m.groups()
-        if not decl.get(s) or decl.get(v) is not False:
-            continue
+    for m in _LEFT.finditer(body):
+        opened, s, closed, op, v = m.groups()
+        if s not in scalars or v not in vectors or bool(opened) != bool(closed):
+            continue  # g(s) * v, (s + t) * v: not s alone
         before = body[: m.start()].rstrip()[-1:]
-        if before and (before in "*/" or (before in "+-" and op in "+-")):
-            continue  # (x * s) * v: the left operand is not s alone
-        out.append(
-            (
-                m.start(),
-                f"'{s} {op} {v}': the float '{s}' is promoted implicitly to the vector type of "
-                f"'{v}', and Slang's backward drops its derivative (d{s} = 0, no error); write "
-                f"the splat explicitly: 'floatN({s}) {op} {v}' (or '{v} {op} {s}' where the "
-                "order does not matter)",
-            )
-        )
-    return out
+        if before and (
+            before in "*/" or (before in "+-" and (op in "+-" or _unary(body, m.start())))
+        ):
+            continue  # (x * s) * v, -s * v: the scalar promoted is computed, not s itself
+        out.append((m.start(), _message(f"{s} {op} {v}", s, v, f"floatN({s}) {op} {v}")))
+    for m in _RIGHT.finditer(body):
+        v, op, compound, opened, s, closed = m.groups()
+        after = body[m.end(6) if closed else m.end(5) :].lstrip()[:1]
+        if v not in vectors or s not in scalars or bool(opened) != bool(closed):
+            continue
+        if after and after in "*/" and not opened:
+            continue  # v + s * 2.0: the scalar promoted is computed
+        if compound and after != ";":
+            continue  # v += s * 2.0
+        shown = f"{v} {op}{'=' if compound else ''} {s}"
+        fix = f"{v} {op}{'=' if compound else ''} floatN({s})"
+        out.append((m.start(), _message(shown, s, v, fix)))
+    return sorted(out)
+
+
+def _message(shown: str, s: str, v: str, fix: str) -> str:
+    return (
+        f"'{shown}': the float '{s}' (a parameter, or a plain copy of one) is promoted "
+        f"implicitly to the vector type of '{v}', and Slang's backward drops its derivative "
+        f"(d{s} = 0, no error); write the splat explicitly: '{fix}'"
+    )

@@ -55,13 +55,29 @@ class Storage:
       ``holds_result_of``: the label of the backward whose result a gradient buffer holds
       (the STRICT zeroing policy), None once zeroed or written otherwise;
       ``checked``: a stamp ``(version, what, ...)`` of the latest validation of the values
-      (e.g. label ranges), so they are checked again only after a write.
+      (e.g. label ranges), so they are checked again only after a write;
+      ``before``: ``(version, copy)``, the values before the call that read and then
+      overwrote them, making ``version`` (kept for that call's ``.bwds``, which
+      differentiates at the values read; copy None when none was kept);
+      ``read_by_writer``: the parameters at which that call read them (in place, or an
+      input it overwrote through another parameter or ``_result``); ``reread``: whether a
+      later call of the same function read them again at one of those parameters (then its
+      ``.bwds`` cannot tell the two calls apart).
 
     Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
     """
 
-    __slots__ = ("buffer", "holds_result_of", "version", "last_writer", "checked", "before")
+    __slots__ = (
+        "buffer",
+        "holds_result_of",
+        "version",
+        "last_writer",
+        "checked",
+        "before",
+        "read_by_writer",
+        "reread",
+    )
 
     def __init__(self, buffer: Any = None) -> None:
         self.buffer = buffer
@@ -69,15 +85,17 @@ class Storage:
         self.version = 0
         self.last_writer = "nothing"
         self.checked: Any = None
-        #: (version, copy): the values before the in-place call that made ``version``, kept
-        #: for its ``.bwds`` (which differentiates at the values the call read).
         self.before: tuple[int, Any] | None = None
+        self.read_by_writer: tuple[str, ...] = ()
+        self.reread = False
 
     def wrote(self, writer: str) -> None:
         """Count a write of the values by ``writer``."""
         self.version += 1
         self.last_writer = writer
         self.before = None
+        self.read_by_writer = ()
+        self.reread = False
 
 
 def has_c_strides(arr: np.ndarray) -> bool:

@@ -128,28 +128,45 @@ def test_half_broadcast(device, m, values, want):
     _check(a.grad.numpy().astype(np.float64)[0], want, 0.0)
 
 
+FIXED_POINT_IEEE = {
+    "plus_inf": [INF, 1.0, 2.0],
+    "minus_inf": [-INF, 1.0],
+    "both": [INF, 3.0, -INF],
+    "nan": [NAN, 1.0],
+    "nan_and_inf": [INF, NAN],
+    "inf_beside_an_out_of_range_sum": [2.0**29] * 5 + [INF],  # inf + anything finite = inf
+    "inf_beside_an_out_of_range_contribution": [1e30, -INF],
+}
+
+
+@pytest.mark.parametrize("name", list(FIXED_POINT_IEEE))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_fixed_point_carries_ieee_values(device, m, name, deterministic):
+    """FwdDiffTensor gradients are int64 fixed point; the inf and NaN it cannot hold are
+    carried per element beside it, so the gradient is what a float64 sum gives."""
+    X = np.asarray(FIXED_POINT_IEEE[name])
+    w = pydiff.tensor([1.0], device=device, requires_grad=True)
+    y = pydiff.empty(X.shape, device=device).with_grads(ones=True)
+    _bwds(
+        m.gather_first, w, pydiff.tensor(X, device=device), _result=y, deterministic=deterministic
+    )
+    _check(w.grad.numpy()[0], _ieee_sum(X), 0.0)
+
+
 @pytest.mark.parametrize(
-    "values,match",
-    [
-        ([INF, 1.0], "NaN or infinite"),
-        ([-INF], "NaN or infinite"),
-        ([INF, -INF], "NaN or infinite"),
-        ([NAN], "NaN or infinite"),
-        ([1e30], "range"),
-        ([2.0**29] * 4, "range"),
-    ],
-    ids=["plus_inf", "minus_inf", "both", "nan", "huge", "partial_sums_past_2^31"],
+    "values",
+    [[1e30], [-1e30], [2.0**29] * 4, [-(2.0**29)] * 5],
+    ids=["huge", "-huge", "2^31", "-2^31-"],
 )
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_fixed_point_refuses_what_int64_cannot_hold(device, m, values, match, deterministic):
-    """FwdDiffTensor gradients are int64 fixed point: inf, NaN and out-of-range values cannot
-    be held, so the backward raises (never a wrapped or silently finite number)."""
+def test_fixed_point_refuses_finite_values_out_of_range(device, m, values, deterministic):
+    """A finite contribution or partial sum out of the int64 range raises (never a wrapped or
+    silently clipped number). -2^31 - 2^29: the negative side, detected by comparisons (no
+    signed wrap-around, which CUDA C++ may fold away)."""
     X = np.asarray(values)
     w = pydiff.tensor([1.0], device=device, requires_grad=True)
     y = pydiff.empty(X.shape, device=device).with_grads(ones=True)
-    with pytest.raises(
-        pydiff.GradientOverflowError, match=rf"gather_first: parameter 'w'.*{match}"
-    ):
+    with pytest.raises(pydiff.GradientOverflowError, match=r"gather_first: parameter 'w'.*range"):
         _bwds(
             m.gather_first,
             w,
@@ -157,6 +174,34 @@ def test_fixed_point_refuses_what_int64_cannot_hold(device, m, values, match, de
             _result=y,
             deterministic=deterministic,
         )
+
+
+def test_fixed_point_ieee_values_stay_in_their_elements(device, m):
+    """Per element: inf in one gradient element, NaN in another, finite in the rest, each
+    added to what the gradient held (inf + -inf = NaN there too)."""
+    mm = pydiff.load_module_from_source(
+        "accumulation_gather_all",
+        "import pydiff;\n"
+        "[Differentiable] float gather(FwdDiffTensor<1> w, int i, float x) "
+        "{ return w.load({i}) * x; }",
+        device=device,
+    )
+    idx = np.array([0, 0, 1, 1, 2, 2, 3, 3, 4], dtype=np.int32)
+    X = np.array([INF, 1.0, INF, -INF, NAN, 2.0, 1.5, -0.25, 1.0])
+    before = np.array([1.0, 0.0, 0.0, 2.0, -INF], dtype=np.float32)
+    w = pydiff.tensor(np.zeros(5), device=device, requires_grad=True)
+    w.grad.copy_from_numpy(before)
+    y = pydiff.empty((9,), device=device).with_grads(ones=True)
+    mm.gather.bwds(
+        w,
+        pydiff.tensor(idx, dtype="int", device=device),
+        pydiff.tensor(X, device=device),
+        _result=y,
+    )
+    got = w.grad.numpy().astype(np.float64)
+    for e in range(5):
+        want = _ieee_sum(np.concatenate([[before[e]], X[idx == e]]))
+        _check(got[e], want, 0.0)
 
 
 def test_fixed_point_finite_values_match_float64(device, m):
@@ -227,3 +272,149 @@ def test_grid_calls_are_summed_by_pydiff_in_deterministic_mode(device, m, grid):
         bits.add(a.grad.numpy().tobytes())
         assert a.grad.numpy()[0] == np.float32(want)
     assert len(bits) == 1
+
+
+# Coverage: broadcast parameters pydiff now sums itself (no float atomics, no
+# NondeterminismWarning): half vectors, float tensors for float vector/matrix parameters
+# (element axes), and calls whose other arguments are call_id/thread_id/wang_hash.
+
+COVERAGE_SOURCE = """
+[Differentiable] half3 hshift(half3 b, half3 x) { return x * b + b; }
+[Differentiable] float3 fshift(float3 b, float3 x) { return x * b + b; }
+[Differentiable] float2x2 mshift(float2x2 b, float2x2 x) { return x + b * 3.0; }
+[Differentiable] float arr3(float a[3], float x) { return (a[0] + 2.0 * a[1] + 3.0 * a[2]) * x; }
+[Differentiable] float by_id(int i, float a) { return a * float(i); }
+[Differentiable] float by_id2(int2 ij, float a) { return a * float(ij.x + 7 * ij.y); }
+[Differentiable] float by_thread(int3 t, float a) { return a * float(t.x); }
+[Differentiable] float by_hash(uint h, float a) { return a * float(h % 5u); }
+"""
+
+
+@pytest.fixture(scope="module")
+def cov(device):
+    return pydiff.load_module_from_source("accumulation_coverage", COVERAGE_SOURCE, device=device)
+
+
+def _repeat_bits(run, times=3):
+    """run() -> gradient array, called ``times`` in deterministic mode with
+    NondeterminismWarning as an error; returns the first result after checking all are
+    bitwise equal."""
+    out = []
+    for _ in range(times):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pydiff.NondeterminismWarning)
+            with pydiff.deterministic():
+                out.append(run())
+    assert len({o.tobytes() for o in out}) == 1
+    return out[0]
+
+
+@pytest.mark.parametrize("n", [5, 1000], ids=["small", "large"])
+def test_half3_broadcast_is_summed_by_pydiff(device, cov, n):
+    X = np.random.default_rng(n).uniform(-1, 1, (n, 3)).astype(np.float16)
+
+    def run():
+        b = pydiff.tensor([[0.5, 1.0, -2.0]], dtype="half3", device=device, requires_grad=True)
+        y = pydiff.zeros((n,), dtype="half3", device=device).with_grads(ones=True)
+        cov.hshift.bwds(b, pydiff.tensor(X, dtype="half3", device=device), _result=y)
+        return b.grad.numpy()
+
+    got = _repeat_bits(run).astype(np.float64).reshape(3)
+    want = (X.astype(np.float64) + 1.0).sum(0)  # d/db (x b + b) = x + 1, summed
+    # one rounding to half at the end (the half32 sum of 1000 terms would be off by far more)
+    np.testing.assert_allclose(got, want, rtol=2**-10, atol=2**-14)
+
+
+def test_half3_components_follow_ieee(device, cov):
+    X = np.ones((40, 3))
+    X[7, 0] = INF
+    X[8, 1], X[9, 1] = INF, -INF
+    X[:3, 2] = 60000.0  # the half total overflows: rounds to inf once, at the end
+    b = pydiff.tensor([[1.0, 1.0, 1.0]], dtype="half3", device=device, requires_grad=True)
+    y = pydiff.zeros((40,), dtype="half3", device=device).with_grads(ones=True)
+    cov.hshift.bwds(b, pydiff.tensor(X, dtype="half3", device=device), _result=y)
+    got = b.grad.numpy().astype(np.float64).reshape(3)
+    assert got[0] == INF and np.isnan(got[1]) and got[2] == INF
+
+
+@pytest.mark.parametrize("b_shape", [(1, 3), (3,)], ids=["1x3", "3"])
+def test_float_tensor_for_float3_parameter(device, cov, b_shape):
+    """Float tensors of shape (..., 3) for float3 parameters: the last axis is the element,
+    so a (1, 3) or (3,) b is broadcast over the call shape (n,) and summed by pydiff."""
+    n = 333
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((n, 3))
+    U = rng.standard_normal((n, 3))
+    B = np.array([0.5, -1.0, 2.0]).reshape(b_shape)
+
+    def run():
+        b = pydiff.tensor(B, device=device, requires_grad=True)
+        x = pydiff.tensor(X, device=device)
+        y = pydiff.zeros((n, 3), device=device).with_grads(pydiff.tensor(U, device=device))
+        cov.fshift.bwds(b, x, _result=y)
+        return b.grad.numpy()
+
+    got = _repeat_bits(run)
+    want = (U * (X.astype(np.float32) + 1.0)).sum(0).reshape(b_shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    got_default = run()  # the default mode takes the same ordered sum
+    assert got_default.tobytes() == got.tobytes()
+
+
+def test_float_tensor_for_matrix_parameter(device, cov):
+    n = 64
+    U = np.random.default_rng(8).standard_normal((n, 2, 2))
+
+    def run():
+        b = pydiff.tensor(np.zeros((1, 2, 2)), device=device, requires_grad=True)
+        x = pydiff.tensor(np.zeros((n, 2, 2)), device=device)
+        y = pydiff.zeros((n, 2, 2), device=device).with_grads(pydiff.tensor(U, device=device))
+        cov.mshift.bwds(b, x, _result=y)
+        return b.grad.numpy()
+
+    np.testing.assert_allclose(_repeat_bits(run), 3 * U.sum(0, keepdims=True), rtol=1e-5)
+
+
+def test_float_tensor_for_array_parameter(device, cov):
+    """A (1, 3) float tensor for a float[3] parameter, broadcast over 257 calls."""
+    X = np.random.default_rng(9).standard_normal(257)
+
+    def run():
+        a = pydiff.tensor([[1.0, 1.0, 1.0]], device=device, requires_grad=True)
+        y = pydiff.zeros((257,), device=device).with_grads(ones=True)
+        cov.arr3.bwds(a, pydiff.tensor(X, device=device), _result=y)
+        return a.grad.numpy()
+
+    s = math.fsum(X.astype(np.float32).astype(np.float64))
+    np.testing.assert_allclose(_repeat_bits(run), [[s, 2 * s, 3 * s]], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["call_id", "call_id_2d", "thread_id", "wang_hash"])
+def test_generated_arguments_leave_the_call_shape_known(device, cov, kind):
+    """spy.call_id/thread_id/wang_hash follow the call shape (set here by the result), so a
+    (1,) parameter beside them is summed by pydiff in order, with ids the forward sees."""
+    shape = (6, 5) if kind == "call_id_2d" else (300,)
+    fn, arg = {
+        "call_id": (cov.by_id, spy.call_id()),
+        "call_id_2d": (cov.by_id2, spy.call_id()),
+        "thread_id": (cov.by_thread, spy.thread_id()),
+        "wang_hash": (cov.by_hash, spy.wang_hash()),
+    }[kind]
+    seen = fn(arg, pydiff.tensor([1.0], device=device), _result=pydiff.zeros(shape, device=device))
+    want = math.fsum(seen.numpy().astype(np.float64).ravel())  # d/da sum(a * g) = sum(g)
+
+    def run():
+        a = pydiff.tensor([2.0], device=device, requires_grad=True)
+        fn.bwds(arg, a, _result=pydiff.zeros(shape, device=device).with_grads(ones=True))
+        return a.grad.numpy()
+
+    assert _repeat_bits(run)[0] == np.float32(want)
+
+
+def test_fixed_point_sum_at_the_edge_of_the_range_is_exact(device, m):
+    """-2^31 exactly is the lowest partial sum int64 holds (4 x -2^29): no overflow."""
+    X = np.full(4, -(2.0**29))
+    w = pydiff.tensor([0.0], device=device, requires_grad=True)
+    y = pydiff.empty(X.shape, device=device).with_grads(ones=True)
+    m.gather_first.bwds(w, pydiff.tensor(X, device=device), _result=y)
+    assert w.grad.numpy()[0] == -(2.0**31)

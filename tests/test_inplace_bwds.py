@@ -141,3 +141,50 @@ def test_kept_value_of_a_view_is_not_used_for_another_shape(device, m):
         m.scale_inout.bwds(s, x)  # same storage, shape (4,): refused, not mis-bound
     m.scale_inout.bwds(s, view)  # the view itself: differentiates at the values read
     np.testing.assert_allclose(s.grad.numpy(), [0.5 - 1.0 + 2.0 + 3.0], rtol=1e-6)
+
+
+def test_bwds_of_a_later_call_reading_an_in_place_result_elsewhere(device, m):
+    # v is written in place by the first call, then read (at 's') by the second one: the
+    # second call's .bwds reads v's current values, not the copy kept for the first call.
+    s = pydiff.tensor(S, device=device, requires_grad=True)
+    v = pydiff.tensor(V, device=device, requires_grad=True)
+    w = pydiff.tensor(-S, device=device, requires_grad=True)
+    m.scale_inout(s, v)  # v = S V
+    m.scale_inout(v, w)  # w = (S V)(-S)
+    w.grad.fill(1.0)
+    m.scale_inout.bwds(v, w)
+    np.testing.assert_allclose(w.grad.numpy(), S * V, rtol=1e-6)  # d w_after / d w_before
+    np.testing.assert_allclose(v.grad.numpy(), -S, rtol=1e-6)
+    v.grad.fill(1.0)
+    s.zero_grad()
+    m.scale_inout.bwds(s, v)  # the first call: at the value it read (V)
+    np.testing.assert_allclose(s.grad.numpy(), V, rtol=1e-6)
+
+
+def test_bwds_after_writing_an_input_through_result(device, m):
+    x = pydiff.tensor(V, device=device, requires_grad=True)
+    m.sq(x, _result=x)  # off a tape: an in-place update, the values read are kept
+    np.testing.assert_allclose(x.numpy(), V**2, rtol=1e-6)
+    up = pydiff.tensor(np.array([1.0, -2.0, 0.5]), device=device).with_grads()
+    up.grad.copy_from_numpy(np.array([1.0, -2.0, 0.5]))
+    m.sq.bwds(x, _result=up)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * V * [1.0, -2.0, 0.5], rtol=1e-6)
+
+
+def test_bwds_after_writing_an_input_through_result_without_gradients_is_refused(device, m):
+    x = pydiff.tensor(V, device=device)  # no gradient buffers at the call: nothing kept
+    m.sq(x, _result=x)
+    up = pydiff.zeros((3,), device=device).with_grads(ones=True)
+    with pytest.raises(ValueError, match=r"parameter 'x' .* overwritten by .*sq"):
+        m.sq.bwds(x.with_grads(), _result=up)
+
+
+def test_bwds_that_could_mean_either_of_two_calls_is_refused(device, m):
+    x = pydiff.tensor(V, device=device, requires_grad=True)
+    m.sq(x, _result=x)  # x = V^2, V kept for this call's .bwds
+    y = m.sq(x, _result="tensor")  # reads V^2 at the same parameter
+    with pytest.raises(ValueError, match="cannot tell which of the two calls"):
+        m.sq.bwds(x, _result=y.with_grads(ones=True))
+    before = pydiff.tensor(V**2, device=device, requires_grad=True)  # the way out: a copy
+    m.sq.bwds(before, _result=y.with_grads(ones=True))
+    np.testing.assert_allclose(before.grad.numpy(), 2 * V**2, rtol=1e-6)

@@ -131,3 +131,50 @@ def test_number_result_seeds_a_half_function(device, m, seed):
 def test_number_result_of_a_half_function_without_a_call_shape(device, m):
     with pytest.raises(TypeError, match="half function needs the call's shape"):
         m.hcube.bwds(0.5, _result=1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64, np.bool_])
+def test_integer_numpy_result_for_a_float_function_is_refused(device, m, dtype):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(TypeError, match=rf"_result is a NumPy array of dtype {np.dtype(dtype)}"):
+        m.sq(x, _result=np.zeros(3, dtype))
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (2, 1)])
+def test_numpy_result_smaller_than_the_call_is_refused(device, m, shape):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(ValueError, match=r"_result is a NumPy array of shape .* \(3,\)"):
+        m.sq(x, _result=np.zeros(shape, np.float32))
+    with pytest.raises(ValueError, match=r"broadcast to shape \(3,\)"):
+        m.sq(X.astype(np.float32), _result=np.zeros(shape, np.float32))  # a host argument
+    with pytest.raises(ValueError, match=r"broadcast to shape \(3,\)"):
+        m.spread(x, _result=np.zeros((*shape, 3), np.float32))  # a float3 result
+
+
+def test_numpy_results_that_fit_are_written(device, m):
+    x = pydiff.tensor(X, device=device)
+    for dtype in (np.float32, np.float64):
+        out = np.zeros(3, dtype)
+        m.sq(x, _result=out)
+        np.testing.assert_allclose(out, X**2, rtol=1e-6)
+    out = np.zeros((2, 3), np.float32)  # larger than the arguments: one element per thread
+    m.prod2(x, pydiff.tensor([[2.0], [-1.0]], device=device), _result=out)
+    np.testing.assert_allclose(out, [2 * X, -X], rtol=1e-6)
+    out = np.zeros((3, 3), np.float32)
+    m.spread(x, _result=out)
+    np.testing.assert_allclose(out, X[:, None] * [1.0, 2.0, 3.0], rtol=1e-6)
+
+
+def test_strided_numpy_result_is_refused(device, m):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(TypeError, match=r"_result is a NumPy array with strides"):
+        m.sq(x, _result=np.zeros(6, np.float32)[::2])
+
+
+@pytest.mark.parametrize("number", [1.0, 2, np.float32(0.5)])
+def test_number_result_of_a_forward_call_is_refused(device, m, number):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(TypeError, match=r"_result=.*only seeds the result's gradient in .bwds"):
+        m.sq(x, _result=number)
+    with pytest.raises(TypeError, match=r"_result=.*only seeds"):
+        m.hcube(pydiff.tensor(X, dtype="half", device=device), _result=number)

@@ -3,6 +3,7 @@ scratch buffers a backward writes and reads back (broadcast gradients, fixed-poi
 are per thread, and command batches are per thread. References are float64 closed forms
 per thread."""
 
+import sys
 import threading
 
 import numpy as np
@@ -35,10 +36,15 @@ def _run_threads(work):
             errors.append((k, exc))
 
     threads = [threading.Thread(target=guarded, args=(k,)) for k in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: races show up in a few rounds
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors, errors
 
@@ -125,3 +131,124 @@ def test_float3_broadcast_and_ops_concurrently(device, m):
             np.testing.assert_allclose(w.grad.numpy(), want, rtol=1e-5, atol=1e-5)
 
     _run_threads(work)
+
+
+MIXED_SOURCE = """
+import pydiff;
+[Differentiable] float3 shift3(float3 b, float3 x) { return x * b + b; }
+[Differentiable] float ramp(int i, float a) { return a * float(i % 17) * 0.125; }
+[Differentiable] float gather_first(FwdDiffTensor<1> w, float x) { return w.load({0}) * x; }
+"""
+
+
+def _mixed_step(mm, device, X):
+    """One thread's work, every kind of scratch buffer: a float tensor for a float3 parameter
+    (element axes), a spy.call_id call, fixed-point words, and a tape over ops."""
+    import slangpy as spy
+
+    n = X.shape[0]
+    out = {}
+    b = pydiff.tensor([[1.0, 2.0, 3.0]], device=device, requires_grad=True)
+    y = pydiff.zeros((n, 3), device=device).with_grads(ones=True)
+    mm.shift3.bwds(b, pydiff.tensor(X, device=device), _result=y)
+    out["b"] = b.grad.numpy()
+    a = pydiff.tensor([1.0], device=device, requires_grad=True)
+    mm.ramp.bwds(spy.call_id(), a, _result=pydiff.zeros((n,), device=device).with_grads(ones=True))
+    out["a"] = a.grad.numpy()
+    w = pydiff.tensor([0.0], device=device, requires_grad=True)
+    yw = pydiff.empty((n,), device=device).with_grads(ones=True)
+    mm.gather_first.bwds(w, pydiff.tensor(X[:, 0], device=device), _result=yw)
+    out["w"] = w.grad.numpy()
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        loss = pydiff.ops.sum(pydiff.ops.mul(x, x))
+    tape.backward(loss)
+    out["x"] = x.grad.numpy()
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_threads_repeat_the_single_threaded_bits(device, deterministic):
+    """Each thread runs its own inputs: it must get bitwise the gradients the same work gave
+    run alone, one thread at a time (any sharing of scratch, pooled buffers or batches
+    between threads shows up as a difference), and they match float64 NumPy. pydiff's sums
+    are ordered in both modes, so the bits repeat in both."""
+    mm = pydiff.load_module_from_source("threads_mixed", MIXED_SOURCE, device=device)
+    inputs = [
+        np.random.default_rng(11 + k).standard_normal((203, 3)).astype(np.float32) * (k + 1)
+        for k in range(THREADS)
+    ]
+    refs = []
+    for k, X in enumerate(inputs):
+        with pydiff.deterministic(deterministic):
+            ref = _mixed_step(mm, device, X)
+        X64 = X.astype(np.float64)
+        np.testing.assert_allclose(ref["b"], [(X64 + 1).sum(0)], rtol=1e-6, atol=1e-4)
+        want_a = sum((i % 17) * 0.125 for i in range(203))
+        np.testing.assert_allclose(ref["a"], [want_a], rtol=1e-7)
+        np.testing.assert_allclose(ref["w"], [X64[:, 0].sum()], rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(ref["x"], 2 * X64, rtol=1e-7)
+        refs.append(ref)
+
+    def work(k):
+        for r in range(ROUNDS):
+            with pydiff.deterministic(deterministic):
+                got = _mixed_step(mm, device, inputs[k])
+            for name in refs[k]:
+                assert got[name].tobytes() == refs[k][name].tobytes(), (k, r, name)
+
+    _run_threads(work)
+
+
+def test_device_memo_under_concurrent_eviction(device, monkeypatch):
+    """device.cached from several threads while its bound evicts keys: every call returns the
+    value made for its key (no KeyError from a lookup racing an eviction)."""
+    import pydiff.device as device_module
+
+    monkeypatch.setattr(device_module, "CACHED_MAX_ITEMS", 8)
+    dev = device_module.Device(device.native, device.type)
+
+    def work(k):
+        for i in range(3000):
+            key = ("threads-test", (i * 7 + k) % 40)
+            assert dev.cached(key, lambda key=key: key) == key
+
+    _run_threads(work)
+
+
+OPEN_AT_ONCE = r"""
+import threading
+import pydiff
+got, errors = [], []
+start = threading.Barrier(6)
+def work():
+    try:
+        start.wait()
+        got.append(pydiff.create_device("vulkan"))
+        got.append(pydiff.device.default_device())
+    except BaseException as exc:
+        errors.append(exc)
+threads = [threading.Thread(target=work) for _ in range(6)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors
+assert len({id(d) for d in got}) == 1, got
+assert len(pydiff.device.open_devices()) == 1
+print("ok")
+"""
+
+
+def test_threads_opening_the_device_at_once_get_one_device(device, tmp_path):
+    """Two threads opening the default device at once must not make two devices (tensors of
+    the one would be refused by calls on the other). In a fresh process."""
+    if device.type != "vulkan":
+        pytest.skip("opens a vulkan device")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYDIFF_DEVICE": "vulkan"}
+    proc = subprocess.run(
+        [sys.executable, "-c", OPEN_AT_ONCE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

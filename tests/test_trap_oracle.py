@@ -1,5 +1,6 @@
 """The lint refuses exactly the shaders SlangPy really gets wrong: each variant is run through
-raw SlangPy in a subprocess (it may segfault) and compared with y = x*x's gradient 2x.
+raw SlangPy in a subprocess (it may segfault or hang) and compared with an independent
+gradient (y = x*x's 2x, a closed form, or float64 central differences of the same loop).
 
 If a SlangPy upgrade fixes a trap, the matching case here fails and the lint rule can go.
 """
@@ -101,6 +102,34 @@ CASES = [
         "y[idx] = a * a + 0.0 * t;",
         "3",
     ),
+    # a ternary in a while condition crashes the same way; select(), for and a called function
+    # holding the && are fine
+    *(
+        (
+            name,
+            "int idx",
+            "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = a * a + 0.0 * t;",
+            "3",
+        )
+        for name, loop in [
+            (
+                "while-ternary",
+                "[MaxIters(4)] while (k < 2 ? t < 100.0 : false) { t = t * 1.5 + a; k++; }",
+            ),
+            (
+                "while-select",
+                "[MaxIters(4)] while (select(k < 2, t < 100.0, false)) { t = t * 1.5 + a; k++; }",
+            ),
+            (
+                "for-ternary",
+                "[MaxIters(4)] for (; k < 2 ? t < 100.0 : false; ) { t = t * 1.5 + a; k++; }",
+            ),
+            (
+                "while-not-or",
+                "[MaxIters(4)] while (!(t >= 100.0 || k >= 2)) { t = t * 1.5 + a; k++; }",
+            ),
+        ]
+    ),
     # issue 15 class 4: 'break' in a while (cond) loop drops the breaking iteration's
     # derivative; for/do-while/while (true)/[ForceUnroll]/continue/return are right.
     # Expected dt/da in float64 closed form (t = c*a, c from the iteration count; no kink at
@@ -166,11 +195,9 @@ def _oracle(params: str, body: str, shape: str, expected: str = "", prefix: str 
     except subprocess.TimeoutExpired:
         return "hang"
     if out.returncode != 0:
-        return (
-            "crash"
-            if out.returncode < 0 or out.returncode in (139, 134)
-            else f"error {out.stderr[-300:]}"
-        )
+        if out.returncode < 0 or out.returncode in (139, 134):
+            return "crash" if "forward ok" in out.stdout else "crash forward"
+        return f"error {out.stderr[-300:]}"
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -192,8 +219,10 @@ def test_lint_verdict_matches_slangpy(case):
     assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
 
 
-# issue 15 class 10: a float scalar LEFT of a float vector in + - * / is promoted implicitly and
-# its derivative dropped. g(s, v) summed over v = (1, 2, 3): d/ds = 6 wherever s enters once.
+# issue 15 class 10: a float parameter (or a plain copy of it) promoted implicitly to a vector
+# loses its derivative: s + - * / v, v + - s, v += -= s; v * s, v / s, *=, computed scalars and
+# a float passed to a float3 parameter are right. g(s, v) summed over v = (1, 2, 3) at
+# s = 1, 2, 3; expected d/ds in closed form.
 PROMOTION_CASES = [
     ("s-times-v", "return s * v;", "6,6,6"),
     ("s-plus-v", "return s + v - float3(s);", "0,0,0"),
@@ -202,6 +231,17 @@ PROMOTION_CASES = [
     ("explicit-splat", "return float3(s) * v;", "6,6,6"),
     ("assign-splat", "float3 u = s; return u * v;", "6,6,6"),
     ("v-plus-s-times-v", "return v + s * v;", "6,6,6"),
+    ("v-plus-s", "return v + s;", "3,3,3"),
+    ("v-minus-s", "return v - s;", "-3,-3,-3"),
+    ("s-div-v", "return s / v;", "1.8333333,1.8333333,1.8333333"),
+    ("v-div-s", "return v / s;", "-6,-1.5,-0.6666667"),
+    ("paren-s-times-v", "return (s) * v;", "6,6,6"),
+    ("compound-add", "float3 u = v; u += s; return u;", "3,3,3"),
+    ("compound-mul", "float3 u = v; u *= s; return u;", "6,6,6"),
+    ("copy-of-s", "float t = s; return t * v;", "6,6,6"),
+    ("computed-scalar", "float t = s * 3.0; return t * v;", "18,18,18"),
+    ("negated-s", "return -s * v;", "-6,-6,-6"),
+    ("float-to-float3-param", "return h(s) * v;", "6,6,6"),
 ]
 
 
@@ -211,7 +251,8 @@ def test_promotion_lint_matches_slangpy(case):
     if "vulkan" not in pydiff.available_devices():
         pytest.skip("the oracle runs on Vulkan")
     _, g, expected = case
-    prefix = "[Differentiable] float3 g(float s, float3 v) { " + g + " }"
+    prefix = "[Differentiable] float3 h(float3 u) { return u; }\n"
+    prefix += "[Differentiable] float3 g(float s, float3 v) { " + g + " }"
     body = "float a = x[idx]; float3 w = g(a, float3(1.0, 2.0, 3.0)); y[idx] = w.x + w.y + w.z;"
     src = (
         prefix
@@ -224,3 +265,133 @@ def test_promotion_lint_matches_slangpy(case):
     outcome = _oracle("int idx", body, "3", expected, prefix)
     assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
     assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
+
+
+# issue 15 classes 4 and 11, by loop shape: each loop runs on t = a (a = x[idx] = 1, 2, 3) and
+# y = t; the expected gradient is the float64 central difference of the same loop in Python.
+# Measured: the backward of 'while (cond)' drops the breaking iteration when a variable from
+# outside the loop (not an int) is assigned before a 'break'; 'do ... while' with such a break
+# can crash even the forward call. Guards first, continue, return, for, while (true) are right.
+def _grow(a, guard_first=False, stop=5.3):
+    t = a
+    for _ in range(20):
+        if guard_first and t > stop:
+            break
+        t = 1.5 * t + a
+        if not guard_first and t > stop:
+            break
+    return t
+
+
+def _continue(a):
+    t, k = a, 0
+    while k < 4:
+        k += 1
+        if t > 5.3:
+            continue
+        t = 1.5 * t + a
+    return t
+
+
+def _guard(a):
+    return _grow(a, guard_first=True)
+
+
+W = "[MaxIters(20)] while (t < 100.0) "
+D = "[MaxIters(20)] do "
+LOOP_CASES = [
+    # (id, loop, float64 reference)
+    ("while-guard-first", W + "{ if (t > 5.3) break; t = 1.5*t + a; }", _guard),
+    ("while-int-before", W + "{ k = k + 1; if (t > 5.3) break; t = 1.5*t + a; }", _guard),
+    (
+        "while-local-before",
+        W + "{ float u = t * 2.0; if (u > 10.6) break; t = 1.5*t + a; }",
+        _guard,
+    ),
+    (
+        "while-assign-in-if",
+        W + "{ t = 1.5*t + a; if (t > 5.3) { t = 2.0*t; break; } }",
+        lambda a: 2.0 * _grow(a),
+    ),
+    (
+        "while-second-break",
+        W + "{ if (t > 500.0) break; t = 1.5*t + a; if (t > 5.3) break; }",
+        _grow,
+    ),
+    (
+        "while-break-else",
+        W + "{ t = 1.5*t + a; if (t > 5.3) { break; } else { t = t + 0.0; } }",
+        _grow,
+    ),
+    (
+        "while-continue",
+        "[MaxIters(20)] while (k < 4) { k++; if (t > 5.3) continue; t = 1.5*t + a; }",
+        _continue,
+    ),
+    ("do-continue", D + "{ k++; if (t > 5.3) continue; t = 1.5*t + a; } while (k < 4);", _continue),
+    ("do-guard-first", D + "{ if (t > 5.3) break; t = 1.5*t + a; } while (a < 100.0);", _guard),
+    ("do-break-cond-a", D + "{ t = 1.5*t + a; if (t > 5.3) break; } while (a < 100.0);", _grow),
+    ("do-while-true", D + "{ t = 1.5*t + a; if (t > 5.3) break; } while (true);", _grow),
+    (
+        "for-nested-break",
+        "[MaxIters(20)] for (; t < 100.0;) { [MaxIters(3)] for (int j = 0; "
+        "j < 2; j++) { t = 1.5*t + a; if (t > 5.3) break; } if (t > 5.3) break; }",
+        _grow,
+    ),
+    # refused although SlangPy 0.43.1 gets it right (see CONSERVATIVE)
+    ("do-int-counter", D + "{ k++; t = 1.5*t + a; if (t > 5.3) break; } while (k < 20);", _grow),
+]
+# A do-while with a break after an assignment crashes in some variants (do-break,
+# do-break-cond-a) and not in others; which exactly is not known, so pydiff refuses them all.
+CONSERVATIVE = {"do-int-counter"}
+
+
+def _central(ref, xs=(1.0, 2.0, 3.0), h=1e-6) -> str:
+    return ",".join(repr((ref(a + h) - ref(a - h)) / (2 * h)) for a in xs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LOOP_CASES, ids=[c[0] for c in LOOP_CASES])
+def test_loop_lint_matches_slangpy(case):
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    name, loop, ref = case
+    body = "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = t;"
+    src = (
+        "[Differentiable]\nvoid f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)"
+        "\n{\n" + body + "\n}\n"
+    )
+    refused = bool(lint.affected_functions(src, lint.scan_source(src)))
+    outcome = _oracle("int idx", body, "3", _central(ref))
+    assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
+    if name in CONSERVATIVE:
+        assert refused and outcome == "ok", f"lint refused={refused}, SlangPy: {outcome}"
+    else:
+        assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
+
+
+STRUCT_ORACLE = """
+import numpy as np, slangpy as spy
+src = '''import slangpy;
+struct Layer { %s w; float k; }
+[Differentiable] float lay(int i, Layer l) { return l.w[i] * l.k; }'''
+device = spy.create_device(type=spy.DeviceType.vulkan)
+m = spy.Module.load_from_source(device, "layer", src)
+w = spy.Tensor.from_numpy(device, np.array([1, 2, 3], np.float32)).with_grads(zero=True)
+print(m.lay(spy.grid((3,)), {"w": w, "k": 2.0}, _result="numpy"), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["IDiffTensor<float, 1>", "DiffTensor<float, 1>"])
+def test_struct_field_lint_matches_slangpy(field):
+    """A struct with an interface tensor field: raw SlangPy dies in the forward call."""
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    code = STRUCT_ORACLE % field
+    src = code.split("'''")[1]
+    refused = any(f.crashes_call for f in lint.scan_source(src))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    died = out.returncode < 0 or out.returncode in (134, 139)
+    assert died or out.returncode == 0, out.stderr[-1000:]
+    assert refused == died, f"lint refused={refused}, rc={out.returncode}"

@@ -4,6 +4,9 @@ at .bwds with file:line and fix, never run (4, 11); struct fields and implicit s
 promotion that get no gradient are warned about or refused (10). Expected values are float64
 closed forms and central finite differences."""
 
+import glob
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -202,3 +205,153 @@ def test_scalar_vector_promotion_refused(device):
         _grad(m.scale, s, v)
     _grad(m.scale_ok, s, v)
     np.testing.assert_allclose(s.grad.numpy(), [6.0])  # d/ds sum(s * v) = sum(v)
+
+
+# Scanner verdicts measured against raw SlangPy (tests/test_trap_oracle.py, float64 central
+# differences): True = SlangPy 0.43.1 gives a wrong gradient or crashes, so lint must flag it.
+LOOP_VERDICTS = [
+    ("while (t < 100.0) { t = 1.5 * t + a; if (t > 5.3) break; }", True),
+    ("while (t < 100.0) { if (t > 5.3) break; t = 1.5 * t + a; }", False),
+    ("while (t < 100.0) { if (t > 5.3) { break; } t = 1.5 * t + a; }", False),
+    ("while (t < 100.0) { k++; if (t > 5.3) break; t = 1.5 * t + a; }", False),
+    ("while (t < 100.0) { k = k + 1; if (t > 5.3) break; t = 1.5 * t + a; }", False),
+    ("while (t < 100.0) { float u = t * 2.0; if (u > 10.6) break; t = 1.5 * t + a; }", False),
+    ("while (t < 100.0) { step(t, a); if (t > 5.3) break; }", False),
+    ("while (t < 100.0) { if (t > 5.3) { t = 2.0 * t; break; } t = 1.5 * t + a; }", True),
+    ("while (t < 100.0) { if (t > 500.0) break; t = 1.5 * t + a; if (t > 5.3) break; }", True),
+    ("while (t < 100.0) { s = s + t; if (t > 5.3) break; t = 1.5 * t + a; }", True),
+    ("while (k < 4) { k++; if (t > 5.3) continue; t = 1.5 * t + a; }", False),
+    ("while (true) { t = 1.5 * t + a; if (t > 5.3) break; }", False),
+    ("for (; t < 100.0; ) { t = 1.5 * t + a; if (t > 5.3) break; }", False),
+    ("do { t = 1.5 * t + a; if (t > 5.3) break; } while (t < 100.0);", True),
+    ("do { t = 1.5 * t + a; if (t > 5.3) break; } while (a < 100.0);", True),
+    ("do { if (t > 5.3) break; t = 1.5 * t + a; } while (a < 100.0);", False),
+    ("do { t = 1.5 * t + a; if (t > 5.3) break; } while (true);", False),
+    ("do { k++; if (t > 5.3) continue; t = 1.5 * t + a; } while (k < 4);", False),
+]
+
+
+LOOP_VERDICTS += [  # class 11: crashes of .bwds (segfaults), measured in subprocesses
+    ("while (t < 100.0 && k < 2) { t = 1.5 * t + a; k++; }", True),
+    ("while (!(t >= 100.0 || k >= 2)) { t = 1.5 * t + a; k++; }", True),
+    ("while (k < 2 ? t < 100.0 : false) { t = 1.5 * t + a; k++; }", True),
+    ("while (select(k < 2, t < 100.0, false)) { t = 1.5 * t + a; k++; }", False),
+    ("while (t < 100.0 & k < 2) { t = 1.5 * t + a; k++; }", False),
+    ("for (; k < 2 ? t < 100.0 : false; ) { t = 1.5 * t + a; k++; }", False),
+    ("do { t = 1.5 * t + a; k++; } while (t < 100.0 && k < 2);", False),
+]
+
+
+@pytest.mark.parametrize("loop, flagged", LOOP_VERDICTS)
+def test_loop_scan_verdicts(loop, flagged):
+    src = (
+        "[Differentiable] void step(inout float t, float a) { t = 1.5 * t + a; }\n"
+        "[Differentiable]\nfloat grow(float a)\n{\n    float t = a; float s = 0.0; int k = 0;\n"
+        f"    [MaxIters(20)]\n    {loop}\n    return t + 0.0 * s;\n}}\n"
+    )
+    found = [f for f in lint.scan_source(src) if f.function == "grow"]
+    assert bool(found) == flagged, found
+    if flagged:
+        assert found[0].line == 7 and ("break" in found[0].message or "crash" in found[0].message)
+
+
+PROMOTION_VERDICTS = [
+    ("return s * v;", True),
+    ("return (s) * v;", True),
+    ("return s / v;", True),
+    ("return v + s;", True),
+    ("return v - s;", True),
+    ("float3 u = v; u += s; return u;", True),
+    ("float3 u = v; u -= s; return u;", True),
+    ("float t = s; return t * v;", True),
+    ("return a - s * v;", True),
+    ("return v * s;", False),
+    ("return v / s;", False),
+    ("float3 u = v; u *= s; return u;", False),
+    ("return float3(s) * v;", False),
+    ("float3 u = s; return u * v;", False),
+    ("return -s * v;", False),
+    ("return 2.0 * s * v;", False),
+    ("float t = s * 3.0; return t * v;", False),
+    ("float t = s + 1.0; return t * v;", False),
+    ("return (s + 1.0) * v;", False),
+    ("return v + s * 2.0;", False),
+    ("return h(s) * v;", False),
+    ("return v.x + s;", False),
+]
+
+
+@pytest.mark.parametrize("body, flagged", PROMOTION_VERDICTS)
+def test_promotion_scan_verdicts(body, flagged):
+    src = f"[Differentiable] float3 g(float s, float3 v, float a) {{ {body} }}"
+    found = lint.scan_source(src)
+    assert [f.kind for f in found] == (["scalar-vector-promotion"] if flagged else []), found
+
+
+def test_promotion_of_a_loaded_value_is_not_flagged():
+    # measured right: a local from a tensor load, promoted on either side
+    src = (
+        "[Differentiable]\nvoid f(int i, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)\n"
+        "{ float a = x[i]; float3 v = float3(1.0, 2.0, 3.0); float3 w = a + v; w = w * a;\n"
+        "  y[i] = w.x + w.y + w.z; }\n"
+    )
+    assert lint.scan_source(src) == []
+
+
+def _project_slang_sources():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in ("samples", "shaders", "tests/shaders"):
+        for path in sorted(glob.glob(os.path.join(root, folder, "**", "*.slang"), recursive=True)):
+            with open(path) as f:
+                yield os.path.relpath(path, root), f.read()
+    for path in sorted(glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)):
+        with open(path) as f:
+            text = f.read()
+        for i, m in enumerate(re.finditer(r"```(?:slang|hlsl)\n(.*?)```", text, re.S)):
+            yield f"{os.path.relpath(path, root)}#{i}", m.group(1)
+
+
+def test_scanner_flags_no_correct_project_shader():
+    """False positives refuse correct code: every shader of the project, the samples and the
+    docs' code blocks scan clean, except tests/shaders/traps.slang (traps on purpose)."""
+    sources = list(_project_slang_sources())
+    assert len(sources) > 20
+    found = [str(f) for name, src in sources for f in lint.scan_source(src, name)]
+    assert [f for f in found if not f.startswith("tests/shaders/traps.slang:")] == []
+
+
+def test_loop_guard_first_and_counter_give_finite_difference_gradients(device):
+    src = LOOP % ("while (t < 100.0) { k++; if (t > 5.3) break; float u = 1.5 * t; t = u + a; }")
+    src = src.replace("float t = a;", "float t = a; int k = 0;")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no trap warning: this loop is right in SlangPy
+        m = pydiff.load_module_from_source("grow_guard_first", src, device=device)
+
+    def ref(a):
+        t = a
+        for _ in range(20):
+            if t > 5.3:
+                break
+            t = 1.5 * t + a
+        return t
+
+    xs = np.array([1.0, 2.0, 3.0, 0.7], np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    _grad(m.grow, x)
+    h = 1e-6
+    fd = [(ref(a + h) - ref(a - h)) / (2 * h) for a in xs.astype(np.float64)]
+    np.testing.assert_allclose(x.grad.numpy(), fd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("expr, fix", [("v + s", "v + floatN(s)"), ("v - s", "v - floatN(s)")])
+def test_promotion_on_the_right_refused(device, expr, fix):
+    src = f"[Differentiable]\nfloat3 shift(float s, float3 v)\n{{\n    return {expr};\n}}\n"
+    name = "promote_right_" + ("plus" if "+" in expr else "minus")
+    with pytest.warns(pydiff.ShaderTrapWarning, match=rf"{name}\S*:4"):
+        m = pydiff.load_module_from_source(name, src, device=device)
+    s = pydiff.tensor(np.array([2.0], np.float32), device=device, requires_grad=True)
+    v = pydiff.tensor(np.array([[1.0, 2.0, 3.0]], np.float32), device=device, dtype="float3")
+    y = m.shift(s, v)  # the forward is right
+    np.testing.assert_allclose(y.numpy(), [[3.0, 4.0, 5.0]] if "+" in expr else [[-1, 0, 1]])
+    with pytest.raises(pydiff.ShaderTrapError, match=re.escape(fix)):
+        m.shift.bwds(s, v, _result=y.with_grads(ones=True))

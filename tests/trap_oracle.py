@@ -1,7 +1,8 @@
 """Run one shader variant through raw SlangPy in this process and print what happened.
 
-Used by test_trap_oracle.py in a subprocess (a variant may segfault). Prints 'ok' when the
-backward gives the expected dL/dx (by default 2x, for y = x*x), 'wrong' otherwise.
+Used by test_trap_oracle.py in a subprocess (a variant may segfault). Prints 'forward ok'
+after the forward call, then 'ok' when the backward gives the expected dL/dx (by default 2x,
+for y = x*x), 'wrong' otherwise.
 
     python tests/trap_oracle.py "<params>" "<body>" 2,2 ["<prefix source>" ["g0,g1,..."]]
 
@@ -29,8 +30,8 @@ xs = (np.arange(np.prod(shape)) + 1).astype(np.float32).reshape(shape)
 x = spy.Tensor.from_numpy(device, xs).with_grads(zero=True)
 y = spy.Tensor.zeros(device, shape, "float").with_grads(zero=True)
 module.f(spy.grid(shape), x, y)
+print("forward ok", flush=True)  # a crash before this line is a crash of the forward call
 y.grad.copy_from_numpy(np.ones(shape, np.float32))
-sys.stdout.flush()
 module.f.bwds(spy.grid(shape), x, y)
 if expected_arg:
     expected = np.array([float(v) for v in expected_arg.split(",")]).reshape(shape)
