@@ -15,6 +15,7 @@ per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -37,12 +38,28 @@ POOL_MAX_BYTES = 256 << 20  # all sizes together; beyond, free buffers are relea
 STORAGE_USAGE = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
 
 
+def typed_float4_loads(device_type: str) -> bool:
+    """Whether pydiff's kernels read float4 buffers through typed ``Buffer<float4>`` views
+    (Vulkan: lavapipe loads them for a third of a structured load's cost) rather than
+    ``StructuredBuffer<float4>`` (every other backend). Everything else about the fast path is
+    the same on every backend. ``PYDIFF_FLOAT4_LOADS=structured`` takes the structured loads
+    on Vulkan too, which is how the suite tests the other backends' path without a GPU.
+
+    >>> typed_float4_loads("vulkan"), typed_float4_loads("cuda")
+    (True, False)
+    """
+    forced = os.environ.get("PYDIFF_FLOAT4_LOADS", "").strip().lower()
+    return device_type == "vulkan" and forced != "structured"
+
+
 class BufferPool:
     """rgba32_float buffers by size; see the module docstring."""
 
-    def __init__(self, native_device: spy.Device, queue: CommandQueue):
+    def __init__(self, native_device: spy.Device, queue: CommandQueue, typed_loads: bool = True):
         self.native = native_device
         self.queue = queue
+        # A typed view needs the buffer's format; structured loads need only its stride.
+        self._format = spy.Format.rgba32_float if typed_loads else spy.Format.undefined
         self._buffers: dict[int, list] = {}
         self.bytes = 0  # of the buffers in the pool, free or not
 
@@ -62,7 +79,7 @@ class BufferPool:
                 element_count=float4s,
                 struct_size=16,
                 usage=STORAGE_USAGE,
-                format=spy.Format.rgba32_float,
+                format=self._format,
             )
         except RuntimeError as exc:
             raise allocation_failed(16 * float4s, exc) from None

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import slangpy as spy
 
 from . import compile_cache
-from .buffer_pool import BoundedDict, BufferPool
+from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
 from .kernels import KernelCache
@@ -117,7 +117,10 @@ class Device:
         #: (module cache, shader cache) folders of the persistent compile cache, or None.
         self.cache_paths = cache_paths
         self.queue = CommandQueue(native)
-        self.kernels = KernelCache(native, shader_dir(), self.queue)
+        #: pydiff's kernels read float4 buffers through typed views here (Vulkan) or
+        #: structured ones (elsewhere); the only backend difference of the fast path.
+        self.typed_loads = typed_float4_loads(type_name)
+        self.kernels = KernelCache(native, shader_dir(), self.queue, self.typed_loads)
         self._per_thread = threading.local()
         # The shared per-device state below (the library, dtypes, the memo) is filled lazily
         # by whichever thread comes first: the lock makes that a check-and-fill, never a
@@ -144,7 +147,7 @@ class Device:
         thread's pending kernels may still write a buffer it has just let go."""
         pool = getattr(self._per_thread, "pool", None)
         if pool is None:
-            pool = self._per_thread.pool = BufferPool(self.native, self.queue)
+            pool = self._per_thread.pool = BufferPool(self.native, self.queue, self.typed_loads)
         return pool
 
     @property

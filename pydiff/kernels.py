@@ -41,10 +41,16 @@ KERNELS_MAX = 128
 class KernelCache:
     """The compiled kernels of one device and the shader objects bound for recent dispatches."""
 
-    def __init__(self, native_device: spy.Device, shader_dir: Path, queue: CommandQueue):
+    def __init__(
+        self, native_device: spy.Device, shader_dir: Path, queue: CommandQueue,
+        typed_loads: bool = True,
+    ):
         self.native = native_device
         self.shader_dir = shader_dir
         self.queue = queue
+        # One source per kernel for every backend: inputs are declared `Float4In`, a typed
+        # Buffer<float4> where the backend loads those faster (Vulkan), else structured.
+        self.float4_in = "Buffer<float4>" if typed_loads else "StructuredBuffer<float4>"
         self._kernels: OrderedDict = OrderedDict()
         self._objects: OrderedDict = OrderedDict()
         self._objects_bytes = 0
@@ -83,7 +89,11 @@ class KernelCache:
         # warnings from the others' loops that run zero times for these shapes).
         macros = {**defines, "PYDIFF_KERNEL": 1, f"ENTRY_{entry}": 1}
         text = (self.shader_dir / file).read_text()
-        source = "".join(f"#define {k} {int(v)}\n" for k, v in sorted(macros.items())) + text
+        source = (
+            "".join(f"#define {k} {int(v)}\n" for k, v in sorted(macros.items()))
+            + f"typealias Float4In = {self.float4_in};\n"
+            + text
+        )
         name = f"pydiff_kernel_{entry}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
         try:
             module = self.native.load_module_from_source(name, source)

@@ -143,13 +143,17 @@ def shape_tuple(shape: Any) -> tuple[int, ...]:
     return out
 
 
-def float4_layout(native: spy.Tensor) -> bool:
-    """A contiguous float tensor at the start of an rgba32_float buffer (readable as float4s)."""
+def float4_layout(native: spy.Tensor, typed_loads: bool = True) -> bool:
+    """A contiguous float tensor at the start of a buffer of float4s, readable as float4s by
+    pydiff's fast kernels on every backend (through typed loads, it needs the rgba32_float
+    format as well)."""
+    desc = native.storage.desc
     return (
         native.dtype.full_name == "float"
         and native.offset == 0
         and native.is_contiguous()
-        and native.storage.desc.format == spy.Format.rgba32_float
+        and desc.struct_size == 16
+        and (desc.format == spy.Format.rgba32_float or not typed_loads)
     )
 
 
@@ -182,16 +186,16 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False) -> spy.Tensor:
     """A SlangPy tensor for new values of ``shape`` and ``dtype`` (a name or reflection).
 
-    On Vulkan, float tensors live in a buffer with the rgba32_float format (padded to whole
-    float4s, reused from ``dev.pool``), which SlangPy binds as usual and pydiff's fast kernels
-    read as typed float4 loads (about 3x cheaper on lavapipe).
+    Float tensors live in a buffer of float4s (padded to whole float4s, reused from
+    ``dev.pool``) on every backend: SlangPy binds it as usual and pydiff's fast kernels read
+    it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe).
     """
     name = dtype if isinstance(dtype, str) else dtype.full_name
     shape = tuple(int(s) for s in shape)
     refl = dev.dtype(name) if isinstance(dtype, str) else dtype
     check_size(f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
     rec = capturing.recording()
-    if name != "float" or dev.type != "vulkan":
+    if name != "float":
         return _allocate_plain(dev, shape, dtype, name, zero, rec)
     count = math.prod(shape)
     buffer = dev.pool.float4_buffer(max(1, -(-count // 4)))

@@ -442,9 +442,9 @@ class Tensor:
 
 
 def float4_ready(*tensors: Tensor) -> bool:
-    """All tensors are contiguous Vulkan float tensors at the start of a float4-typed buffer:
-    pydiff's fast kernels can read them as float4s.
+    """All tensors are contiguous float tensors at the start of a buffer of float4s: pydiff's
+    fast kernels can read them as float4s (on every backend).
 
     >>> if float4_ready(x, w, y): ...      # take the fast path
     """
-    return all(t.device.type == "vulkan" and float4_layout(t.native) for t in tensors)
+    return all(float4_layout(t.native, t.device.typed_loads) for t in tensors)

@@ -10,12 +10,6 @@ from pydiff import nn, ops, optim
 RNG = np.random.default_rng(5)
 
 
-@pytest.fixture(autouse=True)
-def _vulkan_only(device):
-    if device.type != "vulkan":
-        pytest.skip("capture records pydiff's own kernels, which run on Vulkan devices only")
-
-
 def _batches(n, batch=32, features=8, classes=3):
     return [
         (

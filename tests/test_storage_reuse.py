@@ -19,8 +19,8 @@ def test_freed_storage_is_reused_with_fresh_values(device):
     gc.collect()
     b = pydiff.tensor(np.full(n, 7.0, np.float32), device=device)
     np.testing.assert_array_equal(b.numpy(), np.full(n, 7.0, np.float32))
-    if device.type == "vulkan":  # only Vulkan float tensors go through pydiff's own storage
-        assert b.native.storage.native_handle.value == handle
+    # float tensors of every backend go through pydiff's own pool
+    assert b.native.storage.native_handle.value == handle
     del b
     gc.collect()
     z = pydiff.zeros((n,), device=device)
