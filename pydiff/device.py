@@ -205,7 +205,10 @@ class Device:
         self.queue.flush()
 
     def empty_cache(self) -> None:
-        """Release the storage buffers and bound shader objects kept for reuse."""
+        """Release the storage buffers, this thread's scratch buffers and the bound shader
+        objects kept for reuse."""
+        self.queue.flush()  # queued kernels may still read a scratch buffer
+        self.scratch.clear()
         self.kernels.release_objects()
         self.pool.prune()
 

@@ -72,3 +72,22 @@ def test_empty_cache_releases_and_keeps_working(device):
 def test_empty_cache_names_a_bad_device():
     with pytest.raises((ValueError, TypeError), match="device"):
         pydiff.empty_cache("not-a-device")
+
+
+def test_empty_cache_releases_scratch_and_broadcast_gradients_stay_right(device):
+    """A broadcast parameter's gradient is summed through a scratch buffer; empty_cache drops
+    this thread's scratch, and the next backward (new scratch) is still right."""
+    from pydiff import ops as _ops
+
+    X = np.linspace(-1.0, 1.0, 64).reshape(16, 4).astype(np.float32)
+    for _ in range(2):
+        x = pydiff.tensor(X, device=device)
+        b = pydiff.tensor(np.array([0.5, -0.25, 1.0, 2.0], np.float32), device=device,
+                          requires_grad=True)
+        with pydiff.Tape() as tape:
+            y = _ops.mul(x, b)
+        tape.backward(y, grad=np.ones((16, 4), np.float32))
+        np.testing.assert_allclose(b.grad.numpy(), X.sum(0), rtol=1e-5, atol=1e-6)
+        assert len(device.scratch) > 0  # the sum went through scratch buffers
+        pydiff.empty_cache()
+        assert len(device.scratch) == 0
