@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import difflib
 import math
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import slangpy as spy
 
-from .buffer_pool import MAX_ELEMENTS, allocation_failed, check_size
+from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
 from .fixed_point_grad import dummy_fields
+from .call_shape import (
+    ElementAxesError,
+    argument_shape,
+    broadcast,
+    check_written,
+    result_type,
+)
 from .host_values import convert, element_base
 from .signature import FunctionTarget, ParamInfo
-from .storage import allocate
+from .storage import SCALAR_NUMPY, allocate
 from .tensor import Tensor
 
 MISSING = object()  # an option (such as _result) that was not given
@@ -56,106 +65,178 @@ def bind_arguments(
 def prepare_arguments(fn: FunctionTarget, bound: list, options: dict) -> None:
     """After ``bind_arguments``, for the forward call, ``.bwds`` and ``.fwds``: convert host
     values (NumPy arrays, lists, numbers) to their parameters' types in ``bound`` (in place;
-    see host_values), then refuse a call too large for the device (``check_call_size``)."""
+    see host_values), then refuse a call too large for the device (``check_call_size``), a
+    ``_result`` that would truncate values, and arguments whose axes cannot hold their
+    parameters' elements or that the call writes without covering its shape (call_shape)."""
     for i, (p, value) in enumerate(bound):
         if type(value) is not Tensor:
-            new = convert(fn.label, p, value, fn.module.device)
+            try:
+                new = convert(fn.label, p, value, fn.module.device)
+            except (TypeError, ValueError):
+                if _overloads_differ(fn, i, exact=True):
+                    continue  # another overload may take it: SlangPy picks from the value
+                raise
             if new is not value and not _overloads_differ(fn, i):
                 bound[i] = (p, new)
+    result = options.get("_result", MISSING)
+    key = _shapes_key(bound, result)
+    passed = _passed_checks(fn)
+    if key is not None and key in passed:
+        return  # the checks below read only these shapes and dtypes: they passed before
+    check_result(fn, bound, result)
+    try:
+        check_written(fn, bound, result)
+    except ValueError:
+        if not _overloads_differ(fn, None, exact=True):
+            raise  # (with overloads, the shapes depend on the one SlangPy picks)
     check_call_size(fn, bound, options)
-    check_result(fn, bound, options.get("_result", MISSING))
+    if key is not None:
+        with _passed_lock:
+            if len(passed) >= PASSED_MAX:
+                passed.pop(next(iter(passed)))
+            passed[key] = True
+
+
+# The shape checks of a call cost ~25 us in Python, a third of a small call: a function
+# remembers the argument shapes and dtypes (after host conversion) that passed them, a few
+# dozen at most (a loop over changing shapes drops the oldest).
+PASSED_MAX = 64
+_passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_passed_lock = threading.Lock()
+
+
+def _passed_checks(fn: FunctionTarget) -> dict:
+    passed = _passed.get(fn)
+    if passed is None:
+        with _passed_lock:
+            passed = _passed.setdefault(fn, {})
+    return passed
+
+
+def _shapes_key(bound: list, result: Any) -> tuple | None:
+    """What the shape checks read of a call: each tensor's shape and element type, each
+    number's type and a string ``_result``; None (not remembered) for anything else."""
+    key: list = []
+    for value in [v for _, v in bound] + [result]:
+        kind = type(value)
+        if kind is Tensor:
+            key.append((value.shape, value.native.dtype))  # reflection objects are cached
+        elif kind in (float, int, bool) or value is MISSING:
+            key.append(kind)
+        elif kind is str:
+            key.append(value)
+        else:
+            return None  # arrays, structs, grids: checked every call
+    return tuple(key)
 
 
 _FLOATS = ("float", "half", "double")
 
 
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
-    """Refuse a ``_result`` tensor that would lose values: an integer or bool tensor for a
-    floating-point result (SlangPy truncates every value), or one smaller than the shape the
-    arguments broadcast to (several threads would write one element: a race)."""
+    """Refuse an integer or bool ``_result`` tensor for a floating-point result (SlangPy
+    truncates every value). Its shape is checked with the written parameters
+    (``call_shape.check_written``)."""
     if type(result) is not Tensor:
         return
-    returns = fn.signature.return_type
-    result_type = result.native.dtype.full_name
-    want, got = element_base(returns), element_base(result_type)
+    returns = result_type(fn, bound)
+    want, got = element_base(returns), element_base(result.native.dtype.full_name)
     if want in _FLOATS and got is not None and got not in _FLOATS:
         raise TypeError(
             f"{fn.label}: _result has dtype {result.dtype} but the function returns "
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
         )
-    if result_type != returns:
-        return  # element dimensions may be vectorised over: SlangPy checks the shape
-    shapes = [
-        v.shape
-        for p, v in bound
-        if type(v) is Tensor and p.tensor_kind is None and v.native.dtype.full_name == p.type_name
-    ]
-    if not shapes:
-        return
-    try:
-        args_shape = tuple(int(d) for d in np.broadcast_shapes(*shapes))
-        whole = tuple(int(d) for d in np.broadcast_shapes(args_shape, result.shape))
-    except ValueError:
-        return  # SlangPy reports shapes that do not broadcast
-    if whole != tuple(result.shape):
-        raise ValueError(
-            f"{fn.label}: _result has shape {tuple(result.shape)} but the arguments broadcast "
-            f"to shape {args_shape}: several call elements would write the same result element "
-            f"(a race). Pass a _result of shape {whole}, or _result='tensor'"
-        )
 
 
-def _overloads_differ(fn: FunctionTarget, i: int) -> bool:
-    """Whether overloads of ``fn`` with as many parameters take different element types at
-    position ``i`` (then SlangPy picks the overload from the value as given: pydiff does not
-    convert it to one overload's type). Read only when a value needs converting."""
+def scalar_numpy_result(fn: FunctionTarget, bound: list, options: dict) -> bool:
+    """For a forward call with ``_result='numpy'`` whose arguments are all single values (no
+    tensor or array to vectorise over) and a scalar result: SlangPy cannot write its 0-d
+    array. Puts a one-element array in ``options`` instead and returns True; the caller
+    gives back ``out.reshape(())``, as ``_result='tensor'`` gives a tensor of shape ()."""
+    result = options.get("_result")
+    if not (isinstance(result, str) and result == "numpy"):
+        return False
+    ret = result_type(fn, bound)
+    if ret not in SCALAR_NUMPY:
+        return False
+    for p, value in bound:
+        if type(value) in PLAIN or type(value) is list:  # (lists left are one vector each)
+            continue
+        if type(value) is np.ndarray and argument_shape(p.type_name, value) == ():
+            continue
+        return False
+    options["_result"] = np.zeros((1,), SCALAR_NUMPY[ret])
+    return True
+
+
+def _overloads_differ(fn: FunctionTarget, i: int | None, exact: bool = False) -> bool:
+    """Whether overloads of ``fn`` with as many parameters take different element types
+    (``exact``: different types, float3 or float4) at position ``i`` (None: any position).
+    Then SlangPy picks the overload from the value as given: pydiff neither converts it to
+    one overload's type nor refuses it by that type. Read only when a value needs converting
+    or would be refused."""
     try:
         reflected = fn.module.native.layout.find_function_by_name(fn.name)
         if reflected is None or not reflected.is_overloaded:
             return False
         n = len(fn.params)
-        bases = {
-            element_base(o.parameters[i].type.full_name)
-            for o in reflected.overloads
-            if len(o.parameters) == n
-        }
-    except Exception:  # no reflection to tell: convert as the selected overload says
+        same = [o for o in reflected.overloads if len(o.parameters) == n]
+        name = (lambda t: t.full_name) if exact else (lambda t: element_base(t.full_name))
+        return any(
+            len({name(o.parameters[j].type) for o in same}) > 1
+            for j in (range(n) if i is None else (i,))
+        )
+    except Exception:  # no reflection to tell: as the selected overload says
         return False
-    return len(bases) > 1
 
 
 def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
     """Refuse, before SlangPy allocates anything, a call whose shape (the broadcast of its
-    vectorised tensor arguments and result) is more than the device can index or hold: its
-    result (``_result="tensor"``) and a broadcast parameter's gradient have that shape."""
-    shapes, total, element_bytes = [], 1, 4
+    vectorised arguments and result) is more than the device can index, or whose result
+    (``_result="tensor"``/``"numpy"``) or a broadcast parameter's gradient, which have that
+    shape, would be more bytes than one buffer of the device holds."""
     result = options.get("_result", MISSING)
+    total = 1  # at least the call's size: the product of its arguments' sizes
     for p, value in [*bound, (None, result)]:
-        if type(value) is np.ndarray and p is not None and element_base(p.type_name) == p.type_name:
-            shapes.append(value.shape)  # a host array for a scalar parameter vectorises too
+        kind = type(value)
+        if kind is Tensor:
+            total *= max(value.numel, 1) if p is None or p.tensor_kind is None else 1
+        elif kind is np.ndarray:
             total *= max(value.size, 1)
-            continue
-        if type(value) is not Tensor:
-            continue
-        if p is not None and (p.tensor_kind is not None or value.dtype != p.type_name):
-            continue  # whole tensors do not vectorise; other element types change the shape
-        shapes.append(value.shape)
-        total *= max(value.numel, 1)
-        element_bytes = max(element_bytes, int(value.native.dtype.buffer_layout.stride))
-    if total <= MAX_ELEMENTS or len(shapes) < 2:
-        return  # the call shape has at most the product of the arguments' sizes
-    try:
-        shape = np.broadcast_shapes(*shapes)
-    except ValueError:
-        return  # SlangPy reports shapes that do not broadcast
-    if result == "tensor" and math.prod(shape) > 0:
+        elif kind.__name__ == "GridArg":
+            total *= max(math.prod(int(d) for d in value.shape), 1)
+    limit = MAX_BUFFER_BYTES.get(fn.module.device.type)
+    if total <= MAX_ELEMENTS and (limit is None or total * _LARGEST_ELEMENT <= limit):
+        return  # however the arguments broadcast, the call fits
+    returns = result_type(fn, bound)
+    shapes, element_bytes = [], 4
+    for type_name, kind, value in [*((p.type_name, p.tensor_kind, v) for p, v in bound),
+                                   (returns, None, result)]:
+        if kind is not None or type(value) in PLAIN or type(value) is str:
+            continue  # whole tensors do not vectorise
         try:
-            ret = fn.module.device.dtype(fn.signature.return_type)
+            own = argument_shape(type_name, value)
+        except ElementAxesError:
+            own = None  # (refused by check_written unless overloads differ)
+        if own is None:
+            continue
+        shapes.append(own)
+        if type(value) is Tensor:
+            element_bytes = max(element_bytes, int(value.native.dtype.buffer_layout.stride))
+    shape = broadcast(shapes)
+    if shape is None:
+        return  # SlangPy reports shapes that do not broadcast
+    if isinstance(result, str) and result in ("tensor", "numpy") and math.prod(shape) > 0:
+        try:
+            ret = fn.module.device.dtype(returns)
             element_bytes = max(element_bytes, int(ret.buffer_layout.stride))
         except TypeError:
             pass
     check_size(f"{fn.label}: the call", fn.module.device.type, shape, element_bytes)
+
+
+_LARGEST_ELEMENT = 64  # bytes of a float4x4: below this many elements, any result fits
 
 
 def check_device(fn: FunctionTarget, t: Tensor, where: str) -> None:

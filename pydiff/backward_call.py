@@ -30,6 +30,7 @@ from .arguments import (
     resolve_error,
     scratch,
 )
+from .call_shape import result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (
     maybe_broadcast,
@@ -237,8 +238,7 @@ class _Backward:
             grad_in=seed.native, grad_out=seed.native, zero=False
         )
 
-    def result_arg(self, result: Any) -> Any:
-        ret_name = self.fn.signature.return_type
+    def result_arg(self, result: Any, ret_name: str) -> Any:
         if type(result) is Tensor and result.grad_in is not None:
             if result.device is not self.device:
                 check_device(self.fn, result, "_result")
@@ -391,7 +391,7 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
             else:
                 native_kwargs[p.name] = b.struct_arg(p, value)
         native_args = list(native_kwargs.values())
-        native_result = b.result_arg(result)
+        native_result = b.result_arg(result, result_type(fn, bound))  # generic T: its type
         if native_result is not MISSING:
             options["_result"] = native_result
         try:

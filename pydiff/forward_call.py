@@ -22,6 +22,7 @@ from .arguments import (
     deep_bind,
     fwd_tensor_struct,
     resolve_error,
+    scalar_numpy_result,
 )
 from .backward_call import backward_call
 from .bwds_checks import refuse_written_struct, with_values_of
@@ -64,6 +65,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
     prepare_arguments(fn, bound, options)
+    zero_d = scalar_numpy_result(fn, bound, options)  # SlangPy cannot write a 0-d array
     native_args = [_native_argument(fn, p, value) for p, value in bound]
     result = options.get("_result", MISSING)
     if isinstance(result, Tensor):
@@ -85,6 +87,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         out = _wrap_result(fn, fn.native(*native_args, **options), result)
     except Exception as exc:
         raise resolve_error(fn, exc) from None
+    out = out.reshape(()) if zero_d else out
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)

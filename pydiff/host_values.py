@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .creation import tensor
+from .call_shape import short_name, type_elements
 from .signature import ParamInfo
 from .storage import SCALAR_NUMPY, has_c_strides
 
@@ -47,26 +48,45 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
     kind = type(value)
     if kind is float and p.type_name == "float" and abs(value) <= _FLOAT_MAX:
         return value  # the common case, first
-    if p.tensor_kind is not None or value is None or kind is bool:
+    if p.tensor_kind is not None or value is None:
         return value
-    base = element_base(p.type_name)
-    if base is None:
+    found = type_elements(p.type_name)
+    if found is None:
         return value
+    base, axes = found
     if isinstance(value, np.generic):
         value = value.item()
         kind = type(value)
-    if kind in (int, float):
-        return _number(label, p, base, value)
+    if kind in (bool, int, float):
+        if len(axes) == 2:
+            raise TypeError(
+                f"{_where(label, p)}: got the number {value!r}; a {short_name(p.type_name)} "
+                f"parameter takes a whole matrix: a nested list, or a NumPy array of shape "
+                f"(..., {axes[0]}, {axes[1]}) (np.full({axes}, {value!r}) for every entry)"
+            )
+        return _number(label, p, base, value)  # for a vector: every component, as Slang does
     if kind is list:  # (a tuple is .fwds's (value, tangent) pair)
-        if p.type_name != base:
-            return value  # a list for a vector or matrix parameter: one value, SlangPy's rule
         arr = np.asarray(value)
         if arr.dtype == object or arr.dtype.kind in "USV":
             return value  # not numbers: SlangPy reports it
+        if axes and arr.shape[len(arr.shape) - len(axes) :] != axes:
+            raise ValueError(
+                f"{_where(label, p)}: a list of shape {arr.shape}, but one "
+                f"{short_name(p.type_name)} takes {'x'.join(map(str, axes))} numbers: pass "
+                f"lists of shape (..., {', '.join(map(str, axes))})"
+            )
+        if len(axes) == 1 and arr.shape == axes and not p.writes_value:
+            return _array(label, p, base, arr).tolist()  # one vector, as SlangPy takes it
         value = arr
     if isinstance(value, np.ndarray):
         if value.ndim == 0 and not p.writes_value:
             return convert(label, p, value[()], device)
+        if axes and value.shape[max(value.ndim - len(axes), 0) :] != axes:
+            raise ValueError(
+                f"{_where(label, p)}: a NumPy array of shape {value.shape}, but one "
+                f"{short_name(p.type_name)} takes its last axes, which must be {axes}: pass an "
+                f"array of shape (..., {', '.join(map(str, axes))})"
+            )
         if value.dtype.kind == "b" and base == "bool" and not p.writes_value:
             return tensor(value, dtype="bool", device=device)
         return _array(label, p, base, value)
@@ -77,7 +97,13 @@ def _where(label: str, p: ParamInfo) -> str:
     return f"{label}: parameter '{p.name}' ({p.type_name})"
 
 
-def _number(label: str, p: ParamInfo, base: str, v: int | float) -> int | float:
+def _number(label: str, p: ParamInfo, base: str, v: bool | int | float) -> bool | int | float:
+    if (base == "bool") != (type(v) is bool):
+        fix = "True or False (bool(x))" if base == "bool" else f"a number ({base}(b) in Python)"
+        raise TypeError(
+            f"{_where(label, p)}: got {v!r}; a {'number' if base == 'bool' else 'bool'} for a "
+            f"{base} parameter is most likely a mistake; pass {fix}"
+        )
     if base in _FLOATS:
         top = float(np.finfo(SCALAR_NUMPY[base]).max)
         too_big = abs(v) > top if isinstance(v, int) else math.isfinite(v) and abs(v) > top

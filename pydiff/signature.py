@@ -35,6 +35,9 @@ class ParamInfo:
     #: fields of a struct parameter that get no gradient (all of a struct that is not
     #: IDifferentiable; no_diff and integer fields of one that is)
     no_grad_fields: tuple[str, ...] = ()
+    #: the type is a generic parameter of the function (``T x`` in ``f<T : IFloat>``): its
+    #: element type is the argument's (call_shape.result_type specialises the result too)
+    generic: bool = False
 
     @property
     def is_diff_tensor(self) -> bool:
@@ -120,8 +123,11 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
             deriv = getattr(t, "derivative", None) if differentiable else None
             flowing = set(getattr(deriv, "fields", None) or ()) if deriv is not None else set()
             fields = tuple(sorted(f for f in fields if f not in flowing))
+        generic = bool(getattr(t, "is_generic", False))
         out.append(
-            ParamInfo(p.name, t.full_name, io, no_diff, differentiable, kind, access, 0, fields)
+            ParamInfo(
+                p.name, t.full_name, io, no_diff, differentiable, kind, access, 0, fields, generic
+            )
         )
     return out
 

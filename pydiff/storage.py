@@ -10,6 +10,7 @@ dtype names.
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -131,16 +132,35 @@ def element_shape(native_dtype: Any) -> tuple[int, ...]:
 
 
 def shape_tuple(shape: Any) -> tuple[int, ...]:
-    """A shape argument as a tuple of positive ints (an int is a 1-D shape)."""
+    """A shape argument as a tuple of positive ints (an int is a 1-D shape): Python or NumPy
+    integers only (2.5 or 2.0 is refused, not truncated; a bool is refused too)."""
     if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
+        shape = (shape,)
     try:
-        out = tuple(int(s) for s in shape)
+        dims = list(shape)
     except TypeError:
         raise TypeError(f"shape={shape!r}: expected an int or a sequence of ints") from None
+    try:
+        if any(isinstance(d, (bool, np.bool_)) for d in dims):
+            raise TypeError
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        bad = next(d for d in dims if isinstance(d, (bool, np.bool_)) or not _is_index(d))
+        raise TypeError(
+            f"shape={shape!r}: dimension {bad!r} is not an integer; pass ints "
+            "(round them yourself if you mean to)"
+        ) from None
     if not out or any(s <= 0 for s in out):
         raise ValueError(f"shape={shape!r}: every dimension must be a positive integer")
     return out
+
+
+def _is_index(d: Any) -> bool:
+    try:
+        operator.index(d)
+    except TypeError:
+        return False
+    return True
 
 
 def float4_layout(native: spy.Tensor, typed_loads: bool = True) -> bool:

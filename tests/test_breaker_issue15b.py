@@ -76,16 +76,12 @@ def m(device):
 # class 5: a float _result (or out tensor) that cannot hold the function's float3 values
 
 
-@pytest.mark.xfail(strict=True, reason="float (4,) _result for a float3 function: 4 threads race "
-                   "into one float3, no error")
 def test_float_result_without_vector_axis_for_float3_function_refused(device, m):
     x = pydiff.tensor(X3, dtype="float3", device=device)
     with pytest.raises((ValueError, TypeError), match="_result"):
         m.v3(x, _result=pydiff.zeros((4,), device=device))
 
 
-@pytest.mark.xfail(strict=True, reason="float (4, 2) _result for a float3 function: shuffled "
-                   "values, no error")
 def test_float_result_with_wrong_trailing_axis_for_float3_function_refused(device, m):
     x = pydiff.tensor(X3, dtype="float3", device=device)
     with pytest.raises((ValueError, TypeError), match="_result"):
@@ -99,8 +95,6 @@ def test_float_result_with_vector_axis_for_float3_function_is_right(device, m):
     np.testing.assert_array_equal(y.numpy(), X3**2)
 
 
-@pytest.mark.xfail(strict=True, reason="bwds with a float (4,) _result for a float3 function reads "
-                   "the upstream of row i from components [0..3): wrong gradient, no error")
 def test_bwds_float_result_for_float3_function_right_or_refused(device, m):
     x = pydiff.tensor(X3, dtype="float3", device=device, requires_grad=True)
     u = np.array([1.0, 2.0, 3.0, 4.0])
@@ -114,8 +108,6 @@ def test_bwds_float_result_for_float3_function_right_or_refused(device, m):
     np.testing.assert_allclose(x.grad.numpy(), 2 * X3 * u[:, None], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="NumPy float32 (4,) _result for a float3 function: the "
-                   "error says 'shape (4,) but the arguments broadcast to shape (4,)'")
 def test_numpy_result_without_vector_axis_error_names_the_vector(device, m):
     x = pydiff.tensor(X3, dtype="float3", device=device)
     with pytest.raises((ValueError, TypeError)) as info:
@@ -123,8 +115,6 @@ def test_numpy_result_without_vector_axis_error_names_the_vector(device, m):
     assert "float3" in str(info.value) or "vector" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="an out tensor smaller than the call shape is accepted: "
-                   "threads race on it (the last one wins)")
 def test_out_tensor_smaller_than_call_refused(device, m):
     x = pydiff.tensor(X, device=device)
     y = pydiff.zeros((1,), device=device)
@@ -353,8 +343,6 @@ def test_generic_function_tensor_result_tape_and_half(device, m):
     np.testing.assert_allclose(h.grad.numpy(), 3 * X**2, rtol=2e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="a number seed for a generic function is refused: 'the "
-                   "result is T' (it is float once specialised)")
 def test_generic_function_number_seed(device, m):
     x = pydiff.tensor(X, device=device, requires_grad=True)
     m.cube.bwds(x, _result=1.0)

@@ -11,6 +11,8 @@ before anything is allocated, saying how much was asked and the limit.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -356,3 +358,187 @@ def test_slangpy_allocation_failure_is_translated(device, m):
     out = resolve_error(m.affine, exc)
     assert isinstance(out, TensorTooLargeError)
     assert str(out).startswith("inputs.affine: the device could not allocate a buffer")
+
+
+# ---- class 12: host values checked against each parameter's type ----
+
+TYPES_SOURCE = """
+[Differentiable] float affine(float a, float x) { return a * x + 1.0; }
+[Differentiable] float times_k(int k, float x) { return float(k) * x; }
+[Differentiable] float pick(bool m, float x) { return m ? x * x : -x; }
+[Differentiable] float weigh3(float3 v, float s) { return s * (v.x + 10.0 * v.y + 100.0 * v.z); }
+[Differentiable] float msum(float2x2 m) { return m[0][0] + 10.0 * m[0][1] + 100.0 * m[1][0]
+                                               + 1000.0 * m[1][1]; }
+float isum(int3 k) { return float(k.x + 10 * k.y + 100 * k.z); }
+"""
+W3 = np.array([1.0, 10.0, 100.0])
+
+
+@pytest.fixture(scope="module")
+def t(device):
+    return pydiff.load_module_from_source("inputs_types", TYPES_SOURCE, device=device)
+
+
+@pytest.mark.parametrize("value", [1, 0, 1.0, np.int32(1), np.float32(0.0), 2])
+def test_number_for_a_bool_parameter_refused(t, value):
+    with pytest.raises(TypeError, match=r"inputs_types\.pick: parameter 'm' \(bool\)"):
+        t.pick(value, 2.0)
+    with pytest.raises(TypeError, match=r"parameter 'm' \(bool\)"):
+        t.pick.bwds(value, pydiff.tensor([2.0], requires_grad=True, device=t.device), 1.0)
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), np.array(False), [True, False]])
+def test_bools_for_a_bool_parameter(t, value):
+    x = np.array([1.5, -2.0]) if isinstance(value, list) else 1.5
+    mask = np.asarray(value)
+    got = t.pick(value, x, _result="numpy")
+    np.testing.assert_allclose(got, np.where(mask, np.square(x), -np.asarray(x)), rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda t: t.affine(True, 1.0), "'a' (float)"),
+        (lambda t: t.affine(1.0, np.bool_(False)), "'x' (float)"),
+        (lambda t: t.times_k(True, 1.0), "'k' (int)"),
+        (lambda t: t.weigh3(True, 1.0), "'v' (vector<float,3>)"),
+        (lambda t: t.weigh3([True, False, True], 1.0), "'v' (vector<float,3>)"),
+        (lambda t: t.isum(False), "'k' (vector<int,3>)"),
+    ],
+)
+def test_bool_for_a_number_parameter_refused(t, call, name):
+    with pytest.raises(TypeError, match="parameter " + re.escape(name)) as info:
+        call(t)
+    assert "bool" in str(info.value)
+
+
+def test_number_for_a_vector_fills_every_component(device, t):
+    assert t.weigh3(2.0, 1.0) == pytest.approx(2.0 * W3.sum())
+    assert t.weigh3(3, 0.5) == pytest.approx(1.5 * W3.sum())  # an int for a float3
+    assert t.isum(2) == 222.0
+    x = pydiff.tensor([1.0, -2.0], device=device, requires_grad=True)
+    y = pydiff.zeros((2,), device=device).with_grads(ones=True)
+    t.weigh3.bwds(2.0, x, _result=y)  # d/ds = v . W3
+    np.testing.assert_allclose(x.grad.numpy(), [2.0 * W3.sum()] * 2, rtol=RTOL)
+    with pytest.raises(ValueError, match=r"parameter 'k' \(vector<int,3>\).*truncate"):
+        t.isum(2.5)
+
+
+@pytest.mark.parametrize("value", [2.0, 1, np.float64(0.5)])
+def test_number_for_a_matrix_refused(t, value):
+    with pytest.raises(TypeError, match=r"parameter 'm' \(matrix<float,2,2>\).*float2x2"):
+        t.msum(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.ones((2, 4)),
+        np.ones((2, 2)),
+        np.ones(4),
+        np.ones((3, 1)),
+        [1.0, 2.0],
+        [[1.0, 2.0, 3.0, 4.0]],
+        [1.0, 2.0, 3.0, 4.0],
+    ],
+)
+def test_wrong_vector_width_names_the_parameter(t, value):
+    with pytest.raises(ValueError, match=r"inputs_types\.weigh3: parameter 'v'") as info:
+        t.weigh3(value, 2.0, _result="numpy")
+    assert "float3" in str(info.value) and str(np.asarray(value).shape) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype", [((2, 4), "float"), ((2, 2), "float"), ((4,), "float"), ((2,), "float2"),
+                     ((2,), "float4")],
+)
+def test_tensor_of_wrong_vector_width_names_the_parameter(device, t, shape, dtype):
+    v = pydiff.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+    for call in (
+        lambda: t.weigh3(v, 2.0, _result="numpy"),
+        lambda: t.weigh3.bwds(v, 2.0, _result=1.0),
+    ):
+        with pytest.raises(ValueError, match=r"parameter 'v' \(float3\)"):
+            call()
+    np.testing.assert_array_equal(v.grad.numpy(), np.zeros_like(v.grad.numpy()))
+
+
+@pytest.mark.parametrize(
+    "value", [np.ones((2, 4)), np.ones((3, 2, 3)), np.ones(4), [[1.0, 2.0, 3.0]],
+              [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]],
+)
+def test_wrong_matrix_axes_name_the_parameter(t, value):
+    with pytest.raises(ValueError, match=r"parameter 'm' \(matrix<float,2,2>\)"):
+        t.msum(value, _result="numpy")
+
+
+def test_vectors_and_matrices_from_lists_and_arrays(device, t):
+    v = np.array([[1.0, 2.0, 3.0], [-0.5, 0.25, 4.0]])
+    np.testing.assert_allclose(t.weigh3(v, 2.0, _result="numpy"), 2.0 * v @ W3, rtol=RTOL)
+    np.testing.assert_allclose(t.weigh3(v.tolist(), 2.0, _result="numpy"), 2.0 * v @ W3,
+                               rtol=RTOL)
+    assert t.weigh3([1.0, 2.0, 3.0], 1.0) == pytest.approx(321.0)
+    vt = pydiff.tensor(v, device=device)  # a float tensor with a last axis of 3
+    np.testing.assert_allclose(t.weigh3(vt, 2.0, _result="numpy"), 2.0 * v @ W3, rtol=RTOL)
+    mats = np.arange(12.0).reshape(3, 2, 2)
+    ref = mats[:, 0, 0] + 10 * mats[:, 0, 1] + 100 * mats[:, 1, 0] + 1000 * mats[:, 1, 1]
+    np.testing.assert_allclose(t.msum(mats, _result="numpy"), ref, rtol=RTOL)
+    np.testing.assert_allclose(t.msum(mats.tolist(), _result="numpy"), ref, rtol=RTOL)
+    assert float(t.msum([[1.0, 2.0], [3.0, 4.0]], _result="numpy")) == 4321.0
+
+
+# ---- class 14: shapes of creation functions, broadcast results over the byte limit ----
+
+
+@pytest.mark.parametrize(
+    "shape", [(2.5,), 2.5, (2.0,), (3, 1.5), (True,), (np.float64(2.0),), ("2",), None]
+)
+def test_non_integer_shapes_refused(device, shape):
+    for make in (pydiff.empty, pydiff.zeros, pydiff.ones):
+        with pytest.raises(TypeError, match=r"shape=.*(not an integer|sequence of ints)"):
+            make(shape, device=device)
+    with pytest.raises(TypeError, match="shape="):
+        pydiff.zeros((6,), device=device).reshape(shape)
+
+
+@pytest.mark.parametrize(
+    "shape, want", [(np.int64(3), (3,)), ((np.int32(2), 3), (2, 3)), ([np.uint8(4)], (4,)),
+                    (np.array([2, 2]), (2, 2))],
+)
+def test_numpy_integer_shapes_accepted(device, shape, want):
+    assert pydiff.zeros(shape, device=device).shape == want
+    np.testing.assert_array_equal(pydiff.ones(shape, device=device).numpy(), np.ones(want))
+
+
+def test_broadcast_result_over_the_byte_limit(device):
+    if device.type != "vulkan":
+        pytest.skip("Vulkan's 4 GiB storage-buffer limit")
+    m = pydiff.load_module_from_source(
+        "inputs_bytes",
+        "float times(float a, float b) { return a * b; }\n"
+        "float4 times4(float a, float b) { return float4(a * b); }\n",
+        device=device,
+    )
+    a, b = pydiff.zeros((2**15, 1), device=device), pydiff.zeros((1, 2**15), device=device)
+    for result in ("tensor", "numpy"):  # 2**30 floats: one byte more than a buffer holds
+        with pytest.raises(TensorTooLargeError) as info:
+            m.times(a, b, _result=result)
+        msg = str(info.value)
+        assert f"{2**32:,} bytes" in msg and f"{2**32 - 1:,} bytes per buffer" in msg, msg
+    a, b = pydiff.zeros((2**14, 1), device=device), pydiff.zeros((1, 2**14), device=device)
+    with pytest.raises(TensorTooLargeError, match=r"inputs_bytes\.times4.*16 bytes each"):
+        m.times4(a, b, _result="tensor")  # 2**28 float4s: 4 GiB
+    with pytest.raises(TensorTooLargeError, match=r"\(16384, 16384\)"):
+        m.times4(a, np.zeros((1, 2**14), np.float32), _result="tensor")  # a host argument
+    ok = m.times(pydiff.zeros((2**13, 1), device=device), pydiff.zeros((1, 4), device=device),
+                 _result="tensor")
+    assert ok.shape == (2**13, 4)
+
+
+def test_one_vector_as_a_list_is_converted_or_refused(t):
+    assert t.isum([1.0, 2.0, 3.0]) == 321.0  # floats that are integers, for an int3
+    assert t.weigh3([1, 2, 3], 1.0) == pytest.approx(321.0)  # ints for a float3
+    with pytest.raises(ValueError, match=r"parameter 'k' \(vector<int,3>\).*1\.5"):
+        t.isum([1.5, 2.0, 3.0])  # SlangPy: std::bad_cast
+    with pytest.raises(ValueError, match=r"parameter 'k' \(vector<int,3>\).*2147483648"):
+        t.isum([1, 2**31, 3])

@@ -2,6 +2,8 @@
 may be passed positionally to `.bwds` as in SlangPy (class 17). References are closed forms
 in float64."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,193 @@ def test_number_result_of_a_forward_call_is_refused(device, m, number):
         m.sq(x, _result=number)
     with pytest.raises(TypeError, match=r"_result=.*only seeds"):
         m.hcube(pydiff.tensor(X, dtype="half", device=device), _result=number)
+
+
+# ---- element axes, written parameters and generic results (issue 15, classes 5 and 3) ----
+
+SHAPES_SOURCE = """
+[Differentiable] float3 spread3(float x) { return float3(x, 2.0 * x, 3.0 * x); }
+[Differentiable] float2x2 outer2(float a, float b) { return float2x2(a * b, a, b, 2.0 * a * b); }
+[Differentiable] void out3(float x, out float3 y) { y = float3(x, x * x, -x); }
+[Differentiable] void sq_out(float x, out float y) { y = x * x; }
+[Differentiable] void scale_inout(float s, inout float v) { v = v * s; }
+[Differentiable] T cube<T : __BuiltinFloatingPointType>(T x) { return x * x * x; }
+[Differentiable] T wsum<T : __BuiltinFloatingPointType>(T a, T x) { return a * x + x * x; }
+[Differentiable] float via_cube(float x) { return cube(x) * 2.0; }
+float plain(float a, float b) { return a * b + 0.5; }
+float msum(float2x2 m) { return m[0][0] + 10.0 * m[0][1] + 100.0 * m[1][0] + 1000.0 * m[1][1]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def s(device):
+    return pydiff.load_module_from_source("results_shapes", SHAPES_SOURCE, device=device)
+
+
+SPREAD = np.array([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, words",
+    [
+        ((3,), "float", ["(3,)", "float3", "race"]),  # one float3 for a call of 3
+        ((3, 2), "float", ["(3, 2)", "(..., 3)"]),
+        ((3, 4), "float", ["(3, 4)", "(..., 3)"]),
+        ((3, 1), "float", ["(3, 1)", "(..., 3)"]),
+        ((3,), "float2", ["float2 elements", "float3"]),
+        ((3,), "float4", ["float4 elements", "float3"]),
+    ],
+)
+def test_result_without_the_vector_axes_is_refused(device, s, shape, dtype, words):
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    bad = pydiff.zeros(shape, dtype=dtype, device=device)
+    for call in (
+        lambda: s.spread3(x, _result=bad),
+        lambda: s.spread3.bwds(x, _result=bad.with_grads(ones=True)),
+    ):
+        with pytest.raises(ValueError, match="_result") as info:
+            call()
+        for w in words:
+            assert w in str(info.value), str(info.value)
+    np.testing.assert_array_equal(bad.numpy(), np.zeros_like(bad.numpy()))  # nothing ran
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(3))
+
+
+@pytest.mark.parametrize("shape", [(3,), (3, 2), (3, 4), (1, 3), (3, 1)])
+def test_numpy_result_without_the_vector_axes_names_the_vector(device, s, shape):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(ValueError, match=r"_result.*float3") as info:
+        s.spread3(x, _result=np.zeros(shape, np.float32))
+    assert str(shape) in str(info.value)
+
+
+def test_results_with_the_element_axes_are_right(device, s):
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    y = s.spread3(x, _result=pydiff.zeros((3, 3), device=device))
+    np.testing.assert_allclose(y.numpy(), X[:, None] * SPREAD, rtol=1e-6)
+    wide = s.spread3(x, _result=np.zeros((2, 3, 3), np.float32))  # broadcast over a new axis
+    np.testing.assert_allclose(wide, np.broadcast_to(X[:, None] * SPREAD, (2, 3, 3)), rtol=1e-6)
+    up = np.array([[1.0, 0.5, -1.0], [2.0, 0.0, 1.0], [0.0, 3.0, 0.25]])
+    y = pydiff.zeros((3, 3), device=device).with_grads()
+    y.grad.copy_from_numpy(up)
+    s.spread3.bwds(x, _result=y)  # d<up, spread(x)>/dx = up . (1, 2, 3)
+    np.testing.assert_allclose(x.grad.numpy(), up @ SPREAD, rtol=1e-6)
+    b = np.array([[2.0], [-1.0]])  # (2, 1) against (3,): a call of shape (2, 3)
+    m2 = s.outer2(X, b, _result=pydiff.zeros((2, 3, 2, 2), device=device)).numpy()
+    ref = np.stack([X * b, np.broadcast_to(X, (2, 3)), np.broadcast_to(b, (2, 3)), 2 * X * b], -1)
+    np.testing.assert_allclose(m2, ref.reshape(2, 3, 2, 2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (2, 3, 2, 1), (2, 3, 2), (2, 3, 3, 2)])
+def test_matrix_result_with_wrong_element_axes_is_refused(device, s, shape):
+    b = np.array([[2.0], [-1.0]])
+    with pytest.raises(ValueError, match=r"_result \(float2x2\).*\(\.\.\., 2, 2\)"):
+        s.outer2(X, b, _result=pydiff.zeros(shape, device=device))
+
+
+@pytest.mark.parametrize("shape", [(1,), (2, 1), (1, 1)])
+def test_out_parameter_smaller_than_the_call_is_refused(device, s, shape):
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    y = pydiff.zeros(shape, device=device, requires_grad=True)
+    said = re.escape(str(shape))
+    with pytest.raises(ValueError, match=rf"parameter 'y' has shape {said}.*race") as info:
+        s.sq_out(x, y)
+    assert "(3,)" in str(info.value)
+    with pytest.raises(ValueError, match="parameter 'y' has shape"):
+        s.sq_out.bwds(x, y)
+    with pytest.raises(ValueError, match=r"parameter 'y' is a NumPy array of shape"):
+        s.sq_out(x, np.zeros(shape, np.float32))
+    np.testing.assert_array_equal(y.numpy(), np.zeros(shape))
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(3))
+
+
+def test_inout_parameter_smaller_than_the_call_is_refused(device, s):
+    sc = pydiff.tensor(X, device=device)
+    v = pydiff.tensor([2.0], device=device)
+    with pytest.raises(ValueError, match=r"parameter 'v' has shape \(1,\).*\(3,\)"):
+        s.scale_inout(sc, v)
+    np.testing.assert_array_equal(v.numpy(), [2.0])
+    v = pydiff.tensor(np.full((2, 3), 2.0), device=device)  # as large as the call: fine
+    s.scale_inout(sc, v)
+    np.testing.assert_allclose(v.numpy(), np.broadcast_to(2.0 * X, (2, 3)), rtol=1e-6)
+
+
+def test_vector_out_parameter_needs_its_element_axis(device, s):
+    x = pydiff.tensor(X, device=device)
+    for bad in (pydiff.zeros((3,), device=device), pydiff.zeros((3, 2), device=device),
+                pydiff.zeros((1,), dtype="float3", device=device)):
+        with pytest.raises(ValueError, match=r"parameter 'y' \(float3\)|parameter 'y' has shape"):
+            s.out3(x, bad)
+    y = pydiff.zeros((3, 3), device=device)
+    s.out3(x, y)
+    np.testing.assert_allclose(y.numpy(), np.stack([X, X * X, -X], -1), rtol=1e-6)
+    y = pydiff.zeros((3,), dtype="float3", device=device)
+    s.out3(x, y)
+    np.testing.assert_allclose(y.numpy(), np.stack([X, X * X, -X], -1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [1.0, 2.5, -3, 0.0])
+def test_number_seeds_a_generic_result(device, s, seed):
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    s.cube.bwds(x, _result=seed)
+    np.testing.assert_allclose(x.grad.numpy(), seed * 3 * X**2, rtol=1e-6)
+    a = pydiff.tensor(2 * X, device=device, requires_grad=True)
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    s.wsum.bwds(a, x, seed)  # positional; d/da = x, d/dx = a + 2x
+    np.testing.assert_allclose(a.grad.numpy(), seed * X, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), seed * (2 * X + 2 * X), rtol=1e-6)
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    s.via_cube.bwds(x, _result=seed)
+    np.testing.assert_allclose(x.grad.numpy(), seed * 6 * X**2, rtol=1e-6)
+
+
+def test_number_seeds_a_generic_half_result_right_or_refused(device, s):
+    H = np.array([0.5, -1.25, 2.0])  # exact in half
+    h = pydiff.tensor(H, dtype="half", device=device, requires_grad=True)
+    try:
+        s.cube.bwds(h, _result=2.0)
+    except TypeError as exc:  # the call's shape is not known for a generic parameter
+        assert "half tensor with gradients" in str(exc)
+        return
+    np.testing.assert_allclose(h.grad.numpy(), 2 * 3 * H**2, rtol=2e-3)
+
+
+def test_generic_result_smaller_than_the_call_is_refused(device, s):
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(ValueError, match=r"_result has shape \(1,\)"):
+        s.cube(x, _result=pydiff.zeros((1,), device=device))
+
+
+def test_numpy_result_of_a_call_of_single_values(device, s):
+    got = s.plain(2.5, -2.0, _result="numpy")
+    assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float32
+    assert float(got) == 2.5 * -2.0 + 0.5
+    assert s.plain(np.float64(1.5), 2, _result="numpy") == np.float32(3.5)
+    m = np.array([[1.0, 2.0], [3.0, 4.0]])  # one float2x2: a call of shape ()
+    got = s.msum(m, _result="numpy")
+    assert got.shape == () and float(got) == 1.0 + 20.0 + 300.0 + 4000.0
+    t = s.plain(2.5, -2.0, _result="tensor")  # as the tensor result is
+    np.testing.assert_array_equal(t.numpy(), got * 0 + np.float32(-4.5))
+    np.testing.assert_allclose(s.spread3(2.0, _result="numpy"), 2.0 * SPREAD)
+
+
+def test_checks_remembered_per_shape_still_refuse_other_shapes(device, m):
+    """A function remembers the argument shapes and dtypes that passed its shape checks (a
+    third of a small call's cost): calls with those shapes skip them, any other shape or
+    dtype is checked again, and the outcome is the same as without the memory."""
+    x = pydiff.tensor(X, device=device)
+    ok = pydiff.zeros((3,), device=device)
+    for _ in range(3):
+        m.sq(x, _result=ok)
+    np.testing.assert_allclose(ok.numpy(), X**2, rtol=1e-6)
+    with pytest.raises(ValueError, match="_result has shape"):
+        m.sq(x, _result=pydiff.zeros((1,), device=device))
+    with pytest.raises(TypeError, match="truncated"):
+        m.sq(x, _result=pydiff.zeros((3,), dtype="int", device=device))
+    y = pydiff.tensor(np.arange(6.0).reshape(2, 3), device=device)
+    for _ in range(70):  # more shapes than a function remembers: still right, still checked
+        m.sq(y, _result=pydiff.zeros((2, 3), device=device))
+        m.sq(x, _result=ok)
+    with pytest.raises(ValueError, match="_result has shape"):
+        m.sq(y, _result=pydiff.zeros((3,), device=device))
+    np.testing.assert_allclose(ok.numpy(), X**2, rtol=1e-6)

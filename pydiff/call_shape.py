@@ -1,0 +1,198 @@
+"""The shape a call vectorises over, and the arguments it writes checked against it.
+
+SlangPy runs one thread per element of the broadcast (NumPy's right-aligned rule) of its
+vectorised arguments. One element of a vector or matrix parameter is a whole ``float3`` or
+``float2x2``: a float tensor or array passed to it takes it from its trailing axes, which
+must then be exactly ``(3,)`` or ``(2, 2)`` (SlangPy reads any other width silently with
+the wrong stride). A tensor the call writes (an ``out``/``inout`` parameter, ``_result``)
+must cover the whole call shape, or several threads write one element: a race.
+
+    own_shape("vector<float,3>", "float", (4, 3))      # (4,): four float3 elements
+    own_shape("vector<float,3>", "float", (4,))        # ElementAxesError: last axis must be 3
+    check_written(fn, bound, result)                  # ValueError naming 'y', both shapes
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from .signature import FunctionTarget, ParamInfo
+from .storage import SCALAR_NUMPY
+from .tensor import Tensor
+
+_VECTOR = re.compile(r"^vector<(\w+),(\d+)>$")
+_MATRIX = re.compile(r"^matrix<(\w+),(\d+),(\d+)>$")
+_ARRAYS = (Tensor, np.ndarray)
+_SCALARS = frozenset(SCALAR_NUMPY)
+
+
+class ElementAxesError(ValueError):
+    """A tensor or array whose trailing axes cannot hold one element of its parameter."""
+
+
+def type_elements(type_name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(scalar, element axes) of a scalar, vector or matrix type name: ('float', ()) for
+    'float', ('float', (3,)) for 'vector<float,3>', ('half', (2, 2)) for
+    'matrix<half,2,2>'; None for any other type (structs, arrays, generics)."""
+    name = type_name.replace(" ", "")
+    if name in SCALAR_NUMPY:
+        return name, ()
+    m = _VECTOR.match(name)
+    if m and m.group(1) in SCALAR_NUMPY:
+        return m.group(1), (int(m.group(2)),)
+    m = _MATRIX.match(name)
+    if m and m.group(1) in SCALAR_NUMPY:
+        return m.group(1), (int(m.group(2)), int(m.group(3)))
+    return None
+
+
+def short_name(type_name: str) -> str:
+    """How Slang code spells a type: 'float3' for 'vector<float,3>', 'float2x2' for
+    'matrix<float,2,2>'; other names unchanged."""
+    found = type_elements(type_name)
+    if found is None or not found[1]:
+        return type_name
+    return found[0] + "x".join(str(d) for d in found[1])
+
+
+def own_shape(
+    type_name: str, dtype: str, shape: tuple[int, ...], noun: str = "tensor"
+) -> tuple[int, ...] | None:
+    """The part of the call shape that a tensor or array of element type ``dtype`` and
+    ``shape`` covers when passed where a ``type_name`` is expected: its shape when ``dtype``
+    is that type, its shape without the element's axes when ``dtype`` is the element's
+    scalar; None when pydiff cannot tell (structs, generics, other conversions). Raises
+    ElementAxesError when the trailing axes are not the element's, or ``dtype`` is a vector
+    or matrix of the same scalar with other dimensions."""
+    if dtype.replace(" ", "") == type_name.replace(" ", ""):
+        return tuple(shape)
+    want, got = type_elements(type_name), type_elements(dtype)
+    if want is None or got is None or not want[1] or want[0] != got[0]:
+        return None
+    base, axes = want
+    name = short_name(type_name)
+    if got[1]:
+        raise ElementAxesError(
+            f"holds {short_name(dtype)} elements where a {name} is expected; pass a {name} "
+            f"tensor, or a {base} one whose last axes are {axes}"
+        )
+    k = len(axes)
+    if len(shape) < k or tuple(shape[len(shape) - k :]) != axes:
+        raise ElementAxesError(
+            f"is a {base} {noun} of shape {tuple(shape)} where a {name} is expected: "
+            f"its last axes must hold one {name} each, shape (..., {', '.join(map(str, axes))}) "
+            f"(or pass a {name} tensor)"
+        )
+    return tuple(shape[: len(shape) - k])
+
+
+def dtype_of(value: Any) -> str | None:
+    """The Slang element type of a pydiff tensor or a NumPy array of numbers; else None."""
+    if type(value) is Tensor:
+        return value.native.dtype.full_name
+    if type(value) is np.ndarray:
+        for name, kind in SCALAR_NUMPY.items():
+            if value.dtype == kind:
+                return name
+    return None
+
+
+def argument_shape(type_name: str, value: Any) -> tuple[int, ...] | None:
+    """The part of the call shape ``value`` covers at a parameter of type ``type_name``
+    (None: none, or pydiff cannot tell). Numbers and SlangPy's generated values (call ids,
+    random numbers) cover nothing; a ``spy.grid`` its shape."""
+    dtype = dtype_of(value)
+    if dtype is not None:
+        noun = "tensor" if type(value) is Tensor else "NumPy array"
+        return own_shape(type_name, dtype, tuple(int(d) for d in value.shape), noun)
+    if type(value).__name__ == "GridArg" and all(int(d) > 0 for d in value.shape):
+        return tuple(int(d) for d in value.shape)
+    return None
+
+
+def broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """NumPy's broadcast of ``shapes`` (None when they do not broadcast); () for none."""
+    out: list[int] = []
+    for shape in shapes:
+        if len(shape) > len(out):
+            out = [1] * (len(shape) - len(out)) + out
+        for k, d in enumerate(shape, len(out) - len(shape)):
+            if d != out[k]:
+                if out[k] != 1 and d != 1:
+                    return None
+                out[k] = max(out[k], d) if d != 0 and out[k] != 0 else 0
+    return tuple(out)
+
+
+def result_type(fn: FunctionTarget, bound: list) -> str:
+    """The function's return type, with a generic one (``T f<T : ...>(T x)``) specialised
+    as SlangPy specialises it: to the element type of the argument of a parameter of that
+    type ('float' for a float tensor or a Python float)."""
+    ret = fn.signature.return_type
+    if type_elements(ret) is not None or ret == "void":
+        return ret
+    for p, value in bound:
+        if p.generic and p.type_name == ret and p.tensor_kind is None:
+            found = dtype_of(value) or ("float" if type(value) is float else None)
+            if found is not None:
+                return found
+    return ret
+
+
+def param_type(p: ParamInfo, value: Any) -> str:
+    """The type a parameter takes in this call: a generic one's is its argument's."""
+    return (dtype_of(value) or p.type_name) if p.generic else p.type_name
+
+
+def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
+    """Refuse, naming the parameter or ``_result`` and the shapes, any argument whose
+    trailing axes cannot hold its parameter's elements, and a tensor or array the call
+    writes (an ``out``/``inout`` parameter, ``_result``) that does not cover the call shape
+    the other arguments broadcast to (several threads would write one of its elements)."""
+    written = type(result) in _ARRAYS or any(
+        type(bound[i][1]) in _ARRAYS and bound[i][0].tensor_kind is None
+        for i in fn.signature.written
+    )
+    if not written:  # (the common call) only element axes of vectors and matrices to check
+        for p, value in bound:
+            if type(value) in _ARRAYS and p.tensor_kind is None and p.type_name not in _SCALARS:
+                _add(fn, [], f"parameter '{p.name}'", param_type(p, value), value, False)
+        return
+    parts: list[tuple[str, str, Any, tuple[int, ...]]] = []  # (what, type, written, own)
+    for p, value in bound:
+        if p.tensor_kind is None and type(value) not in (float, int, bool):
+            _add(fn, parts, f"parameter '{p.name}'", param_type(p, value), value, p.writes_value)
+    if type(result) in _ARRAYS:
+        _add(fn, parts, "_result", result_type(fn, bound), result, True)
+    for what, type_name, value, own in parts:
+        if value is None:
+            continue  # not written
+        args = broadcast([s for w, _, _, s in parts if w != what])
+        whole = broadcast([args, own]) if args is not None else None
+        if whole is None:
+            return  # shapes that do not broadcast: SlangPy reports them
+        if whole == own:
+            continue
+        kind = "has shape" if type(value) is Tensor else "is a NumPy array of shape"
+        shape = tuple(value.shape)
+        elem = "" if own == shape else f" (one {short_name(type_name)} per last axes: {own})"
+        fix = ", or _result='tensor'" if what == "_result" else ""
+        raise ValueError(
+            f"{fn.label}: {what} {kind} {shape}{elem}, which the call writes, but the "
+            f"arguments broadcast to shape {args}: several call elements would write the same "
+            f"element (a race). Pass one for call shape {whole}{fix}"
+        )
+
+
+def _add(fn: FunctionTarget, parts: list, what: str, type_name: str, value: Any, writes: bool):
+    """Append (what, type, value if written else None, shape covered) for one argument."""
+    try:
+        own = argument_shape(type_name, value)
+    except ElementAxesError as exc:
+        raise ValueError(f"{fn.label}: {what} ({short_name(type_name)}) {exc}") from None
+    if own is not None:
+        writes = writes and type(value) in (Tensor, np.ndarray)
+        parts.append((what, type_name, value if writes else None, own))
