@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from .call_shape import param_type, result_type
 from .signature import FunctionTarget
 from .tensor import Tensor
 
@@ -112,7 +113,7 @@ def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] 
         if type(value) is Tensor:
             if p.tensor_kind is not None:
                 continue  # whole-tensor parameters do not vectorise
-            k = element_axes(p, value)
+            k = _element_axes(param_type(p, value), value)  # a generic T: its argument's
             if k is None:
                 return None
             shapes.append(value.shape[: len(value.shape) - k])
@@ -125,7 +126,7 @@ def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] 
         else:
             return None
     if type(result) is Tensor:
-        k = _element_axes(fn.signature.return_type, result)
+        k = _element_axes(result_type(fn, bound), result)
         if k is None:
             return None
         shapes.append(result.shape[: len(result.shape) - k])
