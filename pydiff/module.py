@@ -16,8 +16,9 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, lint
+from . import capturing, lint, lint_custom
 from .backward_call import backward_call
+from .custom_backward import direct_inout_source
 from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
@@ -78,7 +79,7 @@ class Module:
             self._decl_loader = lambda: device.native.load_module(file)
         self._functions: dict[str, ShaderFunction] = {}
         if source is not None and lint_source:
-            findings = lint.scan_source(source, file)
+            findings = lint.scan_source(source, file) + lint_custom.scan_source(source, file)
             for f in findings:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
@@ -288,7 +289,7 @@ class ShaderFunction:
     def _inout(self) -> Any:
         """The SlangPy function of the generated ``inout`` wrapper (see inout_wrapper_source)."""
         if self._inout_wrapper is None:
-            src = inout_wrapper_source(self)
+            src = direct_inout_source(self) or inout_wrapper_source(self)
             name = f"pydiff_inout_{self.name}_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
             try:
                 native = spy.Module.load_from_source(self.module.device.native, name, src)

@@ -15,12 +15,13 @@ import slangpy as spy
 
 from . import capturing
 from .device import Device
+from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape, shape_tuple
 from .storage import float4_layout, has_c_strides, read_back
 
 
-class Tensor:
+class Tensor(GradBuffers):
     """A tensor on a device with optional gradient buffers ``grad_in`` and ``grad_out``.
 
     ``grad_in`` holds the upstream gradient a backward reads for values the call wrote;
@@ -30,6 +31,10 @@ class Tensor:
     Public fields for the layers above: ``native`` (the SlangPy tensor of the values),
     ``device``, ``storage`` (the ``Storage`` every view of the buffer shares), and
     ``producer`` (the Tape that recorded the call writing this tensor, or None).
+
+    A view (``reshape``) has no gradient buffers of its own: its gradients are its base's,
+    viewed in its shape (the same memory), so a backward through the view adds into the
+    base's gradient, and gradient buffers given to either later are seen by both.
 
     >>> x = pydiff.tensor(np.arange(4.0), requires_grad=True)
     >>> x.shape, x.dtype, x.grad.numpy()
@@ -47,6 +52,7 @@ class Tensor:
         *,
         storage: Storage | None = None,
         zero_policy: ZeroPolicy | str | None = None,
+        base: "Tensor | None" = None,
     ):
         self._native = native
         self._device = device
@@ -56,7 +62,9 @@ class Tensor:
         self.storage = storage if storage is not None else Storage(native.storage)
         self.zero_policy = zero_policy
         self._bound: spy.Tensor | None = None
-        self.producer: Any = None
+        self._producer: Any = None
+        self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
+        self._viewed: tuple = (None, None)  # the base's buffers its own grads view
         self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
 
     # --- description -------------------------------------------------------------------
@@ -99,18 +107,33 @@ class Tensor:
 
     @property
     def zero_policy(self) -> ZeroPolicy | None:
-        """This tensor's own zeroing policy, or None to follow the global/context one."""
+        """This tensor's own zeroing policy (a view: else its base's), or None to follow the
+        global/context one."""
+        if self._zero_policy is None and self._base is not None:
+            return self._base.zero_policy
         return self._zero_policy
 
     @zero_policy.setter
     def zero_policy(self, value: ZeroPolicy | str | None) -> None:
         self._zero_policy = None if value is None else ZeroPolicy.parse(value)
 
+    @property
+    def producer(self) -> Any:
+        """The Tape that recorded the call writing these values (a view: its base's)."""
+        if self._producer is None and self._base is not None:
+            return self._base.producer
+        return self._producer
+
+    @producer.setter
+    def producer(self, tape: Any) -> None:
+        self._producer = tape
+
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
 
     def __repr__(self) -> str:
         grads = ""
+        self._sync_view()
         if self._grad_out is not None:
             grads = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
         return (
@@ -210,106 +233,6 @@ class Tensor:
         self.storage.wrote("a device copy")
         return self
 
-    # --- gradients ---------------------------------------------------------------------
-    @property
-    def requires_grad(self) -> bool:
-        return self._grad_out is not None or self._grad_in is not None
-
-    @property
-    def grad(self) -> "Tensor | None":
-        """The gradient buffer a backward adds into (``grad_out``), as in SlangPy."""
-        return self._grad_out
-
-    @property
-    def grad_in(self) -> "Tensor | None":
-        return self._grad_in
-
-    @property
-    def grad_out(self) -> "Tensor | None":
-        return self._grad_out
-
-    @property
-    def grad_dtype(self) -> Any:
-        """SlangPy's reflection of the gradient's element type (TypeError if there is none)."""
-        derivative = getattr(self._native.dtype, "derivative", None)
-        if derivative is None or not self.differentiable:
-            raise TypeError(
-                f"a tensor of dtype {self.dtype!r} cannot have gradients (no derivative type); "
-                "use a floating-point dtype such as 'float', 'half' or 'float3'"
-            )
-        return derivative
-
-    def new_grad_buffer(self, zero: bool = True) -> "Tensor":
-        """A new tensor shaped for this tensor's gradient (zeroed unless ``zero=False``)."""
-        if not self._shape:  # a 0-d result (a scalar-returning call): a (1,) buffer, viewed
-            native = allocate(self._device, (1,), self.grad_dtype, zero).view(self._native.shape)
-        else:
-            native = allocate(self._device, self._native.shape, self.grad_dtype, zero)
-        return Tensor(native, self._device)
-
-    def _check_grad(self, grad: Any, name: str) -> "Tensor":
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"{name}: expected a pydiff.Tensor, got {type(grad).__name__}")
-        if grad.device != self.device:
-            raise ValueError(f"{name}: on device {grad.device!r}, primal on {self.device!r}")
-        if grad.shape != self.shape:
-            raise ValueError(
-                f"{name}: gradient shape {grad.shape} does not match the primal's shape "
-                f"{self.shape}"
-            )
-        want = self.grad_dtype.full_name
-        if grad.native.dtype.full_name != want:
-            raise ValueError(
-                f"{name}: gradient dtype {grad.dtype!r} does not match the primal's "
-                f"derivative type {want!r}"
-            )
-        return grad
-
-    def with_grads(
-        self,
-        grad_in: "Tensor | None" = None,
-        grad_out: "Tensor | None" = None,
-        zero: bool = True,
-        *,
-        ones: bool = False,
-    ) -> "Tensor":
-        """A tensor on the same storage with gradient buffers attached.
-
-        With no buffers given, one new buffer serves as grad_in and grad_out. Buffers you
-        pass are validated (shape, dtype, device) and kept as they are: ``zero`` applies
-        only to buffers pydiff allocates (SlangPy also clears yours, losing an upstream
-        gradient). ``ones=True`` fills a new shared buffer with ones, the usual upstream
-        gradient of an output.
-
-        >>> y = module.f(x, _result="tensor").with_grads(ones=True)
-        >>> module.f.bwds(x, _result=y)
-        """
-        if grad_in is not None:
-            self._check_grad(grad_in, "grad_in")
-        if grad_out is not None:
-            self._check_grad(grad_out, "grad_out")
-        if grad_in is None and grad_out is None:
-            grad_in = grad_out = self.new_grad_buffer(zero and not ones)
-            if ones:
-                grad_in.fill(1.0)
-        else:
-            grad_in = grad_in if grad_in is not None else self.new_grad_buffer(zero)
-            grad_out = grad_out if grad_out is not None else self.new_grad_buffer(zero)
-        return Tensor(
-            self._native,
-            self._device,
-            grad_in,
-            grad_out,
-            storage=self.storage,
-            zero_policy=self._zero_policy,
-        )
-
-    def share_grads(self, other: "Tensor") -> None:
-        """Use ``other``'s gradient buffers (a view of other values that must route its
-        gradient to the same place, e.g. the tape's copy of an in-place argument)."""
-        self._grad_in, self._grad_out = other.grad_in, other.grad_out
-        self._bound = None
-
     @property
     def tangent(self) -> "Tensor | None":
         """Forward mode: the tangent (directional derivative) of these values, or None.
@@ -349,25 +272,6 @@ class Tensor:
         self._tangent = Tensor(native, self._device).copy_from_numpy(arr)
         return self
 
-    def requires_grad_(self, flag: bool = True) -> "Tensor":
-        """Attach (or drop) a zeroed shared gradient buffer in place; returns self."""
-        if flag and not self.requires_grad:
-            self._grad_in = self._grad_out = self.new_grad_buffer()
-        elif not flag:
-            self._grad_in = self._grad_out = None
-        self._bound = None
-        return self
-
-    def zero_grad(self, encoder: Any = None) -> "Tensor":
-        """Zero the gradient buffers (grad_in and grad_out) now, or in order with the
-        commands of ``encoder``; returns self."""
-        grad_in, grad_out = self._grad_in, self._grad_out
-        if grad_in is not None:
-            grad_in.zero_(encoder)
-        if grad_out is not None and grad_out is not grad_in:
-            grad_out.zero_(encoder)
-        return self
-
     def detach(self) -> "Tensor":
         """The same values (same storage) without gradient buffers."""
         return Tensor(self._native, self._device, storage=self.storage)
@@ -392,7 +296,9 @@ class Tensor:
         return self
 
     def reshape(self, shape: Sequence[int]) -> "Tensor":
-        """A view of the same contiguous storage with another shape (no gradient buffers).
+        """A view of the same contiguous storage with another shape, sharing this tensor's
+        gradient buffers (viewed in the new shape: a gradient through the view lands in
+        ``x.grad``). ``x.detach().reshape(...)`` is a view without gradients.
 
         >>> flat = x.reshape((x.numel,))
         """
@@ -401,7 +307,11 @@ class Tensor:
             raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
         if not self._native.is_contiguous():
             raise ValueError("reshape: the tensor is not contiguous; clone() it first")
-        return Tensor(self._native.view(shape), self._device, storage=self.storage)
+        base = self._base if self._base is not None else self
+        for g, what in ((base.grad_in, "grad_in"), (base.grad_out, "grad_out")):
+            if g is not None:
+                view_of(g, shape, what)  # refused now if it cannot be viewed
+        return Tensor(self._native.view(shape), self._device, storage=self.storage, base=base)
 
     def clone(self) -> "Tensor":
         """A copy of the values in new storage (no gradient buffers).
@@ -432,7 +342,9 @@ class Tensor:
 
         >>> m.native.f(x.bind(), _result="tensor")        # raw SlangPy, with x's gradients
         """
-        if not with_grads or not self.requires_grad:
+        if self._base is not None:
+            self._sync_view()
+        if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
         if self._bound is None:
             gi = self._grad_in.native if self._grad_in is not None else None

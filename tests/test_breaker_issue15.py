@@ -105,11 +105,6 @@ def test_function_same_new_tensor_twice_and_input(device, chain):
     np.testing.assert_allclose(x.grad.numpy(), 5 * X0.astype(np.float64) ** 4, rtol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="x.reshape(...) of a requires_grad tensor has no gradient link: on a tape the "
-    "gradient through the view is dropped silently (times(x, x.reshape) gives x, not 2x)",
-)
 def test_reshape_view_on_tape_keeps_gradient(device, chain):
     x = leaf(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -122,11 +117,6 @@ def test_reshape_view_on_tape_keeps_gradient(device, chain):
     assert warned or np.allclose(x.grad.numpy(), 2 * X0, rtol=1e-6), x.grad.numpy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pattern-1 Function (no backward) returning x and x.reshape(...) loses the "
-    "view's gradient: 3x^3 instead of 4x^3",
-)
 def test_pattern1_function_returning_input_and_view(device, chain):
     class P1(pydiff.Function):
         @staticmethod
@@ -335,11 +325,6 @@ def test_check_inout_struct_int_functions(device, tmp_path):
     assert out.returncode == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a correct [BackwardDerivative] of an inout function that reads the inout's "
-    "primal (v.p) segfaults the interpreter in .bwds (and in `pydiff check`)",
-)
 def test_custom_backward_of_inout_reading_primal_does_not_crash(device):
     code = textwrap.dedent(
         f"""

@@ -1,0 +1,194 @@
+"""The gradient buffers of a ``Tensor`` (``grad_in``, ``grad_out``) and of its views.
+
+A view (``x.reshape(...)``) has no gradient buffers of its own: it shows its base's, viewed
+in its shape (the same memory, so the view's gradient *is* the base's), re-read whenever the
+base's buffers change (``requires_grad_``, a tape giving a result buffers after the view
+was made). So a backward through a view adds into ``x.grad``; nothing is dropped.
+
+    x = pydiff.tensor(np.ones(6), requires_grad=True)
+    v = x.reshape((2, 3))          # v.grad is x.grad viewed as (2, 3)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .storage import allocate
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class GradBuffers:
+    """The gradient half of ``Tensor`` (a mixin: ``Tensor`` sets ``_native``, ``_device``,
+    ``_shape``, ``_grad_in``, ``_grad_out``, ``_base``, ``_viewed`` and ``_bound``)."""
+
+    _native: Any
+    _device: Any
+    _shape: tuple[int, ...]
+    _grad_in: Any
+    _grad_out: Any
+    _base: Any
+    _viewed: tuple
+    _bound: Any
+
+    @property
+    def base(self) -> "Self | None":
+        """The tensor this one is a view of (``reshape``), whose gradients it shares."""
+        return self._base
+
+    @property
+    def requires_grad(self) -> bool:
+        if self._base is not None:
+            self._sync_view()
+        return self._grad_out is not None or self._grad_in is not None
+
+    @property
+    def grad(self) -> "Self | None":
+        """The gradient buffer a backward adds into (``grad_out``), as in SlangPy."""
+        if self._base is not None:
+            self._sync_view()
+        return self._grad_out
+
+    @property
+    def grad_in(self) -> "Self | None":
+        if self._base is not None:
+            self._sync_view()
+        return self._grad_in
+
+    @property
+    def grad_out(self) -> "Self | None":
+        if self._base is not None:
+            self._sync_view()
+        return self._grad_out
+
+    def _sync_view(self) -> None:
+        """A view's gradient buffers: its base's current ones, viewed in its shape."""
+        base = self._base
+        if base is None:
+            return
+        gi, go = base.grad_in, base.grad_out
+        if gi is self._viewed[0] and go is self._viewed[1]:
+            return
+        self._grad_in = None if gi is None else view_of(gi, self._native.shape, "grad_in")
+        self._grad_out = self._grad_in if go is gi else view_of(go, self._native.shape, "grad_out")
+        self._viewed = (gi, go)
+        self._bound = None
+
+    @property
+    def grad_dtype(self) -> Any:
+        """SlangPy's reflection of the gradient's element type (TypeError if there is none)."""
+        derivative = getattr(self._native.dtype, "derivative", None)
+        if derivative is None or not self.differentiable:
+            raise TypeError(
+                f"a tensor of dtype {self.dtype!r} cannot have gradients (no derivative type); "
+                "use a floating-point dtype such as 'float', 'half' or 'float3'"
+            )
+        return derivative
+
+    def new_grad_buffer(self, zero: bool = True) -> "Self":
+        """A new tensor shaped for this tensor's gradient (zeroed unless ``zero=False``)."""
+        if not self._shape:  # a 0-d result (a scalar-returning call): a (1,) buffer, viewed
+            native = allocate(self._device, (1,), self.grad_dtype, zero).view(self._native.shape)
+        else:
+            native = allocate(self._device, self._native.shape, self.grad_dtype, zero)
+        return type(self)(native, self._device)
+
+    def check_grad(self, grad: Any, name: str) -> "Self":
+        if not isinstance(grad, GradBuffers):
+            raise TypeError(f"{name}: expected a pydiff.Tensor, got {type(grad).__name__}")
+        if grad.device != self.device:
+            raise ValueError(f"{name}: on device {grad.device!r}, primal on {self.device!r}")
+        if grad.shape != self.shape:
+            raise ValueError(
+                f"{name}: gradient shape {grad.shape} does not match the primal's shape "
+                f"{self.shape}"
+            )
+        want = self.grad_dtype.full_name
+        if grad.native.dtype.full_name != want:
+            raise ValueError(
+                f"{name}: gradient dtype {grad.dtype!r} does not match the primal's "
+                f"derivative type {want!r}"
+            )
+        return grad
+
+    def with_grads(
+        self,
+        grad_in: "Self | None" = None,
+        grad_out: "Self | None" = None,
+        zero: bool = True,
+        *,
+        ones: bool = False,
+    ) -> "Self":
+        """A tensor on the same storage with gradient buffers attached.
+
+        With no buffers given, one new buffer serves as grad_in and grad_out. Buffers you
+        pass are validated (shape, dtype, device) and kept as they are: ``zero`` applies
+        only to buffers pydiff allocates (SlangPy also clears yours, losing an upstream
+        gradient). ``ones=True`` fills a new shared buffer with ones, the usual upstream
+        gradient of an output.
+
+        >>> y = module.f(x, _result="tensor").with_grads(ones=True)
+        >>> module.f.bwds(x, _result=y)
+        """
+        self._sync_view()
+        if grad_in is not None:
+            self.check_grad(grad_in, "grad_in")
+        if grad_out is not None:
+            self.check_grad(grad_out, "grad_out")
+        if grad_in is None and grad_out is None:
+            grad_in = grad_out = self.new_grad_buffer(zero and not ones)
+            if ones:
+                grad_in.fill(1.0)
+        else:
+            grad_in = grad_in if grad_in is not None else self.new_grad_buffer(zero)
+            grad_out = grad_out if grad_out is not None else self.new_grad_buffer(zero)
+        return type(self)(
+            self._native,
+            self._device,
+            grad_in,
+            grad_out,
+            storage=self.storage,
+            zero_policy=self.zero_policy,
+        )
+
+    def share_grads(self, other: "Self") -> None:
+        """Use ``other``'s gradient buffers (a view of other values that must route its
+        gradient to the same place, e.g. the tape's copy of an in-place argument)."""
+        self._grad_in, self._grad_out = other.grad_in, other.grad_out
+        self._base, self._viewed = None, (None, None)
+        self._bound = None
+
+    def requires_grad_(self, flag: bool = True) -> "Self":
+        """Attach (or drop) a zeroed shared gradient buffer in place; returns self (a view:
+        its base's, which it shares)."""
+        if self._base is not None:
+            self._base.requires_grad_(flag)
+            self._sync_view()
+            return self
+        if flag and not self.requires_grad:
+            self._grad_in = self._grad_out = self.new_grad_buffer()
+        elif not flag:
+            self._grad_in = self._grad_out = None
+        self._bound = None
+        return self
+
+    def zero_grad(self, encoder: Any = None) -> "Self":
+        """Zero the gradient buffers (grad_in and grad_out) now, or in order with the
+        commands of ``encoder``; returns self."""
+        grad_in, grad_out = self.grad_in, self.grad_out
+        if grad_in is not None:
+            grad_in.zero_(encoder)
+        if grad_out is not None and grad_out is not grad_in:
+            grad_out.zero_(encoder)
+        return self
+
+
+def view_of(grad: Any, shape: Sequence[int], what: str) -> Any:
+    """``grad`` (a gradient buffer) viewed in ``shape``: what a view of its primal shares."""
+    if not grad.native.is_contiguous():
+        raise ValueError(
+            f"reshape: the tensor's {what} buffer is not contiguous, so a view cannot share "
+            "it; give the tensor contiguous gradient buffers, or reshape t.detach()"
+        )
+    return type(grad)(grad.native.view(tuple(shape)), grad.device, storage=grad.storage)

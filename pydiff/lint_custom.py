@@ -1,0 +1,135 @@
+"""Trap scan of hand-written backward derivatives: a ``[BackwardDerivative(bw)]`` of a
+function with an ``inout`` parameter whose ``bw`` reads that parameter's primal (``v.p``).
+
+Called directly (``f.bwds``), pydiff runs such a backward through a wrapper that calls it
+without Slang's autodiff (``custom_backward``), and it is right. Called from *another*
+differentiable function, Slang's autodiff of the call builds a kernel that segfaults the
+process at dispatch (SlangPy 0.43.1, lavapipe; reproduced in raw SlangPy): the callers'
+``.bwds`` is refused, naming the call's file and line.
+
+    findings = scan_source(open("ops.slang").read(), "ops.slang")   # lint.Finding list
+"""
+
+from __future__ import annotations
+
+import re
+
+from .lint import Finding
+from .lint_flow import matching
+
+KIND = "custom-bwd-inout-primal"
+_BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+_BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+_DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
+_HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
+
+
+def _blank_comments(src: str) -> str:
+    return re.sub(
+        r"//[^\n]*|/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group(0)), src, flags=re.S
+    )
+
+
+def _definitions(src: str) -> dict[str, list[tuple[int, list[str], str, int]]]:
+    """Function definitions: name -> [(offset of the name, parameters, body, body offset)]."""
+    out: dict[str, list[tuple[int, list[str], str, int]]] = {}
+    for m in re.finditer(r"([A-Za-z_]\w*)\s*(<[^<>(){};]*>)?\s*\(", src):
+        if m.group(1) in ("if", "for", "while", "switch", "return", "do"):
+            continue
+        close = matching(src, m.end() - 1, "(", ")")
+        if close < 0:
+            continue
+        rest = src[close + 1 :]
+        brace = close + 1 + (len(rest) - len(rest.lstrip()))
+        if brace >= len(src) or src[brace] != "{":
+            continue
+        end = matching(src, brace, "{", "}")
+        if end < 0:
+            continue
+        params = [p.strip() for p in _split(src[m.end() : close]) if p.strip()]
+        out.setdefault(m.group(1), []).append((m.start(1), params, src[brace:end], brace))
+    return out
+
+
+def _split(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "<([{"
+        depth -= ch in ">)]}"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+def _name_after(src: str, end: int) -> str | None:
+    paren = src.find("(", end)
+    stops = [i for i in (src.find(";", end), src.find("{", end)) if i >= 0]
+    if paren < 0 or (stops and paren > min(stops)):
+        return None
+    m = _HEAD.search(src[end : paren + 1])
+    return m.group(1) if m else None
+
+
+def _crashing(src: str, defs: dict) -> dict[str, str]:
+    """Functions whose hand-written backward reads an inout parameter's primal: name -> the
+    parameter."""
+    pairs = [(_name_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
+    pairs += [(m.group(1), _name_after(src, m.end())) for m in _BWD_OF.finditer(src)]
+    found: dict[str, str] = {}
+    for f, bw in pairs:
+        if not f or not bw or f not in defs or bw not in defs:
+            continue
+        for _, params, _, _ in defs[f]:
+            for k, p in enumerate(params):
+                words = re.findall(r"[A-Za-z_]\w*", p)
+                if "inout" not in words or "no_diff" in words:
+                    continue
+                for _, bparams, body, _ in defs[bw]:
+                    if k >= len(bparams):
+                        continue
+                    bname = re.findall(r"[A-Za-z_]\w*", bparams[k])[-1]
+                    # diffPair(v.p, ...) hands the primal back unchanged: not a read
+                    kept = re.sub(rf"diffPair\s*\(\s*{bname}\s*\.\s*p\s*,", "", body)
+                    if re.search(rf"\b{bname}\s*\.\s*(p\b|getPrimal\s*\()", kept):
+                        found[f] = words[-1]
+    return found
+
+
+def inout_primal_reads(source: str) -> dict[str, str]:
+    """Functions whose hand-written backward reads an inout parameter's primal: name -> the
+    parameter (``custom_backward`` must then not fall back to Slang's autodiff of a call)."""
+    src = _blank_comments(source)
+    return _crashing(src, _definitions(src))
+
+
+def scan_source(source: str, file: str = "<source>") -> list[Finding]:
+    """Calls, from differentiable functions, of a function whose hand-written backward
+    reads an inout parameter's primal (the caller's ``.bwds`` would crash the process)."""
+    src = _blank_comments(source)
+    defs = _definitions(src)
+    crashing = _crashing(src, defs)
+    if not crashing:
+        return []
+    findings = []
+    for m in _DIFF.finditer(src):
+        caller = _name_after(src, m.end())
+        if caller is None or caller not in defs:
+            continue
+        for _, _, body, body_at in defs[caller]:
+            for f, param in crashing.items():
+                call = re.search(rf"\b{re.escape(f)}\s*\(", body)
+                if f == caller or call is None:
+                    continue
+                line = src.count("\n", 0, body_at + call.start()) + 1
+                message = (
+                    f"calls {f}(), whose hand-written backward reads the primal of inout "
+                    f"parameter '{param}' ({param}.p): Slang's autodiff of that call builds a "
+                    f"kernel that crashes the process (SlangPy 0.43). {f}.bwds itself works; "
+                    f"here pass the value in and return the new one (float {f}_value(...)) "
+                    "with a backward of its own, or call the backward by hand"
+                )
+                findings.append(Finding(file, line, caller, KIND, message))
+    return findings
