@@ -6,6 +6,7 @@ test analytic derivatives (AD) against central differences (FD) with these piece
     central(evaluate, values, direction, h)      # (f(x + h d) - f(x - h d)) / (2 h)
     per_element(evaluate, values, name, h)       # one central difference per element
     smooth(d_eps, d_small, atol, rtol)           # step eps vs eps/4: no kink, finite
+    for_precision(eps, atol, rtol, half)         # steps and tolerances for half values
     excess / worst_excess / compare              # |AD - FD| against atol + rtol * |FD|
     adjoint_gap(ju_v, u_jtv, atol, rtol)         # <J u, v> against <u, J^T v>
     dot(a, b)                                    # sum of elementwise products
@@ -177,6 +178,43 @@ def adjoint_gap(ju_v: float, u_jtv: float, atol: float, rtol: float) -> float:
     False
     """
     return float(excess(u_jtv, ju_v, atol, rtol))
+
+
+#: Smallest step of a check through half values: 32 of half's steps near 1 (2^-10 each), a
+#: power of two so that x + h and x + 2 h stay exact for sampled |x| < 1.5 on half's grid.
+HALF_EPS = 2.0**-5
+
+
+class Precision(NamedTuple):
+    """Steps and tolerances of one check (see ``for_precision``)."""
+
+    eps: float  # the central difference's step
+    second: float  # the other step of the kink test (``smooth``)
+    atol: float
+    rtol: float
+
+
+def for_precision(eps: float, atol: float, rtol: float, half: bool = False) -> Precision:
+    """The step and tolerances a check uses: as given for float; following half's
+    resolution when the function takes or returns half values (``half``).
+
+    Half holds 11 significant bits: a half input changes by at least one of its steps
+    (2^-10 near 1), and a value rounded to half (an output, or an intermediate computed in
+    half) carries a relative error up to 2^-11, which a central difference divides by 2 h.
+    So with ``half`` the step becomes a power of two of at least ``HALF_EPS``, the kink test
+    compares with step 2 h instead of h / 4 (that rounding grows as the step shrinks), and
+    the tolerances grow to ``atol >= 2e-2``, ``rtol >= 3e-2`` (a derivative off by 10%
+    still fails).
+
+    >>> for_precision(1e-3, 1e-3, 1e-2)
+    Precision(eps=0.001, second=0.00025, atol=0.001, rtol=0.01)
+    >>> for_precision(1e-3, 1e-3, 1e-2, half=True)
+    Precision(eps=0.03125, second=0.0625, atol=0.02, rtol=0.03)
+    """
+    if not half:
+        return Precision(eps, eps / 4, atol, rtol)
+    h = float(2.0 ** np.ceil(np.log2(max(eps, HALF_EPS))))  # a power of two: exact in half
+    return Precision(h, 2 * h, max(atol, 2e-2), max(rtol, 3e-2))
 
 
 def dot(a: Any, b: Any, axis: int | None = None) -> Any:

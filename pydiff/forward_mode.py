@@ -19,6 +19,7 @@ import slangpy as spy
 
 from . import capturing
 from .arguments import bind_arguments, prepare_arguments, check_device, fwd_tensor_struct, scratch
+from .call_shape import param_type
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -57,14 +58,32 @@ def need_differentiable(fn: GeneratingFunction, what: str) -> None:
         )
 
 
-def fwd_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
+def generic_types(fn: GeneratingFunction, bound: list) -> dict[str, str]:
+    """The concrete type of each generic parameter type in this call (``{'T': 'float'}`` for
+    ``T f<T : IFloat>(T x)`` called on a float tensor or number), as SlangPy specialises it."""
+    types: dict[str, str] = {}
+    for p, value in bound:
+        if p.generic and p.tensor_kind is None:
+            if isinstance(value, tuple) and len(value) == 2:  # a (value, tangent) pair
+                value = value[0]
+            found = param_type(p, value)
+            if found == p.type_name and isinstance(value, float):
+                found = "float"
+            if found != p.type_name:
+                types.setdefault(p.type_name, found)
+    return types
+
+
+def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> GeneratingFunction:
     """``void/R[2] f__pydiff_fwd(primal, tangent, ...)``: fwd_diff(f) with every
     differentiable value split into its primal and tangent; a result comes back as
-    {primal, tangent}."""
+    {primal, tangent}. ``types`` specialises a generic function's type parameters (one
+    wrapper per specialisation: ``f__pydiff_fwd_float``)."""
     need_differentiable(fn, ".fwds")
+    types = types or {}
     params, args, pre, post = [], [], [], []
     for p in fn.params:
-        n, t = p.name, p.type_name
+        n, t = p.name, types.get(p.type_name, p.type_name)
         if p.differentiable:
             if p.io == "in":
                 params += [f"{t} {n}", f"{t}.Differential {n}__t"]
@@ -82,7 +101,7 @@ def fwd_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
             io = "" if p.io == "in" else f"{p.io} "
             params.append(f"{io}{t} {n}")
             args.append(n)
-    ret = fn.signature.return_type
+    ret = types.get(fn.signature.return_type, fn.signature.return_type)
     call = f"fwd_diff({fn.name})({', '.join(args)})"
     if ret == "void":
         rtype, body = "void", [*pre, f"{call};", *post]
@@ -96,17 +115,22 @@ def fwd_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
             "return __o;",
         ]
     else:
+        generic = " (a generic type: pass a float tensor or number to specialise it)" * (
+            ret in {p.type_name for p in fn.params if p.generic}
+        )
         raise TypeError(
             f"{fn.label}.fwds: the result type {ret} has no tangent pydiff can return (float "
-            "scalars, vectors and matrices only); return the value through an out parameter"
+            f"scalars, vectors and matrices only){generic}; return the value through an out "
+            "parameter"
         )
+    kind = "fwd" + "".join("_" + re.sub(r"\W+", "_", types[k]).strip("_") for k in sorted(types))
     source = (
         wrapper_header(fn)
-        + f"{rtype} {fn.name}__pydiff_fwd({', '.join(params)})\n{{\n    "
+        + f"{rtype} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n    "
         + "\n    ".join(body)
         + "\n}\n"
     )
-    return fn.generated("fwd", source)
+    return fn.generated(kind, source)
 
 
 def _zero_like(value: Any) -> Any:
@@ -223,8 +247,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
                     "(not differentiable or no_diff), so it takes no (value, tangent) pair"
                 )
             call_args.append(value)
-    ret = fn.signature.return_type
-    wrapper = fwd_wrapper(fn)
+    types = generic_types(fn, bound)
+    ret = types.get(fn.signature.return_type, fn.signature.return_type)
+    wrapper = fwd_wrapper(fn, types)
     with suspend_recording():
         out = forward_call(
             wrapper, tuple(call_args), {"_result": "tensor"} if ret != "void" else {}

@@ -102,6 +102,25 @@ class _Inputs:
                 t.copy_from_numpy(want)
                 self.loaded[sid] = (want, t.storage.version)
 
+    def label_of(self, t: Tensor) -> str | None:
+        """The label under which ``t``'s storage is checked (the first argument holding it)."""
+        found = self.tensors.get(id(t.storage))
+        return None if found is None else found[0]
+
+    def versions(self) -> dict[int, int]:
+        """Each input storage's write count now (see ``unchanged_input``)."""
+        return {sid: t.storage.version for sid, (_, t) in self.tensors.items()}
+
+    def unchanged_input(self, out: Tensor, versions: dict[int, int]) -> str | None:
+        """The label of the input ``out`` is (or views whole) when no call wrote it since
+        ``versions``: an input returned as it is (an identity ``Function``), whose
+        derivative no tape records. None for anything a call produced or wrote."""
+        sid = id(out.storage)
+        if sid not in self.tensors or out.storage.version != versions[sid]:
+            return None
+        label, t = self.tensors[sid]
+        return label if out.numel == t.numel else None
+
     def restore(self, finish: bool = False) -> None:
         """Start values back; with ``finish``, also drop the gradient buffers a tape gave
         to written tensors that had none."""
@@ -141,6 +160,7 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
 def _check_forward(
     fn: ShaderFunction,
     inputs: Sequence[Any],
+    state: _Inputs,
     us: dict,
     fd_ju: np.ndarray,
     v_flat: np.ndarray,
@@ -148,11 +168,14 @@ def _check_forward(
     atol: float,
     rtol: float,
 ) -> tuple[float, str] | None:
-    # Detached views: tangents go on them, not on the caller's tensors.
+    # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
+    # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
     args = [a.detach() if isinstance(a, Tensor) else a for a in inputs]
-    for k, a in enumerate(inputs):
-        if f"input {k}" in us:
-            args[k].with_tangent(us[f"input {k}"])
+    for k, a in enumerate(args):
+        if isinstance(a, Tensor):
+            label = state.label_of(a)
+            if label in us:
+                a.with_tangent(us[label].reshape(a.expected_numpy_shape()))
     result = fn.fwds(*args)
     tangents = [] if result is None else [result[1]]
     tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
@@ -208,10 +231,19 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
         with zero_policy("accumulate"):
             while j == 0 or j < len(vs):
                 state.restore()
+                versions = state.versions()
                 with Tape() as tape:
                     outs = _outputs(f(*inputs))
                 if not vs:
                     vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]
+                source = state.unchanged_input(outs[j], versions)
+                if source is not None and outs[j].producer is not tape:
+                    # an input returned as it is, by nothing on the tape (a Function without
+                    # backward): d out/d in = identity
+                    if source in analytic:
+                        analytic[source] += vs[j].reshape(analytic[source].shape)
+                    j += 1
+                    continue
                 for _, t in checked:
                     t.zero_grad()
                 tape.backward(outs[j], grad=vs[j])
@@ -221,7 +253,7 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
     finally:
         for k, t in checked:  # leave the caller's gradients as they were
             t.grad.copy_from_numpy(saved[k])
-    return analytic, np.concatenate([v.ravel() for v in vs])
+    return analytic, np.concatenate([v.ravel() for v in vs]), [o.dtype for o in outs]
 
 
 def gradcheck(
@@ -242,7 +274,9 @@ def gradcheck(
     outputs are its result and the tensors it writes (out, inout, read-write). Tensors with
     ``requires_grad`` are checked, also inside dicts (structs), lists and tuples; others are
     held fixed. Inputs written in place are put back before every evaluation. A NaN or
-    infinite gradient, or a finite difference that is not finite, fails.
+    infinite gradient, or a finite difference that is not finite, fails. When a checked
+    input or an output is half, ``eps``, ``atol`` and ``rtol`` are raised to what half can
+    resolve (at least 2^-5, 2e-2 and 3e-2: ``pydiff.finite_diff.for_precision``).
 
     Pass rule, with random upstream v and direction u (fixed by ``seed``):
       1. vector-Jacobian product: for every element i of every checked input,
@@ -269,7 +303,10 @@ def gradcheck(
     originals = {k: t.numpy().astype(np.float64) for k, t in checked}
     worst: tuple[float, str] | None = None
     try:
-        analytic, v_flat = _analytic(f, inputs, checked, state, rng)
+        analytic, v_flat, out_dtypes = _analytic(f, inputs, checked, state, rng)
+        # half values: a step and tolerances half can resolve (finite_diff.for_precision)
+        half = any(d.startswith("half") for d in out_dtypes + [t.dtype for _, t in checked])
+        eps, _, atol, rtol = fd.for_precision(eps, atol, rtol, half)
 
         def evaluate(values: dict[str, np.ndarray]) -> np.ndarray:  # f at values, flattened
             state.load(values)
@@ -287,6 +324,8 @@ def gradcheck(
                 worst = (excess, _element_message(k, index, ad[i], numeric[i], atol, rtol))
         # Adjoint dot-product test along a random direction u.
         us = {k: rng.uniform(-1.0, 1.0, originals[k].shape) for k, _ in checked}
+        if half:  # quarters: x + eps u stays on half's grid
+            us = {k: np.round(u * 4) / 4 for k, u in us.items()}
         fd_ju = fd.central(evaluate, originals, us, eps)
         ju_v = float(v_flat @ fd_ju)
         u_jtv = float(fd.dot(us, analytic))
@@ -295,7 +334,7 @@ def gradcheck(
             worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
         state.restore()  # forward mode runs at x itself
         if worst is None and _wants_forward(fn, inputs, check_forward):
-            worst = _check_forward(fn, inputs, us, fd_ju, v_flat, u_jtv, atol, rtol)
+            worst = _check_forward(fn, inputs, state, us, fd_ju, v_flat, u_jtv, atol, rtol)
     finally:
         state.restore(finish=True)
     if worst is None:

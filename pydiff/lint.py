@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from .lint_flow import matching as _matching
 from .lint_flow import do_while_break, promotions, while_break
+from .lint_macros import Defines, IncludeMacros, preprocess, unexpanded_message
+from .lint_macros import blank_comments_and_strings as _strip_comments
 
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
@@ -55,15 +57,6 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
-
-
-def _strip_comments(src: str) -> str:
-    """Blank out comments and string contents, keeping offsets and newlines."""
-
-    def blank(m: re.Match) -> str:
-        return re.sub(r"[^\n]", " ", m.group(0))
-
-    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"', blank, src, flags=re.S)
 
 
 def _split_top(text: str) -> list[str]:
@@ -188,10 +181,18 @@ def _show(a: _Access) -> str:
     return f"{a.tensor}.load({inner})" if a.op == "load" else f"{a.tensor}.store({inner}, ...)"
 
 
-def scan_source(source: str, file: str = "<source>") -> list[Finding]:
-    """All trap findings in one Slang source text, in source order."""
+def scan_source(
+    source: str,
+    file: str = "<source>",
+    *,
+    defines: Defines | None = None,
+    include: IncludeMacros | None = None,
+) -> list[Finding]:
+    """All trap findings in one Slang source text, in source order, its macros expanded
+    (``lint_macros.preprocess``); ``lint_sources.scan_module`` scans its imports too."""
     _scanned[file] = source
-    src = _strip_comments(source)
+    pre = preprocess(source, defines, include)
+    src = _strip_comments(pre.text)
     findings: list[Finding] = []
     for fn in _differentiable_functions(src):
         tensors: dict[str, int] = {}
@@ -206,6 +207,9 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
             line = _line_of(src, fn.body_offset + offset)
             findings.append(Finding(file, line, fn.name, kind, message))
 
+        for at, name, why in pre.uncertain:  # a macro that may hide a loop's condition
+            if 0 <= at - fn.body_offset < len(fn.body):
+                add(at - fn.body_offset, "macro-unexpanded", unexpanded_message(name, why))
         accesses = _accesses(fn, tensors, types)
         for a in accesses:
             if a.op in ("load", "store") and a.kind == "array":
@@ -317,16 +321,25 @@ def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
     return found
 
 
-def affected_functions(source: str, findings: list[Finding]) -> dict[str, list[Finding]]:
+def affected_functions(
+    source: str,
+    findings: list[Finding],
+    imported: tuple[str, ...] = (),
+    defines: Defines | None = None,
+) -> dict[str, list[Finding]]:
     """Map each differentiable function to the refusing findings its backward would hit.
 
-    A function inherits the findings of the differentiable functions it calls.
+    A function inherits the findings of the differentiable functions it calls, in
+    ``source`` or in the ``imported`` texts (already preprocessed); calls are matched by
+    name, so a function reaching none of a finding's functions does not inherit it.
     """
-    src = _strip_comments(source)
     own: dict[str, list[Finding]] = {}
     for f in (f for f in findings if f.refuses_bwds):
         own.setdefault(f.function, []).append(f)
-    bodies = {fn.name: fn.body for fn in _differentiable_functions(src)}
+    bodies: dict[str, str] = {}
+    for text in (preprocess(source, defines).text, *imported):
+        for fn in _differentiable_functions(_strip_comments(text)):
+            bodies[fn.name] = bodies.get(fn.name, "") + fn.body  # overloads: merged
     result = {name: list(own.get(name, [])) for name in bodies}
     changed = True
     while changed:

@@ -120,10 +120,14 @@ def check_function(
     eps: float = 1e-3,
     atol: float = 1e-3,
     rtol: float = 1e-2,
-    forward: bool = True,
+    forward: bool | str = True,
+    backward: bool = True,
 ) -> list[CheckResult]:
     """Backward (per differentiable parameter or struct field), adjoint and forward checks
-    of one function.
+    of one function; ``backward=False`` for a function with only a ``[ForwardDerivative]``
+    (forward mode checked, backward rows SKIPPED); ``forward`` a string: the forward row
+    SKIPPED with that reason. Steps and tolerances follow half
+    precision where a checked input or an output is half (``finite_diff.for_precision``).
 
     rows = check_function(load_module("my_shaders.slang").f, resolve_device(None))
     """
@@ -136,6 +140,7 @@ def check_function(
     checked = layout.checked()
     if not checked:
         return [CheckResult(name, "-", "-", "SKIPPED", why="no differentiable parameter")]
+    eps, second, atol, rtol = fd.for_precision(eps, atol, rtol, layout.half_precision())
     rng = np.random.default_rng(seed)
     sampler = _Sampler(layout, device, points)
     values = layout.random_values(points, rng)
@@ -147,12 +152,12 @@ def check_function(
         return fd.dot(upstream, outs, axis=1)
 
     results: list[CheckResult] = []
-    analytic = _analytic_vjp(layout, device, values, upstream, points)
-    for leaf in checked:
+    analytic = _analytic_vjp(layout, device, values, upstream, points) if backward else {}
+    for leaf in checked if backward else ():
         # one component at every point at once, with steps eps and eps/4
         d1, d2 = (
             fd.per_element(sampler.run, values, leaf.key, h, batch=1, project=project)
-            for h in (eps, eps / 4)
+            for h in (eps, second)
         )
         valid = finite & np.all(fd.smooth(d1, d2, atol, rtol), axis=1)
         cmp = fd.compare(
@@ -161,15 +166,19 @@ def check_function(
         results.append(_row(name, leaf.key, "backward", cmp, valid, finite))
 
     # adjoint (dot-product) test and forward mode along one random direction u
-    u = {leaf.key: rng.uniform(-1.0, 1.0, values[leaf.key].shape) for leaf in checked}
-    d1, d2 = (fd.central(sampler.run, values, u, h) for h in (eps, eps / 4))
+    u = layout.direction(rng)
+    d1, d2 = (fd.central(sampler.run, values, u, h) for h in (eps, second))
     ju1 = project(d1)
     valid = finite & fd.smooth(ju1, project(d2), atol, rtol)
-    ut_jtv = fd.dot({k: u[k].reshape(points, -1) for k in u}, analytic, axis=1)
-    results.append(
-        _row(name, "(all)", "adjoint", fd.compare(ut_jtv, ju1, valid, atol, rtol), valid, finite)
-    )
-    if forward:
+    if backward:
+        ut_jtv = fd.dot({k: u[k].reshape(points, -1) for k in u}, analytic, axis=1)
+        cmp = fd.compare(ut_jtv, ju1, valid, atol, rtol)
+        results.append(_row(name, "(all)", "adjoint", cmp, valid, finite))
+    else:
+        results.append(CheckResult(name, "(all)", "backward", "SKIPPED", why=_ONE_SIDED["forward"]))
+    if isinstance(forward, str) and backward:
+        results.append(CheckResult(name, "(all)", "forward", "SKIPPED", why=forward))
+    elif forward or not backward:
         results.append(
             _forward_row(layout, device, values, u, d1, d2, valid, points, atol, rtol, finite)
         )
@@ -199,8 +208,12 @@ def _forward_row(
     layout: Layout, device, values, u, d1, d2, valid, points, atol, rtol, finite
 ) -> CheckResult:
     fn = layout.fn
-    if any(leaf.path for leaves in layout.leaves.values() for leaf in leaves):
-        why = "forward mode: .fwds takes no struct arguments (checked by backward and adjoint)"
+    structs = [p.name for p in fn.params if any(leaf.path for leaf in layout.leaves[p.name])]
+    if structs:
+        why = (
+            f"forward mode: .fwds takes no struct arguments ({', '.join(structs)}; checked by "
+            "backward and adjoint)"
+        )
         return CheckResult(fn.name, "(all)", "forward", "SKIPPED", why=why)
     args, made = layout.arguments(values, points, device)
     for key, direction in u.items():
@@ -285,6 +298,44 @@ def _generic_differentiable(path: Path, module: Any) -> list[str]:
     return sorted({m.group(1) for m in _GENERIC.finditer(text)} - known)
 
 
+_DECL = re.compile(r"((?:\[[^\]]*\]\s*)+)(?:public\s+)?[\w<>,\s]+?\b(\w+)\s*\(")
+_ONE_SIDED = {
+    "forward": (
+        "no backward derivative: the function has a [ForwardDerivative] only (not "
+        "[Differentiable], no [BackwardDerivative]), so .bwds cannot run; checked in "
+        "forward mode"
+    ),
+    "backward": (
+        "no forward derivative: the function has a [BackwardDerivative] only (not "
+        "[Differentiable], no [ForwardDerivative]), so .fwds cannot run; checked by "
+        "backward and adjoint"
+    ),
+}
+
+
+def _one_sided(path: Path) -> dict[str, str]:
+    """Functions with a hand-written derivative in one direction only, and not
+    [Differentiable] (which would derive the other): name -> "forward" or "backward"."""
+    try:
+        text = re.sub(r"//[^\n]*", "", path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return {}
+    found = {}
+    for m in _DECL.finditer(text):
+        attrs, name = m.group(1), m.group(2)
+        if re.search(r"\bDifferentiable\b", attrs):
+            continue
+        fwd = re.search(r"\bForwardDerivative\s*\(", attrs) or re.search(
+            rf"ForwardDerivativeOf\s*\(\s*{name}\s*\)", text
+        )
+        bwd = re.search(r"\bBackwardDerivative\s*\(", attrs) or re.search(
+            rf"BackwardDerivativeOf\s*\(\s*{name}\s*\)", text
+        )
+        if bool(fwd) != bool(bwd):
+            found[name] = "forward" if fwd else "backward"
+    return found
+
+
 def check_module(
     path: str | Path,
     functions: list[str] | None = None,
@@ -313,6 +364,7 @@ def check_module(
             )
         found = [f for f in found if f.name in functions]
     results = []
+    one_sided = _one_sided(Path(path))
     for name in _generic_differentiable(Path(path), module):
         if not functions or name in functions:
             results.append(
@@ -329,7 +381,15 @@ def check_module(
             progress(fn.name)
         try:
             results += check_function(
-                fn, dev, seed=seed, points=points, eps=eps, atol=atol, rtol=rtol
+                fn,
+                dev,
+                seed=seed,
+                points=points,
+                eps=eps,
+                atol=atol,
+                rtol=rtol,
+                backward=one_sided.get(fn.name) != "forward",
+                forward=_ONE_SIDED["backward"] if one_sided.get(fn.name) == "backward" else True,
             )
         except Exception as exc:  # report it with the others rather than stop the whole check
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -16,7 +16,8 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, lint, lint_custom
+from . import capturing, lint, lint_sources
+from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source
 from .device import Device, resolve_device, shader_dir
@@ -79,11 +80,12 @@ class Module:
             self._decl_loader = lambda: device.native.load_module(file)
         self._functions: dict[str, ShaderFunction] = {}
         if source is not None and lint_source:
-            findings = lint.scan_source(source, file) + lint_custom.scan_source(source, file)
-            for f in findings:
+            options = device.native.desc.compiler_options  # imports: found as Slang does
+            scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
+            for f in scan.own + scan.imported:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = lint.affected_functions(source, findings)
+            self.traps = scan.traps
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""
@@ -322,10 +324,10 @@ class OverloadedFunction:
             params = [p.name for p in fn.params]
             if len(params) == count and names <= set(params[len(args) :]):
                 return fn
-        shown = "\n  ".join(repr(f) for f in self.overloads)
         raise TypeError(
             f"{self.overloads[0].label}: no overload takes {count} argument(s)"
-            f"{' named ' + ', '.join(sorted(names)) if names else ''}; overloads:\n  {shown}"
+            f"{' named ' + ', '.join(sorted(names)) if names else ''}; "
+            + overload_listing(self.overloads)
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -6,10 +6,12 @@ values per sample point, and the arguments of one vectorised call.
     values = layout.random_values(16, rng)       # leaf key -> (points, ...) array
     args, written = layout.arguments(values, 16, device)
 
-Float leaves get values half positive, half negative, none near 0; int leaves small values
-1..3 (valid as counts, exponents or small indices); ``out`` parameters zeros. A leaf's key is
-its parameter name, with field names after a dot for struct fields (``p.a``). Every call
-builds its tensors afresh from the values, so an ``inout`` argument written by one call
+Float leaves get values half positive, half negative, none near 0 (for a function with
+half values: multiples of 2^-10, which half holds exactly, as it does the check's steps);
+int leaves (``int``, ``uint2``, ...) small values 1..3 (valid as counts, exponents or small
+indices); ``out`` parameters zeros. A leaf's key is its parameter name, with field names
+after a dot for struct fields (``p.a``). Every call builds its tensors afresh from the
+values, so an ``inout`` argument written by one call
 never leaks into the next.
 """
 
@@ -28,6 +30,22 @@ _SCALAR = {"float": (), "half": (), "double": ()}
 _VECTOR = re.compile(r"^(?:vector<(float|half),\s*(\d)>|(float|half)(\d))$")
 _MATRIX = re.compile(r"^(?:matrix<(float|half),\s*(\d),\s*(\d)>|(float|half)(\d)x(\d))$")
 _INT = {"int": "int", "uint": "uint", "int32_t": "int", "uint32_t": "uint"}
+_INT_VECTOR = re.compile(r"^(?:vector<(int|uint),\s*(\d)>|(int|uint)(\d))$")
+
+
+def int_shape(type_name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(pydiff dtype, trailing NumPy dims) of an int/uint scalar or vector type, else None.
+
+    >>> int_shape("int"), int_shape("uint2"), int_shape("vector<int, 3>"), int_shape("float")
+    (('int', ()), ('uint2', (2,)), ('int3', (3,)), None)
+    """
+    if type_name in _INT:
+        return _INT[type_name], ()
+    m = _INT_VECTOR.match(type_name)
+    if m:
+        base, n = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return f"{base}{n}", (int(n),)
+    return None
 
 
 def value_shape(type_name: str) -> tuple[str, tuple[int, ...]] | None:
@@ -68,6 +86,7 @@ class Layout:
     def __init__(self, fn: ShaderFunction, leaves: dict[str, list[Leaf]]):
         self.fn = fn
         self.leaves = leaves  # parameter name -> its leaves
+        self.points = 0  # sample points of the last random_values
 
     @classmethod
     def of(cls, fn: ShaderFunction) -> "Layout | str":
@@ -98,6 +117,7 @@ class Layout:
         return [leaf for leaf in self.inputs() if leaf.differentiable and not leaf.is_int]
 
     def random_values(self, points: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        self.points = points
         values = {}
         for leaf in self.inputs():
             shape = (points,) + leaf.elem
@@ -109,7 +129,27 @@ class Layout:
                 np.arange(points).reshape((points,) + (1,) * len(leaf.elem)) % 2 == 0, 1.0, -1.0
             )
             values[leaf.key] = magnitude * sign
+            if self.half_precision():  # multiples of 2^-10: x and x + h u exact in half
+                values[leaf.key] = np.round(values[leaf.key] * 1024) / 1024
         return values
+
+    def direction(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """A random direction u per checked leaf, shaped (points, ...) like the values
+        (``random_values`` gives the points); in quarters when the function has half
+        values, so that a step ``x + h u`` with a power-of-two h stays exact in half."""
+        out = {}
+        for leaf in self.checked():
+            u = rng.uniform(-1.0, 1.0, (self.points,) + leaf.elem)
+            out[leaf.key] = np.round(u * 4) / 4 if self.half_precision() else u
+        return out
+
+    def half_precision(self) -> bool:
+        """Whether a parameter (or field) or the result is half: then every float leaf is
+        sampled on half's grid (a float converted to half inside must not round) and the
+        check's steps and tolerances follow half's resolution (``fd.for_precision``)."""
+        ret = value_shape(self.fn.signature.return_type)
+        types = [leaf.dtype for leaves in self.leaves.values() for leaf in leaves]
+        return any(d.startswith("half") for d in types + ([ret[0]] if ret else []))
 
     def arguments(
         self, values: dict[str, np.ndarray], points: int, device: Any, grads: bool = False
@@ -156,8 +196,9 @@ def _leaves(
     shape = value_shape(type_name)
     if shape is not None:
         return [Leaf(key, path, shape[0], shape[1], False, diff)]
-    if type_name in _INT:
-        return [Leaf(key, path, _INT[type_name], (), True, False)]
+    ints = int_shape(type_name)
+    if ints is not None:  # int, uint and their vectors (int2 is a vector, not a struct)
+        return [Leaf(key, path, ints[0], ints[1], True, False)]
     reflected = None
     if depth < 4:
         try:

@@ -32,8 +32,9 @@ class ParamInfo:
     access: str | None  # "read", "write", "read_write" for tensor parameters
 
     fwd_dims: int = 0  # N of FwdDiffTensor<N>
-    #: fields of a struct parameter that get no gradient (all of a struct that is not
-    #: IDifferentiable; no_diff and integer fields of one that is)
+    #: fields of a struct parameter that get no gradient, as dotted paths (all fields of a
+    #: struct that is not IDifferentiable; no_diff and integer fields of one that is, also
+    #: nested: 'inner.b'); a top-level name means the whole field
     no_grad_fields: tuple[str, ...] = ()
     #: the type is a generic parameter of the function (``T x`` in ``f<T : IFloat>``): its
     #: element type is the argument's (call_shape.result_type specialises the result too)
@@ -118,11 +119,7 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
             and (bool(p.differentiable) or bool(getattr(t, "is_generic", False)))
             and bool(reflected.differentiable)
         )
-        fields = tuple(getattr(t, "fields", None) or ()) if kind is None else ()
-        if fields:
-            deriv = getattr(t, "derivative", None) if differentiable else None
-            flowing = set(getattr(deriv, "fields", None) or ()) if deriv is not None else set()
-            fields = tuple(sorted(f for f in fields if f not in flowing))
+        fields = _no_grad_paths(t, differentiable) if kind is None else ()
         generic = bool(getattr(t, "is_generic", False))
         out.append(
             ParamInfo(
@@ -132,18 +129,43 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
     return out
 
 
+def _no_grad_paths(t: Any, differentiable: bool, depth: int = 0) -> tuple[str, ...]:
+    """Dotted paths of a struct type's fields that get no gradient: a whole field ('inner')
+    when nothing of it flows (the struct is not IDifferentiable, or the field is no_diff or
+    an integer), else the paths inside a differentiable struct field ('inner.b')."""
+    fields = getattr(t, "fields", None) or {}
+    deriv = getattr(t, "derivative", None) if differentiable else None
+    flowing = (getattr(deriv, "fields", None) or {}) if deriv is not None else {}
+    out: list[str] = []
+    for name, var in fields.items():
+        if name not in flowing:
+            out.append(name)
+        elif depth < 8 and getattr(var.type, "fields", None):
+            out += [f"{name}.{sub}" for sub in _no_grad_paths(var.type, True, depth + 1)]
+    return tuple(sorted(out))
+
+
+def _tensors_wanting_grad(value: Any, where: str) -> list[str]:
+    if isinstance(value, dict):
+        return [w for k, v in value.items() for w in _tensors_wanting_grad(v, f"{where}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [w for i, v in enumerate(value) for w in _tensors_wanting_grad(v, f"{where}[{i}]")]
+    return [where] if getattr(value, "requires_grad", False) else []
+
+
 def fields_without_gradient(p: ParamInfo, value: Any, path: str = "") -> list[str]:
-    """The paths ('p.b') in a struct argument (a dict) of tensors that require a gradient but
-    sit in fields that get none: their gradient would silently stay zero."""
+    """The paths ('p.b', 'q.inner.a') in a struct argument (a dict, nested for nested
+    structs) of tensors that require a gradient but sit in fields that get none: their
+    gradient would silently stay zero. ``path`` is the field path inside the struct."""
     if not isinstance(value, dict):
         return []
     out = []
     for key, v in value.items():
-        where = f"{path or p.name}.{key}"
-        if isinstance(v, dict):
-            out += fields_without_gradient(p, v, where) if not path else []
-        elif key in p.no_grad_fields and getattr(v, "requires_grad", False):
-            out.append(where)
+        rel = f"{path}.{key}" if path else str(key)
+        if rel in p.no_grad_fields:
+            out += _tensors_wanting_grad(v, f"{p.name}.{rel}")
+        elif isinstance(v, dict):
+            out += fields_without_gradient(p, v, rel)
     return out
 
 
@@ -229,9 +251,13 @@ def warn_struct_fields(fn: FunctionTarget, bound: list) -> None:
     """Tensors requiring gradients in struct fields that get none: say so once per site."""
     for p, value in bound:
         for where in fields_without_gradient(p, value) if p.no_grad_fields else ():
-            why = "no_diff/integer" if p.differentiable else f"{p.type_name} is not IDifferentiable"
+            why = (
+                "the field is no_diff, an integer or a struct that is not IDifferentiable"
+                if p.differentiable
+                else f"{p.type_name} is not IDifferentiable"
+            )
             warn_once(
                 f"{fn.label}: '{where}' requires a gradient but gets none ({why}): it stays "
-                f"unchanged. Declare 'struct {p.type_name} : IDifferentiable' with float fields, "
-                "or pass the tensor detached"
+                f"unchanged. Declare 'struct {p.type_name} : IDifferentiable' (and every struct "
+                "it nests) with float fields, or pass the tensor detached"
             )

@@ -176,3 +176,130 @@ def test_rw_tensor_in_place(device, load):
     np.testing.assert_array_equal(d.numpy(), np.float32([0.3, -0.9, 1.3]))
     with pytest.raises(pydiff.GradcheckError):
         pydiff.gradcheck(f(m.square_inplace_wrong), (d,))
+
+
+# --------------------------------------------------------------------------------------
+# issue 15: one tensor passed twice, identity Functions, generic functions, half values
+
+SAME_TWICE = """
+import slangpy;
+[Differentiable] float times(float a, float b) { return a * b; }
+[Differentiable] float poly3(float a, float b, float c) { return a * b * c + a; }
+[Differentiable] float3 vtimes(float3 a, float3 b) { return a * b; }
+[BackwardDerivative(times_bwd)]
+float times_wrong(float a, float b) { return a * b; }
+void times_bwd(inout DifferentialPair<float> a, inout DifferentialPair<float> b, float d)
+{ a = diffPair(a.p, b.p * d); b = diffPair(b.p, 0.0); }
+[Differentiable][ForwardDerivative(times_fwd)]
+float times_fwd_wrong(float a, float b) { return a * b; }
+DifferentialPair<float> times_fwd(DifferentialPair<float> a, DifferentialPair<float> b)
+{ return diffPair(a.p * b.p, b.p * a.d); }
+[Differentiable] T gcube<T : __BuiltinFloatingPointType>(T x) { return x * x * x; }
+[Differentiable] T gaxpy<T : __BuiltinFloatingPointType>(T a, T x, T y) { return a * x + y; }
+[Differentiable] half hsq(half x) { return x * x; }
+[Differentiable] float hmix(half h, float y) { return float(h) * float(h) * y; }
+[BackwardDerivative(hsq_bwd)]
+half hsq_wrong(half x) { return x * x; }
+void hsq_bwd(inout DifferentialPair<half> x, half d) { x = diffPair(x.p, half(2.2) * x.p * d); }
+"""
+
+
+@pytest.fixture(scope="module")
+def twice(device):
+    return pydiff.load_module_from_source("gradcheck_twice", SAME_TWICE, device=device)
+
+
+def test_same_tensor_twice_is_one_variable(device, twice):
+    x = _t(device, [0.5, 1.0, -2.0])
+    assert pydiff.gradcheck(twice.times, (x, x), check_forward=True)  # d(x^2) = 2x
+    assert pydiff.gradcheck(twice.poly3, (x, x, x), check_forward=True)  # d(x^3 + x)
+    y = _t(device, [0.3, -0.4, 1.2])
+    assert pydiff.gradcheck(twice.poly3, (x, y, x), check_forward=True)
+    assert pydiff.gradcheck(twice.poly3, (x, x.reshape((3,)), y), check_forward=True)
+    v = pydiff.tensor(
+        np.float32([[0.5, 1.0, -2.0], [1.5, -0.3, 0.7]]),
+        dtype="float3",
+        device=device,
+        requires_grad=True,
+    )
+    assert pydiff.gradcheck(twice.vtimes, (v, v), check_forward=True)
+
+
+def test_same_tensor_twice_wrong_derivatives_still_fail(device, twice):
+    x = _t(device, [0.5, 1.0, -2.0])
+    with pytest.raises(pydiff.GradcheckError, match="times_wrong"):
+        pydiff.gradcheck(twice.times_wrong, (x, x))  # backward gives x, not 2x
+    with pytest.raises(pydiff.GradcheckError, match="forward mode"):
+        pydiff.gradcheck(twice.times_fwd_wrong, (x, x), check_forward=True)  # JVP x u
+
+
+def test_identity_function_without_backward(device, load):
+    m = load("chain", device)
+
+    class Ident(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+    class Flat(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.reshape((x.numel,))
+
+    class Both(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x, m.square(x, _result="tensor")
+
+    x = _t(device, [0.3, -0.7, 1.1])
+    assert pydiff.gradcheck(Ident, (x,))
+    assert pydiff.gradcheck(
+        Flat, (pydiff.tensor(np.ones((2, 2), np.float32), device=device, requires_grad=True),)
+    )
+    assert pydiff.gradcheck(Both, (x,))
+    held = _t(device, [2.0, 3.0, 4.0], grad=False)  # an identity of a held input adds nothing
+    assert pydiff.gradcheck(
+        lambda a, b: (Ident.apply(b), m.times(a, b, _result="tensor")), (x, held)
+    )
+
+
+def test_identity_function_with_a_wrong_backward_fails(device):
+    class Halve(pydiff.Function):  # forward is the identity, backward claims 0.5
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 0.5 * g.numpy()
+
+    with pytest.raises(pydiff.GradcheckError, match="Halve"):
+        pydiff.gradcheck(Halve, (_t(device, [0.3, -0.7, 1.1]),))
+
+
+def test_generic_functions(device, twice):
+    x = _t(device, [0.5, 1.0, -2.0])
+    assert pydiff.gradcheck(twice.gcube, (x,), check_forward=True)
+    y, dy = twice.gcube.fwds(x.detach().with_tangent(np.ones(3)))
+    np.testing.assert_allclose(dy.numpy(), 3 * np.float64([0.5, 1.0, -2.0]) ** 2, rtol=1e-6)
+    a, b = _t(device, [0.3, -0.7, 1.1]), _t(device, [2.0, 0.1, -1.0])
+    assert pydiff.gradcheck(twice.gaxpy, (a, x, b), check_forward=True)
+    _, dz = twice.gaxpy.fwds((2.0, 1.0), x.detach().with_tangent(np.zeros(3)), (0.5, 0.0))
+    np.testing.assert_allclose(dz.numpy(), [0.5, 1.0, -2.0], rtol=1e-6)  # d/da (a x) = x
+    h = pydiff.tensor(
+        np.float32([0.5, 1.0, -1.25]), dtype="half", device=device, requires_grad=True
+    )
+    _, dh = twice.gcube.fwds(h.detach().with_tangent(np.ones(3)))
+    assert dh.dtype == "half"
+    np.testing.assert_allclose(dh.numpy(), 3 * np.float64([0.5, 1.0, -1.25]) ** 2, rtol=2e-3)
+
+
+def test_half_values_follow_half_precision(device, twice):
+    h = pydiff.tensor(
+        np.float32([0.5, 1.0, -1.3, 0.77]), dtype="half", device=device, requires_grad=True
+    )
+    y = _t(device, [0.4, -1.1, 0.9, 1.4])
+    assert pydiff.gradcheck(twice.hsq, (h,))
+    assert pydiff.gradcheck(twice.hmix, (h, y))
+    with pytest.raises(pydiff.GradcheckError, match="hsq_wrong"):  # 10% off still fails
+        pydiff.gradcheck(twice.hsq_wrong, (h,))

@@ -112,3 +112,94 @@ def test_detached_input_to_a_non_differentiable_function_is_not_recorded(device,
     with pydiff.Tape() as tape:
         a = m.plain_sq(x.detach(), _result="tensor")
     assert len(tape) == 0 and not a.requires_grad
+
+
+# --------------------------------------------------------------------------------------
+# struct arguments: every nested field that gets no gradient is named (issue 15, class 10)
+
+NESTED = """
+struct P { float a; float b; }
+struct Q { P inner; float c; }
+struct DP : IDifferentiable { float a; no_diff float b; }
+struct DQ : IDifferentiable { DP inner; P plain; float c; }
+struct D3 : IDifferentiable { DQ mid; float e; }
+[Differentiable] float qs(Q q, float x) { return q.inner.a * x * q.c + q.inner.b; }
+[Differentiable] float dqs(DQ q, float x)
+{ return q.inner.a * x * q.c + q.inner.b * x + q.plain.a * q.plain.b; }
+[Differentiable] float d3(D3 s, float x) { return s.mid.inner.a * s.e * x + s.mid.plain.b; }
+"""
+
+X = np.float32([0.5, 1.0, 2.0])
+
+
+@pytest.fixture(scope="module")
+def nested(device):
+    return pydiff.load_module_from_source("gradient_flow_nested", NESTED, device=device)
+
+
+def _leaf(device, values=X):
+    return pydiff.tensor(np.float32(values), device=device, requires_grad=True)
+
+
+def _named(record):
+    return " ".join(str(w.message) for w in _flow_warnings(record))
+
+
+def _seed(device):
+    return pydiff.zeros((3,), device=device).with_grads(ones=True)
+
+
+def test_non_differentiable_struct_names_every_nested_field(device, nested):
+    a, b, c, x = (_leaf(device) for _ in range(4))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        nested.qs.bwds({"inner": {"a": a, "b": b}, "c": c}, x, _result=_seed(device))
+    text = _named(record)
+    for where in ("'q.inner.a'", "'q.inner.b'", "'q.c'"):
+        assert where in text, text
+    np.testing.assert_allclose(x.grad.numpy(), X * X, rtol=1e-6)  # d/dx (a x c) = a c
+
+
+def test_differentiable_struct_names_only_fields_without_gradient(device, nested):
+    a, b, c, x = (_leaf(device, v) for v in ([0.5, 1.0, 2.0], [0.3, -1.0, 2.0], X, X))
+    pa, pb = _leaf(device), _leaf(device)
+    q = {"inner": {"a": a, "b": b}, "plain": {"a": pa, "b": pb}, "c": c}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        nested.dqs.bwds(q, x, _result=_seed(device))
+    text = _named(record)
+    for where in ("'q.inner.b'", "'q.plain.a'", "'q.plain.b'"):
+        assert where in text, text
+    for where in ("'q.inner.a'", "'q.c'", "'x'"):
+        assert where not in text, text
+    # the fields that do get gradients are right: d/da = x c, d/dc = a x
+    x64, a64, c64 = X.astype(np.float64), np.float64([0.5, 1.0, 2.0]), X.astype(np.float64)
+    np.testing.assert_allclose(a.grad.numpy(), x64 * c64, rtol=1e-6)
+    np.testing.assert_allclose(c.grad.numpy(), a64 * x64, rtol=1e-6)
+
+
+def test_three_levels_deep(device, nested):
+    a, pb, e, x = (_leaf(device) for _ in range(4))
+    s = {
+        "mid": {
+            "inner": {"a": a, "b": pydiff.tensor(X, device=device)},
+            "plain": {"a": pydiff.tensor(X, device=device), "b": pb},
+            "c": pydiff.tensor(X, device=device),
+        },
+        "e": e,
+    }
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        nested.d3.bwds(s, x, _result=_seed(device))
+    text = _named(record)
+    assert "'s.mid.plain.b'" in text and "'s.mid.inner.a'" not in text, text
+    np.testing.assert_allclose(a.grad.numpy(), X.astype(np.float64) ** 2, rtol=1e-6)  # e x
+
+
+def test_nested_fields_without_requires_grad_do_not_warn(device, nested):
+    plain = [pydiff.tensor(X, device=device) for _ in range(3)]
+    x = _leaf(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydiff.GradientFlowWarning)
+        q = {"inner": {"a": plain[0], "b": plain[1].detach()}, "c": plain[2]}
+        nested.qs.bwds(q, x, _result=_seed(device))

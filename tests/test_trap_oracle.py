@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import pydiff
-from pydiff import lint
+from pydiff import lint, lint_sources
 
 ORACLE = os.path.join(os.path.dirname(__file__), "trap_oracle.py")
 
@@ -184,13 +184,16 @@ CASES = [
 LOOP_GRAD = "8.125,4.75,2.5"  # d/da of the issue-15 loop cases at a = 1, 2, 3
 
 
-def _oracle(params: str, body: str, shape: str, expected: str = "", prefix: str = "") -> str:
+def _oracle(
+    params: str, body: str, shape: str, expected: str = "", prefix: str = "", include: str = ""
+) -> str:
     try:
         out = subprocess.run(
             [sys.executable, ORACLE, params, body, shape, prefix, expected],
             capture_output=True,
             text=True,
             timeout=45,  # a healthy variant takes about 3 s; a hung kernel never returns
+            env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
         )
     except subprocess.TimeoutExpired:
         return "hang"
@@ -395,3 +398,77 @@ def test_struct_field_lint_matches_slangpy(field):
     died = out.returncode < 0 or out.returncode in (134, 139)
     assert died or out.returncode == 0, out.stderr[-1000:]
     assert refused == died, f"lint refused={refused}, rc={out.returncode}"
+
+
+# The same loops written through #define macros, or in a module the shader imports (issue 15,
+# classes 4 and 11): the scanner expands the macros and follows the import, and must refuse
+# exactly the variants raw SlangPy gets wrong or crashes on.
+def _and_loop(a):
+    t, k = a, 0
+    while t < 100.0 and k < 2:
+        t, k = 1.5 * t + a, k + 1
+    return t
+
+
+HELPER = (
+    "module oracle_helper;\n[Differentiable] public float grow_h(float a)\n"
+    "{ float t = a; int k = 0; %s return t; }\n"
+)
+SOURCE_CASES = [
+    # (id, macros or "" , loop, in the imported module?, float64 reference)
+    ("macro-break", "#define BRK break", W + "{ t = 1.5*t + a; if (t > 5.3) BRK; }", False, _grow),
+    (
+        "macro-step-guard-first",
+        "#define STEP(v, s) v = 1.5*v + s",
+        W + "{ if (t > 5.3) break; STEP(t, a); }",
+        False,
+        _guard,
+    ),
+    (
+        "macro-cond-and",
+        "#define COND(p, q) (p && q)",
+        "[MaxIters(20)] while (COND(t < 100.0, k < 2)) { t = 1.5*t + a; k++; }",
+        False,
+        _and_loop,
+    ),
+    (
+        "macro-for-fix",
+        "#define BRK break",
+        "[MaxIters(20)] for (; t < 100.0;) { t = 1.5*t + a; if (t > 5.3) BRK; }",
+        False,
+        _grow,
+    ),
+    ("import-break", "", W + "{ t = 1.5*t + a; if (t > 5.3) break; }", True, _grow),
+    ("import-guard-first", "", W + "{ if (t > 5.3) break; t = 1.5*t + a; }", True, _guard),
+    (
+        "import-and",
+        "",
+        "[MaxIters(20)] while (t < 100.0 && k < 2) { t = 1.5*t + a; k++; }",
+        True,
+        _and_loop,
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SOURCE_CASES, ids=[c[0] for c in SOURCE_CASES])
+def test_macro_and_import_lint_matches_slangpy(case, tmp_path):
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    _, macros, loop, imported, ref = case
+    if imported:
+        (tmp_path / "oracle_helper.slang").write_text(HELPER % loop)
+        prefix = "import oracle_helper;"
+        body = "float a = x[idx]; y[idx] = grow_h(a);"
+    else:
+        prefix = macros
+        body = "float a = x[idx]; float t = a; int k = 0; " + loop + " y[idx] = t;"
+    src = (
+        f"import slangpy;\n{prefix}\n[Differentiable]\nvoid f(int idx, IDiffTensor<float, 1> x, "
+        f"IWDiffTensor<float, 1> y)\n{{\n{body}\n}}\n"
+    )
+    scan = lint_sources.scan_module(src, "<oracle>", [str(tmp_path)])
+    refused = bool(scan.traps.get("f"))
+    outcome = _oracle("int idx", body, "3", _central(ref), prefix, str(tmp_path))
+    assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
+    assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"

@@ -6,10 +6,13 @@ for y = x*x), 'wrong' otherwise.
 
     python tests/trap_oracle.py "<params>" "<body>" 2,2 ["<prefix source>" ["g0,g1,..."]]
 
-The optional prefix is Slang source put before ``f`` (helper functions); the optional
-expected gradients (float64, from the caller's closed form or finite differences) replace 2x.
+The optional prefix is Slang source put before ``f`` (helper functions, macros, imports); the
+optional expected gradients (float64, from the caller's closed form or finite differences)
+replace 2x. ``TRAP_ORACLE_INCLUDE`` (a folder) is put on the device's include paths, for
+variants that import a module of their own.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -24,7 +27,8 @@ src = (
     f"import slangpy;\n{prefix}\n[Differentiable]\nvoid f("
     f"{params}, IDiffTensor<float, {dims}> x, IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
 )
-device = spy.create_device(type=spy.DeviceType.vulkan)
+include = [os.environ["TRAP_ORACLE_INCLUDE"]] if os.environ.get("TRAP_ORACLE_INCLUDE") else []
+device = spy.create_device(type=spy.DeviceType.vulkan, include_paths=include)
 module = spy.Module.load_from_source(device, "oracle", src)
 xs = (np.arange(np.prod(shape)) + 1).astype(np.float32).reshape(shape)
 x = spy.Tensor.from_numpy(device, xs).with_grads(zero=True)
