@@ -211,8 +211,10 @@ def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
         return  # however the arguments broadcast, the call fits
     returns = result_type(fn, bound)
     shapes, element_bytes = [], 4
-    for type_name, kind, value in [*((p.type_name, p.tensor_kind, v) for p, v in bound),
-                                   (returns, None, result)]:
+    for type_name, kind, value in [
+        *((p.type_name, p.tensor_kind, v) for p, v in bound),
+        (returns, None, result),
+    ]:
         if kind is not None or type(value) in PLAIN or type(value) is str:
             continue  # whole tensors do not vectorise
         try:

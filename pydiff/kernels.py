@@ -42,7 +42,10 @@ class KernelCache:
     """The compiled kernels of one device and the shader objects bound for recent dispatches."""
 
     def __init__(
-        self, native_device: spy.Device, shader_dir: Path, queue: CommandQueue,
+        self,
+        native_device: spy.Device,
+        shader_dir: Path,
+        queue: CommandQueue,
         typed_loads: bool = True,
     ):
         self.native = native_device

@@ -124,8 +124,13 @@ def test_out_tensor_smaller_than_call_refused(device, m):
 
 @pytest.mark.parametrize(
     "result_shape, dtype, exc",
-    [((1,), "float", ValueError), ((2, 1), "float", ValueError), ((1, 4), "float", ValueError),
-     ((2, 4), "int", TypeError), ((2, 4), "uint", TypeError)],
+    [
+        ((1,), "float", ValueError),
+        ((2, 1), "float", ValueError),
+        ((1, 4), "float", ValueError),
+        ((2, 4), "int", TypeError),
+        ((2, 4), "uint", TypeError),
+    ],
 )
 def test_result_smaller_or_integer_refused(device, m, result_shape, dtype, exc):
     a = pydiff.tensor(np.ones((2, 4)), device=device)
@@ -223,8 +228,13 @@ def test_tape_then_explicit_bwds_of_inout(device, m):
 # class 2 and coverage: IEEE sums for float, half, float3, float2x2 and spy.grid
 
 
-SUMS = {"inf": [1.0, np.inf, 2.0], "both": [-np.inf, 1.0, np.inf], "nan": [1.0, np.nan, 3.0],
-        "overflow": [3e38, 3e38, 1.0], "cancel": [3e38, 3e38, -3e38, -3e38]}
+SUMS = {
+    "inf": [1.0, np.inf, 2.0],
+    "both": [-np.inf, 1.0, np.inf],
+    "nan": [1.0, np.nan, 3.0],
+    "overflow": [3e38, 3e38, 1.0],
+    "cancel": [3e38, 3e38, -3e38, -3e38],
+}
 
 
 def _ieee(v, dtype=np.float32):
@@ -253,8 +263,13 @@ def test_ieee_broadcast_sums_vector_matrix(device, m, det, case):
 @pytest.mark.parametrize("det", [False, True])
 def test_ieee_half_and_grid_sums(device, m, det):
     with pydiff.deterministic() if det else _nothing():
-        for v in ([1.0, np.inf], [-np.inf, np.inf], [np.nan, 1.0], [60000.0, 60000.0],
-                  [60000.0, 60000.0, -60000.0, -60000.0]):
+        for v in (
+            [1.0, np.inf],
+            [-np.inf, np.inf],
+            [np.nan, 1.0],
+            [60000.0, 60000.0],
+            [60000.0, 60000.0, -60000.0, -60000.0],
+        ):
             a = pydiff.tensor([1.0], dtype="half", device=device, requires_grad=True)
             m.hax.bwds(a, pydiff.tensor(v, dtype="half", device=device), _result=1.0)
             assert same(a.grad.numpy(), [_ieee(v, np.float16)])
@@ -371,6 +386,7 @@ module helper15b;
 
 def _break_fd(x):
     """float64 reference of inner_break at x (no kink at 1, 2, 3), by central differences."""
+
     def f(x):
         y = 0.5 * x
         while y < 100.0:
@@ -378,6 +394,7 @@ def _break_fd(x):
             if y > 5.0:
                 break
         return y
+
     h = 1e-6
     return np.array([(f(v + h) - f(v - h)) / (2 * h) for v in x])
 
@@ -385,17 +402,21 @@ def _break_fd(x):
 def test_while_and_in_imported_module_refused_not_crash(device, tmp_path):
     (tmp_path / "helper15b.slang").write_text(HELPER)
     (tmp_path / "main15b.slang").write_text(
-        "import helper15b;\n[Differentiable] float f(float x) { return inner_and(x) * 2.0; }\n")
-    proc = run_isolated(device, f"""
+        "import helper15b;\n[Differentiable] float f(float x) { return inner_and(x) * 2.0; }\n"
+    )
+    proc = run_isolated(
+        device,
+        f"""
         import warnings, numpy as np, pydiff
         warnings.simplefilter("ignore")
-        m = pydiff.load_module({str(tmp_path / 'main15b.slang')!r})
+        m = pydiff.load_module({str(tmp_path / "main15b.slang")!r})
         x = pydiff.tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
         try:
             m.f.bwds(x, _result=1.0)
         except pydiff.ShaderTrapError:
             print("REFUSED")
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout
 
@@ -403,11 +424,14 @@ def test_while_and_in_imported_module_refused_not_crash(device, tmp_path):
 def test_while_break_in_imported_module_right_or_refused(device, tmp_path):
     (tmp_path / "helper15b.slang").write_text(HELPER)
     (tmp_path / "main15b_b.slang").write_text(
-        "import helper15b;\n[Differentiable] float g(float x) { return inner_break(x); }\n")
-    proc = run_isolated(device, f"""
+        "import helper15b;\n[Differentiable] float g(float x) { return inner_break(x); }\n"
+    )
+    proc = run_isolated(
+        device,
+        f"""
         import warnings, numpy as np, pydiff
         warnings.simplefilter("ignore")
-        m = pydiff.load_module({str(tmp_path / 'main15b_b.slang')!r})
+        m = pydiff.load_module({str(tmp_path / "main15b_b.slang")!r})
         x = pydiff.tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
         try:
             m.g.bwds(x, _result=1.0)
@@ -415,7 +439,8 @@ def test_while_break_in_imported_module_right_or_refused(device, tmp_path):
             print("REFUSED")
         else:
             print("GRAD", *x.grad.numpy().tolist())
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     if "REFUSED" not in proc.stdout:
         grad = np.array([float(v) for v in proc.stdout.split("GRAD")[1].split()])
@@ -423,7 +448,9 @@ def test_while_break_in_imported_module_right_or_refused(device, tmp_path):
 
 
 def test_while_and_through_macro_refused_not_crash(device):
-    proc = run_isolated(device, """
+    proc = run_isolated(
+        device,
+        """
         import warnings, numpy as np, pydiff
         warnings.simplefilter("ignore")
         m = pydiff.load_module_from_source("macro_and_15b", '''
@@ -437,18 +464,22 @@ def test_while_and_through_macro_refused_not_crash(device):
             m.f.bwds(x, _result=1.0)
         except pydiff.ShaderTrapError:
             print("REFUSED")
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout
 
 
 def test_while_break_through_macro_right_or_refused(device):
-    m = fresh(device, """
+    m = fresh(
+        device,
+        """
     #define BRK break
     [Differentiable] float f(float x)
     { float y = 0.5 * x; [MaxIters(50)] while (y < 100.0) { y = 1.5 * y + x; if (y > 5.0) BRK;
       } return y; }
-    """)
+    """,
+    )
     x = pydiff.tensor(np.array([1.0, 2.0, 3.0]), device=device, requires_grad=True)
     try:
         m.f.bwds(x, _result=1.0)
@@ -458,7 +489,9 @@ def test_while_break_through_macro_right_or_refused(device):
 
 
 def test_while_and_in_struct_method_refused_not_crash(device):
-    proc = run_isolated(device, """
+    proc = run_isolated(
+        device,
+        """
         import warnings, numpy as np, pydiff
         warnings.simplefilter("ignore")
         m = pydiff.load_module_from_source("method_and_15b", '''
@@ -473,6 +506,7 @@ def test_while_and_in_struct_method_refused_not_crash(device):
             m.f.bwds(x, _result=1.0)
         except pydiff.ShaderTrapError:
             print("REFUSED")
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout

@@ -48,12 +48,22 @@ def test_fast_paths_with_structured_loads(device):
         "assert not d.typed_loads and float4_ready(x); "
         "assert x.native.storage.desc.format == spy.Format.undefined; print('structured')"
     )
-    seen = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    seen = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert seen.stdout.strip() == "structured", seen.stderr[-2000:]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout

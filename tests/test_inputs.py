@@ -449,8 +449,8 @@ def test_wrong_vector_width_names_the_parameter(t, value):
 
 
 @pytest.mark.parametrize(
-    "shape, dtype", [((2, 4), "float"), ((2, 2), "float"), ((4,), "float"), ((2,), "float2"),
-                     ((2,), "float4")],
+    "shape, dtype",
+    [((2, 4), "float"), ((2, 2), "float"), ((4,), "float"), ((2,), "float2"), ((2,), "float4")],
 )
 def test_tensor_of_wrong_vector_width_names_the_parameter(device, t, shape, dtype):
     v = pydiff.zeros(shape, dtype=dtype, device=device, requires_grad=True)
@@ -464,8 +464,14 @@ def test_tensor_of_wrong_vector_width_names_the_parameter(device, t, shape, dtyp
 
 
 @pytest.mark.parametrize(
-    "value", [np.ones((2, 4)), np.ones((3, 2, 3)), np.ones(4), [[1.0, 2.0, 3.0]],
-              [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]],
+    "value",
+    [
+        np.ones((2, 4)),
+        np.ones((3, 2, 3)),
+        np.ones(4),
+        [[1.0, 2.0, 3.0]],
+        [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]],
+    ],
 )
 def test_wrong_matrix_axes_name_the_parameter(t, value):
     with pytest.raises(ValueError, match=r"parameter 'm' \(matrix<float,2,2>\)"):
@@ -475,8 +481,7 @@ def test_wrong_matrix_axes_name_the_parameter(t, value):
 def test_vectors_and_matrices_from_lists_and_arrays(device, t):
     v = np.array([[1.0, 2.0, 3.0], [-0.5, 0.25, 4.0]])
     np.testing.assert_allclose(t.weigh3(v, 2.0, _result="numpy"), 2.0 * v @ W3, rtol=RTOL)
-    np.testing.assert_allclose(t.weigh3(v.tolist(), 2.0, _result="numpy"), 2.0 * v @ W3,
-                               rtol=RTOL)
+    np.testing.assert_allclose(t.weigh3(v.tolist(), 2.0, _result="numpy"), 2.0 * v @ W3, rtol=RTOL)
     assert t.weigh3([1.0, 2.0, 3.0], 1.0) == pytest.approx(321.0)
     vt = pydiff.tensor(v, device=device)  # a float tensor with a last axis of 3
     np.testing.assert_allclose(t.weigh3(vt, 2.0, _result="numpy"), 2.0 * v @ W3, rtol=RTOL)
@@ -502,8 +507,13 @@ def test_non_integer_shapes_refused(device, shape):
 
 
 @pytest.mark.parametrize(
-    "shape, want", [(np.int64(3), (3,)), ((np.int32(2), 3), (2, 3)), ([np.uint8(4)], (4,)),
-                    (np.array([2, 2]), (2, 2))],
+    "shape, want",
+    [
+        (np.int64(3), (3,)),
+        ((np.int32(2), 3), (2, 3)),
+        ([np.uint8(4)], (4,)),
+        (np.array([2, 2]), (2, 2)),
+    ],
 )
 def test_numpy_integer_shapes_accepted(device, shape, want):
     assert pydiff.zeros(shape, device=device).shape == want
@@ -530,8 +540,11 @@ def test_broadcast_result_over_the_byte_limit(device):
         m.times4(a, b, _result="tensor")  # 2**28 float4s: 4 GiB
     with pytest.raises(TensorTooLargeError, match=r"\(16384, 16384\)"):
         m.times4(a, np.zeros((1, 2**14), np.float32), _result="tensor")  # a host argument
-    ok = m.times(pydiff.zeros((2**13, 1), device=device), pydiff.zeros((1, 4), device=device),
-                 _result="tensor")
+    ok = m.times(
+        pydiff.zeros((2**13, 1), device=device),
+        pydiff.zeros((1, 4), device=device),
+        _result="tensor",
+    )
     assert ok.shape == (2**13, 4)
 
 

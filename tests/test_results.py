@@ -293,8 +293,11 @@ def test_inout_parameter_smaller_than_the_call_is_refused(device, s):
 
 def test_vector_out_parameter_needs_its_element_axis(device, s):
     x = pydiff.tensor(X, device=device)
-    for bad in (pydiff.zeros((3,), device=device), pydiff.zeros((3, 2), device=device),
-                pydiff.zeros((1,), dtype="float3", device=device)):
+    for bad in (
+        pydiff.zeros((3,), device=device),
+        pydiff.zeros((3, 2), device=device),
+        pydiff.zeros((1,), dtype="float3", device=device),
+    ):
         with pytest.raises(ValueError, match=r"parameter 'y' \(float3\)|parameter 'y' has shape"):
             s.out3(x, bad)
     y = pydiff.zeros((3, 3), device=device)

@@ -82,8 +82,9 @@ def test_empty_cache_releases_scratch_and_broadcast_gradients_stay_right(device)
     X = np.linspace(-1.0, 1.0, 64).reshape(16, 4).astype(np.float32)
     for _ in range(2):
         x = pydiff.tensor(X, device=device)
-        b = pydiff.tensor(np.array([0.5, -0.25, 1.0, 2.0], np.float32), device=device,
-                          requires_grad=True)
+        b = pydiff.tensor(
+            np.array([0.5, -0.25, 1.0, 2.0], np.float32), device=device, requires_grad=True
+        )
         with pydiff.Tape() as tape:
             y = _ops.mul(x, b)
         tape.backward(y, grad=np.ones((16, 4), np.float32))
