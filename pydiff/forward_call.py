@@ -121,25 +121,7 @@ def _check_host_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             "that is not C-contiguous), which SlangPy cannot write into; pass a contiguous "
             "array (np.empty(shape, np.float32)) or _result='numpy', then copy into the view"
         )
-    edims = 0 if base == returns.strip() else returns.count(",")  # vector 1, matrix 2
-    call = result.shape[: result.ndim - edims] if edims else result.shape
-    shapes = [
-        v.shape
-        for p, v in bound
-        if (type(v) is Tensor and p.tensor_kind is None and v.native.dtype.full_name == p.type_name)
-        or (type(v) is np.ndarray and element_base(p.type_name) == p.type_name.strip())
-    ]
-    try:
-        args = tuple(int(d) for d in np.broadcast_shapes(*shapes))
-        whole = tuple(int(d) for d in np.broadcast_shapes(args, call))
-    except ValueError:
-        return  # SlangPy reports shapes that do not broadcast
-    if base is not None and whole != tuple(call):
-        raise ValueError(
-            f"{fn.label}: _result is a NumPy array of shape {result.shape} but the arguments "
-            f"broadcast to shape {args}: several call elements would write the same result "
-            f"element (a race). Pass an array for call shape {whole}, or _result='numpy'"
-        )
+    # Its shape against the call's: call_shape.check_written (prepare_arguments), run before.
 
 
 def _aliased_reads(fn: FunctionTarget, bound: list, result: Any) -> dict[int, str]:
