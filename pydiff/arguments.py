@@ -22,6 +22,7 @@ from .call_shape import (
     ElementAxesError,
     argument_shape,
     broadcast,
+    check_tensor_type,
     check_written,
     result_type,
 )
@@ -79,10 +80,19 @@ def prepare_arguments(fn: FunctionTarget, bound: list, options: dict) -> None:
             if new is not value and not _overloads_differ(fn, i):
                 bound[i] = (p, new)
     result = options.get("_result", MISSING)
+    if type(result) in (float, int):
+        check_number_result(fn, bound, result)
     key = _shapes_key(bound, result)
     passed = _passed_checks(fn)
     if key is not None and key in passed:
         return  # the checks below read only these shapes and dtypes: they passed before
+    for i, (p, value) in enumerate(bound):
+        if type(value) is Tensor and not _overloads_differ(fn, i, exact=True):
+            try:
+                check_tensor_type(fn, p, value)
+            except TypeError:  # a built-in of that name may take it: SlangPy picks, or hints
+                if not is_builtin_name(fn.module.device, fn.name):
+                    raise
     check_result(fn, bound, result)
     try:
         check_written(fn, bound, result)
@@ -131,6 +141,22 @@ def _shapes_key(bound: list, result: Any) -> tuple | None:
 
 
 _FLOATS = ("float", "half", "double")
+
+
+def check_number_result(fn: FunctionTarget, bound: list, seed: float | int) -> None:
+    """Refuse a number ``_result`` (the upstream gradient of every result element) that the
+    result's type cannot hold: 70000.0 for a half result would become inf."""
+    returns = result_type(fn, bound)
+    base = element_base(returns)
+    if base not in _FLOATS:
+        return
+    top = float(np.finfo(SCALAR_NUMPY[base]).max)
+    if abs(seed) > top and (type(seed) is int or math.isfinite(seed)):
+        raise ValueError(
+            f"{fn.label}: _result={seed!r} seeds the gradient of a {returns} result, but it is "
+            f"outside the range of {base}, [-{top:.6g}, {top:.6g}], and would become inf; "
+            "scale the seed (and the loss) down"
+        )
 
 
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:

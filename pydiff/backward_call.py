@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import broadcast_grad
+from . import broadcast_grad, generated, written_mask
 from .arguments import (
     MISSING,
     PLAIN,
@@ -48,6 +48,7 @@ from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo, warn_struct_fields
 from .tensor import Tensor
+from .written_mask import WrittenMask as Mask
 
 _SCALAR_RESULTS = {"float", "half", "double"}
 
@@ -55,8 +56,10 @@ _SCALAR_RESULTS = {"float", "half", "double"}
 class _Backward:
     """Builds the native arguments of one ``.bwds`` call and the work to do after it."""
 
-    def __init__(self, fn: FunctionTarget, scope: BackwardScope):
+    def __init__(self, fn: FunctionTarget, scope: BackwardScope, prior: frozenset = frozenset()):
         self.fn = fn
+        self.prior = prior  # storages whose value before the call a tape's graph still needs
+        self.cleared: list[tuple[Mask | None, Tensor]] = []  # (None: all) written grads
         self.scope = scope
         self.label = fn.label
         self.after: list[tuple[Tensor, Tensor]] = []  # (temp gradient, destination) copies
@@ -67,6 +70,8 @@ class _Backward:
         self.reductions: list[tuple[spy.Tensor, Tensor]] = []  # (full-shape grad, parameter)
         self.fixed: list[tuple[FixedPointAccumulator, spy.Tensor]] = []  # (words, add into)
         self.untracked: list[str] = []  # deterministic mode: gradients left to float atomics
+        self.masks: dict[str, Mask] = {}  # parameters bound through the masked wrapper
+        self.passes: list[tuple[Mask, Tensor, Tensor]] = []  # (mask, upstream, grad)
 
     def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
         """Gradient buffers for a tensor whose gradient nobody asked for."""
@@ -128,9 +133,12 @@ class _Backward:
             )
         if p.io == "out" or p.access == "write":
             self._needs_upstream(t, p, "written")
-            return self._own_primal(t, t.bind(True), keep=False)
+            bound = self._own_primal(t, t.bind(True), keep=False)
+            return written_mask.bind_written(self, p, t, bound, id(t.storage) in self.prior)
         if p.access == "read_write":
-            return self._own_primal(t, self._separate(t, p), keep=True)
+            masked = written_mask.needs_mask(p, t, self.label)
+            bound = self._own_primal(t, self._separate(t, p), keep=True)
+            return written_mask.bind_in_place(self, p, t, bound, masked)
         if not t.requires_grad:
             if p.tensor_kind is None:
                 # A vectorised value with no gradient wanted: bind the primal alone, and
@@ -203,7 +211,13 @@ class _Backward:
         return fwd_tensor_struct(self.fn, p, t, None, bound.grad_in, acc.fields())
 
     def after_call(self) -> None:
-        """Sum the full-shape and fixed-point gradients into their buffers (in order)."""
+        """Sum the full-shape and fixed-point gradients into their buffers (in order), and
+        pass the upstream through the elements in-place calls did not write."""
+        for name, mask in self.masks.items():
+            mask.check_single_writes(self.scope, self.label, name)
+        for mask, upstream, grad in self.passes:
+            mask.pass_unwritten(self.scope, upstream, grad)
+        written_mask.clear_overwritten(self.scope, self.device, self.cleared)
         for acc, grad in self.fixed:
             acc.add_into(grad)
         for full, t in self.reductions:
@@ -242,6 +256,8 @@ class _Backward:
         if type(result) is Tensor and result.grad_in is not None:
             if result.device is not self.device:
                 check_device(self.fn, result, "_result")
+            if id(result.storage) in self.prior:  # overwritten: its value before gets none
+                self.cleared.append((None, result.grad_in))
             return primal_sink(self.device, result).with_grads(
                 grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
             )
@@ -328,6 +344,10 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             native_args.append(value)
         else:
             return False
+    if generated.call_backward(fn, bound, options, result):
+        for grad in written:
+            grad.storage.holds_result_of = fn.bwds_label
+        return True
     if type(result) is Tensor and result.grad_in is not None and result.device is dev:
         options["_result"] = primal_sink(dev, result).with_grads(
             grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
@@ -343,7 +363,12 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     return True
 
 
-def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
+def backward_call(
+    fn: FunctionTarget, args: tuple, kwargs: dict, prior: frozenset = frozenset()
+) -> None:
+    """``fn.bwds(*args, **kwargs)``. ``prior``: ids of the storages (``id(t.storage)``) that
+    the call overwrites while a tape's graph still needs their values before it (their
+    gradients are cleared where the call wrote them)."""
     label = fn.label
     if not fn.signature.differentiable:
         raise TypeError(
@@ -360,13 +385,13 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
     refuse_shared_result_grad(fn, bound, kwargs.get("_result"))
     prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
-    if not fn.signature.has_diff_inout and _fast_backward(fn, bound, options, result):
+    if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
         return
     deterministic = is_deterministic()
     if deterministic:
         warn_nondeterministic(fn)
     with backward_scope(fn.bwds_label) as scope:
-        b = _Backward(fn, scope)
+        b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         if deterministic:
             b.separate = shared_grads(bound)
@@ -395,7 +420,10 @@ def backward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
         if native_result is not MISSING:
             options["_result"] = native_result
         try:
-            if use_wrapper:
+            if b.masks:
+                node = written_mask.masked_wrapper(fn, set(b.masks)).bwds_kernel(tuple(b.no_grad))
+                scope.dispatch(node, **native_kwargs, **options)
+            elif use_wrapper:
                 node = fn.bwds_kernel(tuple(b.no_grad), wrapper=True)
                 scope.dispatch(node, **native_kwargs, **options)
             else:

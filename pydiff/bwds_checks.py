@@ -65,8 +65,21 @@ def values_read(fn: FunctionTarget, bound: list) -> list:
                 if kept[1] is None or kept[1].shape != value.shape:
                     raise ValueError(_overwritten(fn, p, value))
                 value = with_values_of(value, kept[1])
+            elif fn.call_label in st.written_over and p.writes_value:
+                raise ValueError(_written_over(fn, p, st.last_writer))
         out.append((p, value))
     return out
+
+
+def _written_over(fn: FunctionTarget, p: ParamInfo, writer: str) -> str:
+    return (
+        f"{fn.bwds_label}: parameter '{p.name}' ({p.type_name}) was read and overwritten in "
+        f"place by {fn.call_label}, then written again by {writer}: the values the call read "
+        "are gone (and some of those it wrote may remain), so .bwds cannot tell at which "
+        "values to differentiate. Keep a copy before the call (before = "
+        f"{p.name}.clone()) and pass it to .bwds, record the calls on a pydiff.Tape, or set "
+        f"new values from the host ({p.name}.copy_from_numpy(...)) to differentiate there"
+    )
 
 
 def _overwritten(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> str:

@@ -10,6 +10,7 @@ must cover the whole call shape, or several threads write one element: a race.
     own_shape("vector<float,3>", "float", (4, 3))      # (4,): four float3 elements
     own_shape("vector<float,3>", "float", (4,))        # ElementAxesError: last axis must be 3
     check_written(fn, bound, result)                  # ValueError naming 'y', both shapes
+    check_tensor_type(fn, p, int_tensor)              # TypeError: a float parameter, int tensor
 """
 
 from __future__ import annotations
@@ -47,6 +48,30 @@ def type_elements(type_name: str) -> tuple[str, tuple[int, ...]] | None:
     if m and m.group(1) in SCALAR_NUMPY:
         return m.group(1), (int(m.group(2)), int(m.group(3)))
     return None
+
+
+_ARRAY = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def value_elements(type_name: str) -> tuple[str, tuple[int, ...], bool] | None:
+    """(scalar, element axes, is an array) of a scalar, vector, matrix or fixed-size array
+    of those: ('float', (3,), True) for 'float[3]', ('float', (3, 2), True) for
+    'vector<float,2>[3]', call_shape.type_elements' answer for the others; None for any
+    other type (structs, generics, unsized arrays)."""
+    found = type_elements(type_name)
+    if found is not None:
+        return found[0], found[1], False
+    m = _ARRAY.match(type_name.replace(" ", ""))
+    inner = type_elements(m.group(1)) if m else None
+    if m is None or inner is None:
+        return None
+    return inner[0], (int(m.group(2)), *inner[1]), True
+
+
+def display_name(type_name: str) -> str:
+    """How Slang code spells a type: 'float2[3]' for 'vector<float,2>[3]'; see short_name."""
+    m = _ARRAY.match(type_name.replace(" ", ""))
+    return f"{short_name(m.group(1))}[{m.group(2)}]" if m else short_name(type_name)
 
 
 def short_name(type_name: str) -> str:
@@ -180,10 +205,12 @@ def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
         shape = tuple(value.shape)
         elem = "" if own == shape else f" (one {short_name(type_name)} per last axes: {own})"
         fix = ", or _result='tensor'" if what == "_result" else ""
+        others = "arguments" if what == "_result" else "other arguments"
         raise ValueError(
             f"{fn.label}: {what} {kind} {shape}{elem}, which the call writes, but the "
-            f"arguments broadcast to shape {args}: several call elements would write the same "
-            f"element (a race). Pass one for call shape {whole}{fix}"
+            f"{others} broadcast to shape {args}: the call would run over {whole}, and several "
+            f"of its elements would write the same element of {what} (a race). Pass one of "
+            f"shape {args + shape[len(own) :]}{fix}"
         )
 
 
@@ -196,3 +223,46 @@ def _add(fn: FunctionTarget, parts: list, what: str, type_name: str, value: Any,
     if own is not None:
         writes = writes and type(value) in (Tensor, np.ndarray)
         parts.append((what, type_name, value if writes else None, own))
+
+
+def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
+    """Refuse a tensor whose elements a scalar, vector, matrix or array parameter cannot
+    take: SlangPy converts no tensor (int to float, float to int, half to float, a float3
+    for a float) and reports only "Argument 0 could not be resolved"."""
+    found = None if p.tensor_kind is not None or p.generic else value_elements(p.type_name)
+    dtype = t.native.dtype.full_name
+    got = _scalar_of(dtype)
+    if found is None or got is None or dtype.replace(" ", "") == p.type_name.replace(" ", ""):
+        return
+    base, axes, array = found
+    name = display_name(p.type_name)
+    if got == base and array and dtype == base:
+        shape = tuple(t.shape)
+        if len(shape) <= len(axes) or shape[len(shape) - len(axes) :] != axes:
+            raise ValueError(
+                f"{fn.label}: parameter '{p.name}' ({name}) got a {base} tensor of shape "
+                f"{shape}; one {name} takes its last axes, which must be {axes} after at least "
+                f"one call axis: pass shape (n, {', '.join(map(str, axes))}) (for one array, "
+                f"x.reshape((1, {', '.join(map(str, axes))})))"
+            )
+        return
+    if got == base and (dtype == base or axes):
+        return  # its scalar: the element axes are checked with the shapes (own_shape)
+    art = "an" if base[0] in "aeiou" else "a"
+    takes = f"{art} {base} tensor" + (
+        f" whose last axes are {axes}" + ("" if array else f", or a {name} tensor") if axes else ""
+    )
+    fix = ""
+    if got != base and base in SCALAR_NUMPY:
+        target = np.dtype(SCALAR_NUMPY[base]).name
+        fix = f". Convert it first, e.g. pydiff.tensor(x.numpy().astype(np.{target}))"
+    raise TypeError(
+        f"{fn.label}: parameter '{p.name}' ({name}) got a tensor of dtype {t.dtype}, which "
+        f"SlangPy does not convert to {name}; it takes {takes}, or host values (NumPy "
+        f"arrays, lists{'' if array else ', numbers'}: converted){fix}"
+    )
+
+
+def _scalar_of(type_name: str) -> str | None:
+    found = type_elements(type_name)
+    return found[0] if found is not None else None

@@ -78,9 +78,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from .generated import settings
     from .info import collect, format_info
 
     data = collect()
+    data["generated_kernels"] = settings()
     print(json.dumps(data, indent=2) if args.json else format_info(data))
     return 0
 

@@ -29,6 +29,7 @@ from .bwds_checks import refuse_written_struct, with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
+from . import generated
 from .tape import Tape, active_tape
 from .tensor import Tensor
 
@@ -64,6 +65,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
+    if isinstance(options.get("_result"), (bool, int, float, np.generic)):
+        _check_host_result(fn, bound, options["_result"])  # not a seed (.bwds's), refused
     prepare_arguments(fn, bound, options)
     zero_d = scalar_numpy_result(fn, bound, options)  # SlangPy cannot write a 0-d array
     native_args = [_native_argument(fn, p, value) for p, value in bound]
@@ -82,11 +85,13 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
             refuse_written_struct(fn, bound, f"{fn.label} on a tape")
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
     _mark_reread(fn, bound)
-    # Positional: SlangPy's keyword path costs ~10 us more per call.
-    try:
-        out = _wrap_result(fn, fn.native(*native_args, **options), result)
-    except Exception as exc:
-        raise resolve_error(fn, exc) from None
+    out = generated.call_forward(fn, bound, options, result)
+    if out is None:
+        # Positional: SlangPy's keyword path costs ~10 us more per call.
+        try:
+            out = _wrap_result(fn, fn.native(*native_args, **options), result)
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
     out = out.reshape(()) if zero_d else out
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     if tape is not None:
@@ -266,6 +271,19 @@ def _record(
         writes.append(out)
     if not needs_grad:
         return  # constants as far as gradients go
+    # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
+    # gradient, or an earlier call's result): none of the gradient reaches those values where
+    # the call wrote, so the backward clears it there.
+    overwritten = [v for p, v in bound if p.writes_value and not p.reads_value]
+    overwritten += [out] if type(out) is Tensor else []
+    prior = frozenset(
+        id(t.storage)
+        for t in overwritten
+        if type(t) is Tensor and (t.requires_grad or t.producer is tape)
+    )
+    # Leaves (gradients of their own) this call overwrites, in place or as outputs.
+    leaves = [t for t in overwritten if type(t) is Tensor and t.requires_grad]
+    leaves += [t for _, t in views if t.requires_grad]
     if not fn.signature.differentiable:
         _record_cut(tape, fn, reads, writes, [t for _, t in views])
         return
@@ -280,9 +298,9 @@ def _record(
         extra["_result"] = out
 
     def run_backward(entry: Any) -> None:
-        backward_call(fn, bwd_values, dict(extra))
+        backward_call(fn, bwd_values, dict(extra), prior)
 
-    tape.record(fn.label, reads, writes, run_backward)
+    tape.record(fn.label, reads, writes, run_backward, overwritten=leaves)
 
 
 def _record_cut(

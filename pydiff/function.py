@@ -103,7 +103,10 @@ class Function:
         ctx = FunctionCtx(cls.__name__, [a for _, a in inputs])
         tape = active_tape()
         if not cls._has_backward():
-            return cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
+            result = cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
+            if tape is None or not any(ctx.needs_input_grad):
+                return result
+            return _passed_through(cls, tape, result, inputs)
         with suspend_recording():
             result = cls.forward(ctx, *args)
         outputs_tuple = isinstance(result, tuple)
@@ -122,6 +125,33 @@ class Function:
 
             tape.record(f"{cls.__name__}.apply", reads, list(outputs), run_backward)
         return outputs if outputs_tuple else outputs[0]
+
+
+def _passed_through(cls: type, tape: Any, result: Any, inputs: list) -> Any:
+    """Pattern 1's outputs, each that is an input (or a view of one: ``return x``) replaced
+    by a copy recorded on the tape with the identity's backward. No recorded call wrote the
+    input, so the tape could not reach it from the output (nor its gradient the input)."""
+    many = isinstance(result, tuple)
+    taken = {id(t.storage) for _, t in inputs}
+    identity = type(cls.__name__, (Function,), {"backward": staticmethod(lambda ctx, g: g)})
+    outputs = []
+    for o in result if many else (result,):
+        if isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
+            with suspend_recording():
+                copy = o.clone()
+            copy.storage.wrote(f"{cls.__name__}.forward")
+            copy.requires_grad_(True)
+            ctx = FunctionCtx(cls.__name__, [o])
+
+            def run_backward(entry: Any, ctx: FunctionCtx = ctx, o: Tensor = o, c: Tensor = copy):
+                _run_backward(identity, ctx, [o], (c,))
+
+            tape.record(
+                f"{cls.__name__}.apply", [(f"input of {cls.__name__}", o)], [copy], run_backward
+            )
+            o = copy
+        outputs.append(o)
+    return tuple(outputs) if many else outputs[0]
 
 
 def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:

@@ -10,6 +10,7 @@ converts before SlangPy sees the value, for the forward call, ``.bwds`` and ``.f
     m.f(a[::2]); m.f(a[::-1]); m.f(a.T)   # strided, reversed, Fortran views: copied
     m.f(np.array(2.0)); m.f(2)            # 0-d arrays and ints for a float parameter
     m.g(np.array([1.5]))                  # ValueError: int parameter 'i', values 1.5 truncated
+    m.h(np.array([[1.0, 2.0, 3.0]]))      # float64 -> float32 for a float[3] parameter too
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .creation import tensor
-from .call_shape import short_name, type_elements
+from .call_shape import short_name, value_elements, display_name
 from .signature import ParamInfo
 from .storage import SCALAR_NUMPY, has_c_strides
 
@@ -50,14 +51,20 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         return value  # the common case, first
     if p.tensor_kind is not None or value is None:
         return value
-    found = type_elements(p.type_name)
+    found = value_elements(p.type_name)
     if found is None:
         return value
-    base, axes = found
+    base, axes, array = found
     if isinstance(value, np.generic):
         value = value.item()
         kind = type(value)
     if kind in (bool, int, float):
+        if array:
+            raise TypeError(
+                f"{_where(label, p)}: got the number {value!r}; an array parameter takes "
+                f"{axes[0]} elements: a list, or a NumPy array of shape "
+                f"(..., {', '.join(map(str, axes))})"
+            )
         if len(axes) == 2:
             raise TypeError(
                 f"{_where(label, p)}: got the number {value!r}; a {short_name(p.type_name)} "
@@ -72,10 +79,10 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         if axes and arr.shape[len(arr.shape) - len(axes) :] != axes:
             raise ValueError(
                 f"{_where(label, p)}: a list of shape {arr.shape}, but one "
-                f"{short_name(p.type_name)} takes {'x'.join(map(str, axes))} numbers: pass "
+                f"{display_name(p.type_name)} takes {'x'.join(map(str, axes))} numbers: pass "
                 f"lists of shape (..., {', '.join(map(str, axes))})"
             )
-        if len(axes) == 1 and arr.shape == axes and not p.writes_value:
+        if (len(axes) == 1 or array) and arr.shape == axes and not p.writes_value:
             return _array(label, p, base, arr).tolist()  # one vector, as SlangPy takes it
         value = arr
     if isinstance(value, np.ndarray):
@@ -84,11 +91,13 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         if axes and value.shape[max(value.ndim - len(axes), 0) :] != axes:
             raise ValueError(
                 f"{_where(label, p)}: a NumPy array of shape {value.shape}, but one "
-                f"{short_name(p.type_name)} takes its last axes, which must be {axes}: pass an "
+                f"{display_name(p.type_name)} takes its last axes, which must be {axes}: pass an "
                 f"array of shape (..., {', '.join(map(str, axes))})"
             )
         if value.dtype.kind == "b" and base == "bool" and not p.writes_value:
             return tensor(value, dtype="bool", device=device)
+        if array and value.shape == axes and not p.writes_value:
+            return _array(label, p, base, value).tolist()  # one array: SlangPy takes a list
         return _array(label, p, base, value)
     return value
 

@@ -79,8 +79,16 @@ def format_info(data: dict[str, Any]) -> str:
         f"numpy    {data['numpy']}; Python {data['python']} on {data['platform']}",
         f"pydiff's shader library: {data['shader_dir']}",
         format_cache(data["compile_cache"]),
-        "devices:",
     ]
+    gen = data.get("generated_kernels")
+    if gen is not None:
+        lines.append(
+            f"generated kernels: on for covered calls of {gen['min_elements']}+ elements "
+            "(PYDIFF_GENERATED=0 turns them off; pydiff.generated.stats() counts each path)"
+            if gen["enabled"]
+            else "generated kernels: off (PYDIFF_GENERATED=0)"
+        )
+    lines.append("devices:")
     for d in data["devices"]:
         if not d["opens"]:
             lines.append(f"  {d['type']:7s} not available: {d['why']}")

@@ -5,8 +5,11 @@ IWDiffTensor, IRWDiffTensor) an index is either a list of integer scalars ("scal
 ``t[i]``, ``t[i, j]``, ``t.load(i, j)``) or one array/vector ("array": ``t[idx]`` with
 ``int[2] idx``, ``int2``, or a lone ``uint`` on a 1-D tensor). Inside one ``[Differentiable]``
 function, using both kinds makes ``.bwds`` segfault in the Slang compiler; ``.load``/``.store``
-with an array index gives all-zero gradients; a loop condition reading ``t.shape`` hangs.
-Concrete DiffTensor types have neither problem.
+with an index that is not integer scalars gives all-zero gradients; a loop condition reading
+``t.shape`` hangs, and so does the compile of a backward that reads or writes one under a
+condition (an ``if`` branch, a ``?:`` arm) or uses one again after a subscript store
+(``t[i] = v; ... t[j]``). Concrete DiffTensor types have none of these
+problems.
 
     findings = pydiff.lint.scan_source(open("layer.slang").read(), "layer.slang")
     for f in findings: print(f)          # layer.slang:12: in dense(): ...
@@ -18,21 +21,23 @@ import re
 from dataclasses import dataclass
 
 from .lint_flow import matching as _matching
-from .lint_flow import do_while_break, promotions, while_break
+from .lint_flow import call_at, conditional_spans, do_while_break, promotions, while_break
 from .lint_macros import Defines, IncludeMacros, preprocess, unexpanded_message
 from .lint_macros import blank_comments_and_strings as _strip_comments
+from .lint_index import (
+    VECTOR_ORDER,
+    accesses,
+    declared_index_types,
+    load_store_problem,
+    scalar_form,
+    show,
+    split_top,
+    store_then_access,
+)
 
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
-_IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
+_IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
 _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s*>")
-_SCALAR_DECL = re.compile(
-    r"\b(int|uint|int32_t|uint32_t|int64_t|uint64_t)\s+([A-Za-z_]\w*)\s*(\[\s*\d*\s*\])?"
-)
-_ARRAY_PARAM_DECL = re.compile(r"\b(u?int)\s*\[\s*\d+\s*\]\s+([A-Za-z_]\w*)")
-_VECTOR_DECL = re.compile(r"\b(u?int[2-4]|vector\s*<\s*u?int\s*,\s*\d\s*>)\s+([A-Za-z_]\w*)")
-_VECTOR_CTOR = re.compile(r"^\s*(u?int[2-4]|vector\s*<[^>]*>)\s*\(")
-_IDENT = re.compile(r"^\s*([A-Za-z_]\w*)\s*$")
-_ELEMENT = re.compile(r"^\s*[A-Za-z_]\w*\s*\[[^\[\],]*\]\s*$")  # idx[0]: one int element
 
 
 @dataclass(frozen=True)
@@ -57,23 +62,6 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
-
-
-def _split_top(text: str) -> list[str]:
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "<([{":
-            depth += 1
-        elif ch in ">)]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur))
-    return out
 
 
 @dataclass
@@ -101,84 +89,13 @@ def _differentiable_functions(src: str) -> list[_Function]:
         if end < 0 or src[close + 1 : brace].strip().startswith(";"):
             continue
         found.append(
-            _Function(head.group(1), _split_top(src[paren + 1 : close]), src[brace:end], brace)
+            _Function(head.group(1), split_top(src[paren + 1 : close]), src[brace:end], brace)
         )
     return found
 
 
 def _line_of(src: str, offset: int) -> int:
     return src.count("\n", 0, offset) + 1
-
-
-def _declared_index_types(fn: _Function) -> dict[str, str]:
-    """Variable name -> 'int', 'uint', 'array' or 'vector', from parameters and locals."""
-    types: dict[str, str] = {}
-    text = ", ".join(fn.params) + "\n" + fn.body
-    for m in _SCALAR_DECL.finditer(text):
-        unsigned = m.group(1).startswith("u")
-        types[m.group(2)] = "array" if m.group(3) else ("uint" if unsigned else "int")
-    for m in _ARRAY_PARAM_DECL.finditer(text):
-        types[m.group(2)] = "array"
-    for m in _VECTOR_DECL.finditer(text):
-        types[m.group(2)] = "vector"
-    return types
-
-
-def _index_kind(args: list[str], dims: int, types: dict[str, str]) -> str | None:
-    """'scalar', 'array' (one array/vector index), or None when it cannot be told."""
-    if len(args) > 1:
-        return "scalar"
-    arg = args[0].strip()
-    if _VECTOR_CTOR.match(arg):
-        return "array"
-    if re.fullmatch(r"\d+", arg) or re.match(r"^int\s*\(", arg) or _ELEMENT.match(arg):
-        return "scalar"
-    if re.match(r"^uint\s*\(", arg):
-        return "array" if dims == 1 else "scalar"
-    ident = _IDENT.match(arg)
-    if ident:
-        t = types.get(ident.group(1))
-        if t == "int":
-            return "scalar"
-        if t == "uint":
-            return "array" if dims == 1 else "scalar"
-        if t in ("array", "vector"):
-            return "array"
-    return None
-
-
-@dataclass
-class _Access:
-    tensor: str
-    op: str  # "[]", "load", "store"
-    args: list[str]
-    kind: str | None
-    offset: int
-
-
-def _accesses(fn: _Function, tensors: dict[str, int], types: dict[str, str]) -> list[_Access]:
-    out = []
-    for name, dims in tensors.items():
-        for m in re.finditer(rf"\b{name}\s*(\[|\.\s*(load|store)\s*\()", fn.body):
-            if m.group(1) == "[":
-                close = _matching(fn.body, m.end() - 1, "[", "]")
-                op, args = "[]", _split_top(fn.body[m.end() : close])
-            else:
-                close = _matching(fn.body, m.end() - 1, "(", ")")
-                op, args = m.group(2), _split_top(fn.body[m.end() : close])
-                if op == "store":
-                    args = args[:-1]
-            if close < 0 or not args:
-                continue
-            out.append(_Access(name, op, args, _index_kind(args, dims, types), m.start()))
-    return sorted(out, key=lambda a: a.offset)
-
-
-def _show(a: _Access) -> str:
-    inner = ", ".join(x.strip() for x in a.args)
-    if a.op == "[]":
-        return f"{a.tensor}[{inner}]"
-    return f"{a.tensor}.load({inner})" if a.op == "load" else f"{a.tensor}.store({inner}, ...)"
 
 
 def scan_source(
@@ -201,7 +118,7 @@ def scan_source(
             words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
             if t and words:
                 tensors[words[-1]] = int(t.group(2))
-        types = _declared_index_types(fn)
+        types = declared_index_types(fn.params, fn.body)
 
         def add(offset: int, kind: str, message: str) -> None:
             line = _line_of(src, fn.body_offset + offset)
@@ -210,17 +127,47 @@ def scan_source(
         for at, name, why in pre.uncertain:  # a macro that may hide a loop's condition
             if 0 <= at - fn.body_offset < len(fn.body):
                 add(at - fn.body_offset, "macro-unexpanded", unexpanded_message(name, why))
-        accesses = _accesses(fn, tensors, types)
-        for a in accesses:
-            if a.op in ("load", "store") and a.kind == "array":
-                fix = f"{a.tensor}[{a.args[0].strip()}]" + (" = value" if a.op == "store" else "")
+        indexed = accesses(fn.body, tensors, types)
+        for a in indexed:
+            why = load_store_problem(a, types) if a.op in ("load", "store") else None
+            if why:
+                fix = f"{a.tensor}[{scalar_form(a)}]" + (" = value" if a.op == "store" else "")
                 add(
                     a.offset,
                     "interface-load-store",
-                    f"'{_show(a)}' with an array/vector index on an interface diff tensor "
-                    f"gives all-zero gradients in SlangPy 0.43 bwds; use the subscript "
-                    f"'{fix}', or a concrete DiffTensor parameter",
+                    f"'{show(a)}': its index is {why}; '.{a.op}' on an interface diff tensor "
+                    "with an index that is not integer scalars gives all-zero gradients in "
+                    f"SlangPy 0.43 bwds; use the subscript '{fix}', or a concrete DiffTensor "
+                    "parameter",
                 )
+        spans = conditional_spans(fn.body) if indexed else []
+        for a in indexed:
+            where = next((w for s, e, w in spans if s <= a.offset < e), None)
+            if where:
+                add(
+                    a.offset,
+                    "conditional-interface-access",
+                    f"'{show(a)}' runs only under {where}: SlangPy 0.43 bwds of an interface "
+                    "diff tensor read or written under a condition never finishes compiling "
+                    "(the Slang compiler loops; the process hangs); take the access out of the "
+                    "condition and choose with select(c, a, b) (both sides evaluated), or "
+                    "declare the parameter as a concrete DiffTensor/WDiffTensor",
+                )
+                break
+        twice = store_then_access(fn.body, indexed)
+        if twice:
+            a, store, later = twice
+            add(
+                a.offset,
+                "interface-store-then-access",
+                f"'{store}' stores into the interface diff tensor '{a.tensor}', and "
+                f"'{later}' uses '{a.tensor}' again further down: SlangPy 0.43 bwds of a "
+                "second store to (or a read back of) an interface diff tensor after a "
+                "subscript store never finishes compiling (memory grows by GBs; the process "
+                "hangs); read what you need first, compute in locals and store each element "
+                f"once, as the last use of '{a.tensor}', or declare the parameter as a "
+                "concrete DiffTensor/WDiffTensor",
+            )
         for loop in re.finditer(r"\b(for|while)\s*\(", fn.body):
             close = _matching(fn.body, loop.end() - 1, "(", ")")
             header = fn.body[loop.end() : close]
@@ -258,8 +205,8 @@ def scan_source(
                 add(found[0], "do-while-break", found[1])
         for offset, message in promotions(fn.params, fn.body):
             add(offset, "scalar-vector-promotion", message)
-        scalar = [a for a in accesses if a.kind == "scalar"]
-        array = [a for a in accesses if a.kind == "array"]
+        scalar = [a for a in indexed if a.kind == "scalar"]
+        array = [a for a in indexed if a.kind == "array"]
         if scalar and array:
             first = array[0]
             uint_loop = any(
@@ -275,17 +222,17 @@ def scan_source(
             add(
                 first.offset,
                 "mixed-index-kinds",
-                f"'{_show(first)}' (array/vector/uint index) and '{_show(scalar[0])}' (integer "
+                f"'{show(first)}' (array/vector/uint index) and '{show(scalar[0])}' (integer "
                 f"scalar index) in one differentiable function crash SlangPy 0.43 bwds "
                 f"(segfault in the Slang compiler); {fix}",
             )
-        for a in accesses:
+        for a in indexed:
             arg = a.args[0].strip() if len(a.args) == 1 else ""
-            if types.get(arg) == "vector" or _VECTOR_CTOR.match(arg):
+            if types.get(arg) == "vector" or VECTOR_ORDER.match(arg):
                 add(
                     a.offset,
                     "vector-index-order",
-                    f"'{_show(a)}': a vector index is read in reversed order (.x = last "
+                    f"'{show(a)}': a vector index is read in reversed order (.x = last "
                     f"dimension; spy.grid's int2 is (column, row)) while int[N] is natural; "
                     f"prefer 'int[N]'",
                 )
@@ -348,7 +295,7 @@ def affected_functions(
             for callee, callee_findings in list(result.items()):
                 if callee == name or not callee_findings:
                     continue
-                if re.search(rf"\b{callee}\s*\(", body):
+                if call_at(body, callee) >= 0:
                     for f in callee_findings:
                         if f not in result[name]:
                             result[name].append(f)
@@ -367,7 +314,7 @@ _ATOMIC = re.compile(
     r"InterlockedAddF32|_NvInterlockedAdd\w*)\b"
 )
 _ANY_FUNCTION = re.compile(
-    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<[^<>(){};]*>)?\s*\(([^(){};]*)\)\s*\{"
+    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(([^(){};]*)\)\s*\{"
 )
 _DERIVATIVE_ATTR = re.compile(
     r"\[\s*(BackwardDerivative|BackwardDerivativeOf)\s*\(\s*([A-Za-z_]\w*)"
@@ -438,11 +385,7 @@ def float_atomic_functions(source: str) -> dict[str, str]:
                 if kind == "BackwardDerivative" and target in reason:
                     reason[name] = reason[target]
             for callee, why in list(reason.items()):
-                if (
-                    name not in reason
-                    and callee != name
-                    and re.search(rf"\b{callee}\s*(<[^<>]*>)?\s*\(", body)
-                ):
+                if name not in reason and callee != name and call_at(body, callee) >= 0:
                     reason[name] = why
             changed = changed or name in reason
     return reason

@@ -15,13 +15,14 @@ from __future__ import annotations
 import re
 
 from .lint import Finding
-from .lint_flow import matching
+from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
-_HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<[^<>()]*>)?\s*\($")
+_BRACE = re.compile(r"\s*\{")
+_HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
 
 
 def _blank_comments(src: str) -> str:
@@ -33,16 +34,16 @@ def _blank_comments(src: str) -> str:
 def _definitions(src: str) -> dict[str, list[tuple[int, list[str], str, int]]]:
     """Function definitions: name -> [(offset of the name, parameters, body, body offset)]."""
     out: dict[str, list[tuple[int, list[str], str, int]]] = {}
-    for m in re.finditer(r"([A-Za-z_]\w*)\s*(<[^<>(){};]*>)?\s*\(", src):
+    for m in re.finditer(r"([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(", src):
         if m.group(1) in ("if", "for", "while", "switch", "return", "do"):
             continue
         close = matching(src, m.end() - 1, "(", ")")
         if close < 0:
             continue
-        rest = src[close + 1 :]
-        brace = close + 1 + (len(rest) - len(rest.lstrip()))
-        if brace >= len(src) or src[brace] != "{":
+        opening = _BRACE.match(src, close + 1)
+        if opening is None:
             continue
+        brace = opening.end() - 1
         end = matching(src, brace, "{", "}")
         if end < 0:
             continue
@@ -120,10 +121,10 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
             continue
         for _, _, body, body_at in defs[caller]:
             for f, param in crashing.items():
-                call = re.search(rf"\b{re.escape(f)}\s*\(", body)
-                if f == caller or call is None:
+                call = call_at(body, f)
+                if f == caller or call < 0:
                     continue
-                line = src.count("\n", 0, body_at + call.start()) + 1
+                line = src.count("\n", 0, body_at + call) + 1
                 message = (
                     f"calls {f}(), whose hand-written backward reads the primal of inout "
                     f"parameter '{param}' ({param}.p): Slang's autodiff of that call builds a "

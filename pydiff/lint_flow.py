@@ -148,6 +148,7 @@ def promotions(params: list[str], body: str) -> list[tuple[int, str]]:
     ``v - s``, ``v += s``, ``v -= s`` (``(s)`` too); ``v * s``, ``v / s``, ``*=``, ``/=``,
     ``floatN(s)``, ``float3 u = s;``, a float argument to a float3 parameter, and a computed
     scalar (``2.0 * s``, ``-s``, a value loaded from a tensor) are right."""
+    body = fold_identities(body)
     scalars, vectors = _promoted(params, body)
     out = []
     for m in _LEFT.finditer(body):
@@ -181,3 +182,134 @@ def _message(shown: str, s: str, v: str, fix: str) -> str:
         f"implicitly to the vector type of '{v}', and Slang's backward drops its derivative "
         f"(d{s} = 0, no error); write the splat explicitly: '{fix}'"
     )
+
+
+def call_at(body: str, name: str, start: int = 0) -> int:
+    """Offset of the first call of ``name`` in ``body`` from ``start`` (``name(``, with
+    explicit generic arguments ``name<float>(`` or ``name<vector<float, 3>>(`` too, and
+    the method forms ``a.name(``), or -1."""
+    for m in re.finditer(rf"\b{re.escape(name)}\b", body[start:]):
+        j = start + m.end()
+        while j < len(body) and body[j] in " \t\r\n":
+            j += 1
+        if body.startswith("<", j):
+            depth = 0
+            for k in range(j, len(body)):
+                ch = body[k]
+                if ch in ";{}()&|=":  # a comparison, not generic arguments
+                    break
+                depth += (ch == "<") - (ch == ">")
+                if depth == 0:
+                    j = k + 1
+                    break
+            else:
+                continue
+            if depth:
+                continue
+            while j < len(body) and body[j] in " \t\r\n":
+                j += 1
+        if body.startswith("(", j):
+            return start + m.start()
+    return -1
+
+
+_LIT = r"(?:(?:float|half|double)\s*\(\s*{v}\s*\)|{v}(?:[eE][-+]?0+)?[fFhHlL]?)(?![\w.])"
+_L1 = _LIT.format(v=r"(?<![\w.])1(?:\.0*)?")
+_L0 = _LIT.format(v=r"(?<![\w.])(?:0(?:\.0*)?|\.0+)")
+_NAME = r"(?<![\w.])[A-Za-z_]\w*(?!\s*[\w.(\[])"
+_FOLDS = [  # (pattern, group kept): identities Slang folds away before a promotion
+    re.compile(rf"({_NAME})(\s*[*/]\s*{_L1})"),
+    re.compile(rf"({_NAME})(\s*[-+]\s*{_L0})(?!\s*[*/])"),
+    re.compile(rf"({_L1}\s*\*|{_L0}\s*\+)\s*(?={_NAME})"),
+    re.compile(r"(?:(?<=[(=,?:])|(?<=\breturn))(\s*\+)(?=\s*[A-Za-z_(])"),  # unary plus
+]
+
+
+_PARENS = re.compile(r"\(\s*[A-Za-z_]\w*\s*\)")
+
+
+def _unparen(m: re.Match) -> str:
+    """``(s)`` -> `` s `` unless it is a call's argument list (``f(s)``)."""
+    before = re.search(r"([\w)\]]*)\s*$", m.string[: m.start()]).group(1)
+    if before and before not in ("return", "else", "if", "while", "switch"):
+        return m.group(0)
+    return " " + m.group(0)[1:-1] + " "
+
+
+def _blank(m: re.Match, g: int) -> str:
+    """The match with group ``g`` blanked, if removing it keeps the value."""
+    if g == 1 and m.group(1)[-1] in "*+":  # '1.0 * s' or '0.0 + s': what is before it?
+        prev = re.search(r"(?:(\w+)|(\S))?\s*$", m.string[: m.start()])
+        word, ch = prev.group(1), prev.group(2)
+        allowed = "(=,?:+{;[*-" if m.group(1)[-1] == "*" else "(=,?:+{;["
+        if (word and word != "return") or (ch and not word and ch not in allowed):
+            return m.group(0)  # 'a / 1.0 * s', 'a * 0.0 + s': not an identity
+    start, end = m.start(g) - m.start(), m.end(g) - m.start()
+    return m.group(0)[:start] + " " * (end - start) + m.group(0)[end:]
+
+
+def fold_identities(body: str) -> str:
+    """``body`` with the identities Slang folds away blanked out (offsets kept): ``s * 1.0``,
+    ``s / 1.0``, ``s + 0.0``, ``s - 0.0``, ``1.0 * s``, ``0.0 + s``, a unary ``+s``; so that
+    ``s * 1.0 * v`` or ``(s + 0.0) * v`` is seen as the promotion ``s * v`` it compiles to
+    (issue 15: dS = 0 for both)."""
+    for _ in range(8):
+        new = _PARENS.sub(_unparen, body)
+        for k, pat in enumerate(_FOLDS):
+            group = 2 if k < 2 else 1
+            new = pat.sub(lambda m, g=group: _blank(m, g), new)
+        if new == body:
+            return body
+        body = new
+    return body
+
+
+def _statement_end(body: str, i: int) -> int:
+    """The offset just past the statement starting at ``i`` (a block, an ``if`` with its
+    ``else``, a loop, or a simple statement up to its ``;``)."""
+    i += len(body[i:]) - len(body[i:].lstrip())
+    if body.startswith("{", i):
+        end = matching(body, i, "{", "}")
+        return end + 1 if end >= 0 else len(body)
+    head = re.match(r"(if|for|while|switch)\s*\(", body[i:])
+    if head:
+        close = matching(body, i + head.end() - 1, "(", ")")
+        if close < 0:
+            return len(body)
+        end = _statement_end(body, close + 1)
+        if head.group(1) == "if" and re.match(r"\s*else\b", body[end:]):
+            end = _statement_end(body, end + re.match(r"\s*else\b", body[end:]).end())
+        return end
+    depth = 0
+    for k in range(i, len(body)):
+        depth += body[k] in "([{"
+        depth -= body[k] in ")]}"
+        if depth < 0 or (body[k] == ";" and depth == 0):
+            return k + 1
+    return len(body)
+
+
+def conditional_spans(body: str) -> list[tuple[int, int, str]]:
+    """(start, end, what) of the parts of ``body`` that run only under a condition that is
+    not a constant: the branches of ``if``/``else`` and ``switch``, the arms of ``?:``, and
+    everything after an ``if`` that can ``return``. Loop bodies are not counted."""
+    spans = []
+    for m in re.finditer(r"\b(if|switch)\s*\(", body):
+        close = matching(body, m.end() - 1, "(", ")")
+        cond = body[m.end() : close].strip() if close > 0 else ""
+        if close < 0 or cond in ("true", "1"):
+            continue
+        end = _statement_end(body, m.start())
+        spans.append((close + 1, end, f"'{m.group(1)} ({cond})'"))
+        if m.group(1) == "if" and re.search(r"\breturn\b", body[close + 1 : end]):
+            spans.append((end, len(body), f"the 'return' under 'if ({cond})'"))
+    for m in re.finditer(r"\?", body):
+        depth, k = 0, m.end()
+        while k < len(body):  # the arms end where the expression does
+            depth += body[k] in "([{"
+            depth -= body[k] in ")]}"
+            if depth < 0 or (depth == 0 and body[k] in ";,"):
+                break
+            k += 1
+        spans.append((m.end(), k, "a '?:'"))
+    return spans

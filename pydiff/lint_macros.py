@@ -97,12 +97,13 @@ def unexpanded_message(name: str, why: str) -> str:
 
 
 def _logical_lines(src: str) -> list[tuple[str, int]]:
-    """Lines with backslash continuations joined: (text, how many source lines it spans)."""
+    """Lines with backslash-newline splices removed, as the compiler's first phase does
+    (``whi\\<newline>le`` is ``while``): (text, how many source lines it spans)."""
     out, pending, span = [], "", 0
     for line in src.split("\n"):
         span += 1
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
+        if line.rstrip(" \t\r").endswith("\\"):
+            pending += line.rstrip(" \t\r")[:-1]
             continue
         out.append((pending + line, span))
         pending, span = "", 0

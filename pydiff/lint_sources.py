@@ -21,9 +21,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import lint, lint_custom
+from . import lint, lint_calls, lint_custom
 from .lint import Finding
-from .lint_macros import Defines, Macro, preprocess
+from .lint_macros import Defines, Macro, blank_comments_and_strings, preprocess
 
 _IMPORT = re.compile(
     r"(?<![\w.])(?:import|__include)\s+"
@@ -105,7 +105,7 @@ def _scan_file(
 
     pre = preprocess(source, defines, include)
     findings = lint.scan_source(source, file, defines=defines, include=include)
-    findings += lint_custom.scan_source(source, file)
+    findings += lint_custom.scan_source(pre.text, file)  # splices joined, macros expanded
     imports = []
     for m in _IMPORT.finditer(pre.text):
         path = resolve(m.group(1) or m.group(2), bool(m.group(1)), folder, search_paths)
@@ -132,11 +132,13 @@ def scan_module(
     result = ModuleScan()
     seen = {os.path.realpath(file)}
     texts: list[str] = []
+    every: list[tuple[str, str, bool]] = []  # (text, file, own) of each file read
     todo: list[tuple[str, str, str, Defines, bool]] = [(source, file, folder, defines, True)]
     while todo:
         text, name, where, macros, own = todo.pop(0)
         scan = _scan_file(text, name, where, paths, macros, own)
         (result.own if own else result.imported).extend(scan.findings)
+        every.append((blank_comments_and_strings(scan.text), name, own))
         if not own:
             texts.append(scan.text)
         for path, inc_text, inc_macros in scan.included:
@@ -149,6 +151,12 @@ def scan_module(
                 seen.add(path)
                 result.files.append(path)
                 todo.append((imported, path, os.path.dirname(path), defines, False))
+    writers: dict[str, list[lint_calls.Writer]] = {}  # helpers may live in any of the files
+    for text, _, _ in every:
+        for helper, found in lint_calls.non_differentiable_writers(text).items():
+            writers.setdefault(helper, []).extend(found)
+    for text, name, own in every:
+        (result.own if own else result.imported).extend(lint_calls.scan_source(text, name, writers))
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
     return result

@@ -19,7 +19,7 @@ import slangpy as spy
 from . import capturing, lint, lint_sources
 from .arguments import overload_listing
 from .backward_call import backward_call
-from .custom_backward import direct_inout_source
+from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
@@ -71,6 +71,10 @@ class Module:
         self.file = file
         #: What a generated Slang module writes after ``import`` to use this one.
         self.import_spec = import_spec
+        #: The module's own source text (None where pydiff was not given it), and the files
+        #: it imports and includes (as the trap scan finds them; none without the scan).
+        self.source = source
+        self.source_files: list[str] = []
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps: dict[str, list[lint.Finding]] = {}
         self._function_names: list[str] | None = None
@@ -86,6 +90,7 @@ class Module:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
             self.traps = scan.traps
+            self.source_files = list(scan.files)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""
@@ -371,38 +376,6 @@ class BackwardFunction:
 
     def __repr__(self) -> str:
         return f"<pydiff bwds of {self._fn!r}>"
-
-
-def inout_wrapper_source(fn: ShaderFunction) -> str:
-    """A generated Slang function that turns each ``inout`` parameter into in + out.
-
-    SlangPy 0.43's bwds never seeds the gradient of an ``inout`` value (it returns zeros);
-    with the value split into an input and an ``out`` the generated backward is correct.
-    """
-    params, call_args, pre, post = [], [], [], []
-    for p in fn.params:
-        mods = "no_diff " if p.no_diff else ""
-        if p.io == "inout":
-            params += [f"{mods}{p.type_name} {p.name}__in", f"out {p.type_name} {p.name}__out"]
-            pre.append(f"{p.type_name} {p.name} = {p.name}__in;")
-            post.append(f"{p.name}__out = {p.name};")
-        else:
-            io = "out " if p.io == "out" else ""
-            params.append(f"{io}{mods}{p.type_name} {p.name}")
-        call_args.append(p.name)
-    ret_name = fn.signature.return_type
-    call = f"{fn.name}({', '.join(call_args)})"
-    body = [*pre]
-    if ret_name == "void":
-        body += [f"{call};", *post]
-    else:
-        body += [f"{ret_name} __r = {call};", *post, "return __r;"]
-    return (
-        f"import {fn.module.import_spec};\n"
-        f"[Differentiable]\n{ret_name} {fn.name}__pydiff_inout({', '.join(params)})\n{{\n    "
-        + "\n    ".join(body)
-        + "\n}\n"
-    )
 
 
 def library(device: Device) -> Module:

@@ -63,7 +63,10 @@ class Storage:
       ``read_by_writer``: the parameters at which that call read them (in place, or an
       input it overwrote through another parameter or ``_result``); ``reread``: whether a
       later call of the same function read them again at one of those parameters (then its
-      ``.bwds`` cannot tell the two calls apart).
+      ``.bwds`` cannot tell the two calls apart); ``written_over``: labels of calls that read
+      and overwrote the values in place before another call wrote over them (the values
+      those calls read are gone: their ``.bwds`` on this storage refuses), cleared by a
+      write of all the values from the host.
 
     Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
@@ -78,6 +81,7 @@ class Storage:
         "before",
         "read_by_writer",
         "reread",
+        "written_over",
     )
 
     def __init__(self, buffer: Any = None) -> None:
@@ -89,9 +93,16 @@ class Storage:
         self.before: tuple[int, Any] | None = None
         self.read_by_writer: tuple[str, ...] = ()
         self.reread = False
+        self.written_over: frozenset[str] = frozenset()
 
-    def wrote(self, writer: str) -> None:
-        """Count a write of the values by ``writer``."""
+    def wrote(self, writer: str, everything: bool = False) -> None:
+        """Count a write of the values by ``writer`` (``everything``: all of them, from the
+        host or a copy, so no earlier call's values survive in part)."""
+        if everything:
+            self.written_over = frozenset()
+        elif self.read_by_writer and self.last_writer != writer:
+            self.written_over |= {self.last_writer}
+        self.written_over -= {writer}
         self.version += 1
         self.last_writer = writer
         self.before = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -71,6 +71,9 @@ class Tape:
         self._entries: list[_Entry] = []
         self._token: contextvars.Token | None = None
         self._touched: dict[int, Tensor] = {}
+        # Tensors that held gradients of their own before this tape overwrote them: their
+        # buffers serve as intermediates during a backward, then get those gradients back.
+        self._leaves: dict[int, Tensor] = {}
 
     # --- recording ----------------------------------------------------------------------
     def __enter__(self) -> "Tape":
@@ -92,9 +95,12 @@ class Tape:
         reads: list[tuple[str, Tensor]],
         writes: list[Tensor],
         run_backward: Callable[[_Entry], None],
+        overwritten: Sequence[Tensor] = (),
         **payload: Any,
     ) -> _Entry:
-        """Append an operation; ``reads`` are checked for later overwrites at backward."""
+        """Append an operation; ``reads`` are checked for later overwrites at backward.
+        ``overwritten``: written tensors that held values before the call (in place, or given
+        as an output); those this tape did not produce keep their gradients across backwards."""
         entry = _Entry(
             len(self._entries) + 1,
             label,
@@ -105,6 +111,9 @@ class Tape:
         )
         for _, t in reads:
             self._touched[id(t.storage)] = t
+        for t in overwritten:
+            if t.producer is not self and t.requires_grad:
+                self._leaves.setdefault(id(t.storage), t)
         for t in writes:
             self._touched[id(t.storage)] = t
             t.producer = self
@@ -176,6 +185,7 @@ class Tape:
         with backward_scope("tape.backward", output.device if _BATCH else None) as scope:
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
+            kept = self._keep_leaf_gradients(entries, scope)
             encoder = output.device.queue.encoder()
             for entry in entries:
                 for t in entry.writes:
@@ -185,6 +195,21 @@ class Tape:
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):
                 entry.run_backward(entry)
+            for t, before in kept:
+                scope.flush()
+                t.grad.copy_from_numpy(t.grad.numpy() + before)
+
+    def _keep_leaf_gradients(self, entries: list[_Entry], scope: Any) -> list:
+        """The gradients that overwritten leaves hold now, under their zeroing policy (STRICT
+        raises on a stale one, RESET drops it), to add back after the backward."""
+        kept = []
+        written = {id(t.storage) for entry in entries for t in entry.writes}
+        for key, t in self._leaves.items():
+            if key in written and t.requires_grad:
+                scope.before_accumulate(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")
+                scope.flush()
+                kept.append((t, t.grad.numpy()))
+        return kept
 
     def zero(self) -> None:
         """Zero every gradient buffer the recorded calls touched."""
@@ -196,3 +221,4 @@ class Tape:
         """Forget the recording (gradients are left as they are)."""
         self._entries.clear()
         self._touched.clear()
+        self._leaves.clear()

@@ -204,7 +204,7 @@ class Tensor(GradBuffers):
 
     def _wrote_from_host(self) -> "Tensor":
         self.storage.holds_result_of = None
-        self.storage.wrote("a host write (copy_from_numpy/fill)")
+        self.storage.wrote("a host write (copy_from_numpy/fill)", everything=True)
         return self
 
     def copy_(self, src: "Tensor") -> "Tensor":
@@ -230,7 +230,7 @@ class Tensor(GradBuffers):
         )
         native.submit_command_buffer(encoder.finish())
         self.storage.holds_result_of = src.storage.holds_result_of
-        self.storage.wrote("a device copy")
+        self.storage.wrote("a device copy", everything=True)
         return self
 
     @property
@@ -292,7 +292,7 @@ class Tensor(GradBuffers):
         if rec is not None:
             rec.record_clear(self._device.queue, self._native)
         self.storage.holds_result_of = None
-        self.storage.wrote("a host write (zeroing)")
+        self.storage.wrote("a host write (zeroing)", everything=True)
         return self
 
     def reshape(self, shape: Sequence[int]) -> "Tensor":

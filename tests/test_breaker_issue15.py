@@ -392,11 +392,6 @@ def test_same_tensor_to_two_inout_parameters(device):
     np.testing.assert_allclose(a.grad.numpy(), 2 * f * (1 + 2 * x), rtol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on a tape, an IRWDiffTensor call dispatched over fewer threads than the tensor has "
-    "elements (a scalar index) zeroes the gradient of the elements it did not write",
-)
 def test_partial_irw_tensor_write_on_tape(device):
     m = fresh_module(
         device,

@@ -1,0 +1,107 @@
+"""Generated kernels (pydiff.generated) against pydiff's SlangPy path and NumPy in place: the
+polynomial of samples/polynomial.slang, forward + backward (gradient added into x's buffer).
+
+    python benchmarks/bench_generated.py [--sizes 20 24] [--rounds 7]
+
+Each size times, in interleaved rounds (medians and minima; the machine is shared), the
+generated forward and backward kernels, the same call through SlangPy (``m.polynomial(...)``
+then ``.bwds``), and NumPy computing the values and the closed-form gradient in place
+(preallocated outputs, one core). Also the host cost per call at 16 elements. Prints ratios;
+the tests never assert on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+import pydiff
+from pydiff import generated
+
+from timing import describe, interleaved
+
+SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
+
+
+def contenders(dev, m, n: int) -> dict:
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal(n).astype(np.float32)
+    ups = np.ones(n, np.float32)
+    x = pydiff.tensor(xs, device=dev, requires_grad=True)
+    up = pydiff.tensor(ups, device=dev)
+    y = pydiff.empty((n,), device=dev)
+    ys = pydiff.zeros((n,), device=dev).with_grads(grad_in=up)
+    fn, args = m.polynomial, [2.0, 8.0, -1.0, x]
+
+    def sync():
+        dev.native.wait_for_idle()
+
+    def gen():
+        assert generated.forward(fn, args, (n,), out=y) is y
+        assert generated.backward(fn, args, up, {3: x.grad_out})
+        sync()
+
+    def slangpy():
+        saved = os.environ.get("PYDIFF_GENERATED")
+        os.environ["PYDIFF_GENERATED"] = "0"  # pydiff's calls take SlangPy's path
+        try:
+            fn(2.0, 8.0, -1.0, x, _result=ys)
+            fn.bwds(2.0, 8.0, -1.0, x, _result=ys)
+        finally:
+            os.environ.pop("PYDIFF_GENERATED")
+            if saved is not None:
+                os.environ["PYDIFF_GENERATED"] = saved
+        sync()
+
+    out, tmp, grad = np.empty_like(xs), np.empty_like(xs), np.zeros_like(xs)
+
+    def numpy_in_place():
+        np.multiply(xs, 2.0, out=out)  # y = (2x + 8) x - 1
+        np.add(out, 8.0, out=out)
+        np.multiply(out, xs, out=out)
+        np.subtract(out, 1.0, out=out)
+        np.multiply(xs, 4.0, out=tmp)  # dx += up (4x + 8)
+        np.add(tmp, 8.0, out=tmp)
+        np.multiply(tmp, ups, out=tmp)
+        np.add(grad, tmp, out=grad)
+
+    return {"generated": gen, "pydiff SlangPy path": slangpy, "NumPy in place": numpy_in_place}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[20, 24], help="log2 of elements")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    dev = pydiff.default_device()
+    m = pydiff.load_module(SOURCE, device=dev)
+    print(f"device: {describe(dev)}")
+    print(f"{'case':<14}{'contender':<22}{'median':>10}{'min':>10}{'/ generated':>13}")
+    for log2 in [4, *args.sizes]:
+        n = 1 << log2
+        small = n <= 1 << 12
+        inner = 200 if small else max(1, (1 << 22) // n)
+        times = interleaved(
+            contenders(dev, m, n),
+            rounds=args.rounds,
+            inner=inner,
+            warmup=20 if small else 2,
+            pause=0.05 if small else 0.25,
+        )
+        base = times["generated"][0]
+        unit, scale = ("us", 1e6) if small else ("ms", 1e3)
+        for name, (med, low) in times.items():
+            print(
+                f"{'2^' + str(log2):<14}{name:<22}{med * scale:>8.1f}{unit}{low * scale:>8.1f}"
+                f"{unit}{med / base:>12.2f}x"
+            )
+        gen, np_t = base, times["NumPy in place"][0]
+        print(f"{'':<14}generated / NumPy in place = {gen / np_t:.2f}x")
+    print(f"paths taken: {generated.stats()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The gradient of an in-place tensor that a call wrote only in part.
+
+A call on an ``IRWDiffTensor`` turns the values before it into the values after it. Its
+``.bwds`` reads the upstream gradient (dL/d after) and must leave dL/d before. Where the call
+stored, SlangPy's backward reads the upstream and adds the contributions of the reads; where
+it did not store (one index, a conditional store), the value passed through unchanged, so
+dL/d before is the upstream plus those reads, and SlangPy has no way to know which elements
+those are. pydiff calls such a function through a generated wrapper whose tensor parameter
+is a ``PydiffMaskedRWDiffTensor`` (shaders/pydiff_written_mask.slang): its store backward
+marks each element it reads the upstream of, and pydiff adds the upstream wherever nothing
+was marked.
+
+    mask = WrittenMask(device, t.shape)
+    native = mask.bind(p, bound)              # the wrapper's argument for parameter p
+    ... dispatch fn's masked wrapper ...; mask.pass_unwritten(scope, upstream, grad)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+import numpy as np
+import slangpy as spy
+
+from .creation import zeros
+from .device import Device
+from .signature import ParamInfo, Signature
+from .tensor import Tensor
+
+MODULE = "pydiff_written_mask"
+_INTERFACE = re.compile(r"^I(RW|W)DiffTensor\s*<")
+
+
+class GeneratingFunction(Protocol):
+    """A shader function that compiles generated wrappers of itself (ShaderFunction)."""
+
+    name: str
+    label: str
+    signature: Signature
+    module: Any
+
+    def generated(self, kind: str, source: str) -> Any: ...
+
+
+def needs_mask(p: ParamInfo, t: Tensor, label: str) -> bool:
+    """Whether ``t``, bound to ``p``, needs the written mask: an in-place tensor whose one
+    gradient buffer holds the upstream now and must hold dL/d(value before) afterwards."""
+    if p.access != "read_write" or not t.requires_grad or t.grad_in is not t.grad_out:
+        return False
+    if p.tensor_kind == "diff":
+        raise ValueError(
+            f"{label}: parameter '{p.name}' is a concrete {p.type_name}: with one gradient "
+            "buffer pydiff cannot tell which elements the call wrote (an element it did not "
+            "write passes its upstream gradient through). Declare it IRWDiffTensor, or pass "
+            "separate buffers "
+            "(t.with_grads(grad_in=upstream, grad_out=g)) and add the pass-through yourself"
+        )
+    return p.tensor_kind == "idiff"
+
+
+def _masked_type(p: ParamInfo) -> str:
+    return _INTERFACE.sub(r"PydiffMasked\1DiffTensor<", p.type_name.strip(), count=1)
+
+
+def needs_clearing(p: ParamInfo, label: str) -> bool:
+    """For a tensor the call only writes, whose value before the call is part of a tape's
+    graph: whether its written elements must be told apart (an interface tensor, which may be
+    written in part) rather than all cleared (a vectorised ``out`` value covers the call)."""
+    if p.tensor_kind == "diff":
+        raise ValueError(
+            f"{label}: parameter '{p.name}' is a concrete {p.type_name} that overwrites a value "
+            "an earlier call on the tape produced (or a leaf); pydiff cannot tell which "
+            "elements it wrote. Declare it IWDiffTensor, or write to a new tensor"
+        )
+    return p.tensor_kind == "idiff"
+
+
+def _kind(masked: set[str]) -> str:
+    return "masked_" + "_".join(sorted(masked))
+
+
+def wrapper_source(fn: GeneratingFunction, masked: set[str]) -> str:
+    """Slang source of ``<name>__pydiff_masked_<params>``: ``fn`` with each parameter in
+    ``masked`` typed as a PydiffMaskedRWDiffTensor (which is an IRWDiffTensor)."""
+    params, names = [], []
+    for p in fn.signature.params:
+        mods = ("no_diff " if p.no_diff else "") + (
+            {"out": "out ", "inout": "inout "}.get(p.io, "")
+        )
+        type_name = _masked_type(p) if p.name in masked else p.type_name
+        params.append(f"{mods}{type_name} {p.name}")
+        names.append(p.name)
+    ret = fn.signature.return_type
+    call = f"{fn.name}({', '.join(names)})"
+    body = f"{call};" if ret == "void" else f"return {call};"
+    return (
+        f"import slangpy;\n__exported import {fn.module.import_spec};\n"
+        f"__exported import {MODULE};\n"
+        f"[Differentiable]\n{ret} {fn.name}__pydiff_{_kind(masked)}({', '.join(params)})\n{{\n"
+        f"    {body}\n}}\n"
+    )
+
+
+def can_wrap(sig: Signature) -> bool:
+    """Whether a masked wrapper of a function with this signature can be generated."""
+    return not (sig.has_diff_inout or any(p.generic for p in sig.params))
+
+
+def bind_written(call: Any, p: ParamInfo, t: Tensor, bound: Any, prior: bool) -> Any:
+    """The argument of ``.bwds`` (``call``: backward_call's builder, its ``masks``, ``cleared``
+    and ``fn``) for a tensor the call only writes. Interface tensors go through the masked
+    wrapper where it can be made, so stores are counted (two to one element: refused);
+    ``prior``: a tape still needs the value before the call, whose gradient is cleared
+    where the call wrote (all of it for a vectorised ``out`` value, which covers the call)."""
+    if prior and not needs_clearing(p, call.label):
+        call.cleared.append((None, t.grad_out))
+        return bound
+    if not prior and not (p.tensor_kind == "idiff" and can_wrap(call.fn.signature)):
+        return bound
+    mask = call.masks[p.name] = WrittenMask(call.device, t.shape)
+    if prior:
+        call.cleared.append((mask, t.grad_out))
+    return mask.bind(p, bound)
+
+
+def bind_in_place(call: Any, p: ParamInfo, t: Tensor, bound: Any, masked: bool) -> Any:
+    """The same for an in-place tensor; ``masked``: its one gradient buffer needs the upstream
+    passed through the elements the call does not write (``call.after[-1]`` holds the fresh
+    gradient and the upstream)."""
+    counted = p.tensor_kind == "idiff" and t.requires_grad and can_wrap(call.fn.signature)
+    if not (masked or counted):
+        return bound
+    mask = call.masks[p.name] = WrittenMask(call.device, t.shape)
+    if masked:
+        grad, upstream = call.after[-1]
+        call.passes.append((mask, upstream, grad))
+    return mask.bind(p, bound)
+
+
+def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
+    """The ShaderFunction of ``fn``'s masked wrapper (compiled once per set of parameters)."""
+    sig = fn.signature
+    if not can_wrap(sig):
+        what = "a generic parameter" if any(p.generic for p in sig.params) else "inout parameters"
+        raise ValueError(
+            f"{fn.label}.bwds: the in-place tensor parameter(s) {', '.join(sorted(masked))} need "
+            f"to record which elements the call wrote, through a generated wrapper that functions "
+            f"with {what} cannot have yet; for IRWDiffTensor pass separate buffers "
+            "(t.with_grads(grad_in=upstream, grad_out=g)) and add the upstream of the elements "
+            "the call does not write yourself; for IWDiffTensor write to a new tensor"
+        )
+    return fn.generated(_kind(masked), wrapper_source(fn, masked))
+
+
+class WrittenMask:
+    """One uint per element of a tensor a call writes: how many stores its backward saw."""
+
+    def __init__(self, device: Device, shape: tuple[int, ...]):
+        self.device = device
+        self.flags = zeros(shape, dtype="uint", device=device)
+
+    def check_single_writes(self, scope: Any, label: str, name: str) -> None:
+        """Raise if two threads stored one element: the forward raced on it, and its upstream
+        was read once per store (a gradient counted twice)."""
+        scope.flush()
+        counts = self.flags.numpy()
+        if counts.size and counts.max() > 1:
+            at = tuple(int(i) for i in np.argwhere(counts > 1)[0])
+            raise ValueError(
+                f"{label}: parameter '{name}': element {at} was stored {int(counts[at])} times "
+                f"by one call ({int((counts > 1).sum())} element(s) stored more than once): "
+                "threads raced on it in the forward and its upstream gradient was counted "
+                "once per store. Give each thread elements of its own (distinct indices)"
+            )
+
+    def bind(self, p: ParamInfo, bound: spy.Tensor) -> dict:
+        """The wrapper's argument for ``p``: the tensor SlangPy would have bound, plus the mask."""
+        return {"_type": _masked_type(p), "inner": bound, "written": self.flags.native}
+
+    def pass_unwritten(self, scope: Any, upstream: Tensor, grad: Tensor) -> None:
+        """grad += upstream wherever the call wrote nothing (in order with the call)."""
+        lib = _library(self.device)
+        scope.dispatch(lib.pydiff_pass_unwritten, self.flags.native, upstream.native, grad.native)
+
+    def clear_written(self, scope: Any, grad: Tensor) -> None:
+        """grad = 0 wherever the call wrote (in order with the call)."""
+        scope.dispatch(_library(self.device).pydiff_clear_written, self.flags.native, grad.native)
+
+
+def clear_overwritten(scope: Any, device: Device, cleared: list) -> None:
+    """Zero the gradients ``(mask, grad)`` where the call wrote (a mask of None: all of it)."""
+    for written, grad in cleared:
+        if written is None:
+            scope.clear(device, grad.native)
+        else:
+            written.clear_written(scope, grad)
+
+
+def _library(device: Device) -> Any:
+    def load() -> Any:
+        return spy.Module.load_from_file(device.native, f"{MODULE}.slang")
+
+    return device.cached("pydiff.written_mask", load)
