@@ -102,7 +102,8 @@ class Storage:
             self.written_over = frozenset()
         elif self.read_by_writer and self.last_writer != writer:
             self.written_over |= {self.last_writer}
-        self.written_over -= {writer}
+        if writer in self.written_over:  # its newest call's values are tracked again
+            self.written_over -= {writer}
         self.version += 1
         self.last_writer = writer
         self.before = None
