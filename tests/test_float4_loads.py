@@ -38,6 +38,7 @@ def test_fast_paths_with_structured_loads(device):
     tests = [
         "tests/test_capture.py",
         "tests/test_optim.py",
+        "tests/test_generated.py",
         "tests/test_ops.py::test_fast_product_kernels_match_numpy",
         "tests/test_ops.py::test_linear_relu_fused_matches_numpy",
         "tests/test_ops.py::test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs",
