@@ -1,18 +1,64 @@
-"""A 256 x 64 x 64 x 10 MLP training step and the fused AdamW step, against NumPy/PyTorch.
+"""A 256 x 64 x 64 x 10 MLP training step and the fused AdamW step, against NumPy/PyTorch,
+at equal thread counts; AdamW and elementwise kernels in GB/s against a NumPy copy.
 
-python benchmarks/bench_train.py [--params 10000000]
+python benchmarks/bench_train.py [--params 10000000] [--rounds 15]
+
+Threads: PyTorch runs with as many threads as lavapipe computes on (1 when pydiff runs
+lavapipe inline, N with LP_NUM_THREADS=N); the copy bandwidth is measured with NumPy on as
+many threads (one np.copyto per thread on its own slice: NumPy's copy is single-threaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 import pydiff
 from pydiff import nn, ops, optim
 
-from timing import best_of, describe, interleaved
+from timing import describe, interleaved
+
+
+def compute_threads(dev) -> tuple[int | None, str]:
+    """How many threads the device computes on, where it is the CPU (lavapipe), and why."""
+    if "llvmpipe" not in dev.adapter_name:
+        return None, "a GPU: PyTorch-CPU keeps its default thread count"
+    value = (os.environ.get("LP_NUM_THREADS") or "").strip()
+    if value == "0":
+        return 1, "lavapipe inline (LP_NUM_THREADS=0): 1 compute thread"
+    if value:
+        return int(value), f"LP_NUM_THREADS={value}: {value} compute threads"
+    n = os.cpu_count() or 1
+    return n, f"lavapipe's default pool: {n} compute threads"
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int, pool) -> None:
+    """dst[:] = src on ``threads`` threads, one slice each (np.copyto releases the GIL)."""
+    if threads == 1:
+        np.copyto(dst, src)
+        return
+    bounds = np.linspace(0, src.size, threads + 1).astype(int)
+    jobs = [pool.submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    for job in jobs:
+        job.result()
+
+
+def medians(fns: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each function, timed in alternating rounds after a warm-up call."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -21,6 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds of 20 steps")
     args = ap.parse_args()
     dev = pydiff.default_device()
+    threads, threads_why = compute_threads(dev)
     rng = np.random.default_rng(0)
     X = rng.standard_normal((256, 64)).astype(np.float32)
     Y = rng.integers(0, 10, 256)
@@ -78,9 +125,13 @@ def main() -> None:
         "pydiff captured": pydiff_captured_step,
         "NumPy": numpy_step,
     }
+    torch_threads = None
     try:
         import torch
 
+        if threads is not None:
+            torch.set_num_threads(threads)  # the same thread count as lavapipe's compute
+        torch_threads = torch.get_num_threads()
         tl = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)]
         topt = torch.optim.AdamW([p for m in tl for p in m.parameters()], lr=1e-3)
         tx, ty = torch.from_numpy(X), torch.from_numpy(Y.astype(np.int64))
@@ -102,20 +153,35 @@ def main() -> None:
     p = pydiff.tensor(rng.standard_normal(n).astype(np.float32), requires_grad=True)
     p.grad.copy_from_numpy(rng.standard_normal(n).astype(np.float32))
     adam = optim.AdamW([p], lr=1e-3)
+    xa = pydiff.tensor(rng.standard_normal(n).astype(np.float32))
+    xb2 = pydiff.tensor(rng.standard_normal(n).astype(np.float32))
 
-    def adam_step():
-        adam.step()
-        dev.native.wait_for_idle()
+    def synced(fn):
+        return lambda: (fn(), dev.native.wait_for_idle())
 
-    t_adam = best_of(adam_step, 3)
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
-    # AdamW moves p, grad, m, v in and p, m, v out: 7 floats per parameter.
-    moved = 7 * 4 * n
-    t_copy = best_of(lambda: np.copyto(dst, src), 5)  # reads + writes 8 bytes per float
-    gbs_adam, gbs_copy = moved / t_adam / 1e9, 8 * n / t_copy / 1e9
+    copy_threads = threads or 1
+    pool = ThreadPoolExecutor(copy_threads)
+    # Bytes moved per element: AdamW reads p, grad, m, v and writes p, m, v (28); mul reads
+    # two and writes one (12); relu and a copy read one and write one (8).
+    kernels = {
+        "AdamW step (fused kernel)": (synced(adam.step), 28),
+        "ops.mul (generated kernel)": (synced(lambda: ops.mul(xa, xb2)), 12),
+        "ops.relu (relu4 kernel)": (synced(lambda: ops.relu(xa)), 8),
+        f"NumPy copy, {copy_threads} thread(s)": (
+            lambda: parallel_copy(dst, src, copy_threads, pool),
+            8,
+        ),
+    }
+    if copy_threads != 1:
+        kernels["NumPy copy, 1 thread"] = (lambda: np.copyto(dst, src), 8)
+    secs = medians({name: fn for name, (fn, _) in kernels.items()}, max(5, args.rounds // 2))
+    gbs = {name: kernels[name][1] * n / t / 1e9 for name, t in secs.items()}
+    copy_gbs = gbs[f"NumPy copy, {copy_threads} thread(s)"]
 
     print(f"device: {describe(dev)}")
+    print(f"threads: {threads_why}; PyTorch-CPU torch.get_num_threads() = {torch_threads}")
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
     print(
         f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):"
@@ -126,12 +192,18 @@ def main() -> None:
         for other, (o_med, o_min) in steps.items():
             print(
                 f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms: "
-                f"{p_med / o_med:.1f}x (median), {p_min / o_min:.1f}x (best)"
+                f"{p_med / o_med:.2f}x (median), {p_min / o_min:.2f}x (best)"
             )
     print(
-        f"fused AdamW, {n / 1e6:.0f}M params: {t_adam * 1e3:.1f} ms = {gbs_adam:.1f} GB/s; "
-        f"NumPy memcpy {gbs_copy:.1f} GB/s; ratio {gbs_adam / gbs_copy:.2f} of the copy bandwidth"
+        f"{n / 1e6:.0f}M floats, medians of alternating rounds; ratio to the NumPy copy on "
+        f"{copy_threads} thread(s), the same count the device computes on:"
     )
+    for name, t in secs.items():
+        print(
+            f"  {name}: {t * 1e3:.1f} ms = {gbs[name]:.1f} GB/s, "
+            f"{gbs[name] / copy_gbs:.2f} of the copy bandwidth"
+        )
+    pool.shutdown()
 
 
 if __name__ == "__main__":
