@@ -67,7 +67,15 @@ def fast_product(
     c_vec = beta != 0 and n % 4 == 0 and cols % 4 == 0  # C read back as float4s to add to it
     # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
     # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
-    shuf = (m // rows) % 8 == 0 and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
+    # mm_nn reading A as floats shares A instead (SHUF_A), in blocks of 16 x 8 where they fit.
+    shuf_a = kind == "mm_nn" and not a_vec and m % 16 == 0 and n % 64 == 0
+    if shuf_a:
+        rows, cols = 16, 8
+    shuf = (
+        not shuf_a
+        and (m // rows) % 8 == 0
+        and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
+    )
     kernel = a.device.kernels.get(
         "ops/matmul.slang",
         kind,
@@ -84,6 +92,7 @@ def fast_product(
         HAS_DB=int(db is not None),
         C_VEC=int(c_vec),
         SHUF=int(shuf),
+        SHUF_A=int(shuf_a),
     )
     bindings = {
         "a": a.native.storage,

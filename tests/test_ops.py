@@ -350,17 +350,10 @@ def test_attention_forward_backward(device):
 
 @pytest.mark.parametrize(
     "m,k,n",
-    # the last three: row blocks in runs of 8 (B shared through subgroup shuffles, SHUF)
-    [
-        (16, 8, 12),
-        (8, 12, 10),
-        (12, 4, 16),
-        (10, 16, 32),
-        (7, 20, 8),
-        (64, 32, 16),
-        (128, 12, 24),
-        (512, 8, 32),
-    ],
+    # then: row blocks in runs of 8 (B shared through subgroup shuffles, SHUF), and dx read
+    # from a gradient of 10 columns (A shared, SHUF_A)
+    [(16, 8, 12), (8, 12, 10), (12, 4, 16), (10, 16, 32), (7, 20, 8)]
+    + [(64, 32, 16), (128, 12, 24), (512, 8, 32), (32, 64, 10)],
 )
 def test_fast_product_kernels_match_numpy(device, m, k, n):
     """Shapes that take the specialised float4 kernels (every backend): forward with bias,
@@ -467,6 +460,7 @@ def test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs(device)
     [
         (256, 64, 64, True),  # fast kernels: relu in the product, the mask in dx/dW, db fused
         (32, 16, 12, False),
+        (64, 64, 10, True),  # dx through the mask with A shared by shuffles (SHUF_A)
         (6, 5, 3, True),  # K % 4 != 0: SlangPy products, relu and mask as separate steps
         (4104, 8, 4, True),  # more rows than the fused bias sum takes: mask applied first
     ],
