@@ -3,10 +3,11 @@ at equal thread counts; AdamW and elementwise kernels in GB/s against a NumPy co
 
 python benchmarks/bench_train.py [--params 10000000] [--rounds 15]
 
-Threads: PyTorch runs with as many threads as lavapipe computes on (1 when pydiff runs
-lavapipe inline, N with LP_NUM_THREADS=N). The copy bandwidth reference is the faster NumPy
-copy on 1 or as many threads (one np.copyto per thread on its own slice: NumPy's copy is
-single-threaded); the device's own copy kernel (copy4) is printed too: its limit on lavapipe.
+Threads: PyTorch and NumPy's OpenBLAS run with as many threads as lavapipe computes on (1
+when pydiff runs lavapipe inline, N with LP_NUM_THREADS=N). The copy bandwidth reference
+is the faster NumPy copy on 1 or as many threads (one np.copyto per thread on its own slice:
+NumPy's copy is single-threaded); the device's own copy kernel (copy4) is printed too: its
+limit on lavapipe.
 """
 
 from __future__ import annotations
@@ -17,14 +18,29 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 
-import pydiff
-from pydiff import nn, ops, optim
-from pydiff.module import library
-from pydiff.products import elementwise_kernel
+def planned_threads() -> int:
+    """The compute threads lavapipe will use, known before NumPy loads: LP_NUM_THREADS, else
+    pydiff's rule (inline on at most 2 CPUs, pydiff.lavapipe), else one per CPU."""
+    value = (os.environ.get("LP_NUM_THREADS") or "").strip()
+    if value:
+        return max(1, int(value))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 1 if (cpus or 1) <= 2 else (cpus or 1)
 
-from timing import describe, interleaved
+
+# NumPy's matrix products (the NumPy contender) run on OpenBLAS's threads: as many as the
+# device computes on. OpenBLAS reads this when NumPy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(planned_threads()))
+
+import numpy as np  # noqa: E402
+
+import pydiff  # noqa: E402
+from pydiff import nn, ops, optim  # noqa: E402
+from pydiff.module import library  # noqa: E402
+from pydiff.products import elementwise_kernel  # noqa: E402
+
+from timing import describe, interleaved  # noqa: E402
 
 
 def compute_threads(dev) -> tuple[int | None, str]:
@@ -51,18 +67,20 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int, pool) -> None:
         job.result()
 
 
-def medians(fns: dict, rounds: int) -> dict[str, tuple[float, float]]:
-    """(wall, process CPU) median seconds of each function, timed in alternating rounds after
-    a warm-up call. CPU time counts every thread of the process (lavapipe's and NumPy's too)
-    and hardly depends on what else the machine runs."""
+def medians(fns: dict, rounds: int, inner: int = 1) -> dict[str, tuple[float, float]]:
+    """(wall, process CPU) median seconds per call of each function, timed in alternating
+    rounds of ``inner`` calls after a warm-up call. CPU time counts every thread of the
+    process (lavapipe's and NumPy's too) and hardly depends on what else the machine runs."""
     for fn in fns.values():
         fn()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            for _ in range(inner):
+                fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            times[name].append((wall / inner, cpu / inner))
     return {
         name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
         for name, t in times.items()
@@ -156,6 +174,11 @@ def main() -> None:
     # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over
     # seconds, which best-of timings of one contender after another turn into noise.
     steps = interleaved(contenders, rounds=args.rounds, inner=20)
+    # Process CPU time per step as well: on a loaded machine it hardly moves, where wall time
+    # does (it counts every thread: lavapipe's and PyTorch's pools, spinning included).
+    step_cpu = {
+        name: cpu for name, (_, cpu) in medians(contenders, max(5, args.rounds), inner=20).items()
+    }
 
     n = args.params
     p = pydiff.tensor(rng.standard_normal(n).astype(np.float32), requires_grad=True)
@@ -199,18 +222,25 @@ def main() -> None:
     copies = [name for name in secs if name.startswith("NumPy copy")]
     copy_name = min(copies, key=lambda name: secs[name][0])
     print(f"device: {describe(dev)}")
-    print(f"threads: {threads_why}; PyTorch-CPU torch.get_num_threads() = {torch_threads}")
+    print(
+        f"threads: {threads_why}; PyTorch-CPU torch.get_num_threads() = {torch_threads}; "
+        f"NumPy's OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS')}"
+    )
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
     print(
         f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):"
     )
     for name, (p_med, p_min) in ours.items():
         how = "pydiff.capture, replay()" if name.endswith("captured") else "eager: ops, Tape, AdamW"
-        print(f"  {name} ({how}): {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms")
+        print(
+            f"  {name} ({how}): {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms "
+            f"(CPU {step_cpu[name] * 1e3:.2f} ms)"
+        )
         for other, (o_med, o_min) in steps.items():
             print(
-                f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms: "
-                f"{p_med / o_med:.2f}x (median), {p_min / o_min:.2f}x (best)"
+                f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms "
+                f"(CPU {step_cpu[other] * 1e3:.2f} ms): {p_med / o_med:.2f}x (median), "
+                f"{p_min / o_min:.2f}x (best), {step_cpu[name] / step_cpu[other]:.2f}x (CPU)"
             )
     print(
         f"{n / 1e6:.0f}M floats, medians of alternating rounds, wall and process CPU time; "
