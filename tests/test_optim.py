@@ -101,7 +101,7 @@ def test_adamw_many_parameters_of_odd_sizes(device):
 
 
 def test_adamw_chunks_of_several_float4s_with_partial_tails(device):
-    """The fused kernel updates several float4s per thread (optim.ADAM_CHUNK): parameters of
+    """The fused kernel updates several float4s per thread (optim.OPTIM_CHUNK): parameters of
     many chunks, whose last chunk is partial, next to small ones, each follow the rule."""
     rng = np.random.default_rng(5)
     shapes = [(70,), (33, 3), (16,), (1001,), (5,)]
@@ -116,7 +116,7 @@ def test_adamw_chunks_of_several_float4s_with_partial_tails(device):
     for p, p0, g in zip(params, starts, grads):
         want = _numpy_adam(p0, g, 1e-2, 0.9, 0.999, 1e-8, 0.05, decoupled=True)
         np.testing.assert_allclose(p.numpy(), want, atol=1e-6, rtol=0)
-    assert optim.ADAM_CHUNK > 1 and any(-(-s[0] // 4) % optim.ADAM_CHUNK for s in shapes)
+    assert optim.OPTIM_CHUNK > 1 and any(-(-s[0] // 4) % optim.OPTIM_CHUNK for s in shapes)
 
 
 def test_adam_l2_matches_rule(device):
