@@ -1,18 +1,90 @@
-"""A 256 x 64 x 64 x 10 MLP training step and the fused AdamW step, against NumPy/PyTorch.
+"""A 256 x 64 x 64 x 10 MLP training step and the fused AdamW step, against NumPy/PyTorch,
+at equal thread counts; AdamW and elementwise kernels in GB/s against a NumPy copy.
 
-python benchmarks/bench_train.py [--params 10000000]
+python benchmarks/bench_train.py [--params 10000000] [--rounds 15]
+
+Threads: PyTorch and NumPy's OpenBLAS run with as many threads as lavapipe computes on (1
+when pydiff runs lavapipe inline, N with LP_NUM_THREADS=N). The copy bandwidth reference
+is the faster NumPy copy on 1 or as many threads (one np.copyto per thread on its own slice:
+NumPy's copy is single-threaded); the device's own copy kernel (copy4) is printed too: its
+limit on lavapipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 
-import pydiff
-from pydiff import nn, ops, optim
+def planned_threads() -> int:
+    """The compute threads lavapipe will use, known before NumPy loads: LP_NUM_THREADS, else
+    pydiff's rule (inline on at most 2 CPUs, pydiff.lavapipe), else one per CPU."""
+    value = (os.environ.get("LP_NUM_THREADS") or "").strip()
+    if value:
+        return max(1, int(value))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 1 if (cpus or 1) <= 2 else (cpus or 1)
 
-from timing import best_of, describe, interleaved
+
+# NumPy's matrix products (the NumPy contender) run on OpenBLAS's threads: as many as the
+# device computes on. OpenBLAS reads this when NumPy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(planned_threads()))
+
+import numpy as np  # noqa: E402
+
+import pydiff  # noqa: E402
+from pydiff import nn, ops, optim  # noqa: E402
+from pydiff.module import library  # noqa: E402
+from pydiff.products import elementwise_kernel  # noqa: E402
+
+from timing import describe, interleaved  # noqa: E402
+
+
+def compute_threads(dev) -> tuple[int | None, str]:
+    """How many threads the device computes on, where it is the CPU (lavapipe), and why."""
+    if "llvmpipe" not in dev.adapter_name:
+        return None, "a GPU: PyTorch-CPU keeps its default thread count"
+    value = (os.environ.get("LP_NUM_THREADS") or "").strip()
+    if value == "0":
+        return 1, "lavapipe inline (LP_NUM_THREADS=0): 1 compute thread"
+    if value:
+        return int(value), f"LP_NUM_THREADS={value}: {value} compute threads"
+    n = os.cpu_count() or 1
+    return n, f"lavapipe's default pool: {n} compute threads"
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int, pool) -> None:
+    """dst[:] = src on ``threads`` threads, one slice each (np.copyto releases the GIL)."""
+    if threads == 1:
+        np.copyto(dst, src)
+        return
+    bounds = np.linspace(0, src.size, threads + 1).astype(int)
+    jobs = [pool.submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    for job in jobs:
+        job.result()
+
+
+def medians(fns: dict, rounds: int, inner: int = 1) -> dict[str, tuple[float, float]]:
+    """(wall, process CPU) median seconds per call of each function, timed in alternating
+    rounds of ``inner`` calls after a warm-up call. CPU time counts every thread of the
+    process (lavapipe's and NumPy's too) and hardly depends on what else the machine runs."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(inner):
+                fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            times[name].append((wall / inner, cpu / inner))
+    return {
+        name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+        for name, t in times.items()
+    }
 
 
 def main() -> None:
@@ -21,6 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds of 20 steps")
     args = ap.parse_args()
     dev = pydiff.default_device()
+    threads, threads_why = compute_threads(dev)
     rng = np.random.default_rng(0)
     X = rng.standard_normal((256, 64)).astype(np.float32)
     Y = rng.integers(0, 10, 256)
@@ -78,9 +151,13 @@ def main() -> None:
         "pydiff captured": pydiff_captured_step,
         "NumPy": numpy_step,
     }
+    torch_threads = None
     try:
         import torch
 
+        if threads is not None:
+            torch.set_num_threads(threads)  # the same thread count as lavapipe's compute
+        torch_threads = torch.get_num_threads()
         tl = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)]
         topt = torch.optim.AdamW([p for m in tl for p in m.parameters()], lr=1e-3)
         tx, ty = torch.from_numpy(X), torch.from_numpy(Y.astype(np.int64))
@@ -97,41 +174,89 @@ def main() -> None:
     # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over
     # seconds, which best-of timings of one contender after another turn into noise.
     steps = interleaved(contenders, rounds=args.rounds, inner=20)
+    # Process CPU time per step as well: on a loaded machine it hardly moves, where wall time
+    # does (it counts every thread: lavapipe's and PyTorch's pools, spinning included).
+    step_cpu = {
+        name: cpu for name, (_, cpu) in medians(contenders, max(5, args.rounds), inner=20).items()
+    }
 
     n = args.params
     p = pydiff.tensor(rng.standard_normal(n).astype(np.float32), requires_grad=True)
     p.grad.copy_from_numpy(rng.standard_normal(n).astype(np.float32))
     adam = optim.AdamW([p], lr=1e-3)
+    xa = pydiff.tensor(rng.standard_normal(n).astype(np.float32))
+    xb2 = pydiff.tensor(rng.standard_normal(n).astype(np.float32))
+    out = pydiff.tensor(np.zeros(n, np.float32))  # results into one tensor: no allocation timed
+    lib = library(dev)
 
-    def adam_step():
-        adam.step()
-        dev.native.wait_for_idle()
+    def synced(fn):
+        return lambda: (fn(), dev.native.wait_for_idle())
 
-    t_adam = best_of(adam_step, 3)
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
-    # AdamW moves p, grad, m, v in and p, m, v out: 7 floats per parameter.
-    moved = 7 * 4 * n
-    t_copy = best_of(lambda: np.copyto(dst, src), 5)  # reads + writes 8 bytes per float
-    gbs_adam, gbs_copy = moved / t_adam / 1e9, 8 * n / t_copy / 1e9
-
+    copy_threads = threads or 1
+    pool = ThreadPoolExecutor(copy_threads)
+    # Bytes moved per element: AdamW reads p, grad, m, v and writes p, m, v (28); mul reads
+    # two and writes one (12); relu and a copy read one and write one (8).
+    kernels = {
+        "AdamW step (fused kernel)": (synced(adam.step), 28),
+        "mul, a * b (generated kernel)": (synced(lambda: lib.op_mul(xa, xb2, _result=out)), 12),
+        "relu (relu4 kernel)": (
+            synced(lambda: elementwise_kernel("relu4", xa, x=xa, y=out)),
+            8,
+        ),
+        "copy on the device (copy4 kernel)": (
+            synced(lambda: elementwise_kernel("copy4", xa, x=xa, y=out)),
+            8,
+        ),
+        f"NumPy copy, {copy_threads} thread(s)": (
+            lambda: parallel_copy(dst, src, copy_threads, pool),
+            8,
+        ),
+    }
+    if copy_threads != 1:
+        kernels["NumPy copy, 1 thread"] = (lambda: np.copyto(dst, src), 8)
+    secs = medians({name: fn for name, (fn, _) in kernels.items()}, max(5, args.rounds // 2))
+    # The reference: the faster NumPy copy with up to as many threads as the device computes
+    # on (on the development VM one thread already saturates memory: two copy no faster).
+    copies = [name for name in secs if name.startswith("NumPy copy")]
+    copy_name = min(copies, key=lambda name: secs[name][0])
     print(f"device: {describe(dev)}")
+    print(
+        f"threads: {threads_why}; PyTorch-CPU torch.get_num_threads() = {torch_threads}; "
+        f"NumPy's OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS')}"
+    )
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
     print(
         f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):"
     )
     for name, (p_med, p_min) in ours.items():
         how = "pydiff.capture, replay()" if name.endswith("captured") else "eager: ops, Tape, AdamW"
-        print(f"  {name} ({how}): {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms")
+        print(
+            f"  {name} ({how}): {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms "
+            f"(CPU {step_cpu[name] * 1e3:.2f} ms)"
+        )
         for other, (o_med, o_min) in steps.items():
             print(
-                f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms: "
-                f"{p_med / o_med:.1f}x (median), {p_min / o_min:.1f}x (best)"
+                f"    vs {other} {o_med * 1e3:.2f} / {o_min * 1e3:.2f} ms "
+                f"(CPU {step_cpu[other] * 1e3:.2f} ms): {p_med / o_med:.2f}x (median), "
+                f"{p_min / o_min:.2f}x (best), {step_cpu[name] / step_cpu[other]:.2f}x (CPU)"
             )
     print(
-        f"fused AdamW, {n / 1e6:.0f}M params: {t_adam * 1e3:.1f} ms = {gbs_adam:.1f} GB/s; "
-        f"NumPy memcpy {gbs_copy:.1f} GB/s; ratio {gbs_adam / gbs_copy:.2f} of the copy bandwidth"
+        f"{n / 1e6:.0f}M floats, medians of alternating rounds, wall and process CPU time; "
+        f"bandwidth from wall time, against the faster NumPy copy on up to {copy_threads} "
+        f"thread(s) (the count the device computes on): {copy_name}; 'CPU' compares the CPU "
+        "time per byte with that copy's:"
     )
+    copy_wall, copy_cpu = secs[copy_name]
+    for name, (wall, cpu) in secs.items():
+        nbytes = kernels[name][1] * n
+        print(
+            f"  {name}: {wall * 1e3:.1f} ms (CPU {cpu * 1e3:.1f} ms) = "
+            f"{nbytes / wall / 1e9:.1f} GB/s, {copy_wall / 8 * kernels[name][1] / wall:.2f} of "
+            f"the copy bandwidth (CPU {copy_cpu / 8 * kernels[name][1] / cpu:.2f})"
+        )
+    pool.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ import os
 # kernels of a training step (measured: an empty dispatch 22 us pooled, 4 us inline; an eager
 # 256x64x64x10 MLP step 3.7x PyTorch-CPU pooled, 2.3x inline), so pydiff asks lavapipe to run
 # compute inline on machines this small, unless LP_NUM_THREADS is already set. Kernels over
-# millions of elements give up the second core (about 2x slower): docs/devices.md.
+# millions of elements give up the second core (about 2x slower). Re-measured for issue 16:
+# a captured step's kernels cost 1.7x the CPU time pooled, large kernels the same CPU time
+# but 1.7-1.9x less wall time; the variable is read per device, so there is no per-workload
+# choice inside one process: docs/devices.md#lavapipes-threads.
 LAVAPIPE_INLINE_MAX_CPUS = 2
 
 

@@ -65,6 +65,17 @@ def fast_product(
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
     c_vec = beta != 0 and n % 4 == 0 and cols % 4 == 0  # C read back as float4s to add to it
+    # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
+    # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
+    # mm_nn reading A as floats shares A instead (SHUF_A), in blocks of 16 x 8 where they fit.
+    shuf_a = kind == "mm_nn" and not a_vec and m % 16 == 0 and n % 64 == 0
+    if shuf_a:
+        rows, cols = 16, 8
+    shuf = (
+        not shuf_a
+        and (m // rows) % 8 == 0
+        and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
+    )
     kernel = a.device.kernels.get(
         "ops/matmul.slang",
         kind,
@@ -80,6 +91,8 @@ def fast_product(
         MASK=int(mask is not None),
         HAS_DB=int(db is not None),
         C_VEC=int(c_vec),
+        SHUF=int(shuf),
+        SHUF_A=int(shuf_a),
     )
     bindings = {
         "a": a.native.storage,
@@ -120,15 +133,21 @@ def product(
     return library(a.device).op_relu(out, _result="tensor") if relu else out
 
 
+# Float4s per thread of the elementwise kernels (relu4, relu_bwd_acc4): on lavapipe four cost
+# about 2/3 of the CPU time of one at 10M elements (bench_train.py's relu line).
+ELEMENTWISE_CHUNK = 4
+
+
 def elementwise_kernel(
     name: str, count_of: Tensor, kernel_file: str = "ops/elementwise.slang", **buffers: Tensor
 ) -> None:
-    """Run the float4 kernel ``name`` over ``count_of``'s elements with ``buffers`` bound."""
+    """Run the float4 kernel ``name`` over ``count_of``'s elements with ``buffers`` bound,
+    ``ELEMENTWISE_CHUNK`` float4s per thread."""
     count = -(-count_of.numel // 4)
     kernels = count_of.device.kernels
     kernels.dispatch(
-        kernels.get(kernel_file, name),
-        count,
+        kernels.get(kernel_file, name, CHUNK=ELEMENTWISE_CHUNK),
+        -(-count // ELEMENTWISE_CHUNK),
         count=count,
         **{k: t.native.storage for k, t in buffers.items()},
     )

@@ -100,6 +100,25 @@ def test_adamw_many_parameters_of_odd_sizes(device):
         np.testing.assert_allclose(p.numpy(), want, atol=1e-6, rtol=0)
 
 
+def test_adamw_chunks_of_several_float4s_with_partial_tails(device):
+    """The fused kernel updates several float4s per thread (optim.OPTIM_CHUNK): parameters of
+    many chunks, whose last chunk is partial, next to small ones, each follow the rule."""
+    rng = np.random.default_rng(5)
+    shapes = [(70,), (33, 3), (16,), (1001,), (5,)]
+    starts = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for _ in range(5)] for s in shapes]
+    params = [pydiff.tensor(p0, device=device, requires_grad=True) for p0 in starts]
+    opt = optim.AdamW(params, lr=1e-2, weight_decay=0.05)
+    for step in range(5):
+        for p, g in zip(params, grads):
+            p.grad.copy_from_numpy(g[step])
+        opt.step()
+    for p, p0, g in zip(params, starts, grads):
+        want = _numpy_adam(p0, g, 1e-2, 0.9, 0.999, 1e-8, 0.05, decoupled=True)
+        np.testing.assert_allclose(p.numpy(), want, atol=1e-6, rtol=0)
+    assert optim.OPTIM_CHUNK > 1 and any(-(-s[0] // 4) % optim.OPTIM_CHUNK for s in shapes)
+
+
 def test_adam_l2_matches_rule(device):
     got, _ = _run(
         device, lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=0.1), P0, _grads(P0.shape)
