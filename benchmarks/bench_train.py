@@ -6,6 +6,7 @@ python benchmarks/bench_train.py [--params 10000000]
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 
@@ -19,6 +20,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds of 20 steps")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="PyTorch's threads (default: as many as lavapipe computes on: 1 when inline)",
+    )
     args = ap.parse_args()
     dev = pydiff.default_device()
     rng = np.random.default_rng(0)
@@ -81,6 +88,11 @@ def main() -> None:
     try:
         import torch
 
+        threads = args.torch_threads
+        if threads is None:
+            lp = os.environ.get("LP_NUM_THREADS", "").strip()
+            threads = 1 if lp == "0" else int(lp) if lp.isdigit() else os.cpu_count() or 1
+        torch.set_num_threads(threads)  # the same thread count as pydiff's compute
         tl = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)]
         topt = torch.optim.AdamW([p for m in tl for p in m.parameters()], lr=1e-3)
         tx, ty = torch.from_numpy(X), torch.from_numpy(Y.astype(np.int64))
@@ -91,7 +103,7 @@ def main() -> None:
             loss.backward()
             topt.step()
 
-        contenders["PyTorch-CPU"] = torch_step
+        contenders[f"PyTorch-CPU ({threads} thread{'s' if threads > 1 else ''})"] = torch_step
     except ImportError:
         pass
     # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over

@@ -64,6 +64,7 @@ class Tensor(GradBuffers):
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
+        self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
         self._producer: Any = None
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
         self._viewed: tuple = (None, None)  # the base's buffers its own grads view
@@ -366,6 +367,8 @@ class Tensor(GradBuffers):
         """
         if self._base is not None:
             self._sync_view()
+        elif self._zero_pending and with_grads:
+            self._settle()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
         if self._bound is None:
