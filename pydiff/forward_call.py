@@ -298,7 +298,7 @@ def _record(
         return
     for t in writes:
         if not t.requires_grad and t.differentiable and all(t is not u for u in plain):
-            t.requires_grad_(True)
+            t.requires_grad_(True, zero_later=True)  # the backward zeroes it (or a read)
     for view, t in views:  # in-place: the view shares the (maybe new) gradient buffers
         view.share_grads(t)
     bwd_values = tuple(values)

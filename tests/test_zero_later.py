@@ -57,3 +57,17 @@ def test_tape_backward_after_zero_later(device):
             y = _Twice.apply(x)
         tape.backward(y, grad=np.ones(8, np.float32))
         np.testing.assert_allclose(x.grad.numpy(), np.full(8, 2.0))
+
+
+def test_shader_call_result_on_a_tape_reads_zeros(device):
+    m = pydiff.load_module_from_source(
+        "zero_later_sq", "[Differentiable] float sq(float x) { return x * x; }", device=device
+    )
+    xs = np.arange(8, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    _dirty_pool(device, 8)
+    with pydiff.Tape() as tape:
+        y = m.sq(x, _result="tensor")
+    np.testing.assert_array_equal(y.grad.numpy(), np.zeros(8, np.float32))
+    tape.backward(y, grad=np.ones(8, np.float32))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * xs)
