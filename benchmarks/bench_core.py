@@ -3,7 +3,8 @@
     python benchmarks/bench_core.py            # or: make bench
     python benchmarks/bench_core.py --large 20 # 2^20 elements instead of 2^24
 
-Prints per-call overhead (16 elements, 1000 calls) and a large polynomial forward+backward,
+Prints per-call overhead (16 elements: alternating rounds of calls of pydiff and of raw
+SlangPy, medians of wall and of process CPU time) and a large polynomial forward+backward,
 with ratios. Timings only; the tests never assert on speed.
 """
 
@@ -17,6 +18,9 @@ import slangpy as spy
 
 import pydiff
 
+import statistics
+import time
+
 from timing import best_of, describe
 
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
@@ -25,7 +29,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large", type=int, default=24, help="log2 of the large case's size")
-    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--calls", type=int, default=10000, help="per-call cases: calls in all")
+    ap.add_argument("--rounds", type=int, default=20, help="per-call cases: alternating rounds")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
 
@@ -47,24 +52,34 @@ def main() -> None:
     ry = spy.Tensor.zeros(dev.native, (n,), "float").with_grads(zero=True)
     ry.grad.copy_from_numpy(np.ones(n, np.float32))
 
-    def loop(call):
-        def run():
-            for _ in range(args.calls):
-                call()
+    calls = {
+        "call p": lambda: m.polynomial(2.0, 8.0, -1.0, px, _result=py),
+        "call r": lambda: raw.polynomial(2.0, 8.0, -1.0, rx, _result=ry),
+        "bwds p": lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py),
+        "bwds r": lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry),
+    }
+    # Alternating rounds (the machine's speed drifts): medians of wall time and of the
+    # process's CPU time (lavapipe's threads included), which other processes disturb less.
+    wall: dict = {k: [] for k in calls}
+    cpu: dict = {k: [] for k in calls}
+    per_round = max(1, args.calls // args.rounds)
+    for f in calls.values():
+        for _ in range(50):
+            f()
+    sync()
+    for _ in range(args.rounds):
+        for name, f in calls.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(per_round):
+                f()
             sync()
-
-        return run
-
-    fwd_p = best_of(loop(lambda: m.polynomial(2.0, 8.0, -1.0, px, _result=py)), 5) / args.calls
-    fwd_r = best_of(loop(lambda: raw.polynomial(2.0, 8.0, -1.0, rx, _result=ry)), 5) / args.calls
-    bwd_p = best_of(loop(lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py)), 5) / args.calls
-    bwd_r = (
-        best_of(loop(lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry)), 5) / args.calls
-    )
-    rows += [
-        ("call, 16 elements", fwd_p * 1e6, fwd_r * 1e6, "us"),
-        ("bwds, 16 elements", bwd_p * 1e6, bwd_r * 1e6, "us"),
-    ]
+            wall[name].append((time.perf_counter() - t0) / per_round)
+            cpu[name].append((time.process_time() - c0) / per_round)
+    med = {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in calls}
+    for case in ("call", "bwds"):
+        (pw, pc), (rw, rc) = med[f"{case} p"], med[f"{case} r"]
+        rows.append((f"{case}, 16 elements", pw * 1e6, rw * 1e6, "us"))
+        rows.append((f"{case}, 16, CPU time", pc * 1e6, rc * 1e6, "us"))
 
     # --- large forward + backward -------------------------------------------------------------
     big = 1 << args.large

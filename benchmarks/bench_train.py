@@ -91,6 +91,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds of 20 steps")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="PyTorch's threads (default: as many as lavapipe computes on: 1 when inline)",
+    )
     args = ap.parse_args()
     dev = pydiff.default_device()
     threads, threads_why = compute_threads(dev)
@@ -155,7 +161,9 @@ def main() -> None:
     try:
         import torch
 
-        if threads is not None:
+        if args.torch_threads is not None:
+            torch.set_num_threads(args.torch_threads)
+        elif threads is not None:
             torch.set_num_threads(threads)  # the same thread count as lavapipe's compute
         torch_threads = torch.get_num_threads()
         tl = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)]
@@ -168,7 +176,7 @@ def main() -> None:
             loss.backward()
             topt.step()
 
-        contenders["PyTorch-CPU"] = torch_step
+        contenders[f"PyTorch-CPU ({threads} thread{'s' if threads > 1 else ''})"] = torch_step
     except ImportError:
         pass
     # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over

@@ -30,6 +30,7 @@ from .arguments import (
     resolve_error,
     scratch,
 )
+from .call_plan import DECLINED, BackwardPlan, layout_key, remember
 from .call_shape import result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (
@@ -39,6 +40,7 @@ from .bwds_checks import (
     refuse_shared_result_grad,
     refuse_written_struct,
     shared_grads,
+    upstream_arg,
     values_read,
     warn_no_gradient,
 )
@@ -349,9 +351,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             grad.storage.holds_result_of = fn.bwds_label
         return True
     if type(result) is Tensor and result.grad_in is not None and result.device is dev:
-        options["_result"] = primal_sink(dev, result).with_grads(
-            grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
-        )
+        options["_result"] = upstream_arg(dev, result)
     elif not (result is MISSING and fn.signature.return_type == "void"):
         return False
     try:
@@ -369,6 +369,11 @@ def backward_call(
     """``fn.bwds(*args, **kwargs)``. ``prior``: ids of the storages (``id(t.storage)``) that
     the call overwrites while a tape's graph still needs their values before it (their
     gradients are cleared where the call wrote them)."""
+    key = layout_key(args, kwargs) if not prior else None
+    plan = fn.bwds_plans.get(key)  # a layout run before (None is never a key): per-call work
+    if plan is not None and "_result" in kwargs:
+        if plan.run(fn, args, kwargs["_result"]) is not DECLINED:
+            return
     label = fn.label
     if not fn.signature.differentiable:
         raise TypeError(
@@ -386,6 +391,8 @@ def backward_call(
     prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
     if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
+        if key is not None and len(args) == len(fn.params):
+            remember(fn.bwds_plans, key, BackwardPlan.make(fn, bound, result, prior))
         return
     deterministic = is_deterministic()
     if deterministic:

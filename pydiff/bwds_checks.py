@@ -31,6 +31,12 @@ def primal_sink(device: Any, t: Tensor) -> spy.Tensor:
     return device.scratch[key]
 
 
+def upstream_arg(device: Any, t: Tensor) -> spy.Tensor:
+    """A result tensor with gradient buffers as ``.bwds`` binds it: its buffers on a primal
+    sink (the upstream gradient is read from ``grad_in``, nothing reads the values)."""
+    return t.bind_upstream(lambda: primal_sink(device, t))
+
+
 def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
     """A tensor that wants a gradient, bound where none flows: say so once per call site."""
     if not t.requires_grad:

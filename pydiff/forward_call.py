@@ -25,6 +25,7 @@ from .arguments import (
     scalar_numpy_result,
 )
 from .backward_call import backward_call
+from .call_plan import DECLINED, ForwardPlan, layout_key, remember
 from .bwds_checks import refuse_written_struct, with_values_of
 from .errors import warn_once
 from .host_values import element_base
@@ -62,6 +63,12 @@ def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
 
 def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     """Run ``fn`` forward on pydiff values; returns what SlangPy returns, tensors wrapped."""
+    key = layout_key(args, kwargs)
+    plan = fn.plans.get(key)  # a layout run before (None is never a key): per-call work only
+    if plan is not None:
+        out = plan.run(fn, args, kwargs.get("_result", MISSING))
+        if out is not DECLINED:
+            return out
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
@@ -96,6 +103,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
+    elif key is not None and not zero_d:
+        remember(fn.plans, key, ForwardPlan.make(fn, bound, result, snapshots, aliased))
     return out
 
 
@@ -289,7 +298,7 @@ def _record(
         return
     for t in writes:
         if not t.requires_grad and t.differentiable and all(t is not u for u in plain):
-            t.requires_grad_(True)
+            t.requires_grad_(True, zero_later=True)  # the backward zeroes it (or a read)
     for view, t in views:  # in-place: the view shares the (maybe new) gradient buffers
         view.share_grads(t)
     bwd_values = tuple(values)

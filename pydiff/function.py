@@ -117,7 +117,8 @@ class Function:
         if tape is not None and any(ctx.needs_input_grad):
             for o in outputs:
                 if not o.requires_grad:
-                    o.requires_grad_(True)
+                    # Zeroed by the backward in its own command list (or when read first).
+                    o.requires_grad_(True, zero_later=True)
             reads = [(f"input {k} of {cls.__name__}", t) for k, (_, t) in enumerate(inputs)]
 
             def run_backward(entry: Any) -> None:

@@ -119,15 +119,18 @@ class KernelCache:
             cursor = spy.ShaderCursor(root).find_entry_point(0)
             for name, buffer in buffers:
                 cursor[name] = buffer
-            entry = self._objects[key] = (root, cursor, size)
+            entry = self._objects[key] = [root, cursor, size, None]
             self._objects_bytes += size
             while self._objects_bytes > OBJECTS_MAX_BYTES or len(self._objects) > OBJECTS_MAX:
                 self._objects_bytes -= self._objects.popitem(last=False)[1][2]
         else:
             self._objects.move_to_end(key)
-        root, cursor, _ = entry
+        root, cursor, _, last = entry
+        if last is not None and last == scalars and _same_types(last, scalars):
+            return root  # the object holds these uniforms already (~0.7 us a value to set)
         for name, value in scalars:  # uniforms are copied when the dispatch is recorded
             cursor[name] = value
+        entry[3] = scalars
         return root
 
     def _drop_objects_of(self, kernel: Any) -> None:
@@ -186,3 +189,11 @@ class KernelCache:
         compute.end()
         if own:
             self.native.submit_command_buffer(encoder.finish())
+
+
+def _same_types(a: list, b: list) -> bool:
+    """Equal uniforms of the same Python types (1 and 1.0 compare equal but bind apart)."""
+    for (_, x), (_, y) in zip(a, b):
+        if type(x) is not type(y):
+            return False
+    return True

@@ -226,6 +226,9 @@ class ShaderFunction:
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
         self._generated: dict[str, ShaderFunction] = {}
         self._bwds = BackwardFunction(self)
+        #: Call plans per argument layout (call_plan): forward calls and ``.bwds``.
+        self.plans: dict = {}
+        self.bwds_plans: dict = {}
 
     @property
     def differentiable(self) -> bool:

@@ -238,6 +238,8 @@ class FunctionTarget(Protocol):
     module: ModuleTarget
     native: Any  # the SlangPy function
     native_bwds: Any  # its SlangPy backward
+    plans: dict  # call plans per argument layout (call_plan): forward calls
+    bwds_plans: dict  # and .bwds
 
     @property
     def params(self) -> list[ParamInfo]: ...

@@ -143,6 +143,18 @@ def element_shape(native_dtype: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in native_dtype.shape)
 
 
+def dims(shape: Any) -> tuple[int, ...]:
+    """A shape (SlangPy's ``Shape`` or a sequence of ints) as a tuple of ints. SlangPy's
+    through ``as_tuple``: iterating it element by element costs ~3 us a shape.
+
+    >>> dims(t.native.shape)        # (256, 64)
+    """
+    if type(shape) is tuple:
+        return shape if all(type(d) is int for d in shape) else tuple(int(d) for d in shape)
+    as_tuple = getattr(shape, "as_tuple", None)
+    return as_tuple() if as_tuple is not None else tuple(int(d) for d in shape)
+
+
 def shape_tuple(shape: Any) -> tuple[int, ...]:
     """A shape argument as a tuple of positive ints (an int is a 1-D shape): Python or NumPy
     integers only (2.5 or 2.0 is refused, not truncated; a bool is refused too)."""
@@ -223,7 +235,7 @@ def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False
     it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe).
     """
     name = dtype if isinstance(dtype, str) else dtype.full_name
-    shape = tuple(int(s) for s in shape)
+    shape = dims(shape)
     refl = dev.dtype(name) if isinstance(dtype, str) else dtype
     check_size(f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
     rec = capturing.recording()

@@ -8,7 +8,7 @@ module.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True)); x.gr
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import slangpy as spy
@@ -18,7 +18,7 @@ from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape, shape_tuple
-from .storage import float4_layout, has_c_strides, read_back
+from .storage import dims, float4_layout, has_c_strides, read_back
 
 
 class Tensor(GradBuffers):
@@ -56,12 +56,15 @@ class Tensor(GradBuffers):
     ):
         self._native = native
         self._device = device
-        self._shape = tuple(int(s) for s in native.shape)
+        self._shape = dims(native.shape)
         self._grad_in = grad_in
         self._grad_out = grad_out
         self.storage = storage if storage is not None else Storage(native.storage)
         self.zero_policy = zero_policy
         self._bound: spy.Tensor | None = None
+        self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
+        self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
+        self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
         self._producer: Any = None
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
         self._viewed: tuple = (None, None)  # the base's buffers its own grads view
@@ -100,6 +103,26 @@ class Tensor(GradBuffers):
     @property
     def numel(self) -> int:
         return math.prod(self._shape)
+
+    @property
+    def float4(self) -> bool:
+        """A contiguous float tensor at the start of a buffer of float4s (see float4_ready):
+        read from SlangPy once per tensor, as its values' layout never changes."""
+        if self._float4 is None:
+            self._float4 = float4_layout(self._native, self._device.typed_loads)
+        return self._float4
+
+    @property
+    def layout(self) -> tuple:
+        """(shape, SlangPy element type, has grad_in, has grad_out): what a call plan of this
+        tensor's argument depends on (see call_plan).
+
+        >>> x.layout      # ((4,), <slangpy ... float>, True, True)
+        """
+        if self._base is not None:
+            self._sync_view()
+        gi, go = self._grad_in, self._grad_out
+        return (self._shape, self._native.dtype, gi is not None, go is not None)
 
     @property
     def differentiable(self) -> bool:
@@ -344,6 +367,8 @@ class Tensor(GradBuffers):
         """
         if self._base is not None:
             self._sync_view()
+        elif self._zero_pending and with_grads:
+            self._settle()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
         if self._bound is None:
@@ -352,6 +377,21 @@ class Tensor(GradBuffers):
             self._bound = self._native.with_grads(grad_in=gi, grad_out=go, zero=False)
         return self._bound
 
+    def bind_upstream(self, sink: Callable[[], spy.Tensor]) -> spy.Tensor:
+        """This tensor's gradient buffers on the values of ``sink()`` (a buffer of its shape
+        that a backward kernel may write forward values into): how ``.bwds`` passes a result
+        whose upstream gradient it reads. Kept while the gradient buffers stay the same.
+
+        >>> fn.native_bwds(x.bind(), _result=y.bind_upstream(lambda: sink))
+        """
+        bound = self.bind(True)  # a new object whenever the gradient buffers change
+        if self._upstream[0] is not bound:
+            gi, go = self._grad_in, self._grad_out
+            gi = gi.native if gi is not None else None
+            go = go.native if go is not None else None
+            self._upstream = (bound, sink().with_grads(grad_in=gi, grad_out=go, zero=False))
+        return self._upstream[1]
+
 
 def float4_ready(*tensors: Tensor) -> bool:
     """All tensors are contiguous float tensors at the start of a buffer of float4s: pydiff's
@@ -359,4 +399,7 @@ def float4_ready(*tensors: Tensor) -> bool:
 
     >>> if float4_ready(x, w, y): ...      # take the fast path
     """
-    return all(float4_layout(t.native, t.device.typed_loads) for t in tensors)
+    for t in tensors:
+        if not t.float4:
+            return False
+    return True

@@ -1,0 +1,235 @@
+"""Call plans: what a forward call or ``.bwds`` of one argument layout needs per call, found
+once by the full path and cached on the function, so that a repeated small call costs one
+dict lookup and the per-call work (device, aliasing, version and storage bookkeeping, the
+SlangPy call) instead of a dozen passes over its arguments.
+
+A layout is what every check of the full path reads apart from values and storages: each
+argument's kind (a Python number's type; a tensor's shape, element type and which gradient
+buffers it has) and the ``_result`` given (a tensor's layout, ``'tensor'``, or none). A plan
+is made only after the full path ran the layout without error, and only for calls without
+the cases it handles apart (tapes, in-place and aliased tensors, struct and host-array
+arguments, overloads, traps, generated kernels, zeroing policies other than ACCUMULATE,
+deterministic mode, an open backward). Whatever a plan cannot decide from the layout it
+checks per call; where a check would take the full path's other branch it declines
+(``DECLINED``) before changing anything, and the caller runs the full path.
+
+    plan = fn.plans.get(call_plan.layout_key(args, kwargs))   # None: not run before
+    out = plan.run(fn, args, kwargs.get("_result", MISSING)) if plan else DECLINED
+    call_plan.remember(fn.plans, key, ForwardPlan.make(...))    # after the full path ran it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import slangpy as spy
+
+from . import generated
+from .arguments import MISSING, PLAIN, resolve_error
+from .backward_scope import active_scope
+from .bwds_checks import upstream_arg
+from .determinism import is_deterministic
+from .host_values import convert
+from .policy import ZeroPolicy, get_zero_policy
+from .signature import FunctionTarget
+from .tape import active_tape
+from .tensor import Tensor
+
+DECLINED = object()  # a plan's answer when the call must take the full path
+PLANS_MAX = 64  # layouts remembered per function and direction (the oldest dropped first)
+_ACCUMULATE = ZeroPolicy.ACCUMULATE
+
+
+def layout_key(args: tuple, kwargs: dict) -> tuple | None:
+    """The layout of an all-positional call (see the module docstring); None for a call no
+    plan covers (keywords, other options, struct, array or other arguments)."""
+    key = [v.layout if type(v) is Tensor else type(v) for v in args]
+    for k in key:
+        if type(k) is not tuple and k not in PLAIN:
+            return None
+    if kwargs:
+        r = kwargs.get("_result")
+        if len(kwargs) != 1 or r is None:
+            return None
+        if type(r) is Tensor:
+            key += ("_result", r.layout)  # (marked: f(x, y) is not f(x, _result=y))
+        elif type(r) is str and r == "tensor":
+            key += ("_result", r)
+        else:
+            return None
+    return tuple(key)
+
+
+def remember(plans: dict, key: tuple | None, plan: Any) -> None:
+    """Keep ``plan`` for ``key`` (a layout the full path just ran), dropping the oldest."""
+    if key is None or plan is None:
+        return
+    if len(plans) >= PLANS_MAX:
+        try:
+            plans.pop(next(iter(plans)), None)
+        except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+            pass
+    plans[key] = plan
+
+
+def _overloaded(fn: FunctionTarget) -> bool:
+    try:
+        reflected = fn.module.native.layout.find_function_by_name(fn.name)
+        return reflected is None or bool(reflected.is_overloaded)
+    except Exception:  # no reflection to tell: no plan
+        return True
+
+
+def _numbers(bound: list) -> tuple:
+    """Positions of number arguments that need ``convert`` per call (its range checks read
+    the value); a float for a float parameter is checked inline."""
+    return tuple((i, p) for i, (p, v) in enumerate(bound) if type(v) in PLAIN)
+
+
+_MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
+
+
+def _plannable(fn: FunctionTarget) -> bool:
+    return not fn.module.traps.get(fn.name) and not _overloaded(fn)
+
+
+class ForwardPlan:
+    """A forward call of one layout off a tape: no in-place parameter given a tensor, no
+    tensor read that another argument or ``_result`` writes (checked per call)."""
+
+    __slots__ = ("tensors", "reads", "writes", "names", "numbers", "numel", "result_tensor")
+
+    def __init__(self, fn: FunctionTarget, bound: list, result: Any):
+        self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
+        self.reads = tuple(i for i in self.tensors if bound[i][0].reads_value)
+        self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
+        self.names = tuple((i, bound[i][0].name) for i in self.tensors)
+        self.numbers = _numbers(bound)
+        # generated.call_forward decides by the first tensor's size (in the layout)
+        self.numel = bound[self.tensors[0]][1].numel if self.tensors else 0
+        self.result_tensor = type(result) is Tensor
+
+    @staticmethod
+    def make(fn: FunctionTarget, bound: list, result: Any, snapshots: dict, aliased: dict):
+        """The plan for the call that just ran through the full path, or None."""
+        if snapshots or aliased or not _plannable(fn):
+            return None
+        for p, v in bound:
+            if type(v) is Tensor and (p.tensor_kind == "fwd" or p.in_place):
+                return None
+        return ForwardPlan(fn, bound, result)
+
+    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
+        """The call, or DECLINED (nothing done) where the full path must decide."""
+        if active_tape() is not None:
+            return DECLINED
+        if self.numel >= generated.MIN_ELEMENTS:
+            return DECLINED
+        dev = fn.module.device
+        native = list(args)
+        for i in self.tensors:
+            t = args[i]
+            if t.device is not dev:
+                return DECLINED  # (the full path names the parameter)
+            native[i] = t.bind(True)
+        written = [args[i].storage for i in self.writes] if self.writes else []
+        if self.result_tensor:
+            if result.device is not dev:
+                return DECLINED
+            written.append(result.storage)
+        for i in self.reads if written else ():
+            st = args[i].storage
+            if st in written:  # (Storage compares by identity)
+                return DECLINED  # aliased: the full path keeps the values read
+        for i, p in self.numbers:
+            v = args[i]
+            if type(v) is not float or p.type_name != "float" or not -_MAX <= v <= _MAX:
+                native[i] = convert(fn.label, p, v, dev)  # range checks, conversions
+        label = fn.call_label
+        for i, name in self.names:  # forward_call._mark_reread
+            st = args[i].storage
+            if st.last_writer == label and name in st.read_by_writer:
+                st.reread = True
+        try:
+            if result is MISSING:
+                out = fn.native(*native)
+            else:
+                out = fn.native(
+                    *native, _result=result.bind(True) if self.result_tensor else result
+                )
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
+        for st in written:
+            st.wrote(label)
+        if self.result_tensor:
+            return result
+        return Tensor(out, dev) if isinstance(out, spy.Tensor) else out
+
+
+class BackwardPlan:
+    """A ``.bwds`` of one layout adding gradients under ACCUMULATE (backward_call's fast
+    case): every tensor an ``in`` parameter of its own element type and the result's shape,
+    with a gradient buffer to add into; the result a tensor with gradient buffers."""
+
+    __slots__ = ("tensors", "numbers", "numel")
+
+    def __init__(self, fn: FunctionTarget, bound: list, result: Tensor):
+        self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
+        self.numbers = _numbers(bound)
+        self.numel = result.numel  # generated.call_backward decides by it (in the layout)
+
+    @staticmethod
+    def make(fn: FunctionTarget, bound: list, result: Any, prior: frozenset):
+        """The plan for the ``.bwds`` that just ran through the fast case, or None."""
+        sig = fn.signature
+        if prior or sig.has_diff_inout or type(result) is not Tensor or not _plannable(fn):
+            return None
+        if result.grad_in is None or result.grad_out is None:
+            return None
+        for p, v in bound:
+            if type(v) is Tensor and not (
+                p.tensor_kind is None
+                and p.io == "in"
+                and p.differentiable
+                and v.grad_out is not None
+                and v.native.dtype.full_name == p.type_name
+                and v.shape == result.shape
+            ):
+                return None
+        return BackwardPlan(fn, bound, result)
+
+    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
+        """The backward, or DECLINED (nothing done) where the full path must decide."""
+        if active_scope() is not None or get_zero_policy() is not _ACCUMULATE:
+            return DECLINED
+        if is_deterministic() or self.numel >= generated.MIN_ELEMENTS:
+            return DECLINED
+        dev = fn.module.device
+        if result.device is not dev:
+            return DECLINED
+        upstream = result.grad_in.storage
+        native = list(args)
+        grads = []
+        for i in self.tensors:
+            t = args[i]
+            if t.device is not dev or t.zero_policy is not None:
+                return DECLINED
+            if t.storage.before is not None:
+                return DECLINED  # maybe values an in-place call overwrote: bwds_checks decides
+            g = t.grad_out
+            if g.storage is upstream:
+                return DECLINED  # refused by the full path
+            grads.append(g.storage)
+            native[i] = t.bind(True)
+        for i, p in self.numbers:
+            v = args[i]
+            if type(v) is not float or p.type_name != "float" or not -_MAX <= v <= _MAX:
+                native[i] = convert(fn.label, p, v, dev)  # range checks, conversions
+        try:
+            fn.native_bwds(*native, _result=upstream_arg(dev, result))
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
+        label = fn.bwds_label
+        for st in grads:
+            st.holds_result_of = label
+        return None
