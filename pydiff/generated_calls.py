@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import generated
+from . import capturing, generated
 from .bwds_checks import warn_no_gradient
 from .determinism import is_deterministic
 from .signature import FunctionTarget
@@ -61,6 +61,8 @@ def call_backward_in_scope(
     cleared after the call. False: SlangPy's path (which raises the errors)."""
     if options or type(result) is not Tensor or result.grad_in is None:
         return False
+    if capturing.recording() is not None:
+        return False  # a captured tape.backward: SlangPy's path refuses it, as before
     dev = fn.module.device
     if result.device is not dev or result.numel < generated.MIN_ELEMENTS:
         return False
