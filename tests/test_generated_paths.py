@@ -275,3 +275,22 @@ def test_fwds_declines_what_it_does_not_cover(device, poly, forced):
     y, dy = poly.polynomial.fwds(2.0, 8.0, -1.0, (np.ones(4), np.ones(4)))  # NumPy: SlangPy's
     np.testing.assert_allclose(dy, 12.0)
     assert generated.stats()["fwds_fallback"] == 1
+
+
+def test_hand_written_infinite_derivative_keeps_its_nan(device, forced):
+    """The add into the gradient buffer is kept apart from the user's derivative: fused,
+    the compiler turned ``3 d / (x - x)`` into 0 (SlangPy's path: NaN)."""
+    m = pydiff.load_module(SAMPLES.parent / "tests" / "shaders" / "check_nan.slang", device=device)
+    ups = np.array([0.3, -1.2, 0.0, 2.0, 1.0], np.float32)
+
+    def run():
+        x = pydiff.tensor(np.linspace(-1, 1, 5, dtype=np.float32), device=device)
+        x.requires_grad_()
+        y = pydiff.zeros((5,), device=device)
+        m.inf_grad.bwds(x, _result=y.with_grads(grad_in=pydiff.tensor(ups, device=device)))
+        return [x.grad.numpy()]
+
+    gen, ref, counts = _paths(forced, run)
+    assert counts["backward"] == 1
+    _same(gen, ref)
+    assert not np.isfinite(gen[0]).any()
