@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench docs clean
+.PHONY: setup demo test test-generated lint bench docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Every call the generated kernels cover through them, whatever its size (CI: the suites that
+# exercise covered calls; `GENERATED_TESTS=tests` runs the whole suite that way).
+GENERATED_TESTS ?= tests/test_generated.py tests/test_generated_paths.py tests/test_bwds.py \
+	tests/test_tape.py tests/test_forward.py tests/test_broadcast_coverage.py \
+	tests/test_determinism.py tests/test_policy.py tests/test_repeated_backward.py
+test-generated: setup
+	$(PY) -m pytest -q --pydiff-generated=force $(GENERATED_TESTS) $(PYTEST_ARGS)
 
 # Style and structure (CI runs it): ruff at 100 columns, formatting included.
 lint: setup

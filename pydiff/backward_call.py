@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import broadcast_grad, generated, written_mask
+from . import broadcast_grad, generated_calls, written_mask
 from .arguments import (
     MISSING,
     PLAIN,
@@ -346,7 +346,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             native_args.append(value)
         else:
             return False
-    if generated.call_backward(fn, bound, options, result):
+    if generated_calls.call_backward(fn, bound, options, result):
         for grad in written:
             grad.storage.holds_result_of = fn.bwds_label
         return True
@@ -398,6 +398,8 @@ def backward_call(
     if deterministic:
         warn_nondeterministic(fn)
     with backward_scope(fn.bwds_label) as scope:
+        if generated_calls.call_backward_in_scope(fn, bound, options, result, scope, prior):
+            return
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         if deterministic:

@@ -30,7 +30,7 @@ from .bwds_checks import refuse_written_struct, with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
-from . import generated
+from . import generated_calls
 from .tape import Tape, active_tape
 from .tensor import Tensor
 
@@ -92,7 +92,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
             refuse_written_struct(fn, bound, f"{fn.label} on a tape")
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
     _mark_reread(fn, bound)
-    out = generated.call_forward(fn, bound, options, result)
+    out = generated_calls.call_forward(fn, bound, options, result)
     if out is None:
         # Positional: SlangPy's keyword path costs ~10 us more per call.
         try:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import slangpy as spy
 
-from . import capturing
+from . import capturing, generated_calls
 from .arguments import bind_arguments, prepare_arguments, check_device, fwd_tensor_struct, scratch
 from .call_shape import param_type
 from .forward_call import forward_call
@@ -247,6 +247,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
                     "(not differentiable or no_diff), so it takes no (value, tangent) pair"
                 )
             call_args.append(value)
+    done = generated_calls.call_fwds(fn, bound, call_args, want)
+    if done is not None:
+        return done
     types = generic_types(fn, bound)
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
     wrapper = fwd_wrapper(fn, types)

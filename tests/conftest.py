@@ -1,15 +1,18 @@
 """pydiff's own tests use its pytest plugin (pydiff.testing): one `device` fixture over every
 backend that opens here (CUDA/D3D12 skipped when absent); `--pydiff-device=vulkan,cuda` or
-PYDIFF_DEVICE_TYPES selects backends.
+PYDIFF_DEVICE_TYPES selects backends. `--pydiff-generated=force` sends every call the generated
+kernels cover through them, whatever its size (`make test-generated`); `off` none.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 import pydiff
+from pydiff import generated
 
 SHADERS = Path(__file__).parent / "shaders"
 
@@ -33,3 +36,22 @@ def _default_policy():
     pydiff.set_zero_policy("accumulate")
     yield
     pydiff.set_zero_policy("accumulate")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--pydiff-generated",
+        choices=("auto", "force", "off"),
+        default="auto",
+        help="generated kernels: for large covered calls (auto), for every covered call "
+        "(force: PYDIFF_GENERATED_MIN_ELEMENTS=1), or never (off: PYDIFF_GENERATED=0)",
+    )
+
+
+def pytest_configure(config):
+    mode = config.getoption("--pydiff-generated")
+    if mode == "force":  # the environment too: tests that start other processes
+        os.environ["PYDIFF_GENERATED_MIN_ELEMENTS"] = "1"
+        generated.MIN_ELEMENTS = 1
+    elif mode == "off":
+        os.environ["PYDIFF_GENERATED"] = "0"

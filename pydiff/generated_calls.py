@@ -1,0 +1,123 @@
+"""The call layer's ways into pydiff's generated kernels (pydiff.generated): a forward call,
+a ``.bwds`` on its own or inside a larger backward (a tape's, or one that broadcasts a
+parameter), and ``.fwds``. Each returns None/False for SlangPy's path, which then runs
+unchanged with all its checks; each leaves calls under ``generated.MIN_ELEMENTS`` elements
+to SlangPy (cheaper there per call).
+
+    out = call_forward(fn, bound, options, result)            # None: SlangPy's path
+    done = call_backward_in_scope(fn, bound, options, result, scope, prior)
+    pair = call_fwds(fn, bound, call_args, "tensor")           # (value, tangent) or None
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import capturing, generated
+from .bwds_checks import warn_no_gradient
+from .determinism import is_deterministic
+from .signature import FunctionTarget
+from .tensor import Tensor
+
+
+def _large(values: list) -> bool:
+    return max((v.numel for v in values if type(v) is Tensor), default=0) >= generated.MIN_ELEMENTS
+
+
+def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Tensor | None:
+    """A forward call (``(param, value)`` pairs) as a generated kernel when it is large and
+    covered: a tensor result (new or given), no SlangPy options; None: SlangPy's path."""
+    if options.keys() > {"_result"} or not (
+        type(result) is Tensor or type(result) is str and result == "tensor"
+    ):
+        return None
+    args = [v for _, v in bound]
+    if not _large(args):
+        return None
+    given = result if type(result) is Tensor else None
+    return generated.forward(fn, args, None if given is None else given.shape, out=given)
+
+
+def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
+    """A ``.bwds`` adding gradients under ACCUMULATE as a generated kernel, when it is large
+    and covered; False: SlangPy's path."""
+    if options or type(result) is not Tensor or result.grad_in is None:
+        return False
+    if result.numel < generated.MIN_ELEMENTS:
+        return False
+    grads = {
+        i: v.grad_out for i, (p, v) in enumerate(bound) if type(v) is Tensor and p.differentiable
+    }
+    return generated.backward(fn, [v for _, v in bound], result.grad_in, grads)
+
+
+def call_backward_in_scope(
+    fn: FunctionTarget, bound: list, options: dict, result: Any, scope: Any, prior: frozenset
+) -> bool:
+    """A ``.bwds`` inside ``scope`` (a tape's backward, a zeroing policy, a broadcast or
+    deterministic-mode call) as a generated kernel, when it is large and covered: the
+    policy acts on each gradient buffer (``scope.before_accumulate``) as on SlangPy's path,
+    and a result the call overwrote on a tape (its storage in ``prior``) has its gradient
+    cleared after the call. False: SlangPy's path (which raises the errors)."""
+    if options or type(result) is not Tensor or result.grad_in is None:
+        return False
+    if capturing.recording() is not None:
+        return False  # a captured tape.backward: SlangPy's path refuses it, as before
+    dev = fn.module.device
+    if result.device is not dev or result.numel < generated.MIN_ELEMENTS:
+        return False
+    grads, owners = {}, []
+    for i, (p, v) in enumerate(bound):
+        if type(v) is not Tensor:
+            continue
+        if v.device is not dev:
+            return False  # SlangPy's path names the parameter
+        if not p.differentiable:
+            owners.append((p, v, None))
+        elif v.requires_grad:
+            if v.grad_out.shape != v.shape:
+                return False  # refused there
+            grads[i] = v.grad_out
+            owners.append((p, v, v.grad_out))
+    whole = [id(g.storage) for i, g in grads.items() if bound[i][1].shape == result.shape]
+    if is_deterministic() and len(set(whole)) < len(whole):
+        # SlangPy's path sums each parameter apart there, then adds: other roundings. (A
+        # broadcast parameter's sums are added one by one on both paths: the same bits.)
+        generated.decline("backward", "deterministic mode: a shared gradient buffer")
+        return False
+
+    def before() -> None:
+        for p, v, grad in owners:
+            if grad is None:
+                warn_no_gradient(fn, p, v)
+            else:
+                scope.before_accumulate(v, grad, f"{fn.label}: parameter '{p.name}'")
+
+    if not generated.backward(fn, [v for _, v in bound], result.grad_in, grads, before):
+        return False
+    if id(result.storage) in prior:  # overwritten: the value before gets no gradient
+        scope.clear(dev, result.grad_in.native)
+    if scope.label != fn.bwds_label:  # joined an outer backward: a tape's, a Function's
+        generated.count(f"backward: in {scope.label}")
+    return True
+
+
+def call_fwds(fn: FunctionTarget, bound: list, call_args: list, want: str) -> Any:
+    """``.fwds`` as a generated kernel when it is large and covered: ``call_args`` as
+    forward mode builds them (a (value, tangent) pair of arguments per differentiable
+    parameter); ``(value, tangent)`` tensors, or arrays for ``want == "numpy"``; None:
+    SlangPy's path."""
+    args, tangents = [], []
+    it = iter(call_args)
+    for p, _ in bound:
+        args.append(next(it, None))
+        tangent = next(it, None) if p.differentiable and p.io == "in" else None
+        if tangent is not None and not (type(tangent) is Tensor or type(tangent) is float):
+            return None  # NumPy tangents and the like: SlangPy's path converts them
+        tangents.append(tangent)
+    if not _large(args):
+        return None
+    out = generated.fwds(fn, args, tangents)
+    if out is None or want != "numpy":
+        return out
+    return out[0].numpy(), out[1].numpy()

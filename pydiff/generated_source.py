@@ -1,0 +1,183 @@
+"""Slang source of pydiff's generated elementwise kernels (pydiff.generated): forward values,
+``.bwds`` gradients and ``.fwds`` tangents of a user's function, four elements per thread.
+
+An argument's kind, per parameter: ``"n"`` a number (a uniform), ``"t"`` a tensor of the
+call's shape (read as float4s), ``"s"`` a one-element tensor broadcast over the call (its
+element read once per thread), ``"z"`` (tangents only) a zero tangent.
+
+    src = forward_source(fn, ("n", "n", "n", "t"), typed_loads=True)
+    src = backward_source(fn, ("s", "n", "n", "t"), sums=((3,),), scalars=(0,), typed=True)
+    src = fwds_source(fn, ("n", "n", "n", "t"), ("z", "z", "z", "t"), typed=True)
+"""
+
+from __future__ import annotations
+
+from .signature import FunctionTarget
+
+#: Threads per group for calls of more than SMALL_COUNT float4s.
+GROUP = 256
+
+
+def _header(fn: FunctionTarget, typed_loads: bool) -> str:
+    float4_in = "Buffer<float4>" if typed_loads else "StructuredBuffer<float4>"
+    return f"import {fn.module.import_spec};\ntypealias Float4In = {float4_in};\n\n"
+
+
+def _params(kinds: tuple[str, ...], name: str = "a") -> list[str]:
+    out = []
+    for i, kind in enumerate(kinds):
+        if kind in "ts":
+            out.append(f"uniform Float4In pydiff_{name}{i}")
+        elif kind == "n":
+            out.append(f"uniform float pydiff_{name}{i}")
+    return out
+
+
+def _element(kinds: tuple[str, ...], i: int, name: str = "a") -> str:
+    """The expression for argument ``i``'s element ``pydiff_k`` of float4 ``pydiff_q``."""
+    kind = kinds[i]
+    if kind == "t":
+        return f"pydiff_v{name}{i}[pydiff_k]"
+    if kind == "s":
+        return f"pydiff_s{name}{i}"
+    return "0.0" if kind == "z" else f"pydiff_{name}{i}"
+
+
+def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
+    return "".join(
+        f"        float4 pydiff_v{name}{i} = pydiff_{name}{i}[pydiff_q];\n"
+        for i, kind in enumerate(kinds)
+        if kind == "t"
+    )
+
+
+def _scalar_loads(kinds: tuple[str, ...], name: str = "a") -> str:
+    """Broadcast one-element tensors: read once per thread, before the loop."""
+    return "".join(
+        f"    float pydiff_s{name}{i} = pydiff_{name}{i}[0].x;\n"
+        for i, kind in enumerate(kinds)
+        if kind == "s"
+    )
+
+
+def _kernel(entry: str, params: list[str], prologue: str, body: str, group: int) -> str:
+    params = ["uint3 pydiff_tid: SV_DispatchThreadID", *params]
+    params += [
+        "uniform uint pydiff_count",
+        "uniform uint pydiff_tail",
+        "uniform uint pydiff_stride",
+    ]
+    joined = ",\n    ".join(params)
+    return (
+        f'[shader("compute")][numthreads({group}, 1, 1)]\nvoid {entry}(\n    {joined})\n{{\n'
+        f"{prologue}"
+        "    for (uint pydiff_q = pydiff_tid.x; pydiff_q < pydiff_count; "
+        "pydiff_q += pydiff_stride)\n    {\n"
+        f"{body}    }}\n}}\n"
+    )
+
+
+def forward_source(
+    fn: FunctionTarget, kinds: tuple[str, ...], typed_loads: bool, group: int = GROUP
+) -> str:
+    """The kernel ``pydiff_gen_fwd``: result[q] = f(args[q]) for each float4 q."""
+    call = f"{fn.name}({', '.join(_element(kinds, i) for i in range(len(kinds)))})"
+    body = (
+        _loads(kinds) + "        float4 pydiff_r;\n"
+        "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n"
+        f"            pydiff_r[pydiff_k] = {call};\n"
+        "        pydiff_result[pydiff_q] = pydiff_r;\n"
+    )
+    params = _params(kinds) + ["uniform RWStructuredBuffer<float4> pydiff_result"]
+    return _header(fn, typed_loads) + _kernel(
+        "pydiff_gen_fwd", params, _scalar_loads(kinds), body, group
+    )
+
+
+def backward_source(
+    fn: FunctionTarget,
+    kinds: tuple[str, ...],
+    sums: tuple[tuple[int, ...], ...],
+    scalars: tuple[int, ...],
+    typed: bool,
+    group: int = GROUP,
+) -> str:
+    """The kernel ``pydiff_gen_bwd``: for each float4 q, ``bwd_diff(f)`` per element with the
+    upstream gradient, then each gradient buffer j (adding the parameters in ``sums[j]``)
+    ``g_j[q] = g_j_in[q] + d`` (in the last float4 only the call's elements), and for each
+    broadcast parameter i in ``scalars`` its partials ``sg_i[q] = 0 + d_i`` into a full-shape
+    buffer the caller sums (``0 +``: the bits SlangPy's zeroed buffer gets, -0 included)."""
+    params = _params(kinds) + ["uniform Float4In pydiff_up"]
+    for j in range(len(sums)):
+        params += [
+            f"uniform RWStructuredBuffer<float4> pydiff_g{j}",
+            f"uniform Float4In pydiff_g{j}_in",
+        ]
+    params += [f"uniform RWStructuredBuffer<float4> pydiff_sg{i}" for i in scalars]
+    wanted = sorted({i for members in sums for i in members} | set(scalars))
+    body = _loads(kinds) + "        float4 pydiff_u = pydiff_up[pydiff_q];\n"
+    body += "".join(f"        float4 pydiff_d{i} = float4(0.0);\n" for i in wanted)
+    body += "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n        {\n"
+    args = []
+    for i, p in enumerate(fn.signature.params):
+        if p.no_diff:
+            args.append(_element(kinds, i))
+            continue
+        body += f"            var pydiff_p{i} = diffPair({_element(kinds, i)});\n"
+        args.append(f"pydiff_p{i}")
+    body += f"            bwd_diff({fn.name})({', '.join(args)}, pydiff_u[pydiff_k]);\n"
+    body += "".join(f"            pydiff_d{i}[pydiff_k] = pydiff_p{i}.d;\n" for i in wanted)
+    body += "        }\n        bool4 pydiff_in = pydiff_q + 1 < pydiff_count"
+    body += " ? bool4(true) : uint4(0, 1, 2, 3) < pydiff_tail;\n"
+    for j, members in enumerate(sums):
+        d = " + ".join(f"pydiff_d{i}" for i in members)
+        body += (
+            f"        float4 pydiff_o{j} = pydiff_g{j}_in[pydiff_q];\n"
+            f"        float4 pydiff_n{j} = pydiff_o{j} + asfloat(asuint({d}) ^ pydiff_zero);\n"
+            f"        pydiff_g{j}[pydiff_q] = select(pydiff_in, pydiff_n{j}, pydiff_o{j});\n"
+        )
+    body += "".join(
+        f"        pydiff_sg{i}[pydiff_q] = float4(0.0) + pydiff_d{i};\n" for i in scalars
+    )
+    # pydiff_zero (0): the sum goes through an integer op the compiler cannot fold, so the
+    # add into the buffer is not fused with the gradient's last product (an fma rounds once
+    # where SlangPy's path, adding into memory, rounds twice: other bits).
+    params.append("uniform uint pydiff_zero")
+    return _header(fn, typed) + _kernel("pydiff_gen_bwd", params, _scalar_loads(kinds), body, group)
+
+
+def fwds_source(
+    fn: FunctionTarget,
+    kinds: tuple[str, ...],
+    tangents: tuple[str, ...],
+    typed: bool,
+    group: int = GROUP,
+) -> str:
+    """The kernel ``pydiff_gen_fwds``: for each float4 q, ``fwd_diff(f)`` per element on
+    (value, tangent) pairs of the differentiable parameters: the value into ``result``, the
+    tangent into ``tangent``."""
+    args = []
+    for i, p in enumerate(fn.signature.params):
+        value = _element(kinds, i)
+        if p.no_diff:
+            args.append(value)
+        else:
+            args.append(f"diffPair({value}, {_element(tangents, i, 't')})")
+    body = (
+        _loads(kinds)
+        + _loads(tangents, "t")
+        + "        float4 pydiff_r;\n        float4 pydiff_dr;\n"
+        "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n        {\n"
+        f"            let pydiff_pair = fwd_diff({fn.name})({', '.join(args)});\n"
+        "            pydiff_r[pydiff_k] = pydiff_pair.p;\n"
+        "            pydiff_dr[pydiff_k] = pydiff_pair.d;\n        }\n"
+        "        pydiff_result[pydiff_q] = pydiff_r;\n"
+        "        pydiff_tangent[pydiff_q] = pydiff_dr;\n"
+    )
+    params = _params(kinds) + _params(tangents, "t")
+    params += [
+        "uniform RWStructuredBuffer<float4> pydiff_result",
+        "uniform RWStructuredBuffer<float4> pydiff_tangent",
+    ]
+    prologue = _scalar_loads(kinds) + _scalar_loads(tangents, "t")
+    return _header(fn, typed) + _kernel("pydiff_gen_fwds", params, prologue, body, group)
