@@ -33,7 +33,7 @@ from . import broadcast_grad
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
-from .generated_source import GROUP, backward_source, forward_source, fwds_source
+from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget
 from .storage import allocate, float4_layout
@@ -190,7 +190,7 @@ def _compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str
 
 def _launch(fn: FunctionTarget, kernel: Any, numel: int, bindings: dict) -> None:
     count, group = -(-numel // 4), _group(numel)
-    threads = min(-(-count // group), MAX_GROUPS) * group
+    threads = min(-(-count // (group * CHUNK)), MAX_GROUPS) * group
     bindings.update(pydiff_count=count, pydiff_tail=numel - 4 * (count - 1), pydiff_stride=threads)
     fn.module.device.kernels.dispatch(kernel, threads, **bindings)
 
