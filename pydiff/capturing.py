@@ -54,9 +54,10 @@ def refuse(what: str) -> None:
         raise CaptureError(
             f"pydiff.capture: {what} cannot be recorded for replay. A captured step may use the "
             "ops that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int "
-            "labels, on float tensors of Vulkan devices), pydiff.nn, the optimizers, zero_grad "
-            "and Tape.backward, on tensors already on the device; copy new inputs into the "
-            "captured tensors before replay()."
+            "labels, on float32 tensors; linear takes them when in_features is a multiple of 4, "
+            "matmul(a, b) when b's columns are: see docs/capture.md), pydiff.nn, the "
+            "optimizers, zero_grad and Tape.backward, on tensors already on the device; copy "
+            "new inputs into the captured tensors before replay()."
         )
 
 

@@ -140,3 +140,54 @@ def test_what_cannot_be_replayed_is_refused(device, load):
     with pytest.raises(pydiff.CaptureError, match=r"replay\(\) inside a capture"):
         pydiff.capture(captured.replay)
     np.testing.assert_array_equal(captured.replay().numpy(), np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize(
+    "m, k, n, captures", [(4, 7, 8, True), (5, 7, 12, True), (4, 8, 6, False), (7, 8, 8, True)]
+)
+def test_matmul_shapes_that_capture(device, m, k, n, captures):
+    """matmul(a, b) runs on pydiff's kernels (and so captures) when b's columns are a
+    multiple of 4; otherwise the capture is refused with a message that says so. The
+    replay equals the eager step (NumPy's product as the independent reference)."""
+    rng = np.random.default_rng(m * 100 + k * 10 + n)
+    A, B = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n))
+    a = pydiff.tensor(A, device=device, requires_grad=True)
+    b = pydiff.tensor(B.astype(np.float32), device=device, requires_grad=True)
+    opt = optim.SGD([a, b], lr=0.0)
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            y = ops.matmul(a, b)
+        tape.backward(y, grad=np.ones((m, n), np.float32))
+        opt.step()
+        return y
+
+    step()
+    if not captures:
+        with pytest.raises(pydiff.CaptureError, match=r"b's columns are"):
+            pydiff.capture(step)
+        return
+    captured = pydiff.capture(step)
+    captured.replay()
+    y = captured.result.numpy()
+    np.testing.assert_allclose(y, A.astype(np.float64) @ B.astype(np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a.grad.numpy(), np.ones((m, n)) @ B.T, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_in_features_not_a_multiple_of_4_is_refused_clearly(device):
+    layer = nn.Linear(7, 13, seed=0, device=device)
+    opt = optim.AdamW(layer.parameters(), lr=1e-3)
+    x = pydiff.tensor(np.ones((4, 7), np.float32), device=device)
+    labels = pydiff.tensor(np.zeros(4, np.int32), device=device)
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layer(x), labels)
+        tape.backward(loss)
+        opt.step()
+
+    step()
+    with pytest.raises(pydiff.CaptureError, match=r"in_features is a multiple of 4"):
+        pydiff.capture(step)
