@@ -1,8 +1,8 @@
 """Generated compute kernels for elementwise calls of a user's function: for a call pydiff can
 see whole (every parameter a ``float``, each argument a number, a contiguous float tensor of
 the call's shape or a one-element tensor broadcast over it), a Slang kernel that imports the
-user's module and calls the function (its ``bwd_diff``, its ``fwd_diff``) per element, one
-float4 (four elements) per thread in 256-thread groups. Each gradient of a tensor of the
+user's module and calls the function (its ``bwd_diff``, its ``fwd_diff``) per element, two
+adjacent float4s (eight elements) per thread in 256-thread groups. Each gradient of a tensor of the
 call's shape is added with a plain store (every thread owns its elements: no atomics); a
 broadcast parameter's partials go to a full-shape buffer summed by the project's
 deterministic reduction (``broadcast_grad.reduce_into``), as on SlangPy's path: the same bits.

@@ -1,5 +1,5 @@
 """Slang source of pydiff's generated elementwise kernels (pydiff.generated): forward values,
-``.bwds`` gradients and ``.fwds`` tangents of a user's function, four elements per thread.
+``.bwds`` gradients and ``.fwds`` tangents of a user's function, eight elements per thread.
 
 An argument's kind, per parameter: ``"n"`` a number (a uniform), ``"t"`` a tensor of the
 call's shape (read as float4s), ``"s"`` a one-element tensor broadcast over the call (its
