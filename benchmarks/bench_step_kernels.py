@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 import pydiff
-from pydiff import nn, ops, optim
 
+from mlp_step import make_mlp_step
 from timing import describe
 
 
@@ -32,16 +32,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
     yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
-    layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]
-    opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
-
-    def step():
-        opt.zero_grad()
-        with pydiff.Tape() as tape:
-            loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
-        tape.backward(loss)
-        opt.step()
-        return loss
+    _, step = make_mlp_step(xb, yb)
 
     step()
     captured = pydiff.capture(step)

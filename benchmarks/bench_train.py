@@ -36,10 +36,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", str(planned_threads()))
 import numpy as np  # noqa: E402
 
 import pydiff  # noqa: E402
-from pydiff import nn, ops, optim  # noqa: E402
+from pydiff import optim  # noqa: E402
 from pydiff.module import library  # noqa: E402
 from pydiff.products import elementwise_kernel  # noqa: E402
 
+from mlp_step import make_mlp_step  # noqa: E402
 from timing import describe, interleaved  # noqa: E402
 
 
@@ -107,25 +108,8 @@ def main() -> None:
     xb = pydiff.tensor(X)
     yb = pydiff.tensor(Y.astype(np.int32))  # data on the device once, as in a training loop
 
-    def make_step():
-        layers = [
-            nn.Linear(64, 64, seed=0, activation="relu"),
-            nn.Linear(64, 10, seed=1),
-        ]  # relu fused
-        opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
-
-        def step():
-            opt.zero_grad()
-            with pydiff.Tape() as tape:
-                loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
-            tape.backward(loss)
-            opt.step()
-            return loss
-
-        return layers, step
-
-    layers, eager_step = make_step()
-    _, step_to_capture = make_step()
+    layers, eager_step = make_mlp_step(xb, yb)
+    _, step_to_capture = make_mlp_step(xb, yb)
     step_to_capture()  # the optimizer creates its state on its first step
     captured = pydiff.capture(step_to_capture)
 
