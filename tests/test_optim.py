@@ -82,40 +82,33 @@ def test_adamw_matches_rule(device, wd):
     np.testing.assert_allclose(got, exact, atol=1e-5, rtol=0)  # float32 rounding over 100 steps
 
 
-def test_adamw_many_parameters_of_odd_sizes(device):
-    """Six parameters (two four-parameter kernels, sizes not whole float4s): each follows the
-    rule on its own, untouched by its neighbours' ranges."""
-    rng = np.random.default_rng(4)
-    shapes = [(3,), (5, 2), (1,), (17,), (4, 4), (2, 3)]
+def _adamw_each_follows_the_rule(device, seed, shapes, steps):
+    """AdamW over parameters of ``shapes`` for ``steps`` steps; each against NumPy's rule."""
+    rng = np.random.default_rng(seed)
     starts = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[rng.standard_normal(s).astype(np.float32) for _ in range(20)] for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for _ in range(steps)] for s in shapes]
     params = [pydiff.tensor(p0, device=device, requires_grad=True) for p0 in starts]
     opt = optim.AdamW(params, lr=1e-2, weight_decay=0.05)
-    for step in range(20):
+    for step in range(steps):
         for p, g in zip(params, grads):
             p.grad.copy_from_numpy(g[step])
         opt.step()
     for p, p0, g in zip(params, starts, grads):
         want = _numpy_adam(p0, g, 1e-2, 0.9, 0.999, 1e-8, 0.05, decoupled=True)
         np.testing.assert_allclose(p.numpy(), want, atol=1e-6, rtol=0)
+
+
+def test_adamw_many_parameters_of_odd_sizes(device):
+    """Six parameters (two four-parameter kernels, sizes not whole float4s): each follows the
+    rule on its own, untouched by its neighbours' ranges."""
+    _adamw_each_follows_the_rule(device, 4, [(3,), (5, 2), (1,), (17,), (4, 4), (2, 3)], 20)
 
 
 def test_adamw_chunks_of_several_float4s_with_partial_tails(device):
     """The fused kernel updates several float4s per thread (optim.OPTIM_CHUNK): parameters of
     many chunks, whose last chunk is partial, next to small ones, each follow the rule."""
-    rng = np.random.default_rng(5)
     shapes = [(70,), (33, 3), (16,), (1001,), (5,)]
-    starts = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[rng.standard_normal(s).astype(np.float32) for _ in range(5)] for s in shapes]
-    params = [pydiff.tensor(p0, device=device, requires_grad=True) for p0 in starts]
-    opt = optim.AdamW(params, lr=1e-2, weight_decay=0.05)
-    for step in range(5):
-        for p, g in zip(params, grads):
-            p.grad.copy_from_numpy(g[step])
-        opt.step()
-    for p, p0, g in zip(params, starts, grads):
-        want = _numpy_adam(p0, g, 1e-2, 0.9, 0.999, 1e-8, 0.05, decoupled=True)
-        np.testing.assert_allclose(p.numpy(), want, atol=1e-6, rtol=0)
+    _adamw_each_follows_the_rule(device, 5, shapes, 5)
     assert optim.OPTIM_CHUNK > 1 and any(-(-s[0] // 4) % optim.OPTIM_CHUNK for s in shapes)
 
 
