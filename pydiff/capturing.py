@@ -69,6 +69,41 @@ def on_replay(action: Callable[[], None]) -> None:
         rec.record_host(action)
 
 
+def check_on_replay(what: str, still_same: Callable[[], str | None]) -> None:
+    """Before every replay of the capture in progress, call ``still_same()``: it returns None
+    when the objects ``what`` names are still those the capture recorded, else a description
+    of what was replaced; replay() then refuses instead of running on the old buffers.
+    No-op outside a capture."""
+    rec = _recording.get()
+    if rec is not None:
+        rec.record_check(what, still_same)
+
+
+def same_objects(recorded: dict[str, Any], current: Callable[[], dict[str, Any]]):
+    """A ``still_same`` for check_on_replay: the named objects are the very objects
+    recorded (tensors: ``is``; strings and numbers: equal), none missing and none added.
+
+    >>> capturing.check_on_replay("nn.Linear(4, 3)",
+    ...     capturing.same_objects(layer_tensors(), layer_tensors))
+    """
+
+    def still_same() -> str | None:
+        now = current()
+        for name, obj in recorded.items():
+            value = now.get(name, _MISSING)
+            if value is not obj and not (isinstance(obj, (str, int, float)) and value == obj):
+                return f"{name} was replaced" if name in now else f"{name} was removed"
+        for name in now:
+            if name not in recorded:
+                return f"{name} was added"
+        return None
+
+    return still_same
+
+
+_MISSING = object()
+
+
 class CapturedStep:
     """What ``pydiff.capture`` returns: ``replay()`` and the captured call's ``result``."""
 
@@ -76,6 +111,7 @@ class CapturedStep:
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: captures cannot be nested")
         self._commands: list[tuple] = []
+        self._checks: list[tuple[str, Callable[[], str | None]]] = []
         self._queue: Any = None  # the CommandQueue of the one device the step uses
         self.replays = 0
         token = _recording.set(self)
@@ -120,6 +156,10 @@ class CapturedStep:
         """Host code to run at this point of every replay."""
         self._commands.append(("host", action))
 
+    def record_check(self, what: str, still_same: Callable[[], str | None]) -> None:
+        """A check run before every replay (see ``check_on_replay``)."""
+        self._checks.append((what, still_same))
+
     def record_clear(self, queue: Any, native: Any) -> None:
         """Zeroing of a SlangPy tensor."""
         self._use_device(queue)
@@ -135,6 +175,15 @@ class CapturedStep:
         """Submit the captured commands again (one command list); returns ``result``."""
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: replay() inside a capture")
+        for what, still_same in self._checks:
+            changed = still_same()
+            if changed is not None:
+                raise CaptureError(
+                    f"pydiff.capture: replay() refused: {what}: {changed} since the capture, "
+                    "and the captured kernels would still read and write the old tensors. "
+                    "Copy new values into the captured tensors instead (copy_from_numpy, "
+                    "load_state_dict, which loads in place), or capture the step again."
+                )
         self._queue.flush()
         device = self._queue.native
         encoder = device.create_command_encoder()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
+from . import capturing, ops
 from .device import Device, resolve_device
 from .creation import tensor
 from .tensor import Tensor
@@ -55,7 +55,15 @@ class Linear:
         )
 
     def __call__(self, x: Tensor) -> Tensor:
+        if capturing.recording() is not None:  # a replay must not run on a replaced W or b
+            capturing.check_on_replay(
+                f"nn.Linear({self.weight.shape[1]}, {self.weight.shape[0]})",
+                capturing.same_objects(self._tensors(), self._tensors),
+            )
         return ops.linear(x, self.weight, self.bias, self.activation)
+
+    def _tensors(self) -> dict:
+        return {"weight": self.weight, "bias": self.bias, "activation": self.activation}
 
     def parameters(self) -> list[Tensor]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])

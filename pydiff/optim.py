@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import numpy as np
+
 from . import capturing
 from .creation import zeros
 from .device import Device
@@ -69,6 +71,27 @@ class Optimizer:
     def _advance(self) -> None:
         self.step_count += 1
 
+    def _on_replay(self) -> None:
+        """What each replay of a captured step re-does (the step count, for bias correction)
+        and re-checks: that the parameters, their gradients and the state are the tensors
+        the capture recorded (a replaced one would leave the replay on the old buffers)."""
+        if capturing.recording() is None:
+            return
+        capturing.on_replay(self._advance)
+        capturing.check_on_replay(
+            f"{type(self).__name__}.step",
+            capturing.same_objects(self._tensors(), self._tensors),
+        )
+
+    def _tensors(self) -> dict[str, Any]:
+        named: dict[str, Any] = {}
+        for k, p in enumerate(self.params):
+            named[f"params[{k}]"] = p
+            named[f"params[{k}].grad"] = p.grad
+            for name, t in self.state[k].items():
+                named[f"state[{k}][{name!r}]"] = t
+        return named
+
     def zero_grad(self) -> None:
         """Zero every parameter's gradient (one submission per device)."""
         batch = _Batch()
@@ -86,23 +109,30 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned (shapes are checked)."""
+        """Restore what state_dict() returned (shapes are checked first). State buffers that
+        exist are overwritten in place, so a captured step replays on the loaded state."""
         if len(state["state"]) != len(self.params):
             raise ValueError(
                 f"load_state_dict: {len(state['state'])} parameter states for {len(self.params)} "
                 "parameters"
             )
+        for k, (p, saved) in enumerate(zip(self.params, state["state"])):
+            for name, arr in saved.items():
+                if np.shape(arr) != p.expected_numpy_shape():
+                    raise ValueError(
+                        f"load_state_dict: state '{name}' of param {k} has shape "
+                        f"{np.shape(arr)}, param {p.shape}"
+                    )
         self.defaults.update(state["defaults"])
         self.step_count = int(state["step"])
         for k, (p, saved) in enumerate(zip(self.params, state["state"])):
-            self.state[k] = {}
+            current = self.state[k]
+            for name in [n for n in current if n not in saved]:
+                del current[name]  # a fresh state: the next step creates it anew
             for name, arr in saved.items():
-                if arr.shape != p.expected_numpy_shape():
-                    raise ValueError(
-                        f"load_state_dict: state '{name}' of param {k} has shape {arr.shape}, "
-                        f"param {p.shape}"
-                    )
-                self.state[k][name] = zeros(p.shape, device=p.device).copy_from_numpy(arr)
+                if name not in current:
+                    current[name] = zeros(p.shape, device=p.device)
+                current[name].copy_from_numpy(arr)
 
     def _buffer(self, k: int, name: str) -> Tensor:
         if name not in self.state[k]:
@@ -168,7 +198,7 @@ class SGD(Optimizer):
             )
         batch.submit()
         self._advance()
-        capturing.on_replay(self._advance)
+        self._on_replay()
 
 
 class Adam(Optimizer):
@@ -220,7 +250,7 @@ class Adam(Optimizer):
 
     def step(self) -> None:
         self._advance()
-        capturing.on_replay(self._advance)
+        self._on_replay()
         h = self._hyper()
         batch = _Batch()
         fast: dict[int, list] = {}  # per device: (p, m, v) for the four-parameter kernel
