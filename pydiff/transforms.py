@@ -165,7 +165,8 @@ def hvp(fn: Shader, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
                     f"hvp: parameter '{p.name}' ({p.type_name}) is not differentiable; give None "
                     "as its direction"
                 )
-            call_args.append(x)
+            # No gradient is wanted through a fixed argument (it would warn that none comes).
+            call_args.append(x.detach() if isinstance(x, Tensor) else x)
             leaves.append(None)
             continue
         host = not isinstance(x, Tensor)
