@@ -1,6 +1,7 @@
 """Devices, module loading, compile errors, the shader library and the trap guards."""
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -10,6 +11,7 @@ import pytest
 
 import pydiff
 from conftest import SHADERS
+from pathlib import Path
 
 
 def test_available_devices_lists_what_opens():
@@ -142,25 +144,62 @@ def test_trap_warnings_at_load_and_errors_at_bwds(device):
     m.fine.bwds(x, _result=1.0)
 
 
-@pytest.mark.parametrize(
-    "sample, expected",
-    [
-        ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
-        ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
-        ("legendre_function.py", "gradcheck: True"),
-        (
-            "deterministic_gradients.py --log2 16 --runs 3",
-            "pydiff                        1 bit pattern(s)",
-        ),
-        (
-            "attention_block.py --steps 60",
-            "gradcheck of the block (layer_norm, attention, silu_and_mul, linear): True",
-        ),
-    ],
-)
+SAMPLE_RUNS = [
+    ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
+    ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
+    ("legendre_function.py", "gradcheck: True"),
+    (
+        "deterministic_gradients.py --log2 16 --runs 3",
+        "pydiff                        1 bit pattern(s)",
+    ),
+    (
+        "attention_block.py --steps 60",
+        "gradcheck of the block (layer_norm, attention, silu_and_mul, linear): True",
+    ),
+]
+
+
+@pytest.mark.parametrize("sample, expected", SAMPLE_RUNS)
 def test_samples_run(sample, expected):
     out = _run_sample(*sample.split())
     assert expected in out.stdout
+
+
+# Samples whose result is a fit: the figure they print, parsed, against the truth.
+FITTING_SAMPLES = {
+    "fit_chain.py --steps 300 --plot=": (
+        r"fitted a, b, c = ([-\d.]+), ([-\d.]+), ([-\d.]+)",
+        lambda a, b, c: abs(a - 1.5) < 0.05 and abs(b - 1.2) < 0.05 and abs(c - 0.3) < 0.05,
+    ),
+    "pinn_poisson.py --steps 300 --plot=": (
+        r"max \|u - sin\(pi x\)\| on \[0, 1\] = ([-\d.e+]+)",
+        lambda err: err < 1e-2,  # 1.0e-3 measured; the exact solution is sin(pi x)
+    ),
+    "train_mlp.py --epochs 5 --plot=": (
+        r"test accuracy ([\d.]+)%",
+        lambda acc: acc > 50.0,  # 3 classes (or 10 digits with scikit-learn): chance is <= 33%
+    ),
+}
+
+
+@pytest.mark.parametrize("sample", list(FITTING_SAMPLES))
+def test_fitting_samples_reach_the_truth(sample):
+    pattern, good = FITTING_SAMPLES[sample]
+    out = _run_sample(*sample.split())
+    found = re.search(pattern, out.stdout)
+    assert found, out.stdout[-2000:]
+    assert good(*map(float, found.groups())), found.group(0)
+    assert "Warning" not in out.stderr, out.stderr[-2000:]
+
+
+def test_every_sample_script_is_run_by_a_test():
+    run = {s.split()[0] for s in FITTING_SAMPLES}
+    run |= {s.split()[0] for s, _ in SAMPLE_RUNS}
+    helpers = {"plotting.py"}  # imported by the others
+    scripts = {p.name for p in (Path(__file__).parent.parent / "samples").glob("*.py")}
+    assert scripts - helpers <= run, (
+        f"samples not run by any test: {sorted(scripts - helpers - run)}"
+    )
 
 
 def _run_sample(*args: str) -> subprocess.CompletedProcess:

@@ -1,10 +1,17 @@
 """The docs site (docs/, mkdocs.yml): runnable examples run, the shader reference is complete.
 
-Runnable blocks: a ```python fence preceded by the line ``<!-- runnable -->`` in docs/*.md
-(invisible on the rendered site and on GitHub). The blocks of one page run in order, in one
-fresh namespace shared by that page only (like a notebook: a later block may use names an
-earlier one defined), in this process, with the repository root as the working directory
-and pydiff's default device. A failure points at the page and line of the Markdown source.
+Every ```python fence in docs/*.md runs: each is preceded by the line ``<!-- runnable -->``
+(invisible on the rendered site and on GitHub). Hidden code, an HTML comment
+``<!-- hidden-python`` ... ``-->``, runs between them: the set-up a fragment needs (a module,
+its tensors) and the checks of what it claims (``# x.grad = 2x``) against NumPy. The blocks of
+one page run in order, in one fresh namespace shared by that page only (like a notebook),
+in this process, with the repository root as the working directory and pydiff's default
+device; ``page_slang(k)`` there is the page's k-th ```slang block. A failure points at the
+page and line of the Markdown source.
+
+Every ```slang fence is either a copy of a sample (first line ``// samples/<file>``, the rest
+found in that file) or is loaded by the page's code through ``page_slang`` and passes
+``pydiff check``; so does every shader in samples/.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ MARKER = "<!-- runnable -->"
 _FENCE = re.compile(r"^(`{3,}|~{3,})([^\n]*)\n(.*?)^\1[ \t]*$", re.M | re.S)
 
 
+_HIDDEN = re.compile(r"^<!-- hidden-python[ \t]*\n(.*?)^-->[ \t]*$", re.M | re.S)
+
+
 def runnable_blocks(page: Path) -> list[tuple[int, str]]:
-    """(first line of the code, code) of every block marked runnable on ``page``."""
+    """(first line of the code, code) of every block marked runnable and every hidden block
+    on ``page``, in the page's order."""
     text = page.read_text()
     blocks = []
     for m in re.finditer(rf"^{re.escape(MARKER)}[ \t]*\n", text, re.M):
@@ -35,9 +46,19 @@ def runnable_blocks(page: Path) -> list[tuple[int, str]]:
             raise AssertionError(
                 f"{page.name}:{line}: {MARKER} must be followed directly by a ```python block"
             )
-        first_line = text.count("\n", 0, fence.start(3)) + 1
-        blocks.append((first_line, fence.group(3)))
-    return blocks
+        blocks.append((fence.start(3), fence.group(3)))
+    blocks += [(m.start(1), m.group(1)) for m in _HIDDEN.finditer(text)]
+    return [(text.count("\n", 0, start) + 1, code) for start, code in sorted(blocks)]
+
+
+def fenced_blocks(page: Path, language: str) -> list[tuple[int, str]]:
+    """(line of the fence, code) of every ```<language> block on ``page``."""
+    text = page.read_text()
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(3))
+        for m in _FENCE.finditer(text)
+        if m.group(2).strip() == language
+    ]
 
 
 PAGES = sorted(p for p in DOCS.glob("*.md") if MARKER in p.read_text())
@@ -63,12 +84,78 @@ def test_runnable_examples_exist_on_the_main_pages():
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
 def test_runnable_blocks(page: Path, monkeypatch):
+    import pydiff
+
     monkeypatch.chdir(ROOT)
-    namespace: dict = {"__name__": f"docs.{page.stem}"}
-    for first_line, code in runnable_blocks(page):
-        # Leading newlines make tracebacks show the line numbers of the Markdown file.
-        source = "\n" * (first_line - 1) + code
-        exec(compile(source, str(page.relative_to(ROOT)), "exec"), namespace)
+    slang = [code for _, code in fenced_blocks(page, "slang")]
+    namespace: dict = {"__name__": f"docs.{page.stem}", "page_slang": slang.__getitem__}
+    device = pydiff.default_device()
+    try:
+        for first_line, code in runnable_blocks(page):
+            # Leading newlines make tracebacks show the line numbers of the Markdown file.
+            source = "\n" * (first_line - 1) + code
+            exec(compile(source, str(page.relative_to(ROOT)), "exec"), namespace)
+    finally:  # process-wide settings a page shows how to change
+        pydiff.set_default_device(device)
+        pydiff.set_deterministic(False)
+        pydiff.set_zero_policy("accumulate")
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.stem)
+def test_every_python_example_runs(page: Path):
+    text = page.read_text()
+    for m in _FENCE.finditer(text):
+        if m.group(2).strip() in ("python", "py"):
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            line = text.count("\n", 0, m.start()) + 1
+            assert before.strip() == MARKER, (
+                f"docs/{page.name}:{line}: a ```python example without {MARKER} above it: make "
+                "it run (hidden set-up and checks in <!-- hidden-python ... --> blocks)"
+            )
+
+
+SLANG_EXAMPLES = [
+    (page, k, line, code)
+    for page in sorted(DOCS.glob("*.md"))
+    for k, (line, code) in enumerate(fenced_blocks(page, "slang"))
+]
+
+
+@pytest.mark.parametrize(
+    "page, k, line, code",
+    SLANG_EXAMPLES,
+    ids=[f"{p.stem}:{line}" for p, _, line, _ in SLANG_EXAMPLES],
+)
+def test_every_slang_example_is_checked(page: Path, k: int, line: int, code: str, tmp_path):
+    from pydiff.modcheck import check_module
+
+    first, _, rest = code.partition("\n")
+    copied = re.fullmatch(r"//\s*(samples/[\w./-]+\.slang)\s*", first)
+    if copied:  # a copy of a sample (checked below, with the samples)
+        squash = lambda t: re.sub(r"\s+", " ", t).strip()  # noqa: E731
+        assert squash(rest) in squash((ROOT / copied.group(1)).read_text()), (
+            f"docs/{page.name}:{line}: the example differs from {copied.group(1)}"
+        )
+        return
+    hidden = "\n".join(c for _, c in runnable_blocks(page))
+    assert f"page_slang({k})" in hidden, (
+        f"docs/{page.name}:{line}: no runnable code on the page loads this example "
+        f"(page_slang({k}) in a hidden-python block)"
+    )
+    path = tmp_path / f"{page.stem}_{line}.slang"
+    path.write_text(code)
+    bad = [r for r in check_module(path) if r.status in ("FAIL", "ERROR")]
+    assert not bad, f"docs/{page.name}:{line}: pydiff check failed: {bad}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "samples").glob("*.slang")), ids=lambda p: p.name)
+def test_every_sample_shader_passes_pydiff_check(path: Path):
+    from pydiff.modcheck import check_module
+
+    results = check_module(path)
+    assert results, f"{path.name}: no [Differentiable] function checked"
+    bad = [r for r in results if r.status in ("FAIL", "ERROR")]
+    assert not bad, f"samples/{path.name}: pydiff check failed: {bad}"
 
 
 # -- the shader library reference -----------------------------------------------------------
