@@ -169,13 +169,17 @@ def expand(
     own = _own_shape(t, p)
     shape = tuple(shape if shape is not None else own) + tuple(t.shape[len(own) :])
     grad_dtype = t.grad_dtype
-    key = ("broadcast-grad", shape, grad_dtype.full_name, ordinal)
+    numel = math.prod(shape)
+    key = ("broadcast-grad", numel, grad_dtype.full_name, ordinal)  # shapes of one size share
     if key not in device.scratch:
         # One spare element: Vulkan clears whole 4-byte words, so an odd count of halves
         # would keep its last element (SlangPy's Tensor.clear rounds the size down).
-        numel = math.prod(shape)
-        device.scratch[key] = spy.Tensor.zeros(device.native, (numel + 1,), grad_dtype).view(shape)
-    full = device.scratch[key]
+        flat = spy.Tensor.zeros(device.native, (numel + 1,), grad_dtype)
+        device.scratch[key] = [flat, None, None]  # + the last shape viewed, and its view
+    entry = device.scratch[key]
+    if entry[1] != shape:
+        entry[1], entry[2] = shape, entry[0].view(shape)
+    full = entry[2]
     scope.clear(device, full)
     values = t.native if t.shape else t.native.view((1,))
     return values.broadcast_to(shape).with_grads(grad_in=full, grad_out=full, zero=False)

@@ -151,15 +151,20 @@ def allocation_failed(nbytes: int | None, exc: Exception, what: str = "") -> Ten
 
 class BoundedDict(OrderedDict):
     """A dict keeping only the ``max_items`` most recently used entries (a read or a write
-    counts as a use); evicted values are released when nothing else refers to them.
+    counts as a use), and, with ``max_bytes``, at most that many bytes of device buffers in
+    its values (the newest entry is always kept); evicted values are released when nothing
+    else refers to them.
 
     >>> d = BoundedDict(2); d["a"] = 1; d["b"] = 2; d["a"]; d["c"] = 3; list(d)
     ['a', 'c']
     """
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, max_bytes: int | None = None) -> None:
         super().__init__()
         self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.bytes = 0  # device bytes held by the values (counted when max_bytes is set)
+        self._sizes: dict[Any, int] = {}
 
     def __getitem__(self, key: Any) -> Any:
         value = super().__getitem__(key)
@@ -167,7 +172,53 @@ class BoundedDict(OrderedDict):
         return value
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self:
+            del self[key]
         super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.max_items:
+        if self.max_bytes is not None:
+            self._sizes[key] = size = device_bytes(value)
+            self.bytes += size
+        while len(self) > self.max_items or (
+            self.max_bytes is not None and self.bytes > self.max_bytes and len(self) > 1
+        ):
             self.popitem(last=False)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.bytes -= self._sizes.pop(key, 0)
+
+    def popitem(self, last: bool = True) -> tuple:
+        key, value = super().popitem(last)
+        self.bytes -= self._sizes.pop(key, 0)
+        return key, value
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self.bytes -= self._sizes.pop(key, 0)
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self._sizes.clear()
+        self.bytes = 0
+
+
+def device_bytes(value: Any) -> int:
+    """Bytes of the distinct device buffers in ``value`` (a SlangPy buffer or tensor, or
+    lists, tuples and dicts of them); other values count 0."""
+    buffers: dict[int, int] = {}
+
+    def visit(v: Any) -> None:
+        if isinstance(v, spy.Tensor):
+            v = v.storage
+        if isinstance(v, spy.Buffer):
+            buffers[v.native_handle.value] = v.size
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+        elif isinstance(v, dict):
+            for item in v.values():
+                visit(item)
+
+    visit(value)
+    return sum(buffers.values())

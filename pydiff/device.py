@@ -32,8 +32,9 @@ from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapip
 )
 
 #: Bounds of the per-device memos (least recently used entries dropped, made again on demand):
-#: ``scratch`` holds buffers per shape, ``cached`` objects per key such as a constant's size.
+#: ``scratch`` holds buffers per size, ``cached`` objects per key such as a constant's size.
 SCRATCH_MAX_ITEMS = 256
+SCRATCH_MAX_BYTES = 512 * 2**20
 CACHED_MAX_ITEMS = 1024
 
 #: Order in which ``type="auto"`` tries backends: fastest first.
@@ -97,8 +98,9 @@ class Device:
       loaded on first use;
     - ``kernels``: compiled compute kernels and bound shader objects (``KernelCache``);
     - ``pool``: float4 storage buffers kept for reuse (``BufferPool``), one per thread;
-    - ``scratch``: gradient buffers of shapes in use, reused across calls (a dict of the
-      ``SCRATCH_MAX_ITEMS`` most recently used), one per thread;
+    - ``scratch``: gradient buffers of sizes in use, reused across calls (a dict of the
+      ``SCRATCH_MAX_ITEMS`` most recently used, ``SCRATCH_MAX_BYTES`` at most; ``scratch.bytes``
+      is what it holds), one per thread;
     - ``dtype(name)``: SlangPy's reflection of a Slang element type;
     - ``cached(key, make)``: a per-device memo for the layers above (wrapped modules, constants).
 
@@ -137,7 +139,7 @@ class Device:
         would add up each other's gradients."""
         buffers = getattr(self._per_thread, "scratch", None)
         if buffers is None:
-            buffers = self._per_thread.scratch = BoundedDict(SCRATCH_MAX_ITEMS)
+            buffers = self._per_thread.scratch = BoundedDict(SCRATCH_MAX_ITEMS, SCRATCH_MAX_BYTES)
         return buffers
 
     @property
@@ -211,6 +213,9 @@ class Device:
         self.scratch.clear()
         self.kernels.release_objects()
         self.pool.prune()
+        # slang-rhi frees a released buffer once the work submitted before it has finished;
+        # waiting lets it free them now (without it RSS on lavapipe stays up by what was held).
+        self.native.wait()
 
     def __repr__(self) -> str:
         # The ordinal tells two devices of one type and adapter apart in error messages.

@@ -84,12 +84,13 @@ def run_loop(device_type: str, warmup: int, steps: int, chunks: int = 4) -> dict
 def test_training_loop_memory_is_flat(device):
     # 1,000 steps after a warm-up of 300, in four chunks: the unbounded caches grew by
     # ~90 MB here. The first chunk may still fill the shader-object cache (~3 MB); the
-    # other three (750 steps) must be flat.
+    # other three (750 steps) must be flat: within 6 MB (malloc's arenas move by ~3 MB from run
+    # to run on a loaded machine; the leak this guards against is ~65 MB over 750 steps).
     report = run_loop(device.type, warmup=300, steps=1000)
     rss = report["rss"]
     growth, late = rss[-1] - rss[0], rss[-1] - rss[1]
     assert growth < 8.0, f"resident memory grew by {growth:.1f} MB over 1,000 steps: {rss}"
-    assert late < 3.0, f"resident memory grew by {late:.1f} MB over the last 750 steps: {rss}"
+    assert late < 6.0, f"resident memory grew by {late:.1f} MB over the last 750 steps: {rss}"
     sizes = report["sizes"]
     assert sizes["objects"] <= kernels.OBJECTS_MAX
     assert sizes["object_bytes"] <= kernels.OBJECTS_MAX_BYTES
@@ -176,3 +177,106 @@ def test_device_memos_are_bounded(device):
     # pydiff's own memo (the library as a Module) is made again on demand after eviction
     x = pydiff.tensor(np.array([0.25, -2.0]), device=device)
     np.testing.assert_allclose(pydiff.ops.exp(x).numpy(), np.exp([0.25, -2.0]), rtol=1e-6)
+
+
+# ---- many call shapes (issue 21, 2.5): broadcast-gradient scratch buffers are bounded ----
+
+# .bwds of s * x with s a (1,) tensor broadcast over x, over three rounds of 200 shapes of
+# distinct sizes (2-D and 1-D, up to ~0.8 MB of gradient each: ~80 MB a round if every one
+# were kept), scratch bounded to 8 MB and the buffer pool to 16 MB here. Prints RSS (MB)
+# after each round and after empty_cache, what scratch held, and s.grad against the sum of
+# the sizes. glibc's mmap threshold is fixed (env) so that freed buffers leave RSS instead
+# of staying in its heap, and each figure is taken after the device is idle (slang-rhi
+# frees released buffers then).
+SHAPES = r"""
+import gc, json, os, sys
+import numpy as np
+from pydiff import buffer_pool, device as device_module
+device_module.SCRATCH_MAX_BYTES = 8 * 2**20
+buffer_pool.POOL_MAX_BYTES = 16 * 2**20
+import pydiff
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+dev = pydiff.create_device(sys.argv[1])
+m = pydiff.load_module_from_source(
+    "scaled", "[Differentiable] float scaled(float s, float x) { return s * x; }", device=dev
+)
+s = pydiff.tensor([0.5], device=dev, requires_grad=True)
+def call(shape):  # s.grad += sum(x) = its size
+    m.scaled.bwds(s, pydiff.tensor(np.ones(shape, np.float32), device=dev), _result=1.0)
+
+call((4, 4))
+total, peak, rss = 16, 0, []
+for round in range(3):
+    for k in range(200):
+        n = 1000 + 1009 * k + 3 * round
+        shape = (n // 7, 7) if k % 2 else (n,)
+        call(shape)
+        total += int(np.prod(shape))
+        peak = max(peak, dev.scratch.bytes)
+    gc.collect()
+    dev.native.wait()  # released buffers are freed once the work before them is done
+    rss.append(rss_mb())
+dev.empty_cache()
+gc.collect()
+rss.append(rss_mb())
+print(json.dumps({"rss": rss, "peak_scratch": peak,
+                  "emptied": [dev.scratch.bytes, len(dev.scratch)],
+                  "grad": float(s.grad.numpy()[0]), "total": total}))
+"""
+
+
+def test_many_call_shapes_keep_scratch_memory_bounded(device):
+    out = subprocess.run(
+        [sys.executable, "-c", SHAPES, device.type],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", "MALLOC_MMAP_THRESHOLD_": "131072"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(report["grad"], report["total"], rtol=1e-6)
+    assert 0 < report["peak_scratch"] <= 8 * 2**20 + 900_000  # the newest one is kept
+    assert report["emptied"] == [0, 0]
+    first, second, third, emptied = report["rss"]
+    # Kept buffers would add ~80 MB a round; measured flat within 5 MB.
+    assert third - first < 30, f"RSS grew over rounds of new shapes: {report}"
+    assert emptied <= third + 1
+
+
+def test_scratch_is_reused_by_size_not_shape(device):
+    m = pydiff.load_module_from_source(
+        "scaled_by_size",
+        "[Differentiable] float scaled(float s, float x) { return s * x; }",
+        device=device,
+    )
+    s = pydiff.tensor([0.5], device=device, requires_grad=True)
+    device.empty_cache()
+    for shape in [(24,), (4, 6), (6, 4), (2, 3, 4)]:  # one size: one buffer
+        m.scaled.bwds(s, pydiff.tensor(np.full(shape, 2.0), device=device), _result=1.0)
+    keys = [k for k in device.scratch if k[0] == "broadcast-grad"]
+    assert len(keys) == 1, keys
+    np.testing.assert_allclose(s.grad.numpy(), [4 * 24 * 2.0])
+
+
+def test_bounded_dict_counts_device_bytes():
+    import slangpy as spy
+
+    dev = pydiff.default_device()
+    d = buffer_pool.BoundedDict(10, max_bytes=10_000)
+    d["a"] = spy.Tensor.zeros(dev.native, (1000,), "float")  # 4,000 bytes
+    t = spy.Tensor.zeros(dev.native, (1000,), "float")
+    d["b"] = [t, t.view((10, 100))]  # one buffer, counted once
+    assert d.bytes == 8000
+    d["c"] = {"x": spy.Tensor.zeros(dev.native, (1000,), "float")}
+    assert list(d) == ["b", "c"] and d.bytes == 8000  # "a" evicted
+    d["huge"] = spy.Tensor.zeros(dev.native, (10_000,), "float")  # over the bound alone: kept
+    assert list(d) == ["huge"] and d.bytes == 40_000
+    del d["huge"]
+    assert d.bytes == 0
+    d["n"] = 5
+    assert d.pop("n") == 5 and d.bytes == 0
