@@ -39,6 +39,7 @@ from .device import (
 )
 from .capturing import CapturedStep, capture
 from .creation import empty, empty_cache, ones, tensor, zeros
+from .creation_ranges import arange, full, linspace, ones_like, rand, randn, zeros_like
 from .determinism import deterministic, is_deterministic, set_deterministic
 from .function import Function, FunctionCtx
 from .gradcheck import gradcheck
@@ -57,6 +58,8 @@ from .storage import Storage
 from .tape import Tape
 from .tensor import Tensor
 from .transforms import hessian, hvp, jvp, vjp
+from .grad_transforms import grad, value_and_grad
+from .torch_interop import from_torch, to_torch, torch_function
 from . import nn, ops, optim
 
 try:  # one place: the version pyproject.toml gives the installed package
@@ -65,6 +68,13 @@ except _NotInstalled:  # a source checkout that is not installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "zeros_like",
+    "randn",
+    "rand",
+    "ones_like",
+    "linspace",
+    "full",
+    "arange",
     "BackwardFunction",
     "CacheWarning",
     "ForwardFunction",
@@ -100,6 +110,8 @@ __all__ = [
     "deterministic",
     "empty",
     "empty_cache",
+    "from_torch",
+    "grad",
     "gradcheck",
     "hessian",
     "hvp",
@@ -118,6 +130,9 @@ __all__ = [
     "set_zero_policy",
     "shader_dir",
     "tensor",
+    "to_torch",
+    "torch_function",
+    "value_and_grad",
     "zero_policy",
     "zeros",
 ]

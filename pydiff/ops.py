@@ -14,6 +14,11 @@ the math. The ops live in ``ops_elementwise``, ``ops_linear``, ``ops_reduce`` an
 
 from __future__ import annotations
 
+import functools
+import sys
+from typing import Any, Callable
+
+from . import foreign
 from .module import library
 from .ops_elementwise import (
     add,
@@ -36,6 +41,27 @@ from .ops_elementwise import (
 from .ops_linear import ACTIVATIONS, attention, linear, matmul
 from .ops_norm import layer_norm, log_softmax, rms_norm, silu_and_mul, softmax
 from .ops_reduce import cross_entropy, mean, mse_loss, sum
+
+
+def _accepting_torch(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op``, also callable with torch tensors (torch tensors out, torch autograd)."""
+
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if "torch" in sys.modules and (call := foreign.handler(args, kwargs)) is not None:
+            return call(op, args, kwargs)
+        return op(*args, **kwargs)
+
+    return run
+
+
+for _name in (
+    "add attention cos cross_entropy div exp gelu layer_norm linear log log_softmax matmul "
+    "mean mse_loss mul neg relu rms_norm sigmoid silu silu_and_mul sin softmax sqrt sub sum "
+    "swiglu tanh"
+).split():
+    globals()[_name] = _accepting_torch(globals()[_name])
+del _name
 
 __all__ = [
     "ACTIVATIONS",

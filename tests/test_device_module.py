@@ -192,8 +192,17 @@ def test_fitting_samples_reach_the_truth(sample):
     assert "Warning" not in out.stderr, out.stderr[-2000:]
 
 
+def test_torch_layer_sample_trains_and_its_gradients_match_torch():
+    pytest.importorskip("torch")
+    out = _run_sample("torch_layer.py", "--steps", "300", "--plot=")
+    diff = re.search(r"layer gradients vs torch float64: max difference ([\d.e+-]+)", out.stdout)
+    assert diff and float(diff.group(1)) < 1e-5, out.stdout[-2000:]
+    mse = re.search(r"mse: first step ([\d.]+), last step ([\d.]+)", out.stdout)
+    assert mse and float(mse.group(2)) < 0.01 * float(mse.group(1)), out.stdout[-2000:]
+
+
 def test_every_sample_script_is_run_by_a_test():
-    run = {s.split()[0] for s in FITTING_SAMPLES}
+    run = {s.split()[0] for s in FITTING_SAMPLES} | {"torch_layer.py"}
     run |= {s.split()[0] for s, _ in SAMPLE_RUNS}
     helpers = {"plotting.py"}  # imported by the others
     scripts = {p.name for p in (Path(__file__).parent.parent / "samples").glob("*.py")}

@@ -1,0 +1,127 @@
+"""``pydiff.grad`` and ``pydiff.value_and_grad``: JAX-style gradients of Python functions
+of pydiff tensors, run on a tape of their own.
+
+    df = pydiff.grad(lambda x: pydiff.ops.sum(pydiff.ops.mul(x, x)))
+    df(np.array([1.0, 2.0]))                      # array([2., 4.])
+    loss, (gw, gb) = pydiff.value_and_grad(loss_fn, argnums=(0, 1))(w, b, x)
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .creation import tensor as make_tensor
+from .tape import Tape
+from .tensor import Tensor
+
+
+def _argnums(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+    single = isinstance(argnums, numbers.Integral) and not isinstance(argnums, bool)
+    items = (argnums,) if single else tuple(argnums)
+    out = []
+    for a in items:
+        if not isinstance(a, numbers.Integral) or isinstance(a, bool):
+            raise TypeError(f"{what}: argnums must be ints, got {a!r}")
+        if not -count <= a < count:
+            raise ValueError(
+                f"{what}: argnums={a} is out of range for {count} positional arguments"
+            )
+        out.append(int(a) % count)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: argnums {items} name one argument twice")
+    if not out:
+        raise ValueError(f"{what}: argnums is empty")
+    return tuple(out)
+
+
+def _leaf(value: Any, index: int, what: str) -> Tensor:
+    """A fresh tensor with gradients holding ``value``: the caller's tensor keeps its own
+    gradient buffers untouched (the values are shared, not copied)."""
+    if isinstance(value, Tensor):
+        if value.scalar_type not in ("float", "half"):
+            raise TypeError(
+                f"{what}: argument {index} has dtype {value.dtype!r}; gradients need a float dtype"
+            )
+        return value.detach().requires_grad_(True)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
+        raise TypeError(
+            f"{what}: argument {index} is a {type(value).__name__}; differentiate with respect "
+            "to pydiff tensors, NumPy arrays, lists or numbers"
+        )
+    try:
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what}: argument {index} is not an array of numbers: {exc}") from None
+    return make_tensor(arr, requires_grad=True)
+
+
+def _as_given(grad: Tensor, given: Any) -> Any:
+    """The gradient in the form the argument was given: number, array or tensor."""
+    if isinstance(given, Tensor):
+        return grad
+    values = grad.numpy()
+    if isinstance(given, numbers.Real):
+        return float(values.reshape(-1)[0])
+    return values.reshape(np.shape(given))
+
+
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, *, _name: str = "value_and_grad"
+) -> Callable[..., tuple[Any, Any]]:
+    """A function returning ``(fn(*args), gradient)``: the gradient of fn's one-element
+    result with respect to the positional arguments ``argnums`` (an int: one gradient; a
+    tuple: a tuple of them), each in the form it was given (tensor, NumPy array, number).
+
+    >>> vg = pydiff.value_and_grad(lambda w, x: ops.mean(ops.mul(w, x)), argnums=0)
+    >>> loss, gw = vg(w, x)                # loss: a one-element tensor; gw: like w
+    """
+    if not callable(fn):
+        raise TypeError(f"{_name}: fn must be callable, not {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        what = f"{_name}({getattr(fn, '__name__', 'fn')})"
+        nums = _argnums(argnums, len(args), what)
+        leaves = {i: _leaf(args[i], i, what) for i in nums}
+        call_args = [leaves.get(i, a) for i, a in enumerate(args)]
+        with Tape() as tape:
+            out = fn(*call_args, **kwargs)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"{what}: fn returned a {type(out).__name__}; it must return a one-element "
+                "pydiff tensor (e.g. ops.sum(...) or ops.mean(...))"
+            )
+        if out.numel != 1:
+            raise ValueError(
+                f"{what}: fn returned a tensor of shape {out.shape}; grad needs a one-element "
+                "result (reduce it with ops.sum or ops.mean)"
+            )
+        if out.requires_grad and out.producer is tape:
+            tape.backward(out)
+        for leaf in leaves.values():
+            if out is leaf:  # fn returned its argument: d out / d out = 1
+                leaf.grad.fill(1.0)
+        grads = tuple(_as_given(leaves[i].grad, args[i]) for i in nums)
+        single = isinstance(argnums, numbers.Integral)
+        return out, grads[0] if single else grads
+
+    return run
+
+
+def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0) -> Callable[..., Any]:
+    """The gradient function of ``fn`` (see ``value_and_grad``): returns only the gradient.
+
+    >>> dsq = pydiff.grad(lambda x: ops.sum(ops.mul(x, x)))
+    >>> dsq(np.array([1.0, -3.0]))         # array([ 2., -6.], dtype=float32)
+    """
+    both = value_and_grad(fn, argnums, _name="grad")
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return both(*args, **kwargs)[1]
+
+    return run
