@@ -61,6 +61,7 @@ from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
 from .torch_interop import from_torch, to_torch, torch_function
 from . import nn, ops, optim
+from . import tensor_api  # noqa: F401 (provides Tensor's operators and methods)
 
 try:  # one place: the version pyproject.toml gives the installed package
     __version__ = _version("pydiff")

@@ -8,20 +8,21 @@ module.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True)); x.gr
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import slangpy as spy
 
-from . import capturing
+from . import capturing, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape, shape_tuple
 from .storage import dims, float4_layout, has_c_strides, read_back
+from .tensor_operators import TensorOperators
 
 
-class Tensor(GradBuffers):
+class Tensor(GradBuffers, TensorOperators):
     """A tensor on a device with optional gradient buffers ``grad_in`` and ``grad_out``.
 
     ``grad_in`` holds the upstream gradient a backward reads for values the call wrote;
@@ -160,8 +161,8 @@ class Tensor(GradBuffers):
         if self._grad_out is not None:
             grads = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
         return (
-            f"pydiff.Tensor(shape={self.shape}, dtype={self.dtype}, device={self._device.type}"
-            f"{grads})"
+            f"pydiff.Tensor({tensor_methods.call('values_text', self)}, shape={self.shape}, "
+            f"dtype={self.dtype}, device={self._device.type}{grads})"
         )
 
     # --- data in and out ---------------------------------------------------------------
@@ -318,14 +319,16 @@ class Tensor(GradBuffers):
         self.storage.wrote("a host write (zeroing)", everything=True)
         return self
 
-    def reshape(self, shape: Sequence[int]) -> "Tensor":
+    def reshape(self, *shape: Any) -> "Tensor":
         """A view of the same contiguous storage with another shape, sharing this tensor's
         gradient buffers (viewed in the new shape: a gradient through the view lands in
         ``x.grad``). ``x.detach().reshape(...)`` is a view without gradients.
 
-        >>> flat = x.reshape((x.numel,))
+        >>> flat = x.reshape((x.numel,))       # or x.reshape(x.numel), x.reshape(2, -1)
         """
-        shape = shape_tuple(shape)
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = shape[0]
+        shape = _with_inferred_axis(tuple(shape), self.numel)
         if math.prod(shape) != self.numel:
             raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
         if not self._native.is_contiguous():
@@ -403,3 +406,15 @@ def float4_ready(*tensors: Tensor) -> bool:
         if not t.float4:
             return False
     return True
+
+
+def _with_inferred_axis(shape: tuple, numel: int) -> tuple[int, ...]:
+    """``shape`` with one -1 replaced by what the other sizes leave (NumPy's rule)."""
+    if sum(1 for n in shape if isinstance(n, int) and n == -1) > 1:
+        raise ValueError(f"reshape: only one axis may be -1, got {shape}")
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        if known == 0 or numel % known:
+            raise ValueError(f"reshape: cannot view {numel} elements as shape {shape}")
+        shape = tuple(numel // known if n == -1 else n for n in shape)
+    return shape_tuple(shape)

@@ -1,0 +1,214 @@
+"""A tensor you can compute with: operators, NumPy indexing, transpose, astype and math
+methods of ``Tensor``, all differentiable and recorded on the active tape.
+
+Operators and math methods are the ops (``x + y`` is ``ops.add(x, y)``, NumPy broadcasting,
+numbers and arrays as operands). Indexing, ``transpose`` and ``astype`` are
+``pydiff.Function``s computed on the host (one read and one upload, like NumPy on the
+values): their backward puts the gradient back where the values came from, so a gradient
+reaches only the elements a slice selected.
+
+    y = (x[1:, ::2] * 2.0 - 1.0).sum()
+    z = (w.T @ x).tanh().mean()
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from . import capturing, ops, tensor_methods
+from .creation import ones, tensor as make_tensor
+from .function import Function
+from .storage import dtype_name, element_shape
+from .tensor import Tensor
+
+_FLOATS = ("float", "half")
+
+
+def _index_kinds_ok(key: Any) -> None:
+    for item in key if isinstance(key, tuple) else (key,):
+        if item is Ellipsis or isinstance(item, slice):
+            continue
+        if isinstance(item, (numbers.Integral, np.integer)) and not isinstance(item, bool):
+            continue
+        raise TypeError(
+            f"Tensor[...]: an index of type {type(item).__name__} ({item!r}) is not supported; "
+            "use ints (negative too), slices (with steps), ... and tuples of them"
+        )
+
+
+class _Take(Function):
+    """Elements at flat positions ``where`` (an int array of the result's shape)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, where: np.ndarray) -> Tensor:
+        elem = x.expected_numpy_shape()[len(x.shape) :]
+        values = x.numpy().reshape((x.numel,) + elem)[where.reshape(-1)]
+        ctx.where, ctx.numel, ctx.elem, ctx.shape = where, x.numel, elem, x.shape
+        return make_tensor(values.reshape(where.shape + elem), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        g = np.asarray(grad.numpy(), np.float64).reshape((-1,) + ctx.elem)
+        full = np.zeros((ctx.numel,) + ctx.elem)
+        np.add.at(full, ctx.where.reshape(-1), g)
+        return full.reshape(ctx.shape + ctx.elem)
+
+
+def getitem(x: Tensor, key: Any) -> Tensor:
+    """``x[key]``: NumPy's basic indexing (a one-element result has shape (1,))."""
+    _index_kinds_ok(key)
+    where = np.arange(x.numel).reshape(x.shape)[key]  # NumPy's rules and IndexErrors
+    where = np.asarray(where)
+    if where.size == 0:
+        raise IndexError(f"Tensor[{key!r}] of a tensor of shape {x.shape} selects no elements")
+    if where.ndim == 0:
+        where = where.reshape((1,))
+    return _Take.apply(x, where)
+
+
+class _Transpose(Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, axes: tuple) -> Tensor:
+        n = len(x.shape)
+        extra = tuple(range(n, len(x.expected_numpy_shape())))
+        ctx.inverse = tuple(np.argsort(axes)) + extra
+        values = np.transpose(x.numpy(), tuple(axes) + extra)
+        return make_tensor(np.ascontiguousarray(values), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return np.transpose(np.asarray(grad.numpy(), np.float64), ctx.inverse)
+
+
+def transpose(x: Tensor, axes: tuple) -> Tensor:
+    """``x.transpose(*axes)`` / ``x.T``: axes reversed, or permuted as given."""
+    n = len(x.shape)
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    axes = tuple(range(n))[::-1] if not axes else tuple(axes)
+    if sorted(a % n if isinstance(a, int) and -n <= a < n else -1 for a in axes) != list(range(n)):
+        raise ValueError(f"transpose: axes {axes} are not a permutation of {n} axes")
+    return _Transpose.apply(x, tuple(a % n for a in axes))
+
+
+class _AsType(Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, name: str) -> Tensor:
+        ctx.source = x.dtype
+        return make_tensor(x.numpy(), dtype=name, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return grad.numpy().astype(np.float64)
+
+
+def astype(x: Tensor, dtype: Any) -> Tensor:
+    """A copy converted to ``dtype``; between float and half the gradient converts back."""
+    name = dtype_name(dtype)
+    if element_shape(x.device.dtype(name)) != x.expected_numpy_shape()[len(x.shape) :]:
+        raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
+    if name == x.dtype:
+        return x.clone()
+    if x.dtype in _FLOATS and name in _FLOATS:
+        return _AsType.apply(x, name)
+    return make_tensor(x.detach().numpy(), dtype=name, device=x.device)  # no gradient: ints
+
+
+class _Ones(Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.shape = x.expected_numpy_shape()
+        return ones(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return np.zeros(ctx.shape)
+
+
+def power(x: Tensor, exponent: Any) -> Tensor:
+    """``x ** exponent`` for an integer exponent (products: exact everywhere, negative x
+    included) or 0.5 (``sqrt``)."""
+    if isinstance(exponent, bool) or not isinstance(exponent, numbers.Real):
+        raise TypeError(
+            f"x ** {type(exponent).__name__}: the exponent must be a number (an int or 0.5)"
+        )
+    if exponent == 0.5:
+        return ops.sqrt(x)
+    if exponent != int(exponent):
+        raise NotImplementedError(
+            f"x ** {exponent}: pydiff has integer exponents and 0.5; for x > 0 write "
+            f"(x.log() * {exponent}).exp() (its derivative at 0 is not the limit)"
+        )
+    n = int(exponent)
+    if n < 0:
+        return ops.div(1.0, power(x, -n))
+    if n == 0:  # 1 everywhere (inf and NaN included, as NumPy), gradient 0: on the tape
+        return _Ones.apply(x)
+    if n == 1:
+        return ops.mul(x, 1.0)  # a new tensor on the tape, the same values
+    result, base = None, x
+    while n:  # by squaring: ~log2(n) products
+        if n & 1:
+            result = base if result is None else ops.mul(result, base)
+        n >>= 1
+        if n:
+            base = ops.mul(base, base)
+    return result
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """``a @ b`` as NumPy: 2-D by 2-D, or a 1-D vector on either side."""
+    a = a if isinstance(a, Tensor) else make_tensor(np.asarray(a, np.float32))
+    b = b if isinstance(b, Tensor) else make_tensor(np.asarray(b, np.float32), device=a.device)
+    if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
+        raise ValueError(f"a @ b: shapes {a.shape} and {b.shape}; pydiff multiplies 1-D and 2-D")
+    a2 = a.reshape(1, a.shape[0]) if len(a.shape) == 1 else a
+    b2 = b.reshape(b.shape[0], 1) if len(b.shape) == 1 else b
+    out = ops.matmul(a2, b2)
+    if len(a.shape) == 1 and len(b.shape) == 1:
+        return out.reshape(1)
+    if len(a.shape) == 1 or len(b.shape) == 1:
+        return out.reshape(out.numel)
+    return out
+
+
+def values_text(x: Tensor) -> str:
+    """The values for ``repr`` (NumPy's summary of large arrays)."""
+    if capturing.recording() is not None:
+        return "<values: inside a capture>"
+    try:
+        values = x.numpy()
+    except Exception as exc:  # a repr must not raise
+        return f"<values unavailable: {type(exc).__name__}>"
+    return np.array2string(
+        values, threshold=64, edgeitems=3, precision=6, separator=", ", prefix="pydiff.Tensor("
+    )
+
+
+for _name, _implementation in {
+    "getitem": getitem,
+    "transpose": transpose,
+    "astype": astype,
+    "pow": power,
+    "matmul": matmul,
+    "values_text": values_text,
+    "add": ops.add,
+    "sub": ops.sub,
+    "mul": ops.mul,
+    "div": ops.div,
+    "neg": ops.neg,
+    "sum": ops.sum,
+    "mean": ops.mean,
+    "exp": ops.exp,
+    "log": ops.log,
+    "tanh": ops.tanh,
+    "sqrt": ops.sqrt,
+    "sin": ops.sin,
+    "cos": ops.cos,
+    "sigmoid": ops.sigmoid,
+    "relu": ops.relu,
+}.items():
+    tensor_methods.provide(_name, _implementation)

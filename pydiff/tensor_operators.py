@@ -1,0 +1,105 @@
+"""The operators and NumPy-like methods of ``Tensor`` (``x + y``, ``x[1:3]``, ``x.T``,
+``x.sum()``): each runs what ``pydiff.tensor_api`` provides through ``tensor_methods``, so
+they are differentiable and recorded on the active tape like the ops they call.
+
+    y = (x * 2.0 + 1.0)[1:3].sum()      # ops.mul, ops.add, a slice, ops.sum
+    z = w.T @ x                         # a transposed copy, ops.matmul
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import tensor_methods
+
+
+class TensorOperators:
+    """Mixed into ``Tensor``: operators, indexing and math methods."""
+
+    __array_ufunc__ = None  # NumPy defers to the operators below: `array + x` stays a Tensor
+
+    def __getitem__(self, key: Any) -> Any:
+        return tensor_methods.call("getitem", self, key)
+
+    def __add__(self, other: Any) -> Any:
+        return tensor_methods.call("add", self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        return tensor_methods.call("add", other, self)
+
+    def __sub__(self, other: Any) -> Any:
+        return tensor_methods.call("sub", self, other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return tensor_methods.call("sub", other, self)
+
+    def __mul__(self, other: Any) -> Any:
+        return tensor_methods.call("mul", self, other)
+
+    def __rmul__(self, other: Any) -> Any:
+        return tensor_methods.call("mul", other, self)
+
+    def __truediv__(self, other: Any) -> Any:
+        return tensor_methods.call("div", self, other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return tensor_methods.call("div", other, self)
+
+    def __pow__(self, exponent: Any) -> Any:
+        return tensor_methods.call("pow", self, exponent)
+
+    def __matmul__(self, other: Any) -> Any:
+        return tensor_methods.call("matmul", self, other)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return tensor_methods.call("matmul", other, self)
+
+    def __neg__(self) -> Any:
+        return tensor_methods.call("neg", self)
+
+    def __pos__(self) -> Any:
+        return self
+
+    def sum(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """``pydiff.ops.sum(self, axis, keepdims)``."""
+        return tensor_methods.call("sum", self, axis, keepdims)
+
+    def mean(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """``pydiff.ops.mean(self, axis, keepdims)``."""
+        return tensor_methods.call("mean", self, axis, keepdims)
+
+    def exp(self) -> Any:
+        return tensor_methods.call("exp", self)
+
+    def log(self) -> Any:
+        return tensor_methods.call("log", self)
+
+    def tanh(self) -> Any:
+        return tensor_methods.call("tanh", self)
+
+    def sqrt(self) -> Any:
+        return tensor_methods.call("sqrt", self)
+
+    def sin(self) -> Any:
+        return tensor_methods.call("sin", self)
+
+    def cos(self) -> Any:
+        return tensor_methods.call("cos", self)
+
+    def sigmoid(self) -> Any:
+        return tensor_methods.call("sigmoid", self)
+
+    def relu(self) -> Any:
+        return tensor_methods.call("relu", self)
+
+    def transpose(self, *axes: int) -> Any:
+        """The axes reversed (or permuted as ``axes``), a copy recorded on the tape."""
+        return tensor_methods.call("transpose", self, axes)
+
+    @property
+    def T(self) -> Any:  # noqa: N802 (NumPy's name)
+        return tensor_methods.call("transpose", self, ())
+
+    def astype(self, dtype: Any) -> Any:
+        """A copy converted to ``dtype`` (float <-> half carry gradients)."""
+        return tensor_methods.call("astype", self, dtype)
