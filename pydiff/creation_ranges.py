@@ -25,8 +25,11 @@ def _shape(shape: tuple, what: str) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     for n in shape:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ValueError(f"{what}: sizes must be non-negative ints, got {shape}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(
+                f"{what}: sizes must be positive ints (a pydiff tensor has one element at "
+                f"least), got {shape}"
+            )
     if not shape:
         raise ValueError(f"{what}: give a shape, e.g. {what}(3) or {what}(2, 3)")
     return tuple(int(n) for n in shape)
@@ -54,7 +57,11 @@ def arange(
         raise ValueError(f"arange: no values from start={start}, stop={stop}, step={step}")
     if dtype is None:
         dtype = "int" if values.dtype.kind in "iu" else "float"
-        values = values.astype(np.int32 if dtype == "int" else np.float32)
+    if dtype == "int" and (values.min() < -(2**31) or values.max() >= 2**31):
+        raise ValueError(
+            f"arange: values from {values.min()} to {values.max()} do not fit dtype 'int' "
+            "(32 bits); pass dtype='float' for floats"
+        )
     return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
 
 

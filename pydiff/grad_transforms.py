@@ -15,12 +15,49 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .creation import tensor as make_tensor
+from .function import Function
 from .tape import Tape
 from .tensor import Tensor
 
 
+class _Copy(Function):
+    """A copy of ``x`` recorded with the identity's backward: a result that is an input (or
+    a view of one) then reaches it through the tape."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return grad
+
+
+def on_tape(out: Tensor, tape: Tape, inputs: Sequence[Any]) -> Tensor:
+    """``out``, or a recorded copy of it where it is an input or a view of one (nothing on
+    ``tape`` produced it, so a backward from it would not reach the input)."""
+    if out.producer is tape or not out.requires_grad:
+        return out
+    if any(isinstance(i, Tensor) and i.storage is out.storage for i in inputs):
+        with tape:
+            return _Copy.apply(out)
+    return out
+
+
+def as_data(value: Any) -> Any:
+    """A NumPy array passed as data (not differentiated): a tensor, as the ops need."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
+        if value.dtype.kind == "f":
+            return make_tensor(value.astype(np.float32))
+        if value.dtype.kind in "iu" and value.min() >= -(2**31) and value.max() < 2**31:
+            return make_tensor(value.astype(np.int32))
+    return value
+
+
 def _argnums(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
     single = isinstance(argnums, numbers.Integral) and not isinstance(argnums, bool)
+    if not single and not isinstance(argnums, (tuple, list)):
+        raise TypeError(f"{what}: argnums must be an int or a tuple of ints, got {argnums!r}")
     items = (argnums,) if single else tuple(argnums)
     out = []
     for a in items:
@@ -87,7 +124,7 @@ def value_and_grad(
         what = f"{_name}({getattr(fn, '__name__', 'fn')})"
         nums = _argnums(argnums, len(args), what)
         leaves = {i: _leaf(args[i], i, what) for i in nums}
-        call_args = [leaves.get(i, a) for i, a in enumerate(args)]
+        call_args = [leaves[i] if i in leaves else as_data(a) for i, a in enumerate(args)]
         with Tape() as tape:
             out = fn(*call_args, **kwargs)
         if not isinstance(out, Tensor):
@@ -100,11 +137,9 @@ def value_and_grad(
                 f"{what}: fn returned a tensor of shape {out.shape}; grad needs a one-element "
                 "result (reduce it with ops.sum or ops.mean)"
             )
+        out = on_tape(out, tape, list(leaves.values()))
         if out.requires_grad and out.producer is tape:
             tape.backward(out)
-        for leaf in leaves.values():
-            if out is leaf:  # fn returned its argument: d out / d out = 1
-                leaf.grad.fill(1.0)
         grads = tuple(_as_given(leaves[i].grad, args[i]) for i in nums)
         single = isinstance(argnums, numbers.Integral)
         return out, grads[0] if single else grads

@@ -25,6 +25,21 @@ from .storage import dtype_name, element_shape
 from .tensor import Tensor
 
 _FLOATS = ("float", "half")
+_OPS = (
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "exp",
+    "log",
+    "tanh",
+    "sqrt",
+    "sin",
+    "cos",
+    "sigmoid",
+    "relu",
+)
 
 
 def _index_kinds_ok(key: Any) -> None:
@@ -107,6 +122,10 @@ class _AsType(Function):
 
 def astype(x: Tensor, dtype: Any) -> Tensor:
     """A copy converted to ``dtype``; between float and half the gradient converts back."""
+    if dtype in (np.float64, "float64", "double") or (
+        isinstance(dtype, np.dtype) and dtype == np.float64
+    ):
+        raise TypeError("astype: pydiff has no float64 tensors (float, half, int, uint)")
     name = dtype_name(dtype)
     if element_shape(x.device.dtype(name)) != x.expected_numpy_shape()[len(x.shape) :]:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
@@ -135,6 +154,7 @@ def power(x: Tensor, exponent: Any) -> Tensor:
         raise TypeError(
             f"x ** {type(exponent).__name__}: the exponent must be a number (an int or 0.5)"
         )
+    x = _as_float(x)
     if exponent == 0.5:
         return ops.sqrt(x)
     if exponent != int(exponent):
@@ -161,6 +181,10 @@ def power(x: Tensor, exponent: Any) -> Tensor:
 
 def matmul(a: Any, b: Any) -> Tensor:
     """``a @ b`` as NumPy: 2-D by 2-D, or a 1-D vector on either side."""
+    for name, v in (("a", a), ("b", b)):
+        if isinstance(v, (numbers.Number, np.generic)):
+            raise TypeError(f"a @ b: {name} is a number; @ multiplies arrays (use * to scale)")
+    a, b = _as_float(a), _as_float(b)
     a = a if isinstance(a, Tensor) else make_tensor(np.asarray(a, np.float32))
     b = b if isinstance(b, Tensor) else make_tensor(np.asarray(b, np.float32), device=a.device)
     if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
@@ -173,6 +197,44 @@ def matmul(a: Any, b: Any) -> Tensor:
     if len(a.shape) == 1 or len(b.shape) == 1:
         return out.reshape(out.numel)
     return out
+
+
+def _as_float(v: Any) -> Any:
+    """An int or half tensor operand as float (the ops compute in float32; NumPy would
+    promote an int too); other operands as they are."""
+    if isinstance(v, Tensor) and v.dtype in ("int", "uint", "half"):
+        return astype(v, "float")
+    return v
+
+
+def _promoting(op: Any) -> Any:
+    def run(*operands: Any) -> Tensor:
+        return op(*[_as_float(v) for v in operands])
+
+    run.__name__ = op.__name__
+    return run
+
+
+def _reduction(op: Any) -> Any:
+    """``ops.sum``/``ops.mean`` also over a tuple of axes (one axis after another)."""
+
+    def run(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
+        x = _as_float(x)
+        if not isinstance(axis, (tuple, list)):
+            return op(x, axis, keepdims)
+        n = len(x.shape)
+        axes = sorted({a % n if isinstance(a, int) and -n <= a < n else a for a in axis})
+        if any(not isinstance(a, int) or not 0 <= a < n for a in axes) or len(axes) != len(axis):
+            raise ValueError(f"{op.__name__}: axis={axis} for a tensor of shape {x.shape}")
+        if len(axes) == n:
+            out = op(x, None, False)
+            return out.reshape((1,) * n) if keepdims else out
+        for a in reversed(axes):
+            x = op(x, a, keepdims)
+        return x
+
+    run.__name__ = op.__name__
+    return run
 
 
 def values_text(x: Tensor) -> str:
@@ -195,20 +257,8 @@ for _name, _implementation in {
     "pow": power,
     "matmul": matmul,
     "values_text": values_text,
-    "add": ops.add,
-    "sub": ops.sub,
-    "mul": ops.mul,
-    "div": ops.div,
-    "neg": ops.neg,
-    "sum": ops.sum,
-    "mean": ops.mean,
-    "exp": ops.exp,
-    "log": ops.log,
-    "tanh": ops.tanh,
-    "sqrt": ops.sqrt,
-    "sin": ops.sin,
-    "cos": ops.cos,
-    "sigmoid": ops.sigmoid,
-    "relu": ops.relu,
+    **{name: _promoting(getattr(ops, name)) for name in _OPS},
+    "sum": _reduction(ops.sum),
+    "mean": _reduction(ops.mean),
 }.items():
     tensor_methods.provide(_name, _implementation)

@@ -8,9 +8,19 @@ they are differentiable and recorded on the active tape like the ops they call.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
+import numpy as np
+
 from . import tensor_methods
+
+# Operands of the arithmetic operators; anything else gives Python's TypeError.
+_OPERANDS = (numbers.Real, np.ndarray, np.generic, list, tuple)
+
+
+def _operand(other: Any) -> bool:
+    return isinstance(other, _OPERANDS) or isinstance(other, TensorOperators)
 
 
 class TensorOperators:
@@ -22,36 +32,56 @@ class TensorOperators:
         return tensor_methods.call("getitem", self, key)
 
     def __add__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("add", self, other)
 
     def __radd__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("add", other, self)
 
     def __sub__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("sub", self, other)
 
     def __rsub__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("sub", other, self)
 
     def __mul__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("mul", self, other)
 
     def __rmul__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("mul", other, self)
 
     def __truediv__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("div", self, other)
 
     def __rtruediv__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("div", other, self)
 
     def __pow__(self, exponent: Any) -> Any:
         return tensor_methods.call("pow", self, exponent)
 
     def __matmul__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("matmul", self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
+        if not _operand(other):
+            return NotImplemented
         return tensor_methods.call("matmul", other, self)
 
     def __neg__(self) -> Any:
@@ -60,13 +90,44 @@ class TensorOperators:
     def __pos__(self) -> Any:
         return self
 
-    def sum(self, axis: int | None = None, keepdims: bool = False) -> Any:
-        """``pydiff.ops.sum(self, axis, keepdims)``."""
+    def sum(
+        self, axis: Any = None, keepdims: bool = False, dtype: Any = None, out: Any = None
+    ) -> Any:
+        """``pydiff.ops.sum(self, axis, keepdims)``; ``axis`` may be a tuple. (``dtype`` and
+        ``out`` exist for ``np.sum(x)``: only None.)"""
+        _numpy_extras("sum", dtype, out)
         return tensor_methods.call("sum", self, axis, keepdims)
 
-    def mean(self, axis: int | None = None, keepdims: bool = False) -> Any:
-        """``pydiff.ops.mean(self, axis, keepdims)``."""
+    def mean(
+        self, axis: Any = None, keepdims: bool = False, dtype: Any = None, out: Any = None
+    ) -> Any:
+        """``pydiff.ops.mean(self, axis, keepdims)``; ``axis`` may be a tuple."""
+        _numpy_extras("mean", dtype, out)
         return tensor_methods.call("mean", self, axis, keepdims)
+
+    # --- Python conversions of the values (they read the tensor back) ------------------
+    def __bool__(self) -> bool:
+        values = self.numpy()  # type: ignore[attr-defined]
+        if values.size != 1:
+            raise ValueError(
+                f"the truth value of a tensor of shape {self.shape} is ambiguous (as in NumPy): "  # type: ignore[attr-defined]
+                "use (x != 0).any()-style reductions on the values (np.asarray(x))"
+            )
+        return bool(values.reshape(-1)[0])
+
+    def __float__(self) -> float:
+        return float(self.item())  # type: ignore[attr-defined]
+
+    def __int__(self) -> int:
+        return int(self.item())  # type: ignore[attr-defined]
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        return format(self.item(), spec)  # type: ignore[attr-defined]
+
+    def __contains__(self, value: Any) -> bool:
+        return bool(np.any(self.numpy() == value))  # type: ignore[attr-defined]
 
     def exp(self) -> Any:
         return tensor_methods.call("exp", self)
@@ -103,3 +164,8 @@ class TensorOperators:
     def astype(self, dtype: Any) -> Any:
         """A copy converted to ``dtype`` (float <-> half carry gradients)."""
         return tensor_methods.call("astype", self, dtype)
+
+
+def _numpy_extras(name: str, dtype: Any, out: Any) -> None:
+    if dtype is not None or out is not None:
+        raise TypeError(f"Tensor.{name}: dtype= and out= are not supported (only None)")

@@ -20,6 +20,7 @@ import numpy as np
 from . import foreign
 from .creation import tensor as make_tensor
 from .device import Device
+from .grad_transforms import on_tape
 from .tape import Tape
 from .tensor import Tensor
 
@@ -68,6 +69,11 @@ def from_torch(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch: t must be a torch.Tensor, not {type(t).__name__}")
     name = str(t.dtype).removeprefix("torch.")
+    if t.numel() == 0:
+        raise ValueError(
+            f"from_torch: t has shape {tuple(t.shape)}: no elements (a pydiff tensor has one "
+            "at least)"
+        )
     if name in _FROM_TORCH and dtype in (None, _FROM_TORCH[name]):
         target = _FROM_TORCH[name]
         arr = t.detach().cpu().contiguous().numpy()
@@ -78,7 +84,13 @@ def from_torch(
             raise ValueError(
                 f"from_torch: int64 values from {arr.min()} to {arr.max()} do not fit dtype 'int'"
             )
-        arr = arr.astype(np_type)
+        narrowed = arr.astype(np_type)
+        if np_type is np.float32 and np.any(np.isinf(narrowed) & np.isfinite(arr)):
+            raise ValueError(
+                f"from_torch: float64 values up to {np.abs(arr[np.isfinite(arr)]).max():.3g} "
+                "overflow dtype 'float' (largest 3.4e38)"
+            )
+        arr = narrowed
     else:
         accepted = ", ".join(f"torch.{n}" for n in _FROM_TORCH)
         asked = f" as dtype={dtype!r}" if dtype is not None else ""
@@ -136,20 +148,39 @@ def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _convert_arg(value: Any, where: str, device: Any) -> Any:
+def _describe(fn: Any, k: int) -> str:
+    params = getattr(getattr(fn, "signature", None), "params", None)
+    if params is not None and k < len(params):
+        return f"argument {k} (parameter {params[k].name!r})"
+    return f"argument {k}"
+
+
+def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
+    """A torch tensor argument as a pydiff tensor (int64 narrowed where it fits: torch's
+    labels), and torch tensors inside lists, tuples and dicts (they cannot need gradients)."""
     if is_torch_tensor(value):
-        floating = value.is_floating_point()
-        # int64 (torch's default integer, e.g. labels) converts exactly when it fits int32.
-        narrow = "int" if str(value.dtype) == "torch.int64" else None
+        if nested and value.requires_grad:
+            raise ValueError(
+                f"{where} holds a torch tensor that requires grad inside a "
+                f"{type(value).__name__}: torch autograd reaches direct positional arguments "
+                "only; pass it as one"
+            )
+        name = str(value.dtype).removeprefix("torch.")
+        if name == "float64":
+            raise TypeError(
+                f"{where} is a torch.float64 tensor; pydiff computes in float32: pass t.float()"
+            )
+        narrow = "int" if name == "int64" else None
         try:
             return from_torch(
-                value,
-                device=device,
-                requires_grad=floating and value.requires_grad,
-                dtype=narrow,
+                value, requires_grad=value.is_floating_point() and value.requires_grad, dtype=narrow
             )
-        except TypeError as exc:
-            raise TypeError(f"{where}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+    if isinstance(value, (list, tuple)):
+        return type(value)(_convert_arg(v, where, True) for v in value)
+    if isinstance(value, dict):
+        return {k: _convert_arg(v, where, True) for k, v in value.items()}
     return value
 
 
@@ -160,39 +191,65 @@ def _bridge() -> Any:
     class PydiffFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, fn: Any, kwargs: dict, *args: Any) -> Any:
-            inputs = [_convert_arg(a, f"argument {k}", None) for k, a in enumerate(args)]
+            label = getattr(fn, "__name__", None) or repr(fn)
+            inputs = [_convert_arg(a, _describe(fn, k)) for k, a in enumerate(args)]
             named = {}
             for name, value in kwargs.items():
                 if is_torch_tensor(value) and value.requires_grad:
                     raise ValueError(
-                        f"torch_function: keyword argument {name!r} requires grad; torch "
-                        "autograd gives gradients to positional arguments only: pass it "
+                        f"{label} with torch tensors: keyword argument {name!r} requires grad; "
+                        "torch autograd gives gradients to positional arguments only: pass it "
                         "positionally"
                     )
-                named[name] = _convert_arg(value, f"keyword argument {name!r}", None)
+                named[name] = _convert_arg(value, f"keyword argument {name!r}")
             with Tape() as tape:
                 result = fn(*inputs, **named)
-            outputs = result if isinstance(result, (tuple, list)) else (result,)
+            outputs = list(result) if isinstance(result, (tuple, list)) else [result]
             for k, out in enumerate(outputs):
+                if out is None:
+                    raise TypeError(
+                        f"{label} with torch tensors returned None: it must return its results "
+                        "(pydiff does not write into torch tensors, so out/inout parameters "
+                        "cannot hand results back); return them, e.g. a function result"
+                    )
                 if not isinstance(out, Tensor):
                     raise TypeError(
-                        f"torch_function: {getattr(fn, '__name__', fn)!r} returned "
-                        f"{type(out).__name__} (output {k}); it must return pydiff tensors"
+                        f"{label} with torch tensors returned {type(out).__name__} (output {k}); "
+                        "it must return pydiff tensors"
                     )
+                outputs[k] = on_tape(out, tape, inputs)
+            # The torch inputs are saved so that torch refuses a second backward without
+            # retain_graph, as for its own functions.
+            ctx.save_for_backward(*[a for a in args if is_torch_tensor(a)])
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
+            ctx.from_torch = [is_torch_tensor(a) for a in args]
             torch_out = [to_torch(out) for out in outputs]
             ctx.mark_non_differentiable(*[t for t in torch_out if not t.is_floating_point()])
             return tuple(torch_out) if isinstance(result, (tuple, list)) else torch_out[0]
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx: Any, *grads: Any) -> Any:
+            # Grad mode is on in a create_graph=True backward: the gradients handed back
+            # would carry no graph, so a gradient penalty would silently add nothing.
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "pydiff: double backward (create_graph=True) through pydiff is not "
+                    "supported: its gradients carry no torch graph"
+                )
+            _ = ctx.saved_tensors  # raises if this graph was freed by an earlier backward
+            leaves = [
+                v
+                for v, torch_made in zip(ctx.inputs, ctx.from_torch)
+                if torch_made and isinstance(v, Tensor) and v.requires_grad
+            ]
+            for leaf in leaves:  # each backward hands torch this backward's gradient only
+                leaf.zero_grad()
             for out, grad in zip(ctx.outputs, grads):
                 if grad is not None and out.requires_grad and out.producer is ctx.tape:
                     ctx.tape.backward(out, grad=grad.detach().cpu().numpy())
             result = [None, None]
-            for value in ctx.inputs:
-                wanted = isinstance(value, Tensor) and value.requires_grad
+            for value, torch_made in zip(ctx.inputs, ctx.from_torch):
+                wanted = torch_made and isinstance(value, Tensor) and value.requires_grad
                 result.append(to_torch(value.grad) if wanted else None)
             return tuple(result)
 

@@ -89,7 +89,11 @@ def test_grad_of_a_shader_function(device):
         (lambda: pydiff.grad(lambda x: 1.0)(2.0), TypeError, "returned a float"),
         (lambda: pydiff.grad(lambda x: x, argnums=2)(1.0), ValueError, "argnums=2 is out of range"),
         (lambda: pydiff.grad(lambda x, y: x, argnums=(0, 0))(1.0, 2.0), ValueError, "twice"),
-        (lambda: pydiff.grad(lambda x: x, argnums="0")(1.0), TypeError, "argnums must be ints"),
+        (
+            lambda: pydiff.grad(lambda x: x, argnums="0")(1.0),
+            TypeError,
+            "argnums must be an int or a tuple of ints",
+        ),
         (lambda: pydiff.grad(lambda x: x)("a"), TypeError, "argument 0 is a str"),
         (lambda: pydiff.grad(lambda x: x)(True), TypeError, "argument 0 is a bool"),
         (lambda: pydiff.grad(lambda x: x)(pydiff.tensor([1])), TypeError, "dtype 'int'"),
@@ -124,7 +128,7 @@ def test_creation_ranges_match_numpy(device):
         (lambda: pydiff.arange(1, 2, 0), "step must not be 0"),
         (lambda: pydiff.arange(3, 1), "no values"),
         (lambda: pydiff.linspace(0, 1, 0), "num must be an int >= 1"),
-        (lambda: pydiff.rand(2, -1), "non-negative ints"),
+        (lambda: pydiff.rand(2, -1), "positive ints"),
         (lambda: pydiff.randn(), "give a shape"),
         (lambda: pydiff.rand(2, seed=-1), "seed must be >= 0"),
     ]:
