@@ -326,9 +326,9 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> flat = x.reshape((x.numel,))       # or x.reshape(x.numel), x.reshape(2, -1)
         """
-        if len(shape) == 1 and not isinstance(shape[0], int):
-            shape = shape[0]
-        shape = _with_inferred_axis(tuple(shape), self.numel)
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = shape[0]  # reshape((2, 3)); anything else is refused by shape_tuple
+        shape = _with_inferred_axis(shape, self.numel)
         if math.prod(shape) != self.numel:
             raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
         if not self._native.is_contiguous():
@@ -408,9 +408,14 @@ def float4_ready(*tensors: Tensor) -> bool:
     return True
 
 
-def _with_inferred_axis(shape: tuple, numel: int) -> tuple[int, ...]:
+def _with_inferred_axis(shape: Any, numel: int) -> tuple[int, ...]:
     """``shape`` with one -1 replaced by what the other sizes leave (NumPy's rule)."""
-    if sum(1 for n in shape if isinstance(n, int) and n == -1) > 1:
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in shape
+    ):
+        return shape_tuple(shape)  # refuses what is not a shape, naming it
+    shape = tuple(shape)
+    if sum(1 for n in shape if n == -1) > 1:
         raise ValueError(f"reshape: only one axis may be -1, got {shape}")
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
