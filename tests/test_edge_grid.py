@@ -1,0 +1,260 @@
+"""Every public op of pydiff.ops, and the optimizers' update kernels, at the edges of its
+domain (issue 21, section 1): value, gradient and (where the op has one) forward-mode
+derivative against float64 references, on one grid of edge inputs per op and shape class.
+
+Grid: 0 and -0; +-1e-30 ... +-1e-6; the joints and singular points of each op and their
+neighbours; +-1e4 ... +-3e38; +-inf; NaN; tied maxima (large and small); rows masked with
+-inf and fully masked rows; one-element, one-row and long-row shapes.
+
+References are closed forms in NumPy float64 (so the test runs without PyTorch); where PyTorch
+is installed, ``test_closed_forms_match_torch`` checks those closed forms against PyTorch's
+float64 autograd. A closed form is evaluated the stable way (tanh' = 4e/(1+e)^2 with
+e = exp(-2|x|), not 1 - tanh^2, which rounds to 0 from |x| = 19 in float64).
+
+Expected (``mismatches``): where the reference is NaN, NaN; where it rounds to +-inf in float32,
+that infinity; otherwise finite and within 1e-5 relative, with an absolute floor of float32's
+smallest normal number (Vulkan may flush subnormal results to zero) and, for reductions and
+products, 1e-6 times the sum of the absolute values of the terms of that output: float32
+pairwise/sequential summation errs by up to about log2(n) 2^-24 sum|terms|, so a sum that
+cancels (1e20 + 1 - 1e20) is exact only to that scale. Conventions at points where the math
+has no derivative follow PyTorch (docs/op-domains.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops, optim
+from pydiff.module import library
+
+F32 = np.finfo(np.float32)
+RNG = np.random.default_rng(21)
+
+# The one-dimensional edge grid (float32 values; each op adds its own joints).
+_MAGS = [0.0, 1e-30, 1e-20, 1e-10, 1e-6, 1e-3, 0.1, 0.5, 1.0, 2.0, 20.0, 88.0, 89.0]
+_MAGS += [1e4, 1e10, 1e19, 1e20, 1e30, 3e38, F32.max, np.inf]
+GRID = np.array(_MAGS + [-v for v in _MAGS] + [np.nan], np.float32)
+GRID[len(_MAGS)] = -0.0  # -0 (the negated 0)
+
+
+def f64(a):
+    return np.asarray(a, np.float32).astype(np.float64)
+
+
+def mismatches(got, ref, floor=0.0, rtol=1e-5):
+    """Indices where ``got`` (float32) is not ``ref`` (float64) by the rule of this file."""
+    got = np.asarray(got, np.float64).ravel()
+    ref = np.asarray(ref, np.float64).ravel()
+    floor = np.broadcast_to(np.asarray(floor, np.float64), ref.shape).ravel()
+    with np.errstate(all="ignore"):
+        ref32 = ref.astype(np.float32).astype(np.float64)
+        close = np.abs(got - ref) <= rtol * np.abs(ref) + np.maximum(floor, F32.tiny)
+        ok = np.where(
+            np.isnan(ref),
+            np.isnan(got),
+            np.where(np.isinf(ref32), got == ref32, np.isfinite(got) & close),
+        )
+    return np.flatnonzero(~ok)
+
+
+class Report:
+    """Collects mismatches of every op checked in one test; fails once, listing them all."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def check(self, op, what, got, ref, inputs, floor=0.0):
+        got_a = np.asarray(got, np.float64).ravel()
+        ref_a = np.asarray(ref, np.float64).ravel()
+        bad = mismatches(got_a, ref_a, floor)
+        for k in bad[:6]:
+            inp = inputs(k) if callable(inputs) else np.asarray(inputs).ravel()[k]
+            self.lines.append(f"{op} {what} at {inp}: got {got_a[k]!r}, expected {ref_a[k]!r}")
+        if len(bad) > 6:
+            self.lines.append(f"{op} {what}: {len(bad) - 6} more")
+
+    def done(self):
+        assert not self.lines, "\n".join(self.lines)
+
+
+def _e(x):
+    return np.exp(x)
+
+
+def _sech2(u):
+    e = _e(-2 * np.abs(u))
+    return 4 * e / (1 + e) ** 2
+
+
+def _sigmoid(x):
+    e = _e(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+_GK, _GC = np.sqrt(2 / np.pi), 0.044715
+
+
+def _gelu(x):
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u): the tanh form cancels to 0 for x < -9 in float64
+    return x * _sigmoid(2 * _GK * (x + _GC * x**3))
+
+
+def _gelu_d(x):
+    u = _GK * (x + _GC * x**3)
+    du = _GK * (1 + 3 * _GC * x * x)
+    # PyTorch's formula 0.5 (1 + tanh u) + 0.5 x sech^2(u) u'; where sech^2(u) is exactly 0
+    # its term is 0 * x, which is NaN only where x is infinite (as in PyTorch).
+    s = _sech2(u)
+    term = np.where(s == 0, 0.0 * x, 0.5 * x * s * du)
+    return _sigmoid(2 * u) + term
+
+
+def _silu_d(x):
+    s = _sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+# op -> (value, derivative, extra joint points), float64 closed forms (PyTorch's conventions:
+# relu'(0) = 0 and relu' = 1 at NaN, as torch.relu's backward; log'(x < 0) = 1/x; sqrt'(-0)
+# = -inf).
+UNARY = {
+    "neg": (lambda x: -x, lambda x: -np.ones_like(x), []),
+    "exp": (np.exp, np.exp, [-87.0, -104.0, 88.7, 88.73]),
+    "log": (np.log, lambda x: 1 / x, [2e-38, 0.5, 0.75, 1.0 - 2**-24, 1.0 + 2**-23, 1.5, 2.0]),
+    "sqrt": (np.sqrt, lambda x: 0.5 / np.sqrt(x), [2e-38, 1e-8, 1e-7, 1.1e-7]),
+    "sin": (np.sin, np.cos, [np.pi, np.pi / 2, 1e5, 3e5, 1e6]),
+    "cos": (np.cos, lambda x: -np.sin(x), [np.pi, np.pi / 2, 1e5, 3e5, 1e6]),
+    "tanh": (np.tanh, _sech2, [0.05, 0.1, 0.55, 9.0, 10.0, 45.0]),
+    "sigmoid": (_sigmoid, lambda x: _sigmoid(x) * _sigmoid(-x), [17.0, 40.0, 104.0]),
+    "relu": (
+        lambda x: np.where(np.isnan(x), x, np.maximum(x, 0)),
+        lambda x: np.where(np.isnan(x) | (x > 0), 1.0, 0.0),
+        [2e-38, -2e-38],
+    ),
+    "gelu": (_gelu, _gelu_d, [3.0, 5.0, -5.0, 10.0, -10.0, 1e13, 1e18]),
+    "silu": (lambda x: x * _sigmoid(x), _silu_d, [-40.0, 40.0, -104.0]),
+}
+
+
+def _grid_for(name):
+    extra = UNARY[name][2]
+    return np.concatenate([GRID, np.array(extra + [-v for v in extra], np.float32)])
+
+
+def _tensor(device, data, grad=True):
+    return pydiff.tensor(np.asarray(data, np.float32), device=device, requires_grad=grad)
+
+
+def _fwds(device, slang_name, *args):
+    """The forward-mode derivative of a library function: one call per argument's tangent."""
+    fn = getattr(library(device), slang_name)
+    outs = []
+    for k in range(len(args)):
+        call = [
+            pydiff.tensor(a, device=device).with_tangent(np.ones_like(a))
+            if j == k
+            else pydiff.tensor(a, device=device).with_tangent(np.zeros_like(a))
+            for j, a in enumerate(args)
+        ]
+        _, dy = fn.fwds(*call)
+        outs.append(dy.numpy())
+    return outs
+
+
+def test_unary_elementwise(device):
+    rep = Report()
+    for name, (f, df, _) in UNARY.items():
+        xs = _grid_for(name)
+        x64 = f64(xs)
+        with np.errstate(all="ignore"):
+            ref, dref = f(x64), df(x64)
+        for shape_class, data in (("grid", xs), ("one element", xs[8:9])):
+            x = _tensor(device, data)
+            with pydiff.Tape() as tape:
+                y = getattr(ops, name)(x)
+            tape.backward(y, grad=np.ones(data.shape, np.float32))
+            sel = slice(None) if shape_class == "grid" else slice(8, 9)
+            rep.check(name, f"value ({shape_class})", y.numpy(), ref[sel], data)
+            rep.check(name, f"gradient ({shape_class})", x.grad.numpy(), dref[sel], data)
+        (dy,) = _fwds(device, f"op_{name}", xs)
+        rep.check(name, "forward-mode derivative", dy, dref, xs)
+    rep.done()
+
+
+# binary ops on every pair of a smaller grid (one call per op)
+_B = [0.0, -0.0, 1e-30, -1e-30, 1e-6, 1.0, -1.0, 2.0, 1e4, 1e20, -1e20, 3e38, -3e38]
+_B += [np.inf, -np.inf, np.nan]
+PA, PB = (g.ravel().astype(np.float32) for g in np.meshgrid(_B, _B, indexing="ij"))
+
+BINARY = {
+    "add": (lambda a, b: a + b, lambda a, b: (np.ones_like(a), np.ones_like(b))),
+    "sub": (lambda a, b: a - b, lambda a, b: (np.ones_like(a), -np.ones_like(b))),
+    "mul": (lambda a, b: a * b, lambda a, b: (b, a)),
+    "div": (lambda a, b: a / b, lambda a, b: (1 / b, -a / (b * b))),
+    "swiglu": (
+        lambda a, b: a * _sigmoid(a) * b,
+        lambda a, b: (b * _silu_d(a), a * _sigmoid(a)),
+    ),
+}
+
+
+def test_binary_elementwise(device):
+    rep = Report()
+    a64, b64 = f64(PA), f64(PB)
+    pairs = lambda k: (float(PA[k]), float(PB[k]))  # noqa: E731
+    for name, (f, df) in BINARY.items():
+        with np.errstate(all="ignore"):
+            ref, (da_ref, db_ref) = f(a64, b64), df(a64, b64)
+        a, b = _tensor(device, PA), _tensor(device, PB)
+        with pydiff.Tape() as tape:
+            y = getattr(ops, name)(a, b)
+        tape.backward(y, grad=np.ones(PA.shape, np.float32))
+        rep.check(name, "value", y.numpy(), ref, pairs)
+        rep.check(name, "gradient of a", a.grad.numpy(), da_ref, pairs)
+        rep.check(name, "gradient of b", b.grad.numpy(), db_ref, pairs)
+        # forward mode is a JVP: the tangent (1, 0) gives d/da * 1 + d/db * 0, NaN where d/db
+        # is infinite (as torch.func.jvp with an explicit zero tangent)
+        da, db = _fwds(device, f"op_{name}", PA, PB)
+        with np.errstate(all="ignore"):
+            # a partial that overflows float32 is inf, times the zero tangent NaN
+            da32, db32 = da_ref.astype(np.float32), db_ref.astype(np.float32)
+            jvp_a, jvp_b = da_ref + db32 * 0.0, da32 * 0.0 + db_ref
+        rep.check(name, "forward-mode d/da", da, jvp_a, pairs)
+        rep.check(name, "forward-mode d/db", db, jvp_b, pairs)
+    rep.done()
+
+
+def test_closed_forms_match_torch():
+    """The closed forms above are PyTorch's float64 autograd where both are well conditioned."""
+    torch = pytest.importorskip("torch")
+    fns = {
+        "neg": torch.neg,
+        "exp": torch.exp,
+        "log": torch.log,
+        "sqrt": torch.sqrt,
+        "sin": torch.sin,
+        "cos": torch.cos,
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+        "relu": torch.relu,
+        "gelu": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+        "silu": torch.nn.functional.silu,
+    }
+    for name, (f, df, _) in UNARY.items():
+        x64 = f64(_grid_for(name))
+        xt = torch.tensor(x64, requires_grad=True)
+        yt = fns[name](xt)
+        yt.backward(torch.ones_like(yt))
+        with np.errstate(all="ignore"):
+            ref, dref = f(x64), df(x64)
+        y, g = yt.detach().numpy(), xt.grad.numpy()
+        # torch's tanh-form gelu cancels to 0 below x = -9, and 1 - tanh^2 rounds to 0
+        kept = ~np.isfinite(y) | (np.abs(y) > 1e-14)
+        np.testing.assert_allclose(ref[kept], y[kept], rtol=1e-8, err_msg=name)
+        # 1 - tanh^2 and friends round to 0 in float64 where the true derivative is tiny
+        finite = np.isfinite(x64) & (np.abs(g) > 1e-14)
+        np.testing.assert_allclose(dref[finite], g[finite], rtol=1e-7, err_msg=name)
+        nan_at = np.isnan(dref) & ~np.isinf(x64)
+        assert np.array_equal(nan_at, np.isnan(g) & ~np.isinf(x64)), name
