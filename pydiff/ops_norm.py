@@ -20,10 +20,10 @@ from .tensor import Tensor
 
 def softmax_rows(z2: Tensor, scale: float, log_space: bool) -> Tensor:
     lib = library(z2.device)
-    lse = empty((z2.shape[0],), device=z2.device)
-    lib.softmax_lse(spy.grid((z2.shape[0],)), z2, float(scale), lse)
+    stats = empty((z2.shape[0], 2), device=z2.device)  # the row max and log-sum, apart
+    lib.softmax_stats(spy.grid((z2.shape[0],)), z2, float(scale), stats)
     out = empty(z2.shape, device=z2.device)
-    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), lse, int(log_space), out)
+    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), stats, int(log_space), out)
     return out
 
 
