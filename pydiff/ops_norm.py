@@ -108,24 +108,24 @@ class _RMSNorm(Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         lib = library(x.device)
-        batch = x.shape[0]
-        inv_rms = empty((batch,), device=x.device)
-        lib.rms_norm_inv(spy.grid((batch,)), x.detach(), float(eps), inv_rms)
+        stats = empty((x.shape[0], 2), device=x.device)  # row scale and scaled RMS
+        lib.rms_norm_stats(spy.grid((x.shape[0],)), x.detach(), float(eps), stats)
         y = empty(x.shape, device=x.device)
-        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), y)
-        ctx.save_for_backward(x, weight, inv_rms)  # inv_rms saved: no recomputation
+        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), stats, weight.detach(), y)
+        ctx.save_for_backward(x, weight, stats)  # statistics saved: no recomputation
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, inv_rms = ctx.saved_tensors
+        x, weight, stats = ctx.saved_tensors
         lib = library(x.device)
+        xd, wd, gd = x.detach(), weight.detach(), g.detach()
         c = empty((x.shape[0],), device=x.device)
-        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), x.detach(), weight.detach(), g.detach(), c)
+        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), xd, stats, wd, gd, c)
         dx = empty(x.shape, device=x.device)
-        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), c, dx)
+        lib.rms_norm_dx(spy.grid(x.shape), xd, stats, wd, gd, c, dx)
         dw = empty(weight.shape, device=x.device)
-        lib.rms_norm_dw(spy.grid(weight.shape), x.detach(), inv_rms, g.detach(), dw)
+        lib.rms_norm_dw(spy.grid(weight.shape), xd, stats, gd, dw)
         return dx, dw
 
 
@@ -150,28 +150,28 @@ class _LayerNorm(Function):
         lib = library(x.device)
         x2 = rows_view("layer_norm", x)
         rows, n = x2.shape
-        mu, r = empty((rows,), device=x.device), empty((rows,), device=x.device)
-        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), mu, r)
+        stats = empty((rows, 3), device=x.device)  # row scale, scaled mean and deviation
+        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), stats)
         w = weight.detach() if weight is not None else _constant(x.device, n, 1.0)
         b = bias.detach() if bias is not None else _constant(x.device, n, 0.0)
         y = empty(x.shape, device=x.device)
-        lib.layer_norm_apply(spy.grid(x2.shape), x2, mu, r, w, b, y.reshape(x2.shape))
+        lib.layer_norm_apply(spy.grid(x2.shape), x2, stats, w, b, y.reshape(x2.shape))
         ctx.affine = (weight is not None, bias is not None)
-        ctx.save_for_backward(x, w, mu, r)  # row statistics saved: no recomputation
+        ctx.save_for_backward(x, w, stats)  # row statistics saved: no recomputation
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w, mu, r = ctx.saved_tensors
+        x, w, stats = ctx.saved_tensors
         lib = library(x.device)
         x2 = rows_view("layer_norm", x)
         g2 = g.detach().reshape(x2.shape)
         c = empty((x2.shape[0], 2), device=x.device)
-        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, mu, r, w, g2, c)
+        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, stats, w, g2, c)
         dx = empty(x.shape, device=x.device)
-        lib.layer_norm_dx(spy.grid(x2.shape), x2, mu, r, w, g2, c, dx.reshape(x2.shape))
+        lib.layer_norm_dx(spy.grid(x2.shape), x2, stats, w, g2, c, dx.reshape(x2.shape))
         dw, db = empty((x2.shape[1],), device=x.device), empty((x2.shape[1],), device=x.device)
-        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, mu, r, g2, dw, db)
+        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, stats, g2, dw, db)
         has_w, has_b = ctx.affine  # one gradient per tensor input: None inputs are not counted
         return (dx,) + ((dw,) if has_w else ()) + ((db,) if has_b else ())
 

@@ -71,7 +71,10 @@ class Report:
         ref_a = np.asarray(ref, np.float64).ravel()
         bad = mismatches(got_a, ref_a, floor)
         for k in bad[:6]:
-            inp = inputs(k) if callable(inputs) else np.asarray(inputs).ravel()[k]
+            if isinstance(inputs, str):
+                inp = f"{inputs}[{k}]"
+            else:
+                inp = inputs(k) if callable(inputs) else np.asarray(inputs).ravel()[k]
             self.lines.append(f"{op} {what} at {inp}: got {got_a[k]!r}, expected {ref_a[k]!r}")
         if len(bad) > 6:
             self.lines.append(f"{op} {what}: {len(bad) - 6} more")
@@ -395,4 +398,143 @@ def test_cross_entropy_tied_maxima(device):
     _check_cross_entropy(device, rep, ROWS[CE_TIED], LABELS[CE_TIED])
     long = _shape_classes(ROWS)[-1][1]
     _check_cross_entropy(device, rep, long, np.array([5]))
+    rep.done()
+
+
+# ---------------------------------------------------------------- norms and silu_and_mul
+NORM_ROWS = np.array(
+    [
+        [0.0, -0.0, 0.0, 0.0, 0.0, 0.0],
+        [1e20] * 6,  # constant, large
+        [1e20, -1e20, 0.0, 1.0, 2.0, 3.0],
+        [1e-30, -1e-30, 2e-30, 0.0, 0.0, 0.0],
+        [3e38, 3e38, -3e38, 0.0, 0.0, 0.0],
+        [-3e38, -3e38, -3e38, 3e38, 3e38, 3e38],
+        [1e4, 1e4 + 1, 1e4 - 1, 1e4 + 2, 1e4, 1e4 - 2],
+        [1e-6, -1e-6, 0.0, 1.0, -1.0, 2.0],
+        [BIG] * 6,
+        [INF, 0.0, 1.0, 2.0, 3.0, 4.0],
+        [NAN, 0.0, 1.0, 2.0, 3.0, 4.0],
+        [-INF, INF, 0.0, 0.0, 0.0, 0.0],
+    ],
+    np.float32,
+)
+W6 = np.array([0.5, -1.5, 2.0, 1.0, -0.25, 3.0], np.float32)
+B6 = np.array([0.1, 0.0, -0.3, 1.0, 2.0, -1.0], np.float32)
+
+
+def _layer_norm_ref(x, w, b, g, eps):
+    """Value, gradients and their floors: float32 rounds x - mean to ulp(max |x|), an error
+    in xh of about 2^-24 max|x| / sd (cancellation when the mean is large against the spread),
+    so each floor counts 1e-6 (|xh| + max|x| / sd) per xh it holds."""
+    with np.errstate(all="ignore"):
+        mu = np.mean(x, axis=1, keepdims=True)
+        sd = np.sqrt(np.mean((x - mu) ** 2, axis=1, keepdims=True) + eps)
+        xh = (x - mu) / sd
+        e = 1e-6 * (np.abs(xh) + np.max(np.abs(x), axis=1, keepdims=True) / sd)
+        gh = g * w
+        c1, c2 = np.mean(gh, axis=1, keepdims=True), np.mean(gh * xh, axis=1, keepdims=True)
+        dx = (gh - c1 - xh * c2) / sd
+        scale = np.abs(gh) + np.mean(np.abs(gh), 1, keepdims=True)
+        floor_dx = (
+            1e-6 * (scale + np.abs(xh) * np.mean(np.abs(gh * xh), 1, keepdims=True))
+            + e * np.mean(np.abs(gh), 1, keepdims=True)
+        ) / sd
+        return (
+            xh * w + b,
+            e * np.abs(w) + 1e-6 * np.abs(b),
+            dx,
+            floor_dx,
+            np.sum(g * xh, axis=0),
+            np.sum(np.abs(g) * e, axis=0),
+            np.sum(g, axis=0),
+            1e-6 * np.sum(np.abs(g), axis=0),
+        )
+
+
+def _rms_norm_ref(x, w, g, eps):
+    with np.errstate(all="ignore"):
+        r = 1 / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + eps)
+        xh = x * r
+        c = np.mean(w * g * xh, axis=1, keepdims=True)
+        dx = r * (w * g - xh * c)
+        floor_dx = (
+            1e-6 * r * (np.abs(w * g) + np.abs(xh) * np.mean(np.abs(w * g * xh), 1, keepdims=True))
+        )
+        return xh * w, dx, floor_dx, np.sum(g * xh, axis=0), 1e-6 * np.sum(np.abs(g * xh), axis=0)
+
+
+def _norm_classes():
+    long = np.linspace(-3e38, 3e38, 4099, dtype=np.float32)[None, :]
+    return [
+        ("grid", NORM_ROWS),
+        ("one element", np.array([[3e38]], np.float32)),
+        ("one row", NORM_ROWS[2:3]),
+        ("long row", long),
+    ]
+
+
+def test_layer_norm(device):
+    rep = Report()
+    for shape_class, x0 in _norm_classes():
+        n = x0.shape[1]
+        w0 = np.resize(W6, n)
+        b0 = np.resize(B6, n)
+        g0 = RNG.standard_normal(x0.shape).astype(np.float32)
+        for affine in (True, False):
+            x = _tensor(device, x0)
+            w, b = (_tensor(device, w0), _tensor(device, b0)) if affine else (None, None)
+            with pydiff.Tape() as tape:
+                y = ops.layer_norm(x, w, b, eps=1e-5)
+            tape.backward(y, grad=g0)
+            wr, br = (w0, b0) if affine else (np.ones(n, np.float32), np.zeros(n, np.float32))
+            ref, fy, dx, fdx, dw, fdw, db, fdb = _layer_norm_ref(
+                f64(x0), f64(wr), f64(br), f64(g0), 1e-5
+            )
+            what = f"({shape_class}, affine={affine})"
+            rep.check("layer_norm", f"value {what}", y.numpy(), ref, _at(x0), fy)
+            rep.check("layer_norm", f"gradient of x {what}", x.grad.numpy(), dx, _at(x0), fdx)
+            if affine:
+                rep.check("layer_norm", f"gradient of weight {what}", w.grad.numpy(), dw, "w", fdw)
+                rep.check("layer_norm", f"gradient of bias {what}", b.grad.numpy(), db, "b", fdb)
+    rep.done()
+
+
+def test_rms_norm(device):
+    rep = Report()
+    for shape_class, x0 in _norm_classes():
+        n = x0.shape[1]
+        w0 = np.resize(W6, n)
+        g0 = RNG.standard_normal(x0.shape).astype(np.float32)
+        x, w = _tensor(device, x0), _tensor(device, w0)
+        with pydiff.Tape() as tape:
+            y = ops.rms_norm(x, w, eps=1e-6)
+        tape.backward(y, grad=g0)
+        ref, dx, fdx, dw, fdw = _rms_norm_ref(f64(x0), f64(w0), f64(g0), 1e-6)
+        rep.check("rms_norm", f"value ({shape_class})", y.numpy(), ref, _at(x0))
+        rep.check("rms_norm", f"gradient of x ({shape_class})", x.grad.numpy(), dx, _at(x0), fdx)
+        rep.check("rms_norm", f"gradient of weight ({shape_class})", w.grad.numpy(), dw, "w", fdw)
+    rep.done()
+
+
+def test_silu_and_mul(device):
+    """[gate | up] rows of every pair of the binary grid: one long row, and one row per pair."""
+    rep = Report()
+    f, df = BINARY["swiglu"]
+    with np.errstate(all="ignore"):
+        ref, (dg_ref, du_ref) = f(f64(PA), f64(PB)), df(f64(PA), f64(PB))
+    pairs = lambda k: (float(PA[k % len(PA)]), float(PB[k % len(PA)]))  # noqa: E731
+    for shape_class, x0 in (
+        ("long row", np.concatenate([PA, PB])[None, :]),
+        ("one row per pair", np.stack([PA, PB], axis=1)),
+    ):
+        x = _tensor(device, x0)
+        with pydiff.Tape() as tape:
+            y = ops.silu_and_mul(x)
+        tape.backward(y, grad=np.ones(y.shape, np.float32))
+        dx = x.grad.numpy()
+        h = x0.shape[1] // 2
+        rep.check("silu_and_mul", f"value ({shape_class})", y.numpy(), ref, pairs)
+        rep.check("silu_and_mul", f"d gate ({shape_class})", dx[:, :h], dg_ref, pairs)
+        rep.check("silu_and_mul", f"d up ({shape_class})", dx[:, h:], du_ref, pairs)
     rep.done()
