@@ -36,10 +36,10 @@ def sum_mid(x3: Tensor, scale: float) -> Tensor:
         chunk = -(-n // chunks)
         chunks = -(-n // chunk)
         out = empty((outer, chunks, inner), device=x3.device)
-        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale if chunks == 1 else 1.0), out)
+        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale), out)
         if chunks == 1:
             return out
-        x3, n = out, chunks
+        x3, n, scale = out, chunks, 1.0  # scaled once, first: a mean's partial sums stay in range
 
 
 def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[int, ...], int]:
