@@ -641,3 +641,167 @@ def test_mse_loss_difference_overflows(device):
     dref = 2 * (f64(p0) - f64(t0)) / 4
     rep.check("mse_loss", "gradient of prediction", p.grad.numpy(), dref, p0)
     rep.done()
+
+
+# ---------------------------------------------------------------- matmul, linear, attention
+# Every dot product below holds at most one term past float32's range (so the float64
+# reference does not depend on the summation order); floors 1e-6 sum_k |a_ik b_kj|.
+MM_A = np.array(
+    [
+        [0.0, -0.0, 1e-30, 1e-6],
+        [1.0, -1.0, 1e4, -1e4],
+        [3e38, 0.0, 0.0, 0.0],
+        [INF, 0.0, 0.0, 0.0],
+        [NAN, 1.0, 1.0, 1.0],
+        [1e20, 1e-20, 1e10, -1e10],
+        [-3e38, 1e-30, 0.0, 0.0],
+        [1e-30, 1e-30, 1e-30, 1e-30],
+    ],
+    np.float32,
+)
+MM_B = np.array(
+    [
+        [1.0, 0.0, 1e-6, -1.0, 1e4, 0.0, 2.0, 1e-30],
+        [1.0, 1e30, 0.0, 1.0, 1.0, -0.0, 0.5, 1.0],
+        [1.0, 1e-30, 1.0, 1e4, -1.0, 0.0, 0.25, -1.0],
+        [1.0, 0.0, 1.0, 1e4, 1.0, 0.0, 0.125, 1.0],
+    ],
+    np.float32,
+)
+
+
+def _mm_classes():
+    long_a = np.where(np.arange(4096) % 2 == 0, 1e4, -1e4).astype(np.float32)[None, :]
+    long_a[0, 7] = 1e20
+    long_b = np.ones((4096, 4), np.float32)
+    long_b[:, 1] = 1e-30
+    long_b[5, 2] = INF
+    return [
+        ("grid, N % 4 = 0", MM_A, MM_B),
+        ("grid, N = 5", MM_A, MM_B[:, :5]),
+        ("grid, K = 3", MM_A[:, :3], MM_B[:3, :5]),
+        ("one element", np.array([[3e38]], np.float32), np.array([[2.0]], np.float32)),
+        ("one element, inf * 0", np.array([[INF]], np.float32), np.array([[0.0]], np.float32)),
+        ("one row", MM_A[1:2], MM_B),
+        ("long row", long_a, long_b),
+    ]
+
+
+def _mm_ref(a, b):
+    with np.errstate(all="ignore"):
+        return a @ b, 1e-6 * (np.abs(a) @ np.abs(b))
+
+
+def test_matmul(device):
+    rep = Report()
+    for shape_class, a0, b0 in _mm_classes():
+        a, b = _tensor(device, a0), _tensor(device, b0)
+        g0 = RNG.standard_normal((a0.shape[0], b0.shape[1])).astype(np.float32)
+        with pydiff.Tape() as tape:
+            y = ops.matmul(a, b)
+        tape.backward(y, grad=g0)
+        a64, b64, g64 = f64(a0), f64(b0), f64(g0)
+        ref, floor = _mm_ref(a64, b64)
+        da, fda = _mm_ref(g64, b64.T)
+        db, fdb = _mm_ref(a64.T, g64)
+        rep.check("matmul", f"value ({shape_class})", y.numpy(), ref, "out", floor)
+        rep.check("matmul", f"gradient of a ({shape_class})", a.grad.numpy(), da, "da", fda)
+        rep.check("matmul", f"gradient of b ({shape_class})", b.grad.numpy(), db, "db", fdb)
+    rep.done()
+
+
+LIN_BIAS = np.array([0.0, -0.0, INF, 1e-30, -3e38, NAN, 1.0, -1e4], np.float32)
+
+
+def test_linear(device):
+    """linear(x, W, b) with W = B^T, with and without bias, fused relu or not (relu' = 0 at 0
+    and the upstream gradient at NaN, as ops.relu and PyTorch's relu)."""
+    rep = Report()
+    for shape_class, a0, b0 in _mm_classes():
+        w0 = np.ascontiguousarray(b0.T)
+        bias0 = np.resize(LIN_BIAS, w0.shape[0])
+        g0 = RNG.standard_normal((a0.shape[0], w0.shape[0])).astype(np.float32)
+        for has_bias in (True, False):
+            for activation in (None, "relu"):
+                x, w = _tensor(device, a0), _tensor(device, w0)
+                bias = _tensor(device, bias0) if has_bias else None
+                x64, w64, g64 = f64(a0), f64(w0), f64(g0)
+                with np.errstate(all="ignore"):
+                    pre, floor = _mm_ref(x64, w64.T)
+                    if has_bias:
+                        pre, floor = pre + f64(bias0), floor + 1e-6 * np.abs(f64(bias0))
+                    ref = pre
+                    if activation == "relu":
+                        # where float32 cannot tell the sign of x W^T + b (|pre| within the
+                        # floor, or below float32's smallest normal number) either mask is
+                        # right: the upstream gradient is 0 there
+                        g64[np.abs(pre) <= np.maximum(floor, F32.tiny)] = 0.0
+                        ref = np.where(np.isnan(pre) | (pre > 0), pre, 0.0)
+                        g64 = np.where(np.isnan(pre) | (pre > 0), g64, 0.0)
+                with pydiff.Tape() as tape:
+                    y = ops.linear(x, w, bias, activation=activation)
+                tape.backward(y, grad=g64.astype(np.float32))
+                dx, fdx = _mm_ref(g64, w64)
+                dw, fdw = _mm_ref(g64.T, x64)
+                what = f"({shape_class}, bias={has_bias}, activation={activation})"
+                rep.check("linear", f"value {what}", y.numpy(), ref, "out", floor)
+                rep.check("linear", f"gradient of x {what}", x.grad.numpy(), dx, "dx", fdx)
+                rep.check("linear", f"gradient of weight {what}", w.grad.numpy(), dw, "dw", fdw)
+                if has_bias:
+                    db, fdb = g64.sum(axis=0), 1e-6 * np.abs(g64).sum(axis=0)
+                    rep.check(
+                        "linear", f"gradient of bias {what}", bias.grad.numpy(), db, "db", fdb
+                    )
+    rep.done()
+
+
+ATT_Q = np.array(
+    [[1e4, 0.0], [0.0, 0.0], [-INF, 1.0], [NAN, 0.0], [1e19, 0.0], [1e-30, -1e-30]], np.float32
+)
+ATT_K = np.array([[1e4, 1.0], [1e4, 1.0], [1.0, 0.0], [1e-30, 2.0]], np.float32)
+ATT_V = np.array(
+    [[1.0, 1e-30, 1e30], [1.0, -1e-30, -1e30], [1e4, 0.0, 1.0], [0.0, 1.0, 2.0]], np.float32
+)
+
+
+def _attention_ref(q, k, v, g, scale):
+    with np.errstate(all="ignore"):
+        s = scale * (q @ k.T)
+        m = np.max(s, axis=1, keepdims=True)
+        e = np.exp(s - m)
+        p = e / np.sum(e, axis=1, keepdims=True)
+        out, fout = _mm_ref(p, v)
+        dv, fdv = _mm_ref(p.T, g)
+        dp, fdp = _mm_ref(g, v.T)
+        dot = np.sum(p * dp, axis=1, keepdims=True)
+        ds = scale * p * (dp - dot)
+        fds = (
+            scale * p * (fdp + np.abs(dp) * 1e-6 + np.sum(p * (np.abs(dp) + fdp), 1, keepdims=True))
+        )
+        dq, fdq = _mm_ref(ds, k)
+        dk, fdk = _mm_ref(ds.T, q)
+        fdq = fdq + fds @ np.abs(k)
+        fdk = fdk + fds.T @ np.abs(q)
+        return out, fout, dq, fdq, dk, fdk, dv, fdv
+
+
+def test_attention(device):
+    """Tied large scores (1e8 twice, 1e23 twice), uniform scores, a fully masked query (every
+    score -inf: NaN, as PyTorch's), a NaN query. Rows masked in part need a +inf or NaN score
+    here (q k = -inf * 0), so partial masking is covered by test_softmax_family."""
+    rep = Report()
+    g0 = (0.1 * RNG.standard_normal((ATT_Q.shape[0], ATT_V.shape[1]))).astype(np.float32)
+    for shape_class, sel in (("grid", slice(None)), ("one row", slice(0, 1))):
+        q0, k0, v0 = ATT_Q[sel], ATT_K, ATT_V
+        gg = g0[sel]
+        q, k, v = _tensor(device, q0), _tensor(device, k0), _tensor(device, v0)
+        with pydiff.Tape() as tape:
+            y = ops.attention(q, k, v, scale=1.0)
+        tape.backward(y, grad=gg)
+        ref = _attention_ref(f64(q0), f64(k0), f64(v0), f64(gg), 1.0)
+        out, fout, dq, fdq, dk, fdk, dv, fdv = ref
+        rep.check("attention", f"value ({shape_class})", y.numpy(), out, "out", fout)
+        rep.check("attention", f"gradient of q ({shape_class})", q.grad.numpy(), dq, "dq", fdq)
+        rep.check("attention", f"gradient of k ({shape_class})", k.grad.numpy(), dk, "dk", fdk)
+        rep.check("attention", f"gradient of v ({shape_class})", v.grad.numpy(), dv, "dv", fdv)
+    rep.done()
