@@ -805,3 +805,106 @@ def test_attention(device):
         rep.check("attention", f"gradient of k ({shape_class})", k.grad.numpy(), dk, "dk", fdk)
         rep.check("attention", f"gradient of v ({shape_class})", v.grad.numpy(), dv, "dv", fdv)
     rep.done()
+
+
+# ---------------------------------------------------------------- optimizers' update kernels
+def _optim_inputs(long):
+    """Parameter and gradient: every pair of the binary grid (256), or those pairs repeated
+    to 4099 values (the float4 kernels' padding, several threads)."""
+    p, g = PA.copy(), PB.copy()
+    return (np.resize(p, 4099), np.resize(g, 4099)) if long else (p, g)
+
+
+def _step(device, make, p0, g0, state=None):
+    p = pydiff.tensor(p0, device=device, requires_grad=True)
+    opt = make([p])
+    if state is not None:
+        opt.load_state_dict(state(opt, p))
+    p.grad.copy_from_numpy(g0)
+    opt.step()
+    return p.numpy(), opt
+
+
+def test_sgd_step(device):
+    """p - lr (g + wd p) (the first step: the momentum buffer is the gradient), then a second
+    step from a loaded buffer of edge values: buf = momentum buf + g'."""
+    rep = Report()
+    lr, mom = 0.1, 0.9
+    for long, wd in ((False, 0.01), (True, 0.01), (False, 0.0)):
+        p0, g0 = _optim_inputs(long)
+        pairs = lambda k, p0=p0, g0=g0: (float(p0[k]), float(g0[k]))  # noqa: E731
+        got, opt = _step(device, lambda ps: optim.SGD(ps, lr, mom, wd), p0, g0)
+        with np.errstate(all="ignore"):
+            gp = f64(g0) + wd * f64(p0) if wd else f64(g0)  # PyTorch adds no 0 * p
+            ref = f64(p0) - lr * gp
+            floor = 1e-6 * (np.abs(f64(p0)) + np.abs(lr * gp))
+        rep.check("SGD", f"first step (n={len(p0)}, wd={wd})", got, ref, pairs, floor)
+        rep.check("SGD", "momentum buffer", opt.state[0]["momentum_buffer"].numpy(), gp, pairs)
+        buf0 = np.resize(np.array(_B[::-1], np.float32), len(p0))
+
+        def loaded(o, p, buf0=buf0):
+            state = o.state_dict()
+            state["step"] = 1
+            state["state"][0] = {"momentum_buffer": buf0}
+            return state
+
+        got, opt = _step(device, lambda ps: optim.SGD(ps, lr, mom, wd), p0, g0, loaded)
+        with np.errstate(all="ignore"):
+            buf = mom * f64(buf0) + gp
+            ref = f64(p0) - lr * buf
+            floor = 1e-6 * (np.abs(f64(p0)) + lr * (mom * np.abs(f64(buf0)) + np.abs(gp)))
+        rep.check("SGD", f"loaded buffer (n={len(p0)}, wd={wd})", got, ref, pairs, floor)
+    rep.done()
+
+
+def _adamw_ref(p, g, m, v, t, lr, b1, b2, eps, wd):
+    """torch.optim.AdamW's step in float64 (decoupled decay, bias correction)."""
+    with np.errstate(all="ignore"):
+        p = p * (1 - lr * wd)
+        m = m + (1 - b1) * (g - m)
+        v = b2 * v + (1 - b2) * g * g
+        denom = np.sqrt(v) / np.sqrt(1 - b2**t) + eps
+        step = lr / (1 - b1**t) * (m / denom)
+        return p - step, m, v, 1e-6 * (np.abs(p) + np.abs(step))
+
+
+def test_adamw_step(device):
+    """One step from zero state, and one from a loaded state of edge moments (m, v up to
+    3e38), against the float64 formula; the moments as stored (float32) too."""
+    rep = Report()
+    for long, wd in ((False, 0.01), (True, 0.01), (False, 0.0)):
+        hp = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=wd)
+
+        def make(ps, hp=hp):
+            b = (hp["b1"], hp["b2"])
+            return optim.AdamW(ps, lr=hp["lr"], betas=b, eps=hp["eps"], weight_decay=hp["wd"])
+
+        p0, g0 = _optim_inputs(long)
+        pairs = lambda k, p0=p0, g0=g0: (float(p0[k]), float(g0[k]))  # noqa: E731
+        n = len(p0)
+        # moments as training leaves them: v >= m^2 (the step m / sqrt(v) stays bounded)
+        m0 = np.resize(np.array([0.0, 1e-30, -1.0, 1e4, -3e38, 1e20, 1e-20], np.float32), n)
+        v0 = np.minimum(2.0 * f64(m0) ** 2 + np.resize([0.0, 1.0, 1e-30], n), 3e38)
+        v0 = v0.astype(np.float32)
+        for start, state in (
+            ("zero state", None),
+            ("loaded state", (m0, v0)),
+        ):
+            loaded = None
+            if state is not None:
+
+                def loaded(o, p, m0=m0, v0=v0):
+                    s = o.state_dict()
+                    s["step"] = 4
+                    s["state"][0] = {"exp_avg": m0, "exp_avg_sq": v0}
+                    return s
+
+            got, opt = _step(device, make, p0, g0, loaded)
+            m_in, v_in, t = (f64(m0), f64(v0), 5) if state else (0.0, 0.0, 1)
+            ref, m, v, floor = _adamw_ref(f64(p0), f64(g0), m_in, v_in, t, **hp)
+            what = f"({start}, n={n}, wd={wd})"
+            rep.check("AdamW", f"parameter {what}", got, ref, pairs, floor)
+            st = opt.state[0]
+            rep.check("AdamW", f"exp_avg {what}", st["exp_avg"].numpy(), m, pairs)
+            rep.check("AdamW", f"exp_avg_sq {what}", st["exp_avg_sq"].numpy(), v, pairs)
+    rep.done()
