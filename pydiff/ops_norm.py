@@ -14,7 +14,7 @@ from .creation import empty, zeros
 from .device import Device
 from .function import Function
 from .module import library
-from .ops_args import check_last_axis, need_2d, rows_view, same_device
+from .ops_args import check_last_axis, need_2d, need_float, rows_view, same_device
 from .tensor import Tensor
 
 
@@ -58,8 +58,8 @@ def log_softmax(logits: Tensor, axis: int = -1) -> Tensor:
 
     >>> logp = pydiff.ops.log_softmax(logits)
     """
+    rows_view("log_softmax", logits, "logits")
     check_last_axis("log_softmax", axis, logits)
-    rows_view("log_softmax", logits)
     return _Softmax.apply(logits, True)
 
 
@@ -68,8 +68,8 @@ def softmax(logits: Tensor, axis: int = -1) -> Tensor:
 
     >>> p = pydiff.ops.softmax(logits)
     """
+    rows_view("softmax", logits, "logits")
     check_last_axis("softmax", axis, logits)
-    rows_view("softmax", logits)
     return _Softmax.apply(logits, False)
 
 
@@ -135,6 +135,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     >>> y = pydiff.ops.rms_norm(x, w, eps=1e-6)
     """
     need_2d("rms_norm", x=x)
+    need_float("rms_norm", weight=weight)
     same_device("rms_norm", x=x, weight=weight)
     if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
         got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
@@ -190,6 +191,7 @@ def layer_norm(
     >>> y = pydiff.ops.layer_norm(x, w, b)        # x (..., N); w, b (N,) or None
     """
     x2 = rows_view("layer_norm", x)
+    need_float("layer_norm", weight=weight, bias=bias)
     same_device("layer_norm", x=x, weight=weight, bias=bias)
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):

@@ -908,3 +908,81 @@ def test_adamw_step(device):
             rep.check("AdamW", f"exp_avg {what}", st["exp_avg"].numpy(), m, pairs)
             rep.check("AdamW", f"exp_avg_sq {what}", st["exp_avg_sq"].numpy(), v, pairs)
     rep.done()
+
+
+# ---------------------------------------------------------------- dtypes
+def _dtype_calls(device, bad):
+    """(op, argument, call) for every op family, with ``bad`` (a non-float tensor) given as
+    that argument and float tensors elsewhere."""
+    f = lambda *shape: pydiff.tensor(np.ones(shape, np.float32), device=device)  # noqa: E731
+    b = lambda *shape: pydiff.tensor(np.ones(shape, bad), device=device)  # noqa: E731
+    calls = [(name, "x", lambda n=name: getattr(ops, n)(b(4))) for name in UNARY]
+    calls += [
+        (name, "a", lambda n=name: getattr(ops, n)(b(4), f(4)))
+        for name in BINARY
+        if name != "swiglu"
+    ]
+    calls += [
+        (name, "b", lambda n=name: getattr(ops, n)(f(4), b(4)))
+        for name in BINARY
+        if name != "swiglu"
+    ]
+    calls += [
+        ("swiglu", "gate", lambda: ops.swiglu(b(4), f(4))),
+        ("swiglu", "up", lambda: ops.swiglu(f(4), b(4))),
+        ("sum", "x", lambda: ops.sum(b(2, 3))),
+        ("mean", "x", lambda: ops.mean(b(2, 3), axis=0)),
+        ("mse_loss", "prediction", lambda: ops.mse_loss(b(3), f(3))),
+        ("mse_loss", "target", lambda: ops.mse_loss(f(3), b(3))),
+        ("cross_entropy", "logits", lambda: ops.cross_entropy(b(2, 3), [0, 1])),
+        ("softmax", "logits", lambda: ops.softmax(b(2, 3))),
+        ("log_softmax", "logits", lambda: ops.log_softmax(b(2, 3))),
+        ("layer_norm", "x", lambda: ops.layer_norm(b(2, 3))),
+        ("layer_norm", "weight", lambda: ops.layer_norm(f(2, 3), b(3), f(3))),
+        ("layer_norm", "bias", lambda: ops.layer_norm(f(2, 3), f(3), b(3))),
+        ("rms_norm", "x", lambda: ops.rms_norm(b(2, 3), f(3))),
+        ("rms_norm", "weight", lambda: ops.rms_norm(f(2, 3), b(3))),
+        ("silu_and_mul", "x", lambda: ops.silu_and_mul(b(2, 4))),
+        ("matmul", "a", lambda: ops.matmul(b(2, 3), f(3, 4))),
+        ("matmul", "b", lambda: ops.matmul(f(2, 3), b(3, 4))),
+        ("linear", "x", lambda: ops.linear(b(2, 3), f(4, 3), f(4))),
+        ("linear", "weight", lambda: ops.linear(f(2, 3), b(4, 3), f(4))),
+        ("linear", "bias", lambda: ops.linear(f(2, 3), f(4, 3), b(4))),
+        ("attention", "q", lambda: ops.attention(b(2, 3), f(4, 3), f(4, 2))),
+        ("attention", "k", lambda: ops.attention(f(2, 3), b(4, 3), f(4, 2))),
+        ("attention", "v", lambda: ops.attention(f(2, 3), f(4, 3), b(4, 2))),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("bad, name", [(np.float16, "half"), (np.int32, "int"), (np.bool_, "bool")])
+def test_non_float_tensors_refused(device, bad, name):
+    """A half, int or bool tensor given to a float op: an error (TypeError, and ValueError as
+    before) naming the op, the argument, the dtype it got and the one it accepts."""
+    from pydiff.ops_args import OpDtypeError
+
+    calls = _dtype_calls(device, bad)
+    assert {c[0] for c in calls} >= set(ops.__all__) - {"ACTIVATIONS", "library"}
+    for op, arg, call in calls:
+        with pytest.raises(OpDtypeError) as err:
+            call()
+        assert isinstance(err.value, TypeError) and isinstance(err.value, ValueError)
+        want = f"{op}: {arg} has dtype {name}; {op} accepts float (float32) tensors only"
+        assert str(err.value).startswith(want), (op, arg, str(err.value))
+
+
+def test_cross_entropy_labels_of_any_exact_dtype(device):
+    """Labels are class indices: int tensors, and any values that convert exactly (bool, half
+    or float tensors and arrays holding integers) work; fractional values are refused."""
+    z = pydiff.tensor(np.array([[0.0, 1.0, 2.0], [1.0, 0.0, -1.0]], np.float32), device=device)
+    want = ops.cross_entropy(z, np.array([1, 0], np.int32)).item()
+    for labels in (
+        pydiff.tensor(np.array([1, 0], np.int32), device=device),
+        pydiff.tensor(np.array([True, False]), device=device),
+        pydiff.tensor(np.array([1.0, 0.0], np.float16), device=device),
+        np.array([1.0, 0.0]),
+        [1, 0],
+    ):
+        assert ops.cross_entropy(z, labels).item() == want
+    with pytest.raises(ValueError, match="labels must be integer class indices"):
+        ops.cross_entropy(z, np.array([0.5, 1.0]))
