@@ -1,5 +1,6 @@
 """Argument checks and views shared by pydiff's ops (not public API).
 
+need_float("exp", x=x)                 # OpDtypeError naming op, argument and dtypes otherwise
 need_2d("matmul", a=a, b=b)            # ValueError naming the argument otherwise
 x2 = rows_view("softmax", x)           # x as (rows, last dimension)
 """
@@ -12,6 +13,29 @@ import numpy as np
 
 from .device import Device
 from .tensor import Tensor
+
+
+class OpDtypeError(TypeError, ValueError):
+    """A tensor of a dtype an op does not take: a TypeError, and a ValueError as pydiff.ops
+    raised for it before.
+
+    >>> ops.exp(pydiff.tensor(np.ones(3, np.float16)))   # OpDtypeError: exp: x has dtype half
+    """
+
+
+def need_float(name: str, **values: Any) -> None:
+    """OpDtypeError naming the op, the argument, its dtype and the accepted one for any
+    tensor among ``values`` that is not float (float32): pydiff's op kernels read and write
+    float32 only, and a half, int or bool buffer read as float32 would be garbage.
+
+    >>> need_float("softmax", logits=z)
+    """
+    for arg, v in values.items():
+        if isinstance(v, Tensor) and v.dtype != "float":
+            raise OpDtypeError(
+                f"{name}: {arg} has dtype {v.dtype}; {name} accepts float (float32) tensors "
+                f"only (convert with pydiff.tensor(t.numpy().astype(np.float32)))"
+            )
 
 
 def same_device(name: str, **values: Any) -> Device:
@@ -49,15 +73,17 @@ def check_broadcast(name: str, *values: Any) -> None:
 
 
 def need_2d(name: str, **tensors: Tensor) -> None:
+    need_float(name, **tensors)
     for arg, t in tensors.items():
-        if not isinstance(t, Tensor) or len(t.shape) != 2 or t.dtype != "float":
+        if not isinstance(t, Tensor) or len(t.shape) != 2:
             got = t.shape if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: {arg} must be a 2-D float tensor, got {got}")
 
 
-def rows_view(name: str, x: Tensor) -> Tensor:
+def rows_view(name: str, x: Tensor, arg: str = "x") -> Tensor:
     """``x`` as a 2-D (rows, last dim) view, for the ops that work along the last dimension."""
-    if not isinstance(x, Tensor) or x.dtype != "float" or len(x.shape) < 1:
+    need_float(name, **{arg: x})
+    if not isinstance(x, Tensor) or len(x.shape) < 1:
         got = x.shape if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{name}: expected a float tensor with at least 1 dimension, got {got}")
     if x.numel == 0:

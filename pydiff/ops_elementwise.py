@@ -14,18 +14,14 @@ import numpy as np
 from .creation import empty, zeros
 from .function import Function
 from .module import library
-from .ops_args import check_broadcast, same_device
+from .ops_args import check_broadcast, need_float, same_device
 from .products import elementwise_kernel
 from .tensor import Tensor, float4_ready
 
 
-def _elementwise(slang_name: str, name: str):
+def _elementwise(slang_name: str, name: str, params: tuple[str, ...] = ("x",)):
     def op(*args: Any) -> Tensor:
-        for k, a in enumerate(args):
-            if isinstance(a, Tensor) and a.dtype != "float":
-                raise ValueError(
-                    f"{name}: argument {k} has dtype {a.dtype}; pydiff.ops work on float tensors"
-                )
+        need_float(name, **{p: a for p, a in zip(params, args)})
         check_broadcast(name, *args)
         lib = library(same_device(name, **{f"argument {k}": a for k, a in enumerate(args)}))
         return getattr(lib, slang_name)(*args, _result="tensor")
@@ -38,10 +34,10 @@ def _elementwise(slang_name: str, name: str):
     return op
 
 
-add = _elementwise("op_add", "add")
-sub = _elementwise("op_sub", "sub")
-mul = _elementwise("op_mul", "mul")
-div = _elementwise("op_div", "div")
+add = _elementwise("op_add", "add", ("a", "b"))
+sub = _elementwise("op_sub", "sub", ("a", "b"))
+mul = _elementwise("op_mul", "mul", ("a", "b"))
+div = _elementwise("op_div", "div", ("a", "b"))
 neg = _elementwise("op_neg", "neg")
 exp = _elementwise("op_exp", "exp")
 log = _elementwise("op_log", "log")
@@ -80,11 +76,12 @@ def relu(x: Tensor) -> Tensor:
 
     >>> y = pydiff.ops.relu(x)
     """
-    if isinstance(x, Tensor) and x.dtype == "float" and float4_ready(x):
+    need_float("relu", x=x)
+    if isinstance(x, Tensor) and float4_ready(x):
         return _Relu.apply(x)
     return _relu_slang(x)
 
 
 gelu = _elementwise("op_gelu", "gelu")
 silu = _elementwise("op_silu", "silu")
-swiglu = _elementwise("op_swiglu", "swiglu")
+swiglu = _elementwise("op_swiglu", "swiglu", ("gate", "up"))

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .function import Function
-from .ops_args import need_2d, same_device
+from .ops_args import need_2d, need_float, same_device
 from .ops_norm import softmax_rows, softmax_rows_bwd
 from .ops_reduce import sum_mid
 from .products import blocking, fast_product, product, relu_masked
@@ -139,6 +139,7 @@ def linear(
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r}; expected one of {ACTIVATIONS}")
     need_2d("linear", x=x, weight=weight)
+    need_float("linear", bias=bias)
     same_device("linear", x=x, weight=weight, bias=bias)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(

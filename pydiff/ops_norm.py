@@ -14,16 +14,16 @@ from .creation import empty, zeros
 from .device import Device
 from .function import Function
 from .module import library
-from .ops_args import check_last_axis, need_2d, rows_view, same_device
+from .ops_args import check_last_axis, need_2d, need_float, rows_view, same_device
 from .tensor import Tensor
 
 
 def softmax_rows(z2: Tensor, scale: float, log_space: bool) -> Tensor:
     lib = library(z2.device)
-    lse = empty((z2.shape[0],), device=z2.device)
-    lib.softmax_lse(spy.grid((z2.shape[0],)), z2, float(scale), lse)
+    stats = empty((z2.shape[0], 2), device=z2.device)  # the row max and log-sum, apart
+    lib.softmax_stats(spy.grid((z2.shape[0],)), z2, float(scale), stats)
     out = empty(z2.shape, device=z2.device)
-    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), lse, int(log_space), out)
+    lib.softmax_apply(spy.grid(z2.shape), z2, float(scale), stats, int(log_space), out)
     return out
 
 
@@ -58,8 +58,8 @@ def log_softmax(logits: Tensor, axis: int = -1) -> Tensor:
 
     >>> logp = pydiff.ops.log_softmax(logits)
     """
+    rows_view("log_softmax", logits, "logits")
     check_last_axis("log_softmax", axis, logits)
-    rows_view("log_softmax", logits)
     return _Softmax.apply(logits, True)
 
 
@@ -68,8 +68,8 @@ def softmax(logits: Tensor, axis: int = -1) -> Tensor:
 
     >>> p = pydiff.ops.softmax(logits)
     """
+    rows_view("softmax", logits, "logits")
     check_last_axis("softmax", axis, logits)
-    rows_view("softmax", logits)
     return _Softmax.apply(logits, False)
 
 
@@ -108,24 +108,24 @@ class _RMSNorm(Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         lib = library(x.device)
-        batch = x.shape[0]
-        inv_rms = empty((batch,), device=x.device)
-        lib.rms_norm_inv(spy.grid((batch,)), x.detach(), float(eps), inv_rms)
+        stats = empty((x.shape[0], 2), device=x.device)  # row scale and scaled RMS
+        lib.rms_norm_stats(spy.grid((x.shape[0],)), x.detach(), float(eps), stats)
         y = empty(x.shape, device=x.device)
-        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), y)
-        ctx.save_for_backward(x, weight, inv_rms)  # inv_rms saved: no recomputation
+        lib.rms_norm_apply(spy.grid(x.shape), x.detach(), stats, weight.detach(), y)
+        ctx.save_for_backward(x, weight, stats)  # statistics saved: no recomputation
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, inv_rms = ctx.saved_tensors
+        x, weight, stats = ctx.saved_tensors
         lib = library(x.device)
+        xd, wd, gd = x.detach(), weight.detach(), g.detach()
         c = empty((x.shape[0],), device=x.device)
-        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), x.detach(), weight.detach(), g.detach(), c)
+        lib.rms_norm_bwd_rows(spy.grid((x.shape[0],)), xd, stats, wd, gd, c)
         dx = empty(x.shape, device=x.device)
-        lib.rms_norm_dx(spy.grid(x.shape), x.detach(), inv_rms, weight.detach(), g.detach(), c, dx)
+        lib.rms_norm_dx(spy.grid(x.shape), xd, stats, wd, gd, c, dx)
         dw = empty(weight.shape, device=x.device)
-        lib.rms_norm_dw(spy.grid(weight.shape), x.detach(), inv_rms, g.detach(), dw)
+        lib.rms_norm_dw(spy.grid(weight.shape), xd, stats, gd, dw)
         return dx, dw
 
 
@@ -135,6 +135,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     >>> y = pydiff.ops.rms_norm(x, w, eps=1e-6)
     """
     need_2d("rms_norm", x=x)
+    need_float("rms_norm", weight=weight)
     same_device("rms_norm", x=x, weight=weight)
     if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
         got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
@@ -150,28 +151,28 @@ class _LayerNorm(Function):
         lib = library(x.device)
         x2 = rows_view("layer_norm", x)
         rows, n = x2.shape
-        mu, r = empty((rows,), device=x.device), empty((rows,), device=x.device)
-        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), mu, r)
+        stats = empty((rows, 3), device=x.device)  # row scale, scaled mean and deviation
+        lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), stats)
         w = weight.detach() if weight is not None else _constant(x.device, n, 1.0)
         b = bias.detach() if bias is not None else _constant(x.device, n, 0.0)
         y = empty(x.shape, device=x.device)
-        lib.layer_norm_apply(spy.grid(x2.shape), x2, mu, r, w, b, y.reshape(x2.shape))
+        lib.layer_norm_apply(spy.grid(x2.shape), x2, stats, w, b, y.reshape(x2.shape))
         ctx.affine = (weight is not None, bias is not None)
-        ctx.save_for_backward(x, w, mu, r)  # row statistics saved: no recomputation
+        ctx.save_for_backward(x, w, stats)  # row statistics saved: no recomputation
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w, mu, r = ctx.saved_tensors
+        x, w, stats = ctx.saved_tensors
         lib = library(x.device)
         x2 = rows_view("layer_norm", x)
         g2 = g.detach().reshape(x2.shape)
         c = empty((x2.shape[0], 2), device=x.device)
-        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, mu, r, w, g2, c)
+        lib.layer_norm_bwd_rows(spy.grid((x2.shape[0],)), x2, stats, w, g2, c)
         dx = empty(x.shape, device=x.device)
-        lib.layer_norm_dx(spy.grid(x2.shape), x2, mu, r, w, g2, c, dx.reshape(x2.shape))
+        lib.layer_norm_dx(spy.grid(x2.shape), x2, stats, w, g2, c, dx.reshape(x2.shape))
         dw, db = empty((x2.shape[1],), device=x.device), empty((x2.shape[1],), device=x.device)
-        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, mu, r, g2, dw, db)
+        lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, stats, g2, dw, db)
         has_w, has_b = ctx.affine  # one gradient per tensor input: None inputs are not counted
         return (dx,) + ((dw,) if has_w else ()) + ((db,) if has_b else ())
 
@@ -190,6 +191,7 @@ def layer_norm(
     >>> y = pydiff.ops.layer_norm(x, w, b)        # x (..., N); w, b (N,) or None
     """
     x2 = rows_view("layer_norm", x)
+    need_float("layer_norm", weight=weight, bias=bias)
     same_device("layer_norm", x=x, weight=weight, bias=bias)
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):

@@ -17,7 +17,7 @@ from . import capturing
 from .creation import empty, tensor
 from .function import Function
 from .module import library
-from .ops_args import need_2d, same_device
+from .ops_args import need_2d, need_float, same_device
 from .ops_elementwise import mul, sub
 from .tensor import Tensor, float4_ready
 
@@ -36,17 +36,17 @@ def sum_mid(x3: Tensor, scale: float) -> Tensor:
         chunk = -(-n // chunks)
         chunks = -(-n // chunk)
         out = empty((outer, chunks, inner), device=x3.device)
-        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale if chunks == 1 else 1.0), out)
+        lib.reduce_mid(spy.grid(out.shape), x3, chunk, float(scale), out)
         if chunks == 1:
             return out
-        x3, n = out, chunks
+        x3, n, scale = out, chunks, 1.0  # scaled once, first: a mean's partial sums stay in range
 
 
 def _axis_view(name: str, x: Tensor, axis: int | None) -> tuple[Tensor, tuple[int, ...], int]:
     """(x as an (outer, n, inner) view, the result shape with the axis kept as 1, n)."""
-    if not isinstance(x, Tensor) or x.dtype != "float":
-        got = f"a tensor of dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {got}")
+    need_float(name, x=x)
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name}: expected a float pydiff.Tensor, got {type(x).__name__}")
     shape = x.shape if x.shape else (1,)
     if axis is None:
         return x.detach().reshape((1, x.numel, 1)), (1,), x.numel
@@ -110,6 +110,7 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
 
     >>> loss = pydiff.ops.mse_loss(y, target)
     """
+    need_float("mse_loss", prediction=prediction, target=target)
     same_device("mse_loss", prediction=prediction, target=target)
     if prediction.shape != target.shape:
         raise ValueError(

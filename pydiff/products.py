@@ -154,9 +154,10 @@ def elementwise_kernel(
 
 
 def relu_masked(g: Tensor, y: Tensor) -> Tensor:
-    """g * [y > 0] as a new tensor (the relu backward, for the unfused paths)."""
+    """g * [not y <= 0] as a new tensor (the relu backward, for the unfused paths): 0 at 0,
+    the upstream gradient at NaN, as ops.relu, the fused kernels and PyTorch."""
     if float4_ready(g, y):
         gz = zeros(g.shape, device=g.device)
         elementwise_kernel("relu_bwd_acc4", y, x=y, g=g, dx=gz, dx_in=gz)
         return gz
-    return tensor(np.where(y.numpy() > 0, g.numpy(), 0.0).astype(np.float32), device=g.device)
+    return tensor(np.where(y.numpy() <= 0, 0.0, g.numpy()).astype(np.float32), device=g.device)

@@ -428,11 +428,9 @@ def test_linear_without_bias_and_an_untyped_gradient_buffer(device):
 
 def test_ops_refuse_non_float_tensors_and_fractional_labels(device):
     ints = pydiff.tensor(np.arange(3, dtype=np.int32), device=device)
-    with pytest.raises(ValueError, match=r"relu: argument 0 has dtype int"):
+    with pytest.raises(ValueError, match=r"relu: x has dtype int"):
         ops.relu(ints)
-    with pytest.raises(
-        ValueError, match=r"mean: expected a float pydiff.Tensor, got a tensor of dtype int"
-    ):
+    with pytest.raises(ValueError, match=r"mean: x has dtype int"):
         ops.mean(ints)
     with pytest.raises(ValueError, match=r"labels must be integer class indices"):
         ops.cross_entropy(_t(device, np.ones((2, 3))), np.array([0.5, 1.0]))
