@@ -66,10 +66,11 @@ def fast_product(
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
     # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
     # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
-    # mm_nn reading A as floats shares A instead (SHUF_A), in blocks of 16 x 8 where they fit.
-    shuf_a = kind == "mm_nn" and not a_vec and m % 16 == 0 and n % 64 == 0
+    # mm_nn and mm_tn reading A as floats share A instead (SHUF_A), in blocks of 16 (or all m
+    # below 16) x 8 where they fit: runs of 8 threads cover 64 columns.
+    shuf_a = kind != "mm_nt" and not a_vec and (m % 16 == 0 or m < 16) and n % 64 == 0
     if shuf_a:
-        rows, cols = 16, 8
+        rows, cols = min(m, 16), 8
     # C written as float4s (and read back through a typed view to add to it, beta = 1)
     c_vec = n % 4 == 0 and cols % 4 == 0
     shuf = (

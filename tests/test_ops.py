@@ -356,7 +356,9 @@ def test_attention_forward_backward(device):
     + [(64, 32, 16), (128, 12, 24), (512, 8, 32), (32, 64, 10)]
     # then: steps of k taken 4, 2 or 1 at a time (matmul.slang's KU: dW sums 9, 6, 1 rows,
     # dx 6 or 1 columns), 1 row, 1 column, 4 features, and long sums (K = 1024 both ways)
-    + [(9, 8, 12), (6, 12, 6), (1, 4, 8), (8, 4, 1), (16, 1024, 8), (1024, 8, 16)],
+    + [(9, 8, 12), (6, 12, 6), (1, 4, 8), (8, 4, 1), (16, 1024, 8), (1024, 8, 16)]
+    # then: dW of fewer than 16 rows shared by shuffles (SHUF_A in mm_tn), 6 and 13 of them
+    + [(24, 128, 6), (16, 64, 13)],
 )
 def test_fast_product_kernels_match_numpy(device, m, k, n):
     """Shapes that take the specialised float4 kernels (every backend): forward with bias,
