@@ -116,6 +116,61 @@ def fast_product(
     return True
 
 
+# The one-dispatch backward of a narrow linear layer (matmul.slang's linear_bwd_narrow): up to
+# this many outputs, and as many rows as the fused bias sum takes (its threads walk every row).
+NARROW_MAX_OUTPUTS = 16
+NARROW_MAX_ROWS = 4096
+
+
+def linear_backward_narrow(
+    g: Tensor,
+    x: Tensor,
+    w: Tensor,
+    dx: Tensor | None,
+    dw: Tensor,
+    db: Tensor | None,
+    mask: Tensor | None = None,
+) -> bool:
+    """dx += g' W, dW += g'^T x and db += column sums of g' (g' = g * [mask > 0], or g) in one
+    dispatch, for layers of at most ``NARROW_MAX_OUTPUTS`` outputs and in_features a multiple
+    of 64; False, with nothing done, if it does not fit. The caller checked float4_ready."""
+    batch, n_out = g.shape
+    n_in = x.shape[1]
+    if n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS:
+        return False
+    kernel = g.device.kernels.get(
+        "ops/matmul.slang",
+        "linear_bwd_narrow",
+        B=batch,
+        NI=n_in,
+        NO=n_out,
+        TG=32,
+        MASK=int(mask is not None),
+        HAS_DX=int(dx is not None),
+        HAS_DB=int(db is not None),
+    )
+    # absent gradients bind a buffer of the right kind that the kernel never touches
+    dx_buffer = (dx if dx is not None else dw).native.storage
+    bindings = {
+        "g": g.native.storage,
+        "x": x.native.storage,
+        "w": w.native.storage,
+        "dx": dx_buffer,
+        "dx_in": dx_buffer,
+        "dw": dw.native.storage,
+        "dw_in": dw.native.storage,
+        "db": (db if db is not None else g).native.storage,
+        "beta": 1.0,
+    }
+    if mask is not None:
+        bindings["mask"] = mask.native.storage
+    g.device.kernels.dispatch(kernel, n_in // 8, **bindings)
+    for t in (dx, dw, db):
+        if t is not None:
+            t.storage.wrote("linear_bwd_narrow")
+    return True
+
+
 def product(
     kind: str,
     a: Tensor,

@@ -391,6 +391,46 @@ def test_fast_product_kernels_match_numpy(device, m, k, n):
     assert float4_ready(x, w, y)  # the fast path was eligible (every backend), so it ran
 
 
+@pytest.mark.parametrize(
+    "batch, n_in, n_out, activation, bias, x_grad",
+    [
+        (256, 64, 10, None, True, True),  # the MLP step's head
+        (64, 64, 10, "relu", True, True),  # g masked by the relu
+        (37, 128, 3, None, False, True),  # no bias; rows not a multiple of anything
+        (5, 64, 16, "relu", True, False),  # x without a gradient: dW and db only
+        (1, 192, 1, None, True, True),  # one row, one output
+    ],
+)
+def test_narrow_linear_backward_matches_the_two_products(
+    device, monkeypatch, batch, n_in, n_out, activation, bias, x_grad
+):
+    """A linear layer of at most 16 outputs takes its backward in one kernel
+    (products.linear_backward_narrow): the same bits as the two product kernels, and NumPy."""
+    import pydiff.products as products
+
+    X, W = RNG.standard_normal((batch, n_in)), RNG.standard_normal((n_out, n_in))
+    B, G = RNG.standard_normal(n_out), RNG.standard_normal((batch, n_out))
+    grads = []
+    for narrow in (products.NARROW_MAX_OUTPUTS, 0):
+        monkeypatch.setattr(products, "NARROW_MAX_OUTPUTS", narrow)
+        x, w, b = _t(device, X, grad=x_grad), _t(device, W), _t(device, B) if bias else None
+        with pydiff.Tape() as tape:
+            y = ops.linear(x, w, b, activation=activation)
+        tape.backward(y, grad=G)
+        grads.append([t.grad.numpy() for t in (x, w, b) if t is not None and t.requires_grad])
+        if narrow:  # the one-kernel backward ran
+            assert any(key[1] == "linear_bwd_narrow" for key in device.kernels._kernels)
+    for narrow_grad, product_grad in zip(*grads):
+        assert narrow_grad.tobytes() == product_grad.tobytes()
+    x32, w32, b32 = (v.astype(np.float32).astype(np.float64) for v in (X, W, B))
+    z = x32 @ w32.T + (b32 if bias else 0.0)
+    gz = G.astype(np.float32).astype(np.float64) * (z > 0 if activation else 1.0)
+    expected = ([gz @ w32] if x_grad else []) + [gz.T @ x32] + ([gz.sum(0)] if bias else [])
+    scale = np.sqrt(batch)
+    for got, want in zip(grads[0], expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("size", [1, 3, 17, 64, 4099, 70001])
 def test_relu_float4_kernels_cover_every_element(device, size):
     """relu4 / relu_bwd_acc4 run several float4s per thread (products.ELEMENTWISE_CHUNK): every
