@@ -1,10 +1,12 @@
 """The specialised kernels behind pydiff's ops: register-blocked matrix products (fused bias,
-relu and masks), float4 elementwise kernels, each dispatched directly through
-``device.kernels``; ``product`` falls back to the library's per-element SlangPy functions
-where the kernels do not fit (shapes, layouts, backends).
+relu and masks), a narrow linear layer's whole backward in one kernel, float4 elementwise
+kernels, each dispatched directly through ``device.kernels``; ``product`` falls back to the
+library's per-element SlangPy functions where the kernels do not fit (shapes, layouts,
+backends).
 
     out = product("mm_nt", x, w, (batch, n_out), bias=b)     # x W^T + b
     fast_product("mm_tn", g, x, dw, beta=1.0)                 # dW += g^T x, if it fits
+    linear_backward_narrow(g, x, w, dx, dw, db)               # all three, if it fits
 """
 
 from __future__ import annotations
