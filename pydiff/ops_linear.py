@@ -16,7 +16,7 @@ from .function import Function
 from .ops_args import need_2d, need_float, same_device
 from .ops_norm import softmax_rows, softmax_rows_bwd
 from .ops_reduce import sum_mid
-from .products import blocking, fast_product, product, relu_masked
+from .products import blocking, fast_product, linear_backward_narrow, product, relu_masked
 from .tensor import Tensor, float4_ready
 
 ACTIVATIONS = (None, "relu")
@@ -77,6 +77,12 @@ def _linear_backward_in_place(
         return False  # the column-sum kernel reads g unmasked: the caller masks g first
     dx, dw = ctx.grad_target(0), ctx.grad_target(1)
     db = ctx.grad_target(2) if has_bias else None
+    if (
+        dw is not None
+        and (db is None or fuse_db)
+        and linear_backward_narrow(g, x, w, dx, dw, db, mask=mask)
+    ):
+        return True
     if dx is not None:
         fast_product("mm_nn", g, w, dx, 1.0, mask=mask)
     if dw is not None:

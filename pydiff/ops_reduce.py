@@ -126,22 +126,31 @@ def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
     return float4_ready(logits) and labels.dtype == "int" and n.offset == 0 and n.is_contiguous()
 
 
+def _ce_forward_threads(batch: int) -> int:
+    """Threads of the one group that sums the mean loss (a power of two): 8, one SIMD batch
+    on lavapipe (no batches to suspend and resume at the barrier: 15 -> 12 us for 256 rows),
+    up to 256 for large batches (GPUs)."""
+    return 8 if batch <= 2048 else 256
+
+
 class _CrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits, labels):
         batch = logits.shape[0]
         if _ce_fast(logits, labels):
             lse, loss = empty((batch,), device=logits.device), empty((1,), device=logits.device)
-            kernel = logits.device.kernels.get("ops/cross_entropy.slang", "ce_forward")
+            threads = _ce_forward_threads(batch)
+            kernel = logits.device.kernels.get(
+                "ops/cross_entropy.slang", "ce_forward", C=logits.shape[1], TG=threads
+            )
             logits.device.kernels.dispatch(
                 kernel,
-                256,
+                threads,
                 z=logits.native.storage,
                 labels=labels.native.storage,
                 lse=lse.native.storage,
                 loss=loss.native.storage,
                 B=batch,
-                C=logits.shape[1],
             )
             ctx.save_for_backward(logits, labels, lse)
             return loss
@@ -161,18 +170,18 @@ class _CrossEntropy(Function):
             and float4_ready(logits.grad_out)
         ):
             target = ctx.grad_target(0)
-            count = logits.numel
-            kernel = logits.device.kernels.get("ops/cross_entropy.slang", "ce_backward_acc")
+            kernel = logits.device.kernels.get(
+                "ops/cross_entropy.slang", "ce_backward_acc", C=logits.shape[1]
+            )
             logits.device.kernels.dispatch(
                 kernel,
-                count,
+                logits.shape[0],  # a thread per row
                 z=logits.native.storage,
                 labels=labels.native.storage,
                 lse=lse.native.storage,
                 g=g.native.storage,
                 dz=target.native.storage,
                 B=logits.shape[0],
-                C=logits.shape[1],
             )
             return None, None
         dz = empty(logits.shape, device=logits.device)

@@ -1,10 +1,12 @@
 """The specialised kernels behind pydiff's ops: register-blocked matrix products (fused bias,
-relu and masks), float4 elementwise kernels, each dispatched directly through
-``device.kernels``; ``product`` falls back to the library's per-element SlangPy functions
-where the kernels do not fit (shapes, layouts, backends).
+relu and masks), a narrow linear layer's whole backward in one kernel, float4 elementwise
+kernels, each dispatched directly through ``device.kernels``; ``product`` falls back to the
+library's per-element SlangPy functions where the kernels do not fit (shapes, layouts,
+backends).
 
     out = product("mm_nt", x, w, (batch, n_out), bias=b)     # x W^T + b
     fast_product("mm_tn", g, x, dw, beta=1.0)                 # dW += g^T x, if it fits
+    linear_backward_narrow(g, x, w, dx, dw, db)               # all three, if it fits
 """
 
 from __future__ import annotations
@@ -64,13 +66,15 @@ def fast_product(
         return False
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
-    c_vec = beta != 0 and n % 4 == 0 and cols % 4 == 0  # C read back as float4s to add to it
     # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
     # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
-    # mm_nn reading A as floats shares A instead (SHUF_A), in blocks of 16 x 8 where they fit.
-    shuf_a = kind == "mm_nn" and not a_vec and m % 16 == 0 and n % 64 == 0
+    # mm_nn and mm_tn reading A as floats share A instead (SHUF_A), in blocks of 16 (or all m
+    # below 16) x 8 where they fit: runs of 8 threads cover 64 columns.
+    shuf_a = kind != "mm_nt" and not a_vec and (m % 16 == 0 or m < 16) and n % 64 == 0
     if shuf_a:
-        rows, cols = 16, 8
+        rows, cols = min(m, 16), 8
+    # C written as float4s (and read back through a typed view to add to it, beta = 1)
+    c_vec = n % 4 == 0 and cols % 4 == 0
     shuf = (
         not shuf_a
         and (m // rows) % 8 == 0
@@ -111,6 +115,61 @@ def fast_product(
         db.storage.wrote(kind)
     a.device.kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
     out.storage.wrote(kind)
+    return True
+
+
+# The one-dispatch backward of a narrow linear layer (matmul.slang's linear_bwd_narrow): up to
+# this many outputs, and as many rows as the fused bias sum takes (its threads walk every row).
+NARROW_MAX_OUTPUTS = 16
+NARROW_MAX_ROWS = 4096
+
+
+def linear_backward_narrow(
+    g: Tensor,
+    x: Tensor,
+    w: Tensor,
+    dx: Tensor | None,
+    dw: Tensor,
+    db: Tensor | None,
+    mask: Tensor | None = None,
+) -> bool:
+    """dx += g' W, dW += g'^T x and db += column sums of g' (g' = g * [mask > 0], or g) in one
+    dispatch, for layers of at most ``NARROW_MAX_OUTPUTS`` outputs and in_features a multiple
+    of 64; False, with nothing done, if it does not fit. The caller checked float4_ready."""
+    batch, n_out = g.shape
+    n_in = x.shape[1]
+    if n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS:
+        return False
+    kernel = g.device.kernels.get(
+        "ops/matmul.slang",
+        "linear_bwd_narrow",
+        B=batch,
+        NI=n_in,
+        NO=n_out,
+        TG=32,
+        MASK=int(mask is not None),
+        HAS_DX=int(dx is not None),
+        HAS_DB=int(db is not None),
+    )
+    # absent gradients bind a buffer of the right kind that the kernel never touches
+    dx_buffer = (dx if dx is not None else dw).native.storage
+    bindings = {
+        "g": g.native.storage,
+        "x": x.native.storage,
+        "w": w.native.storage,
+        "dx": dx_buffer,
+        "dx_in": dx_buffer,
+        "dw": dw.native.storage,
+        "dw_in": dw.native.storage,
+        "db": (db if db is not None else g).native.storage,
+        "beta": 1.0,
+    }
+    if mask is not None:
+        bindings["mask"] = mask.native.storage
+    g.device.kernels.dispatch(kernel, n_in // 8, **bindings)
+    for t in (dx, dw, db):
+        if t is not None:
+            t.storage.wrote("linear_bwd_narrow")
     return True
 
 

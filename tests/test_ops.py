@@ -353,7 +353,12 @@ def test_attention_forward_backward(device):
     # then: row blocks in runs of 8 (B shared through subgroup shuffles, SHUF), and dx read
     # from a gradient of 10 columns (A shared, SHUF_A)
     [(16, 8, 12), (8, 12, 10), (12, 4, 16), (10, 16, 32), (7, 20, 8)]
-    + [(64, 32, 16), (128, 12, 24), (512, 8, 32), (32, 64, 10)],
+    + [(64, 32, 16), (128, 12, 24), (512, 8, 32), (32, 64, 10)]
+    # then: steps of k taken 4, 2 or 1 at a time (matmul.slang's KU: dW sums 9, 6, 1 rows,
+    # dx 6 or 1 columns), 1 row, 1 column, 4 features, and long sums (K = 1024 both ways)
+    + [(9, 8, 12), (6, 12, 6), (1, 4, 8), (8, 4, 1), (16, 1024, 8), (1024, 8, 16)]
+    # then: dW of fewer than 16 rows shared by shuffles (SHUF_A in mm_tn), 6 and 13 of them
+    + [(24, 128, 6), (16, 64, 13)],
 )
 def test_fast_product_kernels_match_numpy(device, m, k, n):
     """Shapes that take the specialised float4 kernels (every backend): forward with bias,
@@ -362,20 +367,68 @@ def test_fast_product_kernels_match_numpy(device, m, k, n):
     x, w, b = _t(device, X), _t(device, W), _t(device, B)
     with pydiff.Tape() as tape:
         y = ops.linear(x, w, b)
-    np.testing.assert_allclose(y.numpy(), X @ W.T + B, rtol=1e-5, atol=1e-5)
+    # float32 sums of k (forward) or n (dx) products: rounding grows like their square root
+    np.testing.assert_allclose(
+        y.numpy(), X @ W.T + B, rtol=1e-5, atol=1e-5 * np.sqrt(max(k, 16) / 16)
+    )
     G = RNG.standard_normal((m, n))
     tape.backward(y, grad=G)
-    np.testing.assert_allclose(x.grad.numpy(), G @ W, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        x.grad.numpy(), G @ W, rtol=1e-5, atol=1e-5 * np.sqrt(max(n, 16) / 16)
+    )
     scale = np.sqrt(m)  # float32 sums over the m rows: rounding grows like sqrt(m)
     np.testing.assert_allclose(w.grad.numpy(), G.T @ X, rtol=1e-5, atol=1e-5 * scale)
     np.testing.assert_allclose(b.grad.numpy(), G.sum(0), rtol=1e-5, atol=1e-5 * scale)
     A2 = RNG.standard_normal((k, n))
     np.testing.assert_allclose(
-        ops.matmul(_t(device, X), _t(device, A2)).numpy(), X @ A2, rtol=1e-5, atol=1e-5
+        ops.matmul(_t(device, X), _t(device, A2)).numpy(),
+        X @ A2,
+        rtol=1e-5,
+        atol=1e-5 * np.sqrt(max(k, 16) / 16),
     )
     from pydiff.tensor import float4_ready
 
     assert float4_ready(x, w, y)  # the fast path was eligible (every backend), so it ran
+
+
+@pytest.mark.parametrize(
+    "batch, n_in, n_out, activation, bias, x_grad",
+    [
+        (256, 64, 10, None, True, True),  # the MLP step's head
+        (64, 64, 10, "relu", True, True),  # g masked by the relu
+        (37, 128, 3, None, False, True),  # no bias; rows not a multiple of anything
+        (5, 64, 16, "relu", True, False),  # x without a gradient: dW and db only
+        (1, 192, 1, None, True, True),  # one row, one output
+    ],
+)
+def test_narrow_linear_backward_matches_the_two_products(
+    device, monkeypatch, batch, n_in, n_out, activation, bias, x_grad
+):
+    """A linear layer of at most 16 outputs takes its backward in one kernel
+    (products.linear_backward_narrow): the same bits as the two product kernels, and NumPy."""
+    import pydiff.products as products
+
+    X, W = RNG.standard_normal((batch, n_in)), RNG.standard_normal((n_out, n_in))
+    B, G = RNG.standard_normal(n_out), RNG.standard_normal((batch, n_out))
+    grads = []
+    for narrow in (products.NARROW_MAX_OUTPUTS, 0):
+        monkeypatch.setattr(products, "NARROW_MAX_OUTPUTS", narrow)
+        x, w, b = _t(device, X, grad=x_grad), _t(device, W), _t(device, B) if bias else None
+        with pydiff.Tape() as tape:
+            y = ops.linear(x, w, b, activation=activation)
+        tape.backward(y, grad=G)
+        grads.append([t.grad.numpy() for t in (x, w, b) if t is not None and t.requires_grad])
+        if narrow:  # the one-kernel backward ran
+            assert any(key[1] == "linear_bwd_narrow" for key in device.kernels._kernels)
+    for narrow_grad, product_grad in zip(*grads):
+        assert narrow_grad.tobytes() == product_grad.tobytes()
+    x32, w32, b32 = (v.astype(np.float32).astype(np.float64) for v in (X, W, B))
+    z = x32 @ w32.T + (b32 if bias else 0.0)
+    gz = G.astype(np.float32).astype(np.float64) * (z > 0 if activation else 1.0)
+    expected = ([gz @ w32] if x_grad else []) + [gz.T @ x32] + ([gz.sum(0)] if bias else [])
+    scale = np.sqrt(batch)
+    for got, want in zip(grads[0], expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("size", [1, 3, 17, 64, 4099, 70001])
@@ -451,6 +504,32 @@ def test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs(device)
     np.testing.assert_allclose(loss.numpy(), [-np.mean(np.log(P[np.arange(1000), L]))], rtol=1e-6)
     np.testing.assert_allclose(z.grad.numpy(), 2 * (P - np.eye(7)[L]) / 1000, rtol=1e-4, atol=1e-7)
     assert len(set(losses)) == 1
+
+
+@pytest.mark.parametrize(
+    "batch, classes",
+    # a row held in registers (up to 32 classes) or read in loops (33, 40); one row; more rows
+    # than the forward's small group takes (its 256-thread group, 2049 and up)
+    [(1, 3), (256, 10), (37, 32), (64, 33), (5, 40), (3000, 12)],
+)
+def test_cross_entropy_kernels_match_float64(device, batch, classes):
+    Z, L = RNG.standard_normal((batch, classes)) * 4, RNG.integers(0, classes, batch)
+    Z64 = Z.astype(np.float32).astype(np.float64)
+    P = np.exp(Z64 - Z64.max(1, keepdims=True))
+    P /= P.sum(1, keepdims=True)
+    results = []
+    for _ in range(2):
+        z = _t(device, Z)
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(z, L)
+        tape.backward(loss, grad=np.array([0.5]))
+        results.append((loss.numpy().tobytes(), z.grad.numpy().tobytes()))
+    expected = -np.mean(np.log(P[np.arange(batch), L]))
+    np.testing.assert_allclose(loss.numpy(), [expected], rtol=2e-6, atol=1e-7)
+    dz = 0.5 * (P - np.eye(classes)[L]) / batch
+    # p - 1 near p = 1 keeps float32's absolute error of p (a few ulp of 1), scaled by 0.5 / batch
+    np.testing.assert_allclose(z.grad.numpy(), dz, rtol=1e-4, atol=4 * 2.0**-24 / batch)
+    assert results[0] == results[1]  # bitwise the same run to run
 
 
 @pytest.mark.parametrize(
