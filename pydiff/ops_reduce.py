@@ -138,7 +138,8 @@ class _CrossEntropy(Function):
     def forward(ctx, logits, labels):
         batch = logits.shape[0]
         if _ce_fast(logits, labels):
-            lse, loss = empty((batch,), device=logits.device), empty((1,), device=logits.device)
+            # lse: each row's (max, log-sum) kept apart (shaders/ops/cross_entropy.slang)
+            lse, loss = empty((batch, 2), device=logits.device), empty((1,), device=logits.device)
             threads = _ce_forward_threads(batch)
             kernel = logits.device.kernels.get(
                 "ops/cross_entropy.slang", "ce_forward", C=logits.shape[1], TG=threads
@@ -155,7 +156,7 @@ class _CrossEntropy(Function):
             ctx.save_for_backward(logits, labels, lse)
             return loss
         lib = library(logits.device)
-        lse, rows = empty((batch,), device=logits.device), empty((batch,), device=logits.device)
+        lse, rows = empty((batch, 2), device=logits.device), empty((batch,), device=logits.device)
         lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
         ctx.save_for_backward(logits, labels, lse)
         return sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape((1,))

@@ -410,14 +410,9 @@ def test_cross_entropy(device):
     rep.done()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cross_entropy (shaders/ops/cross_entropy.slang, helper K's file): lse = m + log(sum) "
-    "loses the log term when the maximum is large and tied: the loss of [1e10]*6 is 0.0, not "
-    "log 6 = 1.792 (3e38 tied 3 times: 0.0, not 1.0986; [1e4, 1e4, -1e4, 0, 1e4, 1e4]: "
-    "1.38671875, not 1.3862944), and its gradient 0.0714 where 0.0238 (p = exp(z - lse) = 1 "
-    "for each tied maximum). Fix: keep m and log(sum) apart (lse as (B, 2)), as softmax.slang",
-)
+# Fixed: lse = m + log(sum) lost the log term when the maximum was large and tied (the loss
+# of [1e10]*6 was 0.0, not log 6; its gradient 0.0714 where 0.0238); m and log(sum) are now
+# kept apart (stats (B, 2)), as in softmax.slang.
 def test_cross_entropy_tied_maxima(device):
     rep = Report()
     _check_cross_entropy(device, rep, ROWS[CE_TIED], LABELS[CE_TIED])
