@@ -18,7 +18,7 @@ from .creation import empty, tensor
 from .function import Function
 from .module import library
 from .ops_args import need_2d, need_float, same_device
-from .ops_elementwise import mul, sub
+from .ops_elementwise import mul, neg, sub
 from .tensor import Tensor, float4_ready
 
 
@@ -116,8 +116,28 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
         raise ValueError(
             f"mse_loss: prediction {prediction.shape} and target {target.shape} differ"
         )
-    d = sub(prediction, target)
-    return mean(mul(d, d))
+    return _MseLoss.apply(prediction, target)
+
+
+class _MseLoss(Function):
+    """mean((p - t)^2); its backward one elementwise pass (shaders/ops/elementwise.slang's
+    op_mse_grad), exact where p - t overflows but the gradient does not."""
+
+    @staticmethod
+    def forward(ctx, prediction, target):
+        ctx.save_for_backward(prediction, target)
+        d = sub(prediction, target)
+        return mean(mul(d, d))
+
+    @staticmethod
+    def backward(ctx, g):
+        p, t = ctx.saved_tensors
+        lib = library(p.device)
+        dp = lib.op_mse_grad(
+            p.detach(), t.detach(), g.detach().reshape((1,)), 2.0 / p.numel, _result="tensor"
+        )
+        dp = Tensor(dp.native, p.device) if isinstance(dp, Tensor) else dp
+        return dp, (neg(dp) if ctx.needs_input_grad[1] else None)
 
 
 def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
