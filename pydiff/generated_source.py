@@ -138,10 +138,16 @@ def backward_source(
     body += "        }\n        bool4 pydiff_in = pydiff_q + 1 < pydiff_count"
     body += " ? bool4(true) : uint4(0, 1, 2, 3) < pydiff_tail;\n"
     for j, members in enumerate(sums):
-        d = " + ".join(f"pydiff_d{i}" for i in members)
+        # A tensor passed to several parameters: its partials are added into the value one
+        # after another, in parameter order (as SlangPy's path adds them into memory), each
+        # through the integer op: the compiler cannot factor d0 + d1 = a g + b g into
+        # (a + b) g, which overflows where the partials do not (mul(a, a) at a = -3e38).
+        adds = f"pydiff_o{j}"
+        for i in members:
+            adds = f"({adds} + asfloat(asuint(pydiff_d{i}) ^ pydiff_zero))"
         body += (
             f"        float4 pydiff_o{j} = pydiff_g{j}_in[pydiff_q];\n"
-            f"        float4 pydiff_n{j} = pydiff_o{j} + asfloat(asuint({d}) ^ pydiff_zero);\n"
+            f"        float4 pydiff_n{j} = {adds};\n"
             f"        pydiff_g{j}[pydiff_q] = select(pydiff_in, pydiff_n{j}, pydiff_o{j});\n"
         )
     body += "".join(

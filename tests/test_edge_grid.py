@@ -1054,13 +1054,8 @@ def test_row_references_match_torch():
     _same(dv, v.grad.numpy(), "attention dv")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mul(a, a) through pydiff's generated kernels (pydiff/generated*.py, not the ops): "
-    "the gradient of a = -3e38 with upstream 1/167 is -inf, not -3.59e36 (SlangPy's path "
-    "gives -3.59e36): the two partials of one tensor are added before the upstream multiplies "
-    "them (g (a + a) overflows). mse_loss reaches it under --pydiff-generated=force",
-)
+# Fixed: the partials of one tensor were summed first, and the compiler factored a g + b g into
+# (a + b) g, which overflows (-inf for a = -3e38); now added one by one, as SlangPy's path does.
 def test_mul_of_one_tensor_twice_generated(device, monkeypatch):
     from pydiff import generated
 
