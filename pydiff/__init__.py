@@ -28,6 +28,7 @@ from .errors import (
     SlangCompileError,
     StaleGradientError,
     TensorTooLargeError,
+    OpDtypeError,
 )
 from .device import (
     Device,
@@ -94,6 +95,7 @@ __all__ = [
     "Module",
     "GradientFlowWarning",
     "NondeterminismWarning",
+    "OpDtypeError",
     "PydiffError",
     "ShaderFunction",
     "ShaderTrapError",

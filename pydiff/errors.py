@@ -91,3 +91,11 @@ def warn_once(message: str, category: type[Warning] = GradientFlowWarning) -> No
         return
     _warned.add(key)
     warnings.warn_explicit(message, category, filename, lineno)
+
+
+class OpDtypeError(TypeError, ValueError):
+    """A tensor of a dtype an op does not take: a TypeError, and a ValueError as pydiff.ops
+    raised for it before.
+
+    >>> ops.exp(pydiff.tensor(np.ones(3, np.float16)))   # OpDtypeError: exp: x has dtype half
+    """

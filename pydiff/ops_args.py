@@ -12,15 +12,8 @@ from typing import Any
 import numpy as np
 
 from .device import Device
+from .errors import OpDtypeError
 from .tensor import Tensor
-
-
-class OpDtypeError(TypeError, ValueError):
-    """A tensor of a dtype an op does not take: a TypeError, and a ValueError as pydiff.ops
-    raised for it before.
-
-    >>> ops.exp(pydiff.tensor(np.ones(3, np.float16)))   # OpDtypeError: exp: x has dtype half
-    """
 
 
 def need_float(name: str, **values: Any) -> None:
