@@ -121,11 +121,12 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
 
 def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
     """The two-kernel cross-entropy applies: Vulkan, contiguous float logits and int labels."""
-    n = labels.native
-    return float4_ready(logits) and labels.dtype == "int" and n.offset == 0 and n.is_contiguous()
+    return float4_ready(logits) and labels.dtype == "int" and labels.dense
 
 
 class _CrossEntropy(Function):
+    flush_before_backward = False  # kernels only
+
     @staticmethod
     def forward(ctx, logits, labels):
         batch = logits.shape[0]
@@ -135,10 +136,10 @@ class _CrossEntropy(Function):
             logits.device.kernels.dispatch(
                 kernel,
                 256,
-                z=logits.native.storage,
-                labels=labels.native.storage,
-                lse=lse.native.storage,
-                loss=loss.native.storage,
+                z=logits.buffer,
+                labels=labels.buffer,
+                lse=lse.buffer,
+                loss=loss.buffer,
                 B=batch,
                 C=logits.shape[1],
             )
@@ -165,11 +166,11 @@ class _CrossEntropy(Function):
             logits.device.kernels.dispatch(
                 kernel,
                 count,
-                z=logits.native.storage,
-                labels=labels.native.storage,
-                lse=lse.native.storage,
-                g=g.native.storage,
-                dz=target.native.storage,
+                z=logits.buffer,
+                labels=labels.buffer,
+                lse=lse.buffer,
+                g=g.buffer,
+                dz=target.buffer,
                 B=logits.shape[0],
                 C=logits.shape[1],
             )
