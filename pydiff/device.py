@@ -246,14 +246,22 @@ def _normalise_type(type: str | spy.DeviceType) -> str:
 
 
 def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | None) -> Any:
-    """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches."""
-    options: dict[str, Any] = {}
+    """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches, without
+    slang-rhi's validation layer and SlangPy's shader hot reload: both on by default, they
+    wrap every command and submission (validation) and poll the shader files at every
+    submission (hot reload), 60-70 us of CPU in an eager MLP step of 0.9-1.0 ms on lavapipe
+    (docs/benchmarks.md, "Host cost per op"). ``PYDIFF_RHI_VALIDATION=1`` turns validation
+    back on, to debug pydiff's own use of the device."""
+    options: dict[str, Any] = {
+        "enable_rhi_validation": os.environ.get("PYDIFF_RHI_VALIDATION", "0").strip() == "1",
+        "enable_hot_reload": False,
+    }
     if caches is not None:
-        options = {
-            "module_cache_path": caches[0],
-            "shader_cache_path": caches[1],
-            "shader_cache_size": compile_cache.max_bytes(),
-        }
+        options.update(
+            module_cache_path=caches[0],
+            shader_cache_path=caches[1],
+            shader_cache_size=compile_cache.max_bytes(),
+        )
     return spy.Device(
         type=_TYPES[type_name],
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},
