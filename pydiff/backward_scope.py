@@ -105,7 +105,8 @@ class BackwardScope:
         self._written.append(grad)
 
     def finish(self) -> None:
-        self.flush()
+        if self._on_finish:
+            self.flush()  # the checks read results (else they join the deferred list)
         for grad in self._written:
             grad.storage.holds_result_of = self.label
         checks, self._on_finish = self._on_finish, []

@@ -14,7 +14,9 @@ as it safely can, through two kinds of pending work:
   it (SlangPy's ``append_to`` and clears as well, unlocked: no other thread appends there).
 
 ``flush()`` submits both, the deferred list first (a batch may read what it computed), in
-one submission. Everything else that touches the device must flush first: host reads and
+one submission. A batch that ends joins the deferred list, in order, without a submission of
+its own: a training step (zeroing, forward, backward, optimizer) is submitted once, at the
+optimizer's end. Everything else that touches the device must flush first: host reads and
 writes, SlangPy calls, copies and ``Tensor.native``/``bind()`` (the SlangPy objects handed
 to user code) all do; a flush from any thread submits the deferred list of every thread, so
 a tensor handed to another thread reads right. The deferred list is also submitted when it
@@ -68,6 +70,7 @@ class CommandQueue:
         # The deferred list: its encoder, the buffers its commands bind, how many commands.
         # The lock makes appending a command and submitting the list exclusive.
         self._lock = threading.RLock()
+        self._finished: list = []  # command lists of ended batches, to run before _deferred
         self._deferred: Any = None
         self._held: list = []
         self._count = 0
@@ -89,7 +92,7 @@ class CommandQueue:
     @property
     def deferred(self) -> bool:
         """Commands wait in the deferred list (any thread's)."""
-        return self._deferred is not None
+        return self._deferred is not None or bool(self._finished)
 
     def begin_batch(self) -> contextvars.Token | None:
         """Start batching (None: a batch is already open here, and this joins it)."""
@@ -98,11 +101,21 @@ class CommandQueue:
         return self._batch.set(_Batch())
 
     def end_batch(self, token: contextvars.Token | None) -> None:
-        """Submit what the batch holds and stop batching (no-op for a joined batch)."""
+        """Stop batching (no-op for a joined batch): what the batch holds joins the deferred
+        list, in order, submitted with it (an optimizer step after a backward: one submission).
+        """
         if token is None:
             return
-        self.flush()
+        batch = self._batch.get()
         self._batch.reset(token)
+        if batch is None or batch.encoder is None:
+            return
+        with self._lock:
+            if self._deferred is not None:
+                self._finished.append(self._deferred.finish())
+                self._deferred = None
+            self._finished.append(batch.encoder.finish())
+            batch.encoder = None
 
     def encoder(self) -> Any:
         """The open batch's command encoder (created on first use), or None outside a batch:
@@ -134,7 +147,7 @@ class CommandQueue:
 
     def flush_deferred(self) -> None:
         """Submit the deferred list (not this context's batch)."""
-        if self._deferred is not None:
+        if self._deferred is not None or self._finished:
             with self._lock:
                 self._submit([])
 
@@ -146,24 +159,26 @@ class CommandQueue:
         if batch is not None and batch.encoder is not None:
             encoder, batch.encoder = batch.encoder, None
             after.append(encoder)
-        if self._deferred is not None or after:
+        if self._deferred is not None or self._finished or after:
             with self._lock:
                 self._submit(after)
 
     def _submit(self, after: list) -> None:
-        """Submit the deferred list (if any) and then ``after``'s encoders (lock held)."""
-        buffers = []
+        """Submit the deferred list (if any) and then ``after``'s encoders (lock held). The
+        list reads as pending until the submission returns: a thread that checks it without
+        the lock (``deferred``, ``flush``) must wait for this submission, not overtake it."""
+        buffers = list(self._finished)
         if self._deferred is not None:
             buffers.append(self._deferred.finish())
-            self._deferred = None
         buffers.extend(e.finish() for e in after)
-        if not buffers:
-            return
-        if len(buffers) == 1:
-            self.native.submit_command_buffer(buffers[0])
-        else:
-            self.native.submit_command_buffers(buffers)
-        self.submissions += 1
+        if buffers:
+            if len(buffers) == 1:
+                self.native.submit_command_buffer(buffers[0])
+            else:
+                self.native.submit_command_buffers(buffers)
+            self.submissions += 1
+        self._finished = []
+        self._deferred = None
         # Submitted: later work runs after these commands, so their buffers may be reused.
         self._held.clear()
         self._count = 0

@@ -249,7 +249,10 @@ def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False
         step *= d
     native = spy.Tensor(buffer, dev.dtype("float"), list(shape), list(reversed(strides)), 0)
     if zero:
-        native.clear()
+        # In order with the pending work (a pooled buffer may be read by unsubmitted commands
+        # of an ended batch); nothing pending reads its new contents, so even inside a batch
+        # (whose work runs after the deferred list) the zeroing is early enough.
+        dev.queue.defer(native.clear, (buffer,))
         if rec is not None:
             rec.record_clear(dev.queue, native)
     return native

@@ -4,6 +4,7 @@ must submit them first (a host read or write, a SlangPy call, a copy, the SlangP
 handed out, buffer reuse, a capture, another thread) and fails with a stale or overtaken
 value if that flush is missing. References: NumPy in float64."""
 
+import sys
 import threading
 
 import numpy as np
@@ -25,13 +26,14 @@ def _linear_ref(x, w, b=None):
     return y if b is None else y + b
 
 
-def _deferred_linear(device, rows=64, cols=16, out=8):
-    """A linear layer's output, still unsubmitted, with its inputs and the reference."""
+def _deferred_linear(device, rows=64, cols=16, out=8, alone=True):
+    """A linear layer's output, still unsubmitted (unless another thread flushed: not
+    ``alone``), with its inputs and the reference."""
     x = RNG.standard_normal((rows, cols)).astype(np.float32)
     w = RNG.standard_normal((out, cols)).astype(np.float32)
     xt, wt = pydiff.tensor(x, device=device), pydiff.tensor(w, device=device)
     y = ops.linear(xt, wt)
-    assert device.queue.deferred, "the linear kernel should wait in the deferred list"
+    assert device.queue.deferred or not alone, "the kernel should wait in the deferred list"
     return xt, wt, y, _linear_ref(x, w)
 
 
@@ -184,18 +186,23 @@ def test_threads_appending_and_reading_at_once(device):
 
     def work(k):
         try:
-            for _ in range(15):
-                _, _, y, ref = _deferred_linear(device, rows=32 + 8 * k)
+            for _ in range(40):
+                _, _, y, ref = _deferred_linear(device, rows=32 + 8 * k, alone=False)
                 h = ops.linear(y, pydiff.tensor(np.eye(8, dtype=np.float32), device=device))
                 np.testing.assert_allclose(h.numpy(), ref, rtol=1e-5, atol=1e-5)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: a thread may find the list being
+    try:  # submitted by another, and must wait for that submission (not overtake it)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not errors, errors[0]
 
 
