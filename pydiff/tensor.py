@@ -64,6 +64,7 @@ class Tensor(GradBuffers):
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
+        self._dtype: str | None = None  # the element type's name, found once
         self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
         self._producer: Any = None
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
@@ -78,10 +79,13 @@ class Tensor(GradBuffers):
     @property
     def dtype(self) -> str:
         """Slang element type name: 'float', 'float3', 'half', 'int', ..."""
-        t = self._native.dtype
-        if type(t).__name__ == "VectorType":
-            return f"{t.element_type.full_name}{t.num_elements}"
-        return t.full_name
+        if self._dtype is None:  # read from SlangPy once (~1 us; every op checks it)
+            t = self._native.dtype
+            if type(t).__name__ == "VectorType":
+                self._dtype = f"{t.element_type.full_name}{t.num_elements}"
+            else:
+                self._dtype = t.full_name
+        return self._dtype
 
     @property
     def scalar_type(self) -> str:
