@@ -31,6 +31,7 @@ holds ``DEFER_MAX`` commands (a loop of ops that never reads anything back).
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -38,6 +39,8 @@ from typing import Any, Callable, Iterable
 # Commands the deferred list holds before it is submitted anyway: bounds the memory its
 # buffers pin (and a step's few dozen commands stay in one submission).
 DEFER_MAX = 256
+# PYDIFF_DEFER=0 submits each deferred command at once (debugging, measurements).
+DEFER = os.environ.get("PYDIFF_DEFER", "1").strip() != "0"
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
@@ -142,7 +145,7 @@ class CommandQueue:
             record(self._deferred)
             self._held.extend(buffers)
             self._count += 1
-            if self._count >= DEFER_MAX:
+            if self._count >= DEFER_MAX or not DEFER:
                 self._submit([])
 
     def flush_deferred(self) -> None:
