@@ -110,7 +110,7 @@ class Device:
     def __init__(
         self, native: spy.Device, type_name: str, cache_paths: tuple[str, str] | None = None
     ):
-        self.native = native
+        self._native = native
         self.type = type_name
         #: This device's number among those opened in this process (1, 2, ...), in its repr.
         self.ordinal = next(_ordinals)
@@ -131,6 +131,26 @@ class Device:
         self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS)
 
     @property
+    def native(self) -> spy.Device:
+        """The ``slangpy.Device`` underneath. The deferred list is submitted first, so that
+        what is done through it (``wait_for_idle()``, a read, a SlangPy call) comes after
+        pydiff's pending kernels.
+
+        >>> dev.native.wait_for_idle()     # waits for the ops issued so far
+        """
+        if self.queue.deferred:
+            self.queue.flush_deferred()
+        return self._native
+
+    def wait(self) -> None:
+        """Submit the pending work and wait until the device has finished it.
+
+        >>> dev.wait()        # e.g. before timing, or before reading buffers through SlangPy
+        """
+        self.flush()
+        self._native.wait_for_idle()
+
+    @property
     def scratch(self) -> dict:
         """This thread's scratch buffers: a backward writes a broadcast parameter's full-shape
         gradient (or fixed-point words) into one and reads it back, so threads sharing one
@@ -147,21 +167,24 @@ class Device:
         thread's pending kernels may still write a buffer it has just let go."""
         pool = getattr(self._per_thread, "pool", None)
         if pool is None:
-            pool = self._per_thread.pool = BufferPool(self.native, self.queue, self.typed_loads)
+            pool = self._per_thread.pool = BufferPool(self._native, self.queue, self.typed_loads)
         return pool
 
     @property
     def adapter_name(self) -> str:
-        return self.native.info.adapter_name
+        return self._native.info.adapter_name
 
     @property
     def supports_float_atomics(self) -> bool:
-        feats = {str(f).split(".")[-1] for f in self.native.features}
+        feats = {str(f).split(".")[-1] for f in self._native.features}
         return "atomic_float" in feats or self.type == "cuda"
 
     @property
     def library(self) -> spy.Module:
-        """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module."""
+        """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module
+        (its calls run at once: the deferred list is submitted first)."""
+        if self.queue.deferred:
+            self.queue.flush_deferred()
         with self._lock:
             return self._load_library()
 
@@ -217,10 +240,10 @@ class Device:
         return f"<pydiff.Device #{self.ordinal} {self.type}: {self.adapter_name}>"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Device) and other.native is self.native
+        return other is self or (isinstance(other, Device) and other.native is self._native)
 
     def __hash__(self) -> int:
-        return id(self.native)
+        return id(self._native)
 
 
 _ordinals = itertools.count(1)

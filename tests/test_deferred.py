@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+import slangpy as spy
 
 import pydiff
 from pydiff import command_queue, ops
@@ -219,3 +220,26 @@ def test_a_long_run_without_reads_is_submitted_in_bounded_lists(device, monkeypa
         x = ops.linear(x, w)
     assert device.queue.submissions - before >= 2
     device.flush()
+
+
+def test_device_native_and_wait_submit_first(device):
+    """A wait through the SlangPy device (``dev.native.wait_for_idle()``, how benchmarks and
+    user code wait) or ``dev.wait()`` must find pydiff's kernels submitted, or it returns at
+    once while they have not run; raw reads of a buffer then see them done."""
+    _vulkan(device)
+    for wait in (lambda: device.native.wait_for_idle(), device.wait):
+        _, _, y, ref = _deferred_linear(device)
+        wait()
+        assert not device.queue.deferred
+        raw = y.buffer.to_numpy().view(np.float32)[: y.numel].reshape(y.shape)
+        np.testing.assert_allclose(raw, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_library_module_submits_first(device):
+    _vulkan(device)
+    assert device.library is not None  # loaded before: its first load flushes by itself
+    _, _, y, ref = _deferred_linear(device)
+    # A SlangPy tensor on y's buffer made without pydiff (no flush on the way).
+    raw = spy.Tensor(y.buffer, device.dtype("float"), list(y.shape), [y.shape[1], 1], 0)
+    out = device.library.op_exp(raw, _result="tensor")
+    np.testing.assert_allclose(out.to_numpy(), np.exp(ref), rtol=1e-4)
