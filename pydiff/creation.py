@@ -74,7 +74,8 @@ def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) ->
     """An uninitialised tensor, its size checked against the device's limits first."""
     dev = device if type(device) is Device else resolve_device(device)
     if dtype == "float" and _plain_shape(shape):
-        out = Tensor(allocate(dev, shape, "float"), dev)  # the op's fast path: size checked there
+        # The ops' fast path: the size is checked there (once per shape).
+        out = Tensor(allocate(dev, shape, "float", what=f"{what}(dtype='float')"), dev)
     else:
         shape, name = shape_tuple(shape), dtype_name(dtype)
         refl = dev.dtype(name)

@@ -227,20 +227,23 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     return spy.Tensor(temp, native.dtype, shape, strides, 0).to_numpy()
 
 
-def allocate(dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False) -> spy.Tensor:
+def allocate(
+    dev: "Device", shape: Sequence[int], dtype: Any, zero: bool = False, what: str = ""
+) -> spy.Tensor:
     """A SlangPy tensor for new values of ``shape`` and ``dtype`` (a name or reflection).
 
     Float tensors live in a buffer of float4s (padded to whole float4s, reused from
     ``dev.pool``) on every backend: SlangPy binds it as usual and pydiff's fast kernels read
-    it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe).
+    it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe). ``what``
+    names the tensor in a size error (default: "a <dtype> tensor").
     """
     name = dtype if isinstance(dtype, str) else dtype.full_name
     if name != "float":
         shape = dims(shape)
         refl = dev.dtype(name) if isinstance(dtype, str) else dtype
-        check_size(f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
+        check_size(what or f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
         return _allocate_plain(dev, shape, dtype, name, zero, capturing.recording())
-    float4s, shape_list, strides = _float_layout(dev.type, shape)
+    float4s, shape_list, strides = _float_layout(dev.type, shape, what or "a float tensor")
     buffer = dev.pool.float4_buffer(float4s)
     native = spy.Tensor(buffer, dev.dtype("float"), shape_list, strides, 0)
     if zero:
@@ -261,12 +264,12 @@ _FLOAT_LAYOUTS: dict[tuple, tuple] = {}
 _FLOAT_LAYOUTS_MAX = 4096
 
 
-def _float_layout(device_type: str, shape: Any) -> tuple[int, list[int], list[int]]:
+def _float_layout(device_type: str, shape: Any, what: str) -> tuple[int, list[int], list[int]]:
     key = (device_type, shape if type(shape) is tuple else dims(shape))
     layout = _FLOAT_LAYOUTS.get(key)
     if layout is None:
         dims_ = dims(key[1])
-        check_size("a float tensor", device_type, dims_, 4)
+        check_size(what, device_type, dims_, 4)
         strides, step = [], 1
         for d in reversed(dims_):
             strides.append(step)
