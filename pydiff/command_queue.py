@@ -17,15 +17,15 @@ as it safely can, through two kinds of pending work:
 one submission. A batch that ends joins the deferred list, in order, without a submission of
 its own: a training step (zeroing, forward, backward, optimizer) is submitted once, at the
 optimizer's end. Everything else that touches the device must flush first: host reads and
-writes, SlangPy calls, copies and ``Tensor.native``/``bind()`` (the SlangPy objects handed
-to user code) all do; a flush from any thread submits the deferred list of every thread, so
-a tensor handed to another thread reads right. The deferred list is also submitted when it
+writes, SlangPy calls, copies, ``Tensor.native``/``bind()`` and ``Device.native``/``library``
+(the SlangPy objects handed to user code) all do; a flush from any thread submits the whole
+list, so a tensor handed to another thread reads right. The deferred list is also submitted when it
 holds ``DEFER_MAX`` commands (a loop of ops that never reads anything back).
 
     token = device.queue.begin_batch()
     device.kernels.dispatch(kernel, 1024, x=buffer)   # appended to the batch
     device.queue.flush()                              # before reading results back
-    device.queue.end_batch(token)                     # submits what is left
+    device.queue.end_batch(token)                     # the rest joins the deferred list
 """
 
 from __future__ import annotations
