@@ -16,11 +16,12 @@ as it safely can, through two kinds of pending work:
 ``flush()`` submits both, the deferred list first (a batch may read what it computed), in
 one submission. A batch that ends joins the deferred list, in order, without a submission of
 its own: a training step (zeroing, forward, backward, optimizer) is two submissions (the
-forward pass when the backward starts, the rest at the optimizer's end). Everything else that touches the device must flush first: host reads and
-writes, SlangPy calls, copies, ``Tensor.native``/``bind()`` and ``Device.native``/``library``
-(the SlangPy objects handed to user code) all do; a flush from any thread submits the whole
-list, so a tensor handed to another thread reads right. The deferred list is also submitted when it
-holds ``DEFER_MAX`` commands (a loop of ops that never reads anything back).
+forward pass when the backward starts, the rest at the optimizer's end). Everything else
+that touches the device must flush first: host reads and writes, SlangPy calls, copies,
+``Tensor.native``/``bind()`` and ``Device.native``/``library`` (the SlangPy objects handed
+to user code) all do; a flush from any thread submits the whole list, so a tensor handed to
+another thread reads right. The deferred list is also submitted when it holds
+``DEFER_MAX`` commands (a loop of ops that never reads anything back).
 
     token = device.queue.begin_batch()
     device.kernels.dispatch(kernel, 1024, x=buffer)   # appended to the batch
