@@ -13,6 +13,7 @@ import contextvars
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import capturing
+from .command_queue import flush_all_deferred
 from .errors import StaleGradientError
 from .policy import ZeroPolicy, get_zero_policy
 
@@ -50,6 +51,7 @@ class BackwardScope:
         """Run a SlangPy function node now, or append it to the device's batch."""
         capturing.refuse(f"a SlangPy backward kernel ({self.label})")
         if self.device is None:
+            flush_all_deferred()  # SlangPy runs it now: deferred kernels go first
             node(*args, **kwargs)
             return
         node.append_to(self.device.queue.encoder(), *args, **kwargs)
@@ -62,7 +64,11 @@ class BackwardScope:
     def clear(self, device: "Device", native: Any) -> None:
         """Zero a SlangPy tensor of ``device`` in order with the kernels appended so far."""
         encoder = device.queue.pending_encoder()
-        native.clear(encoder) if encoder is not None else native.clear()
+        if encoder is None:
+            device.queue.flush_deferred()  # cleared now: after the deferred kernels
+            native.clear()
+        else:
+            native.clear(encoder)
         rec = capturing.recording()
         if rec is not None:
             rec.record_clear(device.queue, native)
@@ -99,7 +105,8 @@ class BackwardScope:
         self._written.append(grad)
 
     def finish(self) -> None:
-        self.flush()
+        if self._on_finish:
+            self.flush()  # the checks read results (else they join the deferred list)
         for grad in self._written:
             grad.storage.holds_result_of = self.label
         checks, self._on_finish = self._on_finish, []

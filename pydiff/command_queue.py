@@ -1,22 +1,59 @@
-"""The pending GPU work of one device: kernels appended to one command encoder and
-submitted together, and the one ``flush`` that submits them.
+"""The pending GPU work of one device, and the one ``flush`` that submits it.
 
-Submitting a command list costs lavapipe 30-200 us, more than most kernels of a small
-training step, so a backward (and an optimizer step) appends its kernels to one encoder
-inside a *batch*. Anything that must see their results first (a host read, a SlangPy call,
-a copy) calls ``flush()``. Batches are per thread and per context (a ``ContextVar``), so two
-threads never append to each other's encoder.
+Submitting a command list costs lavapipe 10-30 us of CPU (more with the fence and wake-up of
+its queue thread), as much as a small training step's kernels, so pydiff submits as rarely
+as it safely can, through two kinds of pending work:
+
+- the *deferred* list, one per device, shared by all threads: pydiff's own kernels
+  (``device.kernels.dispatch``) and zeroings issued outside a batch are appended to it, each
+  under the queue's lock with the buffers it binds (``defer``). Holding those buffers keeps
+  them out of the buffer pool until the commands are submitted (a pooled buffer is handed out
+  again only when nothing else refers to it). A forward pass of pydiff ops thus submits
+  nothing until something needs the results;
+- a *batch*, per thread and per context (a ``ContextVar``): a backward appends its kernels to
+  it (SlangPy's ``append_to`` and clears as well, unlocked: no other thread appends there).
+
+``flush()`` submits both, the deferred list first (a batch may read what it computed), in
+one submission. A batch that ends joins the deferred list, in order, without a submission of
+its own: a training step (zeroing, forward, backward, optimizer) is two submissions (the
+forward pass when the backward starts, the rest at the optimizer's end). Everything else
+that touches the device must flush first: host reads and writes, SlangPy calls, copies,
+``Tensor.native``/``bind()`` and ``Device.native``/``library`` (the SlangPy objects handed
+to user code) all do; a flush from any thread submits the whole list, so a tensor handed to
+another thread reads right. The deferred list is also submitted when it holds
+``DEFER_MAX`` commands (a loop of ops that never reads anything back).
 
     token = device.queue.begin_batch()
-    device.kernels.dispatch(kernel, 1024, x=buffer)   # appended, not yet submitted
+    device.kernels.dispatch(kernel, 1024, x=buffer)   # appended to the batch
     device.queue.flush()                              # before reading results back
-    device.queue.end_batch(token)                     # submits what is left
+    device.queue.end_batch(token)                     # the rest joins the deferred list
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+import os
+import threading
+import weakref
+from typing import Any, Callable, Iterable
+
+# Commands the deferred list holds before it is submitted anyway: bounds the memory its
+# buffers pin (and a step's few dozen commands stay in one submission).
+DEFER_MAX = 256
+# PYDIFF_DEFER=0 submits each deferred command at once (debugging, measurements).
+DEFER = os.environ.get("PYDIFF_DEFER", "1").strip() != "0"
+
+# Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
+_queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
+
+
+def flush_all_deferred() -> None:
+    """Submit the deferred list of every device (before work pydiff cannot attribute to one).
+
+    >>> command_queue.flush_all_deferred()
+    """
+    for queue in list(_queues):
+        queue.flush_deferred()
 
 
 class _Batch:
@@ -34,6 +71,16 @@ class CommandQueue:
         self._batch: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
             f"pydiff_batch_{id(self)}", default=None
         )
+        # The deferred list: its encoder, the buffers its commands bind, how many commands.
+        # The lock makes appending a command and submitting the list exclusive.
+        self._lock = threading.RLock()
+        self._finished: list = []  # command lists of ended batches, to run before _deferred
+        self._deferred: Any = None
+        self._held: list = []
+        self._count = 0
+        #: Submissions made (for tests and measurements).
+        self.submissions = 0
+        _queues.add(self)
 
     @property
     def batching(self) -> bool:
@@ -42,9 +89,14 @@ class CommandQueue:
 
     @property
     def pending(self) -> bool:
-        """Commands have been appended but not yet submitted."""
+        """Commands have been appended to this context's batch but not yet submitted."""
         batch = self._batch.get()
         return batch is not None and batch.encoder is not None
+
+    @property
+    def deferred(self) -> bool:
+        """Commands wait in the deferred list (any thread's)."""
+        return self._deferred is not None or bool(self._finished)
 
     def begin_batch(self) -> contextvars.Token | None:
         """Start batching (None: a batch is already open here, and this joins it)."""
@@ -53,15 +105,25 @@ class CommandQueue:
         return self._batch.set(_Batch())
 
     def end_batch(self, token: contextvars.Token | None) -> None:
-        """Submit what the batch holds and stop batching (no-op for a joined batch)."""
+        """Stop batching (no-op for a joined batch): what the batch holds joins the deferred
+        list, in order, submitted with it (an optimizer step after a backward: one submission).
+        """
         if token is None:
             return
-        self.flush()
+        batch = self._batch.get()
         self._batch.reset(token)
+        if batch is None or batch.encoder is None:
+            return
+        with self._lock:
+            if self._deferred is not None:
+                self._finished.append(self._deferred.finish())
+                self._deferred = None
+            self._finished.append(batch.encoder.finish())
+            batch.encoder = None
 
     def encoder(self) -> Any:
         """The open batch's command encoder (created on first use), or None outside a batch:
-        callers then record and submit work of their own."""
+        callers then defer their work (``defer``) or record and submit it themselves."""
         batch = self._batch.get()
         if batch is None:
             return None
@@ -70,13 +132,57 @@ class CommandQueue:
         return batch.encoder
 
     def pending_encoder(self) -> Any:
-        """The encoder holding unsubmitted commands, or None (nothing is waiting)."""
+        """The encoder holding unsubmitted commands of this context's batch, or None."""
         batch = self._batch.get()
         return None if batch is None else batch.encoder
 
+    def defer(self, record: Callable[[Any], None], buffers: Iterable[Any]) -> None:
+        """Append commands to the deferred list: ``record(encoder)`` records them (native
+        calls only: it runs under the queue's lock); ``buffers`` are those they bind, held
+        until submitted. Outside a batch only: a batch's work would run after them."""
+        with self._lock:
+            if self._deferred is None:
+                self._deferred = self.native.create_command_encoder()
+            record(self._deferred)
+            self._held.extend(buffers)
+            self._count += 1
+            if self._count >= DEFER_MAX or not DEFER:
+                self._submit([])
+
+    def flush_deferred(self) -> None:
+        """Submit the deferred list (not this context's batch)."""
+        if self._deferred is not None or self._finished:
+            with self._lock:
+                self._submit([])
+
     def flush(self) -> None:
-        """Submit the commands appended so far (before a host read or an unbatched call)."""
+        """Submit the deferred list, then this context's batch, in one submission (before a
+        host read, a SlangPy call, a copy)."""
         batch = self._batch.get()
+        after = []
         if batch is not None and batch.encoder is not None:
             encoder, batch.encoder = batch.encoder, None
-            self.native.submit_command_buffer(encoder.finish())
+            after.append(encoder)
+        if self._deferred is not None or self._finished or after:
+            with self._lock:
+                self._submit(after)
+
+    def _submit(self, after: list) -> None:
+        """Submit the deferred list (if any) and then ``after``'s encoders (lock held). The
+        list reads as pending until the submission returns: a thread that checks it without
+        the lock (``deferred``, ``flush``) must wait for this submission, not overtake it."""
+        buffers = list(self._finished)
+        if self._deferred is not None:
+            buffers.append(self._deferred.finish())
+        buffers.extend(e.finish() for e in after)
+        if buffers:
+            if len(buffers) == 1:
+                self.native.submit_command_buffer(buffers[0])
+            else:
+                self.native.submit_command_buffers(buffers)
+            self.submissions += 1
+        self._finished = []
+        self._deferred = None
+        # Submitted: later work runs after these commands, so their buffers may be reused.
+        self._held.clear()
+        self._count = 0

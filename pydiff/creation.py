@@ -72,13 +72,27 @@ def empty(
 
 def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) -> Tensor:
     """An uninitialised tensor, its size checked against the device's limits first."""
-    dev = resolve_device(device)
-    shape, name = shape_tuple(shape), dtype_name(dtype)
-    refl = dev.dtype(name)
-    # Gradient buffers as well: as many bytes again per buffer, checked here up front.
-    check_size(f"{what}(dtype={name!r})", dev.type, shape, int(refl.buffer_layout.stride))
-    out = Tensor(allocate(dev, shape, refl), dev)
+    dev = device if type(device) is Device else resolve_device(device)
+    if dtype == "float" and _plain_shape(shape):
+        # The ops' fast path: the size is checked there (once per shape).
+        out = Tensor(allocate(dev, shape, "float", what=f"{what}(dtype='float')"), dev)
+    else:
+        shape, name = shape_tuple(shape), dtype_name(dtype)
+        refl = dev.dtype(name)
+        # Gradient buffers as well: as many bytes again per buffer, checked here up front.
+        check_size(f"{what}(dtype={name!r})", dev.type, shape, int(refl.buffer_layout.stride))
+        out = Tensor(allocate(dev, shape, refl), dev)
     return out.requires_grad_(True) if requires_grad else out
+
+
+def _plain_shape(shape: Any) -> bool:
+    """A tuple of positive Python ints (what the ops pass): nothing to convert or refuse."""
+    if type(shape) is not tuple or not shape:
+        return False
+    for d in shape:
+        if type(d) is not int or d <= 0:
+            return False
+    return True
 
 
 def zeros(

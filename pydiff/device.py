@@ -112,7 +112,7 @@ class Device:
     def __init__(
         self, native: spy.Device, type_name: str, cache_paths: tuple[str, str] | None = None
     ):
-        self.native = native
+        self._native = native
         self.type = type_name
         #: This device's number among those opened in this process (1, 2, ...), in its repr.
         self.ordinal = next(_ordinals)
@@ -133,6 +133,26 @@ class Device:
         self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS)
 
     @property
+    def native(self) -> spy.Device:
+        """The ``slangpy.Device`` underneath. The deferred list is submitted first, so that
+        what is done through it (``wait_for_idle()``, a read, a SlangPy call) comes after
+        pydiff's pending kernels.
+
+        >>> dev.native.wait_for_idle()     # waits for the ops issued so far
+        """
+        if self.queue.deferred:
+            self.queue.flush_deferred()
+        return self._native
+
+    def wait(self) -> None:
+        """Submit the pending work and wait until the device has finished it.
+
+        >>> dev.wait()        # e.g. before timing, or before reading buffers through SlangPy
+        """
+        self.flush()
+        self._native.wait_for_idle()
+
+    @property
     def scratch(self) -> dict:
         """This thread's scratch buffers: a backward writes a broadcast parameter's full-shape
         gradient (or fixed-point words) into one and reads it back, so threads sharing one
@@ -149,21 +169,24 @@ class Device:
         thread's pending kernels may still write a buffer it has just let go."""
         pool = getattr(self._per_thread, "pool", None)
         if pool is None:
-            pool = self._per_thread.pool = BufferPool(self.native, self.queue, self.typed_loads)
+            pool = self._per_thread.pool = BufferPool(self._native, self.queue, self.typed_loads)
         return pool
 
     @property
     def adapter_name(self) -> str:
-        return self.native.info.adapter_name
+        return self._native.info.adapter_name
 
     @property
     def supports_float_atomics(self) -> bool:
-        feats = {str(f).split(".")[-1] for f in self.native.features}
+        feats = {str(f).split(".")[-1] for f in self._native.features}
         return "atomic_float" in feats or self.type == "cuda"
 
     @property
     def library(self) -> spy.Module:
-        """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module."""
+        """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module
+        (its calls run at once: the deferred list is submitted first)."""
+        if self.queue.deferred:
+            self.queue.flush_deferred()
         with self._lock:
             return self._load_library()
 
@@ -222,10 +245,10 @@ class Device:
         return f"<pydiff.Device #{self.ordinal} {self.type}: {self.adapter_name}>"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Device) and other.native is self.native
+        return other is self or (isinstance(other, Device) and other.native is self._native)
 
     def __hash__(self) -> int:
-        return id(self.native)
+        return id(self._native)
 
 
 _ordinals = itertools.count(1)
@@ -251,14 +274,22 @@ def _normalise_type(type: str | spy.DeviceType) -> str:
 
 
 def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | None) -> Any:
-    """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches."""
-    options: dict[str, Any] = {}
+    """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches, without
+    slang-rhi's validation layer and SlangPy's shader hot reload: both on by default, they
+    wrap every command and submission (validation) and poll the shader files at every
+    submission (hot reload), 60-70 us of CPU in an eager MLP step of 0.9-1.0 ms on lavapipe
+    (docs/benchmarks.md, "Host cost per op"). ``PYDIFF_RHI_VALIDATION=1`` turns validation
+    back on, to debug pydiff's own use of the device."""
+    options: dict[str, Any] = {
+        "enable_rhi_validation": os.environ.get("PYDIFF_RHI_VALIDATION", "0").strip() == "1",
+        "enable_hot_reload": False,
+    }
     if caches is not None:
-        options = {
-            "module_cache_path": caches[0],
-            "shader_cache_path": caches[1],
-            "shader_cache_size": compile_cache.max_bytes(),
-        }
+        options.update(
+            module_cache_path=caches[0],
+            shader_cache_path=caches[1],
+            shader_cache_size=compile_cache.max_bytes(),
+        )
     return spy.Device(
         type=_TYPES[type_name],
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},

@@ -84,6 +84,12 @@ class Function:
     ...         return m.p3_grad(ctx.saved_tensors[0], g, _result="tensor")
     """
 
+    #: Submit the backward's pending kernels before ``backward`` runs, so that it may hand
+    #: its upstream gradients to raw SlangPy. pydiff's own ops, whose backward only appends
+    #: pydiff kernels or calls what flushes by itself (host reads, SlangPy calls), set False:
+    #: one submission per backward instead of one per op.
+    flush_before_backward = True
+
     @staticmethod
     def forward(ctx: FunctionCtx, *args: Any) -> Any:
         raise NotImplementedError("subclasses of pydiff.Function define forward(ctx, *args)")
@@ -246,7 +252,7 @@ def _gradients(cls: type, ctx: FunctionCtx, grads: Any, inputs: list[Tensor]) ->
 
 def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
     outer = active_scope()
-    if outer is not None:
+    if outer is not None and cls.flush_before_backward:
         outer.flush()  # the upstream gradients must be complete before user code reads them
     grad_outputs = tuple(o.grad_in for o in outputs)
     grads = _gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
@@ -292,9 +298,9 @@ def _add_on_device(dst: Tensor, src: Tensor) -> None:
         dev.kernels.dispatch(
             kernel,
             count,
-            dst=dst.native.storage,
-            dst_in=dst.native.storage,
-            src=src.native.storage,
+            dst=dst.buffer,
+            dst_in=dst.buffer,
+            src=src.buffer,
             count=count,
         )
     else:

@@ -197,7 +197,7 @@ def _launch(fn: FunctionTarget, kernel: Any, numel: int, bindings: dict) -> None
 
 def _arguments(args: list, name: str = "a") -> dict:
     return {
-        f"pydiff_{name}{i}": v.native.storage if type(v) is Tensor else float(v)
+        f"pydiff_{name}{i}": v.buffer if type(v) is Tensor else float(v)
         for i, v in enumerate(args)
         if v is not None
     }
@@ -230,7 +230,7 @@ def forward(
     if out is None:
         out = empty(shape, device=dev)
     bindings = _arguments(args)
-    bindings["pydiff_result"] = out.native.storage
+    bindings["pydiff_result"] = out.buffer
     _launch(fn, kernel, out.numel, bindings)
     _stats["forward"] += 1
     return out
@@ -277,9 +277,9 @@ def backward(
     if before is not None:
         before()
     bindings = _arguments(args)
-    bindings.update(pydiff_up=upstream.native.storage, pydiff_zero=0)
+    bindings.update(pydiff_up=upstream.buffer, pydiff_zero=0)
     for j, members in enumerate(sums):
-        bindings[f"pydiff_g{j}"] = bindings[f"pydiff_g{j}_in"] = grads[members[0]].native.storage
+        bindings[f"pydiff_g{j}"] = bindings[f"pydiff_g{j}_in"] = grads[members[0]].buffer
     for i, f in zip(scalars, full):
         bindings[f"pydiff_sg{i}"] = f.storage
     _launch(fn, kernel, upstream.numel, bindings)
@@ -368,7 +368,7 @@ def fwds(
         return None
     value, tangent = empty(shape, device=dev), empty(shape, device=dev)
     bindings = _arguments(args) | _arguments(tangents, "t")
-    bindings.update(pydiff_result=value.native.storage, pydiff_tangent=tangent.native.storage)
+    bindings.update(pydiff_result=value.buffer, pydiff_tangent=tangent.buffer)
     _launch(fn, kernel, value.numel, bindings)
     _stats["fwds"] += 1
     return value, tangent

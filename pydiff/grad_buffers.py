@@ -195,8 +195,9 @@ class GradBuffers:
         return self
 
     def zero_grad(self, encoder: Any = None) -> "Self":
-        """Zero the gradient buffers (grad_in and grad_out) now, or in order with the
-        commands of ``encoder``; returns self."""
+        """Zero the gradient buffers (grad_in and grad_out) in order with the commands of
+        ``encoder``, else of this context's batch or the device's deferred list (see
+        ``Tensor.zero_``); returns self."""
         self._zero_pending = False  # (zeroed here: not again when first read)
         grad_in, grad_out = self.grad_in, self.grad_out
         if grad_in is not None:

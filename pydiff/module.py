@@ -378,6 +378,8 @@ class BackwardFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(f"{self._fn.module.name}.{self._fn.name}.bwds (SlangPy)")
+        # Deferred kernels go first (a batch this joins is ordered by its own scope).
+        self._fn.module.device.queue.flush_deferred()
         return backward_call(self._fn, args, kwargs)
 
     def __repr__(self) -> str:

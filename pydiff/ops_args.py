@@ -44,7 +44,7 @@ def same_device(name: str, **values: Any) -> Device:
             continue
         if first is None:
             first = (arg, v.device)
-        elif v.device != first[1]:
+        elif v.device is not first[1] and v.device != first[1]:
             raise ValueError(
                 f"{name}: {first[0]} is on {first[1]!r} but {arg} is on {v.device!r}; "
                 "tensors of one op must be on one device (create them there, or copy with "

@@ -23,6 +23,8 @@ ACTIVATIONS = (None, "relu")
 
 
 class _MatMul(Function):
+    flush_before_backward = False  # kernels only
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
@@ -89,9 +91,7 @@ def _linear_backward_in_place(
         fast_product("mm_tn", g, x, dw, 1.0, mask=mask, db=db if fuse_db else None)
     if db is not None and not fuse_db:
         kernel = g.device.kernels.get("ops/reduce.slang", "column_sums_acc")
-        g.device.kernels.dispatch(
-            kernel, n_out, g=g.native.storage, dst=db.native.storage, M=batch, N=n_out
-        )
+        g.device.kernels.dispatch(kernel, n_out, g=g.buffer, dst=db.buffer, M=batch, N=n_out)
     return True
 
 
@@ -106,6 +106,8 @@ def _linear_backward(g: Tensor, x: Tensor, w: Tensor, has_bias: bool) -> tuple:
 
 
 class _Linear(Function):
+    flush_before_backward = False  # kernels only
+
     @staticmethod
     def forward(ctx, x, w, b, activation=None):
         relu = activation == "relu"
@@ -160,6 +162,8 @@ def linear(
 
 
 class _Attention(Function):
+    flush_before_backward = False  # kernels only
+
     @staticmethod
     def forward(ctx, q, k, v, scale):
         p = softmax_rows(product("mm_nt", q, k, (q.shape[0], k.shape[0])), scale, False)

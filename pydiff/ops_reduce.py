@@ -142,8 +142,7 @@ class _MseLoss(Function):
 
 def _ce_fast(logits: Tensor, labels: Tensor) -> bool:
     """The two-kernel cross-entropy applies: Vulkan, contiguous float logits and int labels."""
-    n = labels.native
-    return float4_ready(logits) and labels.dtype == "int" and n.offset == 0 and n.is_contiguous()
+    return float4_ready(logits) and labels.dtype == "int" and labels.dense
 
 
 def _ce_forward_threads(batch: int) -> int:
@@ -154,6 +153,8 @@ def _ce_forward_threads(batch: int) -> int:
 
 
 class _CrossEntropy(Function):
+    flush_before_backward = False  # kernels only
+
     @staticmethod
     def forward(ctx, logits, labels):
         batch = logits.shape[0]
@@ -167,10 +168,10 @@ class _CrossEntropy(Function):
             logits.device.kernels.dispatch(
                 kernel,
                 threads,
-                z=logits.native.storage,
-                labels=labels.native.storage,
-                lse=lse.native.storage,
-                loss=loss.native.storage,
+                z=logits.buffer,
+                labels=labels.buffer,
+                lse=lse.buffer,
+                loss=loss.buffer,
                 B=batch,
             )
             ctx.save_for_backward(logits, labels, lse)
@@ -197,11 +198,11 @@ class _CrossEntropy(Function):
             logits.device.kernels.dispatch(
                 kernel,
                 logits.shape[0],  # a thread per row
-                z=logits.native.storage,
-                labels=labels.native.storage,
-                lse=lse.native.storage,
-                g=g.native.storage,
-                dz=target.native.storage,
+                z=logits.buffer,
+                labels=labels.buffer,
+                lse=lse.buffer,
+                g=g.buffer,
+                dz=target.buffer,
                 B=logits.shape[0],
             )
             return None, None

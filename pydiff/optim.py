@@ -25,21 +25,19 @@ ADAM_GROUP = 256
 
 
 class _Batch:
-    """Each device's kernels of one step in one batch (parameters are independent, so their
-    order does not matter): one submission per device instead of one per parameter."""
+    """The devices of one step's kernels, each submitted once at the end (the kernels wait in
+    the device's deferred list, or in the batch of a backward this runs inside): one
+    submission per device instead of one per parameter, with the forward pass's kernels."""
 
     def __init__(self) -> None:
-        self._open: dict[int, tuple[Device, object]] = {}
+        self._open: dict[int, Device] = {}
 
     def join(self, p: Tensor) -> None:
-        dev = p.device
-        if id(dev) not in self._open:
-            self._open[id(dev)] = (dev, dev.queue.begin_batch())
+        self._open.setdefault(id(p.device), p.device)
 
     def submit(self) -> None:
-        for dev, token in self._open.values():
-            dev.queue.end_batch(token)
-            dev.flush()  # a batch this joined: the step's work still runs now
+        for dev in self._open.values():
+            dev.flush()  # the step's work runs now (a later device wait sees it done)
         self._open.clear()
 
 
@@ -93,12 +91,10 @@ class Optimizer:
         return named
 
     def zero_grad(self) -> None:
-        """Zero every parameter's gradient (one submission per device)."""
-        batch = _Batch()
+        """Zero every parameter's gradient (in order with the device's pending work: the
+        zeroing is submitted with the forward pass that follows)."""
         for p in self.params:
-            batch.join(p)
-            p.zero_grad(p.device.queue.encoder())
-        batch.submit()
+            p.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters, step count and state buffers as NumPy arrays (a copy)."""
@@ -183,11 +179,11 @@ class SGD(Optimizer):
                 p.device.kernels.dispatch(
                     kernel,
                     -(-count // OPTIM_CHUNK),
-                    p=p.native.storage,
-                    p_in=p.native.storage,
-                    grad=p.grad.native.storage,
-                    buf=buf.native.storage,
-                    buf_in=buf.native.storage,
+                    p=p.buffer,
+                    p_in=p.buffer,
+                    grad=p.grad.buffer,
+                    buf=buf.buffer,
+                    buf_in=buf.buffer,
                     count=count,
                     dynamic=self._hyper,
                 )
@@ -289,13 +285,13 @@ class Adam(Optimizer):
                 p.storage.wrote(f"{type(self).__name__}.step")
             bindings.update(
                 {
-                    f"p{k}": p.native.storage,
-                    f"p{k}_in": p.native.storage,
-                    f"g{k}": p.grad.native.storage,
-                    f"m{k}": m.native.storage,
-                    f"m{k}_in": m.native.storage,
-                    f"v{k}": v.native.storage,
-                    f"v{k}_in": v.native.storage,
+                    f"p{k}": p.buffer,
+                    f"p{k}_in": p.buffer,
+                    f"g{k}": p.grad.buffer,
+                    f"m{k}": m.buffer,
+                    f"m{k}_in": m.buffer,
+                    f"v{k}": v.buffer,
+                    f"v{k}_in": v.buffer,
                     f"end{k}": end,
                     f"count{k}": count,
                 }

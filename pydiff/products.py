@@ -99,19 +99,19 @@ def fast_product(
         SHUF_A=int(shuf_a),
     )
     bindings = {
-        "a": a.native.storage,
-        "b": b.native.storage,
-        "c": out.native.storage,
+        "a": a.buffer,
+        "b": b.buffer,
+        "c": out.buffer,
         "beta": float(beta),
     }
     if c_vec:
-        bindings["c_in"] = out.native.storage
+        bindings["c_in"] = out.buffer
     if kind == "mm_nt":
-        bindings["bias"] = (bias if bias is not None else a).native.storage
+        bindings["bias"] = (bias if bias is not None else a).buffer
     if mask is not None:
-        bindings["mask"] = mask.native.storage
+        bindings["mask"] = mask.buffer
     if db is not None:
-        bindings["db"] = db.native.storage
+        bindings["db"] = db.buffer
         db.storage.wrote(kind)
     a.device.kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
     out.storage.wrote(kind)
@@ -208,7 +208,7 @@ def elementwise_kernel(
         kernels.get(kernel_file, name, CHUNK=ELEMENTWISE_CHUNK),
         -(-count // ELEMENTWISE_CHUNK),
         count=count,
-        **{k: t.native.storage for k, t in buffers.items()},
+        **{k: t.buffer for k, t in buffers.items()},
     )
 
 

@@ -65,6 +65,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
+        self._dtype: str | None = None  # the element type's name, found once
         self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
         self._producer: Any = None
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
@@ -79,10 +80,13 @@ class Tensor(GradBuffers, TensorOperators):
     @property
     def dtype(self) -> str:
         """Slang element type name: 'float', 'float3', 'half', 'int', ..."""
-        t = self._native.dtype
-        if type(t).__name__ == "VectorType":
-            return f"{t.element_type.full_name}{t.num_elements}"
-        return t.full_name
+        if self._dtype is None:  # read from SlangPy once (~1 us; every op checks it)
+            t = self._native.dtype
+            if type(t).__name__ == "VectorType":
+                self._dtype = f"{t.element_type.full_name}{t.num_elements}"
+            else:
+                self._dtype = t.full_name
+        return self._dtype
 
     @property
     def scalar_type(self) -> str:
@@ -98,8 +102,20 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def native(self) -> spy.Tensor:
-        """The SlangPy tensor holding the primal values (no gradient buffers attached)."""
+        """The SlangPy tensor holding the primal values (no gradient buffers attached). The
+        device's deferred kernels are submitted first: whatever reads it sees their results."""
+        if self._device.queue.deferred:
+            self._device.queue.flush_deferred()
         return self._native
+
+    @property
+    def buffer(self) -> spy.Buffer:
+        """The buffer holding the values, for commands recorded in order with the device's
+        pending work (pydiff's kernels): no flush, unlike ``native``.
+
+        >>> device.kernels.dispatch(kernel, n, x=t.buffer)
+        """
+        return self._native.storage
 
     @property
     def numel(self) -> int:
@@ -112,6 +128,16 @@ class Tensor(GradBuffers, TensorOperators):
         if self._float4 is None:
             self._float4 = float4_layout(self._native, self._device.typed_loads)
         return self._float4
+
+    @property
+    def dense(self) -> bool:
+        """The values are contiguous from the start of their buffer (no flush, unlike
+        ``native``: a layout never changes).
+
+        >>> labels.dense        # True for pydiff.tensor(array)
+        """
+        n = self._native
+        return n.offset == 0 and n.is_contiguous()
 
     @property
     def layout(self) -> tuple:
@@ -306,12 +332,16 @@ class Tensor(GradBuffers, TensorOperators):
         return self.copy_from_numpy(arr)
 
     def zero_(self, encoder: Any = None) -> "Tensor":
-        """Zero the values now, or in order with the commands of ``encoder``; returns self."""
+        """Zero the values in order with the commands of ``encoder``, of this context's batch,
+        or else of the device's deferred list; returns self."""
+        queue = self._device.queue
         if encoder is None:
-            self._device.flush()
-            self._native.clear()
+            encoder = queue.encoder()
+        native = self._native
+        if encoder is None:
+            queue.defer(native.clear, (native.storage,))
         else:
-            self._native.clear(encoder)
+            native.clear(encoder)
         rec = capturing.recording()
         if rec is not None:
             rec.record_clear(self._device.queue, self._native)
@@ -372,6 +402,8 @@ class Tensor(GradBuffers, TensorOperators):
             self._sync_view()
         elif self._zero_pending and with_grads:
             self._settle()
+        if self._device.queue.deferred:  # a SlangPy call reads it: deferred work runs first
+            self._device.queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
         if self._bound is None:
