@@ -94,13 +94,11 @@ class Device:
 
     - ``native``: the ``slangpy.Device``; ``type``: 'vulkan', 'cuda', ...
     - ``queue``: pending GPU work (``CommandQueue``); ``flush()`` submits it;
-    - ``library``: pydiff's Slang library (``shaders/pydiff.slang``) as a raw SlangPy module,
-      loaded on first use;
+    - ``library``: pydiff's Slang library (``shaders/pydiff.slang``), a raw SlangPy module;
     - ``kernels``: compiled compute kernels and bound shader objects (``KernelCache``);
     - ``pool``: float4 storage buffers kept for reuse (``BufferPool``), one per thread;
-    - ``scratch``: gradient buffers of sizes in use, reused across calls (a dict of the
-      ``SCRATCH_MAX_ITEMS`` most recently used, ``SCRATCH_MAX_BYTES`` at most; ``scratch.bytes``
-      is what it holds), one per thread;
+    - ``scratch``: gradient buffers per size, one per thread (``BoundedDict``: bounded by
+      ``SCRATCH_MAX_ITEMS`` and ``SCRATCH_MAX_BYTES``; ``scratch.bytes`` is what it holds);
     - ``dtype(name)``: SlangPy's reflection of a Slang element type;
     - ``cached(key, make)``: a per-device memo for the layers above (wrapped modules, constants).
 
@@ -236,9 +234,7 @@ class Device:
         self.scratch.clear()
         self.kernels.release_objects()
         self.pool.prune()
-        # slang-rhi frees a released buffer once the work submitted before it has finished;
-        # waiting lets it free them now (without it RSS on lavapipe stays up by what was held).
-        self.native.wait()
+        self.wait()  # slang-rhi frees a released buffer once the work before it has finished
 
     def __repr__(self) -> str:
         # The ordinal tells two devices of one type and adapter apart in error messages.

@@ -304,3 +304,20 @@ def _allocate_plain(
         native.clear()
         rec.record_clear(dev.queue, native)
     return native
+
+
+def shape_with_inferred_axis(shape: Any, numel: int) -> tuple[int, ...]:
+    """``shape`` with one -1 replaced by what the other sizes leave (NumPy's rule)."""
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in shape
+    ):
+        return shape_tuple(shape)  # refuses what is not a shape, naming it
+    shape = tuple(shape)
+    if sum(1 for n in shape if n == -1) > 1:
+        raise ValueError(f"reshape: only one axis may be -1, got {shape}")
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        if known == 0 or numel % known:
+            raise ValueError(f"reshape: cannot view {numel} elements as shape {shape}")
+        shape = tuple(numel // known if n == -1 else n for n in shape)
+    return shape_tuple(shape)

@@ -17,7 +17,8 @@ from . import capturing, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
-from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape, shape_tuple
+from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape
+from .storage import shape_with_inferred_axis
 from .storage import dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
 
@@ -358,7 +359,7 @@ class Tensor(GradBuffers, TensorOperators):
         """
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]  # reshape((2, 3)); anything else is refused by shape_tuple
-        shape = _with_inferred_axis(shape, self.numel)
+        shape = shape_with_inferred_axis(shape, self.numel)
         if math.prod(shape) != self.numel:
             raise ValueError(f"reshape: cannot view {self.numel} elements as shape {shape}")
         if not self._native.is_contiguous():
@@ -438,20 +439,3 @@ def float4_ready(*tensors: Tensor) -> bool:
         if not t.float4:
             return False
     return True
-
-
-def _with_inferred_axis(shape: Any, numel: int) -> tuple[int, ...]:
-    """``shape`` with one -1 replaced by what the other sizes leave (NumPy's rule)."""
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in shape
-    ):
-        return shape_tuple(shape)  # refuses what is not a shape, naming it
-    shape = tuple(shape)
-    if sum(1 for n in shape if n == -1) > 1:
-        raise ValueError(f"reshape: only one axis may be -1, got {shape}")
-    if -1 in shape:
-        known = math.prod(n for n in shape if n != -1)
-        if known == 0 or numel % known:
-            raise ValueError(f"reshape: cannot view {numel} elements as shape {shape}")
-        shape = tuple(numel // known if n == -1 else n for n in shape)
-    return shape_tuple(shape)
