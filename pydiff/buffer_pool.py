@@ -202,15 +202,22 @@ class BoundedDict(OrderedDict):
         self._sizes.clear()
         self.bytes = 0
 
+    def release_buffers(self) -> None:
+        """Drop the entries whose values hold device buffers (``empty_cache``)."""
+        for key in [k for k, v in self.items() if device_bytes(v)]:
+            del self[key]
+
 
 def device_bytes(value: Any) -> int:
-    """Bytes of the distinct device buffers in ``value`` (a SlangPy buffer or tensor, or
-    lists, tuples and dicts of them); other values count 0."""
+    """Bytes of the distinct device buffers in ``value`` (a SlangPy buffer or tensor, a
+    pydiff tensor, or lists, tuples and dicts of them); other values count 0."""
     buffers: dict[int, int] = {}
 
     def visit(v: Any) -> None:
         if isinstance(v, spy.Tensor):
             v = v.storage
+        elif hasattr(v, "storage") and isinstance(getattr(v.storage, "buffer", None), spy.Buffer):
+            v = v.storage.buffer  # a pydiff Tensor
         if isinstance(v, spy.Buffer):
             buffers[v.native_handle.value] = v.size
         elif isinstance(v, (list, tuple)):

@@ -31,8 +31,7 @@ from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapip
     lavapipe_threads_text,
 )
 
-#: Bounds of the per-device memos (least recently used entries dropped, made again on demand):
-#: ``scratch`` holds buffers per size, ``cached`` objects per key such as a constant's size.
+#: Bounds of the per-device memos, ``scratch`` (buffers per size) and ``cached`` (LRU).
 SCRATCH_MAX_ITEMS = 256
 SCRATCH_MAX_BYTES = 512 * 2**20
 CACHED_MAX_ITEMS = 1024
@@ -128,7 +127,7 @@ class Device:
         self._lock = threading.RLock()
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
-        self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS)
+        self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS, SCRATCH_MAX_BYTES)
 
     @property
     def native(self) -> spy.Device:
@@ -216,8 +215,7 @@ class Device:
         return found
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` once per key on this device (for objects built by higher layers; the
-        ``CACHED_MAX_ITEMS`` most recently used are kept)."""
+        """``make()`` once per key on this device, for objects built by higher layers (LRU)."""
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = make()
@@ -232,6 +230,8 @@ class Device:
         objects kept for reuse."""
         self.queue.flush()  # queued kernels may still read a scratch buffer
         self.scratch.clear()
+        with self._lock:  # memo entries holding buffers (e.g. layer_norm's default weights)
+            self._cache.release_buffers()
         self.kernels.release_objects()
         self.pool.prune()
         self.wait()  # slang-rhi frees a released buffer once the work before it has finished

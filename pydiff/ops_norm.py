@@ -151,7 +151,7 @@ class _LayerNorm(Function):
         lib = library(x.device)
         x2 = rows_view("layer_norm", x)
         rows, n = x2.shape
-        stats = empty((rows, 3), device=x.device)  # row scale, scaled mean and deviation
+        stats = empty((rows, 4), device=x.device)  # row scale, scaled mean (hi), sd, mean (lo)
         lib.layer_norm_stats(spy.grid((rows,)), x2, float(eps), stats)
         w = weight.detach() if weight is not None else _constant(x.device, n, 1.0)
         b = bias.detach() if bias is not None else _constant(x.device, n, 0.0)

@@ -92,9 +92,9 @@ def sum(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:  
     NumPy's axis/keepdims rules, except that a result NumPy gives as a 0-d scalar is (1,).
 
     >>> total = pydiff.ops.sum(x)             # shape (1,)
-    >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules
+    >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules; a tuple too
     """
-    return _Sum.apply(x, axis, keepdims, False)
+    return _over_axes("sum", x, axis, keepdims, False)
 
 
 def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
@@ -102,7 +102,26 @@ def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
 
     >>> m = pydiff.ops.mean(x, axis=-1, keepdims=True)
     """
-    return _Sum.apply(x, axis, keepdims, True)
+    return _over_axes("mean", x, axis, keepdims, True)
+
+
+def _over_axes(name: str, x: Tensor, axis: Any, keepdims: bool, mean: bool) -> Tensor:
+    """One axis, all of them, or a tuple of axes (reduced one after another, the last first)."""
+    if not isinstance(axis, (tuple, list)):
+        return _Sum.apply(x, axis, keepdims, mean)
+    n = len(x.shape) if isinstance(x, Tensor) else 0
+    axes = {a % n for a in axis if isinstance(a, int) and not isinstance(a, bool) and -n <= a < n}
+    if len(axes) != len(axis):
+        raise ValueError(
+            f"{name}: axis={tuple(axis)} for a tensor of shape {getattr(x, 'shape', None)}: "
+            "each axis an int in range, none twice"
+        )
+    if len(axes) == n:
+        out = _Sum.apply(x, None, False, mean)
+        return out.reshape((1,) * n) if keepdims else out
+    for a in sorted(axes, reverse=True):
+        x = _Sum.apply(x, a, keepdims, mean)
+    return x
 
 
 def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:

@@ -59,6 +59,14 @@ class Optimizer:
                     f"{type(self).__name__}: params[{k}] must be a float tensor with "
                     "requires_grad=True"
                 )
+        seen: dict[int, int] = {}  # storage -> index: one buffer twice would step twice
+        for k, p in enumerate(self.params):
+            j = seen.setdefault(id(p.storage), k)
+            if j != k:
+                raise ValueError(
+                    f"{type(self).__name__}: params[{j}] and params[{k}] are the same tensor "
+                    "(or views of one); list each parameter once"
+                )
         for key, value in defaults.items():
             if isinstance(value, float) and value < 0:
                 raise ValueError(f"{type(self).__name__}: {key}={value} must be >= 0")

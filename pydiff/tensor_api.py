@@ -129,9 +129,7 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
     name = dtype_name(dtype)
     if element_shape(x.device.dtype(name)) != x.expected_numpy_shape()[len(x.shape) :]:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
-    if name == x.dtype:
-        return x.clone()
-    if x.dtype in _FLOATS and name in _FLOATS:
+    if x.dtype in _FLOATS and name in _FLOATS:  # the same dtype too: a copy on the tape
         return _AsType.apply(x, name)
     return make_tensor(x.detach().numpy(), dtype=name, device=x.device)  # no gradient: ints
 
@@ -163,8 +161,8 @@ def power(x: Tensor, exponent: Any) -> Tensor:
             f"(x.log() * {exponent}).exp() (its derivative at 0 is not the limit)"
         )
     n = int(exponent)
-    if n < 0:
-        return ops.div(1.0, power(x, -n))
+    if n < 0:  # (1/x)^n, not 1/x^n: d(1/u)/du at u = x^n = 0 times d(x^n) = 0 was NaN at 0
+        return power(ops.div(1.0, x), -n)
     if n == 0:  # 1 everywhere (inf and NaN included, as NumPy), gradient 0: on the tape
         return _Ones.apply(x)
     if n == 1:
@@ -216,22 +214,8 @@ def _promoting(op: Any) -> Any:
 
 
 def _reduction(op: Any) -> Any:
-    """``ops.sum``/``ops.mean`` also over a tuple of axes (one axis after another)."""
-
     def run(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
-        x = _as_float(x)
-        if not isinstance(axis, (tuple, list)):
-            return op(x, axis, keepdims)
-        n = len(x.shape)
-        axes = sorted({a % n if isinstance(a, int) and -n <= a < n else a for a in axis})
-        if any(not isinstance(a, int) or not 0 <= a < n for a in axes) or len(axes) != len(axis):
-            raise ValueError(f"{op.__name__}: axis={axis} for a tensor of shape {x.shape}")
-        if len(axes) == n:
-            out = op(x, None, False)
-            return out.reshape((1,) * n) if keepdims else out
-        for a in reversed(axes):
-            x = op(x, a, keepdims)
-        return x
+        return op(_as_float(x), axis, keepdims)
 
     run.__name__ = op.__name__
     return run
