@@ -260,4 +260,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     return torch_function(fn)(*args, **kwargs)
 
 
-foreign.register(is_torch_tensor, _call_with_torch)
+def _torch_classes() -> tuple:
+    torch = sys.modules.get("torch")
+    return (torch.Tensor,) if torch is not None else ()
+
+
+foreign.register(_torch_classes, _call_with_torch)
