@@ -6,6 +6,7 @@ record the call on the active tape (with copies of values the call overwrites).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .bwds_checks import refuse_written_struct, with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
-from . import generated_calls
+from . import foreign, generated_calls
 from .tape import Tape, active_tape
 from .tensor import Tensor
 
@@ -69,6 +70,9 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         out = plan.run(fn, args, kwargs.get("_result", MISSING))
         if out is not DECLINED:
             return out
+    # Torch tensors (never in a plan's layout): torch tensors in, torch tensors out, autograd.
+    if "torch" in sys.modules and (run := foreign.handler(args, kwargs)) is not None:
+        return run(fn, args, kwargs)
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import slangpy as spy
 
-from . import capturing, foreign, lint, lint_sources
+from . import capturing, lint, lint_sources
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -246,8 +245,6 @@ class ShaderFunction:
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(f"calling {self.module.name}.{self.name} through SlangPy")
-        if "torch" in sys.modules and (run := foreign.handler(args, kwargs)) is not None:
-            return run(self, args, kwargs)  # torch tensors in, torch tensors out, autograd
         self.module.device.flush()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
