@@ -60,7 +60,7 @@ from .tape import Tape
 from .tensor import Tensor
 from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
-from .torch_interop import from_torch, to_torch, torch_function
+from .torch_interop import from_dlpack, from_torch, to_torch, torch_function
 from . import nn, ops, optim
 from . import tensor_api  # noqa: F401 (provides Tensor's operators and methods)
 
@@ -113,6 +113,7 @@ __all__ = [
     "deterministic",
     "empty",
     "empty_cache",
+    "from_dlpack",
     "from_torch",
     "grad",
     "gradcheck",

@@ -37,6 +37,10 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
+import slangpy as spy
+
+from .cuda_context import ensure_current
+
 # Commands the deferred list holds before it is submitted anyway: bounds the memory its
 # buffers pin (and a step's few dozen commands stay in one submission).
 DEFER_MAX = 256
@@ -63,17 +67,27 @@ class _Batch:
         self.encoder: Any = None
 
 
+def _nothing() -> None:
+    """``enter`` where a device needs nothing of a new thread (every backend but CUDA)."""
+
+
 class CommandQueue:
     """Pending work of one SlangPy device (``device.queue``)."""
 
     def __init__(self, native_device: Any):
         self.native = native_device
+        #: Called where a thread starts using the device: on CUDA, makes the shared primary
+        #: context current on a thread that has none (pydiff.cuda_context); else nothing.
+        self.enter = ensure_current if native_device.info.type == spy.DeviceType.cuda else _nothing
         self._batch: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
             f"pydiff_batch_{id(self)}", default=None
         )
         # The deferred list: its encoder, the buffers its commands bind, how many commands.
         # The lock makes appending a command and submitting the list exclusive.
         self._lock = threading.RLock()
+        # Host transfers (uploads, read-backs) hold it too: slang-rhi's CUDA device aborts the
+        # process when two threads copy at once (seen on an H200; Vulkan copes).
+        self.lock = self._lock
         self._finished: list = []  # command lists of ended batches, to run before _deferred
         self._deferred: Any = None
         self._held: list = []
@@ -171,6 +185,7 @@ class CommandQueue:
         """Submit the deferred list (if any) and then ``after``'s encoders (lock held). The
         list reads as pending until the submission returns: a thread that checks it without
         the lock (``deferred``, ``flush``) must wait for this submission, not overtake it."""
+        self.enter()
         buffers = list(self._finished)
         if self._deferred is not None:
             buffers.append(self._deferred.finish())

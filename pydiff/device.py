@@ -19,17 +19,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
-from . import compile_cache
+from . import compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
 from .kernels import KernelCache
 from .slangpy_loader import missing_driver
-from .lavapipe import (  # noqa: F401 (public here: pydiff.device.choose_lavapipe_threads)
-    LAVAPIPE_INLINE_MAX_CPUS,
-    choose_lavapipe_threads,
-    lavapipe_threads_text,
-)
+from .lavapipe import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads  # noqa: F401 (public)
+from .lavapipe import lavapipe_threads_text  # noqa: F401 (public here)
 
 #: Bounds of the per-device memos, ``scratch`` (buffers per size) and ``cached`` (LRU).
 SCRATCH_MAX_ITEMS = 256
@@ -39,12 +36,7 @@ CACHED_MAX_ITEMS = 1024
 #: Order in which ``type="auto"`` tries backends: fastest first.
 AUTO_ORDER = ("cuda", "d3d12", "vulkan")
 
-_TYPES = {
-    "cuda": spy.DeviceType.cuda,
-    "d3d12": spy.DeviceType.d3d12,
-    "vulkan": spy.DeviceType.vulkan,
-    "metal": spy.DeviceType.metal,
-}
+_TYPES = {t: getattr(spy.DeviceType, t) for t in ("cuda", "d3d12", "vulkan", "metal")}
 
 # SlangPy 0.43's CPU device opens but cannot dispatch a vectorised call ("zero compute
 # dispatch groups") and has no float atomics for bwds, so pydiff refuses it up front.
@@ -137,6 +129,7 @@ class Device:
 
         >>> dev.native.wait_for_idle()     # waits for the ops issued so far
         """
+        self.queue.enter()
         if self.queue.deferred:
             self.queue.flush_deferred()
         return self._native
@@ -166,6 +159,7 @@ class Device:
         thread's pending kernels may still write a buffer it has just let go."""
         pool = getattr(self._per_thread, "pool", None)
         if pool is None:
+            self.queue.enter()
             pool = self._per_thread.pool = BufferPool(self._native, self.queue, self.typed_loads)
         return pool
 
@@ -286,6 +280,8 @@ def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | N
             shader_cache_path=caches[1],
             shader_cache_size=compile_cache.max_bytes(),
         )
+    if type_name == "cuda":  # PyTorch's context, current on every thread (cuda_context)
+        options["existing_device_handles"] = cuda_context.primary_handles()
     return spy.Device(
         type=_TYPES[type_name],
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},

@@ -12,6 +12,7 @@ pydiff tensors, so it sits below them.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -38,6 +39,21 @@ OBJECT_MAX_BUFFER = 4 << 20
 KERNELS_MAX = 128
 
 
+def float4_chunk(adapter_name: str) -> int:
+    """Consecutive float4s each thread of the elementwise and optimizer kernels handles: 4 on
+    lavapipe (fewer invocations, each paying for its indices: 2/3 of the CPU time of one), 1
+    on a GPU, where a warp's neighbouring threads must read neighbouring float4s (4 halved
+    the bandwidth on an H200). ``PYDIFF_FLOAT4_CHUNK`` overrides it (tests of both layouts).
+
+    >>> float4_chunk("llvmpipe (LLVM 15.0.6, 256 bits)"), float4_chunk("NVIDIA H200")
+    (4, 1)
+    """
+    forced = os.environ.get("PYDIFF_FLOAT4_CHUNK", "").strip()
+    if forced:
+        return max(1, int(forced))
+    return 4 if "llvmpipe" in adapter_name else 1
+
+
 class KernelCache:
     """The compiled kernels of one device and the shader objects bound for recent dispatches."""
 
@@ -54,6 +70,13 @@ class KernelCache:
         # One source per kernel for every backend: inputs are declared `Float4In`, a typed
         # Buffer<float4> where the backend loads those faster (Vulkan), else structured.
         self.float4_in = "Buffer<float4>" if typed_loads else "StructuredBuffer<float4>"
+        #: A GPU, not lavapipe: the matrix kernels take small register blocks (many threads)
+        #: there, and the narrow layer's one-kernel backward (8 threads walking the batch) is
+        #: left to two products.
+        #: ``PYDIFF_KERNEL_SHAPES=gpu`` takes the GPU's shapes on lavapipe (their tests).
+        forced = os.environ.get("PYDIFF_KERNEL_SHAPES", "").strip().lower() == "gpu"
+        self.gpu = forced or "llvmpipe" not in native_device.info.adapter_name
+        self.chunk = float4_chunk(native_device.info.adapter_name)
         self._kernels: OrderedDict = OrderedDict()
         self._sorted: dict = {}
         self._objects: OrderedDict = OrderedDict()

@@ -20,7 +20,7 @@ from .tensor import Tensor, float4_ready
 # per group of the Adam/AdamW one. Measured on lavapipe (process CPU time): AdamW over 10M
 # parameters 26.7 -> 22.1 ms with 4 float4s per thread instead of 1 (2: 24.0, 8: 28.3); a
 # small model's 4.8K parameters alike; groups of 64-1024 threads alike.
-OPTIM_CHUNK = 4
+OPTIM_CHUNK = 4  # lavapipe's; the kernels take device.kernels.chunk (1 on a GPU)
 ADAM_GROUP = 256
 
 
@@ -182,11 +182,12 @@ class SGD(Optimizer):
             buf = self._buffer(k, "momentum_buffer")
             if float4_ready(p, p.grad, buf):
                 batch.join(p)
-                kernel = p.device.kernels.get("optim/sgd.slang", "sgd_step4", CHUNK=OPTIM_CHUNK)
+                chunk = p.device.kernels.chunk
+                kernel = p.device.kernels.get("optim/sgd.slang", "sgd_step4", CHUNK=chunk)
                 count = -(-p.numel // 4)
                 p.device.kernels.dispatch(
                     kernel,
-                    -(-count // OPTIM_CHUNK),
+                    -(-count // chunk),
                     p=p.buffer,
                     p_in=p.buffer,
                     grad=p.grad.buffer,
@@ -285,11 +286,12 @@ class Adam(Optimizer):
     def _dispatch_four(self, slots: list, batch: _Batch) -> None:
         """One kernel updating up to four parameters (threads split by float4 ranges)."""
         bindings, end = {}, 0
+        chunk = slots[0][0].device.kernels.chunk
         for k in range(4):
             p, m, v = slots[min(k, len(slots) - 1)]
             count = -(-p.numel // 4)  # float4s
             if k < len(slots):
-                end += -(-count // OPTIM_CHUNK)
+                end += -(-count // chunk)
                 p.storage.wrote(f"{type(self).__name__}.step")
             bindings.update(
                 {
@@ -307,7 +309,7 @@ class Adam(Optimizer):
         dev = slots[0][0].device
         batch.join(slots[0][0])
         kernel = dev.kernels.get(
-            "optim/adamw.slang", "adamw_step4_multi", CHUNK=OPTIM_CHUNK, TG=ADAM_GROUP
+            "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
         )
         dev.kernels.dispatch(kernel, end, dynamic=self._hyper, **bindings)
 

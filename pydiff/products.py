@@ -20,20 +20,26 @@ from .tensor import Tensor, float4_ready
 import numpy as np
 
 
-def blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
+def blocking(
+    kind: str, m: int, n: int, k: int, accumulators: int | None = None
+) -> tuple[int, int] | None:
     """Rows and columns of C per thread for the fast product kernels, or None when the
     shapes do not fit them (B is read as float4 rows: mm_nt needs K % 4 == 0, the others
     N % 4 == 0). Blocks of up to 128 accumulators: on lavapipe, 8 x 16 blocks beat 8 x 8
-    by 10-35% on a training step's products (each load feeds more multiply-adds)."""
+    by 10-35% on a training step's products (each load feeds more multiply-adds); a GPU
+    takes ``GPU_BLOCK_ACCUMULATORS`` (a 64 x 64 product in 16 x 8 blocks is 32 threads)."""
+    accumulators = accumulators or BLOCK_ACCUMULATORS
+    small = accumulators < 64
     if kind == "mm_nt":
         if k % 4:
             return None
-        cols = n if n <= 16 else next(c for c in (16, 8, 4, 2, 1) if n % c == 0)
+        widths = (4, 2, 1) if small else (16, 8, 4, 2, 1)
+        cols = n if n <= (4 if small else 16) else next(c for c in widths if n % c == 0)
     else:
         if n % 4:
             return None
-        cols = next(c for c in (16, 8, 4) if n % c == 0)
-    budget = BLOCK_ACCUMULATORS // cols
+        cols = next(c for c in ((4,) if small else (16, 8, 4)) if n % c == 0)
+    budget = accumulators // cols
     rows = next((r for r in (16, 8, 4) if m % r == 0 and r <= budget), None)
     if rows is None:  # e.g. 10 rows: 5 per thread rather than 2
         rows = next(r for r in range(min(16, budget, m), 0, -1) if m % r == 0)
@@ -41,6 +47,7 @@ def blocking(kind: str, m: int, n: int, k: int) -> tuple[int, int] | None:
 
 
 BLOCK_ACCUMULATORS = 128
+GPU_BLOCK_ACCUMULATORS = 8
 
 
 def fast_product(
@@ -60,7 +67,8 @@ def fast_product(
     (masked) A; False, with nothing done, if the kernels do not fit."""
     m, n = out.shape
     k = a.shape[0] if kind == "mm_tn" else a.shape[1]
-    block = blocking(kind, m, n, k)
+    gpu = a.device.kernels.gpu
+    block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS if gpu else None)
     extra = [t for t in (bias, mask, db) if t is not None]
     if block is None or not float4_ready(a, b, out, *extra):
         return False
@@ -70,7 +78,7 @@ def fast_product(
     # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
     # mm_nn and mm_tn reading A as floats share A instead (SHUF_A), in blocks of 16 (or all m
     # below 16) x 8 where they fit: runs of 8 threads cover 64 columns.
-    shuf_a = kind != "mm_nt" and not a_vec and (m % 16 == 0 or m < 16) and n % 64 == 0
+    shuf_a = not gpu and kind != "mm_nt" and not a_vec and (m % 16 == 0 or m < 16) and n % 64 == 0
     if shuf_a:
         rows, cols = min(m, 16), 8
     # C written as float4s (and read back through a typed view to add to it, beta = 1)
@@ -138,7 +146,7 @@ def linear_backward_narrow(
     of 64; False, with nothing done, if it does not fit. The caller checked float4_ready."""
     batch, n_out = g.shape
     n_in = x.shape[1]
-    if n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS:
+    if n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS or g.device.kernels.gpu:
         return False
     kernel = g.device.kernels.get(
         "ops/matmul.slang",
@@ -194,19 +202,19 @@ def product(
 
 # Float4s per thread of the elementwise kernels (relu4, relu_bwd_acc4): on lavapipe four cost
 # about 2/3 of the CPU time of one at 10M elements (bench_train.py's relu line).
-ELEMENTWISE_CHUNK = 4
+ELEMENTWISE_CHUNK = 4  # lavapipe's; kernels.chunk is 1 on a GPU
 
 
 def elementwise_kernel(
     name: str, count_of: Tensor, kernel_file: str = "ops/elementwise.slang", **buffers: Tensor
 ) -> None:
     """Run the float4 kernel ``name`` over ``count_of``'s elements with ``buffers`` bound,
-    ``ELEMENTWISE_CHUNK`` float4s per thread."""
+    ``kernels.chunk`` float4s per thread (``ELEMENTWISE_CHUNK`` on lavapipe, 1 on a GPU)."""
     count = -(-count_of.numel // 4)
     kernels = count_of.device.kernels
     kernels.dispatch(
-        kernels.get(kernel_file, name, CHUNK=ELEMENTWISE_CHUNK),
-        -(-count // ELEMENTWISE_CHUNK),
+        kernels.get(kernel_file, name, CHUNK=kernels.chunk),
+        -(-count // kernels.chunk),
         count=count,
         **{k: t.buffer for k, t in buffers.items()},
     )

@@ -46,6 +46,17 @@ SCALAR_NUMPY = {
 UPLOAD_NUMPY = {**SCALAR_NUMPY, "bool": np.uint32}
 
 
+def upload_numpy_type(native: spy.Tensor, scalar_type: str) -> Any:
+    """The NumPy type host values of ``native``'s element are uploaded as: a bool is a 4-byte
+    word on Vulkan and D3D12 and one byte on CUDA.
+
+    >>> upload_numpy_type(flags.native, "bool")     # np.uint32 on Vulkan, np.uint8 on CUDA
+    """
+    if scalar_type == "bool" and int(native.dtype.buffer_layout.stride) == 1:
+        return np.uint8
+    return UPLOAD_NUMPY.get(scalar_type)
+
+
 class Storage:
     """What every view of one buffer shares.
 
@@ -210,10 +221,17 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 
     >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer
     """
+    with dev.queue.lock:
+        dev.queue.enter()
+        return _read_back(dev, native)
+
+
+def _read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     shape, strides = list(native.shape), list(native.strides)
-    if native.dtype.full_name == "bool":  # 4-byte words, which SlangPy would read as bytes
-        words = spy.Tensor(native.storage, dev.dtype("uint"), shape, strides, native.offset)
-        return read_back(dev, words) != 0
+    if native.dtype.full_name == "bool":  # words (4 bytes; 1 on CUDA) that SlangPy misreads
+        word = "uint" if int(native.dtype.buffer_layout.stride) == 4 else "uint8_t"
+        words = spy.Tensor(native.storage, dev.dtype(word), shape, strides, native.offset)
+        return _read_back(dev, words) != 0
     if not shape or min(shape) <= 0:
         return native.to_numpy()
     stride = int(native.dtype.buffer_layout.stride)

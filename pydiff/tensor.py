@@ -17,7 +17,7 @@ from . import capturing, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
-from .storage import UPLOAD_NUMPY, Storage, allocate, element_shape
+from .storage import Storage, allocate, element_shape, upload_numpy_type
 from .storage import shape_with_inferred_axis
 from .storage import dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
@@ -226,15 +226,17 @@ class Tensor(GradBuffers, TensorOperators):
                 f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
-        np_type = UPLOAD_NUMPY.get(self.scalar_type)
+        np_type = upload_numpy_type(self._native, self.scalar_type)
         if np_type is not None:
             arr = arr.astype(np_type, copy=False)
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
             arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
-        self._device.flush()
-        self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
-        return self._wrote_from_host()
+        with self._device.queue.lock:
+            self._device.queue.enter()
+            self._device.flush()
+            self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
+        return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:
         """Record a copy of float ``data`` (of this tensor's shape) into ``encoder``, in order
@@ -250,12 +252,13 @@ class Tensor(GradBuffers, TensorOperators):
         rec = capturing.recording()
         if rec is not None:
             rec.record_upload(self._device.queue, n.storage, values)
-        self._wrote_from_host()
+        self.wrote_from_outside()
         return True
 
-    def _wrote_from_host(self) -> "Tensor":
+    def wrote_from_outside(self, what: str = "a host write (copy_from_numpy/fill)") -> "Tensor":
+        """Record that all values were overwritten by ``what`` (the host, torch), not a call."""
         self.storage.holds_result_of = None
-        self.storage.wrote("a host write (copy_from_numpy/fill)", everything=True)
+        self.storage.wrote(what, everything=True)
         return self
 
     def copy_(self, src: "Tensor") -> "Tensor":
@@ -403,8 +406,10 @@ class Tensor(GradBuffers, TensorOperators):
             self._sync_view()
         elif self._zero_pending and with_grads:
             self._settle()
-        if self._device.queue.deferred:  # a SlangPy call reads it: deferred work runs first
-            self._device.queue.flush_deferred()
+        queue = self._device.queue
+        queue.enter()
+        if queue.deferred:  # a SlangPy call reads it: deferred work runs first
+            queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
         if self._bound is None:

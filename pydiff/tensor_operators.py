@@ -165,6 +165,14 @@ class TensorOperators:
         """A copy converted to ``dtype`` (float <-> half carry gradients)."""
         return tensor_methods.call("astype", self, dtype)
 
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        """DLPack export (``torch.from_dlpack(x)``, ``np.from_dlpack(x)``): on a CUDA device
+        this tensor's own buffer (zero-copy; needs torch), elsewhere a host copy."""
+        return tensor_methods.call("__dlpack__", self, stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return tensor_methods.call("__dlpack_device__", self)
+
 
 def _numpy_extras(name: str, dtype: Any, out: Any) -> None:
     if dtype is not None or out is not None:

@@ -1,8 +1,10 @@
 """PyTorch interop: tensors both ways, and pydiff code inside torch autograd.
 
-On Vulkan (lavapipe) a torch CPU tensor and a pydiff tensor cannot share memory (SlangPy's
-own torch bridge needs CUDA: docs/interop.md), so values cross through NumPy, one copy each
-way; round trips are bit-exact. torch is imported only when one of these is used.
+On a CUDA device ``to_torch`` hands torch a view of pydiff's own buffer (zero-copy, after
+pydiff's pending work), and ``from_torch`` of a CUDA tensor copies on the device (SlangPy
+0.43 cannot wrap memory it did not allocate). On Vulkan (lavapipe) a torch CPU tensor and a
+pydiff tensor cannot share memory, so values cross through NumPy, one copy each way; round
+trips are bit-exact. torch is imported only when one of these is used.
 
     x = pydiff.from_torch(torch.randn(4), requires_grad=True)
     t = pydiff.to_torch(x)                              # a torch.Tensor with x's values
@@ -16,10 +18,12 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
+import slangpy as spy
 
-from . import foreign
+from . import foreign, tensor_methods
+from .creation import empty as make_empty
 from .creation import tensor as make_tensor
-from .device import Device
+from .device import Device, resolve_device
 from .grad_transforms import on_tape
 from .tape import Tape
 from .tensor import Tensor
@@ -28,6 +32,13 @@ from .tensor import Tensor
 _FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
 #: pydiff scalar type -> torch dtype name.
 _TO_TORCH = {"float": "float32", "half": "float16", "int": "int32", "uint": "uint32"}
+#: pydiff scalar type -> SlangPy's DataType, for views of a CUDA buffer.
+_SPY_TYPES = {
+    "float": spy.DataType.float32,
+    "half": spy.DataType.float16,
+    "int": spy.DataType.int32,
+    "uint": spy.DataType.uint32,
+}
 #: torch dtypes converted only when asked for by ``dtype=`` (a narrowing copy).
 _ON_REQUEST = {"float64": ("float", np.float32), "int64": ("int", np.int32)}
 
@@ -76,7 +87,7 @@ def from_torch(
         )
     if name in _FROM_TORCH and dtype in (None, _FROM_TORCH[name]):
         target = _FROM_TORCH[name]
-        arr = t.detach().cpu().contiguous().numpy()
+        arr = None if t.is_cuda else t.detach().contiguous().numpy()
     elif name in _ON_REQUEST and dtype == _ON_REQUEST[name][0]:
         target, np_type = _ON_REQUEST[name]
         arr = t.detach().cpu().contiguous().numpy()
@@ -106,13 +117,22 @@ def from_torch(
     wants_grad = t.requires_grad if requires_grad is None else requires_grad
     if wants_grad and target not in ("float", "half"):
         raise ValueError(f"from_torch: requires_grad=True needs a floating dtype, not {target!r}")
-    return make_tensor(arr, dtype=target, device=device, requires_grad=bool(wants_grad))
+    dev = resolve_device(device)
+    if t.is_cuda and dev.type == "cuda" and name in _FROM_TORCH:
+        out = make_empty(tuple(t.shape), dtype=target, device=dev, requires_grad=bool(wants_grad))
+        shared_view(out).copy_(t.detach())  # on the device: no host round trip
+        torch.cuda.current_stream(t.device).synchronize()  # before pydiff's kernels read it
+        return out.wrote_from_outside("pydiff.from_torch")
+    if arr is None:
+        arr = t.detach().cpu().contiguous().numpy()
+    return make_tensor(arr, dtype=target, device=dev, requires_grad=bool(wants_grad))
 
 
 def to_torch(x: Tensor) -> Any:
-    """A torch CPU tensor with the values, shape and dtype of ``x`` (a copy; vector dtypes
-    such as float3 keep their components as a last axis). It has no autograd link to ``x``:
-    use ``torch_function`` for that.
+    """A torch tensor with the values, shape and dtype of ``x`` (vector dtypes such as float3
+    keep their components as a last axis). On a CUDA device it is a view of ``x``'s buffer
+    (zero-copy, taken after pydiff's pending work: later writes by either side show in the
+    other); elsewhere a CPU copy. It has no autograd link to ``x``: use ``torch_function``.
 
     >>> t = pydiff.to_torch(pydiff.tensor([1.0, 2.0]))      # tensor([1., 2.])
     >>> g = pydiff.to_torch(x.grad)
@@ -125,7 +145,30 @@ def to_torch(x: Tensor) -> Any:
             f"to_torch: a tensor of dtype {x.dtype!r} has no torch dtype (accepted scalar types: "
             f"{', '.join(_TO_TORCH)})"
         )
+    if x.device.type == "cuda" and torch.cuda.is_available():
+        return shared_view(x)
     return torch.from_numpy(np.ascontiguousarray(x.numpy()))
+
+
+def shared_view(x: Tensor) -> Any:
+    """A torch CUDA tensor over ``x``'s own buffer (a CUDA device's tensor of a scalar or
+    vector dtype), once pydiff's pending work on it has run. SlangPy's view keeps the buffer
+    alive, so pydiff never reuses it while torch holds the view.
+
+    >>> shared_view(x).add_(1.0)         # x's values, changed in place by torch
+    """
+    torch = _torch()
+    native = x.native  # submits pydiff's deferred kernels
+    x.device.native.wait_for_idle()
+    item = torch.empty((), dtype=getattr(torch, _TO_TORCH[x.scalar_type])).element_size()
+    element = x.expected_numpy_shape()[len(x.shape) :]
+    per = int(native.dtype.buffer_layout.stride) // item
+    if len(element) > 1 or (element and per < element[0]):
+        raise TypeError(f"to_torch: no zero-copy view of dtype {x.dtype!r} (a matrix dtype)")
+    buf = native.storage
+    flat = buf.to_torch(_SPY_TYPES[x.scalar_type], [buf.size // item], [1], 0)
+    strides = [int(s) * per for s in native.strides] + ([1] if element else [])
+    return flat.as_strided(tuple(x.expected_numpy_shape()), strides, int(native.offset) * per)
 
 
 def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,7 +266,9 @@ def _bridge() -> Any:
             ctx.save_for_backward(*[a for a in args if is_torch_tensor(a)])
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
             ctx.from_torch = [is_torch_tensor(a) for a in args]
-            torch_out = [to_torch(out) for out in outputs]
+            ctx.torch_devices = [a.device if is_torch_tensor(a) else None for a in args]
+            home = next((d for d in ctx.torch_devices if d is not None), None)
+            torch_out = [_handed(out, home) for out in outputs]
             ctx.mark_non_differentiable(*[t for t in torch_out if not t.is_floating_point()])
             return tuple(torch_out) if isinstance(result, (tuple, list)) else torch_out[0]
 
@@ -246,14 +291,87 @@ def _bridge() -> Any:
                 leaf.zero_grad()
             for out, grad in zip(ctx.outputs, grads):
                 if grad is not None and out.requires_grad and out.producer is ctx.tape:
-                    ctx.tape.backward(out, grad=grad.detach().cpu().numpy())
+                    ctx.tape.backward(out, grad=_seed(grad.detach(), out))
             result = [None, None]
-            for value, torch_made in zip(ctx.inputs, ctx.from_torch):
+            for value, torch_made, where in zip(ctx.inputs, ctx.from_torch, ctx.torch_devices):
                 wanted = torch_made and isinstance(value, Tensor) and value.requires_grad
-                result.append(to_torch(value.grad) if wanted else None)
+                result.append(_handed(value.grad, where) if wanted else None)
             return tuple(result)
 
     return PydiffFunction
+
+
+#: DLPack's device types (dlpack.h's DLDeviceType).
+_DL_CPU, _DL_CUDA = 1, 2
+
+
+def _cuda_export(x: Tensor) -> bool:
+    if x.device.type != "cuda" or x.scalar_type not in _TO_TORCH:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return False
+    return bool(torch.cuda.is_available())
+
+
+def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
+    if _cuda_export(x):
+        return shared_view(x).__dlpack__(stream=stream, **kwargs)
+    return np.ascontiguousarray(x.numpy()).__dlpack__(**kwargs)
+
+
+def _dlpack_device(x: Tensor) -> tuple[int, int]:
+    return (_DL_CUDA, 0) if _cuda_export(x) else (_DL_CPU, 0)
+
+
+def from_dlpack(
+    obj: Any, *, device: Device | str | None = None, requires_grad: bool = False
+) -> Tensor:
+    """A pydiff tensor with the values of any DLPack producer (a torch or CuPy tensor, a NumPy
+    array, a JAX array). A CUDA producer's values are copied on the device when pydiff's
+    device is CUDA (SlangPy cannot wrap memory it did not allocate), else through the host.
+
+    >>> x = pydiff.from_dlpack(torch.arange(4.0, device="cuda"))
+    >>> y = pydiff.from_dlpack(np.ones(3, np.float32), requires_grad=True)
+    """
+    if not hasattr(obj, "__dlpack_device__"):
+        raise TypeError(
+            f"from_dlpack: obj must implement the DLPack protocol (__dlpack__ and "
+            f"__dlpack_device__), not {type(obj).__name__}"
+        )
+    if isinstance(obj, Tensor):
+        obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
+    if obj.__dlpack_device__()[0] != _DL_CPU:
+        return from_torch(_torch().from_dlpack(obj), device=device, requires_grad=requires_grad)
+    arr = np.from_dlpack(obj)
+    if arr.dtype.name not in _FROM_TORCH:
+        raise TypeError(
+            f"from_dlpack: values of dtype {arr.dtype.name} cannot be converted (accepted: "
+            f"{', '.join(_FROM_TORCH)})"
+        )
+    return make_tensor(
+        arr, dtype=_FROM_TORCH[arr.dtype.name], device=device, requires_grad=requires_grad
+    )
+
+
+def _handed(x: Tensor, where: Any) -> Any:
+    """``x`` as a torch tensor of its own (a copy: torch autograd may keep it as a ``.grad``
+    that pydiff's buffer must not alias), on the torch device ``where`` when given."""
+    t = to_torch(x)
+    t = t.clone() if t.is_cuda else t
+    return t if where is None or t.device == where else t.to(where)
+
+
+def _seed(grad: Any, out: Tensor) -> Any:
+    """torch's upstream gradient for ``out``, as the tape takes it (on the device if both are
+    CUDA and the dtype converts exactly)."""
+    exact = str(grad.dtype).removeprefix("torch.") in _FROM_TORCH
+    if grad.is_cuda and out.device.type == "cuda" and exact:
+        return from_torch(grad, device=out.device, requires_grad=False)
+    return grad.cpu().numpy()
 
 
 def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -266,3 +384,5 @@ def _torch_classes() -> tuple:
 
 
 foreign.register(_torch_classes, _call_with_torch)
+tensor_methods.provide("__dlpack__", _dlpack)
+tensor_methods.provide("__dlpack_device__", _dlpack_device)

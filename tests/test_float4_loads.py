@@ -1,7 +1,10 @@
-"""The fast kernels' one backend difference, tested without a GPU: pydiff's kernels read float4
-buffers through typed views on Vulkan and through structured ones on CUDA/D3D12. Running the
-fast-path tests (capture, ops, optimizers) on Vulkan with ``PYDIFF_FLOAT4_LOADS=structured``
-runs the source and buffers the other backends get, against the same NumPy references."""
+"""The fast kernels' backend differences, tested without a GPU: pydiff's kernels read float4
+buffers through typed views on Vulkan and through structured ones on CUDA/D3D12, and a GPU
+takes other kernel shapes than lavapipe (one float4 per thread, small register blocks, no
+one-kernel narrow backward: kernels.py). Running the fast-path tests (capture, ops,
+optimizers) on Vulkan with ``PYDIFF_FLOAT4_LOADS=structured``, ``PYDIFF_KERNEL_SHAPES=gpu``
+and ``PYDIFF_FLOAT4_CHUNK=1`` runs the source, buffers and shapes a GPU gets, against the same
+NumPy references."""
 
 import os
 import subprocess
@@ -31,10 +34,16 @@ def test_float_tensors_are_float4_ready_on_every_backend(device):
     assert float4_ready(x)  # padded to whole float4s, at the start of its buffer
 
 
-def test_fast_paths_with_structured_loads(device):
+def test_fast_paths_as_a_gpu_runs_them(device):
     if device.type != "vulkan":
         pytest.skip("the structured variant is what this backend runs natively")
-    env = {**os.environ, "PYDIFF_FLOAT4_LOADS": "structured", "PYDIFF_DEVICE_TYPES": "vulkan"}
+    env = {
+        **os.environ,
+        "PYDIFF_FLOAT4_LOADS": "structured",
+        "PYDIFF_KERNEL_SHAPES": "gpu",
+        "PYDIFF_FLOAT4_CHUNK": "1",
+        "PYDIFF_DEVICE_TYPES": "vulkan",
+    }
     tests = [
         "tests/test_capture.py",
         "tests/test_optim.py",
@@ -42,11 +51,13 @@ def test_fast_paths_with_structured_loads(device):
         "tests/test_ops.py::test_fast_product_kernels_match_numpy",
         "tests/test_ops.py::test_linear_relu_fused_matches_numpy",
         "tests/test_ops.py::test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs",
+        "tests/test_ops.py::test_narrow_linear_backward_matches_the_two_products",
     ]
     probe = (
         "import pydiff, slangpy as spy; d = pydiff.create_device('vulkan'); "
         "x = pydiff.zeros((5,), device=d); from pydiff.tensor import float4_ready; "
         "assert not d.typed_loads and float4_ready(x); "
+        "assert d.kernels.gpu and d.kernels.chunk == 1; "
         "assert x.native.storage.desc.format == spy.Format.undefined; print('structured')"
     )
     seen = subprocess.run(

@@ -124,7 +124,7 @@ def test_bound_objects_are_lru_bounded(device, monkeypatch):
 def test_evicted_kernel_takes_its_objects(device, monkeypatch):
     monkeypatch.setattr(kernels, "KERNELS_MAX", 1)
     dev = device
-    cache = kernels.KernelCache(dev.native, dev.kernels.shader_dir, dev.queue)
+    cache = kernels.KernelCache(dev.native, dev.kernels.shader_dir, dev.queue, dev.typed_loads)
     x = pydiff.tensor(np.array([-1.0, 2.0, -3.0, 4.0]), device=dev)
     y = pydiff.zeros((4,), device=dev)
     k1 = cache.get("ops/elementwise.slang", "relu4")

@@ -418,7 +418,7 @@ def test_narrow_linear_backward_matches_the_two_products(
             y = ops.linear(x, w, b, activation=activation)
         tape.backward(y, grad=G)
         grads.append([t.grad.numpy() for t in (x, w, b) if t is not None and t.requires_grad])
-        if narrow:  # the one-kernel backward ran
+        if narrow and not device.kernels.gpu:  # the one-kernel backward ran (lavapipe only)
             assert any(key[1] == "linear_bwd_narrow" for key in device.kernels._kernels)
     for narrow_grad, product_grad in zip(*grads):
         assert narrow_grad.tobytes() == product_grad.tobytes()
