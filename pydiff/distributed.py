@@ -156,15 +156,21 @@ def cuda_views(tensors: Sequence[Tensor]) -> list | None:
 
 
 def _exchange(
-    torch: Any, tensors: list[Tensor], bucket_bytes: int, collective: Callable[[Any], None]
+    torch: Any,
+    tensors: list[Tensor],
+    bucket_bytes: int,
+    collective: Callable[[Any], None],
+    divisor: int = 1,
 ) -> int:
     """Run ``collective`` on flat buffers holding the values of ``tensors`` (in place), bucket
-    by bucket, and write the results back; returns the bytes sent."""
+    by bucket, divide the results by ``divisor`` and write them back; returns the bytes sent.
+    (The division is NumPy's on the host: torch's CPU kernels would start its thread pool,
+    whose spinning threads slow the other ranks on a machine of few CPUs.)"""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     views = cuda_views(tensors)
     if views is not None:
-        return _exchange_cuda(torch, tensors, views, bucket_bytes, collective)
+        return _exchange_cuda(torch, tensors, views, bucket_bytes, collective, divisor)
     host = [t.numpy() for t in tensors]
     sent = 0
     for bucket in _buckets([(a.dtype.name, a.nbytes) for a in host], bucket_bytes):
@@ -173,6 +179,8 @@ def _exchange(
         buf = torch.from_numpy(flat)  # shares flat's memory: the one host copy is flat
         collective(buf)
         result = buf.numpy().view(dtype)
+        if divisor != 1:  # the same operation on the same sums: bit-identical on every rank
+            np.divide(result, divisor, out=result)
         sent += result.nbytes
         offset = 0
         for k in bucket:
@@ -188,12 +196,15 @@ def _exchange_cuda(
     views: list,
     bucket_bytes: int,
     collective: Callable[[Any], None],
+    divisor: int,
 ) -> int:
     sent = 0
     sizes = [(str(v.dtype), v.numel() * v.element_size()) for v in views]
     for bucket in _buckets(sizes, bucket_bytes):
         flat = torch.cat([views[k].reshape(-1) for k in bucket])
         collective(flat)
+        if divisor != 1:
+            flat.div_(divisor)
         sent += flat.numel() * flat.element_size()
         offset = 0
         for k in bucket:
@@ -272,10 +283,8 @@ def all_reduce_grads(
 
     def collective(buf: Any) -> None:
         _run("all_reduce_grads", dist, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
-        if op == "mean" and n > 1:
-            buf.div_(n)  # the same operation on the same sums: bit-identical on every rank
 
-    return _exchange(_torch(), grads, bucket_bytes, collective)
+    return _exchange(_torch(), grads, bucket_bytes, collective, n if op == "mean" else 1)
 
 
 class ShardedLoader:
