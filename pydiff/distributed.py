@@ -24,12 +24,14 @@ collective raise ``DistributedError`` on the other ranks, never a silent hang.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from . import capturing
+from .creation import empty
 from .errors import DistributedError
 from .tensor import Tensor
 from .torch_interop import to_torch
@@ -40,6 +42,9 @@ OPS = ("mean", "sum")
 #: NumPy dtypes of values as torch dtypes a collective takes (uint32 travels as int32 bits:
 #: broadcast copies bits; gradients are floats).
 _WIRE = {"float32": "float32", "float16": "float16", "int32": "int32", "uint32": "int32"}
+#: pydiff scalar types that travel, and their NumPy dtypes.
+_NUMPY = {"float": np.float32, "half": np.float16, "int": np.int32, "uint": np.uint32}
+_SCALAR = {np.dtype(v).name: k for k, v in _NUMPY.items()}
 #: The timeout given to ``init_process_group`` here (seconds), for error messages.
 _timeout: list[float] = []
 
@@ -143,6 +148,75 @@ def _buckets(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[i
     return out
 
 
+def _layout(t: Tensor) -> tuple[str, int]:
+    """(NumPy dtype name, bytes) of the values of ``t``, without reading them."""
+    np_type = _NUMPY.get(t.scalar_type)
+    if np_type is None:
+        raise TypeError(
+            f"pydiff.distributed: a tensor of dtype {t.dtype!r} cannot travel (scalar types: "
+            f"{', '.join(_NUMPY)})"
+        )
+    count = math.prod(t.expected_numpy_shape())
+    return np.dtype(np_type).name, count * np.dtype(np_type).itemsize
+
+
+def _one_buffer(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` can be gathered into one flat tensor on the device (one device,
+    contiguous values, more than one tensor)."""
+    return (
+        len(tensors) > 1
+        and len({id(t.device) for t in tensors}) == 1
+        and all(t.native.is_contiguous() for t in tensors)
+    )
+
+
+def _copies(tensors: Sequence[Tensor], flat: Tensor, into_flat: bool) -> None:
+    """Device copies between each of ``tensors`` and its span of ``flat``, one submission."""
+    dev = flat.device.native
+    encoder = dev.create_command_encoder()
+    at = flat.native.offset * int(flat.native.dtype.buffer_layout.stride)
+    for t in tensors:
+        n = t.native
+        stride = int(n.dtype.buffer_layout.stride)
+        nbytes = n.element_count * stride
+        if into_flat:
+            encoder.copy_buffer(flat.native.storage, at, n.storage, n.offset * stride, nbytes)
+        else:
+            encoder.copy_buffer(n.storage, n.offset * stride, flat.native.storage, at, nbytes)
+        at += nbytes
+    dev.submit_command_buffer(encoder.finish())
+
+
+def _read_bucket(tensors: Sequence[Tensor], dtype: np.dtype) -> np.ndarray:
+    """The values of ``tensors`` one after the other: copied into one flat tensor on the
+    device, then one read to the host."""
+    if not _one_buffer(tensors):
+        return np.concatenate([t.numpy().ravel() for t in tensors]).astype(dtype, copy=False)
+    count = sum(math.prod(t.expected_numpy_shape()) for t in tensors)
+    flat = empty((count,), dtype=_SCALAR[dtype.name], device=tensors[0].device)
+    _copies(tensors, flat, into_flat=True)
+    return flat.numpy().ravel()
+
+
+def _write_bucket(tensors: Sequence[Tensor], values: np.ndarray) -> None:
+    """Overwrite ``tensors`` with ``values`` (one after the other): one upload, then device
+    copies; each tensor counts a write, as a host write does."""
+    if not _one_buffer(tensors):
+        offset = 0
+        for t in tensors:
+            shape = t.expected_numpy_shape()
+            n = math.prod(shape)
+            t.copy_from_numpy(values[offset : offset + n].reshape(shape))
+            offset += n
+        return
+    flat = empty((values.size,), dtype=_SCALAR[values.dtype.name], device=tensors[0].device)
+    flat.copy_from_numpy(values)
+    _copies(tensors, flat, into_flat=False)
+    for t in tensors:
+        t.storage.holds_result_of = None
+        t.storage.wrote("pydiff.distributed", everything=True)
+
+
 def cuda_views(tensors: Sequence[Tensor]) -> list | None:
     """The CUDA path's hook: torch CUDA tensors sharing the memory of ``tensors`` (through
     ``pydiff.to_torch``), or None where to_torch gives host copies (Vulkan; CUDA until
@@ -171,22 +245,19 @@ def _exchange(
     views = cuda_views(tensors)
     if views is not None:
         return _exchange_cuda(torch, tensors, views, bucket_bytes, collective, divisor)
-    host = [t.numpy() for t in tensors]
+    sizes = [_layout(t) for t in tensors]
     sent = 0
-    for bucket in _buckets([(a.dtype.name, a.nbytes) for a in host], bucket_bytes):
-        dtype = host[bucket[0]].dtype
-        flat = np.concatenate([host[k].ravel() for k in bucket]).view(_WIRE[dtype.name])
-        buf = torch.from_numpy(flat)  # shares flat's memory: the one host copy is flat
+    for bucket in _buckets(sizes, bucket_bytes):
+        members = [tensors[k] for k in bucket]
+        dtype = np.dtype(sizes[bucket[0]][0])
+        flat = _read_bucket(members, dtype).view(_WIRE[dtype.name])
+        buf = torch.from_numpy(flat)  # shares flat's memory: the bucket's one host copy
         collective(buf)
         result = buf.numpy().view(dtype)
         if divisor != 1:  # the same operation on the same sums: bit-identical on every rank
             np.divide(result, divisor, out=result)
         sent += result.nbytes
-        offset = 0
-        for k in bucket:
-            n = host[k].size
-            tensors[k].copy_from_numpy(result[offset : offset + n].reshape(host[k].shape))
-            offset += n
+        _write_bucket(members, result)
     return sent
 
 

@@ -81,7 +81,7 @@ def _train(out: Path, me: int, captured: bool) -> None:
             fwd_bwd = pydiff.capture(forward_backward)
         else:
             forward_backward()
-        sent = pd_dist.all_reduce_grads(params, bucket_bytes=256)  # several buckets
+        sent = pd_dist.all_reduce_grads(params, bucket_bytes=600)  # 2 buckets of 2
         if step == 0:
             saved.update(x0=x, y0=y, sent=sent, grads=[p.grad.numpy() for p in params])
         if update is not None:
@@ -300,6 +300,36 @@ def test_loader_shards_cover_each_global_batch_once_per_epoch():
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(again, batches[1]))
     again.set_epoch(3)
     assert not all(np.array_equal(a[0], b[0]) for a, b in zip(again, batches[1]))
+
+
+@pytest.fixture
+def group_of_one():
+    """A process group of this process alone (world size 1), ended after the test."""
+    pd_dist.init_process_group(
+        "gloo", timeout=30.0, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_round_trip_through_the_buckets_keeps_every_value_in_place(device, group_of_one):
+    rng = np.random.default_rng(5)
+    shapes = [(3, 5), (7,), (2, 2, 3), (1,), (64,)]
+    params = [pydiff.tensor(rng.normal(size=s), device=device, requires_grad=True) for s in shapes]
+    grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    for p, g in zip(params, grads):
+        p.grad.copy_from_numpy(g)
+    for bucket_bytes in (1, 100, 10**6):  # one tensor per bucket, some, all in one
+        for op in ("sum", "mean"):
+            sent = pd_dist.all_reduce_grads(params, op=op, bucket_bytes=bucket_bytes)
+            assert sent == 4 * sum(g.size for g in grads)
+            for p, g in zip(params, grads):
+                assert np.array_equal(p.grad.numpy(), g)
+    labels = pydiff.tensor(np.arange(6, dtype=np.int32), device=device)
+    values = [p.numpy() for p in params]
+    pd_dist.broadcast([*params, labels])
+    assert all(np.array_equal(p.numpy(), v) for p, v in zip(params, values))
+    assert labels.numpy().tolist() == list(range(6)) and pd_dist.world_size() == 1
 
 
 def test_buckets_keep_the_order_and_one_dtype_each():
