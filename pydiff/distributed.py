@@ -15,9 +15,10 @@ GPUs), launched by ``torchrun``. torch is imported only when a function here is 
 Gradients travel in one flat buffer per dtype, cut into buckets of ``bucket_bytes``, in the
 order the tensors are listed: every rank sends the same buckets, and gloo's sums are
 bit-identical on every rank, so every rank steps to bit-identical parameters. On Vulkan
-(lavapipe) each bucket makes one host round trip (pydiff -> NumPy -> a torch CPU tensor ->
-the collective -> back); on CUDA ``cuda_views`` is the hook for NCCL without one (see
-docs/distributed.md). A peer that dies or hangs past the group's timeout makes the
+(lavapipe) each bucket makes one host round trip: device copies gather it into one flat
+pydiff tensor, one read into NumPy, whose memory a torch CPU tensor shares for the
+collective, one upload, device copies back. On CUDA ``cuda_views`` is the hook for NCCL
+without a host round trip (see docs/distributed.md). A peer that dies or hangs past the group's timeout makes the
 collective raise ``DistributedError`` on the other ranks, never a silent hang.
 """
 
