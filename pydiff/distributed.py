@@ -18,8 +18,9 @@ bit-identical on every rank, so every rank steps to bit-identical parameters. On
 (lavapipe) each bucket makes one host round trip: device copies gather it into one flat
 pydiff tensor, one read into NumPy, whose memory a torch CPU tensor shares for the
 collective, one upload, device copies back. On CUDA ``cuda_views`` is the hook for NCCL
-without a host round trip (see docs/distributed.md). A peer that dies or hangs past the group's timeout makes the
-collective raise ``DistributedError`` on the other ranks, never a silent hang.
+without a host round trip (see docs/distributed.md). A peer that dies or hangs past the
+group's timeout makes the collective raise ``DistributedError`` on the other ranks, never a
+silent hang.
 """
 
 from __future__ import annotations
@@ -270,6 +271,8 @@ def _exchange_cuda(
     collective: Callable[[Any], None],
     divisor: int,
 ) -> int:
+    for dev in {id(t.device): t.device for t in tensors}.values():
+        dev.wait()  # pydiff's kernels that wrote the values have finished before torch reads
     sent = 0
     sizes = [(str(v.dtype), v.numel() * v.element_size()) for v in views]
     for bucket in _buckets(sizes, bucket_bytes):
