@@ -18,6 +18,7 @@ from .errors import (
     CacheWarning,
     CaptureError,
     DeviceUnavailableError,
+    DistributedError,
     GradcheckError,
     GradientOverflowError,
     GradientFlowWarning,
@@ -61,7 +62,7 @@ from .tensor import Tensor
 from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
 from .torch_interop import from_dlpack, from_torch, to_torch, torch_function
-from . import nn, ops, optim
+from . import distributed, nn, ops, optim
 from . import tensor_api  # noqa: F401 (provides Tensor's operators and methods)
 
 try:  # one place: the version pyproject.toml gives the installed package
@@ -88,6 +89,7 @@ __all__ = [
     "CapturedStep",
     "Device",
     "DeviceUnavailableError",
+    "DistributedError",
     "Function",
     "FunctionCtx",
     "GradcheckError",
@@ -111,6 +113,7 @@ __all__ = [
     "capture",
     "default_device",
     "deterministic",
+    "distributed",
     "empty",
     "empty_cache",
     "from_dlpack",

@@ -50,6 +50,11 @@ class CaptureError(PydiffError, RuntimeError):
     """Something inside ``pydiff.capture`` cannot be recorded for replay."""
 
 
+class DistributedError(PydiffError, RuntimeError):
+    """A collective of ``pydiff.distributed`` failed: no process group, or a peer rank died or
+    hung past the process group's timeout (the message names the rank and the collective)."""
+
+
 class GradcheckError(PydiffError, AssertionError):
     """gradcheck found a gradient that disagrees with finite differences."""
 

@@ -203,6 +203,7 @@ def test_torch_layer_sample_trains_and_its_gradients_match_torch():
 
 def test_every_sample_script_is_run_by_a_test():
     run = {s.split()[0] for s in FITTING_SAMPLES} | {"torch_layer.py"}
+    run |= {"train_mlp_distributed.py"}  # run by tests/test_distributed.py (needs torch)
     run |= {s.split()[0] for s, _ in SAMPLE_RUNS}
     helpers = {"plotting.py"}  # imported by the others
     scripts = {p.name for p in (Path(__file__).parent.parent / "samples").glob("*.py")}
