@@ -392,7 +392,7 @@ def backward_call(
     result = options.pop("_result", MISSING)
     if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
         if key is not None and len(args) == len(fn.params):
-            remember(fn.bwds_plans, key, BackwardPlan.make(fn, bound, result, prior))
+            remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))
         return
     deterministic = is_deterministic()
     if deterministic:

@@ -15,7 +15,7 @@ checks per call; where a check would take the full path's other branch it declin
 
     plan = fn.plans.get(call_plan.layout_key(args, kwargs))   # None: not run before
     out = plan.run(fn, args, kwargs.get("_result", MISSING)) if plan else DECLINED
-    call_plan.remember(fn.plans, key, ForwardPlan.make(...))    # after the full path ran it
+    call_plan.remember(fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
 """
 
 from __future__ import annotations
@@ -43,14 +43,19 @@ _ACCUMULATE = ZeroPolicy.ACCUMULATE
 def layout_key(args: tuple, kwargs: dict) -> tuple | None:
     """The layout of an all-positional call (see the module docstring); None for a call no
     plan covers (keywords, other options, struct, array or other arguments)."""
-    key = [v.layout if type(v) is Tensor else type(v) for v in args]
-    for k in key:
-        if type(k) is not tuple and k not in PLAIN:
+    key = []
+    for v in args:  # (one pass, no comprehension: this runs on every call)
+        t = type(v)
+        if t is Tensor:
+            key.append(v.layout)
+        elif t is float or t is int or t is bool:  # PLAIN
+            key.append(t)
+        else:
             return None
     if kwargs:
-        r = kwargs.get("_result")
-        if len(kwargs) != 1 or r is None:
+        if len(kwargs) != 1:
             return None
+        r = kwargs.get("_result")
         if type(r) is Tensor:
             key += ("_result", r.layout)  # (marked: f(x, y) is not f(x, _result=y))
         elif type(r) is str and r == "tensor":
@@ -80,10 +85,14 @@ def _overloaded(fn: FunctionTarget) -> bool:
         return True
 
 
-def _numbers(bound: list) -> tuple:
-    """Positions of number arguments that need ``convert`` per call (its range checks read
-    the value); a float for a float parameter is checked inline."""
-    return tuple((i, p) for i, (p, v) in enumerate(bound) if type(v) in PLAIN)
+def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
+    """Number arguments (position, parameter) needing checks per call: floats for float
+    parameters, passed as they are when in float32's range (checked inline), and the others,
+    which ``convert`` checks and converts. The argument's type is the layout's (``key[i]``,
+    positional: ``bound[i]`` is ``args[i]``'s parameter), the same in every call of the plan."""
+    numbers = [(i, p) for i, (p, v) in enumerate(bound) if type(v) in PLAIN]
+    floats = tuple((i, p) for i, p in numbers if key[i] is float and p.type_name == "float")
+    return floats, tuple(n for n in numbers if n not in floats)
 
 
 _MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
@@ -97,33 +106,43 @@ class ForwardPlan:
     """A forward call of one layout off a tape: no in-place parameter given a tensor, no
     tensor read that another argument or ``_result`` writes (checked per call)."""
 
-    __slots__ = ("tensors", "reads", "writes", "names", "numbers", "numel", "result_tensor")
+    __slots__ = (
+        "tensors",
+        "reads",
+        "writes",
+        "names",
+        "floats",
+        "numbers",
+        "numel",
+        "result_tensor",
+    )
 
-    def __init__(self, fn: FunctionTarget, bound: list, result: Any):
+    def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
         self.reads = tuple(i for i in self.tensors if bound[i][0].reads_value)
         self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
         self.names = tuple((i, bound[i][0].name) for i in self.tensors)
-        self.numbers = _numbers(bound)
+        self.floats, self.numbers = _numbers(key, bound)
         # generated.call_forward decides by the first tensor's size (in the layout)
         self.numel = bound[self.tensors[0]][1].numel if self.tensors else 0
         self.result_tensor = type(result) is Tensor
 
     @staticmethod
-    def make(fn: FunctionTarget, bound: list, result: Any, snapshots: dict, aliased: dict):
-        """The plan for the call that just ran through the full path, or None."""
+    def make(
+        fn: FunctionTarget, key: tuple, bound: list, result: Any, snapshots: dict, aliased: dict
+    ):
+        """The plan for the call of layout ``key`` that just ran through the full path, or
+        None."""
         if snapshots or aliased or not _plannable(fn):
             return None
         for p, v in bound:
             if type(v) is Tensor and (p.tensor_kind == "fwd" or p.in_place):
                 return None
-        return ForwardPlan(fn, bound, result)
+        return ForwardPlan(fn, key, bound, result)
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide."""
-        if active_tape() is not None:
-            return DECLINED
-        if self.numel >= generated.MIN_ELEMENTS:
+        if active_tape() is not None or self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
         dev = fn.module.device
         native = list(args)
@@ -141,10 +160,12 @@ class ForwardPlan:
             st = args[i].storage
             if st in written:  # (Storage compares by identity)
                 return DECLINED  # aliased: the full path keeps the values read
-        for i, p in self.numbers:
+        for i, p in self.floats:
             v = args[i]
-            if type(v) is not float or p.type_name != "float" or not -_MAX <= v <= _MAX:
-                native[i] = convert(fn.label, p, v, dev)  # range checks, conversions
+            if not -_MAX <= v <= _MAX:  # (NaN too)
+                native[i] = convert(fn.label, p, v, dev)  # its range error
+        for i, p in self.numbers:
+            native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
         label = fn.call_label
         for i, name in self.names:  # forward_call._mark_reread
             st = args[i].storage
@@ -171,16 +192,17 @@ class BackwardPlan:
     case): every tensor an ``in`` parameter of its own element type and the result's shape,
     with a gradient buffer to add into; the result a tensor with gradient buffers."""
 
-    __slots__ = ("tensors", "numbers", "numel")
+    __slots__ = ("tensors", "floats", "numbers", "numel")
 
-    def __init__(self, fn: FunctionTarget, bound: list, result: Tensor):
+    def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
-        self.numbers = _numbers(bound)
+        self.floats, self.numbers = _numbers(key, bound)
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
 
     @staticmethod
-    def make(fn: FunctionTarget, bound: list, result: Any, prior: frozenset):
-        """The plan for the ``.bwds`` that just ran through the fast case, or None."""
+    def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, prior: frozenset):
+        """The plan for the ``.bwds`` of layout ``key`` that just ran through the fast case,
+        or None."""
         sig = fn.signature
         if prior or sig.has_diff_inout or type(result) is not Tensor or not _plannable(fn):
             return None
@@ -196,7 +218,7 @@ class BackwardPlan:
                 and v.shape == result.shape
             ):
                 return None
-        return BackwardPlan(fn, bound, result)
+        return BackwardPlan(fn, key, bound, result)
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The backward, or DECLINED (nothing done) where the full path must decide."""
@@ -221,10 +243,12 @@ class BackwardPlan:
                 return DECLINED  # refused by the full path
             grads.append(g.storage)
             native[i] = t.bind(True)
-        for i, p in self.numbers:
+        for i, p in self.floats:
             v = args[i]
-            if type(v) is not float or p.type_name != "float" or not -_MAX <= v <= _MAX:
-                native[i] = convert(fn.label, p, v, dev)  # range checks, conversions
+            if not -_MAX <= v <= _MAX:  # (NaN too)
+                native[i] = convert(fn.label, p, v, dev)  # its range error
+        for i, p in self.numbers:
+            native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
         try:
             fn.native_bwds(*native, _result=upstream_arg(dev, result))
         except Exception as exc:

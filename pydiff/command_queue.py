@@ -92,6 +92,9 @@ class CommandQueue:
         self._deferred: Any = None
         self._held: list = []
         self._count = 0
+        #: Commands wait in the deferred list (any thread's): set with them under the lock and
+        #: cleared when their submission returns; an attribute, as every SlangPy call reads it.
+        self.deferred = False
         #: Submissions made (for tests and measurements).
         self.submissions = 0
         _queues.add(self)
@@ -106,11 +109,6 @@ class CommandQueue:
         """Commands have been appended to this context's batch but not yet submitted."""
         batch = self._batch.get()
         return batch is not None and batch.encoder is not None
-
-    @property
-    def deferred(self) -> bool:
-        """Commands wait in the deferred list (any thread's)."""
-        return self._deferred is not None or bool(self._finished)
 
     def begin_batch(self) -> contextvars.Token | None:
         """Start batching (None: a batch is already open here, and this joins it)."""
@@ -133,6 +131,7 @@ class CommandQueue:
                 self._finished.append(self._deferred.finish())
                 self._deferred = None
             self._finished.append(batch.encoder.finish())
+            self.deferred = True
             batch.encoder = None
 
     def encoder(self) -> Any:
@@ -157,6 +156,7 @@ class CommandQueue:
         with self._lock:
             if self._deferred is None:
                 self._deferred = self.native.create_command_encoder()
+                self.deferred = True
             record(self._deferred)
             self._held.extend(buffers)
             self._count += 1
@@ -165,7 +165,7 @@ class CommandQueue:
 
     def flush_deferred(self) -> None:
         """Submit the deferred list (not this context's batch)."""
-        if self._deferred is not None or self._finished:
+        if self.deferred:
             with self._lock:
                 self._submit([])
 
@@ -173,13 +173,13 @@ class CommandQueue:
         """Submit the deferred list, then this context's batch, in one submission (before a
         host read, a SlangPy call, a copy)."""
         batch = self._batch.get()
-        after = []
         if batch is not None and batch.encoder is not None:
             encoder, batch.encoder = batch.encoder, None
-            after.append(encoder)
-        if self._deferred is not None or self._finished or after:
             with self._lock:
-                self._submit(after)
+                self._submit([encoder])
+        elif self.deferred:  # (nothing pending: no lock)
+            with self._lock:
+                self._submit([])
 
     def _submit(self, after: list) -> None:
         """Submit the deferred list (if any) and then ``after``'s encoders (lock held). The
@@ -198,6 +198,7 @@ class CommandQueue:
             self.submissions += 1
         self._finished = []
         self._deferred = None
+        self.deferred = False
         # Submitted: later work runs after these commands, so their buffers may be reused.
         self._held.clear()
         self._count = 0

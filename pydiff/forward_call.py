@@ -108,7 +108,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
     elif key is not None and not zero_d:
-        remember(fn.plans, key, ForwardPlan.make(fn, bound, result, snapshots, aliased))
+        remember(fn.plans, key, ForwardPlan.make(fn, key, bound, result, snapshots, aliased))
     return out
 
 

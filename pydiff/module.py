@@ -221,6 +221,7 @@ class ShaderFunction:
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"
+        self._refusal = f"calling {self.label} through SlangPy"  # (a capture's, made once)
         self.native_bwds = native.bwds
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
@@ -244,8 +245,8 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capturing.refuse(f"calling {self.module.name}.{self.name} through SlangPy")
-        self.module.device.flush()  # kernels queued in a batched backward run first
+        capturing.refuse(self._refusal)
+        self.module.device.queue.flush()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
     @property
@@ -372,9 +373,10 @@ class BackwardFunction:
 
     def __init__(self, fn: ShaderFunction):
         self._fn = fn
+        self._refusal = f"{fn.label}.bwds (SlangPy)"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capturing.refuse(f"{self._fn.module.name}.{self._fn.name}.bwds (SlangPy)")
+        capturing.refuse(self._refusal)
         # Deferred kernels go first (a batch this joins is ordered by its own scope).
         self._fn.module.device.queue.flush_deferred()
         return backward_call(self._fn, args, kwargs)

@@ -59,6 +59,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._native = native
         self._device = device
         self._shape = dims(native.shape)
+        self._element = native.dtype  # SlangPy's element type (layout's; a native stays fixed)
         self._grad_in = grad_in
         self._grad_out = grad_out
         self.storage = storage if storage is not None else Storage(native.storage)
@@ -149,8 +150,7 @@ class Tensor(GradBuffers, TensorOperators):
         """
         if self._base is not None:
             self._sync_view()
-        gi, go = self._grad_in, self._grad_out
-        return (self._shape, self._native.dtype, gi is not None, go is not None)
+        return (self._shape, self._element, self._grad_in is not None, self._grad_out is not None)
 
     @property
     def differentiable(self) -> bool:

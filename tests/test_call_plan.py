@@ -49,6 +49,25 @@ def test_a_number_out_of_range_is_refused_on_the_planned_path(device, m):
         m.poly(1e39, x, _result=y)  # float32 holds at most ~3.4e38
 
 
+def test_a_plan_converts_numbers_by_their_type_in_the_layout(device, m):
+    # The plan splits numbers by the layout's types once: a float for a float parameter is
+    # passed as it is (range checked), an int goes through convert on every call.
+    xs = np.array([1.0, -3.0], np.float32)
+    x = _x(device, xs, requires_grad=True)
+    y = pydiff.zeros((2,), device=device).with_grads(ones=True)
+    for a in [2, 3, 2.5, -1.0, 4]:
+        m.poly(a, x, _result=y)
+        np.testing.assert_allclose(y.numpy(), float(a) * xs**2, rtol=1e-6)
+    assert len(m.poly.plans) == 2  # int and float: one layout each
+    for a in [2, 3, 1.5]:
+        m.poly.bwds(a, x, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (2 + 3 + 1.5) * xs, rtol=1e-5)
+    with pytest.raises(ValueError, match="'a'"):
+        m.poly(10**39, x, _result=y)  # an int layout's plan checks the range too
+    with pytest.raises(TypeError, match="bool"):
+        m.poly(True, x, _result=y)  # a layout of its own, refused by the full path
+
+
 def test_new_result_tensors_through_the_plan(device, m):
     x = _x(device, [1.0, -3.0])
     outs = [m.poly(2.0, x, _result="tensor") for _ in range(3)]
