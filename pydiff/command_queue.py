@@ -78,7 +78,8 @@ class CommandQueue:
         self.native = native_device
         #: Called where a thread starts using the device: on CUDA, makes the shared primary
         #: context current on a thread that has none (pydiff.cuda_context); else nothing.
-        self.enter = ensure_current if native_device.info.type == spy.DeviceType.cuda else _nothing
+        self.cuda = native_device.info.type == spy.DeviceType.cuda
+        self.enter = ensure_current if self.cuda else _nothing
         self._batch: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
             f"pydiff_batch_{id(self)}", default=None
         )

@@ -407,7 +407,8 @@ class Tensor(GradBuffers, TensorOperators):
         elif self._zero_pending and with_grads:
             self._settle()
         queue = self._device.queue
-        queue.enter()
+        if queue.cuda:  # a thread's first use of a CUDA device (cuda_context)
+            queue.enter()
         if queue.deferred:  # a SlangPy call reads it: deferred work runs first
             queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
