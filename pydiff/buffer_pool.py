@@ -30,7 +30,9 @@ from .errors import TensorTooLargeError
 MAX_ELEMENTS = 2**31 - 1
 #: Most bytes of one buffer where the API bounds it: Vulkan's maxStorageBufferRange is a 32-bit
 #: count of bytes (lavapipe refuses 2**32).
-MAX_BUFFER_BYTES = {"vulkan": 2**32 - 1}
+# slang-rhi's CUDA heap refuses 4 GiB too (cuMemAlloc: invalid value, from 2^32 - 16 bytes on
+# an H200); requests just under the bound fail at allocation, with TensorTooLargeError.
+MAX_BUFFER_BYTES = {"vulkan": 2**32 - 1, "cuda": 2**32 - 1}
 
 POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: bigger buffers are rare enough to allocate each time
 POOL_MAX_PER_SIZE = 32

@@ -97,6 +97,12 @@ class GradBuffers:
                 f"a tensor of dtype {self.dtype!r} cannot have gradients (no derivative type); "
                 "use a floating-point dtype such as 'float', 'half' or 'float3'"
             )
+        if self._device.type == "cuda" and self.dtype == "half3":
+            raise TypeError(
+                "gradients of 'half3' tensors on CUDA are refused: SlangPy accumulated them "
+                "wrong on an H200 (half, half2 and float3 are right); use 'float3', or "
+                "'half' with a last axis of 3"
+            )
         return derivative
 
     def new_grad_buffer(self, zero: bool = True) -> "Self":

@@ -309,8 +309,19 @@ def _repeat_bits(run, times=3):
     return out[0]
 
 
+def refuse_half3_on_cuda(device) -> bool:
+    """half3 gradients are refused on CUDA (wrong there, seen on an H200): check that."""
+    if device.type != "cuda":
+        return False
+    with pytest.raises(TypeError, match="half3"):
+        pydiff.tensor([[1.0, 2.0, 3.0]], dtype="half3", device=device, requires_grad=True)
+    return True
+
+
 @pytest.mark.parametrize("n", [5, 1000], ids=["small", "large"])
 def test_half3_broadcast_is_summed_by_pydiff(device, cov, n):
+    if refuse_half3_on_cuda(device):
+        return
     X = np.random.default_rng(n).uniform(-1, 1, (n, 3)).astype(np.float16)
 
     def run():
@@ -326,6 +337,8 @@ def test_half3_broadcast_is_summed_by_pydiff(device, cov, n):
 
 
 def test_half3_components_follow_ieee(device, cov):
+    if refuse_half3_on_cuda(device):
+        return
     X = np.ones((40, 3))
     X[7, 0] = INF
     X[8, 1], X[9, 1] = INF, -INF

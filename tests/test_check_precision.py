@@ -28,8 +28,12 @@ def _status(rows, function):
 @pytest.mark.parametrize(
     "function", ["withhalf", "hsq", "hvec", "hcube", "hsin", "hsq_right", "withint2", "withuint3"]
 )
-def test_right_functions_pass(rows, function):
+def test_right_functions_pass(rows, function, device):
     status = _status(rows, function)
+    if function == "hvec" and device.type == "cuda":  # half3 gradients are refused on CUDA
+        hvec = [r for (f, *_), r in rows.items() if f == "hvec" and r.status == "ERROR"]
+        assert hvec and all("half3" in r.why for r in hvec), status
+        return
     assert status[("(all)", "adjoint")] == "PASS", status
     assert not any(s in ("FAIL", "ERROR") for s in status.values()), status
     assert all(r.points >= 12 for (f, *_), r in rows.items() if f == function and r.points)
