@@ -102,7 +102,8 @@ def _train(out: Path, me: int, captured: bool) -> None:
 
 
 def worker(scenario: str, out: Path) -> None:
-    pydiff.set_default_device(pydiff.create_device("vulkan"))
+    on = os.environ.get("PYDIFF_TEST_RANKS_ON", "vulkan")
+    pydiff.set_default_device(pydiff.create_device(on))
     me = int(os.environ["RANK"])
     timeout = float(os.environ["PYDIFF_TEST_TIMEOUT"])
     pd_dist.init_process_group("gloo", timeout=timeout)
@@ -140,10 +141,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, out: Path, timeout: float, wait: float) -> list:
-    """Start two ranks of ``scenario``; wait for rank 0 (at most ``wait`` s), end rank 1."""
+def _launch(scenario: str, out: Path, timeout: float, wait: float, on: str = "vulkan") -> list:
+    """Start two ranks of ``scenario`` on devices of type ``on``; wait for rank 0 (at most
+    ``wait`` s), end rank 1."""
     env = {
         **os.environ,
+        "PYDIFF_TEST_RANKS_ON": on,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
@@ -186,8 +189,12 @@ def _reference_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> 
     return [dh.T @ x, dh.sum(0), dlogits.T @ h, dlogits.sum(0)]
 
 
-def test_two_ranks_train_to_bit_identical_parameters(tmp_path):
-    results = _launch("train", tmp_path, timeout=60.0, wait=240)
+@pytest.mark.parametrize("on", ["vulkan", "cuda"])
+def test_two_ranks_train_to_bit_identical_parameters(tmp_path, on):
+    """On CUDA both ranks share the one GPU (gloo) and exchange through zero-copy views."""
+    if on not in pydiff.available_devices():
+        pytest.skip(f"no {on} device here")
+    results = _launch("train", tmp_path, timeout=60.0, wait=240, on=on)
     for code, log in results:
         assert code == 0, log[-4000:]
     for mode in ("eager", "captured"):
