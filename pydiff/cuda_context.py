@@ -15,6 +15,7 @@ first time the thread uses the device (``CommandQueue.enter``).
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -37,17 +38,26 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"CUDA driver call {what} failed with error {result}")
 
 
+def device_ordinal() -> int:
+    """The GPU pydiff opens: PyTorch's current one where PyTorch has started CUDA
+    (``torch.cuda.set_device(local_rank)`` in a data-parallel rank), else the first."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return 0
+
+
 def primary_handles() -> list | None:
-    """The native handles of device 0's primary context, made current on this thread, for
-    ``spy.Device(existing_device_handles=...)``; None where the driver cannot be loaded (the
-    device then makes a context of its own, as SlangPy does)."""
+    """The native handles of the primary context of the GPU ``device_ordinal()`` names, made
+    current on this thread, for ``spy.Device(existing_device_handles=...)``; None where the
+    driver cannot be loaded (the device then makes a context of its own, as SlangPy does)."""
     try:
         cuda = _cuda()
     except OSError:
         return None
     _check(cuda.cuInit(0), "cuInit")
     device = ctypes.c_int()
-    _check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    _check(cuda.cuDeviceGet(ctypes.byref(device), device_ordinal()), "cuDeviceGet")
     retained = cuda.cuDevicePrimaryCtxRetain(ctypes.byref(_primary), device)
     _check(retained, "cuDevicePrimaryCtxRetain")
     _check(cuda.cuCtxSetCurrent(_primary), "cuCtxSetCurrent")
