@@ -60,7 +60,7 @@ def _not_converged(which: str, steps: int, residual: float, tol: float, hint: st
     if math.isfinite(residual):
         how = f"did not converge in max_iter={steps} iterations"
     else:  # overflow: stop at once rather than iterate on inf/nan
-        how = f"diverged at iteration {steps} (the values overflowed)"
+        how = f"diverged at iteration {steps} (the values overflowed or became NaN)"
     raise ConvergenceError(
         f"fixed_point: the {which} {how}: last residual max|change| = {residual:.3g} "
         f"(tol={tol:g}, scaled by max(1, max|x|)). {hint}"
