@@ -17,6 +17,7 @@ from importlib.metadata import version as _version
 from .errors import (
     CacheWarning,
     CaptureError,
+    ConvergenceError,
     DeviceUnavailableError,
     DistributedError,
     GradcheckError,
@@ -61,6 +62,7 @@ from .tape import Tape
 from .tensor import Tensor
 from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
+from .implicit import fixed_point
 from .torch_interop import from_dlpack, from_torch, to_torch, torch_function
 from . import distributed, nn, ops, optim
 from . import tensor_api  # noqa: F401 (provides Tensor's operators and methods)
@@ -86,6 +88,7 @@ __all__ = [
     "Signature",
     "Storage",
     "CaptureError",
+    "ConvergenceError",
     "CapturedStep",
     "Device",
     "DeviceUnavailableError",
@@ -116,6 +119,7 @@ __all__ = [
     "distributed",
     "empty",
     "empty_cache",
+    "fixed_point",
     "from_dlpack",
     "from_torch",
     "grad",

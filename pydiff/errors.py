@@ -55,6 +55,11 @@ class DistributedError(PydiffError, RuntimeError):
     hung past the process group's timeout (the message names the rank and the collective)."""
 
 
+class ConvergenceError(PydiffError, RuntimeError):
+    """An iterative solve (``pydiff.fixed_point``'s forward or adjoint) did not converge in
+    its ``max_iter`` iterations; the message says which solve and its last residual."""
+
+
 class GradcheckError(PydiffError, AssertionError):
     """gradcheck found a gradient that disagrees with finite differences."""
 

@@ -123,6 +123,18 @@ class Tape:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def inputs(self) -> list[Tensor]:
+        """The tensors the recorded calls read that no recorded call wrote, in order."""
+        written = {id(t.storage) for entry in self._entries for t in entry.writes}
+        seen: set[int] = set()
+        out = []
+        for entry in self._entries:
+            for _, t, _ in entry.reads:
+                if id(t.storage) not in written and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
+
     # --- backward -----------------------------------------------------------------------
     def _needed(self, output: Tensor) -> list[_Entry]:
         """Entries the output depends on, in recording order."""

@@ -201,8 +201,21 @@ def test_torch_layer_sample_trains_and_its_gradients_match_torch():
     assert mse and float(mse.group(2)) < 0.01 * float(mse.group(1)), out.stdout[-2000:]
 
 
+def test_implicit_layer_sample_matches_finite_differences_and_trains():
+    out = _run_sample("implicit_layer.py", "--steps", "60")
+    diff = re.search(
+        r"gradient vs float64 finite differences: max difference ([\d.e+-]+) "
+        r"\(max \|grad\| ([\d.e+-]+)\)",
+        out.stdout,
+    )
+    assert diff and float(diff.group(1)) < 1e-4 * float(diff.group(2)), out.stdout[-2000:]
+    mse = re.search(r"mse: first step ([\d.]+), after \d+ steps ([\d.]+)", out.stdout)
+    assert mse and float(mse.group(2)) < 0.1 * float(mse.group(1)), out.stdout[-2000:]
+    assert "Warning" not in out.stderr, out.stderr[-2000:]
+
+
 def test_every_sample_script_is_run_by_a_test():
-    run = {s.split()[0] for s in FITTING_SAMPLES} | {"torch_layer.py"}
+    run = {s.split()[0] for s in FITTING_SAMPLES} | {"torch_layer.py", "implicit_layer.py"}
     run |= {"train_mlp_distributed.py"}  # run by tests/test_distributed.py (needs torch)
     run |= {s.split()[0] for s, _ in SAMPLE_RUNS}
     helpers = {"plotting.py"}  # imported by the others

@@ -1,0 +1,203 @@
+"""``pydiff.fixed_point``: the solution of ``x = f(x, *params)``, differentiated implicitly.
+
+    x = pydiff.fixed_point(lambda x, a, b: a * ops.tanh(x) + b, np.zeros(3), a, b)
+
+The forward iterates ``x <- f(x, *params)``; nothing of it is recorded. The backward uses
+the implicit function theorem at the solution x*: it solves the adjoint equation
+``(I - df/dx)^T lam = xbar`` by the iteration ``lam <- xbar + (df/dx)^T lam`` (one VJP of f
+at x* per step, each on a tape of its own), then gives ``pbar = (df/dp)^T lam``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable
+
+import numpy as np
+
+from .creation import tensor as make_tensor
+from .errors import ConvergenceError
+from .function import Function, FunctionCtx
+from .grad_transforms import on_tape
+from .module import OverloadedFunction, ShaderFunction
+from .policy import zero_policy
+from .tape import Tape, suspend_recording
+from .tensor import Tensor
+
+#: The default iteration limit of the forward and the adjoint solve.
+MAX_ITER = 1000
+
+
+def _call(f: Callable[..., Any], x: Tensor, params: tuple) -> Tensor:
+    """f(x, *params) as a tensor of x's shape, or a TypeError/ValueError naming f."""
+    if isinstance(f, (ShaderFunction, OverloadedFunction)):
+        out = f(x, *params, _result="tensor")
+    else:
+        out = f(x, *params)
+    name = getattr(f, "__name__", None) or getattr(f, "label", None) or repr(f)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"fixed_point: f ({name}) returned a {type(out).__name__}; it must return a "
+            "pydiff Tensor of x's shape"
+        )
+    if out.expected_numpy_shape() != x.expected_numpy_shape():
+        raise ValueError(
+            f"fixed_point: f ({name}) returned shape {out.expected_numpy_shape()} for x of "
+            f"shape {x.expected_numpy_shape()}; f must map x to a tensor of x's shape"
+        )
+    return out
+
+
+def _step(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
+    """(max |new - old|, the tolerance's scale max(1, max |new|))."""
+    if not new.size:
+        return 0.0, 1.0
+    return float(np.max(np.abs(new - old))), max(1.0, float(np.max(np.abs(new))))
+
+
+def _not_converged(which: str, steps: int, residual: float, tol: float, hint: str) -> None:
+    if math.isfinite(residual):
+        how = f"did not converge in max_iter={steps} iterations"
+    else:  # overflow: stop at once rather than iterate on inf/nan
+        how = f"diverged at iteration {steps} (the values overflowed or became NaN)"
+    raise ConvergenceError(
+        f"fixed_point: the {which} {how}: last residual max|change| = {residual:.3g} "
+        f"(tol={tol:g}, scaled by max(1, max|x|)). {hint}"
+    )
+
+
+def _vjp(
+    f: Callable[..., Any], x: Tensor, params: tuple, wants: list[bool], lam: np.ndarray, dx: bool
+) -> tuple[np.ndarray | None, list[Tensor | None]]:
+    """lam^T df/dx (if ``dx``) and lam^T df/dp for the params ``wants`` marks, at (x, params):
+    one forward of f on a fresh tape, one backward."""
+    with suspend_recording():  # also when the outer backward runs inside its tape's `with`
+        xl = x.detach().requires_grad_(True) if dx else x.detach()
+        args = [
+            (p.detach().requires_grad_(True) if w else p.detach()) if isinstance(p, Tensor) else p
+            for p, w in zip(params, wants)
+        ]
+        with Tape() as tape:
+            out = _call(f, xl, tuple(args))
+        _refuse_hidden_inputs(f, tape, [xl, *args])
+        out = on_tape(out, tape, [xl, *args])
+        if out.requires_grad and out.producer is tape:
+            with zero_policy("accumulate"):
+                tape.backward(out, grad=lam.reshape(out.expected_numpy_shape()))
+    gx = xl.grad.numpy().astype(np.float64) if dx else None
+    return gx, [a.grad if w else None for a, w in zip(args, wants)]
+
+
+def _refuse_hidden_inputs(f: Callable[..., Any], tape: Tape, given: list) -> None:
+    """A tensor with gradients that f reads without receiving it (a closure's, a global):
+    its gradient would come out wrong (one VJP's share per adjoint step), so it is refused."""
+    for t in tape.inputs():
+        if t.requires_grad and not any(t is g for g in given):
+            name = getattr(f, "__name__", None) or repr(f)
+            raise ValueError(
+                f"fixed_point: f ({name}) reads a tensor of shape {t.shape} that requires a "
+                "gradient but is not one of params (a closure's or a global's); its gradient "
+                "would be wrong. Pass it to fixed_point after x0, as a parameter of f"
+            )
+
+
+class FixedPoint(Function):
+    """The recorded solve: forward iterates f, backward solves the adjoint equation."""
+
+    flush_before_backward = True
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, f: Any, tol: float, max_iter: int, x0: Tensor, *params: Any
+    ) -> Tensor:
+        fixed = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
+        x, old = x0, x0.numpy().astype(np.float64)
+        for steps in range(1, max_iter + 1):
+            x = _call(f, x, fixed)
+            new = x.numpy().astype(np.float64)
+            residual, scale = _step(old, new)
+            if not math.isfinite(residual):
+                break
+            old = new
+            if residual <= tol * scale:
+                ctx.f, ctx.tol, ctx.max_iter, ctx.params, ctx.x = f, tol, max_iter, params, x
+                return x
+        _not_converged(
+            "forward solve x = f(x, *params)",
+            steps,
+            residual,
+            tol,
+            "The iteration converges where f is a contraction in x (|df/dx| < 1 near the "
+            "solution); raise max_iter or tol, or start x0 nearer the solution.",
+        )
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, xbar: Tensor) -> tuple:
+        wants = [isinstance(p, Tensor) and p.requires_grad for p in ctx.params]
+        seed = xbar.numpy().astype(np.float64)
+        lam = seed
+        for steps in range(1, ctx.max_iter + 1):
+            gx, _ = _vjp(ctx.f, ctx.x, ctx.params, [False] * len(wants), lam, True)
+            new = seed + gx
+            residual, scale = _step(lam, new)
+            if not math.isfinite(residual):
+                break
+            lam = new
+            if residual <= ctx.tol * scale:
+                _, grads = _vjp(ctx.f, ctx.x, ctx.params, wants, lam, False)
+                tensor_grads = [g for p, g in zip(ctx.params, grads) if isinstance(p, Tensor)]
+                return (None, *tensor_grads)  # x* does not depend on x0
+        _not_converged(
+            "adjoint solve (I - df/dx)^T lam = xbar",
+            steps,
+            residual,
+            ctx.tol,
+            "It converges where the forward does (spectral radius of df/dx at x* below 1); "
+            "raise max_iter or tol.",
+        )
+
+
+def fixed_point(
+    f: Callable[..., Any], x0: Any, *params: Any, tol: float = 1e-6, max_iter: int = MAX_ITER
+) -> Tensor:
+    """The solution x* of ``x = f(x, *params)`` by iterating ``x <- f(x, *params)`` from x0,
+    recorded on the active tape with a backward by the implicit function theorem.
+
+    ``f`` is a shader function (called with ``_result="tensor"``) or a Python function of
+    pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
+    ``max|x_k - x_(k-1)| <= tol * max(1, max|x_k|)`` (the infinity norm, relative above 1).
+    Gradients flow to the tensor ``params`` (numbers are constants), never through the
+    iterations: the backward solves ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar +
+    (df/dx)^T lam`` with one VJP of f at x* per step, under the same stopping rule, then
+    ``pbar = (df/dp)^T lam``. x* does not depend on x0, which gets no gradient. A forward or
+    adjoint solve that does not converge in ``max_iter`` iterations (or overflows) raises
+    ``pydiff.ConvergenceError`` with the last residual. Works on a ``pydiff.Tape``, under
+    ``pydiff.grad`` and in ``pydiff.torch_function``.
+
+    >>> a = pydiff.tensor([0.5], requires_grad=True)
+    >>> b = pydiff.tensor([1.0], requires_grad=True)
+    >>> with pydiff.Tape() as tape:
+    ...     x = pydiff.fixed_point(lambda x, a, b: a * x + b, np.zeros(1), a, b)
+    >>> tape.backward(x)            # x* = b / (1 - a) = 2; b.grad = 1/(1-a) = 2, a.grad = 4
+    """
+    if not callable(f):
+        raise TypeError(f"fixed_point: f must be callable, not {type(f).__name__}")
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+        raise TypeError(f"fixed_point: tol must be a positive number, not {tol!r}")
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"fixed_point: tol must be a positive finite number, got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
+        raise TypeError(f"fixed_point: max_iter must be a positive int, not {max_iter!r}")
+    if max_iter < 1:
+        raise ValueError(f"fixed_point: max_iter must be at least 1, got {max_iter}")
+    if not isinstance(x0, Tensor):
+        try:
+            arr = np.asarray(x0, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"fixed_point: x0 is not an array of numbers: {exc}") from None
+        device = next((p.device for p in params if isinstance(p, Tensor)), None)
+        x0 = make_tensor(arr.reshape(arr.shape or (1,)), device=device)
+    elif x0.scalar_type not in ("float", "half"):
+        raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
+    return FixedPoint.apply(f, float(tol), int(max_iter), x0, *params)

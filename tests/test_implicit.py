@@ -1,0 +1,253 @@
+"""pydiff.fixed_point: solutions and implicit gradients against closed forms, NumPy float64
+central finite differences of the whole solve and PyTorch float64; errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+
+def _np_solve(f, x0, *params):
+    """x = f(x, *params) by iteration in float64 (the reference)."""
+    x = np.asarray(x0, np.float64)
+    for _ in range(100000):
+        new = f(x, *params)
+        if np.max(np.abs(new - x)) < 1e-15 * max(1.0, np.max(np.abs(new))):
+            return new
+        x = new
+    raise AssertionError("reference did not converge")
+
+
+def _central_fd(loss, params, h=1e-6):
+    """d loss / d each entry of each float64 array in params, by central differences."""
+    grads = []
+    for k, p in enumerate(params):
+        g = np.zeros_like(p)
+        for i in np.ndindex(p.shape):
+            up = [q.copy() for q in params]
+            dn = [q.copy() for q in params]
+            up[k][i] += h
+            dn[k][i] -= h
+            g[i] = (loss(*up) - loss(*dn)) / (2 * h)
+        grads.append(g)
+    return grads
+
+
+def _contraction(rng, n, radius):
+    a = rng.standard_normal((n, n))
+    a *= radius / max(abs(np.linalg.eigvals(a)))
+    return a.astype(np.float32)
+
+
+def test_linear_map_closed_form(device):
+    """x = A x + b: x* = (I - A)^-1 b; with xbar = w, b.grad = (I - A)^-T w and
+    A.grad = b.grad x*^T."""
+    rng = np.random.default_rng(0)
+    A_np = _contraction(rng, 4, 0.6)
+    b_np = rng.standard_normal((4, 1)).astype(np.float32)
+    w = rng.standard_normal((4, 1))
+    A = pydiff.tensor(A_np, device=device, requires_grad=True)
+    b = pydiff.tensor(b_np, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, A, b: ops.matmul(A, x) + b, np.zeros((4, 1)), A, b)
+    assert len(tape) == 1  # the iterations are not recorded: one entry, the solve
+    tape.backward(x, grad=w)
+    I_A = np.eye(4) - A_np.astype(np.float64)
+    x_star = np.linalg.solve(I_A, b_np.astype(np.float64))
+    lam = np.linalg.solve(I_A.T, w)
+    np.testing.assert_allclose(x.numpy(), x_star, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b.grad.numpy(), lam, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(A.grad.numpy(), lam @ x_star.T, rtol=1e-4, atol=1e-5)
+
+
+def test_tanh_contraction_closed_form_inside_grad(device):
+    """x = a tanh(x) + b elementwise: dx*/db = 1 / (1 - a sech^2 x*), dx*/da = tanh(x*) dx*/db."""
+    pydiff.set_default_device(device)
+    a = np.array([0.5, -0.3, 0.8, 0.0])
+    b = np.array([1.0, -0.5, 0.2, 0.7])
+
+    def loss(a, b):
+        return ops.sum(pydiff.fixed_point(lambda x, a, b: a * ops.tanh(x) + b, np.zeros(4), a, b))
+
+    ga, gb = pydiff.grad(loss, argnums=(0, 1))(a, b)
+    a32, b32 = a.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64)
+    xs = _np_solve(lambda x: a32 * np.tanh(x) + b32, np.zeros(4))
+    dxdb = 1.0 / (1.0 - a32 / np.cosh(xs) ** 2)
+    np.testing.assert_allclose(gb, dxdb, rtol=1e-4)
+    np.testing.assert_allclose(ga, np.tanh(xs) * dxdb, rtol=1e-4, atol=1e-6)
+    value, _ = pydiff.value_and_grad(loss, argnums=1)(a, b)
+    np.testing.assert_allclose(value.numpy().reshape(()), xs.sum(), rtol=1e-5)
+
+
+def test_coupled_nonlinear_map_against_finite_differences(device):
+    """x = 0.5 tanh(W x) + c * b (a Python function of ops): every entry of W, b and c against
+    float64 central differences of the whole solve."""
+    rng = np.random.default_rng(1)
+    W_np = _contraction(rng, 3, 0.9)
+    b_np = rng.standard_normal((3, 1)).astype(np.float32)
+    c_np = np.array([[1.5]], np.float32)
+    w = rng.standard_normal((3, 1))
+    W, b, c = (pydiff.tensor(v, device=device, requires_grad=True) for v in (W_np, b_np, c_np))
+
+    def f(x, W, b, c):
+        return 0.5 * ops.tanh(ops.matmul(W, x)) + ops.matmul(b, c)
+
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros((3, 1)), W, b, c, tol=1e-7)
+    tape.backward(x, grad=w)
+
+    def ref_loss(W, b, c):
+        xs = _np_solve(lambda x: 0.5 * np.tanh(W @ x) + b @ c, np.zeros((3, 1)))
+        return float(np.sum(w * xs))
+
+    params = [v.astype(np.float64) for v in (W_np, b_np, c_np)]
+    for got, want in zip((W, b, c), _central_fd(ref_loss, params)):
+        np.testing.assert_allclose(got.grad.numpy(), want, rtol=2e-4, atol=2e-5)
+
+
+def test_shader_function_against_finite_differences(device, load):
+    m = load("implicit", device)
+    rng = np.random.default_rng(2)
+    a_np = rng.uniform(-0.9, 0.9, 5).astype(np.float32)
+    b_np = rng.standard_normal(5).astype(np.float32)
+    w = rng.standard_normal(5)
+    a = pydiff.tensor(a_np, device=device, requires_grad=True)
+    b = pydiff.tensor(b_np, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(m.contraction, np.zeros(5), a, b)
+    tape.backward(x, grad=w)
+
+    def ref_loss(a, b):
+        return float(np.sum(w * _np_solve(lambda x: a * np.tanh(x) + b, np.zeros(5))))
+
+    params = [a_np.astype(np.float64), b_np.astype(np.float64)]
+    want_a, want_b = _central_fd(ref_loss, params)
+    np.testing.assert_allclose(a.grad.numpy(), want_a, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(b.grad.numpy(), want_b, rtol=2e-4, atol=2e-5)
+
+
+def test_numbers_are_constants_and_x0_gets_no_gradient(device):
+    b = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    results = []
+    for start in ([0.0, 0.0], [5.0, -3.0]):
+        x0 = pydiff.tensor(start, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            x = pydiff.fixed_point(lambda x, s, b: s * x + b, x0, 0.25, b)
+        tape.backward(x, grad=np.ones(2))
+        results.append(x.numpy())
+        np.testing.assert_array_equal(x0.grad.numpy(), [0.0, 0.0])
+    np.testing.assert_allclose(results[0], [4 / 3, 8 / 3], rtol=1e-5)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5)
+    np.testing.assert_allclose(b.grad.numpy(), [2 * 4 / 3, 2 * 4 / 3], rtol=1e-5)  # two runs
+
+
+def test_backward_inside_the_tapes_with_block(device):
+    a = pydiff.tensor([0.5], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, a: a * x + 1.0, np.zeros(1), a)
+        y = ops.mul(x, x)
+        tape.backward(y, grad=np.ones(1))  # x* = 1/(1-a); dy/da = 2 x* / (1-a)^2 = 16
+    np.testing.assert_allclose(a.grad.numpy(), [16.0], rtol=1e-4)
+
+
+def test_torch_function_against_torch_float64():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    W_np = _contraction(rng, 3, 0.7)
+    b_np = rng.standard_normal((3, 1)).astype(np.float32)
+    w = torch.tensor(rng.standard_normal((3, 1)))
+
+    def solve(W, b):
+        return pydiff.fixed_point(
+            lambda x, W, b: ops.tanh(ops.matmul(W, x) + b), np.zeros((3, 1)), W, b
+        )
+
+    W = torch.tensor(W_np, requires_grad=True)
+    b = torch.tensor(b_np, requires_grad=True)
+    x = pydiff.torch_function(solve)(W, b)
+    (x.double() * w).sum().backward()
+
+    W64 = torch.tensor(W_np, dtype=torch.float64, requires_grad=True)
+    b64 = torch.tensor(b_np, dtype=torch.float64, requires_grad=True)
+    x64 = torch.zeros((3, 1), dtype=torch.float64)
+    for _ in range(400):  # unrolled in float64: torch differentiates every iteration
+        x64 = torch.tanh(W64 @ x64 + b64)
+    (x64 * w).sum().backward()
+    np.testing.assert_allclose(x.detach().numpy(), x64.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(W.grad.numpy(), W64.grad.numpy(), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(b.grad.numpy(), b64.grad.numpy(), rtol=2e-4, atol=2e-5)
+
+
+def test_forward_that_does_not_converge_raises(device):
+    a = pydiff.tensor([0.9], device=device, requires_grad=True)
+    with pytest.raises(pydiff.ConvergenceError, match=r"forward solve .* max_iter=5 .*residual"):
+        pydiff.fixed_point(lambda x, a: a * x + 1.0, np.zeros(1), a, max_iter=5)
+    with pytest.raises(
+        pydiff.ConvergenceError, match=r"forward solve .* diverged at iteration \d+ .*= (inf|nan) "
+    ):
+        pydiff.fixed_point(lambda x, a: 10.0 * x + a, np.ones(1), a)  # overflows
+
+
+def test_adjoint_that_does_not_converge_raises(device):
+    # x* = 1 is a fixed point of 2x - 1 (found at once from x0 = 1), but |df/dx| = 2:
+    # lam <- xbar + 2 lam diverges.
+    a = pydiff.tensor([2.0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, a: a * x - 1.0, np.ones(1), a)
+    np.testing.assert_array_equal(x.numpy(), [1.0])
+    with pytest.raises(pydiff.ConvergenceError, match=r"adjoint solve .*residual"):
+        tape.backward(x, grad=np.ones(1))
+    # A contraction whose adjoint needs more steps than max_iter allows.
+    a = pydiff.tensor([0.9], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, a: a * x + (1.0 - 0.9), np.ones(1), a, max_iter=5)
+    with pytest.raises(pydiff.ConvergenceError, match=r"adjoint solve .* max_iter=5 "):
+        tape.backward(x, grad=np.ones(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"tol": 0.0}, ValueError, "tol must be a positive finite"),
+        ({"tol": -1e-3}, ValueError, "tol must be a positive finite"),
+        ({"tol": math.nan}, ValueError, "tol must be a positive finite"),
+        ({"tol": math.inf}, ValueError, "tol must be a positive finite"),
+        ({"tol": True}, TypeError, "tol must be a positive number"),
+        ({"tol": "1e-6"}, TypeError, "tol must be a positive number"),
+        ({"max_iter": 0}, ValueError, "max_iter must be at least 1"),
+        ({"max_iter": -2}, ValueError, "max_iter must be at least 1"),
+        ({"max_iter": 2.5}, TypeError, "max_iter must be a positive int"),
+        ({"max_iter": True}, TypeError, "max_iter must be a positive int"),
+    ],
+)
+def test_bad_tol_and_max_iter_refused(device, kwargs, error, message):
+    b = pydiff.tensor([1.0], device=device)
+    with pytest.raises(error, match=message):
+        pydiff.fixed_point(lambda x, b: 0.5 * x + b, np.zeros(1), b, **kwargs)
+
+
+def test_bad_f_refused(device):
+    b = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    with pytest.raises(TypeError, match="f must be callable"):
+        pydiff.fixed_point(3.0, np.zeros(2), b)
+    with pytest.raises(ValueError, match=r"returned shape \(1,\) for x of shape \(2,\)"):
+        pydiff.fixed_point(lambda x, b: ops.sum(x), np.zeros(2), b)
+    with pytest.raises(TypeError, match="returned a float"):
+        pydiff.fixed_point(lambda x, b: 1.0, np.zeros(2), b)
+    with pytest.raises(TypeError, match="x0 is not an array of numbers"):
+        pydiff.fixed_point(lambda x, b: x, "zero", b)
+
+
+def test_a_tensor_with_gradients_f_closes_over_is_refused(device):
+    A = pydiff.tensor(np.full((2, 2), 0.25, np.float32), device=device, requires_grad=True)
+    b = pydiff.tensor(np.ones((2, 1), np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, b: ops.matmul(A, x) + b, np.zeros((2, 1)), b)
+    with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
+        tape.backward(x, grad=np.ones((2, 1)))
+    np.testing.assert_array_equal(A.grad.numpy(), np.zeros((2, 2)))
