@@ -6,10 +6,11 @@
     tape.backward(loss)
 
 Elementwise ops are differentiable Slang functions (Slang autodiff gives the backward);
-matmul, linear, reductions, cross_entropy, softmax and the norms are pydiff.Functions whose
-backward runs the same product/reduction kernels (no atomics). See shaders/ops/*.slang for
-the math. The ops live in ``ops_elementwise``, ``ops_linear``, ``ops_reduce`` and
-``ops_norm``, over the kernels of ``products``; this module is their public face.
+matmul, linear, attention, reductions, cross_entropy, softmax, the norms and dropout are
+pydiff.Functions whose backward runs the same product/reduction kernels (no atomics). See
+shaders/ops/*.slang for the math. The ops live in ``ops_elementwise``, ``ops_linear``,
+``ops_attention``, ``ops_reduce``, ``ops_norm`` and ``ops_random``, over the kernels of
+``products``; this module is their public face.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from .ops_elementwise import (
     swiglu,
     tanh,
 )
-from .ops_linear import ACTIVATIONS, attention, linear, matmul
+from .ops_attention import attention
+from .ops_linear import ACTIVATIONS, linear, matmul
 from .ops_norm import layer_norm, log_softmax, rms_norm, silu_and_mul, softmax
+from .ops_random import dropout
 from .ops_reduce import cross_entropy, mean, mse_loss, sum
 
 
@@ -56,7 +59,7 @@ def _accepting_torch(op: Callable[..., Any]) -> Callable[..., Any]:
 
 
 for _name in (
-    "add attention cos cross_entropy div exp gelu layer_norm linear log log_softmax matmul "
+    "add attention cos cross_entropy div dropout exp gelu layer_norm linear log log_softmax matmul "
     "mean mse_loss mul neg relu rms_norm sigmoid silu silu_and_mul sin softmax sqrt sub sum "
     "swiglu tanh"
 ).split():
@@ -70,6 +73,7 @@ __all__ = [
     "cos",
     "cross_entropy",
     "div",
+    "dropout",
     "exp",
     "gelu",
     "layer_norm",

@@ -84,9 +84,12 @@ def rows_view(name: str, x: Tensor, arg: str = "x") -> Tensor:
     return x.detach().reshape((x.numel // x.shape[-1], x.shape[-1]))
 
 
-def check_last_axis(name: str, axis: int, x: Tensor) -> None:
-    if isinstance(x, Tensor) and axis not in (-1, len(x.shape) - 1):
-        raise ValueError(
-            f"{name}: only the last axis is supported (axis=-1), got axis={axis} for shape "
-            f"{x.shape}"
-        )
+def check_axis(name: str, axis: int, x: Tensor) -> int:
+    """``axis`` of ``x`` as a non-negative int; ValueError naming the op, the axis and the shape
+    when it is out of range, TypeError when it is not an int."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name}: axis must be an int, got {type(axis).__name__}")
+    ndim = len(x.shape)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: axis={axis} is out of range for a tensor of shape {x.shape}")
+    return int(axis) % ndim

@@ -1,20 +1,17 @@
-"""Matrix products: matmul, linear (fused bias and relu) and scaled dot-product attention,
-whose backward passes are the same product kernels (no atomics), adding into the gradient
-buffers in place where the kernels fit.
+"""Matrix products: matmul and linear (fused bias and relu), whose backward passes are the
+same product kernels (no atomics), adding into the gradient buffers in place where the
+kernels fit.
 
+    c = ops_linear.matmul(a, b)
     y = ops_linear.linear(x, W, b, activation="relu")
-    out = ops_linear.attention(q, k, v)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from .function import Function
 from .ops_args import need_2d, need_float, same_device
-from .ops_norm import softmax_rows, softmax_rows_bwd
 from .ops_reduce import sum_mid
 from .products import blocking, fast_product, linear_backward_narrow, product, relu_masked
 from .tensor import Tensor, float4_ready
@@ -159,44 +156,3 @@ def linear(
     if bias.shape != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
     return _Linear.apply(x, weight, bias, activation)
-
-
-class _Attention(Function):
-    flush_before_backward = False  # kernels only
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        p = softmax_rows(product("mm_nt", q, k, (q.shape[0], k.shape[0])), scale, False)
-        ctx.scale = scale
-        ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
-        return product("mm_nn", p, v, (q.shape[0], v.shape[1]))
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, p = ctx.saved_tensors
-        dv = product("mm_tn", p, g, v.shape) if v.requires_grad else None  # P^T dO
-        dp = product("mm_nt", g, v, p.shape)  # dO V^T
-        ds = softmax_rows_bwd(p, dp, ctx.scale, False)  # includes the scale
-        dq = product("mm_nn", ds, k, q.shape) if q.requires_grad else None  # dS K
-        dk = product("mm_tn", ds, q, k.shape) if k.requires_grad else None  # dS^T Q
-        return dq, dk, dv
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """Scaled dot-product attention softmax(scale * Q K^T) V for 2-D Q (n, d), K (m, d), V (m, e).
-
-    ``scale`` defaults to 1/sqrt(d); ``scale=1.0`` is the unscaled form of the autodiff guide.
-    >>> out = pydiff.ops.attention(Q, K, V)          # (n, e)
-    """
-    need_2d("attention", q=q, k=k, v=v)
-    same_device("attention", q=q, k=k, v=v)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"attention: q {q.shape} and k {k.shape} must have the same last dimension"
-        )
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(
-            f"attention: k {k.shape} and v {v.shape} must have the same number of rows"
-        )
-    scale = 1.0 / float(np.sqrt(q.shape[1])) if scale is None else float(scale)
-    return _Attention.apply(q, k, v, scale)

@@ -1,4 +1,4 @@
-"""Row-wise ops over the last dimension: softmax and log_softmax (log-sum-exp stable),
+"""Softmax and log_softmax over any axis (log-sum-exp stable), and over the last dimension
 SiLU-and-multiply, RMSNorm and LayerNorm, each with a hand-written backward that reuses the
 statistics of its forward.
 
@@ -8,13 +8,15 @@ statistics of its forward.
 
 from __future__ import annotations
 
+import math
+
 import slangpy as spy
 
 from .creation import empty, zeros
 from .device import Device
 from .function import Function
 from .module import library
-from .ops_args import check_last_axis, need_2d, need_float, rows_view, same_device
+from .ops_args import check_axis, need_2d, need_float, rows_view, same_device
 from .tensor import Tensor
 
 
@@ -36,41 +38,72 @@ def softmax_rows_bwd(out2: Tensor, g2: Tensor, scale: float, log_space: bool) ->
     return dz
 
 
+def _axis_view(x: Tensor, axis: int) -> Tensor:
+    """``x`` as a contiguous (outer, n, inner) view without gradients, n along ``axis``."""
+    outer = math.prod(x.shape[:axis])
+    return x.detach().reshape((outer, x.shape[axis], x.numel // (outer * x.shape[axis])))
+
+
+def softmax_axis(z3: Tensor, log_space: bool) -> Tensor:
+    """Softmax (or log-softmax) of a (O, C, I) tensor over its middle axis, as a new tensor."""
+    lib = library(z3.device)
+    stats = empty((z3.shape[0], z3.shape[2], 2), device=z3.device)
+    lib.softmax_axis_stats(spy.grid((z3.shape[0], z3.shape[2])), z3, stats)
+    out = empty(z3.shape, device=z3.device)
+    lib.softmax_axis_apply(spy.grid(z3.shape), z3, stats, int(log_space), out)
+    return out
+
+
+def softmax_axis_bwd(out3: Tensor, g3: Tensor, log_space: bool) -> Tensor:
+    lib = library(out3.device)
+    dots = empty((out3.shape[0], out3.shape[2]), device=out3.device)
+    lib.softmax_axis_dot(spy.grid(dots.shape), g3, out3, int(log_space), dots)
+    dz = empty(out3.shape, device=out3.device)
+    lib.softmax_axis_bwd(spy.grid(out3.shape), out3, g3, dots, int(log_space), dz)
+    return dz
+
+
 class _Softmax(Function):
     @staticmethod
-    def forward(ctx, z, log_space):
-        ctx.log_space = log_space
-        out = softmax_rows(rows_view("log_softmax" if log_space else "softmax", z), 1.0, log_space)
-        out = out.reshape(z.shape)
+    def forward(ctx, z, log_space, axis):
+        ctx.log_space, ctx.axis = log_space, axis
+        if axis == len(z.shape) - 1:  # the rows kernels: one row per thread, contiguous reads
+            out = softmax_rows(rows_view("softmax", z), 1.0, log_space).reshape(z.shape)
+        else:
+            out = softmax_axis(_axis_view(z, axis), log_space).reshape(z.shape)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
-        rows = out.detach().reshape((out.numel // out.shape[-1], out.shape[-1]))
-        dz = softmax_rows_bwd(rows, g.detach().reshape(rows.shape), 1.0, ctx.log_space)
+        if ctx.axis == len(out.shape) - 1:
+            rows = out.detach().reshape((out.numel // out.shape[-1], out.shape[-1]))
+            dz = softmax_rows_bwd(rows, g.detach().reshape(rows.shape), 1.0, ctx.log_space)
+        else:
+            out3 = _axis_view(out, ctx.axis)
+            dz = softmax_axis_bwd(out3, g.detach().reshape(out3.shape), ctx.log_space)
         return dz.reshape(out.shape)
 
 
 def log_softmax(logits: Tensor, axis: int = -1) -> Tensor:
-    """Log-softmax over the last axis, log-sum-exp stable (finite for logits of +-1e4).
+    """Log-softmax over ``axis`` (the last by default), log-sum-exp stable: the maximum and
+    the log-sum are kept apart (finite and exact for logits of 1e30).
 
-    >>> logp = pydiff.ops.log_softmax(logits)
+    >>> logp = pydiff.ops.log_softmax(logits)            # or axis=0, 1, ...
     """
     rows_view("log_softmax", logits, "logits")
-    check_last_axis("log_softmax", axis, logits)
-    return _Softmax.apply(logits, True)
+    return _Softmax.apply(logits, True, check_axis("log_softmax", axis, logits))
 
 
 def softmax(logits: Tensor, axis: int = -1) -> Tensor:
-    """Softmax over the last axis, max-subtracted so large logits do not overflow.
+    """Softmax over ``axis`` (the last by default), max-subtracted so large logits (1e30)
+    neither overflow nor lose the log-sum.
 
-    >>> p = pydiff.ops.softmax(logits)
+    >>> p = pydiff.ops.softmax(logits)                   # or axis=0, 1, ...
     """
     rows_view("softmax", logits, "logits")
-    check_last_axis("softmax", axis, logits)
-    return _Softmax.apply(logits, False)
+    return _Softmax.apply(logits, False, check_axis("softmax", axis, logits))
 
 
 class _SiluAndMul(Function):

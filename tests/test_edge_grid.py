@@ -364,6 +364,14 @@ def test_softmax_family(device):
             ref, dref, floor = _softmax_ref(f64(z), f64(g), log_space)
             rep.check(name, f"value ({shape_class})", y.numpy(), ref, _at(z))
             rep.check(name, f"gradient ({shape_class})", x.grad.numpy(), dref, _at(z), floor)
+            # the same rows as columns: over axis 0 (the (outer, n, inner) kernels)
+            xt = _tensor(device, np.ascontiguousarray(z.T))
+            with pydiff.Tape() as tape:
+                y = getattr(ops, name)(xt, axis=0)
+            tape.backward(y, grad=np.ascontiguousarray(g.T))
+            rep.check(name, f"value, axis 0 ({shape_class})", y.numpy().T, ref, _at(z))
+            what = f"gradient, axis 0 ({shape_class})"
+            rep.check(name, what, xt.grad.numpy().T, dref, _at(z), floor)
     rep.done()
 
 
@@ -819,6 +827,39 @@ def test_attention(device):
         rep.check("attention", f"gradient of q ({shape_class})", q.grad.numpy(), dq, "dq", fdq)
         rep.check("attention", f"gradient of k ({shape_class})", k.grad.numpy(), dk, "dk", fdk)
         rep.check("attention", f"gradient of v ({shape_class})", v.grad.numpy(), dv, "dv", fdv)
+        # the same head as a (1, 1, T, D) batch: the batched kernels
+        q, k, v = (_tensor(device, a[None, None]) for a in (q0, k0, v0))
+        with pydiff.Tape() as tape:
+            y = ops.attention(q, k, v, scale=1.0)
+        tape.backward(y, grad=gg[None, None])
+        what = f"({shape_class}, batched)"
+        rep.check("attention", f"value {what}", y.numpy(), out, "out", fout)
+        rep.check("attention", f"gradient of q {what}", q.grad.numpy(), dq, "dq", fdq)
+        rep.check("attention", f"gradient of k {what}", k.grad.numpy(), dk, "dk", fdk)
+        rep.check("attention", f"gradient of v {what}", v.grad.numpy(), dv, "dv", fdv)
+    rep.done()
+
+
+def test_dropout(device):
+    """Every grid value kept (scaled, in float32: 3e38 * 2 = inf) or dropped (0, also at inf
+    and NaN), by the reference mask; p = 0 is the identity, p = 1 all zeros; the gradient
+    likewise with the grid as the upstream gradient."""
+    from philox_ref import keep_mask
+
+    rep = Report()
+    for shape_class, x0 in (("grid", GRID), ("long row", np.resize(GRID, 4099))):
+        g0 = np.roll(x0, 7)
+        for p in (0.0, 0.3, 1.0):
+            keep = keep_mask(x0.size, p, 99)
+            scale = 0.0 if p == 1 else float(np.float32(1 / (1 - p)))
+            x = _tensor(device, x0)
+            with pydiff.Tape() as tape:
+                y = ops.dropout(x, p, seed=99)
+            tape.backward(y, grad=g0)
+            with np.errstate(all="ignore"):
+                ref, dref = np.where(keep, f64(x0) * scale, 0.0), np.where(keep, f64(g0) * scale, 0)
+            rep.check("dropout", f"value (p={p}, {shape_class})", y.numpy(), ref, x0)
+            rep.check("dropout", f"gradient (p={p}, {shape_class})", x.grad.numpy(), dref, g0)
     rep.done()
 
 
@@ -966,6 +1007,7 @@ def _dtype_calls(device, bad):
         ("attention", "q", lambda: ops.attention(b(2, 3), f(4, 3), f(4, 2))),
         ("attention", "k", lambda: ops.attention(f(2, 3), b(4, 3), f(4, 2))),
         ("attention", "v", lambda: ops.attention(f(2, 3), f(4, 3), b(4, 2))),
+        ("dropout", "x", lambda: ops.dropout(b(2, 3), 0.5, seed=0)),
     ]
     return calls
 
