@@ -26,17 +26,31 @@ silent hang.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from . import capturing
 from .creation import empty
 from .errors import DistributedError
+from .sharded_loader import ShardedLoader, whole_number
 from .tensor import Tensor
 from .torch_interop import to_torch
+
+__all__ = [
+    "BUCKET_BYTES",
+    "OPS",
+    "ShardedLoader",
+    "all_reduce_grads",
+    "broadcast",
+    "cuda_views",
+    "init_process_group",
+    "rank",
+    "world_size",
+]
 
 #: Default bucket size (bytes), DistributedDataParallel's ``bucket_cap_mb`` of 25 MiB.
 BUCKET_BYTES = 25 * 2**20
@@ -87,8 +101,10 @@ def init_process_group(backend: str | None = None, timeout: float = 300.0, **kwa
     >>> pydiff.distributed.init_process_group(timeout=60.0)
     """
     torch = _torch()
-    if not timeout > 0:
-        raise ValueError(f"init_process_group: timeout={timeout} must be > 0 seconds")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"init_process_group: timeout={timeout!r} must be a number of seconds")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"init_process_group: timeout={timeout} must be > 0 seconds, finite")
     try:
         torch.distributed.init_process_group(
             backend or "gloo", timeout=datetime.timedelta(seconds=timeout), **kwargs
@@ -242,8 +258,6 @@ def _exchange(
     by bucket, divide the results by ``divisor`` and write them back; returns the bytes sent.
     (The division is NumPy's on the host: torch's CPU kernels would start its thread pool,
     whose spinning threads slow the other ranks on a machine of few CPUs.)"""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     views = cuda_views(tensors)
     if views is not None:
         return _exchange_cuda(torch, tensors, views, bucket_bytes, collective, divisor)
@@ -252,12 +266,12 @@ def _exchange(
     for bucket in _buckets(sizes, bucket_bytes):
         members = [tensors[k] for k in bucket]
         dtype = np.dtype(sizes[bucket[0]][0])
-        flat = _read_bucket(members, dtype).view(_WIRE[dtype.name])
-        buf = torch.from_numpy(flat)  # shares flat's memory: the bucket's one host copy
+        values = _read_bucket(members, dtype)
+        if divisor != 1:  # before the sum, as DDP: a mean whose sum overflows stays finite
+            np.divide(values, divisor, out=values)
+        buf = torch.from_numpy(values.view(_WIRE[dtype.name]))  # the bucket's one host copy
         collective(buf)
         result = buf.numpy().view(dtype)
-        if divisor != 1:  # the same operation on the same sums: bit-identical on every rank
-            np.divide(result, divisor, out=result)
         sent += result.nbytes
         _write_bucket(members, result)
     return sent
@@ -277,9 +291,9 @@ def _exchange_cuda(
     sizes = [(str(v.dtype), v.numel() * v.element_size()) for v in views]
     for bucket in _buckets(sizes, bucket_bytes):
         flat = torch.cat([views[k].reshape(-1) for k in bucket])
-        collective(flat)
-        if divisor != 1:
+        if divisor != 1:  # before the sum, as on the host path
             flat.div_(divisor)
+        collective(flat)
         sent += flat.numel() * flat.element_size()
         offset = 0
         for k in bucket:
@@ -293,8 +307,8 @@ def _exchange_cuda(
     return sent
 
 
-def _tensors(tensors: Iterable[Tensor], what: str) -> list[Tensor]:
-    out = list(tensors)
+def _tensors(tensors: Iterable[Tensor] | Tensor, what: str) -> list[Tensor]:
+    out = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     for k, t in enumerate(out):
         if not isinstance(t, Tensor):
             raise TypeError(f"{what}: tensors[{k}] is a {type(t).__name__}, not a pydiff.Tensor")
@@ -303,7 +317,34 @@ def _tensors(tensors: Iterable[Tensor], what: str) -> list[Tensor]:
     return out
 
 
-def broadcast(tensors: Iterable[Tensor], src: int = 0, bucket_bytes: int = BUCKET_BYTES) -> int:
+def _agree(dist: Any, what: str, tensors: list[Tensor], *settings: Any) -> None:
+    """Check that every rank calls ``what`` with the same tensor layouts (dtypes and shapes,
+    in order) and settings, by one small all-reduce of a hash: a mismatch would pair
+    unrelated buckets (silently wrong, or gloo aborting the process on a size mismatch)."""
+    torch = _torch()
+    layout = [(t.dtype, tuple(t.shape)) for t in tensors]
+    digest = hashlib.sha256(repr((what, layout, settings)).encode()).digest()
+    mine = int.from_bytes(digest[:7], "little")  # 56 bits: its negation fits int64 too
+    where = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    probe = torch.tensor([mine, -mine], dtype=torch.int64, device=where)
+    _run(what, dist, lambda: dist.all_reduce(probe, op=dist.ReduceOp.MAX))
+    if probe.tolist() != [mine, -mine]:
+        raise DistributedError(
+            f"pydiff.distributed.{what}: the ranks called it with different tensors or "
+            f"settings (this rank {dist.get_rank()}: {len(layout)} tensors {layout[:4]}"
+            f"{' ...' if len(layout) > 4 else ''}, settings {settings}); every rank must list "
+            "the same tensors (dtypes, shapes) in the same order, with the same op, src and "
+            "bucket_bytes"
+        )
+
+
+def _bucket_bytes(value: Any, what: str) -> int:
+    return whole_number(value, f"{what}: bucket_bytes", minimum=1)
+
+
+def broadcast(
+    tensors: Iterable[Tensor] | Tensor, src: int = 0, bucket_bytes: int = BUCKET_BYTES
+) -> int:
     """Overwrite the values of ``tensors`` on every rank with rank ``src``'s (before training:
     every rank starts from the same parameters). Bucketed like ``all_reduce_grads``; returns
     the bytes sent. Every rank must list the same tensors (shapes, dtypes) in the same order.
@@ -311,10 +352,13 @@ def broadcast(tensors: Iterable[Tensor], src: int = 0, bucket_bytes: int = BUCKE
     >>> pydiff.distributed.broadcast([p for layer in layers for p in layer.parameters()])
     """
     tensors = _tensors(tensors, "broadcast")
+    bucket_bytes = _bucket_bytes(bucket_bytes, "broadcast")
+    src = whole_number(src, "broadcast: src")
     capturing.refuse("pydiff.distributed.broadcast (a collective across processes)")
     dist = _group("broadcast")
     if not 0 <= src < dist.get_world_size():
         raise ValueError(f"broadcast: src={src} is not a rank (world size {dist.get_world_size()})")
+    _agree(dist, "broadcast", tensors, src, bucket_bytes)
 
     def collective(buf: Any) -> None:
         _run("broadcast", dist, lambda: dist.broadcast(buf, src=src))
@@ -323,10 +367,11 @@ def broadcast(tensors: Iterable[Tensor], src: int = 0, bucket_bytes: int = BUCKE
 
 
 def all_reduce_grads(
-    tensors: Iterable[Tensor], op: str = "mean", bucket_bytes: int = BUCKET_BYTES
+    tensors: Iterable[Tensor] | Tensor, op: str = "mean", bucket_bytes: int = BUCKET_BYTES
 ) -> int:
     """Reduce the gradients (``.grad``) of ``tensors`` across the ranks, in place: their sum,
-    or their mean (``op="mean"``: the sum divided by the world size, on every rank alike).
+    or their mean (``op="mean"``: each rank divides by the world size before the sum, as DDP
+    does, so a mean whose sum would overflow stays finite; the same on every rank).
     With each rank's loss a mean over an equal share of the batch, the mean is the gradient
     of the whole batch's mean loss. Returns the bytes all-reduced (per rank).
 
@@ -340,6 +385,7 @@ def all_reduce_grads(
     if op not in OPS:
         raise ValueError(f"all_reduce_grads: op={op!r}; expected one of {OPS}")
     tensors = _tensors(tensors, "all_reduce_grads")
+    bucket_bytes = _bucket_bytes(bucket_bytes, "all_reduce_grads")
     grads = []
     for k, t in enumerate(tensors):
         if not t.requires_grad or t.grad is None:
@@ -355,73 +401,9 @@ def all_reduce_grads(
     )
     dist = _group("all_reduce_grads")
     n = dist.get_world_size()
+    _agree(dist, "all_reduce_grads", grads, op, bucket_bytes)
 
     def collective(buf: Any) -> None:
         _run("all_reduce_grads", dist, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
 
     return _exchange(_torch(), grads, bucket_bytes, collective, n if op == "mean" else 1)
-
-
-class ShardedLoader:
-    """Batches of NumPy arrays, each rank its share: epoch ``e`` shuffles the samples with
-    ``numpy.random.default_rng((seed, e))`` (the same order on every rank), cuts it into
-    global batches of ``batch_size * world_size`` samples (the remainder dropped, so every
-    rank has the same number of batches) and gives rank ``r`` the ``r``-th ``batch_size``
-    of each. The ranks' batches of one step together are exactly the batch one process
-    with ``batch_size * world_size`` and the same seed would take.
-
-    >>> loader = ShardedLoader(x_train, y_train, batch_size=32, seed=0)
-    >>> for epoch in range(10):
-    ...     loader.set_epoch(epoch)
-    ...     for xb, yb in loader: ...
-    """
-
-    def __init__(
-        self,
-        *arrays: np.ndarray,
-        batch_size: int,
-        seed: int = 0,
-        shuffle: bool = True,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ):
-        if not arrays:
-            raise ValueError("ShardedLoader: no arrays given")
-        self.arrays = [np.asarray(a) for a in arrays]
-        lengths = {len(a) for a in self.arrays}
-        if len(lengths) != 1:
-            raise ValueError(f"ShardedLoader: arrays of different lengths {sorted(lengths)}")
-        if rank is None or world_size is None:
-            group = _group("ShardedLoader")
-            rank = group.get_rank() if rank is None else rank
-            world_size = group.get_world_size() if world_size is None else world_size
-        self.rank, self.world_size = int(rank), int(world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"ShardedLoader: rank={self.rank} of world_size={self.world_size}")
-        if batch_size <= 0:
-            raise ValueError(f"ShardedLoader: batch_size={batch_size} must be > 0")
-        self.batch_size, self.seed, self.shuffle, self.epoch = batch_size, seed, shuffle, 0
-        self.samples = lengths.pop()
-        if len(self) == 0:
-            raise ValueError(
-                f"ShardedLoader: {self.samples} samples make no global batch of "
-                f"{batch_size} x {self.world_size} ranks"
-            )
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order the next iteration takes (set it on every rank alike)."""
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return self.samples // (self.batch_size * self.world_size)
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
-        if self.shuffle:
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(self.samples)
-        else:
-            order = np.arange(self.samples)
-        step = self.batch_size * self.world_size
-        for k in range(len(self)):
-            first = k * step + self.rank * self.batch_size
-            idx = order[first : first + self.batch_size]
-            yield tuple(a[idx] for a in self.arrays)

@@ -1,5 +1,5 @@
-"""Breaker 19 reproducers: pydiff.distributed cases that FAIL on the current code (strict xfail,
-each with its reason) and pass once fixed. Public API only.
+"""Breaker 19 reproducers: pydiff.distributed cases that failed before the fixes (the reasons
+kept in MISMATCH_REASONS and the tests' docstrings say what happened then). Public API only.
 
 Two ranks on loopback gloo, each on its own lavapipe device, as in
 tests/test_breaker_issue19_ok.py: this file run as a script (``python
@@ -143,11 +143,6 @@ def launch(scenario: str, out: Path, timeout: float, wait: float = 30.0, extra=N
     return results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="broadcast(x) with one Tensor iterates its rows (host copies) and broadcasts into "
-    "them: returns 12 bytes, raises nothing, and rank 1's x keeps its own values",
-)
 def test_broadcast_of_a_single_tensor_updates_it_or_refuses(tmp_path):
     (c0, l0, r0), (c1, l1, r1) = launch("single_tensor", tmp_path, timeout=10.0)
     assert c0 == 0 and c1 == 0, (l0, l1)
@@ -157,11 +152,6 @@ def test_broadcast_of_a_single_tensor_updates_it_or_refuses(tmp_path):
         assert r1["x"] == [1.0, 2.0, 3.0], r1  # rank 0's values
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="all_reduce_grads(x) with one Tensor says 'tensors[0] has no gradient "
-    "(requires_grad=False)' about x's first row although x has a gradient",
-)
 def test_all_reduce_of_a_single_tensor_error_is_about_the_list(device):
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
@@ -198,10 +188,7 @@ MISMATCH_REASONS = {
 
 @pytest.mark.parametrize(
     "kind",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=why))
-        for k, why in MISMATCH_REASONS.items()
-    ],
+    [pytest.param(k, id=k) for k in MISMATCH_REASONS],
 )
 def test_ranks_listing_different_tensors_both_raise(tmp_path, kind):
     results = launch("mismatch", tmp_path, timeout=6.0, extra={"B19_KIND": kind})
@@ -211,12 +198,6 @@ def test_ranks_listing_different_tensors_both_raise(tmp_path, kind):
         assert res["r"]["s"] < 6.0 + 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="op='mean' sums then divides: half gradients 40000 and 60000 on both ranks "
-    "(mean 40000, 60000: finite) come back inf, float32 +-3e38 too; "
-    "DDP divides before the sum",
-)
 def test_mean_of_finite_gradients_does_not_overflow(tmp_path):
     (c0, l0, r0), (c1, l1, r1) = launch("overflow", tmp_path, timeout=10.0)
     assert c0 == 0 and c1 == 0, (l0, l1)
@@ -271,12 +252,6 @@ def _epoch(epoch):
     list(loader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the error does not name the parameter (\"'<=' not supported between 'NoneType' "
-    "and 'int'\", torch's pybind message for src=0.0, NumPy's 'expected non-negative "
-    "integer' at iteration for seed=-1 or set_epoch(-1), 'len() of unsized object')",
-)
 @pytest.mark.parametrize("case", list(BAD_ARGS))
 def test_bad_arguments_name_the_parameter(device, case):
     name, call = BAD_ARGS[case]
@@ -291,11 +266,6 @@ def test_bad_arguments_name_the_parameter(device, case):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="init_process_group(timeout=None / '60') raises \"'>' not supported between ...\", "
-    "timeout=inf 'OverflowError: cannot convert float infinity to integer'",
-)
 @pytest.mark.parametrize("case", list(BAD_TIMEOUTS))
 def test_bad_timeout_types_name_the_parameter(case):
     try:
