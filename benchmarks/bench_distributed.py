@@ -105,7 +105,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
             barrier()  # waiting for the slower rank, apart from the all-reduce itself
         t1b = time.perf_counter()
         if world > 1:
-            sent = dist.all_reduce_grads(params)
+            sent = dist.all_reduce_grads(params, check_layout=not args.no_check_layout)
         t2 = time.perf_counter()
         update.replay()
         dev.wait()
@@ -168,6 +168,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="global batch (all ranks)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--no-check-layout",
+        action="store_true",
+        help="all_reduce_grads(check_layout=False): without the ranks' agreement check",
+    )
     args = ap.parse_args()
     one = measure(1, args)
     many = measure(args.nproc, args)

@@ -343,7 +343,10 @@ def _bucket_bytes(value: Any, what: str) -> int:
 
 
 def broadcast(
-    tensors: Iterable[Tensor] | Tensor, src: int = 0, bucket_bytes: int = BUCKET_BYTES
+    tensors: Iterable[Tensor] | Tensor,
+    src: int = 0,
+    bucket_bytes: int = BUCKET_BYTES,
+    check_layout: bool = True,
 ) -> int:
     """Overwrite the values of ``tensors`` on every rank with rank ``src``'s (before training:
     every rank starts from the same parameters). Bucketed like ``all_reduce_grads``; returns
@@ -358,7 +361,8 @@ def broadcast(
     dist = _group("broadcast")
     if not 0 <= src < dist.get_world_size():
         raise ValueError(f"broadcast: src={src} is not a rank (world size {dist.get_world_size()})")
-    _agree(dist, "broadcast", tensors, src, bucket_bytes)
+    if check_layout:
+        _agree(dist, "broadcast", tensors, src, bucket_bytes)
 
     def collective(buf: Any) -> None:
         _run("broadcast", dist, lambda: dist.broadcast(buf, src=src))
@@ -367,7 +371,10 @@ def broadcast(
 
 
 def all_reduce_grads(
-    tensors: Iterable[Tensor] | Tensor, op: str = "mean", bucket_bytes: int = BUCKET_BYTES
+    tensors: Iterable[Tensor] | Tensor,
+    op: str = "mean",
+    bucket_bytes: int = BUCKET_BYTES,
+    check_layout: bool = True,
 ) -> int:
     """Reduce the gradients (``.grad``) of ``tensors`` across the ranks, in place: their sum,
     or their mean (``op="mean"``: each rank divides by the world size before the sum, as DDP
@@ -377,7 +384,9 @@ def all_reduce_grads(
 
     One flat buffer per dtype, in buckets of at most ``bucket_bytes`` (25 MiB), in the
     listed order: one collective per bucket, never one per tensor. Every rank must list the
-    same tensors in the same order. Not inside ``pydiff.capture``: capture the forward and
+    same tensors in the same order: each call checks that first (one small all-reduce;
+    ``check_layout=False`` skips it, the caller then guaranteeing it). Not inside
+    ``pydiff.capture``: capture the forward and
     backward apart from the optimizer step and call this between the replays.
 
     >>> pydiff.distributed.all_reduce_grads(params)           # then opt.step()
@@ -401,7 +410,8 @@ def all_reduce_grads(
     )
     dist = _group("all_reduce_grads")
     n = dist.get_world_size()
-    _agree(dist, "all_reduce_grads", grads, op, bucket_bytes)
+    if check_layout:
+        _agree(dist, "all_reduce_grads", grads, op, bucket_bytes)
 
     def collective(buf: Any) -> None:
         _run("all_reduce_grads", dist, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
