@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,8 @@ import pytest
 
 import pydiff
 from pydiff import distributed as dist
+
+from ranks import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,51 +95,13 @@ def worker(scenario: str, out: Path) -> None:
 torch = pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out: Path, timeout: float, wait: float = 30.0, extra=None):
     """Run ``scenario`` in 2 ranks; returns [(returncode or 'hung', log, result or None)]."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
-        "OMP_NUM_THREADS": "1",
-        "B19_TIMEOUT": str(timeout),
-        **(extra or {}),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(out)],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    deadline = time.monotonic() + wait
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    hung = [p.poll() is None for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    env = {"B19_TIMEOUT": str(timeout), **(extra or {})}
     results = []
-    for r, p in enumerate(procs):
-        log = p.communicate()[0]
+    for r, (code, log) in enumerate(run_ranks(__file__, [scenario, str(out)], env=env, wait=wait)):
         f = out / f"rank{r}.json"
-        res = json.loads(f.read_text()) if f.exists() else None
-        results.append(("hung" if hung[r] else p.returncode, log[-3000:], res))
+        results.append((code, log[-3000:], json.loads(f.read_text()) if f.exists() else None))
     return results
 
 
@@ -154,7 +116,7 @@ def test_broadcast_of_a_single_tensor_updates_it_or_refuses(tmp_path):
 
 def test_all_reduce_of_a_single_tensor_error_is_about_the_list(device):
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
@@ -211,7 +173,7 @@ def test_mean_of_finite_gradients_does_not_overflow(tmp_path):
 
 def _init_bad_timeout(timeout):
     dist.init_process_group(
-        timeout=timeout, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        timeout=timeout, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     torch.distributed.destroy_process_group()  # accepted: fine too
 
@@ -256,7 +218,7 @@ def _epoch(epoch):
 def test_bad_arguments_name_the_parameter(device, case):
     name, call = BAD_ARGS[case]
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)

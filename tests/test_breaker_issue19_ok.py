@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,8 @@ import pytest
 
 import pydiff
 from pydiff import distributed as dist
+
+from ranks import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,52 +200,14 @@ def worker(scenario: str, out: Path) -> None:
 torch = pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script, scenario: str, out: Path, timeout: float, wait: float = 30.0, world=2):
     """Run ``scenario`` in ``world`` ranks; returns [(returncode, log, result or None)]."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
-        "B19_TIMEOUT": str(timeout),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, scenario, str(out)],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + wait
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        hung = [p.poll() is None for p in procs]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    env = {"B19_TIMEOUT": str(timeout)}
+    ran = run_ranks(script, [scenario, str(out)], world=world, env=env, wait=wait)
     results = []
-    for r, p in enumerate(procs):
-        log = p.communicate()[0]
+    for r, (code, log) in enumerate(ran):
         f = out / f"rank{r}.json"
-        res = json.loads(f.read_text()) if f.exists() else None
-        results.append(("hung" if hung[r] else p.returncode, log[-3000:], res))
+        results.append((code, log[-3000:], json.loads(f.read_text()) if f.exists() else None))
     return results
 
 
@@ -342,7 +304,7 @@ def test_late_peer_is_waited_for_and_one_past_the_timeout_fails(tmp_path):
 @pytest.fixture
 def group_of_one():
     dist.init_process_group(
-        "gloo", timeout=20.0, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", timeout=20.0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     yield
     torch.distributed.destroy_process_group()
@@ -350,7 +312,7 @@ def group_of_one():
 
 def test_a_rank_that_never_joins_fails_init_within_the_timeout(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     start = time.monotonic()
@@ -370,7 +332,7 @@ def test_bad_timeouts_are_refused(timeout):
 
 def test_after_destroy_every_call_names_init_process_group(device):
     dist.init_process_group(
-        "gloo", timeout=20.0, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", timeout=20.0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     torch.distributed.destroy_process_group()
     x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
@@ -381,7 +343,7 @@ def test_after_destroy_every_call_names_init_process_group(device):
 
 def test_torchs_own_init_works(device):
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import pytest
 
 import pydiff
 from pydiff import distributed as pd_dist
+
+from ranks import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 IN, HIDDEN, CLASSES, SAMPLES, BATCH, STEPS = 8, 16, 4, 64, 16, 10
@@ -135,45 +136,12 @@ def worker(scenario: str, out: Path) -> None:
 torch = pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario: str, out: Path, timeout: float, wait: float, on: str = "vulkan") -> list:
-    """Start two ranks of ``scenario`` on devices of type ``on``; wait for rank 0 (at most
-    ``wait`` s), end rank 1."""
-    env = {
-        **os.environ,
-        "PYDIFF_TEST_RANKS_ON": on,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
-        "PYDIFF_TEST_TIMEOUT": str(timeout),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(out)],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        procs[0].wait(timeout=wait)
-        if scenario == "train":
-            procs[1].wait(timeout=wait)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = [p.communicate()[0] for p in procs]
-    return [(p.returncode, log) for p, log in zip(procs, logs)]
+    """Run two ranks of ``scenario`` on devices of type ``on``; wait for rank 0 (and, for
+    training, rank 1) at most ``wait`` s, end the rest."""
+    env = {"PYDIFF_TEST_RANKS_ON": on, "PYDIFF_TEST_TIMEOUT": str(timeout)}
+    wait_for = [0, 1] if scenario == "train" else [0]
+    return run_ranks(__file__, [scenario, str(out)], env=env, wait=wait, wait_for=wait_for)
 
 
 def _reference_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list:
@@ -313,7 +281,7 @@ def test_loader_shards_cover_each_global_batch_once_per_epoch():
 def group_of_one():
     """A process group of this process alone (world size 1), ended after the test."""
     pd_dist.init_process_group(
-        "gloo", timeout=30.0, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", timeout=30.0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     yield
     torch.distributed.destroy_process_group()
