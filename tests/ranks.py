@@ -67,3 +67,36 @@ def run_ranks(
             if p.poll() is None:
                 p.kill()
     return [("hung" if hung[r] else p.returncode, p.communicate()[0]) for r, p in enumerate(procs)]
+
+
+def scenario_worker(scenarios: dict, scenario: str, out: Path) -> None:
+    """A rank's whole run (the script's ``__main__``): a lavapipe device, a gloo group with
+    the timeout $B19_TIMEOUT, ``scenarios[f"_scenario_{scenario}"](rank, world_size)``, its
+    result written to OUT/rank{rank}.json; then the process ends without teardown."""
+    import json
+
+    import pydiff
+    from pydiff import distributed as dist
+
+    pydiff.set_default_device(pydiff.create_device("vulkan"))
+    me = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=float(os.environ["B19_TIMEOUT"]))
+    res = scenarios[f"_scenario_{scenario}"](me, dist.world_size())
+    (out / f"rank{me}.json").write_text(json.dumps(res))
+    sys.stdout.flush()
+    os._exit(0)  # a broken group's teardown could block
+
+
+def launch_scenario(
+    script: str, scenario: str, out: Path, env: dict, wait: float = 30.0, world: int = 2
+) -> list:
+    """Run ``scenario`` of ``script`` in ``world`` ranks; [(code or "hung", log tail, the
+    rank's JSON result or None)]."""
+    import json
+
+    ran = run_ranks(script, [scenario, str(out)], world=world, env=env, wait=wait)
+    results = []
+    for r, (code, log) in enumerate(ran):
+        f = out / f"rank{r}.json"
+        results.append((code, log[-3000:], json.loads(f.read_text()) if f.exists() else None))
+    return results

@@ -7,7 +7,6 @@ tests/test_breaker_issue19.py SCENARIO OUT``); each rank writes OUT/rank{r}.json
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import pydiff
 from pydiff import distributed as dist
 
-from ranks import free_port, run_ranks
+from ranks import free_port, launch_scenario, scenario_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,13 +80,7 @@ def _scenario_overflow(me, world):
 
 
 def worker(scenario: str, out: Path) -> None:
-    pydiff.set_default_device(pydiff.create_device("vulkan"))
-    me = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=float(os.environ["B19_TIMEOUT"]))
-    res = globals()[f"_scenario_{scenario}"](me, dist.world_size())
-    (out / f"rank{me}.json").write_text(json.dumps(res))
-    sys.stdout.flush()
-    os._exit(0)  # a broken group's teardown could block
+    scenario_worker(globals(), scenario, out)
 
 
 # --- the tests ---------------------------------------------------------------------------
@@ -98,11 +91,7 @@ torch = pytest.importorskip("torch")
 def launch(scenario: str, out: Path, timeout: float, wait: float = 30.0, extra=None):
     """Run ``scenario`` in 2 ranks; returns [(returncode or 'hung', log, result or None)]."""
     env = {"B19_TIMEOUT": str(timeout), **(extra or {})}
-    results = []
-    for r, (code, log) in enumerate(run_ranks(__file__, [scenario, str(out)], env=env, wait=wait)):
-        f = out / f"rank{r}.json"
-        results.append((code, log[-3000:], json.loads(f.read_text()) if f.exists() else None))
-    return results
+    return launch_scenario(__file__, scenario, out, env, wait)
 
 
 def test_broadcast_of_a_single_tensor_updates_it_or_refuses(tmp_path):

@@ -8,7 +8,6 @@ References are float64 NumPy. Skipped without torch."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 import pydiff
 from pydiff import distributed as dist
 
-from ranks import free_port, run_ranks
+from ranks import free_port, launch_scenario, scenario_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,13 +185,7 @@ def _scenario_late(me, world):
 
 
 def worker(scenario: str, out: Path) -> None:
-    pydiff.set_default_device(pydiff.create_device("vulkan"))
-    me = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=float(os.environ["B19_TIMEOUT"]))
-    res = globals()[f"_scenario_{scenario}"](me, dist.world_size())
-    (out / f"rank{me}.json").write_text(json.dumps(res))
-    sys.stdout.flush()
-    os._exit(0)  # a broken group's teardown could block
+    scenario_worker(globals(), scenario, out)
 
 
 # --- the tests ---------------------------------------------------------------------------
@@ -202,13 +195,7 @@ torch = pytest.importorskip("torch")
 
 def launch(script, scenario: str, out: Path, timeout: float, wait: float = 30.0, world=2):
     """Run ``scenario`` in ``world`` ranks; returns [(returncode, log, result or None)]."""
-    env = {"B19_TIMEOUT": str(timeout)}
-    ran = run_ranks(script, [scenario, str(out)], world=world, env=env, wait=wait)
-    results = []
-    for r, (code, log) in enumerate(ran):
-        f = out / f"rank{r}.json"
-        results.append((code, log[-3000:], json.loads(f.read_text()) if f.exists() else None))
-    return results
+    return launch_scenario(script, scenario, out, {"B19_TIMEOUT": str(timeout)}, wait, world)
 
 
 def _run(scenario, tmp_path, timeout=10.0, world=2):
