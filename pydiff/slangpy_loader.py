@@ -1,15 +1,17 @@
-"""Loading SlangPy without PyTorch where SlangPy's torch bridge cannot work.
+"""Loading SlangPy without PyTorch unless PyTorch is already loaded.
 
-SlangPy's native extension imports torch while it loads (for its torch bridge): 1.3-1.5 s of
-every ``import pydiff`` on a machine with torch installed, and its first call imports torch
-again if the import was skipped. That bridge needs CUDA (on Vulkan a torch tensor in a
-SlangPy call raises, or crashes the process: docs/devices.md), so where no CUDA driver can
-be loaded, pydiff hides torch while SlangPy loads and tells SlangPy's torch detection that
-there is none; torch itself then imports normally whenever the user imports it. Where a CUDA
-driver exists nothing changes. ``PYDIFF_SLANGPY_TORCH=on`` (or ``off``) overrides the choice.
+SlangPy's native extension imports torch while it loads, for its torch bridge: 1.3-1.9 s of
+every ``import pydiff`` on a machine with torch installed. pydiff never needs that bridge:
+its own calls turn torch tensors into pydiff tensors first (``pydiff.foreign``, zero-copy on
+CUDA through ``Buffer.to_torch``). So unless torch is already imported (then the bridge
+costs nothing more) or ``PYDIFF_SLANGPY_TORCH=on`` asks for it, pydiff hides torch while
+SlangPy loads; torch then imports normally whenever the user imports it. SlangPy's bridge
+cannot start later (it initialises once, when its extension loads), so a torch tensor given
+to a *raw* SlangPy call afterwards raises ``TorchBridgeNotLoaded`` saying what to do,
+instead of SlangPy's garbage signature and a crash at dispatch.
 
     from pydiff import slangpy_loader          # pydiff/__init__.py imports it first
-    slangpy_loader.torch_bridge_wanted()       # False on a machine without a CUDA driver
+    slangpy_loader.torch_bridge_wanted()       # False unless torch is loaded or asked for
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import sys
 from typing import Any
 
 ENV = "PYDIFF_SLANGPY_TORCH"
+
+
+class TorchBridgeNotLoaded(RuntimeError):
+    """A torch tensor reached a raw SlangPy call, but SlangPy loaded without its torch bridge."""
 
 
 def missing_driver(type_name: str) -> str | None:
@@ -49,13 +55,13 @@ def missing_driver(type_name: str) -> str | None:
 
 
 def torch_bridge_wanted() -> bool:
-    """Whether SlangPy should load its torch bridge: only where it can work (CUDA)."""
+    """Whether SlangPy should load its torch bridge: when asked for, or torch is loaded."""
     choice = os.environ.get(ENV, "auto").strip().lower()
     if choice in ("1", "on", "true", "yes"):
         return True
     if choice in ("0", "off", "false", "no"):
         return False
-    return missing_driver("cuda") is None
+    return "torch" in sys.modules
 
 
 class _NoTorch:
@@ -67,9 +73,35 @@ class _NoTorch:
         return None
 
 
+def _holds_torch_tensor(value: Any, tensor_type: type, depth: int = 0) -> bool:
+    if isinstance(value, tensor_type):
+        return True
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return any(_holds_torch_tensor(v, tensor_type, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return any(_holds_torch_tensor(v, tensor_type, depth + 1) for v in value.values())
+    return False
+
+
+def _detect_without_bridge(args: tuple, kwargs: dict) -> tuple[bool, bool]:
+    """SlangPy's torch detection, for a SlangPy loaded without its bridge: no torch tensors
+    ever (so no import of torch on a call), and a clear error where one is given."""
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None)
+    if isinstance(tensor_type, type) and _holds_torch_tensor((args, kwargs), tensor_type):
+        raise TorchBridgeNotLoaded(
+            "a torch.Tensor was passed to a raw SlangPy call, but SlangPy was loaded without "
+            "its torch bridge (pydiff loads it only when torch is imported first). Pass the "
+            "tensor through pydiff (pydiff.from_torch, or call the pydiff function, which "
+            "takes torch tensors), or import torch before pydiff, or set "
+            f"{ENV}=on"
+        )
+    return False, False
+
+
 def load_slangpy() -> Any:
     """Import SlangPy, without torch unless its bridge is wanted; returns the module."""
-    if "slangpy" in sys.modules or "torch" in sys.modules or torch_bridge_wanted():
+    if "slangpy" in sys.modules or torch_bridge_wanted():
         return importlib.import_module("slangpy")
     hider = _NoTorch()
     sys.meta_path.insert(0, hider)
@@ -78,9 +110,9 @@ def load_slangpy() -> Any:
         detection = importlib.import_module("slangpy.torchintegration.detection")
     finally:
         sys.meta_path.remove(hider)
-    # SlangPy's call path looks for torch tensors by importing torch on its first call;
-    # "no torch" is what the bridge could use here anyway.
-    detection._torch_module = False
+    # SlangPy's calls look for torch tensors by importing torch on their first call; without
+    # the bridge there is nothing torch could do there but crash.
+    detection.detect_torch_tensors = _detect_without_bridge
     return spy
 
 

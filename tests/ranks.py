@@ -13,7 +13,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _vulkan_opens() -> bool:
+    import pydiff
+
+    return "vulkan" in pydiff.available_devices()
+
+
+#: The rank scenarios run on Vulkan (lavapipe here); a machine where Vulkan does not open (a
+#: GPU machine without an NVIDIA Vulkan driver) skips them rather than failing.
+needs_vulkan = pytest.mark.skipif(not _vulkan_opens(), reason="the rank scenarios run on Vulkan")
 
 
 def free_port() -> int:

@@ -76,10 +76,7 @@ def test_modules_fit_one_sitting():
 
 
 # Private names of other libraries pydiff must write, each with its reason (not pydiff's own).
-ALLOWED = {
-    # SlangPy's torch detection would import torch on its first call (slangpy_loader.py).
-    "slangpy_loader": {"._torch_module"},
-}
+ALLOWED: dict[str, set[str]] = {}
 
 
 def test_no_private_reach_through():

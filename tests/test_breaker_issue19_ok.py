@@ -19,7 +19,9 @@ import pytest
 import pydiff
 from pydiff import distributed as dist
 
-from ranks import free_port, launch_scenario, scenario_worker
+from ranks import free_port, launch_scenario, needs_vulkan, scenario_worker
+
+pytestmark = needs_vulkan
 
 ROOT = Path(__file__).resolve().parent.parent
 

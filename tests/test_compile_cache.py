@@ -96,7 +96,7 @@ def test_an_upgrade_of_pydiffs_own_shaders_takes_effect(tmp_path, backend):
         "a, b = pydiff.tensor([1.0]), pydiff.tensor([2.0])\n"
         "print(json.dumps(float(pydiff.ops.add(a, b).numpy()[0])))\n"
     )
-    env = {"PYTHONPATH": str(pkg)}
+    env = {"PYTHONPATH": os.pathsep.join([str(pkg), os.environ.get("PYTHONPATH", "")])}
     assert _run(code, tmp_path / "cache", env=env, device=backend)[0] == 3.0
     source = pkg / "shaders" / "ops" / "elementwise.slang"
     old = "op_add(float a, float b) { return a + b; }"

@@ -23,7 +23,7 @@ import pytest
 import pydiff
 from pydiff import distributed as pd_dist
 
-from ranks import free_port, run_ranks
+from ranks import free_port, needs_vulkan, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 IN, HIDDEN, CLASSES, SAMPLES, BATCH, STEPS = 8, 16, 4, 64, 16, 10
@@ -193,6 +193,7 @@ def test_two_ranks_train_to_bit_identical_parameters(tmp_path, on):
         assert np.array_equal(cap[f"final{k}"], r0[f"final{k}"]), k
 
 
+@needs_vulkan
 def test_sample_matches_one_process_and_ends_bit_identical():
     out = subprocess.run(
         [sys.executable, "samples/train_mlp_distributed.py", "--epochs", "5"],
@@ -200,7 +201,10 @@ def test_sample_matches_one_process_and_ends_bit_identical():
         text=True,
         cwd=ROOT,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert out.returncode == 0, out.stderr[-3000:]
     one = re.search(r"1 process: test accuracy ([\d.]+)%", out.stdout)
@@ -211,6 +215,7 @@ def test_sample_matches_one_process_and_ends_bit_identical():
     assert "not captured" not in out.stdout  # the all-reduce sits between two captured steps
 
 
+@needs_vulkan
 @pytest.mark.parametrize("scenario", ["exit", "hang"])
 def test_a_lost_rank_makes_the_other_raise_within_the_timeout(tmp_path, scenario):
     timeout = 8.0
