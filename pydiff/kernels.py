@@ -12,6 +12,7 @@ pydiff tensors, so it sits below them.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -158,10 +159,16 @@ class KernelCache:
         else:
             self._objects.move_to_end(key)
         root, cursor, _, last = entry
-        if last is not None and last == scalars and _same_types(last, scalars):
-            return root  # the object holds these uniforms already (~0.7 us a value to set)
-        for name, value in scalars:  # uniforms are copied when the dispatch is recorded
-            cursor[name] = value
+        # Uniforms are copied when the dispatch is recorded; setting one costs 1.3-1.7 us, so
+        # only those that changed since this object's last dispatch are set (an optimizer
+        # step changes 2 of its 16). The object holds exactly ``last``'s values.
+        if last is None or len(last) != len(scalars):
+            for name, value in scalars:
+                cursor[name] = value
+        else:
+            for item, held in zip(scalars, last):
+                if item[0] != held[0] or not _same_value(item[1], held[1]):
+                    cursor[item[0]] = item[1]
         entry[3] = scalars
         return root
 
@@ -222,9 +229,9 @@ class KernelCache:
             compute.end()
 
 
-def _same_types(a: list, b: list) -> bool:
-    """Equal uniforms of the same Python types (1 and 1.0 compare equal but bind apart)."""
-    for (_, x), (_, y) in zip(a, b):
-        if type(x) is not type(y):
-            return False
-    return True
+def _same_value(a: Any, b: Any) -> bool:
+    """The same uniform: equal, of one Python type (1 and 1.0 bind apart), and for floats of
+    one sign (0.0 == -0.0)."""
+    if type(a) is not type(b) or not a == b:
+        return False
+    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)

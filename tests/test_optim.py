@@ -175,3 +175,24 @@ def test_bad_arguments(device):
         optim.Adam([pydiff.zeros((2,), device=device, requires_grad=True)], betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="lr=-1.0"):
         optim.SGD([pydiff.zeros((2,), device=device, requires_grad=True)], lr=-1.0)
+
+
+def test_adamw_follows_a_learning_rate_that_changes_and_returns(device):
+    """Each step's uniforms reach the kernel: only the changed ones are set again on the
+    cached shader object, so values that go A, B, A (and lr 0, then back) must not go stale."""
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(37).astype(np.float32)
+    schedule = [1e-2, 3e-3, 1e-2, 0.0, 1e-2, 1e-2, 2e-2]
+    grads = [rng.standard_normal(37).astype(np.float32) for _ in schedule]
+    p = pydiff.tensor(p0, device=device, requires_grad=True)
+    opt = optim.AdamW([p], lr=schedule[0], weight_decay=0.1)
+    ref, m, v = p0.astype(np.float64), 0.0, 0.0
+    for t, (lr, g) in enumerate(zip(schedule, grads), start=1):
+        opt.defaults["lr"] = lr
+        p.grad.copy_from_numpy(g)
+        opt.step()
+        ref = ref * (1 - lr * 0.1)
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g.astype(np.float64) ** 2
+        ref = ref - lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        np.testing.assert_allclose(p.numpy(), ref, rtol=2e-5, atol=2e-6, err_msg=f"step {t}")
