@@ -29,6 +29,10 @@ class _Copy(Function):
         return x.clone()
 
     @staticmethod
+    def jvp(ctx: Any, t: Tensor) -> Tensor:
+        return t
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         return grad
 
@@ -54,7 +58,9 @@ def as_data(value: Any) -> Any:
     return value
 
 
-def _argnums(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+def argnum_tuple(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+    """``argnums`` (an int or a tuple of them) checked against ``count`` arguments, as
+    non-negative ints."""
     single = isinstance(argnums, numbers.Integral) and not isinstance(argnums, bool)
     if not single and not isinstance(argnums, (tuple, list)):
         raise TypeError(f"{what}: argnums must be an int or a tuple of ints, got {argnums!r}")
@@ -122,7 +128,7 @@ def value_and_grad(
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         what = f"{_name}({getattr(fn, '__name__', 'fn')})"
-        nums = _argnums(argnums, len(args), what)
+        nums = argnum_tuple(argnums, len(args), what)
         leaves = {i: _leaf(args[i], i, what) for i in nums}
         call_args = [leaves[i] if i in leaves else as_data(a) for i, a in enumerate(args)]
         with Tape() as tape:

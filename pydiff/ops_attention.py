@@ -11,13 +11,18 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+import numpy as np
 import slangpy as spy
 
-from .creation import empty
+from . import forward_trace
+
+from .creation import empty, tensor
 from .function import Function
 from .module import library
 from .ops_args import need_float, same_device
-from .ops_norm import softmax_rows, softmax_rows_bwd
+from .ops_elementwise import add, mul
+from .ops_linear import matmul
+from .ops_norm import softmax, softmax_rows, softmax_rows_bwd
 from .products import product
 from .tensor import Tensor
 
@@ -33,6 +38,12 @@ class _Attention(Function):
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
         return product("mm_nn", p, v, (q.shape[0], v.shape[1]))
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _):
+        scale = ctx.args[3]
+        f = lambda q, k, v: by_ops(q, k, v, False, scale)  # noqa: E731
+        return forward_trace.tangent_through(f, ctx.args[:3], (tq, tk, tv))
 
     @staticmethod
     def backward(ctx, g):
@@ -75,6 +86,12 @@ class _BatchedAttention(Function):
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
         return _bmm(p, v3, False, False, 1.0, (n, t, e)).reshape(q.shape[:-1] + (e,))
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        causal, scale = ctx.args[3:]
+        f = lambda q, k, v: by_ops(q, k, v, causal, scale)  # noqa: E731
+        return forward_trace.tangent_through(f, ctx.args[:3], (tq, tk, tv))
 
     @staticmethod
     def backward(ctx, g):
@@ -142,3 +159,19 @@ def attention(
     if len(q.shape) == 2 and not causal:
         return _Attention.apply(q, k, v, float(scale))
     return _BatchedAttention.apply(q, k, v, causal, float(scale))
+
+
+def by_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """Attention written with matmul and softmax (the forward-mode rule, run under a trace so
+    that a tape records it for hvp): the n heads as one (nT, nS) product whose entries
+    between different heads (and above the diagonal, causal) are -1e30 before the softmax."""
+    lead, (t, d), (s, e) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    n = math.prod(lead)
+    head_q, head_k = np.repeat(np.arange(n), t), np.repeat(np.arange(n), s)
+    masked = head_q[:, None] != head_k[None, :]
+    if causal:
+        masked |= np.tile(np.arange(s), n)[None, :] > np.tile(np.arange(t), n)[:, None]
+    scores = mul(matmul(q.reshape((n * t, d)), k.reshape((n * s, d)).T), scale)
+    if masked.any():
+        scores = add(scores, tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q.device))
+    return matmul(softmax(scores), v.reshape((n * s, e))).reshape(lead + (t, e))
