@@ -258,6 +258,10 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
             at += size
         hv = program_hvp(fn, primals, dirs)
         H[:, col] = np.concatenate(
-            [np.asarray(h.numpy() if isinstance(h, Tensor) else h, np.float64).ravel() for h in hv if h is not None]
+            [
+                np.asarray(h.numpy() if isinstance(h, Tensor) else h, np.float64).ravel()
+                for h in hv
+                if h is not None
+            ]
         )
     return H

@@ -106,7 +106,9 @@ def jacrev(
     def run(*args: Any) -> Any:
         nums = argnum_tuple(argnums, len(args), "jacrev")
         xs, shapes = _inputs(args, nums, "jacrev")
-        primals = [x if i in nums else x.detach() if isinstance(x, Tensor) else x for i, x in enumerate(xs)]
+        primals = [
+            x if i in nums else x.detach() if isinstance(x, Tensor) else x for i, x in enumerate(xs)
+        ]
         out = _one_output(call(*primals), "jacrev")
         out_shape = out.expected_numpy_shape()
         m = int(np.prod(out_shape))

@@ -173,5 +173,7 @@ def by_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tenso
         masked |= np.tile(np.arange(s), n)[None, :] > np.tile(np.arange(t), n)[:, None]
     scores = mul(matmul(q.reshape((n * t, d)), k.reshape((n * s, d)).T), scale)
     if masked.any():
-        scores = add(scores, tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q.device))
+        scores = add(
+            scores, tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q.device)
+        )
     return matmul(softmax(scores), v.reshape((n * s, e))).reshape(lead + (t, e))

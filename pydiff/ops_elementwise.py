@@ -150,5 +150,7 @@ _JVP = {
     "relu": lambda x, t, y: mul(t, relu_mask(x)),
     "gelu": lambda x, t, y: mul(t, dgelu(x)),
     "silu": lambda x, t, y: mul(t, dsilu(x)),
-    "swiglu": lambda g, u, tg, tu, y: add_tangents(_times(tg, mul(dsilu(g), u)), _times(tu, silu(g)), y),
+    "swiglu": lambda g, u, tg, tu, y: add_tangents(
+        _times(tg, mul(dsilu(g), u)), _times(tu, silu(g)), y
+    ),
 }
