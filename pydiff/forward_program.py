@@ -62,7 +62,7 @@ class ShaderTangent(Function):
             call.append(leaves[-1])
             if p.differentiable:
                 zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
-                call.append(u if u is not None else zero)
+                call.append(u.detach() if u is not None else zero)
         with suspend_recording(), zero_policy("accumulate"):
             seed = y.detach().clone().with_grads(grad_in=g.clone())
             d.bwds(*call, _result=seed)  # d<g, J(x) u>/dx

@@ -379,8 +379,8 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> before = x.clone()
         """
-        native = allocate(self._device, self._native.shape, self._native.dtype)
-        return Tensor(native, self._device).copy_(self)
+        copy = Tensor(allocate(self._device, self._native.shape, self._native.dtype), self._device)
+        return forward_trace.derived(self, copy.copy_(self), lambda t: t.clone())  # its tangent
 
     def backward(self, grad: Any = None) -> None:
         """Backpropagate through the tape that recorded the call producing this tensor.

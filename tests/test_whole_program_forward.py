@@ -275,6 +275,24 @@ def test_custom_function_jvp_and_hvp_and_refusal_without_one(device):
     assert pydiff.gradcheck(_Cube, (x,), check_forward=True)
 
 
+def test_shader_call_on_an_intermediate_with_a_broadcast_argument(device):
+    # the call's tangent depends on x through its argument z = x^2 and z's tangent 2 x u:
+    # hvp needs both d/dz (bwd_diff of the directional derivative) and d/du (J^T g)
+    pydiff.set_default_device(device)
+    m = pydiff.load_module(POLY, device=device)
+
+    def f(x, a):
+        z = ops.mul(x, x)
+        return ops.sum(m.polynomial(a, 1.0, 0.5, z, _result="tensor") * x)
+
+    def g(x, a):
+        z = x * x
+        return (a * z * z + z + 0.5) * x
+
+    xs = (np.array([0.3, -0.7, 1.1]), np.array([0.5]))
+    _check_jvp_hvp(f, lambda x, a: g(x, a).sum(), xs, (np.array([1.0, 0.5, -1.0]), [0.7]))
+
+
 def test_hessian_of_a_shader_composition_against_finite_differences(device):
     pydiff.set_default_device(device)
     m = pydiff.load_module(POLY, device=device)
@@ -296,6 +314,15 @@ def test_hessian_of_a_shader_composition_against_finite_differences(device):
                 fnp(X + ei + ej) - fnp(X + ei - ej) - fnp(X - ei + ej) + fnp(X - ei - ej)
             ) / (4 * h * h)
     np.testing.assert_allclose(H, Hfd, rtol=1e-3, atol=1e-3)
+
+
+def test_jacobians_of_a_module_function(device):
+    pydiff.set_default_device(device)
+    m = pydiff.load_module(POLY, device=device)
+    X = np.array([0.5, -1.0, 2.0])
+    for jac in (pydiff.jacfwd, pydiff.jacrev):
+        J = jac(m.polynomial, argnums=3)(2.0, 8.0, -1.0, _t(X))
+        np.testing.assert_allclose(J, np.diag(4 * X + 8), rtol=1e-6)  # d/dx (2x^2 + 8x - 1)
 
 
 def test_shader_call_writing_an_argument_is_refused(device, load):
