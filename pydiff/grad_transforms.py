@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import forward_trace
 from .creation import tensor as make_tensor
 from .function import Function
 from .tape import Tape
@@ -89,7 +90,8 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             raise TypeError(
                 f"{what}: argument {index} has dtype {value.dtype!r}; gradients need a float dtype"
             )
-        return value.detach().requires_grad_(True)
+        leaf = value.detach().requires_grad_(True)
+        return forward_trace.derived(value, leaf, lambda t: t)  # inside jvp: refused at backward
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
         raise TypeError(
             f"{what}: argument {index} is a {type(value).__name__}; differentiate with respect "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
+from . import forward_trace
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import program_hessian, program_hvp, program_jvp
@@ -93,8 +94,8 @@ def vjp(
         raise TypeError(f"vjp: fn must be a module function or a callable, not {type(fn).__name__}")
     inputs = []
     for x in primals:
-        if isinstance(x, Tensor) and x.differentiable:
-            x = x.detach().requires_grad_(True)
+        if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
+            x = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
         inputs.append(x)
     with Tape() as tape:
         out = call(*inputs)

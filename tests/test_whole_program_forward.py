@@ -359,3 +359,5 @@ def test_bad_inputs_name_the_argument(device):
         pydiff.jacfwd(lambda x: x, argnums=3)(x)
     with pytest.raises(TypeError, match=r"jvp: fn returned a str"):
         pydiff.jvp(lambda x: "no", (x,), (np.ones(3),))
+    with pytest.raises(NotImplementedError, match=r"tape\.backward inside pydiff\.jvp"):
+        pydiff.jvp(pydiff.grad(lambda x: (x * x * x).sum()), (x,), (np.ones(3),))
