@@ -379,6 +379,11 @@ class BackwardFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(self._refusal)
+        if any(t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])):
+            raise NotImplementedError(
+                f"{self._fn.label}.bwds inside pydiff.jvp on values with tangents (forward over "
+                "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
+            )
         # Deferred kernels go first (a batch this joins is ordered by its own scope).
         self._fn.module.device.queue.flush_deferred()
         return backward_call(self._fn, args, kwargs)

@@ -161,19 +161,58 @@ def attention(
     return _BatchedAttention.apply(q, k, v, causal, float(scale))
 
 
-def by_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
-    """Attention written with matmul and softmax (the forward-mode rule, run under a trace so
-    that a tape records it for hvp): the n heads as one (nT, nS) product whose entries
-    between different heads (and above the diagonal, causal) are -1e30 before the softmax."""
-    lead, (t, d), (s, e) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
-    n = math.prod(lead)
+#: The most score entries one block of heads of ``by_ops`` holds (the rest: more blocks).
+SCORES_BLOCK = 1 << 22
+
+
+class _Rows(Function):
+    """The rows of 2-D tensors one after another (NumPy's concatenate on axis 0)."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.rows = [p.shape[0] for p in parts]
+        out = np.concatenate([p.numpy() for p in parts])
+        return tensor(out, dtype=parts[0].dtype, device=parts[0].device)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        parts = ctx.args
+        return _Rows.apply(*[t if t is not None else p * 0.0 for p, t in zip(parts, tangents)])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(np.split(g.numpy().astype(np.float64), np.cumsum(ctx.rows)[:-1]))
+
+
+def _heads_by_ops(q2, k2, v2, n, t, s, causal, scale):
+    """n heads stacked as rows (n t, d), (n s, d), (n s, e): one (nT, nS) product whose
+    entries between different heads (and above the diagonal, causal) are -1e30."""
     head_q, head_k = np.repeat(np.arange(n), t), np.repeat(np.arange(n), s)
     masked = head_q[:, None] != head_k[None, :]
     if causal:
         masked |= np.tile(np.arange(s), n)[None, :] > np.tile(np.arange(t), n)[:, None]
-    scores = mul(matmul(q.reshape((n * t, d)), k.reshape((n * s, d)).T), scale)
+    scores = mul(matmul(q2, k2.T), scale)
     if masked.any():
-        scores = add(
-            scores, tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q.device)
-        )
-    return matmul(softmax(scores), v.reshape((n * s, e))).reshape(lead + (t, e))
+        mask = tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q2.device)
+        scores = add(scores, mask)
+    return matmul(softmax(scores), v2)
+
+
+def by_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """Attention written with matmul, softmax and slicing (the forward-mode rule, run under a
+    trace so that a tape records it for hvp): heads in blocks of at most SCORES_BLOCK score
+    entries, each block one masked product, the blocks' rows joined."""
+    lead, (t, d), (s, e) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    n = math.prod(lead)
+    q2, k2, v2 = q.reshape((n * t, d)), k.reshape((n * s, d)), v.reshape((n * s, e))
+    per = max(1, int(math.isqrt(SCORES_BLOCK // (t * s))))  # heads per block
+    if per >= n:
+        out = _heads_by_ops(q2, k2, v2, n, t, s, causal, scale)
+    else:
+        blocks = []
+        for a in range(0, n, per):
+            b = min(a + per, n)
+            qa, ka, va = q2[a * t : b * t], k2[a * s : b * s], v2[a * s : b * s]
+            blocks.append(_heads_by_ops(qa, ka, va, b - a, t, s, causal, scale))
+        out = _Rows.apply(*blocks)
+    return out.reshape(lead + (t, e))

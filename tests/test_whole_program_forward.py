@@ -213,6 +213,29 @@ def test_ops_rules_against_torch(device, case):
     _check_jvp_hvp(f, g, xs, us, hvp=hvp)
 
 
+def test_batched_attention_rule_in_blocks_of_heads(device, monkeypatch):
+    # the rule's heads go in blocks (bounded memory): force blocks of one head and of two
+    from pydiff import ops_attention
+
+    pydiff.set_default_device(device)
+
+    def causal(q, k, v):  # torch's fused kernel has no forward AD for 4-D inputs
+        s = q @ k.transpose(-1, -2) / np.sqrt(2.0)
+        s = s.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    xs = tuple(RNG.uniform(-1, 1, (3, 2, 3, 2)) for _ in range(3))
+    us = tuple(RNG.standard_normal((3, 2, 3, 2)) for _ in range(3))
+    for block in (9, 36):
+        monkeypatch.setattr(ops_attention, "SCORES_BLOCK", block)
+        _check_jvp_hvp(
+            lambda q, k, v: ops.attention(q, k, v, causal=True),
+            causal,
+            xs,
+            us,
+        )
+
+
 def test_dropout_tangent_uses_the_same_mask(device):
     pydiff.set_default_device(device)
     X, U = RNG.standard_normal((4, 8)), RNG.standard_normal((4, 8))
@@ -331,6 +354,14 @@ def test_shader_call_writing_an_argument_is_refused(device, load):
     x, y = _t([1.0, 2.0]), pydiff.zeros((2,), device=device)
     with pytest.raises(NotImplementedError, match=r"forward\.cube_out writes its parameter 'y'"):
         pydiff.jvp(lambda x: (m.cube_out(x, y), y)[1], (x,), (np.ones(2),))
+
+    def bwds(x):
+        r = m.sine(x, _result="tensor").with_grads(ones=True)
+        m.sine.bwds(x, _result=r)
+        return r
+
+    with pytest.raises(NotImplementedError, match=r"forward\.sine\.bwds inside pydiff\.jvp"):
+        pydiff.jvp(lambda x: bwds(x * 1.0), (x,), (np.ones(2),))
 
 
 def test_bad_inputs_name_the_argument(device):
