@@ -145,6 +145,11 @@ def prepare(
 ) -> tuple[list, list]:
     """Primals (those with a direction as float tensors) and their directions as tensors."""
     primals, directions = tuple(primals), tuple(directions)
+    if any(t is not None for t in forward_trace.tangents_of(primals)):
+        raise NotImplementedError(
+            f"{what} inside a function given to pydiff.jvp/jacfwd, on values with tangents "
+            "(nested forward mode): the outer tangent would be lost; pydiff has no third order"
+        )
     if len(directions) != len(primals):
         raise ValueError(
             f"{what}: {len(primals)} primals but {len(directions)} {name} (one per primal, "

@@ -392,3 +392,5 @@ def test_bad_inputs_name_the_argument(device):
         pydiff.jvp(lambda x: "no", (x,), (np.ones(3),))
     with pytest.raises(NotImplementedError, match=r"tape\.backward inside pydiff\.jvp"):
         pydiff.jvp(pydiff.grad(lambda x: (x * x * x).sum()), (x,), (np.ones(3),))
+    with pytest.raises(NotImplementedError, match=r"hvp inside a function given to pydiff\.jvp"):
+        pydiff.jvp(lambda x: pydiff.hvp(lambda y: (y * y).sum(), (x,), (x,))[0], (x,), (x,))
