@@ -29,14 +29,22 @@ def _callable(fn: Any, what: str) -> Callable[..., Any]:
     return fn
 
 
-def _one_output(out: Any, what: str) -> Tensor:
-    if not isinstance(out, Tensor):
-        kind = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
-        raise TypeError(
-            f"{what}: fn returned {kind}; the Jacobian needs one pydiff Tensor output (call it "
-            "once per output)"
-        )
-    return out
+def _outputs(out: Any, what: str) -> tuple[Tensor, ...]:
+    outs = out if isinstance(out, tuple) else (out,)
+    for k, o in enumerate(outs):
+        if not isinstance(o, Tensor):
+            raise TypeError(
+                f"{what}: fn returned a {type(o).__name__} (output {k}); it must return pydiff "
+                "Tensors (a tuple for several)"
+            )
+    return outs
+
+
+def _arrange(per_output: list, many_outputs: bool, argnums: Any) -> Any:
+    """torch.func's nesting: outputs outside (a tuple for several), argnums inside."""
+    single = isinstance(argnums, numbers.Integral)
+    items = [per_arg[0] if single else tuple(per_arg) for per_arg in per_output]
+    return tuple(items) if many_outputs else items[0]
 
 
 def _inputs(args: tuple, nums: tuple, what: str) -> tuple[list, list]:
@@ -61,7 +69,8 @@ def jacfwd(
 ) -> Callable[..., Any]:
     """The Jacobian function of ``fn`` by forward mode: one JVP (``pydiff.jvp``) per element
     of the differentiated arguments. Returns NumPy float64 of shape ``out.shape + x.shape``
-    (a tuple of them when ``argnums`` is a tuple); at most ``max_inputs`` elements.
+    (nested as torch.func: a tuple over outputs when fn returns a tuple, inside it a tuple
+    over ``argnums`` when that is a tuple); at most ``max_inputs`` elements.
 
     >>> J = pydiff.jacfwd(lambda x: (x * x)[1:])(pydiff.tensor([1.0, 2.0, 3.0]))
     >>> J.shape                                   # (2, 3): rows 2 x_i e_i
@@ -73,19 +82,27 @@ def jacfwd(
         nums = argnum_tuple(argnums, len(args), "jacfwd")
         xs, shapes = _inputs(args, nums, "jacfwd")
         _limit(sum(int(np.prod(s)) for s in shapes), max_inputs, "jacfwd", "max_inputs", "inputs")
-        jacobians = []
+        per_arg, many = [], False
         for i, shape in zip(nums, shapes):
-            columns, out_shape = [], None
-            for e in range(int(np.prod(shape))):
-                u = np.zeros(int(np.prod(shape)))
+            size, columns, outs = int(np.prod(shape)), None, ()
+            for e in range(size):
+                u = np.zeros(size)
                 u[e] = 1.0
                 dirs = [u.reshape(shape) if k == i else None for k in range(len(xs))]
                 ys, us = prepare("jacfwd", xs, dirs, "tangents")
                 out, t = traced(call, ys, us, "jacfwd")
-                out_shape = _one_output(out, "jacfwd").expected_numpy_shape()
-                columns.append(np.asarray(t.numpy(), np.float64).reshape(-1))
-            jacobians.append(np.stack(columns, axis=-1).reshape(tuple(out_shape) + tuple(shape)))
-        return jacobians[0] if isinstance(argnums, numbers.Integral) else tuple(jacobians)
+                many, outs = isinstance(out, tuple), _outputs(out, "jacfwd")
+                ts = t if many else (t,)
+                columns = columns or [[] for _ in outs]
+                for c, tangent in zip(columns, ts):
+                    c.append(np.asarray(tangent.numpy(), np.float64).reshape(-1))
+            per_arg.append(
+                [
+                    np.stack(c, axis=-1).reshape(tuple(o.expected_numpy_shape()) + tuple(shape))
+                    for c, o in zip(columns, outs)
+                ]
+            )
+        return _arrange([list(j) for j in zip(*per_arg)], many, argnums)
 
     return run
 
@@ -94,8 +111,8 @@ def jacrev(
     fn: Callable[..., Any], argnums: int | Sequence[int] = 0, *, max_outputs: int = 1024
 ) -> Callable[..., Any]:
     """The Jacobian function of ``fn`` by reverse mode: one VJP (``pydiff.vjp``, a tape) per
-    output element. Returns NumPy float64 of shape ``out.shape + x.shape`` (a tuple of them
-    when ``argnums`` is a tuple); at most ``max_outputs`` output elements.
+    output element. Returns NumPy float64 of shape ``out.shape + x.shape`` (nested as
+    ``jacfwd``); at most ``max_outputs`` output elements.
 
     >>> J = pydiff.jacrev(lambda x: (x * x)[1:])(pydiff.tensor([1.0, 2.0, 3.0]))
     >>> J.shape                                   # (2, 3)
@@ -106,24 +123,27 @@ def jacrev(
     def run(*args: Any) -> Any:
         nums = argnum_tuple(argnums, len(args), "jacrev")
         xs, shapes = _inputs(args, nums, "jacrev")
-        primals = [
-            x if i in nums else x.detach() if isinstance(x, Tensor) else x for i, x in enumerate(xs)
-        ]
-        out = _one_output(call(*primals), "jacrev")
-        out_shape = out.expected_numpy_shape()
-        m = int(np.prod(out_shape))
-        _limit(m, max_outputs, "jacrev", "max_outputs", "output elements")
-        rows: list[list[np.ndarray]] = [[] for _ in nums]
-        for e in range(m):
-            seed = np.zeros(m)
-            seed[e] = 1.0
-            _, grads = vjp(call, primals, seed.reshape(out_shape))
-            for r, i, shape in zip(rows, nums, shapes):
-                g = grads[i]
-                r.append(np.zeros(shape) if g is None else np.asarray(g.numpy(), np.float64))
-        jacobians = [
-            np.stack(r).reshape(tuple(out_shape) + tuple(shape)) for r, shape in zip(rows, shapes)
-        ]
-        return jacobians[0] if isinstance(argnums, numbers.Integral) else tuple(jacobians)
+        out = call(*xs)
+        many, outs = isinstance(out, tuple), _outputs(out, "jacrev")
+        out_shapes = [o.expected_numpy_shape() for o in outs]
+        sizes = [int(np.prod(s)) for s in out_shapes]
+        _limit(sum(sizes), max_outputs, "jacrev", "max_outputs", "output elements")
+        per_output = []
+        for j, (out_shape, m) in enumerate(zip(out_shapes, sizes)):
+            rows: list[list[np.ndarray]] = [[] for _ in nums]
+            for e in range(m):
+                seeds = [np.zeros(s) for s in out_shapes]
+                seeds[j].reshape(-1)[e] = 1.0
+                _, grads = vjp(call, xs, tuple(seeds) if many else seeds[0])
+                for r, i, shape in zip(rows, nums, shapes):
+                    g = grads[i]
+                    r.append(np.zeros(shape) if g is None else np.asarray(g.numpy(), np.float64))
+            per_output.append(
+                [
+                    np.stack(r).reshape(tuple(out_shape) + tuple(shape))
+                    for r, shape in zip(rows, shapes)
+                ]
+            )
+        return _arrange(per_output, many, argnums)
 
     return run
