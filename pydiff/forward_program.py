@@ -95,9 +95,8 @@ def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
                 f"{fn.label} returned a {type(y).__name__} inside pydiff.jvp: call it with "
                 "_result='tensor' so that its result can carry a tangent"
             )
-        if active_tape() is None or not any(
-            isinstance(a, Tensor) and a.requires_grad for a in values
-        ):
+        recorded = [a for a in values + list(tangents) if isinstance(a, Tensor)]
+        if active_tape() is None or not any(a.requires_grad for a in recorded):
             trace.set(y, _fwds_tangent(fn, values, names, tangents, y))
             return y
         if names:

@@ -127,10 +127,10 @@ class Function:
             tangents = forward_trace.tangents_of(args)
             if any(t is not None for t in tangents):
                 return _forward_mode(cls, args, tangents)
-        return cls.run(args)[0]
+        return cls._run(args)[0]
 
     @classmethod
-    def run(cls, args: tuple) -> tuple[Any, FunctionCtx]:
+    def _run(cls, args: tuple) -> tuple[Any, FunctionCtx]:
         """``apply``'s work without forward mode: the result and the FunctionCtx."""
         inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
         ctx = FunctionCtx(cls.__name__, [a for _, a in inputs])
@@ -174,10 +174,10 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
                 f"hessian) cannot pass through it. Define @staticmethod jvp(ctx, *tangents) "
                 "returning one tangent per output (see pydiff.Function.jvp)"
             )
-        return cls.run(args)[0]  # the calls inside carry the tangents
+        return cls._run(args)[0]  # the calls inside carry the tangents
     trace = forward_trace.active()
     with forward_trace.suspended():
-        result, ctx = cls.run(args)
+        result, ctx = cls._run(args)
         ctx.outputs = result if isinstance(result, tuple) else (result,)
         got = cls.jvp(ctx, *tangents)
     many = isinstance(result, tuple)
