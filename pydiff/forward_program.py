@@ -123,9 +123,11 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
             raise TypeError(f"{what}: primal {k} has dtype {value.dtype!r}; it needs a float dtype")
         return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
+        kind = type(value)
         raise TypeError(
-            f"{what}: primal {k} is a {type(value).__name__}; give directions for pydiff "
-            "tensors, NumPy arrays, lists or numbers (None for the other arguments)"
+            f"{what}: primal {k} is a {kind.__module__}.{kind.__name__}; give directions for "
+            "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
+            "(None for the other arguments)"
         )
     return make_tensor(np.asarray(value, np.float32).reshape(np.shape(value) or (1,)))
 
