@@ -62,6 +62,7 @@ from .tape import Tape
 from .tensor import Tensor
 from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
+from .jacobians import jacfwd, jacrev
 from .implicit import fixed_point
 from .torch_interop import from_dlpack, from_torch, to_torch, torch_function
 from . import distributed, nn, ops, optim
@@ -126,6 +127,8 @@ __all__ = [
     "gradcheck",
     "hessian",
     "hvp",
+    "jacfwd",
+    "jacrev",
     "is_deterministic",
     "jvp",
     "vjp",

@@ -297,3 +297,38 @@ class ForwardFunction:
 
     def __repr__(self) -> str:
         return f"<pydiff fwds of {self._fn!r}>"
+
+
+def dir_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
+    """``[Differentiable] float f__pydiff_dir(x, no_diff v, ...) = fwd_diff(f)(x; v).d``:
+    the directional derivative, whose reverse-mode gradient w.r.t. x is H v."""
+    need_differentiable(fn, "hvp")
+    if fn.signature.return_type not in ("float", "double", "half"):
+        raise TypeError(
+            f"hvp: {fn.label} returns {fn.signature.return_type}; hvp needs a scalar (float) result"
+        )
+    params, args = [], []
+    for p in fn.params:
+        n, t = p.name, p.type_name
+        if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
+            raise TypeError(
+                f"hvp: parameter '{n}' of {fn.label} is a {t}: a second derivative through "
+                "differentiable tensor loads crashes the bundled Slang compiler (segfault), so "
+                "pydiff refuses it. For hvp, declare read-only tensor inputs ITensor<float, N> and "
+                "read them with no_diff(t[i]), or pass them as no_diff arrays"
+            )
+        if p.differentiable and p.io != "in":
+            raise TypeError(f"hvp: parameter '{n}' of {fn.label} is {p.io}; hvp needs inputs only")
+        if p.differentiable:
+            params += [f"{t} {n}", f"no_diff {t} {n}__v"]
+            args.append(f"diffPair({n}, {n}__v)")
+        else:
+            params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
+            args.append(n)
+    ret = fn.signature.return_type
+    source = (
+        wrapper_header(fn)
+        + f"[Differentiable]\n{ret} {fn.name}__pydiff_dir({', '.join(params)})\n{{\n"
+        f"    return fwd_diff({fn.name})({', '.join(args)}).d;\n}}\n"
+    )
+    return fn.generated("dir", source)

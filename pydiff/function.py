@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import forward_trace
 from .backward_scope import active_scope, backward_scope
 from .creation import tensor as make_tensor
 from .tape import active_tape, suspend_recording
@@ -42,6 +43,9 @@ class FunctionCtx:
         self.name = name
         #: Inputs whose gradient ``backward`` added itself through ``grad_target``.
         self.targets: set[int] = set()
+        #: The arguments of ``forward`` and its outputs as a tuple (for ``jvp``).
+        self.args: tuple = ()
+        self.outputs: tuple = ()
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tuple(tensors)
@@ -98,21 +102,45 @@ class Function:
     def backward(ctx: FunctionCtx, *grad_outputs: Any) -> Any:
         raise NotImplementedError
 
+    @staticmethod
+    def jvp(ctx: FunctionCtx, *tangents: Any) -> Any:
+        """Forward mode (``pydiff.jvp``, ``jacfwd``, ``hvp``): one tangent per argument of
+        ``forward`` (None for non-tensors and tensors without one), returns one tangent per
+        output (None: zero). ``ctx`` holds what ``forward`` saved and ``ctx.outputs``. Write
+        it with pydiff ops: under a tape they record, so ``hvp`` differentiates it again.
+
+        >>> @staticmethod
+        ... def jvp(ctx, tx):                 # forward: y = exp(x)
+        ...     return pydiff.ops.mul(tx, ctx.outputs[0])
+        """
+        raise NotImplementedError
+
     @classmethod
     def _has_backward(cls) -> bool:
         return cls.backward is not Function.backward
 
     @classmethod
     def apply(cls, *args: Any) -> Any:
-        """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs."""
+        """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs;
+        inside ``pydiff.jvp``, give its outputs tangents (``jvp``)."""
+        if forward_trace.active() is not None:
+            tangents = forward_trace.tangents_of(args)
+            if any(t is not None for t in tangents):
+                return _forward_mode(cls, args, tangents)
+        return cls._run(args)[0]
+
+    @classmethod
+    def _run(cls, args: tuple) -> tuple[Any, FunctionCtx]:
+        """``apply``'s work without forward mode: the result and the FunctionCtx."""
         inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
         ctx = FunctionCtx(cls.__name__, [a for _, a in inputs])
+        ctx.args = args
         tape = active_tape()
         if not cls._has_backward():
             result = cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
             if tape is None or not any(ctx.needs_input_grad):
-                return result
-            return _passed_through(cls, tape, result, inputs)
+                return result, ctx
+            return _passed_through(cls, tape, result, inputs), ctx
         with suspend_recording():
             result = cls.forward(ctx, *args)
         outputs_tuple = isinstance(result, tuple)
@@ -131,7 +159,55 @@ class Function:
                 _run_backward(cls, ctx, [t for _, t in inputs], outputs)
 
             tape.record(f"{cls.__name__}.apply", reads, list(outputs), run_backward)
-        return outputs if outputs_tuple else outputs[0]
+        ctx.outputs = outputs
+        return (outputs if outputs_tuple else outputs[0]), ctx
+
+
+def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
+    """``apply`` inside ``pydiff.jvp`` with tangents for some inputs: the class's ``jvp``; a
+    forward of recorded calls (pattern 1) without one carries the tangents through them."""
+    name = cls.__name__
+    if cls.jvp is Function.jvp:
+        if cls._has_backward():
+            raise NotImplementedError(
+                f"{name} has a backward but no jvp: forward mode (pydiff.jvp, jacfwd, hvp, "
+                f"hessian) cannot pass through it. Define @staticmethod jvp(ctx, *tangents) "
+                "returning one tangent per output (see pydiff.Function.jvp)"
+            )
+        return cls._run(args)[0]  # the calls inside carry the tangents
+    trace = forward_trace.active()
+    with forward_trace.suspended():
+        result, ctx = cls._run(args)
+        ctx.outputs = result if isinstance(result, tuple) else (result,)
+        got = cls.jvp(ctx, *tangents)
+    many = isinstance(result, tuple)
+    got = got if many and isinstance(got, (tuple, list)) else (got,)
+    if len(got) != len(ctx.outputs):
+        raise RuntimeError(
+            f"{name}.jvp() returned {len(got)} tangents but forward returned "
+            f"{len(ctx.outputs)} outputs; return one per output (None: zero)"
+        )
+    for k, (o, t) in enumerate(zip(ctx.outputs, got)):
+        if t is not None and not isinstance(t, Tensor):
+            t = _as_tensor(t, o.device, cls, "jvp", k)
+        if t is not None and t.expected_numpy_shape() != o.expected_numpy_shape():
+            raise RuntimeError(
+                f"{name}.jvp() tangent {k} has shape {t.expected_numpy_shape()} but output {k} "
+                f"has shape {o.expected_numpy_shape()}; return a tangent of the output's shape"
+            )
+        trace.set(o, t)
+    return result
+
+
+def first_order_only(ctx: FunctionCtx, why: str) -> None:
+    """In a ``jvp`` rule not written with recorded ops: refuse when a tape records it for
+    a second derivative (``hvp``/``hessian``: reverse over forward), which would be wrong."""
+    if active_tape() is not None and any(t.requires_grad for t in ctx.inputs):
+        raise NotImplementedError(
+            f"{ctx.name}: its forward-mode tangent ({why}) cannot be differentiated again, so "
+            "hvp/hessian (reverse over forward) cannot pass through it; use jvp, jacfwd or "
+            "jacrev (first derivatives) for functions that use it"
+        )
 
 
 def _passed_through(cls: type, tape: Any, result: Any, inputs: list) -> Any:
@@ -148,6 +224,7 @@ def _passed_through(cls: type, tape: Any, result: Any, inputs: list) -> Any:
                 copy = o.clone()
             copy.storage.wrote(f"{cls.__name__}.forward")
             copy.requires_grad_(True)
+            forward_trace.derived(o, copy, lambda t: t)  # the input's tangent (pydiff.jvp)
             ctx = FunctionCtx(cls.__name__, [o])
 
             def run_backward(entry: Any, ctx: FunctionCtx = ctx, o: Tensor = o, c: Tensor = copy):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import forward_trace
 from .creation import tensor as make_tensor
 from .function import Function
 from .tape import Tape
@@ -27,6 +28,10 @@ class _Copy(Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         return x.clone()
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor) -> Tensor:
+        return t
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -54,7 +59,9 @@ def as_data(value: Any) -> Any:
     return value
 
 
-def _argnums(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+def argnum_tuple(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:
+    """``argnums`` (an int or a tuple of them) checked against ``count`` arguments, as
+    non-negative ints."""
     single = isinstance(argnums, numbers.Integral) and not isinstance(argnums, bool)
     if not single and not isinstance(argnums, (tuple, list)):
         raise TypeError(f"{what}: argnums must be an int or a tuple of ints, got {argnums!r}")
@@ -83,7 +90,8 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             raise TypeError(
                 f"{what}: argument {index} has dtype {value.dtype!r}; gradients need a float dtype"
             )
-        return value.detach().requires_grad_(True)
+        leaf = value.detach().requires_grad_(True)
+        return forward_trace.derived(value, leaf, lambda t: t)  # inside jvp: refused at backward
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
         raise TypeError(
             f"{what}: argument {index} is a {type(value).__name__}; differentiate with respect "
@@ -122,7 +130,7 @@ def value_and_grad(
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         what = f"{_name}({getattr(fn, '__name__', 'fn')})"
-        nums = _argnums(argnums, len(args), what)
+        nums = argnum_tuple(argnums, len(args), what)
         leaves = {i: _leaf(args[i], i, what) for i in nums}
         call_args = [leaves[i] if i in leaves else as_data(a) for i, a in enumerate(args)]
         with Tape() as tape:

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import finite_diff as fd
 from .errors import GradcheckError
+from .forward_program import prepare, traced
 from .function import Function
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -138,15 +139,11 @@ def _nested(inputs: Sequence[Any]) -> bool:
 
 def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -> bool:
     if check_forward:
-        if not isinstance(fn, ShaderFunction):
-            raise TypeError(
-                "gradcheck: check_forward=True needs a module function "
-                "(forward mode runs Slang's fwd_diff)"
-            )
         if _nested(inputs):
             raise TypeError(
-                f"gradcheck: check_forward=True with struct (dict) or list arguments of "
-                f"{fn.label}: .fwds takes tangents of tensors and numbers only; leave "
+                "gradcheck: check_forward=True with struct (dict) or list arguments of "
+                f"{getattr(fn, 'label', fn)}: forward mode takes tangents of tensors and "
+                "numbers only; leave "
                 "check_forward=None to check the backward alone"
             )
     if check_forward is not None:
@@ -168,17 +165,16 @@ def _check_forward(
     atol: float,
     rtol: float,
 ) -> tuple[float, str] | None:
-    # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
-    # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
-    args = [a.detach() if isinstance(a, Tensor) else a for a in inputs]
-    for k, a in enumerate(args):
-        if isinstance(a, Tensor):
-            label = state.label_of(a)
-            if label in us:
-                a.with_tangent(us[label].reshape(a.expected_numpy_shape()))
-    result = fn.fwds(*args)
-    tangents = [] if result is None else [result[1]]
-    tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
+    if not isinstance(fn, ShaderFunction):  # a Python function or Function: pydiff.jvp's
+        dirs = [
+            us[state.label_of(a)] if isinstance(a, Tensor) and state.label_of(a) in us else None
+            for a in inputs
+        ]
+        xs, ts = prepare("gradcheck", inputs, dirs, "directions")
+        _, out = traced(as_callable(fn), xs, ts, "gradcheck")
+        tangents = list(out) if isinstance(out, tuple) else [out]
+    else:
+        tangents = _shader_tangents(fn, inputs, state, us)
     jvp = np.concatenate(
         [
             np.asarray(t.numpy() if isinstance(t, Tensor) else t, np.float64).ravel()
@@ -200,6 +196,21 @@ def _check_forward(
             f"forward/reverse adjoint test: <JVP(u), v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}",
         )
     return None
+
+
+def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, us: dict) -> list:
+    # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
+    # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
+    args = [a.detach() if isinstance(a, Tensor) else a for a in inputs]
+    for k, a in enumerate(args):
+        if isinstance(a, Tensor):
+            label = state.label_of(a)
+            if label in us:
+                a.with_tangent(us[label].reshape(a.expected_numpy_shape()))
+    result = fn.fwds(*args)
+    tangents = [] if result is None else [result[1]]
+    tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
+    return tangents
 
 
 def _element_message(
@@ -284,9 +295,10 @@ def gradcheck(
          FD_i = <v, (f(x + eps e_i) - f(x - eps e_i)) / (2 eps)>;
       2. adjoint test: ``|<J u, v> - <u, J^T v>| <= atol + rtol * |<J u, v>|`` with J u by a
          central difference along u (exact up to rounding for linear maps).
-      3. forward mode (module functions; ``check_forward=None`` checks it whenever the
-         function supports ``.fwds``): the JVP ``J u`` from ``fn.fwds`` against the central
-         difference along u, element by element, and ``<JVP(u), v> = <u, J^T v>``.
+      3. forward mode (module functions: ``check_forward=None`` checks it whenever the
+         function supports ``.fwds``; Python functions and Functions with
+         ``check_forward=True``, by ``pydiff.jvp``'s rules): the JVP ``J u`` against the
+         central difference along u, element by element, and ``<JVP(u), v> = <u, J^T v>``.
     Returns True, or raises GradcheckError naming the worst element (input, index, analytic,
     numeric); with ``raise_exception=False`` returns False instead.
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from .creation import tensor as make_tensor
 from .errors import ConvergenceError
-from .function import Function, FunctionCtx
+from . import forward_trace
+from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -130,6 +131,35 @@ class FixedPoint(Function):
             tol,
             "The iteration converges where f is a contraction in x (|df/dx| < 1 near the "
             "solution); raise max_iter or tol, or start x0 nearer the solution.",
+        )
+
+    @staticmethod
+    def jvp(ctx: FunctionCtx, *tangents: Any) -> Tensor:
+        """Implicit function theorem: dx* = (I - df/dx)^-1 (df/dp dp), solved by the iteration
+        dx <- df/dx dx + df/dp dp (one JVP of f at x* per step; converges as the forward)."""
+        first_order_only(ctx, "an iteration of JVPs of f at the solution")
+        x, params, tparams = ctx.x.detach(), ctx.params, tangents[4:]
+        dx = np.zeros(x.expected_numpy_shape())
+        if all(t is None for t in tparams):
+            return None
+        for steps in range(1, ctx.max_iter + 1):
+            t = make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
+            step = lambda x, *p: _call(ctx.f, x, p)  # noqa: E731
+            out = forward_trace.tangent_through(step, (x, *params), (t, *tparams))
+            new = np.zeros_like(dx) if out is None else out.numpy().astype(np.float64)
+            residual, scale = _step(dx, new)
+            if not math.isfinite(residual):
+                break
+            dx = new
+            if residual <= ctx.tol * scale:
+                return make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
+        _not_converged(
+            "tangent solve (I - df/dx) dx = df/dp dp",
+            steps,
+            residual,
+            ctx.tol,
+            "It converges where the forward does (spectral radius of df/dx at x* below 1); "
+            "raise max_iter or tol.",
         )
 
     @staticmethod

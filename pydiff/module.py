@@ -16,7 +16,7 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, lint, lint_sources
+from . import capturing, forward_trace, lint, lint_sources
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -246,6 +246,8 @@ class ShaderFunction:
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(self._refusal)
+        if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
+            return forward_trace.shader_call(self, args, kwargs)
         self.module.device.queue.flush()  # kernels queued in a batched backward run first
         return forward_call(self, args, kwargs)
 
@@ -377,6 +379,11 @@ class BackwardFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(self._refusal)
+        if any(t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])):
+            raise NotImplementedError(
+                f"{self._fn.label}.bwds inside pydiff.jvp on values with tangents (forward over "
+                "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
+            )
         # Deferred kernels go first (a batch this joins is ordered by its own scope).
         self._fn.module.device.queue.flush_deferred()
         return backward_call(self._fn, args, kwargs)

@@ -11,13 +11,18 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+import numpy as np
 import slangpy as spy
 
-from .creation import empty
+from . import forward_trace
+
+from .creation import empty, tensor
 from .function import Function
 from .module import library
 from .ops_args import need_float, same_device
-from .ops_norm import softmax_rows, softmax_rows_bwd
+from .ops_elementwise import add, mul
+from .ops_linear import matmul
+from .ops_norm import softmax, softmax_rows, softmax_rows_bwd
 from .products import product
 from .tensor import Tensor
 
@@ -33,6 +38,12 @@ class _Attention(Function):
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
         return product("mm_nn", p, v, (q.shape[0], v.shape[1]))
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _):
+        scale = ctx.args[3]
+        f = lambda q, k, v: by_ops(q, k, v, False, scale)  # noqa: E731
+        return forward_trace.tangent_through(f, ctx.args[:3], (tq, tk, tv))
 
     @staticmethod
     def backward(ctx, g):
@@ -75,6 +86,12 @@ class _BatchedAttention(Function):
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, p)  # the probabilities: no recomputation in backward
         return _bmm(p, v3, False, False, 1.0, (n, t, e)).reshape(q.shape[:-1] + (e,))
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        causal, scale = ctx.args[3:]
+        f = lambda q, k, v: by_ops(q, k, v, causal, scale)  # noqa: E731
+        return forward_trace.tangent_through(f, ctx.args[:3], (tq, tk, tv))
 
     @staticmethod
     def backward(ctx, g):
@@ -142,3 +159,60 @@ def attention(
     if len(q.shape) == 2 and not causal:
         return _Attention.apply(q, k, v, float(scale))
     return _BatchedAttention.apply(q, k, v, causal, float(scale))
+
+
+#: The most score entries one block of heads of ``by_ops`` holds (the rest: more blocks).
+SCORES_BLOCK = 1 << 22
+
+
+class _Rows(Function):
+    """The rows of 2-D tensors one after another (NumPy's concatenate on axis 0)."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.rows = [p.shape[0] for p in parts]
+        out = np.concatenate([p.numpy() for p in parts])
+        return tensor(out, dtype=parts[0].dtype, device=parts[0].device)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        parts = ctx.args
+        return _Rows.apply(*[t if t is not None else p * 0.0 for p, t in zip(parts, tangents)])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(np.split(g.numpy().astype(np.float64), np.cumsum(ctx.rows)[:-1]))
+
+
+def _heads_by_ops(q2, k2, v2, n, t, s, causal, scale):
+    """n heads stacked as rows (n t, d), (n s, d), (n s, e): one (nT, nS) product whose
+    entries between different heads (and above the diagonal, causal) are -1e30."""
+    head_q, head_k = np.repeat(np.arange(n), t), np.repeat(np.arange(n), s)
+    masked = head_q[:, None] != head_k[None, :]
+    if causal:
+        masked |= np.tile(np.arange(s), n)[None, :] > np.tile(np.arange(t), n)[:, None]
+    scores = mul(matmul(q2, k2.T), scale)
+    if masked.any():
+        mask = tensor(np.where(masked, -1e30, 0.0).astype(np.float32), device=q2.device)
+        scores = add(scores, mask)
+    return matmul(softmax(scores), v2)
+
+
+def by_ops(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """Attention written with matmul, softmax and slicing (the forward-mode rule, run under a
+    trace so that a tape records it for hvp): heads in blocks of at most SCORES_BLOCK score
+    entries, each block one masked product, the blocks' rows joined."""
+    lead, (t, d), (s, e) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    n = math.prod(lead)
+    q2, k2, v2 = q.reshape((n * t, d)), k.reshape((n * s, d)), v.reshape((n * s, e))
+    per = max(1, int(math.isqrt(SCORES_BLOCK // (t * s))))  # heads per block
+    if per >= n:
+        out = _heads_by_ops(q2, k2, v2, n, t, s, causal, scale)
+    else:
+        blocks = []
+        for a in range(0, n, per):
+            b = min(a + per, n)
+            qa, ka, va = q2[a * t : b * t], k2[a * s : b * s], v2[a * s : b * s]
+            blocks.append(_heads_by_ops(qa, ka, va, b - a, t, s, causal, scale))
+        out = _Rows.apply(*blocks)
+    return out.reshape(lead + (t, e))

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .creation import empty, zeros
+from . import forward_trace
+from .creation import empty, tensor, zeros
 from .function import Function
 from .module import library
 from .ops_args import check_broadcast, need_float, same_device
@@ -24,7 +25,11 @@ def _elementwise(slang_name: str, name: str, params: tuple[str, ...] = ("x",)):
         need_float(name, **{p: a for p, a in zip(params, args)})
         check_broadcast(name, *args)
         lib = library(same_device(name, **{f"argument {k}": a for k, a in enumerate(args)}))
-        return getattr(lib, slang_name)(*args, _result="tensor")
+        fn = getattr(lib, slang_name)
+        if forward_trace.active() is None:
+            return fn(*args, _result="tensor")
+        rule = lambda ts, y: _JVP[name](*args, *ts, y)  # noqa: E731
+        return forward_trace.with_rule(lambda: fn(*args, _result="tensor"), rule, args)
 
     op.__name__ = name
     op.__doc__ = (
@@ -58,6 +63,10 @@ class _Relu(Function):
         return y
 
     @staticmethod
+    def jvp(ctx, t):
+        return mul(t, relu_mask(ctx.saved_tensors[0]))
+
+    @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         if not float4_ready(g):
@@ -85,3 +94,63 @@ def relu(x: Tensor) -> Tensor:
 gelu = _elementwise("op_gelu", "gelu")
 silu = _elementwise("op_silu", "silu")
 swiglu = _elementwise("op_swiglu", "swiglu", ("gate", "up"))
+
+
+# --- forward mode: the tangent of each op from its arguments' (None: zero), written with the
+# ops themselves so that under a tape it records and hvp differentiates it again.
+
+
+def add_tangents(a: Any, b: Any, y: Tensor) -> Any:
+    """a + b, either None (zero), broadcast to the result ``y``'s shape (forward-mode rules)."""
+    t = b if a is None else a if b is None else add(a, b)
+    if t is None or t.shape == y.shape:
+        return t
+    return add(t, zeros(y.shape, device=y.device))
+
+
+def relu_mask(x: Tensor) -> Tensor:
+    """1 where x > 0, else 0: relu's derivative as a constant tensor (forward-mode rules)."""
+    return tensor((x.numpy() > 0).astype(np.float32), device=x.device)
+
+
+def dsilu(x: Any) -> Tensor:
+    """silu'(x) by the ops."""
+    s = sigmoid(x)
+    return mul(s, add(1.0, mul(x, sub(1.0, s))))  # s (1 + x (1 - s))
+
+
+def dgelu(x: Any) -> Tensor:
+    """gelu'(x) (tanh form) by the ops."""
+    k = 2.0 * 0.7978845608028654  # gelu = x sigmoid(2u), 2u = k (x + 0.044715 x^3)
+    x2 = mul(x, x)
+    s = sigmoid(mul(mul(x, add(1.0, mul(x2, 0.044715))), k))
+    du = mul(add(1.0, mul(x2, 3 * 0.044715)), k)
+    return add(s, mul(mul(x, du), mul(s, sub(1.0, s))))
+
+
+def _times(t: Any, d: Any) -> Any:
+    return None if t is None else mul(t, d)
+
+
+_JVP = {
+    "add": lambda a, b, ta, tb, y: add_tangents(ta, tb, y),
+    "sub": lambda a, b, ta, tb, y: add_tangents(ta, None if tb is None else neg(tb), y),
+    "mul": lambda a, b, ta, tb, y: add_tangents(_times(ta, b), _times(tb, a), y),
+    "div": lambda a, b, ta, tb, y: add_tangents(
+        None if ta is None else div(ta, b), None if tb is None else neg(div(mul(tb, y), b)), y
+    ),
+    "neg": lambda x, t, y: neg(t),
+    "exp": lambda x, t, y: mul(t, y),
+    "log": lambda x, t, y: div(t, x),
+    "sqrt": lambda x, t, y: div(mul(t, 0.5), y),
+    "sin": lambda x, t, y: mul(t, cos(x)),
+    "cos": lambda x, t, y: neg(mul(t, sin(x))),
+    "tanh": lambda x, t, y: mul(t, sub(1.0, mul(y, y))),
+    "sigmoid": lambda x, t, y: mul(t, mul(y, sub(1.0, y))),
+    "relu": lambda x, t, y: mul(t, relu_mask(x)),
+    "gelu": lambda x, t, y: mul(t, dgelu(x)),
+    "silu": lambda x, t, y: mul(t, dsilu(x)),
+    "swiglu": lambda g, u, tg, tu, y: add_tangents(
+        _times(tg, mul(dsilu(g), u)), _times(tu, silu(g)), y
+    ),
+}

@@ -12,6 +12,7 @@ from typing import Any
 
 from .function import Function
 from .ops_args import need_2d, need_float, same_device
+from .ops_elementwise import add_tangents, mul, relu_mask
 from .ops_reduce import sum_mid
 from .products import blocking, fast_product, linear_backward_narrow, product, relu_masked
 from .tensor import Tensor, float4_ready
@@ -26,6 +27,12 @@ class _MatMul(Function):
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
         return product("mm_nn", a, b, (a.shape[0], b.shape[1]))
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors  # dA B + A dB
+        ab = None if ta is None else _MatMul.apply(ta, b)
+        return add_tangents(ab, None if tb is None else _MatMul.apply(a, tb), ctx.outputs[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -112,6 +119,17 @@ class _Linear(Function):
         ctx.save_for_backward(x, w, y if relu else None)
         ctx.has_bias = b is not None
         return y
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        """dx W^T + x dW^T + db, times relu's mask (y > 0) for activation="relu"."""
+        x, w, act, y = ctx.args[0], ctx.args[1], ctx.args[-1], ctx.outputs[0]
+        tx, tw, tb = tangents[0], tangents[1], tangents[2] if len(tangents) == 4 else None
+        t = add_tangents(
+            None if tx is None else linear(tx, w), None if tw is None else linear(x, tw), y
+        )
+        t = add_tangents(t, tb, y)
+        return t if act is None or t is None else mul(t, relu_mask(y))
 
     @staticmethod
     def backward(ctx, g):

@@ -17,6 +17,8 @@ from .device import Device
 from .function import Function
 from .module import library
 from .ops_args import check_axis, need_2d, need_float, rows_view, same_device
+from .ops_elementwise import add, add_tangents, div, dsilu, exp, mul, silu, sqrt, sub
+from .ops_reduce import mean, sum
 from .tensor import Tensor
 
 
@@ -75,6 +77,13 @@ class _Softmax(Function):
         return out
 
     @staticmethod
+    def jvp(ctx, tz, *_):
+        y, axis = ctx.outputs[0], ctx.axis
+        if ctx.log_space:  # dz - sum(softmax(z) dz)
+            return sub(tz, sum(mul(exp(y), tz), axis, True))
+        return mul(y, sub(tz, sum(mul(y, tz), axis, True)))  # y (dz - sum(y dz))
+
+    @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
         if ctx.axis == len(out.shape) - 1:
@@ -117,6 +126,13 @@ class _SiluAndMul(Function):
         return out
 
     @staticmethod
+    def jvp(ctx, t):
+        x = ctx.args[0]
+        h = x.shape[-1] // 2
+        gate, up = x[..., :h], x[..., h:]
+        return add(mul(t[..., :h], mul(dsilu(gate), up)), mul(t[..., h:], silu(gate)))
+
+    @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         x2 = rows_view("silu_and_mul", x)
@@ -147,6 +163,16 @@ class _RMSNorm(Function):
         lib.rms_norm_apply(spy.grid(x.shape), x.detach(), stats, weight.detach(), y)
         ctx.save_for_backward(x, weight, stats)  # statistics saved: no recomputation
         return y
+
+    @staticmethod
+    def jvp(ctx, tx, tw, _):
+        x, w, eps = ctx.args
+        r = div(1.0, sqrt(add(mean(mul(x, x), -1, True), eps)))  # 1 / rms per row
+        xr = mul(x, r)
+        dxr = None if tx is None else mul(r, sub(tx, mul(xr, mean(mul(xr, tx), -1, True))))
+        return add_tangents(
+            None if dxr is None else mul(dxr, w), None if tw is None else mul(xr, tw), x
+        )
 
     @staticmethod
     def backward(ctx, g):
@@ -193,6 +219,20 @@ class _LayerNorm(Function):
         ctx.affine = (weight is not None, bias is not None)
         ctx.save_for_backward(x, w, stats)  # row statistics saved: no recomputation
         return y
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, _):
+        x, w, b, eps = ctx.args
+        c = sub(x, mean(x, -1, True))
+        r = div(1.0, sqrt(add(mean(mul(c, c), -1, True), eps)))
+        xh = mul(c, r)  # (x - mean) / sqrt(var + eps)
+        dy = None
+        if tx is not None:
+            dc = sub(tx, mean(tx, -1, True))
+            dy = mul(r, sub(dc, mul(xh, mean(mul(xh, dc), -1, True))))
+            dy = dy if w is None else mul(dy, w)
+        dy = add_tangents(dy, None if tw is None else mul(xh, tw), x)
+        return add_tangents(dy, tb, x)
 
     @staticmethod
     def backward(ctx, g):

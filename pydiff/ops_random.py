@@ -61,6 +61,10 @@ class _Dropout(Function):
         return y
 
     @staticmethod
+    def jvp(ctx, t, *_):
+        return _Dropout.apply(t, *ctx.args[1:])  # the same (seed, index) mask and scale
+
+    @staticmethod
     def backward(ctx, g):
         x = ctx.inputs[0]
         g = _dense(g)

@@ -18,7 +18,7 @@ from .creation import empty, tensor
 from .function import Function
 from .module import library
 from .ops_args import need_2d, need_float, same_device
-from .ops_elementwise import mul, neg, sub
+from .ops_elementwise import div, exp, mul, neg, sub
 from .tensor import Tensor, float4_ready
 
 
@@ -73,6 +73,10 @@ class _Sum(Function):
             kept if keepdims else tuple(d for k, d in enumerate(kept) if k != int(axis) % len(kept))
         )
         return total.reshape(shape or (1,))  # pydiff has no 0-d results: a lone number is (1,)
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return _Sum.apply(t, *ctx.args[1:])
 
     @staticmethod
     def backward(ctx, g):
@@ -149,6 +153,12 @@ class _MseLoss(Function):
         return mean(mul(d, d))
 
     @staticmethod
+    def jvp(ctx, tp, tt):
+        p, t = ctx.saved_tensors
+        dt = tp if tt is None else neg(tt) if tp is None else sub(tp, tt)
+        return mean(mul(mul(sub(p, t), dt), 2.0))  # mean(2 (p - t) (dp - dt))
+
+    @staticmethod
     def backward(ctx, g):
         p, t = ctx.saved_tensors
         lib = library(p.device)
@@ -200,6 +210,16 @@ class _CrossEntropy(Function):
         lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
         ctx.save_for_backward(logits, labels, lse)
         return sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape((1,))
+
+    @staticmethod
+    def jvp(ctx, tz, _):
+        """mean over rows of sum((softmax(z) - onehot(label)) dz), softmax by the ops (hvp
+        differentiates it again); the row maxima subtracted first are constants."""
+        z, labels = ctx.args
+        (b, c), device = z.shape, z.device
+        e = exp(sub(z, tensor(z.numpy().max(axis=1, keepdims=True), device=device)))
+        onehot = tensor(np.eye(c, dtype=np.float32)[labels.numpy()], device=device)
+        return mul(sum(mul(sub(div(e, sum(e, axis=1, keepdims=True)), onehot), tz)), 1.0 / b)
 
     @staticmethod
     def backward(ctx, g):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import forward_trace
 from .backward_scope import backward_scope
 from .tensor import Tensor
 
@@ -173,6 +174,14 @@ class Tape:
                 "tape.backward: the output was not produced by any call recorded on this tape"
             )
         self._check_versions(entries)
+        trace = forward_trace.active()
+        reads = [t for e in entries for _, t, _ in e.reads] if trace is not None else []
+        if any(trace.tangent(t) is not None for t in reads):
+            raise NotImplementedError(
+                "tape.backward inside pydiff.jvp (forward over reverse, e.g. pydiff.grad in a "
+                "function given to jvp/jacfwd): the gradient would carry no tangent. For second "
+                "derivatives use pydiff.hvp or pydiff.hessian (reverse over forward)"
+            )
         if grad is None:
             if output.numel != 1:
                 raise ValueError(

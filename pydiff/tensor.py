@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import capturing, tensor_methods
+from . import capturing, forward_trace, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
@@ -371,15 +371,16 @@ class Tensor(GradBuffers, TensorOperators):
         for g, what in ((base.grad_in, "grad_in"), (base.grad_out, "grad_out")):
             if g is not None:
                 view_of(g, shape, what)  # refused now if it cannot be viewed
-        return Tensor(self._native.view(shape), self._device, storage=self.storage, base=base)
+        view = Tensor(self._native.view(shape), self._device, storage=self.storage, base=base)
+        return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
 
     def clone(self) -> "Tensor":
         """A copy of the values in new storage (no gradient buffers).
 
         >>> before = x.clone()
         """
-        native = allocate(self._device, self._native.shape, self._native.dtype)
-        return Tensor(native, self._device).copy_(self)
+        copy = Tensor(allocate(self._device, self._native.shape, self._native.dtype), self._device)
+        return forward_trace.derived(self, copy.copy_(self), lambda t: t.clone())  # its tangent
 
     def backward(self, grad: Any = None) -> None:
         """Backpropagate through the tape that recorded the call producing this tensor.

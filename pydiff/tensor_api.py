@@ -65,6 +65,10 @@ class _Take(Function):
         return make_tensor(values.reshape(where.shape + elem), dtype=x.dtype, device=x.device)
 
     @staticmethod
+    def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
+        return _Take.apply(t, ctx.where)
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         g = np.asarray(grad.numpy(), np.float64).reshape((-1,) + ctx.elem)
         full = np.zeros((ctx.numel,) + ctx.elem)
@@ -94,6 +98,10 @@ class _Transpose(Function):
         return make_tensor(np.ascontiguousarray(values), dtype=x.dtype, device=x.device)
 
     @staticmethod
+    def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
+        return _Transpose.apply(t, ctx.args[1])
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         return np.transpose(np.asarray(grad.numpy(), np.float64), ctx.inverse)
 
@@ -114,6 +122,10 @@ class _AsType(Function):
     def forward(ctx: Any, x: Tensor, name: str) -> Tensor:
         ctx.source = x.dtype
         return make_tensor(x.numpy(), dtype=name, device=x.device)
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
+        return _AsType.apply(t, ctx.args[1])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
@@ -139,6 +151,10 @@ class _Ones(Function):
     def forward(ctx: Any, x: Tensor) -> Tensor:
         ctx.shape = x.expected_numpy_shape()
         return ones(x.shape, dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor) -> None:
+        return None  # constant
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:

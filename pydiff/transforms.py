@@ -16,8 +16,10 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
+from . import forward_trace
 from .creation import tensor as make_tensor
-from .forward_mode import as_scalar, need_differentiable, wrapper_header
+from .forward_mode import as_scalar, dir_wrapper
+from .forward_program import program_hessian, program_hvp, program_jvp
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -38,13 +40,20 @@ def _shader_function(fn: Shader, what: str, args: Sequence[Any]) -> ShaderFuncti
     )
 
 
-def jvp(fn: Shader, primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+def jvp(
+    fn: Shader | Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
+) -> tuple[Any, Any]:
     """Jacobian-vector product: ``(f(primals), J tangents)`` in one forward-mode pass.
 
-    ``tangents`` lines up with ``primals`` (None for arguments held fixed). For a function
-    returning void, the outputs are the tensors it writes.
+    ``fn`` is a module function or a Python function of pydiff ops, operators, slicing and
+    shader calls (each op's ``jvp`` rule; tangents of several outputs as a tuple).
+    ``tangents`` lines up with ``primals`` (None for arguments held fixed). For a module
+    function returning void, the outputs are the tensors it writes.
     >>> y, dy = pydiff.jvp(m.f, (x, 2.0), (np.ones(x.shape), None))
+    >>> y, dy = pydiff.jvp(lambda x: (x * x).sum(), (x,), (np.ones(x.shape),))
     """
+    if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
+        return program_jvp(fn, primals, tangents)
     primals, tangents = tuple(primals), tuple(tangents)
     f = _shader_function(fn, "jvp", primals)
     if len(tangents) != len(primals):
@@ -85,8 +94,8 @@ def vjp(
         raise TypeError(f"vjp: fn must be a module function or a callable, not {type(fn).__name__}")
     inputs = []
     for x in primals:
-        if isinstance(x, Tensor) and x.differentiable:
-            x = x.detach().requires_grad_(True)
+        if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
+            x = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
         inputs.append(x)
     with Tape() as tape:
         out = call(*inputs)
@@ -107,48 +116,18 @@ def vjp(
     return out, grads
 
 
-def dir_wrapper(fn: ShaderFunction) -> ShaderFunction:
-    """``[Differentiable] float f__pydiff_dir(x, no_diff v, ...) = fwd_diff(f)(x; v).d``:
-    the directional derivative, whose reverse-mode gradient w.r.t. x is H v."""
-    need_differentiable(fn, "hvp")
-    if fn.signature.return_type not in ("float", "double", "half"):
-        raise TypeError(
-            f"hvp: {fn.label} returns {fn.signature.return_type}; hvp needs a scalar (float) result"
-        )
-    params, args = [], []
-    for p in fn.params:
-        n, t = p.name, p.type_name
-        if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
-            raise TypeError(
-                f"hvp: parameter '{n}' of {fn.label} is a {t}: a second derivative through "
-                "differentiable tensor loads crashes the bundled Slang compiler (segfault), so "
-                "pydiff refuses it. For hvp, declare read-only tensor inputs ITensor<float, N> and "
-                "read them with no_diff(t[i]), or pass them as no_diff arrays"
-            )
-        if p.differentiable and p.io != "in":
-            raise TypeError(f"hvp: parameter '{n}' of {fn.label} is {p.io}; hvp needs inputs only")
-        if p.differentiable:
-            params += [f"{t} {n}", f"no_diff {t} {n}__v"]
-            args.append(f"diffPair({n}, {n}__v)")
-        else:
-            params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
-            args.append(n)
-    ret = fn.signature.return_type
-    source = (
-        wrapper_header(fn)
-        + f"[Differentiable]\n{ret} {fn.name}__pydiff_dir({', '.join(params)})\n{{\n"
-        f"    return fwd_diff({fn.name})({', '.join(args)}).d;\n}}\n"
-    )
-    return fn.generated("dir", source)
+def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]) -> tuple:
+    """Hessian-vector product of a scalar-valued function: a Slang function (summed over a
+    vectorised call; one ``H v`` per differentiable argument, None for the others) or a
+    Python function of pydiff calls returning one element (reverse over forward: its
+    tangent recorded on a tape; one ``H v`` per primal given a direction, None for the rest).
 
-
-def hvp(fn: Shader, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
-    """Hessian-vector product of a scalar-valued Slang function (summed over a vectorised
-    call): one ``H v`` per differentiable argument (None for the others).
-
-    ``v`` lines up with ``primals``: a direction for each differentiable argument.
+    ``v`` lines up with ``primals``.
     >>> (hv,) = pydiff.hvp(m.energy, (x,), (np.ones(x.shape),))
+    >>> (hv,) = pydiff.hvp(lambda x: (x * x * x).sum(), (x,), (np.ones(x.shape),))
     """
+    if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
+        return program_hvp(fn, primals, v)
     primals, v = tuple(primals), tuple(v)
     f = _shader_function(fn, "hvp", primals)
     if len(v) != len(primals):
@@ -210,12 +189,19 @@ def hvp(fn: Shader, primals: Sequence[Any], v: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
-def hessian(fn: Shader, primals: Sequence[Any], max_inputs: int = 1024) -> np.ndarray:
-    """The Hessian of a scalar-valued Slang function (of the sum over a vectorised call)
-    w.r.t. all its differentiable arguments, flattened and concatenated: one HVP per input.
+def hessian(
+    fn: Shader | Callable[..., Any], primals: Sequence[Any], max_inputs: int = 1024
+) -> np.ndarray:
+    """The Hessian of a scalar-valued function, flattened and concatenated over its inputs:
+    one HVP per input. A Slang function (of the sum over a vectorised call): w.r.t. all its
+    differentiable arguments; a Python function: w.r.t. its float primals (tensors, float
+    arrays, floats; ints and int tensors held fixed).
 
     >>> H = pydiff.hessian(m.energy, (x,))        # (n, n) float64, n = x's element count
+    >>> H = pydiff.hessian(lambda x: (x * x * x).sum(), (x,))
     """
+    if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
+        return program_hessian(fn, primals, max_inputs)
     primals = tuple(primals)
     f = _shader_function(fn, "hessian", primals)
     shapes = []

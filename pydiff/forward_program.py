@@ -1,0 +1,273 @@
+"""Forward mode through Python functions of pydiff calls (``pydiff.jvp`` of a callable) and
+reverse over forward (``pydiff.hvp`` of one): the tangents every op and shader call gives.
+
+    y, dy = program_jvp(f, (x,), (u,))       # each op's jvp rule, shader calls by fwd_diff
+    (hv,) = program_hvp(f, (x,), (v,))       # f's tangent recorded on a tape, then backward
+
+Shader calls inside get their tangent from ``fn.fwds`` (Slang's ``fwd_diff``); under a tape
+recording for ``hvp``, from ``ShaderTangent``, whose backward runs the generated directional
+derivative's ``bwd_diff`` (d/dx) and the function's own ``bwds`` (d/du).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import forward_trace
+from .creation import tensor as make_tensor, zeros
+from .forward_mode import as_scalar, dir_wrapper
+from .function import Function, FunctionCtx
+from .policy import zero_policy
+from .tape import Tape, active_tape, suspend_recording
+from .tensor import Tensor
+
+
+def _fwds_tangent(fn: Any, args: Sequence[Any], names: list, tangents: Sequence[Any], y: Tensor):
+    """J u of one shader call by ``fn.fwds`` (not recorded), as a contiguous tensor of y's."""
+    values = [a if t is None else a.detach().with_tangent(t) for a, t in zip(args, tangents)]
+    n = len(values) - len(names)
+    _, dy = fn.fwds(*values[:n], **dict(zip(names, values[n:])))
+    arr = np.asarray(dy.numpy() if isinstance(dy, Tensor) else dy, np.float32)
+    return make_tensor(arr.reshape(y.expected_numpy_shape()), dtype=y.dtype, device=y.device)
+
+
+class ShaderTangent(Function):
+    """``t = J(x) u`` of a shader call as a recorded op (for ``hvp``): its backward gives the
+    arguments x the gradient of <g, J(x) u> by ``bwd_diff`` of the directional derivative
+    (``forward_mode.dir_wrapper``) and the tangents u the gradient J^T g by ``fn.bwds``.
+
+    >>> t = ShaderTangent.apply(fn, (y,), slots, *args, *tangents)   # slots: args with one
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, fn: Any, result: tuple, slots: tuple, *values: Any) -> Tensor:
+        (y,), n = result, len(slots)  # the call's result (not an input of this op)
+        given = iter(values[n:])
+        ctx.fn, ctx.y, ctx.call = fn, y, values[:n]
+        ctx.per_arg = [next(given) if s else None for s in slots]
+        return _fwds_tangent(fn, ctx.call, [], ctx.per_arg, y)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, g: Tensor) -> tuple:
+        fn, args, per_arg, y = ctx.fn, ctx.call, ctx.per_arg, ctx.y
+        d = dir_wrapper(fn)  # refuses what the compiler cannot differentiate twice
+        call, leaves, plain = [], [], []
+        for p, a, u in zip(fn.params, args, per_arg):
+            tensor = isinstance(a, Tensor)
+            leaves.append(a.detach().requires_grad_(True) if tensor else a)
+            plain.append(a.detach().requires_grad_(True) if tensor else a)
+            call.append(leaves[-1])
+            if p.differentiable:
+                zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
+                call.append(u.detach() if u is not None else zero)
+        with suspend_recording(), zero_policy("accumulate"):
+            seed = y.detach().clone().with_grads(grad_in=g.clone())
+            d.bwds(*call, _result=seed)  # d<g, J(x) u>/dx
+            seed = y.detach().clone().with_grads(grad_in=g.clone())
+            fn.bwds(*plain, _result=seed)  # d<g, J u>/du = J^T g
+        gx = [x.grad for x in leaves if isinstance(x, Tensor)]
+        gu = [x.grad for x, u in zip(plain, per_arg) if u is not None]
+        return tuple(gx) + tuple(gu)
+
+
+def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """A shader call under ``pydiff.jvp``'s trace: the result, with its tangent stored."""
+    trace = forward_trace.active()
+    names = [k for k in kwargs if not k.startswith("_")]
+    values = list(args) + [kwargs[k] for k in names]
+    tangents = forward_trace.tangents_of(values)
+    with forward_trace.suspended():
+        if all(t is None for t in tangents):
+            return fn(*args, **kwargs)
+        for p in fn.params:
+            if p.writes_value:
+                raise NotImplementedError(
+                    f"{fn.label} writes its parameter '{p.name}': forward mode of a Python "
+                    "function (pydiff.jvp, jacfwd, hvp, hessian) follows returned results only; "
+                    "return the value, or use pydiff.jvp / fn.fwds on the shader function itself"
+                )
+        y = fn(*args, **kwargs)
+        if not isinstance(y, Tensor):
+            raise TypeError(
+                f"{fn.label} returned a {type(y).__name__} inside pydiff.jvp: call it with "
+                "_result='tensor' so that its result can carry a tangent"
+            )
+        recorded = [a for a in values + list(tangents) if isinstance(a, Tensor)]
+        if active_tape() is None or not any(a.requires_grad for a in recorded):
+            trace.set(y, _fwds_tangent(fn, values, names, tangents, y))
+            return y
+        if names:
+            raise NotImplementedError(
+                f"{fn.label}: inside hvp/hessian (reverse over forward through a shader call) "
+                f"pass its arguments by position, not as {names}"
+            )
+        slots = tuple(t is not None for t in tangents)
+        given = [t for t in tangents if t is not None]
+        trace.set(y, ShaderTangent.apply(fn, (y,), slots, *args, *given))
+        return y
+
+
+forward_trace.provide_shader_call(_shader_call)
+
+
+# --- pydiff.jvp / pydiff.hvp of a Python function ------------------------------------------
+
+
+def float_primal(value: Any, what: str, k: int) -> Tensor:
+    """A primal given a direction, as a float tensor (host numbers and arrays uploaded)."""
+    if isinstance(value, Tensor):
+        if value.scalar_type not in ("float", "half"):
+            raise TypeError(f"{what}: primal {k} has dtype {value.dtype!r}; it needs a float dtype")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
+        kind = type(value)
+        raise TypeError(
+            f"{what}: primal {k} is a {kind.__module__}.{kind.__name__}; give directions for "
+            "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
+            "(None for the other arguments)"
+        )
+    return make_tensor(np.asarray(value, np.float32).reshape(np.shape(value) or (1,)))
+
+
+def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
+    """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
+    want = x.expected_numpy_shape()
+    arr = u.numpy() if isinstance(u, Tensor) else np.asarray(u, dtype=np.float64)
+    if arr.shape != want and not (arr.size == 1 and int(np.prod(want)) == 1):
+        raise ValueError(f"{what}: {name}[{k}] has shape {arr.shape}; primal {k} has shape {want}")
+    return make_tensor(arr.reshape(want).astype(np.float32), dtype=x.dtype, device=x.device)
+
+
+def prepare(
+    what: str, primals: Sequence[Any], directions: Sequence[Any], name: str
+) -> tuple[list, list]:
+    """Primals (those with a direction as float tensors) and their directions as tensors."""
+    primals, directions = tuple(primals), tuple(directions)
+    if any(t is not None for t in forward_trace.tangents_of(primals)):
+        raise NotImplementedError(
+            f"{what} inside a function given to pydiff.jvp/jacfwd, on values with tangents "
+            "(nested forward mode): the outer tangent would be lost; pydiff has no third order"
+        )
+    if len(directions) != len(primals):
+        raise ValueError(
+            f"{what}: {len(primals)} primals but {len(directions)} {name} (one per primal, "
+            "None for arguments held fixed)"
+        )
+    xs, us = [], []
+    for k, (x, u) in enumerate(zip(primals, directions)):
+        if u is None:
+            xs.append(x)
+            us.append(None)
+            continue
+        x = float_primal(x, what, k)
+        xs.append(x)
+        us.append(_direction(x, u, what, name, k))
+    return xs, us
+
+
+def traced(fn: Callable[..., Any], xs: Sequence[Any], us: Sequence[Any], what: str) -> tuple:
+    """``(fn(*xs), its tangents)`` under a trace where xs have tangents us; an output without
+    one gets zeros (it does not depend on them)."""
+    if not callable(fn):
+        raise TypeError(f"{what}: fn must be a module function or a callable, not {type(fn)}")
+    trace = forward_trace.Trace()
+    for x, u in zip(xs, us):
+        trace.set(x, u)
+    with forward_trace.tracing(trace):
+        out = fn(*xs)
+    outs = out if isinstance(out, tuple) else (out,)
+    tangents = []
+    for k, o in enumerate(outs):
+        if not isinstance(o, Tensor):
+            raise TypeError(
+                f"{what}: fn returned a {type(o).__name__} (output {k}); it must return pydiff "
+                "Tensors (a tuple for several)"
+            )
+        t = trace.tangent(o)
+        tangents.append(t if t is not None else zeros(o.shape, dtype=o.dtype, device=o.device))
+    return out, (tuple(tangents) if isinstance(out, tuple) else tangents[0])
+
+
+def program_jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> tuple:
+    """``(fn(*primals), J tangents)`` for a Python function of pydiff calls (see pydiff.jvp)."""
+    xs, us = prepare("jvp", primals, tangents, "tangents")
+    return traced(fn, xs, us, "jvp")
+
+
+def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]) -> tuple:
+    """One ``H v`` per primal given a direction (None for the others) of a Python function
+    with a one-element result: the tangent <grad f, v> recorded on a tape, then its backward."""
+    xs, us = prepare("hvp", primals, v, "directions")
+    leaves = [x.detach().requires_grad_(True) if u is not None else x for x, u in zip(xs, us)]
+    with Tape() as tape:
+        out, t = traced(fn, leaves, us, "hvp")
+    if not isinstance(out, Tensor) or out.numel != 1:
+        got = out.shape if isinstance(out, Tensor) else f"a tuple of {len(out)}"
+        raise ValueError(
+            f"hvp: fn must return a one-element tensor (a scalar: reduce with ops.sum or "
+            f"ops.mean), got {got}"
+        )
+    if t.producer is tape and t.requires_grad:
+        tape.backward(t)
+    result = []
+    for given, leaf, u in zip(primals, leaves, us):
+        if u is None:
+            result.append(None)
+        elif isinstance(given, Tensor):
+            result.append(leaf.grad)
+        else:
+            result.append(as_scalar(leaf.grad.numpy().reshape(np.shape(given))))
+    return tuple(result)
+
+
+def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
+    """(index, shape) of the primals a Hessian differentiates: float tensors, float arrays
+    and lists, Python floats (ints, int tensors and other values are held fixed)."""
+    found = []
+    for k, x in enumerate(primals):
+        if isinstance(x, Tensor):
+            if x.scalar_type in ("float", "half"):
+                found.append((k, x.expected_numpy_shape()))
+        elif isinstance(x, float) or (
+            isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
+        ):
+            found.append((k, np.shape(x)))
+    return found
+
+
+def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: int) -> np.ndarray:
+    """The (n, n) Hessian of a scalar Python function w.r.t. its float primals, flattened and
+    concatenated: one ``program_hvp`` per input (see pydiff.hessian)."""
+    primals = tuple(primals)
+    found = variables(primals)
+    sizes = [int(np.prod(s)) for _, s in found]
+    n = sum(sizes)
+    if n == 0:
+        raise ValueError(
+            "hessian: no float primal to differentiate (pydiff tensors, float arrays, floats)"
+        )
+    if n > max_inputs:
+        raise ValueError(
+            f"hessian: {n} inputs need {n} HVPs; above max_inputs={max_inputs}, use pydiff.hvp"
+        )
+    H = np.zeros((n, n))
+    for col in range(n):
+        e = np.zeros(n)
+        e[col] = 1.0
+        dirs: list[Any] = [None] * len(primals)
+        at = 0
+        for (k, shape), size in zip(found, sizes):
+            dirs[k] = e[at : at + size].reshape(shape)
+            at += size
+        hv = program_hvp(fn, primals, dirs)
+        H[:, col] = np.concatenate(
+            [
+                np.asarray(h.numpy() if isinstance(h, Tensor) else h, np.float64).ravel()
+                for h in hv
+                if h is not None
+            ]
+        )
+    return H
