@@ -101,7 +101,7 @@ class _Backward:
         reruns the forward, which writes into written parameters: into ``t`` that would change
         the caller's values behind the version counters (a second backward over a recording
         would then read the wrong values). ``keep``: the call also reads them (a copy)."""
-        primal = t.clone().native if keep else primal_sink(self.device, t)
+        primal = t.copy_values().native if keep else primal_sink(self.device, t)
         return primal.with_grads(grad_in=bound.grad_in, grad_out=bound.grad_out, zero=False)
 
     def _separate(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
@@ -125,7 +125,7 @@ class _Backward:
         if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
             warn_no_gradient(self.fn, p, t)
             if p.writes_value:  # the backward reruns the forward: not into the caller's values
-                return t.clone().native if p.reads_value else primal_sink(self.device, t)
+                return t.copy_values().native if p.reads_value else primal_sink(self.device, t)
             return t.native
         if p.tensor_kind == "diff" and not t.requires_grad:
             raise ValueError(
@@ -170,7 +170,9 @@ class _Backward:
         check_device(self.fn, value, f"parameter '{p.name}'")
         if not value.differentiable or field in p.no_grad_fields:
             if p.writes_value:
-                return value.clone().native if p.reads_value else primal_sink(self.device, value)
+                if p.reads_value:
+                    return value.copy_values().native
+                return primal_sink(self.device, value)
             return value.native
         if p.writes_value:
             if p.reads_value or not value.requires_grad:

@@ -202,7 +202,7 @@ def _snapshot_read_values(
     def copy(t: Tensor) -> Tensor:
         key = (id(t.storage), t.shape)
         if key not in copies:
-            copies[key] = t.clone()
+            copies[key] = t.copy_values()
         return copies[key]
 
     out: dict[int, Any] = {}

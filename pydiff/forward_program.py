@@ -64,9 +64,9 @@ class ShaderTangent(Function):
                 zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
                 call.append(u.detach() if u is not None else zero)
         with suspend_recording(), zero_policy("accumulate"):
-            seed = y.detach().clone().with_grads(grad_in=g.clone())
+            seed = y.detach().copy_values().with_grads(grad_in=g.copy_values())
             d.bwds(*call, _result=seed)  # d<g, J(x) u>/dx
-            seed = y.detach().clone().with_grads(grad_in=g.clone())
+            seed = y.detach().copy_values().with_grads(grad_in=g.copy_values())
             fn.bwds(*plain, _result=seed)  # d<g, J u>/du = J^T g
         gx = [x.grad for x in leaves if isinstance(x, Tensor)]
         gu = [x.grad for x, u in zip(plain, per_arg) if u is not None]

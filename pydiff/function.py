@@ -221,7 +221,7 @@ def _passed_through(cls: type, tape: Any, result: Any, inputs: list) -> Any:
     for o in result if many else (result,):
         if isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
             with suspend_recording():
-                copy = o.clone()
+                copy = o.copy_values()
             copy.storage.wrote(f"{cls.__name__}.forward")
             copy.requires_grad_(True)
             forward_trace.derived(o, copy, lambda t: t)  # the input's tangent (pydiff.jvp)
@@ -264,7 +264,7 @@ def _own_outputs(cls: type, items: tuple, inputs: list, device: Any) -> tuple[Te
     for k, o in enumerate(items):
         t = _as_tensor(o, device, cls, "forward", k)
         if id(t.storage) in taken:
-            t = t.clone()
+            t = t.copy_values()
         taken.add(id(t.storage))
         outputs.append(t)
     return tuple(outputs)

@@ -63,7 +63,7 @@ def _heads(t: Tensor) -> Tensor:
     try:
         return t.reshape(shape)
     except ValueError:  # not contiguous
-        return t.clone().reshape(shape)
+        return t.copy_values().reshape(shape)
 
 
 def _bmm(a: Tensor, b: Tensor, ta: bool, tb: bool, alpha: float, shape: tuple) -> Tensor:

@@ -47,7 +47,7 @@ def _dispatch(entry: str, count_of: Tensor, uniforms: dict, **buffers: Tensor) -
 
 def _dense(t: Tensor) -> Tensor:
     """``t`` itself where the float4 kernels can read it, else a contiguous copy."""
-    return t if float4_ready(t) else t.detach().clone()
+    return t if float4_ready(t) else t.detach().copy_values()
 
 
 class _Dropout(Function):

@@ -374,13 +374,13 @@ class Tensor(GradBuffers, TensorOperators):
         view = Tensor(self._native.view(shape), self._device, storage=self.storage, base=base)
         return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
 
-    def clone(self) -> "Tensor":
-        """A copy of the values in new storage (no gradient buffers).
+    def copy_values(self) -> "Tensor":
+        """A copy of the values in new storage, never recorded: no gradient path (``clone``).
 
-        >>> before = x.clone()
+        >>> before = x.copy_values()
         """
         copy = Tensor(allocate(self._device, self._native.shape, self._native.dtype), self._device)
-        return forward_trace.derived(self, copy.copy_(self), lambda t: t.clone())  # its tangent
+        return forward_trace.derived(self, copy.copy_(self), lambda t: t.copy_values())
 
     def backward(self, grad: Any = None) -> None:
         """Backpropagate through the tape that recorded the call producing this tensor.

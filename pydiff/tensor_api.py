@@ -22,6 +22,7 @@ from . import capturing, ops, tensor_methods
 from .creation import ones, tensor as make_tensor
 from .function import Function
 from .storage import dtype_name, element_shape
+from .tape import active_tape
 from .tensor import Tensor
 
 _FLOATS = ("float", "half")
@@ -237,6 +238,29 @@ def _reduction(op: Any) -> Any:
     return run
 
 
+class _Clone(Function):
+    """``x.clone()`` on a tape: a copy whose gradient is the copy's (identity)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.copy_values()
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor) -> Tensor:
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def clone(x: Tensor) -> Tensor:
+    """``x.clone()``: recorded where a tape records and ``x`` requires grad."""
+    if x.requires_grad and active_tape() is not None:
+        return _Clone.apply(x)
+    return x.copy_values()
+
+
 def values_text(x: Tensor) -> str:
     """The values for ``repr`` (NumPy's summary of large arrays)."""
     if capturing.recording() is not None:
@@ -252,6 +276,7 @@ def values_text(x: Tensor) -> str:
 
 for _name, _implementation in {
     "getitem": getitem,
+    "clone": clone,
     "transpose": transpose,
     "astype": astype,
     "pow": power,

@@ -153,6 +153,15 @@ class TensorOperators:
     def relu(self) -> Any:
         return tensor_methods.call("relu", self)
 
+    def clone(self) -> Any:
+        """A copy in new storage. On an active tape, a tensor that requires grad is copied by
+        a recorded op, so gradients reach it through the copy (as ``torch.clone``);
+        ``copy_values`` never records.
+
+        >>> y = x.clone()
+        """
+        return tensor_methods.call("clone", self)
+
     def transpose(self, *axes: int) -> Any:
         """The axes reversed (or permuted as ``axes``), a copy recorded on the tape."""
         return tensor_methods.call("transpose", self, axes)
