@@ -111,6 +111,10 @@ class TensorOperators:
             raise TypeError("len() of a 0-d tensor (shape ()), as NumPy")
         return self.shape[0]  # type: ignore[attr-defined]
 
+    def __iter__(self) -> Any:
+        n = len(self)  # TypeError for a 0-d tensor, as NumPy
+        return (self[i] for i in range(n))
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.numpy()  # type: ignore[attr-defined]
         return arr if dtype is None else arr.astype(dtype)

@@ -55,6 +55,8 @@ def test_making_a_0d_tensor_gives_shape_empty_as_numpy(device, make):
     assert repr(x).startswith("pydiff.Tensor(3., shape=()")
     with pytest.raises(TypeError, match="0-d"):
         len(x)
+    with pytest.raises(TypeError, match="0-d"):
+        iter(x)
 
 
 def test_zeros_empty_and_rand_of_shape_empty(device):
@@ -228,6 +230,61 @@ def test_elementwise_methods_of_0d_against_torch(device):
     assert y.shape == ()
     np.testing.assert_allclose(y.numpy(), want.item(), rtol=RTOL)
     np.testing.assert_allclose(g, tx.grad.item(), rtol=1e-4)
+
+
+UNARY = {
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "silu": torch.nn.functional.silu,
+    "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+}
+
+
+@pytest.mark.parametrize("name", list(UNARY))
+@pytest.mark.parametrize("value", [-0.6, 0.8])
+def test_unary_ops_of_0d_against_torch(device, name, value):
+    if name in ("log", "sqrt") and value < 0:
+        value = -value
+    x, tx = _leaf(value, device), _torch_leaf(value)
+    y, (g,) = _backward(getattr(ops, name), x)
+    want = UNARY[name](tx)
+    want.backward()
+    assert y.shape == tuple(want.shape) == ()
+    np.testing.assert_allclose(y.numpy(), want.item(), rtol=RTOL, atol=1e-7)
+    np.testing.assert_allclose(g, tx.grad.item(), rtol=1e-4, atol=1e-7)
+
+
+def test_host_functions_of_0d(device):
+    x = _leaf(-0.5, device)
+    for y in (x.T, x.transpose(), x[()], x[...], x.clone(), x.astype("half"), x**3):
+        assert y.shape == ()
+    _, (g,) = _backward(lambda t: t.astype("half").astype("float") * t[...] + t.T, x)
+    np.testing.assert_allclose(g, 2 * -0.5 + 1.0, rtol=1e-3)
+    assert (pydiff.tensor(3, device=device) * 0.5).shape == ()  # an int 0-d operand
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        ops.softmax(x)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_optimizers_step_a_0d_parameter(device, name):
+    p = _leaf(1.0, device)
+    opt = getattr(pydiff.optim, name)([p], lr=0.1)
+    with pydiff.Tape() as tape:
+        loss = p * p
+    tape.backward(loss)
+    opt.step()
+    # gradient 2: SGD moves by lr * 2; Adam's first step by lr (its update is g/|g|);
+    # AdamW also decays p by lr * weight_decay (0.01 by default, as torch)
+    tp = _torch_leaf(1.0)
+    topt = getattr(torch.optim, name)([tp], lr=0.1)
+    (tp * tp).backward()
+    topt.step()
+    assert p.shape == ()
+    np.testing.assert_allclose(p.numpy(), tp.item(), rtol=1e-6)
 
 
 # --- shader calls given 0-d tensors -----------------------------------------------------------
