@@ -440,3 +440,25 @@ def test_fixed_point_of_a_number_is_0d_with_the_implicit_gradient(device):
     xs = np.float64(x.item())  # x = b cos x: dx/db = cos x / (1 + b sin x), closed form
     np.testing.assert_allclose(xs, np.cos(xs), rtol=1e-5)
     np.testing.assert_allclose(b.grad.numpy(), np.cos(xs) / (1 + np.sin(xs)), rtol=1e-4)
+
+
+def test_torch_function_with_a_0d_torch_input_broadcast(device):
+    m = _polynomial(device)
+    f = pydiff.torch_function(lambda a, x: m.polynomial(a, 8.0, -1.0, x))
+    ta = torch.tensor(2.0, requires_grad=True)
+    tx = torch.tensor([0.5, 1.5, -2.0])
+    y = f(ta, tx)
+    assert y.shape == (3,)
+    y.sum().backward()
+    assert ta.grad.shape == ()  # the broadcast 0-d input's gradient: the sum of x**2
+    np.testing.assert_allclose(ta.grad.item(), 0.25 + 2.25 + 4.0, rtol=RTOL)
+
+
+def test_hvp_of_a_0d_tensor_against_the_closed_form(device):
+    m = _polynomial(device)
+    x = pydiff.tensor(1.5, device=device)
+    # f = a x^2 + b x + c: the Hessian times e_x is (2x, 1, 0, 2a)
+    hv = pydiff.hvp(m.polynomial, (2.0, 8.0, -1.0, x), (0.0, 0.0, 0.0, 1.0))
+    got = [float(np.asarray(v if not isinstance(v, pydiff.Tensor) else v.numpy())) for v in hv]
+    np.testing.assert_allclose(got, [3.0, 1.0, 0.0, 4.0], rtol=RTOL)
+    assert isinstance(hv[3], pydiff.Tensor) and hv[3].shape == ()
