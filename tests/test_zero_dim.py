@@ -462,3 +462,38 @@ def test_hvp_of_a_0d_tensor_against_the_closed_form(device):
     got = [float(np.asarray(v if not isinstance(v, pydiff.Tensor) else v.numpy())) for v in hv]
     np.testing.assert_allclose(got, [3.0, 1.0, 0.0, 4.0], rtol=RTOL)
     assert isinstance(hv[3], pydiff.Tensor) and hv[3].shape == ()
+
+
+def test_bwds_seeds_policies_and_determinism_with_0d_tensors(device):
+    m = _polynomial(device)
+    x = _leaf(1.5, device)
+    m.polynomial.bwds(2.0, 8.0, -1.0, x, _result=1.0)  # a number as the seed
+    assert x.grad.shape == () and x.grad.item() == pytest.approx(2 * 2.0 * 1.5 + 8.0)
+    xs = pydiff.tensor([0.5, 1.5, -2.0], device=device)
+    want = 0.25 + 2.25 + 4.0  # d/da of sum(a x^2 + 8x - 1)
+    a = _leaf(2.0, device)
+    with pydiff.deterministic():
+        m.polynomial.bwds(a, 8.0, -1.0, xs, _result=1.0)
+    assert a.grad.shape == () and a.grad.item() == pytest.approx(want, rel=RTOL)
+    for policy in ("reset", "strict"):
+        pydiff.set_zero_policy(policy)
+        a = _leaf(2.0, device)
+        _, (g,) = _backward(lambda a_: m.polynomial(a_, 8.0, -1.0, xs).sum(), a)
+        assert g.shape == () and g == pytest.approx(want, rel=RTOL)
+
+
+def test_an_inout_0d_tensor_on_a_tape(device):
+    mm = pydiff.load_module_from_source(
+        "zero_dim_inout",
+        "[Differentiable] void scale(inout float v, float k) { v = v * k; }",
+        device=device,
+    )
+    w, k = _leaf(3.0, device), _leaf(2.0, device)
+    with pydiff.Tape() as tape:
+        mm.scale(w, k)
+        loss = w * 1.0
+    assert w.shape == () and w.item() == 6.0
+    tape.backward(loss)
+    # loss = w0 k: d/dw0 = k, d/dk = w0 (the value before the call)
+    assert w.grad.shape == () and k.grad.shape == ()
+    np.testing.assert_allclose([w.grad.item(), k.grad.item()], [2.0, 3.0], rtol=RTOL)
