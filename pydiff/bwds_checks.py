@@ -118,7 +118,7 @@ def with_values_of(t: Tensor, before: Tensor) -> Tensor:
     """``t``'s gradient buffers (and policy) on the values of ``before``, a copy taken before
     an in-place call: what that call's backward reads."""
     return Tensor(
-        before.native,
+        before.native_view(),
         t.device,
         t.grad_in,
         t.grad_out,

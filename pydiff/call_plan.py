@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
 from . import generated
 from .arguments import MISSING, PLAIN, resolve_error
+from .call_shape import zero_d_call
 from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
 from .determinism import is_deterministic
@@ -115,6 +117,7 @@ class ForwardPlan:
         "numbers",
         "numel",
         "result_tensor",
+        "zero_d",
     )
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -126,6 +129,7 @@ class ForwardPlan:
         # generated.call_forward decides by the first tensor's size (in the layout)
         self.numel = bound[self.tensors[0]][1].numel if self.tensors else 0
         self.result_tensor = type(result) is Tensor
+        self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
 
     @staticmethod
     def make(
@@ -184,7 +188,11 @@ class ForwardPlan:
             st.wrote(label)
         if self.result_tensor:
             return result
-        return Tensor(out, dev) if isinstance(out, spy.Tensor) else out
+        if isinstance(out, spy.Tensor):
+            return Tensor(out.view(()) if self.zero_d else out, dev)
+        if self.zero_d and type(out) is np.ndarray and out is not result:  # (1,) + element
+            return out.reshape(out.shape[1:])
+        return out
 
 
 class BackwardPlan:

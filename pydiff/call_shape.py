@@ -266,3 +266,32 @@ def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
 def _scalar_of(type_name: str) -> str | None:
     found = type_elements(type_name)
     return found[0] if found is not None else None
+
+
+def zero_d_call(bound: list) -> bool:
+    """Every tensor argument is 0-d (one at least) and no array gives the call a dimension:
+    SlangPy, given their (1,) views, returns a (1,) result, which is 0-d (as in NumPy).
+
+    >>> if zero_d_call(bound): out = out.reshape(())
+    """
+    seen = False
+    for p, value in bound:
+        if type(value) is Tensor:
+            if value.shape:
+                return False
+            seen = True
+        elif type(value) is np.ndarray:
+            if argument_shape(p.type_name, value) != ():
+                return False
+        elif not (type(value) in (float, int, bool) or value is None or type(value) is list):
+            return False  # structs and SlangPy's values: left as SlangPy shapes them
+    return seen
+
+
+def as_zero_d(out: Any) -> Any:
+    """A (1,) result of a call whose tensors are all 0-d (``zero_d_call``), as a 0-d tensor."""
+    if type(out) is Tensor and out.shape == (1,) and out.base is None and not out.requires_grad:
+        return Tensor(out.native.view(()), out.device, storage=out.storage)
+    if type(out) is np.ndarray and out.shape[:1] == (1,):  # _result='numpy': (1,) + element
+        return out.reshape(out.shape[1:])
+    return out

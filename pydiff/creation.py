@@ -30,6 +30,7 @@ def tensor(
 
     >>> x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
     >>> p = pydiff.tensor(np.zeros((8, 3)), dtype="float3")    # shape (8,)
+    >>> s = pydiff.tensor(3.0)                                   # shape (), as np.asarray
     """
     dev = resolve_device(device)
     arr = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
@@ -47,9 +48,7 @@ def tensor(
             f"data of shape {arr.shape} cannot hold elements of dtype {name!r}: its last "
             f"dimension(s) must be {elem}"
         )
-    shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape
-    if shape == ():
-        shape = (1,)
+    shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape  # () for a scalar: 0-d
     out = empty(shape, dtype=name, device=dev)
     out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
     if requires_grad:

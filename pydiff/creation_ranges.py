@@ -21,8 +21,10 @@ from .tensor import Tensor
 
 
 def _shape(shape: tuple, what: str) -> tuple[int, ...]:
-    """``rand(2, 3)`` and ``rand((2, 3))`` alike; every size a non-negative int."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+    """``rand(2, 3)`` and ``rand((2, 3))`` alike; every size a non-negative int; ``rand(())``
+    is 0-d (one element), ``rand()`` refused."""
+    given = len(shape) == 1 and isinstance(shape[0], (tuple, list))
+    if given:
         shape = tuple(shape[0])
     for n in shape:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -30,8 +32,8 @@ def _shape(shape: tuple, what: str) -> tuple[int, ...]:
                 f"{what}: sizes must be positive ints (a pydiff tensor has one element at "
                 f"least), got {shape}"
             )
-    if not shape:
-        raise ValueError(f"{what}: give a shape, e.g. {what}(3) or {what}(2, 3)")
+    if not shape and not given:
+        raise ValueError(f"{what}: give a shape, e.g. {what}(3), {what}(2, 3) or {what}(())")
     return tuple(int(n) for n in shape)
 
 
@@ -98,7 +100,7 @@ def full(
     >>> pydiff.full((2, 3), 0.5)
     """
     shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
-    values = np.full(_shape(shape, "full"), fill_value, dtype=np.float64)
+    values = np.full(_shape((shape,), "full"), fill_value, dtype=np.float64)
     return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
 
 

@@ -25,6 +25,7 @@ from .arguments import (
     resolve_error,
     scalar_numpy_result,
 )
+from .call_shape import as_zero_d, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
 from .bwds_checks import refuse_written_struct, with_values_of
@@ -104,6 +105,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         except Exception as exc:
             raise resolve_error(fn, exc) from None
     out = out.reshape(()) if zero_d else out
+    if out is not result and type(out) in (Tensor, np.ndarray) and zero_d_call(bound):
+        out = as_zero_d(out)  # the (1,) views of 0-d tensors gave a (1,) result: NumPy's ()
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)

@@ -143,7 +143,8 @@ def _zero_like(value: Any) -> Any:
 
 def _tangent_tensor(t: Tensor) -> Tensor:
     if t.tangent is None:
-        zero = Tensor(spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype), t.device)
+        zero = spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype)
+        zero = Tensor(zero if t.shape else zero.view(()), t.device)
         t.with_tangent(zero)
     return t.tangent
 
@@ -168,11 +169,10 @@ def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any
         return primal, tangent
     if isinstance(value, Tensor):
         check_device(fn, value, f"parameter '{p.name}'")
-        return value, (
-            value.tangent
-            if value.tangent is not None
-            else Tensor(scratch(fn.module.device, value, "zeros"), value.device)
-        )
+        if value.tangent is not None:
+            return value, value.tangent
+        zeros = scratch(fn.module.device, value, "zeros")  # (1,) for a 0-d value: viewed as ()
+        return value, Tensor(zeros if value.shape else zeros.view(()), value.device)
     return value, _zero_like(value)
 
 
@@ -182,8 +182,8 @@ def _split_pair(
     """Views of a tensor of R[2] elements as two tensors of R: primal and tangent."""
     native = result.native
     rtype = wrapper.module.native.layout.find_type_by_name(type_name)
-    strides = [2 * s for s in native.strides]
-    shape = list(native.shape)
+    shape = list(result.shape)  # [] for a 0-d result
+    strides = [2 * s for s in native.strides][: len(shape)]
     primal = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset)
     tangent = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset + 1)
     return Tensor(primal, result.device), Tensor(tangent, result.device)

@@ -83,8 +83,8 @@ class GradBuffers:
         gi, go = base.grad_in, base.grad_out
         if gi is self._viewed[0] and go is self._viewed[1]:
             return
-        self._grad_in = None if gi is None else view_of(gi, self._native.shape, "grad_in")
-        self._grad_out = self._grad_in if go is gi else view_of(go, self._native.shape, "grad_out")
+        self._grad_in = None if gi is None else view_of(gi, self._shape, "grad_in")
+        self._grad_out = self._grad_in if go is gi else view_of(go, self._shape, "grad_out")
         self._viewed = (gi, go)
         self._bound = None
 
@@ -107,11 +107,7 @@ class GradBuffers:
 
     def new_grad_buffer(self, zero: bool = True) -> "Self":
         """A new tensor shaped for this tensor's gradient (zeroed unless ``zero=False``)."""
-        if not self._shape:  # a 0-d result (a scalar-returning call): a (1,) buffer, viewed
-            native = allocate(self._device, (1,), self.grad_dtype, zero).view(self._native.shape)
-        else:
-            native = allocate(self._device, self._native.shape, self.grad_dtype, zero)
-        return type(self)(native, self._device)
+        return type(self)(allocate(self._device, self._shape, self.grad_dtype, zero), self._device)
 
     def check_grad(self, grad: Any, name: str) -> "Self":
         if not isinstance(grad, GradBuffers):
@@ -163,7 +159,7 @@ class GradBuffers:
             grad_in = grad_in if grad_in is not None else self.new_grad_buffer(zero)
             grad_out = grad_out if grad_out is not None else self.new_grad_buffer(zero)
         return type(self)(
-            self._native,
+            self._native if self._shape else self._native.view(()),
             self._device,
             grad_in,
             grad_out,

@@ -227,7 +227,7 @@ def fixed_point(
         except (TypeError, ValueError) as exc:
             raise TypeError(f"fixed_point: x0 is not an array of numbers: {exc}") from None
         device = next((p.device for p in params if isinstance(p, Tensor)), None)
-        x0 = make_tensor(arr.reshape(arr.shape or (1,)), device=device)
+        x0 = make_tensor(arr, device=device)  # a number: 0-d, as np.asarray
     elif x0.scalar_type not in ("float", "half"):
         raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
     return FixedPoint.apply(f, float(tol), int(max_iter), x0, *params)

@@ -67,12 +67,12 @@ class _Sum(Function):
         ctx.x3_shape, ctx.x_shape, ctx.scale = x3.shape, x.shape, (1.0 / n if mean else 1.0)
         total = sum_mid(x3, ctx.scale)
         if axis is None:
-            # all elements: (1,), or NumPy's all-ones shape with keepdims
-            return total.reshape((1,) * max(len(x.shape), 1) if keepdims else (1,))
+            # all elements: 0-d, or NumPy's all-ones shape with keepdims
+            return total.reshape((1,) * len(x.shape) if keepdims else ())
         shape = (
             kept if keepdims else tuple(d for k, d in enumerate(kept) if k != int(axis) % len(kept))
         )
-        return total.reshape(shape or (1,))  # pydiff has no 0-d results: a lone number is (1,)
+        return total.reshape(shape if x.shape else ())  # axis 0 of a 0-d tensor: 0-d, as torch
 
     @staticmethod
     def jvp(ctx, t, *_):
@@ -92,17 +92,17 @@ class _Sum(Function):
 
 
 def sum(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:  # noqa: A001
-    """Sum over all elements (a (1,) tensor) or over ``axis``, pairwise in a fixed order.
-    NumPy's axis/keepdims rules, except that a result NumPy gives as a 0-d scalar is (1,).
+    """Sum over all elements (a 0-d tensor) or over ``axis``, pairwise in a fixed order.
+    NumPy's axis/keepdims rules (axis 0 or -1 of a 0-d tensor is allowed, as in torch).
 
-    >>> total = pydiff.ops.sum(x)             # shape (1,)
+    >>> total = pydiff.ops.sum(x)             # shape ()
     >>> col = pydiff.ops.sum(x, axis=0)       # NumPy's axis/keepdims rules; a tuple too
     """
     return _over_axes("sum", x, axis, keepdims, False)
 
 
 def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
-    """Mean over all elements (a (1,) tensor) or over ``axis``.
+    """Mean over all elements (a 0-d tensor) or over ``axis``.
 
     >>> m = pydiff.ops.mean(x, axis=-1, keepdims=True)
     """
@@ -129,7 +129,7 @@ def _over_axes(name: str, x: Tensor, axis: Any, keepdims: bool, mean: bool) -> T
 
 
 def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
-    """Mean squared error, a (1,) tensor.
+    """Mean squared error, a 0-d tensor.
 
     >>> loss = pydiff.ops.mse_loss(y, target)
     """
@@ -163,9 +163,9 @@ class _MseLoss(Function):
         p, t = ctx.saved_tensors
         lib = library(p.device)
         dp = lib.op_mse_grad(
-            p.detach(), t.detach(), g.detach().reshape((1,)), 2.0 / p.numel, _result="tensor"
+            p.detach(), t.detach(), g.detach().reshape(()), 2.0 / p.numel, _result="tensor"
         )
-        dp = Tensor(dp.native, p.device) if isinstance(dp, Tensor) else dp
+        dp = Tensor(dp.native_view(), p.device) if isinstance(dp, Tensor) else dp
         return dp, (neg(dp) if ctx.needs_input_grad[1] else None)
 
 
@@ -189,7 +189,7 @@ class _CrossEntropy(Function):
         batch = logits.shape[0]
         if _ce_fast(logits, labels):
             # lse: each row's (max, log-sum) kept apart (shaders/ops/cross_entropy.slang)
-            lse, loss = empty((batch, 2), device=logits.device), empty((1,), device=logits.device)
+            lse, loss = empty((batch, 2), device=logits.device), empty((), device=logits.device)
             threads = _ce_forward_threads(batch)
             kernel = logits.device.kernels.get(
                 "ops/cross_entropy.slang", "ce_forward", C=logits.shape[1], TG=threads
@@ -209,7 +209,7 @@ class _CrossEntropy(Function):
         lse, rows = empty((batch, 2), device=logits.device), empty((batch,), device=logits.device)
         lib.cross_entropy_rows(spy.grid((batch,)), logits.detach(), labels, lse, rows)
         ctx.save_for_backward(logits, labels, lse)
-        return sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape((1,))
+        return sum_mid(rows.reshape((1, batch, 1)), 1.0 / batch).reshape(())
 
     @staticmethod
     def jvp(ctx, tz, _):
@@ -259,7 +259,8 @@ class _CrossEntropy(Function):
 
 
 def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
-    """Mean softmax cross-entropy of (B, C) logits against B integer labels; log-sum-exp stable.
+    """Mean softmax cross-entropy of (B, C) logits against B integer labels; log-sum-exp stable;
+    a 0-d tensor.
 
     >>> loss = pydiff.ops.cross_entropy(logits, labels)     # labels: ints in [0, C)
     """

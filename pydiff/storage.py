@@ -167,8 +167,9 @@ def dims(shape: Any) -> tuple[int, ...]:
 
 
 def shape_tuple(shape: Any) -> tuple[int, ...]:
-    """A shape argument as a tuple of positive ints (an int is a 1-D shape): Python or NumPy
-    integers only (2.5 or 2.0 is refused, not truncated; a bool is refused too)."""
+    """A shape argument as a tuple of positive ints (an int is a 1-D shape; ``()`` is 0-d, one
+    element): Python or NumPy integers only (2.5 or 2.0 is refused, not truncated; a bool is
+    refused too)."""
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:
@@ -185,7 +186,7 @@ def shape_tuple(shape: Any) -> tuple[int, ...]:
             f"shape={shape!r}: dimension {bad!r} is not an integer; pass ints "
             "(round them yourself if you mean to)"
         ) from None
-    if not out or any(s <= 0 for s in out):
+    if any(s <= 0 for s in out):
         raise ValueError(f"shape={shape!r}: every dimension must be a positive integer")
     return out
 
@@ -253,8 +254,11 @@ def allocate(
     Float tensors live in a buffer of float4s (padded to whole float4s, reused from
     ``dev.pool``) on every backend: SlangPy binds it as usual and pydiff's fast kernels read
     it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe). ``what``
-    names the tensor in a size error (default: "a <dtype> tensor").
+    names the tensor in a size error (default: "a <dtype> tensor"). Shape ``()`` gives a 0-d
+    view of one element.
     """
+    if len(shape) == 0:
+        return allocate(dev, (1,), dtype, zero, what).view(())
     name = dtype if isinstance(dtype, str) else dtype.full_name
     if name != "float":
         shape = dims(shape)

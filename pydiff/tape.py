@@ -8,6 +8,8 @@ tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
 
 from __future__ import annotations
 
+import math
+
 import contextvars
 import os
 from dataclasses import dataclass, field
@@ -162,7 +164,8 @@ class Tape:
         """Backpropagate from ``output`` through the recorded calls.
 
         ``grad`` is dL/d(output): an array or tensor of its shape; it may be omitted when the
-        output has one element (then 1).
+        output has one element (then 1), and one value serves any one-element output (a 0-d
+        loss takes ``[1.0]``, a (1,) one ``1.0``).
         """
         if not isinstance(output, Tensor):
             raise TypeError(
@@ -198,7 +201,10 @@ class Tape:
         if isinstance(grad, Tensor):
             grad = grad.numpy()
         seed = np.asarray(grad, dtype=np.float64)
-        if seed.shape != output.expected_numpy_shape():
+        want = output.expected_numpy_shape()
+        if seed.size == 1 and math.prod(want) == 1:
+            seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
+        if seed.shape != want:
             raise ValueError(
                 f"tape.backward: grad has shape {seed.shape}, the output needs "
                 f"{output.expected_numpy_shape()}"

@@ -34,6 +34,9 @@ class Tensor(GradBuffers, TensorOperators):
     ``device``, ``storage`` (the ``Storage`` every view of the buffer shares), and
     ``producer`` (the Tape that recorded the call writing this tensor, or None).
 
+    A 0-d tensor (shape ``()``: ``x.sum()``, ``x[1]``) keeps a ``(1,)`` view as ``native`` (a
+    SlangPy call given a 0-d tensor returns a number); a call of 0-d tensors gives a 0-d one.
+
     A view (``reshape``) has no gradient buffers of its own: its gradients are its base's,
     viewed in its shape (the same memory), so a backward through the view adds into the
     base's gradient, and gradient buffers given to either later are seen by both.
@@ -56,9 +59,11 @@ class Tensor(GradBuffers, TensorOperators):
         zero_policy: ZeroPolicy | str | None = None,
         base: "Tensor | None" = None,
     ):
+        self._shape = dims(native.shape)
+        if not self._shape:  # 0-d: kept as a (1,) view, what SlangPy calls are given
+            native = native.view((1,))
         self._native = native
         self._device = device
-        self._shape = dims(native.shape)
         self._element = native.dtype  # SlangPy's element type (layout's; a native stays fixed)
         self._grad_in = grad_in
         self._grad_out = grad_out
@@ -109,6 +114,14 @@ class Tensor(GradBuffers, TensorOperators):
         if self._device.queue.deferred:
             self._device.queue.flush_deferred()
         return self._native
+
+    def native_view(self) -> spy.Tensor:
+        """``native`` in this tensor's shape (0-d too): to make a Tensor of the same values.
+
+        >>> pydiff.Tensor(x.native_view(), x.device)        # x's shape, () included
+        """
+        native = self.native
+        return native if self._shape else native.view(())
 
     @property
     def buffer(self) -> spy.Buffer:
@@ -179,9 +192,6 @@ class Tensor(GradBuffers, TensorOperators):
     def producer(self, tape: Any) -> None:
         self._producer = tape
 
-    def __len__(self) -> int:
-        return self.shape[0] if self.shape else 1
-
     def __repr__(self) -> str:
         grads = ""
         self._sync_view()
@@ -196,19 +206,8 @@ class Tensor(GradBuffers, TensorOperators):
     def numpy(self) -> np.ndarray:
         """Copy to a NumPy array (vector elements become a trailing dimension)."""
         self._device.flush()  # kernels queued in a batched backward run first
-        return read_back(self._device, self._native)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
-
-    def item(self) -> float:
-        arr = self.numpy()
-        if arr.size != 1:
-            raise ValueError(
-                f"item() needs a tensor with one element, this one has shape {self.shape}"
-            )
-        return arr.reshape(()).item()
+        values = read_back(self._device, self._native)
+        return values if self._shape else values.reshape(self.expected_numpy_shape())
 
     def expected_numpy_shape(self) -> tuple[int, ...]:
         """The NumPy shape of this tensor's values (vector/matrix elements trailing)."""
@@ -235,7 +234,7 @@ class Tensor(GradBuffers, TensorOperators):
         with self._device.queue.lock:
             self._device.queue.enter()
             self._device.flush()
-            self._native.copy_from_numpy(arr.reshape(1) if arr.ndim == 0 else arr)
+            self._native.copy_from_numpy(arr if self._shape else arr.reshape((1,) + arr.shape))
         return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:
@@ -322,13 +321,13 @@ class Tensor(GradBuffers, TensorOperators):
             raise ValueError(
                 f"tangent has shape {arr.shape}; the tensor's values have shape {want}"
             )
-        native = allocate(self._device, self._native.shape, self._native.dtype)
+        native = allocate(self._device, self._shape, self._native.dtype)
         self._tangent = Tensor(native, self._device).copy_from_numpy(arr)
         return self
 
     def detach(self) -> "Tensor":
         """The same values (same storage) without gradient buffers."""
-        return Tensor(self._native, self._device, storage=self.storage)
+        return Tensor(self.native_view(), self._device, storage=self.storage)
 
     def fill(self, value: float) -> "Tensor":
         """Set every component to ``value``; returns self."""
@@ -359,6 +358,7 @@ class Tensor(GradBuffers, TensorOperators):
         ``x.grad``). ``x.detach().reshape(...)`` is a view without gradients.
 
         >>> flat = x.reshape((x.numel,))       # or x.reshape(x.numel), x.reshape(2, -1)
+        >>> s = x.sum().reshape(1)             # a 0-d tensor as (1,); x[0:1].reshape(()) back
         """
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]  # reshape((2, 3)); anything else is refused by shape_tuple
@@ -371,7 +371,8 @@ class Tensor(GradBuffers, TensorOperators):
         for g, what in ((base.grad_in, "grad_in"), (base.grad_out, "grad_out")):
             if g is not None:
                 view_of(g, shape, what)  # refused now if it cannot be viewed
-        view = Tensor(self._native.view(shape), self._device, storage=self.storage, base=base)
+        native = self._native.view(shape)  # () -> a 0-d view, kept as (1,) with shape ()
+        view = Tensor(native, self._device, storage=self.storage, base=base)
         return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
 
     def copy_values(self) -> "Tensor":
@@ -379,7 +380,7 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> before = x.copy_values()
         """
-        copy = Tensor(allocate(self._device, self._native.shape, self._native.dtype), self._device)
+        copy = Tensor(allocate(self._device, self._shape, self._native.dtype), self._device)
         return forward_trace.derived(self, copy.copy_(self), lambda t: t.copy_values())
 
     def backward(self, grad: Any = None) -> None:

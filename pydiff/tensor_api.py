@@ -78,14 +78,12 @@ class _Take(Function):
 
 
 def getitem(x: Tensor, key: Any) -> Tensor:
-    """``x[key]``: NumPy's basic indexing (a one-element result has shape (1,))."""
+    """``x[key]``: NumPy's basic indexing (an int per axis gives a 0-d tensor, as NumPy)."""
     _index_kinds_ok(key)
     where = np.arange(x.numel).reshape(x.shape)[key]  # NumPy's rules and IndexErrors
     where = np.asarray(where)
     if where.size == 0:
         raise IndexError(f"Tensor[{key!r}] of a tensor of shape {x.shape} selects no elements")
-    if where.ndim == 0:
-        where = where.reshape((1,))
     return _Take.apply(x, where)
 
 
@@ -96,7 +94,8 @@ class _Transpose(Function):
         extra = tuple(range(n, len(x.expected_numpy_shape())))
         ctx.inverse = tuple(np.argsort(axes)) + extra
         values = np.transpose(x.numpy(), tuple(axes) + extra)
-        return make_tensor(np.ascontiguousarray(values), dtype=x.dtype, device=x.device)
+        values = np.require(values, requirements="C")  # (ascontiguousarray: 0-d -> 1-D)
+        return make_tensor(values, dtype=x.dtype, device=x.device)
 
     @staticmethod
     def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
@@ -208,7 +207,7 @@ def matmul(a: Any, b: Any) -> Tensor:
     b2 = b.reshape(b.shape[0], 1) if len(b.shape) == 1 else b
     out = ops.matmul(a2, b2)
     if len(a.shape) == 1 and len(b.shape) == 1:
-        return out.reshape(1)
+        return out.reshape(())  # a dot product: 0-d, as NumPy
     if len(a.shape) == 1 or len(b.shape) == 1:
         return out.reshape(out.numel)
     return out

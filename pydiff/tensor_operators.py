@@ -106,6 +106,27 @@ class TensorOperators:
         return tensor_methods.call("mean", self, axis, keepdims)
 
     # --- Python conversions of the values (they read the tensor back) ------------------
+    def __len__(self) -> int:
+        if not self.shape:  # type: ignore[attr-defined]
+            raise TypeError("len() of a 0-d tensor (shape ()), as NumPy")
+        return self.shape[0]  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Any:
+        n = len(self)  # TypeError for a 0-d tensor, as NumPy
+        return (self[i] for i in range(n))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()  # type: ignore[attr-defined]
+        return arr if dtype is None else arr.astype(dtype)
+
+    def item(self) -> float:
+        arr = self.numpy()  # type: ignore[attr-defined]
+        if arr.size != 1:
+            raise ValueError(
+                f"item() needs a tensor with one element, this one has shape {self.shape}"  # type: ignore[attr-defined]
+            )
+        return arr.reshape(()).item()
+
     def __bool__(self) -> bool:
         values = self.numpy()  # type: ignore[attr-defined]
         if values.size != 1:

@@ -147,7 +147,8 @@ def to_torch(x: Tensor) -> Any:
         )
     if x.device.type == "cuda" and torch.cuda.is_available():
         return shared_view(x)
-    return torch.from_numpy(np.ascontiguousarray(x.numpy()))
+    values = x.numpy()  # (np.ascontiguousarray would make a 0-d array 1-D)
+    return torch.from_numpy(values if values.flags.c_contiguous else values.copy(order="C"))
 
 
 def shared_view(x: Tensor) -> Any:
@@ -167,7 +168,7 @@ def shared_view(x: Tensor) -> Any:
         raise TypeError(f"to_torch: no zero-copy view of dtype {x.dtype!r} (a matrix dtype)")
     buf = native.storage
     flat = buf.to_torch(_SPY_TYPES[x.scalar_type], [buf.size // item], [1], 0)
-    strides = [int(s) * per for s in native.strides] + ([1] if element else [])
+    strides = [int(s) * per for s in native.strides][: len(x.shape)] + ([1] if element else [])
     return flat.as_strided(tuple(x.expected_numpy_shape()), strides, int(native.offset) * per)
 
 
@@ -320,7 +321,7 @@ def _cuda_export(x: Tensor) -> bool:
 def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
     if _cuda_export(x):
         return shared_view(x).__dlpack__(stream=stream, **kwargs)
-    return np.ascontiguousarray(x.numpy()).__dlpack__(**kwargs)
+    return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d
 
 
 def _dlpack_device(x: Tensor) -> tuple[int, int]:

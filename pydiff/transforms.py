@@ -160,12 +160,13 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         else:
             u_arr = np.asarray(u, dtype=np.float64)
         if u_arr.shape != want:
-            if u_arr.size != int(np.prod(want)) or (u_arr.ndim and want != (1,) + u_arr.shape):
+            one = u_arr.size == 1 == int(np.prod(want))  # [v] for a number, v for a (1,)
+            if not one and (u_arr.size != int(np.prod(want)) or want != (1,) + u_arr.shape):
                 raise ValueError(
                     f"hvp: direction for '{p.name}' has shape {u_arr.shape}; the value has shape "
                     f"{want}"
                 )
-            u_arr = u_arr.reshape(want)  # a number given for a number
+            u_arr = u_arr.reshape(want)  # one value given for one value
         direction = (
             make_tensor(u_arr.astype(np.float32), dtype=leaf.dtype, device=dev)
             if leaf.shape

@@ -118,12 +118,8 @@ def test_poly_broadcast_grads_both_paths(tmp_path):
             np.testing.assert_allclose(on["cg" + k].ravel(), [2 * g.sum()], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pydiff.tensor of a 0-d array silently gets shape (1,) (and so does its grad), "
-    "although devices.md names shape () broadcast tensors",
-)
 def test_zero_dim_tensor_keeps_shape(device):
+    # pydiff.tensor of a 0-d array was (1,) (its grad too); fixed with 0-d tensors (issue 17)
     a = pydiff.tensor(np.float32(1.5), device=device, requires_grad=True)
     assert a.shape == () and a.numpy().shape == () and a.grad.numpy().shape == ()
 
