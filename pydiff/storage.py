@@ -77,7 +77,8 @@ class Storage:
       ``.bwds`` cannot tell the two calls apart); ``written_over``: labels of calls that read
       and overwrote the values in place before another call wrote over them (the values
       those calls read are gone: their ``.bwds`` on this storage refuses), cleared by a
-      write of all the values from the host.
+      write of all the values from the host; ``producer``: the Tape that recorded the latest
+      call writing them (every view of the buffer has it), or None.
 
     Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
@@ -93,6 +94,7 @@ class Storage:
         "read_by_writer",
         "reread",
         "written_over",
+        "producer",
     )
 
     def __init__(self, buffer: Any = None) -> None:
@@ -105,6 +107,7 @@ class Storage:
         self.read_by_writer: tuple[str, ...] = ()
         self.reread = False
         self.written_over: frozenset[str] = frozenset()
+        self.producer: Any = None
 
     def wrote(self, writer: str, everything: bool = False) -> None:
         """Count a write of the values by ``writer`` (``everything``: all of them, from the

@@ -74,7 +74,6 @@ class Tensor(GradBuffers, TensorOperators):
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
         self._dtype: str | None = None  # the element type's name, found once
         self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
-        self._producer: Any = None
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
         self._viewed: tuple = (None, None)  # the base's buffers its own grads view
         self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
@@ -183,14 +182,12 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def producer(self) -> Any:
-        """The Tape that recorded the call writing these values (a view: its base's)."""
-        if self._producer is None and self._base is not None:
-            return self._base.producer
-        return self._producer
+        """The Tape that recorded the call writing these values (every view shares it)."""
+        return self.storage.producer
 
     @producer.setter
     def producer(self, tape: Any) -> None:
-        self._producer = tape
+        self.storage.producer = tape
 
     def __repr__(self) -> str:
         grads = ""

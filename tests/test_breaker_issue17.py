@@ -350,3 +350,443 @@ def test_grad_adds_into_closed_over_leaves_as_documented():
     g = pydiff.grad(lambda a: ops.sum(ops.mul(a, w)))(np.array([1.0]))
     np.testing.assert_array_equal(g, [2.0])
     np.testing.assert_array_equal(w.grad.numpy(), [1.0])  # docs/transforms.md says so
+
+
+# ==========================================================================================
+# Breaker 17, round 2: a new user with the issue and docs/interop.md, tensor-api.md,
+# transforms.md. References: torch float64 autograd, NumPy, float64 central differences.
+# (0-d tensors are out of scope here: built elsewhere.)
+# ==========================================================================================
+
+
+def _fd64(f, x, h=1e-6):
+    """float64 central differences of a scalar NumPy function."""
+    x = np.asarray(x, np.float64)
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = h
+        g[i] = (f(x + e) - f(x - e)) / (2 * h)
+    return g
+
+
+# --- R2-1. wrong gradient, silently: a transform whose result is a reshape of a reduction ---
+# tape.backward(y) gets these right; grad / value_and_grad / torch_function hand back zeros.
+
+
+def test_r2_grad_of_reshaped_sum_is_not_zero(device):
+    x0 = np.array([1.0, -2.0, 3.0])
+    g = pydiff.grad(lambda x: (x * x).sum().reshape(1, 1))(x0)
+    np.testing.assert_allclose(g, 2 * x0)  # got [0, 0, 0]
+
+
+def test_r2_grad_of_ops_sum_reshape_1(device):
+    g = pydiff.grad(lambda x: ops.sum(x).reshape(1))(np.ones(3))
+    np.testing.assert_allclose(g, np.ones(3))  # got [0, 0, 0]
+
+
+def test_r2_value_and_grad_of_keepdims_sum(device):
+    x0 = np.arange(4.0).reshape(2, 2)
+    v, g = pydiff.value_and_grad(lambda x: (x * x).sum(axis=(0, 1), keepdims=True))(x0)
+    assert v.shape == (1, 1) and v.item() == 14.0
+    np.testing.assert_allclose(g, 2 * x0)  # got zeros
+
+
+def test_r2_same_function_on_a_tape_is_right(device):
+    # the control: the same computation by hand on a tape gives the gradient
+    x = pydiff.tensor([1.0, -2.0, 3.0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = (x * x).sum().reshape(1, 1)
+    tape.backward(y)
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, -4.0, 6.0])
+
+
+def test_r2_torch_function_reshaped_sum_output(device):
+    t = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    out = pydiff.torch_function(lambda a: (a * a).sum().reshape(1))(t)
+    out.sum().backward()
+    torch.testing.assert_close(t.grad, 2 * t.detach())  # got [0, 0, 0]
+
+
+def test_r2_torch_function_mean_then_reshape_output(device):
+    t = torch.ones(2, 2, requires_grad=True)
+    out = pydiff.torch_function(lambda a: a.sum(axis=0).reshape(1, 2))(t)
+    out.sum().backward()
+    torch.testing.assert_close(t.grad, torch.ones(2, 2))  # got zeros
+
+
+# --- R2-2. errors: raw or misleading messages ---
+
+
+def test_r2_from_torch_sparse_refused_by_name(device):
+    with pytest.raises(
+        TypeError, match="from_torch"
+    ):  # got RuntimeError: unsupported memory format option Contiguous
+        pydiff.from_torch(torch.eye(3).to_sparse(), device=device)
+
+
+def test_r2_from_torch_meta_refused_by_name(device):
+    with pytest.raises(
+        (TypeError, ValueError), match="from_torch"
+    ):  # got torch's "can't convert meta device type tensor to numpy"
+        pydiff.from_torch(torch.ones(3, device="meta"), device=device)
+
+
+def test_r2_from_torch_requires_grad_must_be_bool(device):
+    with pytest.raises(TypeError, match="requires_grad"):  # "yes" is taken as True
+        pydiff.from_torch(torch.ones(2), device=device, requires_grad="yes")
+
+
+def test_r2_astype_unknown_dtype_message_has_no_cpp_internals(device):
+    with pytest.raises(TypeError) as e:
+        pydiff.tensor([1.0], device=device).astype("complex")
+    assert "astype" in str(e.value) and ".cpp" not in str(
+        e.value
+    )  # got ".../sgl/refl/lookup.cpp:14 in function require_resolved_type"
+
+
+def test_r2_tensor_plus_torch_tensor_error_names_torch(device):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    with pytest.raises(TypeError) as e:
+        x + torch.ones(2)
+    # got "unsupported operand type(s) for +: 'Tensor' and 'Tensor'": which Tensor is which?
+    assert "torch" in str(e.value)
+
+
+def test_r2_op_half_torch_tensor_suggests_float(device):
+    x = torch.tensor([1.0, 2.0], dtype=torch.float16, requires_grad=True)
+    with pytest.raises(TypeError) as e:
+        ops.mul(x, x)
+    # got "convert with pydiff.tensor(t.numpy().astype(np.float32))": fails on a requires_grad
+    # torch tensor, and would cut the autograd link; a torch user needs x.float()
+    assert ".float()" in str(e.value)
+
+
+def test_r2_sum_float_axis_error_says_type(device):
+    with pytest.raises(TypeError, match="axis"):  # got ValueError "axis=1.0 is out of range"
+        pydiff.tensor([1.0, 2.0], device=device).sum(axis=1.0)
+
+
+def test_r2_arange_inf_error_names_arange(device):
+    with pytest.raises(ValueError, match="arange"):  # got NumPy's "Maximum allowed size exceeded"
+        pydiff.arange(0, np.inf, device=device)
+
+
+def test_r2_grad_float64_argument_overflow_not_silent(device):
+    # 1e300 does not fit float32: the value becomes inf with only NumPy's RuntimeWarning
+    with pytest.raises((ValueError, OverflowError)):
+        pydiff.value_and_grad(lambda x: (x * 1.0).sum())(np.array([1e300]))
+
+
+def test_r2_torch_data_tensor_inside_grad_works_or_says_torch(device):
+    # a constant torch tensor (no grad) used as data inside a function given to pydiff.grad;
+    # got RuntimeError "pydiff.Tape: tapes do not nest" though the user opened one tape only
+    t = torch.tensor([3.0, 4.0])
+    try:
+        g = pydiff.grad(lambda x: ops.sum(ops.mul(x, t)))(np.array([1.0, 2.0]))
+    except Exception as e:  # a refusal must say what is wrong: a torch tensor on a pydiff tape
+        assert "torch" in str(e) and "nest" not in str(e), str(e)
+    else:
+        np.testing.assert_allclose(g, [3.0, 4.0])
+
+
+def test_r2_torch_tensor_in_op_inside_user_tape_works_or_says_torch(device):
+    a = torch.ones(2, requires_grad=True)
+    try:
+        with pydiff.Tape():
+            ops.mul(a, a)
+    except Exception as e:  # got "tapes do not nest"
+        assert "torch" in str(e) and "nest" not in str(e), str(e)
+
+
+def test_r2_function_apply_with_torch_tensor_error_says_torch_function(device):
+    class Sq(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return ops.mul(x, x)
+
+    with pytest.raises(TypeError) as e:
+        Sq.apply(torch.ones(2, requires_grad=True))
+    # got "Sq.forward() output 0 is a Tensor; return pydiff Tensors": the user returned what
+    # ops.mul returned; the fix is pydiff.torch_function(Sq.apply)
+    assert "torch" in str(e.value)
+
+
+def test_r2_grad_of_function_apply_sum_reshape(device):
+    class Sq(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return ops.mul(x, x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return ops.mul(ops.mul(x, g), 2.0)
+
+    g = pydiff.grad(lambda x: Sq.apply(x).sum().reshape(1))(np.array([1.0, -2.0]))
+    np.testing.assert_allclose(g, [2.0, -4.0])  # got [0, 0]
+
+
+# --- R2 passing areas (kept as regression tests) ---
+
+
+def _vs_torch64(fp, ft, *arrays, rtol=1e-4, atol=1e-5):
+    xs = [pydiff.tensor(a.astype(np.float32), requires_grad=True) for a in arrays]
+    ts = [torch.tensor(a.astype(np.float32).astype(np.float64), requires_grad=True) for a in arrays]
+    with pydiff.Tape() as tape:
+        y = fp(*xs)
+    tape.backward(y)
+    yt = ft(*ts)
+    yt.backward()
+    np.testing.assert_allclose(y.numpy().ravel(), yt.detach().numpy().ravel(), rtol=rtol, atol=atol)
+    for x, t in zip(xs, ts):
+        np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=rtol, atol=atol)
+
+
+_R = np.random.default_rng(17)
+_A, _B, _C = _R.standard_normal((3, 4)), _R.standard_normal(4), _R.standard_normal((3, 1))
+
+R2_CASES = {
+    "negstep_slices": (
+        lambda x: (x[::-2, -1:0:-2] ** 2).sum(),
+        lambda x: (x[[2, 0]][:, [3, 1]] ** 2).sum(),
+        (_A,),
+    ),
+    "slice_of_slice": (
+        lambda x: x[1:][:, 1:][0].sum() * 3,
+        lambda x: x[1:][:, 1:][0].sum() * 3,
+        (_A,),
+    ),
+    "rows_iterated": (
+        lambda x: sum((r * (i + 1)).sum() for i, r in enumerate(x)),
+        lambda x: sum((r * (i + 1)).sum() for i, r in enumerate(x)),
+        (_A,),
+    ),
+    "self_broadcast_row": (lambda x: (x * x[0]).sum(), lambda x: (x * x[0]).sum(), (_A,)),
+    "pow_neg3": (lambda x: (x**-3).sum(), lambda x: (x**-3).sum(), (_A,)),
+    "pow5": (lambda x: (x**5).sum(), lambda x: (x**5).sum(), (_A,)),
+    "rdiv_bcast": (
+        lambda x, c: (1.5 / (x + 10) - c).mean(),
+        lambda x, c: (1.5 / (x + 10) - c).mean(),
+        (_A, _C),
+    ),
+    "matvec_tanh": (lambda x, b: (x @ b).tanh().sum(), lambda x, b: (x @ b).tanh().sum(), (_A, _B)),
+    "vecvec": (lambda b: b @ b, lambda b: b @ b, (_B,)),
+    "xT_x": (lambda x: (x.T @ x).sum(), lambda x: (x.T @ x).sum(), (_A,)),
+    "mean_keepdims": (
+        lambda x: (x.mean(axis=(0,), keepdims=True) * x).sum(),
+        lambda x: (x.mean(dim=(0,), keepdim=True) * x).sum(),
+        (_A,),
+    ),
+    "methods": (
+        lambda x: (
+            (x.exp() + 1).log() + x.tanh() + x.sin() * x.cos() + x.sigmoid() + x.relu()
+        ).sum(),
+        lambda x: (
+            (x.exp() + 1).log() + x.tanh() + x.sin() * x.cos() + x.sigmoid() + x.relu()
+        ).sum(),
+        (_A,),
+    ),
+    "transpose3": (
+        lambda x: (
+            x.reshape(3, 2, 2).transpose(2, 0, 1)[0] * pydiff.tensor(np.arange(6.0).reshape(3, 2))
+        ).sum(),
+        lambda x: (
+            x.reshape(3, 2, 2).permute(2, 0, 1)[0]
+            * torch.arange(6.0, dtype=torch.float64).reshape(3, 2)
+        ).sum(),
+        (_A,),
+    ),
+    "numpy_left": (
+        lambda x: (np.ones((2, 3)) @ (np.float64(2.0) - x)).sum(),
+        lambda x: (torch.ones(2, 3, dtype=torch.float64) @ (2.0 - x)).sum(),
+        (_A,),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(R2_CASES))
+def test_r2_tensor_api_vs_torch_float64(device, name):
+    fp, ft, arrays = R2_CASES[name]
+    _vs_torch64(fp, ft, *arrays)
+
+
+@pytest.mark.parametrize(
+    "p, x0, want_v, want_g",
+    [
+        (0, 0.0, 1.0, 0.0),
+        (1, 0.0, 0.0, 1.0),
+        (2, 0.0, 0.0, 0.0),
+        (-1, 0.0, np.inf, -np.inf),
+        (0.5, 0.0, 0.0, np.inf),
+        (-7, -1.3, (-1.3) ** -7, -7 * (-1.3) ** -8),
+    ],
+)
+def test_r2_pow_edges_vs_torch(device, p, x0, want_v, want_g):
+    x = pydiff.tensor([x0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = x**p
+    tape.backward(y)
+    np.testing.assert_allclose(y.numpy(), [want_v], rtol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), [want_g], rtol=1e-5)
+
+
+def test_r2_value_and_grad_vs_float64_central_differences(device):
+    x0 = np.array([0.3, -1.2, 2.0, 0.7])
+    f64 = lambda x: np.mean(np.tanh(x[::-1] * x) ** 2 + 1.0 / (x * x + 1.0))
+    v, g = pydiff.value_and_grad(
+        lambda x: ((x[::-1] * x).tanh() ** 2 + 1.0 / (x * x + 1.0)).mean()
+    )(x0)
+    np.testing.assert_allclose(v.item(), f64(x0), rtol=1e-5)
+    np.testing.assert_allclose(g, _fd64(f64, x0), rtol=1e-4, atol=1e-6)
+
+
+def test_r2_torch_function_aliasing_inputs_and_outputs(device):
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    mul = pydiff.torch_function(lambda x, y: ops.mul(x, y))
+    mul(a[:2], a[2:]).sum().backward()  # two views of one tensor
+    torch.testing.assert_close(a.grad, torch.tensor([3.0, 4.0, 1.0, 2.0]))
+    b = torch.tensor([1.0, 2.0], requires_grad=True)
+    mul(b, b).sum().backward()  # the same tensor twice
+    torch.testing.assert_close(b.grad, 2 * b.detach())
+    c = torch.tensor([1.0, 2.0], requires_grad=True)
+    p, q = pydiff.torch_function(lambda x: (x, x))(c)
+    (p.sum() + 3 * q.sum()).backward()
+    torch.testing.assert_close(c.grad, torch.tensor([4.0, 4.0]))
+    d = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    (
+        pydiff.torch_function(lambda x: x[::-1])(d) * torch.tensor([1.0, 10.0, 100.0])
+    ).sum().backward()
+    torch.testing.assert_close(d.grad, torch.tensor([100.0, 10.0, 1.0]))
+
+
+def test_r2_ops_with_strided_torch_inputs(device):
+    base = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    ops.mul(base.t(), torch.tensor([[1.0, 2.0]] * 3)).sum().backward()
+    torch.testing.assert_close(base.grad, torch.tensor([[1.0] * 3, [2.0] * 3]))
+    b = torch.tensor([1.0, 2.0], requires_grad=True)
+    ops.mul(b.expand(3, 2), torch.ones(3, 2)).sum().backward()
+    torch.testing.assert_close(b.grad, torch.tensor([3.0, 3.0]))
+
+
+def test_r2_module_grads_match_torch_float64(device):
+    g = torch.Generator().manual_seed(0)
+    W, X, Y, head = (torch.randn(*s, generator=g) for s in ((8, 3), (16, 3), (16, 1), (1, 8)))
+    w = W.clone().requires_grad_()
+    loss = ((ops.tanh(ops.linear(X, w)) @ head.T - Y) ** 2).mean()
+    loss.backward()
+    w64 = W.double().requires_grad_()
+    loss64 = ((torch.tanh(X.double() @ w64.T) @ head.double().T - Y.double()) ** 2).mean()
+    loss64.backward()
+    assert abs(loss.item() - loss64.item()) < 1e-5
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_r2_creation_vs_numpy(device):
+    for args in [(0, 1, 0.1), (1, 0, -0.25), (0, 100, 0.3), (16777216.0, 16777220.0)]:
+        np.testing.assert_array_equal(
+            pydiff.arange(*args, device=device).numpy(), np.arange(*args).astype(np.float32)
+        )
+    np.testing.assert_array_equal(
+        pydiff.arange(5, -5, -3, device=device).numpy(), np.arange(5, -5, -3)
+    )
+    np.testing.assert_array_equal(
+        pydiff.linspace(-1, 1, 7, device=device).numpy(), np.linspace(-1, 1, 7).astype(np.float32)
+    )
+    ref = np.random.Generator(np.random.Philox(3)).standard_normal(5, dtype=np.float32)
+    np.testing.assert_array_equal(pydiff.randn(5, seed=3, device=device).numpy(), ref)
+    np.testing.assert_array_equal(
+        pydiff.rand((3, 4), seed=7, device=device).numpy(),
+        pydiff.rand(3, 4, seed=7, device=device).numpy(),
+    )
+    assert not np.array_equal(
+        pydiff.randn(5, device=device).numpy(), pydiff.randn(5, device=device).numpy()
+    )
+
+
+def test_r2_threads_mix_grad_torch_and_tapes(device, m):
+    import threading
+
+    errs = []
+
+    def work(i):
+        try:
+            a = torch.full((32,), float(i), requires_grad=True)
+            for _ in range(10):
+                a.grad = None
+                m.poly(1.0, 0.0, 0.0, a).sum().backward()
+                if not torch.allclose(a.grad, 2 * a.detach()):
+                    errs.append(("torch", i))
+                g = pydiff.grad(lambda x: (x[1:] * x[1:]).sum())(np.full(8, float(i)))
+                if not np.allclose(g[1:], 2 * i) or g[0] != 0:
+                    errs.append(("grad", i))
+        except Exception as e:
+            errs.append(repr(e))
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts) and not errs, errs
+
+
+def test_r2_rss_plateaus_over_repeated_transform_calls(device):
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    x = torch.randn(256, requires_grad=True)
+    f = pydiff.torch_function(lambda a: ops.sum(ops.tanh(ops.mul(a, a))))
+    vg = pydiff.value_and_grad(lambda w: ((w[1:] * 2.0 - 1.0) ** 2).mean())
+    w = np.random.rand(256).astype(np.float32)
+    for _ in range(600):
+        f(x).backward()
+        vg(w)
+    r0 = rss()
+    for _ in range(600):
+        f(x).backward()
+        vg(w)
+    assert rss() - r0 < 8.0
+
+
+def test_r2_asarray_copy_false_follows_numpy2(device):
+    # NumPy 2: copy=False must never copy (ValueError when it cannot); got a silent copy that
+    # writes do not reach
+    x = pydiff.tensor(np.arange(3.0), device=device)
+    try:
+        a = np.asarray(x, copy=False)
+    except ValueError:
+        return
+    a[0] = 99.0
+    assert x.numpy()[0] == 99.0
+
+
+def test_r2_pydiff_torch_pydiff_chain_vs_float64(device):
+    a = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    w = ops.sum(ops.exp(torch.sin(ops.tanh(ops.mul(a, a))) * 3))
+    w.backward()
+    a64 = a.detach().double().requires_grad_()
+    w64 = torch.exp(torch.sin(torch.tanh(a64 * a64)) * 3).sum()
+    w64.backward()
+    assert abs(w.item() - w64.item()) < 1e-5 * abs(w64.item())
+    torch.testing.assert_close(a.grad.double(), a64.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_r2_errors_inside_transforms_leave_no_open_tape(device):
+    sq = lambda x: ops.sum(ops.mul(x, x))
+
+    def boom(x):
+        raise KeyError("user bug")
+
+    with pytest.raises(KeyError):
+        pydiff.grad(boom)(np.ones(2))
+    with pytest.raises(KeyError):
+        pydiff.torch_function(boom)(torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError):
+        pydiff.grad(lambda x: x * 2)(np.ones(2))
+    np.testing.assert_allclose(pydiff.grad(sq)(np.ones(2)), [2.0, 2.0])
+    a = torch.ones(2, requires_grad=True)
+    pydiff.torch_function(sq)(a).backward()
+    torch.testing.assert_close(a.grad, torch.tensor([2.0, 2.0]))
