@@ -41,9 +41,9 @@ def _check(result: int, what: str) -> None:
 def device_ordinal() -> int:
     """The GPU pydiff opens: PyTorch's current one where PyTorch has started CUDA
     (``torch.cuda.set_device(local_rank)`` in a data-parallel rank), else the first."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return int(torch.cuda.current_device())
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)  # (a stand-in torch may lack it)
+    if cuda is not None and cuda.is_initialized():
+        return int(cuda.current_device())
     return 0
 
 

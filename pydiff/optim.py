@@ -73,6 +73,9 @@ class Optimizer:
         self.defaults = dict(defaults)
         self.step_count = 0
         self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
+        # Each kernel dispatch site's bound object (kernels.dispatch(held=)): these buffers
+        # are the optimizer's own, dispatched every step.
+        self._held: dict[Any, list] = {}
 
     def _advance(self) -> None:
         self.step_count += 1
@@ -195,6 +198,7 @@ class SGD(Optimizer):
                     buf_in=buf.buffer,
                     count=count,
                     dynamic=self._hyper,
+                    held=self._held.setdefault(k, []),
                 )
                 p.storage.wrote("SGD.step")
                 continue
@@ -280,10 +284,10 @@ class Adam(Optimizer):
             )
         for group in fast.values():
             for first in range(0, len(group), 4):
-                self._dispatch_four(group[first : first + 4], batch)
+                self._dispatch_four(group[first : first + 4], batch, first)
         batch.submit()
 
-    def _dispatch_four(self, slots: list, batch: _Batch) -> None:
+    def _dispatch_four(self, slots: list, batch: _Batch, site: int) -> None:
         """One kernel updating up to four parameters (threads split by float4 ranges)."""
         bindings, end = {}, 0
         chunk = slots[0][0].device.kernels.chunk
@@ -311,7 +315,8 @@ class Adam(Optimizer):
         kernel = dev.kernels.get(
             "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
         )
-        dev.kernels.dispatch(kernel, end, dynamic=self._hyper, **bindings)
+        held = self._held.setdefault((id(dev), site), [])
+        dev.kernels.dispatch(kernel, end, dynamic=self._hyper, held=held, **bindings)
 
 
 class AdamW(Adam):
