@@ -10,6 +10,7 @@ the same values on every backend and machine (then one upload).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Sequence
 
@@ -52,9 +53,17 @@ def arange(
     >>> pydiff.arange(4)            # [0, 1, 2, 3] (int)
     >>> pydiff.arange(0, 1, 0.25)   # [0, 0.25, 0.5, 0.75] (float)
     """
+    for name, v in {"start": start, "stop": stop, "step": step}.items():
+        if isinstance(v, numbers.Real) and not math.isfinite(v):
+            raise ValueError(f"arange: {name}={v} is not finite; the values must be countable")
     if step == 0:
         raise ValueError("arange: step must not be 0")
-    values = np.arange(start, stop, step) if stop is not None else np.arange(start)
+    try:
+        values = np.arange(start, stop, step) if stop is not None else np.arange(start)
+    except (ValueError, MemoryError) as exc:  # too many values to hold
+        raise ValueError(
+            f"arange: start={start}, stop={stop}, step={step} give too many values ({exc})"
+        ) from None
     if values.size == 0:
         raise ValueError(f"arange: no values from start={start}, stop={stop}, step={step}")
     if dtype is None:

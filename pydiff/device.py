@@ -202,8 +202,10 @@ class Device:
             try:
                 found = spy.Tensor.empty(self.native, (1,), name).dtype
             except Exception as exc:
+                # SlangPy's first line (its later ones are the C++ source location)
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc)
                 raise TypeError(
-                    f"dtype={name!r}: not a Slang type SlangPy can store ({exc})"
+                    f"dtype={name!r}: not a Slang type SlangPy can store ({reason})"
                 ) from None
             self._dtypes[name] = found
         return found

@@ -108,4 +108,12 @@ class OpDtypeError(TypeError, ValueError):
     raised for it before.
 
     >>> ops.exp(pydiff.tensor(np.ones(3, np.float16)))   # OpDtypeError: exp: x has dtype half
+
+    ``op``, ``argument`` and ``dtype`` name the op, its argument and the dtype refused.
     """
+
+    def __init__(
+        self, message: str, op: str | None = None, argument: str | None = None, dtype: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.op, self.argument, self.dtype = op, argument, dtype

@@ -20,6 +20,7 @@ from . import forward_trace
 from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
+from .host_values import to_float32
 from .policy import zero_policy
 from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
@@ -129,7 +130,8 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
             "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
             "(None for the other arguments)"
         )
-    return make_tensor(np.asarray(value, np.float32).reshape(np.shape(value) or (1,)))
+    arr = to_float32(value, f"{what}: primal {k}")  # overflow refused, not made inf
+    return make_tensor(arr.reshape(np.shape(value) or (1,)))
 
 
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import forward_trace
+from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .creation import tensor as make_tensor
 from .tape import active_tape, suspend_recording
@@ -123,6 +123,14 @@ class Function:
     def apply(cls, *args: Any) -> Any:
         """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs;
         inside ``pydiff.jvp``, give its outputs tangents (``jvp``)."""
+        for k, a in enumerate(args):
+            if not isinstance(a, Tensor) and (framework := foreign.framework(a)) is not None:
+                raise TypeError(
+                    f"{cls.__name__}.apply: argument {k} is a {framework} tensor; a "
+                    f"pydiff.Function takes pydiff tensors: pydiff.torch_function("
+                    f"{cls.__name__}.apply)(...) runs it inside {framework} autograd, or "
+                    "convert the tensor with pydiff.from_torch(t)"
+                )
         if forward_trace.active() is not None:
             tangents = forward_trace.tangents_of(args)
             if any(t is not None for t in tangents):

@@ -17,6 +17,7 @@ import numpy as np
 from . import forward_trace
 from .creation import tensor as make_tensor
 from .function import Function
+from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor
 
@@ -49,11 +50,12 @@ def on_tape(out: Tensor, tape: Tape, inputs: Sequence[Any]) -> Tensor:
     return out
 
 
-def as_data(value: Any) -> Any:
-    """A NumPy array passed as data (not differentiated): a tensor, as the ops need."""
+def as_data(value: Any, what: str = "data") -> Any:
+    """A NumPy array passed as data (not differentiated): a tensor, as the ops need;
+    ValueError naming ``what`` where float values overflow float32."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
         if value.dtype.kind == "f":
-            return make_tensor(value.astype(np.float32))
+            return make_tensor(to_float32(value, what))
         if value.dtype.kind in "iu" and value.min() >= -(2**31) and value.max() < 2**31:
             return make_tensor(value.astype(np.int32))
     return value
@@ -98,10 +100,10 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             "to pydiff tensors, NumPy arrays, lists or numbers"
         )
     try:
-        arr = np.asarray(value, dtype=np.float32)
+        wide = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what}: argument {index} is not an array of numbers: {exc}") from None
-    return make_tensor(arr, requires_grad=True)
+    return make_tensor(to_float32(wide, f"{what}: argument {index}"), requires_grad=True)
 
 
 def _as_given(grad: Tensor, given: Any) -> Any:
@@ -132,7 +134,10 @@ def value_and_grad(
         what = f"{_name}({getattr(fn, '__name__', 'fn')})"
         nums = argnum_tuple(argnums, len(args), what)
         leaves = {i: _leaf(args[i], i, what) for i in nums}
-        call_args = [leaves[i] if i in leaves else as_data(a) for i, a in enumerate(args)]
+        call_args = [
+            leaves[i] if i in leaves else as_data(a, f"{what}: argument {i}")
+            for i, a in enumerate(args)
+        ]
         with Tape() as tape:
             out = fn(*call_args, **kwargs)
         if not isinstance(out, Tensor):

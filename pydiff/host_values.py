@@ -30,6 +30,25 @@ _INTS = ("int", "uint", "int64_t", "uint64_t")
 _FLOAT_MAX = float(np.finfo(np.float32).max)
 
 
+def to_float32(values: Any, what: str) -> np.ndarray:
+    """``values`` (an array, list or number) as a float32 array; ValueError naming ``what``
+    when finite values overflow float32 (NumPy would make them inf with a warning only).
+
+    >>> to_float32(np.array([1e300]), "from_torch")   # ValueError: from_torch: values up to
+    """
+    with np.errstate(over="ignore"):
+        out = np.asarray(values, dtype=np.float32)
+    if out.size and not np.isfinite(out).all():
+        wide = np.asarray(values, dtype=np.float64)
+        bad = np.isfinite(wide) & ~np.isfinite(out)
+        if bad.any():
+            raise ValueError(
+                f"{what}: float64 values up to {np.abs(wide[bad]).max():.3g} overflow dtype "
+                "'float' (largest 3.4e38)"
+            )
+    return out
+
+
 def element_base(type_name: str) -> str | None:
     """The scalar type of a scalar, vector or matrix parameter ('vector<float,3>' -> 'float');
     None for other types (structs, arrays, tensors, generics)."""

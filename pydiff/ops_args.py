@@ -27,7 +27,10 @@ def need_float(name: str, **values: Any) -> None:
         if isinstance(v, Tensor) and v.dtype != "float":
             raise OpDtypeError(
                 f"{name}: {arg} has dtype {v.dtype}; {name} accepts float (float32) tensors "
-                f"only (convert with pydiff.tensor(t.numpy().astype(np.float32)))"
+                f"only (convert with pydiff.tensor(t.numpy().astype(np.float32)))",
+                name,
+                arg,
+                v.dtype,
             )
 
 

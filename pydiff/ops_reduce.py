@@ -111,10 +111,17 @@ def mean(x: Tensor, axis: int | None = None, keepdims: bool = False) -> Tensor:
 
 def _over_axes(name: str, x: Tensor, axis: Any, keepdims: bool, mean: bool) -> Tensor:
     """One axis, all of them, or a tuple of axes (reduced one after another, the last first)."""
-    if not isinstance(axis, (tuple, list)):
+    many = isinstance(axis, (tuple, list))
+    for a in axis if many else (() if axis is None else (axis,)):
+        if not isinstance(a, (int, np.integer)) or isinstance(a, (bool, np.bool_)):
+            raise TypeError(
+                f"{name}: axis={axis!r} has a {type(a).__name__}; an axis is an int (a tuple of "
+                "ints for several, None for all)"
+            )
+    if not many:
         return _Sum.apply(x, axis, keepdims, mean)
     n = len(x.shape) if isinstance(x, Tensor) else 0
-    axes = {a % n for a in axis if isinstance(a, int) and not isinstance(a, bool) and -n <= a < n}
+    axes = {int(a) % n for a in axis if -n <= a < n}
     if len(axes) != len(axis):
         raise ValueError(
             f"{name}: axis={tuple(axis)} for a tensor of shape {getattr(x, 'shape', None)}: "

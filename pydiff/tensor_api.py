@@ -138,8 +138,15 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
         isinstance(dtype, np.dtype) and dtype == np.float64
     ):
         raise TypeError("astype: pydiff has no float64 tensors (float, half, int, uint)")
-    name = dtype_name(dtype)
-    if element_shape(x.device.dtype(name)) != x.expected_numpy_shape()[len(x.shape) :]:
+    try:
+        name = dtype_name(dtype)
+        native = x.device.dtype(name)
+    except TypeError as exc:
+        raise TypeError(
+            f"astype: {exc}; pydiff tensors hold float, half, int, uint and Slang vector, "
+            "matrix or struct types"
+        ) from None
+    if element_shape(native) != x.expected_numpy_shape()[len(x.shape) :]:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
     if x.dtype in _FLOATS and name in _FLOATS:  # the same dtype too: a copy on the tape
         return _AsType.apply(x, name)

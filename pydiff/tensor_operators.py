@@ -13,14 +13,24 @@ from typing import Any
 
 import numpy as np
 
-from . import tensor_methods
+from . import foreign, tensor_methods
 
 # Operands of the arithmetic operators; anything else gives Python's TypeError.
 _OPERANDS = (numbers.Real, np.ndarray, np.generic, list, tuple)
 
 
-def _operand(other: Any) -> bool:
-    return isinstance(other, _OPERANDS) or isinstance(other, TensorOperators)
+def _operand(other: Any, symbol: str) -> bool:
+    """Whether the operator ``symbol`` takes ``other``; a TypeError naming the framework for
+    another framework's tensor (Python's own message would read "'Tensor' and 'Tensor'")."""
+    if isinstance(other, _OPERANDS) or isinstance(other, TensorOperators):
+        return True
+    name = foreign.framework(other)
+    if name is not None:
+        raise TypeError(
+            f"unsupported operand types for {symbol}: pydiff.Tensor and {name}.Tensor: pydiff's "
+            f"operators do not take {name} tensors; {foreign.advice(other)}"
+        )
+    return False
 
 
 class TensorOperators:
@@ -32,55 +42,57 @@ class TensorOperators:
         return tensor_methods.call("getitem", self, key)
 
     def __add__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "+"):
             return NotImplemented
         return tensor_methods.call("add", self, other)
 
     def __radd__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "+"):
             return NotImplemented
         return tensor_methods.call("add", other, self)
 
     def __sub__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "-"):
             return NotImplemented
         return tensor_methods.call("sub", self, other)
 
     def __rsub__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "-"):
             return NotImplemented
         return tensor_methods.call("sub", other, self)
 
     def __mul__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "*"):
             return NotImplemented
         return tensor_methods.call("mul", self, other)
 
     def __rmul__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "*"):
             return NotImplemented
         return tensor_methods.call("mul", other, self)
 
     def __truediv__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "/"):
             return NotImplemented
         return tensor_methods.call("div", self, other)
 
     def __rtruediv__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "/"):
             return NotImplemented
         return tensor_methods.call("div", other, self)
 
     def __pow__(self, exponent: Any) -> Any:
+        if not isinstance(exponent, _OPERANDS):
+            _operand(exponent, "**")  # another framework's tensor: refused by name
         return tensor_methods.call("pow", self, exponent)
 
     def __matmul__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "@"):
             return NotImplemented
         return tensor_methods.call("matmul", self, other)
 
     def __rmatmul__(self, other: Any) -> Any:
-        if not _operand(other):
+        if not _operand(other, "@"):
             return NotImplemented
         return tensor_methods.call("matmul", other, self)
 
@@ -116,6 +128,15 @@ class TensorOperators:
         return (self[i] for i in range(n))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The values as a NumPy array: always a copy read back from the device (NumPy 2's
+        ``np.asarray(x, copy=False)`` raises ValueError, as for any array it cannot view)."""
+        if copy is False:
+            raise ValueError(
+                "np.asarray(x, copy=False) / np.array(x, copy=False): a pydiff.Tensor's values "
+                "live in a device buffer and cannot be viewed without a copy; use np.asarray(x) "
+                "or x.numpy() (a copy: writes to it do not reach the tensor; x.copy_from_numpy "
+                "writes values back)"
+            )
         arr = self.numpy()  # type: ignore[attr-defined]
         return arr if dtype is None else arr.astype(dtype)
 

@@ -24,8 +24,10 @@ from . import foreign, tensor_methods
 from .creation import empty as make_empty
 from .creation import tensor as make_tensor
 from .device import Device, resolve_device
+from .errors import OpDtypeError
 from .grad_transforms import on_tape
-from .tape import Tape
+from .host_values import to_float32
+from .tape import Tape, active_tape
 from .tensor import Tensor
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
@@ -79,6 +81,17 @@ def from_torch(
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch: t must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"from_torch: t has layout {t.layout} (sparse); pydiff tensors are dense: pass "
+            "t.to_dense()"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            "from_torch: t is on torch's 'meta' device: it has a shape but no values to copy"
+        )
+    if requires_grad is not None and not isinstance(requires_grad, (bool, np.bool_)):
+        raise TypeError(f"from_torch: requires_grad must be a bool or None, not {requires_grad!r}")
     name = str(t.dtype).removeprefix("torch.")
     if t.numel() == 0:
         raise ValueError(
@@ -95,13 +108,7 @@ def from_torch(
             raise ValueError(
                 f"from_torch: int64 values from {arr.min()} to {arr.max()} do not fit dtype 'int'"
             )
-        narrowed = arr.astype(np_type)
-        if np_type is np.float32 and np.any(np.isinf(narrowed) & np.isfinite(arr)):
-            raise ValueError(
-                f"from_torch: float64 values up to {np.abs(arr[np.isfinite(arr)]).max():.3g} "
-                "overflow dtype 'float' (largest 3.4e38)"
-            )
-        arr = narrowed
+        arr = to_float32(arr, "from_torch") if np_type is np.float32 else arr.astype(np_type)
     else:
         accepted = ", ".join(f"torch.{n}" for n in _FROM_TORCH)
         asked = f" as dtype={dtype!r}" if dtype is not None else ""
@@ -247,7 +254,7 @@ def _bridge() -> Any:
                     )
                 named[name] = _convert_arg(value, f"keyword argument {name!r}")
             with Tape() as tape:
-                result = fn(*inputs, **named)
+                result = _run(fn, inputs, named, (*args, *kwargs.values()))
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
             for k, out in enumerate(outputs):
                 if out is None:
@@ -376,7 +383,51 @@ def _seed(grad: Any, out: Tensor) -> Any:
 
 
 def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
-    return torch_function(fn)(*args, **kwargs)
+    """A call of ``fn`` with torch tensors among its arguments: through torch autograd
+    (``torch_function``); on an active pydiff tape (a ``pydiff.Tape``, ``pydiff.grad``...),
+    torch tensors without gradients as data of an ordinary pydiff call recorded there, and
+    those that require grad refused (torch autograd cannot reach through a pydiff tape)."""
+    if active_tape() is None:
+        return torch_function(fn)(*args, **kwargs)
+    label = getattr(fn, "__name__", None) or repr(fn)
+    places = [(_describe(fn, k), a) for k, a in enumerate(args)]
+    places += [(f"keyword argument {name!r}", v) for name, v in kwargs.items()]
+    for where, value in places:
+        if _needs_torch_grad(value):
+            raise TypeError(
+                f"{label}: {where} is a torch tensor that requires grad, in a call recorded on a "
+                "pydiff tape (pydiff.Tape, pydiff.grad, value_and_grad, vjp): torch autograd "
+                "cannot see pydiff's tape, so its gradient would be lost. Either convert it "
+                "with pydiff.from_torch(t, requires_grad=True) and differentiate it on the "
+                "pydiff tape, or run the pydiff code outside any pydiff tape through "
+                "pydiff.torch_function(fn) (torch autograd)"
+            )
+    inputs = [_convert_arg(a, where) for where, a in places[: len(args)]]
+    named = {name: _convert_arg(v, where) for (where, v), name in zip(places[len(args) :], kwargs)}
+    return _run(fn, inputs, named, (*args, *kwargs.values()))
+
+
+def _run(fn: Any, inputs: list, named: dict, given: tuple) -> Any:
+    """``fn(*inputs, **named)``; an op's refusal of a half tensor made from a torch.float16
+    argument (in ``given``) says how to cast it in torch, which keeps the autograd link."""
+    try:
+        return fn(*inputs, **named)
+    except OpDtypeError as exc:
+        if exc.dtype != "half" or not any(
+            str(getattr(t, "dtype", "")) == "torch.float16" for t in given
+        ):
+            raise
+        why = (
+            f"{exc.op}: {exc.argument} is a torch.float16 tensor (dtype half here); {exc.op} "
+            f"computes in float32: pass {exc.argument}.float() (the cast stays on torch's graph)"
+        )
+        raise OpDtypeError(why, exc.op, exc.argument, exc.dtype) from None
+
+
+def _needs_torch_grad(value: Any) -> bool:
+    if isinstance(value, (list, tuple, dict)):
+        return any(map(_needs_torch_grad, value.values() if isinstance(value, dict) else value))
+    return is_torch_tensor(value) and bool(value.requires_grad)
 
 
 def _torch_classes() -> tuple:
@@ -384,6 +435,13 @@ def _torch_classes() -> tuple:
     return (torch.Tensor,) if torch is not None else ()
 
 
-foreign.register(_torch_classes, _call_with_torch)
+foreign.register(
+    _torch_classes,
+    _call_with_torch,
+    "torch",
+    "convert the torch tensor with pydiff.from_torch(t) for a pydiff result, or the pydiff "
+    "tensor with pydiff.to_torch(x) for a torch one (pydiff.torch_function(fn) runs pydiff "
+    "code inside torch autograd)",
+)
 tensor_methods.provide("__dlpack__", _dlpack)
 tensor_methods.provide("__dlpack_device__", _dlpack_device)

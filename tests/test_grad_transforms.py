@@ -155,3 +155,43 @@ def test_without_torch_the_interop_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match=r"pip install 'pydiff\[torch\]'"):
         pydiff.to_torch(pydiff.tensor([1.0]))
+
+
+def test_float64_values_that_overflow_float32_are_refused_by_name(device):
+    # 1e300 is no float32 (largest 3.4e38): NumPy's cast would make it inf with a warning only
+    pydiff.set_default_device(device)
+    f = lambda x, d: (x * d).sum()  # noqa: E731
+    for run, where in (
+        (lambda: pydiff.value_and_grad(f)(np.array([1e300]), np.ones(1)), "argument 0"),
+        (lambda: pydiff.grad(f)(np.ones(1), np.array([-1e300])), "argument 1"),  # data too
+        (lambda: pydiff.grad(f)([1e39], np.ones(1)), "argument 0"),
+        (lambda: pydiff.jacfwd(lambda x: x * 1.0)(np.array([1e300])), "primal 0"),
+    ):
+        with pytest.raises(ValueError, match=rf"{where}: float64 values up to .* overflow"):
+            run()
+    # inf given as inf stays inf (not an overflow): d/dx sum(x * 1) = 1
+    np.testing.assert_array_equal(pydiff.grad(f)(np.array([np.inf]), np.ones(1)), [1.0])
+
+
+def test_arange_of_non_finite_bounds_and_sum_of_non_int_axes_say_which(device):
+    with pytest.raises(ValueError, match=r"arange: stop=inf is not finite"):
+        pydiff.arange(0, np.inf, device=device)
+    with pytest.raises(ValueError, match=r"arange: start=nan"):
+        pydiff.arange(np.nan, 3, device=device)
+    x = pydiff.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+    for axis in (1.0, (0, 1.0), True, "0"):
+        with pytest.raises(TypeError, match=r"sum: axis=.* an axis is an int"):
+            x.sum(axis=axis)
+    np.testing.assert_array_equal(x.sum(axis=np.int64(1)).numpy(), [3.0, 7.0])  # NumPy ints
+
+
+def test_asarray_copy_false_raises_as_numpy2_and_copies_otherwise(device):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    with pytest.raises(ValueError, match=r"copy=False.*without a copy"):
+        np.asarray(x, copy=False)
+    with pytest.raises(ValueError, match=r"copy=False"):
+        np.array(x, copy=False)
+    a = np.asarray(x)
+    a[0] = 9.0
+    np.testing.assert_array_equal(x.numpy(), [1.0, 2.0])  # a copy, as documented
+    np.testing.assert_array_equal(np.array(x, copy=True, dtype=np.float64), [1.0, 2.0])

@@ -191,3 +191,103 @@ def test_pydiff_layer_inside_a_torch_module_trains(device):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0]
+
+
+# --- torch tensors on a pydiff tape (breaker 17 round 2): data works, grads refused ---
+
+
+def test_torch_constant_on_a_user_tape_is_data_and_the_gradient_is_exact(device):
+    x = pydiff.tensor([1.0, -2.0, 0.5], device=device, requires_grad=True)
+    w = torch.tensor([3.0, 4.0, -1.0])  # no gradient: data
+    with pydiff.Tape() as tape:
+        y = ops.sum(ops.mul(ops.mul(x, x), w))  # sum(w x^2)
+    assert isinstance(y, pydiff.Tensor)
+    tape.backward(y)
+    # closed form: d/dx sum(w x^2) = 2 w x
+    np.testing.assert_allclose(x.grad.numpy(), 2 * w.numpy() * x.numpy(), rtol=1e-6)
+    assert np.isclose(y.item(), float((w.double() * torch.tensor([1.0, 4.0, 0.25]).double()).sum()))
+
+
+def _on_user_tape(call):
+    with pydiff.Tape():
+        call()
+
+
+def test_torch_tensor_that_requires_grad_on_a_pydiff_tape_is_refused_with_the_way_out(device, poly):
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    t = torch.ones(2, requires_grad=True)
+    for run, name in (
+        (lambda: pydiff.grad(lambda a: ops.sum(ops.mul(a, t)))(x), "mul"),
+        (lambda: _on_user_tape(lambda: poly.polynomial(1.0, 2.0, 3.0, t)), "polynomial"),
+    ):
+        with pytest.raises(TypeError) as e:
+            run()
+        msg = str(e.value)
+        assert name in msg and "torch" in msg and "pydiff.from_torch" in msg, msg
+        assert "torch_function" in msg and "nest" not in msg, msg
+        with pydiff.Tape():  # no tape was left open (else "tapes do not nest")
+            pass
+
+
+def test_torch_function_of_a_closure_with_a_torch_constant(device):
+    w = torch.tensor([2.0, -3.0])
+    f = pydiff.torch_function(lambda a: ops.mul(a, w))  # w reaches ops.mul on the bridge's tape
+    a = torch.tensor([1.0, 5.0], dtype=torch.float64).float().requires_grad_(True)
+    f(a).sum().backward()
+    torch.testing.assert_close(a.grad, w)  # d/da sum(a w) = w
+
+
+def test_function_apply_with_a_torch_tensor_names_torch_function(device):
+    class Twice(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return ops.mul(x, 2.0)
+
+        @staticmethod
+        def backward(ctx, g):
+            return ops.mul(g, 2.0)
+
+    with pytest.raises(
+        TypeError, match=r"Twice\.apply: argument 0 is a torch tensor.*torch_function"
+    ):
+        Twice.apply(torch.ones(2))
+    t = torch.tensor([1.0, 3.0], requires_grad=True)
+    pydiff.torch_function(Twice.apply)(t).sum().backward()  # the way out works
+    torch.testing.assert_close(t.grad, torch.tensor([2.0, 2.0]))
+
+
+@pytest.mark.parametrize("op", ["+", "-", "*", "/", "@", "**", "r+"])
+def test_operators_with_a_torch_tensor_name_torch(device, op):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    t = torch.ones(2)
+    run = {
+        "+": lambda: x + t,
+        "-": lambda: x - t,
+        "*": lambda: x * t,
+        "/": lambda: x / t,
+        "@": lambda: x @ t,
+        "**": lambda: x**t,
+        "r+": lambda: x.__radd__(t),
+    }[op]
+    with pytest.raises(TypeError, match=r"pydiff\.Tensor and torch\.Tensor.*from_torch"):
+        run()
+
+
+def test_half_torch_tensor_in_an_op_says_float_and_the_cast_works(device):
+    h = torch.tensor([1.0, 2.0], dtype=torch.float16, requires_grad=True)
+    with pytest.raises(
+        pydiff.OpDtypeError, match=r"mul: a is a torch\.float16 tensor.*a\.float\(\)"
+    ):
+        ops.mul(h, h)
+    ops.mul(h.float(), h.float()).sum().backward()  # the advice: autograd reaches h
+    torch.testing.assert_close(h.grad, torch.tensor([2.0, 4.0], dtype=torch.float16))
+
+
+def test_from_torch_refuses_sparse_meta_and_a_non_bool_requires_grad(device):
+    with pytest.raises(TypeError, match=r"from_torch: .*sparse.*to_dense"):
+        pydiff.from_torch(torch.eye(2).to_sparse(), device=device)
+    with pytest.raises(ValueError, match=r"from_torch: .*'meta'"):
+        pydiff.from_torch(torch.ones(2, device="meta"), device=device)
+    with pytest.raises(TypeError, match=r"from_torch: requires_grad must be a bool"):
+        pydiff.from_torch(torch.ones(2), device=device, requires_grad=1)
+    assert pydiff.from_torch(torch.ones(2), device=device, requires_grad=np.True_).requires_grad
