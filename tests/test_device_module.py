@@ -214,8 +214,23 @@ def test_implicit_layer_sample_matches_finite_differences_and_trains():
     assert "Warning" not in out.stderr, out.stderr[-2000:]
 
 
+def test_newton_jacobians_sample_matches_closed_forms_and_converges():
+    out = _run_sample("newton_jacobians.py").stdout
+
+    def figure(label: str) -> float:
+        found = re.search(label + r": max difference ([\d.e+-]+)", out)
+        assert found, out[-2000:]
+        return float(found.group(1))
+
+    assert figure("jacfwd vs A") < 1e-5 and figure("jacrev vs jacfwd") < 1e-6, out
+    assert figure("hvp vs closed form") < 1e-5 and figure("hessian vs closed form") < 1e-5, out
+    final = re.search(r"final \|grad f\| in float64: ([\d.e+-]+)", out)
+    assert final and float(final.group(1)) < 1e-4, out[-2000:]  # from 2.8 at the start
+
+
 def test_every_sample_script_is_run_by_a_test():
     run = {s.split()[0] for s in FITTING_SAMPLES} | {"torch_layer.py", "implicit_layer.py"}
+    run |= {"newton_jacobians.py"}
     run |= {"train_mlp_distributed.py"}  # run by tests/test_distributed.py (needs torch)
     run |= {s.split()[0] for s, _ in SAMPLE_RUNS}
     helpers = {"plotting.py"}  # imported by the others
