@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
-from . import compile_cache, cuda_context
+from . import call_uniforms, compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
 from .errors import DeviceUnavailableError
@@ -284,6 +284,7 @@ def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | N
         )
     if type_name == "cuda":  # PyTorch's context, current on every thread (cuda_context)
         options["existing_device_handles"] = cuda_context.primary_handles()
+    call_uniforms.install()  # no push constants past what Vulkan drivers take
     return spy.Device(
         type=_TYPES[type_name],
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},

@@ -48,6 +48,8 @@ class FunctionCtx:
         self.outputs: tuple = ()
 
     def save_for_backward(self, *tensors: Any) -> None:
+        """Keep tensors for ``backward``. Saved inputs and outputs are checked at the backward
+        (as PyTorch does): overwritten in place after the forward, they raise RuntimeError."""
         self.saved_tensors = tuple(tensors)
 
     def grad_target(self, k: int) -> Tensor | None:
@@ -162,6 +164,11 @@ class Function:
                     # Zeroed by the backward in its own command list (or when read first).
                     o.requires_grad_(True, zero_later=True)
             reads = [(f"input {k} of {cls.__name__}", t) for k, (_, t) in enumerate(inputs)]
+            reads += [  # outputs the backward reads (the inputs are read anyway)
+                (f"output {k} of {cls.__name__}, saved for its backward,", o)
+                for k, o in enumerate(outputs)
+                if any(isinstance(t, Tensor) and t.storage is o.storage for t in ctx.saved_tensors)
+            ]
 
             def run_backward(entry: Any) -> None:
                 _run_backward(cls, ctx, [t for _, t in inputs], outputs)

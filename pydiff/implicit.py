@@ -6,6 +6,11 @@ The forward iterates ``x <- f(x, *params)``; nothing of it is recorded. The back
 the implicit function theorem at the solution x*: it solves the adjoint equation
 ``(I - df/dx)^T lam = xbar`` by the iteration ``lam <- xbar + (df/dx)^T lam`` (one VJP of f
 at x* per step, each on a tape of its own), then gives ``pbar = (df/dp)^T lam``.
+
+Stopping rules (infinity norms): the forward stops on ``|x_k - x_(k-1)| <= atol + tol |x_k|``;
+the adjoint and tangent solves are linear in their right-hand side, so they stop on the
+relative step ``|lam_k - lam_(k-1)| <= tol |lam_k|`` alone: the same iterations, to the same
+relative accuracy, whatever the scale of the upstream gradient or the direction.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from .tensor import Tensor
 
 #: The default iteration limit of the forward and the adjoint solve.
 MAX_ITER = 1000
+#: The forward solve's default absolute floor on the step (what a solution at 0 stops on).
+ATOL = 1e-12
 
 
 def _call(f: Callable[..., Any], x: Tensor, params: tuple) -> Tensor:
@@ -51,21 +58,28 @@ def _call(f: Callable[..., Any], x: Tensor, params: tuple) -> Tensor:
 
 
 def _step(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
-    """(max |new - old|, the tolerance's scale max(1, max |new|))."""
+    """(max |new - old|, max |new|): the step and the size of the new iterate."""
     if not new.size:
-        return 0.0, 1.0
-    return float(np.max(np.abs(new - old))), max(1.0, float(np.max(np.abs(new))))
+        return 0.0, 0.0
+    return float(np.max(np.abs(new - old))), float(np.max(np.abs(new)))
 
 
-def _not_converged(which: str, steps: int, residual: float, tol: float, hint: str) -> None:
+def _not_converged(which: str, steps: int, residual: float, bound: str, hint: str) -> None:
     if math.isfinite(residual):
         how = f"did not converge in max_iter={steps} iterations"
     else:  # overflow: stop at once rather than iterate on inf/nan
         how = f"diverged at iteration {steps} (the values overflowed or became NaN)"
     raise ConvergenceError(
         f"fixed_point: the {which} {how}: last residual max|change| = {residual:.3g} "
-        f"(tol={tol:g}, scaled by max(1, max|x|)). {hint}"
+        f"(it stops at max|change| <= {bound}). {hint}"
     )
+
+
+#: The adjoint and tangent solves' hint when they do not converge.
+_LINEAR_HINT = (
+    "It converges where the forward does (spectral radius of df/dx at x* below 1); "
+    "raise max_iter or tol."
+)
 
 
 def _vjp(
@@ -92,9 +106,11 @@ def _vjp(
 
 def _refuse_hidden_inputs(f: Callable[..., Any], tape: Tape, given: list) -> None:
     """A tensor with gradients that f reads without receiving it (a closure's, a global):
-    its gradient would come out wrong (one VJP's share per adjoint step), so it is refused."""
+    its gradient would come out wrong (one VJP's share per adjoint step), so it is refused.
+    A view of a given tensor (``b.reshape(...)``) is that tensor: its gradient is the base's."""
     for t in tape.inputs():
-        if t.requires_grad and not any(t is g for g in given):
+        base = t.base if t.base is not None else t
+        if t.requires_grad and not any(base is g for g in given):
             name = getattr(f, "__name__", None) or repr(f)
             raise ValueError(
                 f"fixed_point: f ({name}) reads a tensor of shape {t.shape} that requires a "
@@ -110,27 +126,35 @@ class FixedPoint(Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, f: Any, tol: float, max_iter: int, x0: Tensor, *params: Any
+        ctx: FunctionCtx,
+        f: Any,
+        tol: float,
+        atol: float,
+        max_iter: int,
+        x0: Tensor,
+        *params: Any,
     ) -> Tensor:
         fixed = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
         x, old = x0, x0.numpy().astype(np.float64)
         for steps in range(1, max_iter + 1):
             x = _call(f, x, fixed)
             new = x.numpy().astype(np.float64)
-            residual, scale = _step(old, new)
+            residual, size = _step(old, new)
             if not math.isfinite(residual):
                 break
             old = new
-            if residual <= tol * scale:
-                ctx.f, ctx.tol, ctx.max_iter, ctx.params, ctx.x = f, tol, max_iter, params, x
+            if residual <= atol + tol * size:
+                ctx.f, ctx.tol, ctx.max_iter, ctx.params = f, tol, max_iter, params
+                ctx.save_for_backward(x)  # the backward linearises f here: overwrites refused
                 return x
         _not_converged(
             "forward solve x = f(x, *params)",
             steps,
             residual,
-            tol,
+            f"atol + tol * max|x| = {atol:g} + {tol:g} * {size:.3g}",
             "The iteration converges where f is a contraction in x (|df/dx| < 1 near the "
-            "solution); raise max_iter or tol, or start x0 nearer the solution.",
+            "solution); raise max_iter or tol, or start x0 nearer the solution. A solution "
+            "near 0 needs an absolute floor: raise atol to the accuracy x* needs.",
         )
 
     @staticmethod
@@ -138,7 +162,7 @@ class FixedPoint(Function):
         """Implicit function theorem: dx* = (I - df/dx)^-1 (df/dp dp), solved by the iteration
         dx <- df/dx dx + df/dp dp (one JVP of f at x* per step; converges as the forward)."""
         first_order_only(ctx, "an iteration of JVPs of f at the solution")
-        x, params, tparams = ctx.x.detach(), ctx.params, tangents[4:]
+        x, params, tparams = ctx.saved_tensors[0].detach(), ctx.params, tangents[5:]
         dx = np.zeros(x.expected_numpy_shape())
         if all(t is None for t in tparams):
             return None
@@ -147,59 +171,65 @@ class FixedPoint(Function):
             step = lambda x, *p: _call(ctx.f, x, p)  # noqa: E731
             out = forward_trace.tangent_through(step, (x, *params), (t, *tparams))
             new = np.zeros_like(dx) if out is None else out.numpy().astype(np.float64)
-            residual, scale = _step(dx, new)
+            residual, size = _step(dx, new)
             if not math.isfinite(residual):
                 break
             dx = new
-            if residual <= ctx.tol * scale:
+            if residual <= ctx.tol * size:  # relative: linear in dp (0 <= 0 for dp = 0)
                 return make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
         _not_converged(
             "tangent solve (I - df/dx) dx = df/dp dp",
             steps,
             residual,
-            ctx.tol,
-            "It converges where the forward does (spectral radius of df/dx at x* below 1); "
-            "raise max_iter or tol.",
+            f"tol * max|dx| = {ctx.tol:g} * {size:.3g}",
+            _LINEAR_HINT,
         )
 
     @staticmethod
     def backward(ctx: FunctionCtx, xbar: Tensor) -> tuple:
         wants = [isinstance(p, Tensor) and p.requires_grad for p in ctx.params]
+        (x,) = ctx.saved_tensors
         seed = xbar.numpy().astype(np.float64)
         lam = seed
         for steps in range(1, ctx.max_iter + 1):
-            gx, _ = _vjp(ctx.f, ctx.x, ctx.params, [False] * len(wants), lam, True)
+            gx, _ = _vjp(ctx.f, x, ctx.params, [False] * len(wants), lam, True)
             new = seed + gx
-            residual, scale = _step(lam, new)
+            residual, size = _step(lam, new)
             if not math.isfinite(residual):
                 break
             lam = new
-            if residual <= ctx.tol * scale:
-                _, grads = _vjp(ctx.f, ctx.x, ctx.params, wants, lam, False)
+            if residual <= ctx.tol * size:  # relative: linear in xbar (0 <= 0 for xbar = 0)
+                _, grads = _vjp(ctx.f, x, ctx.params, wants, lam, False)
                 tensor_grads = [g for p, g in zip(ctx.params, grads) if isinstance(p, Tensor)]
                 return (None, *tensor_grads)  # x* does not depend on x0
         _not_converged(
             "adjoint solve (I - df/dx)^T lam = xbar",
             steps,
             residual,
-            ctx.tol,
-            "It converges where the forward does (spectral radius of df/dx at x* below 1); "
-            "raise max_iter or tol.",
+            f"tol * max|lam| = {ctx.tol:g} * {size:.3g}",
+            _LINEAR_HINT,
         )
 
 
 def fixed_point(
-    f: Callable[..., Any], x0: Any, *params: Any, tol: float = 1e-6, max_iter: int = MAX_ITER
+    f: Callable[..., Any],
+    x0: Any,
+    *params: Any,
+    tol: float = 1e-6,
+    max_iter: int = MAX_ITER,
+    atol: float = ATOL,
 ) -> Tensor:
     """The solution x* of ``x = f(x, *params)`` by iterating ``x <- f(x, *params)`` from x0,
     recorded on the active tape with a backward by the implicit function theorem.
 
     ``f`` is a shader function (called with ``_result="tensor"``) or a Python function of
     pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
-    ``max|x_k - x_(k-1)| <= tol * max(1, max|x_k|)`` (the infinity norm, relative above 1).
-    Gradients flow to the tensor ``params`` (numbers are constants), never through the
-    iterations: the backward solves ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar +
-    (df/dx)^T lam`` with one VJP of f at x* per step, under the same stopping rule, then
+    ``max|x_k - x_(k-1)| <= atol + tol * max|x_k|`` (infinity norms: ``tol`` relative,
+    ``atol`` an absolute floor for a solution at or near 0). Gradients flow to the tensor
+    ``params`` (numbers are constants), never through the iterations: the backward solves
+    ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar + (df/dx)^T lam`` with one VJP of f at x*
+    per step until ``max|lam_k - lam_(k-1)| <= tol * max|lam_k|`` (relative alone: the solve
+    is linear in xbar, so any scale of the upstream gradient gets the same accuracy), then
     ``pbar = (df/dp)^T lam``. x* does not depend on x0, which gets no gradient. A forward or
     adjoint solve that does not converge in ``max_iter`` iterations (or overflows) raises
     ``pydiff.ConvergenceError`` with the last residual. Works on a ``pydiff.Tape``, under
@@ -217,6 +247,10 @@ def fixed_point(
         raise TypeError(f"fixed_point: tol must be a positive number, not {tol!r}")
     if not (math.isfinite(tol) and tol > 0):
         raise ValueError(f"fixed_point: tol must be a positive finite number, got {tol!r}")
+    if isinstance(atol, bool) or not isinstance(atol, numbers.Real):
+        raise TypeError(f"fixed_point: atol must be a number >= 0, not {atol!r}")
+    if not (math.isfinite(atol) and atol >= 0):
+        raise ValueError(f"fixed_point: atol must be a finite number >= 0, got {atol!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
         raise TypeError(f"fixed_point: max_iter must be a positive int, not {max_iter!r}")
     if max_iter < 1:
@@ -230,4 +264,4 @@ def fixed_point(
         x0 = make_tensor(arr, device=device)  # a number: 0-d, as np.asarray
     elif x0.scalar_type not in ("float", "half"):
         raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
-    return FixedPoint.apply(f, float(tol), int(max_iter), x0, *params)
+    return FixedPoint.apply(f, float(tol), float(atol), int(max_iter), x0, *params)

@@ -422,3 +422,35 @@ def test_backward_may_return_a_list_of_gradients(device):
     tape.backward(out, grad=np.ones(3))
     np.testing.assert_allclose(a.grad.numpy(), 2.0)
     np.testing.assert_allclose(b.grad.numpy(), 0.0)
+
+
+def test_a_saved_output_overwritten_before_backward_raises(device):
+    """save_for_backward(output): overwritten in place, the backward would read the new values
+    (as PyTorch, refused); a saved input was checked already, an unsaved output is not."""
+
+    class Exp(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = pydiff.ops.exp(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.numpy() * ctx.saved_tensors[0].numpy()
+
+    x = _t(device, X3)
+    with pydiff.Tape() as tape:
+        y = Exp.apply(x)
+    tape.backward(y, grad=np.ones(3))
+    np.testing.assert_allclose(x.grad.numpy(), np.exp(X3), rtol=1e-6)
+    with pydiff.Tape() as tape:
+        y = Exp.apply(x)
+    y.fill(0.0)
+    with pytest.raises(RuntimeError, match=r"output 0 of Exp, saved for its backward,.*overwr"):
+        tape.backward(y, grad=np.ones(3))
+    with pydiff.Tape() as tape:  # the same for a library op that saves its output
+        s = pydiff.ops.softmax(x)
+    s.fill(0.0)
+    with pytest.raises(RuntimeError, match=r"saved for its backward,.*overwritten"):
+        tape.backward(s, grad=np.arange(3.0))

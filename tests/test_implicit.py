@@ -223,6 +223,9 @@ def test_adjoint_that_does_not_converge_raises(device):
         ({"max_iter": -2}, ValueError, "max_iter must be at least 1"),
         ({"max_iter": 2.5}, TypeError, "max_iter must be a positive int"),
         ({"max_iter": True}, TypeError, "max_iter must be a positive int"),
+        ({"atol": -1e-9}, ValueError, "atol must be a finite number >= 0"),
+        ({"atol": math.inf}, ValueError, "atol must be a finite number >= 0"),
+        ({"atol": None}, TypeError, "atol must be a number >= 0"),
     ],
 )
 def test_bad_tol_and_max_iter_refused(device, kwargs, error, message):
@@ -251,3 +254,99 @@ def test_a_tensor_with_gradients_f_closes_over_is_refused(device):
     with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
         tape.backward(x, grad=np.ones((2, 1)))
     np.testing.assert_array_equal(A.grad.numpy(), np.zeros((2, 2)))
+
+
+def test_a_view_of_a_closure_tensor_is_still_refused(device):
+    # A view of a param is the param (breaker 18's cases); a view of a closure's tensor is not.
+    A = pydiff.tensor(np.full(4, 0.25, np.float32), device=device, requires_grad=True)
+    b = pydiff.tensor(np.ones((2, 1), np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, b: ops.matmul(A.reshape(2, 2), x) + b, np.zeros((2, 1)), b)
+    with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
+        tape.backward(x, grad=np.ones((2, 1)))
+
+
+def test_params_and_state_read_through_views_in_forward_mode(device):
+    # x = 0.5 x.reshape(...) + b.reshape(...) : x* = 2 b, dx* = 2 db (jvp) and b.grad = 2 (vjp).
+    b = pydiff.tensor(np.float32([[1.0, 2.0], [3.0, 4.0]]), device=device, requires_grad=True)
+    f = lambda x, b: 0.5 * x.reshape(4).reshape(2, 2) + b.reshape(4).reshape(2, 2)  # noqa: E731
+    _, t = pydiff.jvp(
+        lambda b: pydiff.fixed_point(f, np.zeros((2, 2)), b), (b,), (np.ones((2, 2)),)
+    )
+    np.testing.assert_allclose(t.numpy(), np.full((2, 2), 2.0), rtol=1e-5)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros((2, 2)), b)
+    tape.backward(x, grad=np.ones((2, 2)))
+    np.testing.assert_allclose(b.grad.numpy(), np.full((2, 2), 2.0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 1e-12, 1e6])
+def test_adjoint_and_tangent_accuracy_do_not_depend_on_scale(device, scale):
+    # x = a tanh(x) + b elementwise: dx*/db = 1 / (1 - a sech^2 x*). The adjoint and tangent
+    # solves are linear in xbar (dp): a seed of any size gets the same relative accuracy.
+    a64 = np.float32([0.9, -0.7, 0.95]).astype(float)
+    b64 = np.float32([0.3, -0.2, 0.05]).astype(float)
+    xs = _np_solve(lambda x: a64 * np.tanh(x) + b64, np.zeros(3))
+    dxdb = 1 / (1 - a64 / np.cosh(xs) ** 2)
+    a = pydiff.tensor(a64.astype(np.float32), device=device)
+    b = pydiff.tensor(b64.astype(np.float32), device=device, requires_grad=True)
+    f = lambda x, a, b: a * ops.tanh(x) + b  # noqa: E731
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros(3), a, b)
+    tape.backward(x, grad=np.full(3, scale))
+    np.testing.assert_allclose(b.grad.numpy() / scale, dxdb, rtol=2e-5)
+    _, t = pydiff.jvp(
+        lambda b: pydiff.fixed_point(f, np.zeros(3), a, b), (b,), (np.full(3, scale),)
+    )
+    np.testing.assert_allclose(t.numpy() / scale, dxdb, rtol=2e-5)
+
+
+def test_zero_upstream_gradient_and_zero_direction_give_zero(device):
+    b = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    f = lambda x, b: 0.9 * x + b  # noqa: E731
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros(2), b)
+    tape.backward(x, grad=np.zeros(2))
+    np.testing.assert_array_equal(b.grad.numpy(), [0.0, 0.0])
+    _, t = pydiff.jvp(lambda b: pydiff.fixed_point(f, np.zeros(2), b), (b,), (np.zeros(2),))
+    np.testing.assert_array_equal(t.numpy(), [0.0, 0.0])
+
+
+@pytest.mark.parametrize("x_star", [1e-3, 1e-7, 1e-9])
+def test_forward_tolerance_is_relative_for_small_solutions(device, x_star):
+    # x = 0.9 x + 0.1 x*: the first step from 0 is 0.1 x*; the old rule, absolute below 1,
+    # stopped there (x = 0.1 x*). Stopping at a step s leaves an error of s * 0.9 / (1 - 0.9),
+    # so at most 9 (atol + tol x*): relative 9e-6 + 9e-12 / x* with the defaults; atol=0 leaves
+    # the relative part alone.
+    c = pydiff.tensor(np.full(2, 0.1 * x_star, np.float32), device=device)
+    want = np.float64(np.float32(0.1 * x_star)) / 0.1
+    for atol in (1e-12, 0.0):
+        x = pydiff.fixed_point(lambda x, c: 0.9 * x + c, np.zeros(2), c, atol=atol)
+        bound = 9 * (atol / x_star + 1e-6) + 1e-6  # + float32 rounding
+        np.testing.assert_allclose(x.numpy(), want, rtol=bound)
+
+
+def test_forward_solution_at_zero_stops_on_atol(device):
+    # x* = 0 (x = 0.5 tanh x): a relative step never gets small (it stays (1 - rho) / rho);
+    # the absolute floor stops it: |x| <= atol rho / (1 - rho) at the end.
+    a = pydiff.tensor(np.full(3, 0.5, np.float32), device=device)
+    x = pydiff.fixed_point(lambda x, a: a * ops.tanh(x), np.ones(3), a)
+    assert np.max(np.abs(x.numpy())) <= 1e-12
+    x = pydiff.fixed_point(lambda x, a: a * ops.tanh(x), np.ones(3), a, atol=1e-4)
+    assert 0 < np.max(np.abs(x.numpy())) <= 1e-4
+    a = pydiff.tensor(np.full(3, 0.99, np.float32), device=device)  # too slow for the default
+    with pytest.raises(pydiff.ConvergenceError, match=r"max_iter=1000 .*raise atol"):
+        pydiff.fixed_point(lambda x, a: a * ops.tanh(x), np.ones(3), a)
+
+
+def test_overwriting_the_solution_before_backward_raises(device):
+    # The backward linearises f at x*, fixed_point's own output: overwritten, it would
+    # linearise at the new values (breaker 18), so the tape's version check refuses it.
+    a = pydiff.tensor([0.5, -0.3], device=device)
+    b = pydiff.tensor([1.0, -0.5], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, a, b: a * ops.tanh(x) + b, np.zeros(2), a, b)
+    x.copy_from_numpy(np.zeros(2))
+    with pytest.raises(RuntimeError, match=r"output 0 of FixedPoint.*overwritten by a host"):
+        tape.backward(x, grad=np.ones(2))
+    np.testing.assert_array_equal(b.grad.numpy(), [0.0, 0.0])
