@@ -424,6 +424,20 @@ def _run(fn: Any, inputs: list, named: dict, given: tuple) -> Any:
         raise OpDtypeError(why, exc.op, exc.argument, exc.dtype) from None
 
 
+def _data(value: Any, where: str, use: str) -> Tensor:
+    """A torch tensor passed to a call outside torch autograd (``fn.fwds``, ``fn.bwds``) as
+    a pydiff tensor of its values; refused when it requires grad (its gradient would be
+    lost)."""
+    if value.requires_grad:
+        raise TypeError(
+            f"{use}: {where} is a torch tensor that requires grad; {use} runs outside torch "
+            "autograd, so no gradient would reach it. Pass t.detach() for its values, "
+            "pydiff.from_torch(t, requires_grad=True) to differentiate it with pydiff, or call "
+            "the function itself on torch tensors (torch autograd)"
+        )
+    return _convert_arg(value, f"{use}: {where}")
+
+
 def _needs_torch_grad(value: Any) -> bool:
     if isinstance(value, (list, tuple, dict)):
         return any(map(_needs_torch_grad, value.values() if isinstance(value, dict) else value))
@@ -442,6 +456,7 @@ foreign.register(
     "convert the torch tensor with pydiff.from_torch(t) for a pydiff result, or the pydiff "
     "tensor with pydiff.to_torch(x) for a torch one (pydiff.torch_function(fn) runs pydiff "
     "code inside torch autograd)",
+    _data,
 )
 tensor_methods.provide("__dlpack__", _dlpack)
 tensor_methods.provide("__dlpack_device__", _dlpack_device)
