@@ -18,7 +18,8 @@ class _Registration(NamedTuple):
     call: Callable[[Any, tuple, dict], Any]
     name: str
     advice: str
-    data: Callable[[Any, str, str], Any] | None
+    data: Callable[[Any, str], Any] | None
+    needs_grad: Callable[[Any], bool]
 
 
 _handlers: list[_Registration] = []
@@ -29,15 +30,16 @@ def register(
     call: Callable[[Any, tuple, dict], Any],
     name: str = "foreign",
     advice: str = "",
-    data: Callable[[Any, str, str], Any] | None = None,
+    data: Callable[[Any, str], Any] | None = None,
+    needs_grad: Callable[[Any], bool] = lambda value: False,
 ) -> None:
     """Run calls with an argument of one of ``classes()`` (the classes loaded now: () while
     their framework is not imported) through ``call(fn, args, kwargs)`` instead. ``name``
     (the framework, "torch") and ``advice`` (how to convert its values) go into the messages
-    of the places that cannot take them. ``data(value, where, use)``: the value as a pydiff
-    tensor of its values, for calls outside the framework's autograd (``as_data``); it
-    refuses, naming ``where`` and ``use``, a value whose gradient would be lost."""
-    _handlers.append(_Registration(classes, call, name, advice, data))
+    of the places that cannot take them. ``data(value, where)``: the value as a pydiff tensor
+    of its values, for calls outside the framework's autograd (``as_data``), which refuse a
+    value that ``needs_grad`` (its gradient would be lost)."""
+    _handlers.append(_Registration(classes, call, name, advice, data, needs_grad))
 
 
 def _registration(value: Any) -> _Registration | None:
@@ -78,7 +80,7 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` of a call of the shader function ``fn`` that no framework's
     autograd sees (``fn.fwds``, ``fn.bwds``), with foreign tensors converted to pydiff
     tensors of their values (constants: no gradient reaches them). Refused, naming the
-    parameter: one that requires grad (``data`` refuses it), and one at a parameter the
+    parameter: one that requires grad (``needs_grad``), and one at a parameter the
     call writes or at an option (``_result``), whose values would not come back."""
     if not _handlers or not _holds_foreign((*args, *kwargs.values())):
         return args, kwargs
@@ -102,7 +104,14 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
             raise TypeError(
                 f"{use}: {where} is a {reg.name} tensor; pass a pydiff one ({reg.advice})"
             )
-        return reg.data(value, where, use)
+        if reg.needs_grad(value):
+            raise TypeError(
+                f"{use}: {where} is a {reg.name} tensor that requires grad; {use} runs outside "
+                f"{reg.name} autograd, so no gradient would reach it. Pass t.detach() for its "
+                f"values, or call the function itself on {reg.name} tensors ({reg.name} "
+                "autograd)"
+            )
+        return reg.data(value, f"{use}: {where}")
 
     new_args = tuple(
         convert(a, names[k] if k < len(names) else f"argument {k}") for k, a in enumerate(args)
