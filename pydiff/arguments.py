@@ -176,10 +176,11 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
 
 
 def scalar_numpy_result(fn: FunctionTarget, bound: list, options: dict) -> bool:
-    """For a forward call with ``_result='numpy'`` whose arguments are all single values (no
-    tensor or array to vectorise over) and a scalar result: SlangPy cannot write its 0-d
-    array. Puts a one-element array in ``options`` instead and returns True; the caller
-    gives back ``out.reshape(())``, as ``_result='tensor'`` gives a tensor of shape ()."""
+    """For a forward call with ``_result='numpy'`` whose arguments are all single values
+    (call shape (): no tensor or array to vectorise over) and a scalar result: SlangPy cannot
+    write its 0-d array. Puts a one-element array in ``options`` instead and returns True;
+    the caller gives back ``out.reshape(())``, as ``_result='tensor'`` gives a tensor of
+    shape ()."""
     result = options.get("_result")
     if not (isinstance(result, str) and result == "numpy"):
         return False
@@ -189,8 +190,8 @@ def scalar_numpy_result(fn: FunctionTarget, bound: list, options: dict) -> bool:
     for p, value in bound:
         if type(value) in PLAIN or type(value) is list:  # (lists left are one vector each)
             continue
-        if type(value) is np.ndarray and argument_shape(p.type_name, value) == ():
-            continue
+        if type(value) in (np.ndarray, Tensor) and argument_shape(p.type_name, value) == ():
+            continue  # one whole element (a (3,) array or tensor at a float3), or 0-d
         return False
     options["_result"] = np.zeros((1,), SCALAR_NUMPY[ret])
     return True

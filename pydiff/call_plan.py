@@ -27,7 +27,7 @@ import slangpy as spy
 
 from . import generated
 from .arguments import MISSING, PLAIN, resolve_error
-from .call_shape import zero_d_call
+from .call_shape import tensor_result, zero_d_call
 from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
 from .determinism import is_deterministic
@@ -118,6 +118,7 @@ class ForwardPlan:
         "numel",
         "result_tensor",
         "zero_d",
+        "options",
     )
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -130,6 +131,8 @@ class ForwardPlan:
         self.numel = bound[self.tensors[0]][1].numel if self.tensors else 0
         self.result_tensor = type(result) is Tensor
         self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
+        self.options: dict = {}
+        tensor_result(fn, bound, self.options)  # a whole float3 tensor at a float3: a tensor
 
     @staticmethod
     def make(
@@ -177,7 +180,7 @@ class ForwardPlan:
                 st.reread = True
         try:
             if result is MISSING:
-                out = fn.native(*native)
+                out = fn.native(*native, **self.options)
             else:
                 out = fn.native(
                     *native, _result=result.bind(True) if self.result_tensor else result

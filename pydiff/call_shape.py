@@ -269,15 +269,18 @@ def _scalar_of(type_name: str) -> str | None:
 
 
 def zero_d_call(bound: list) -> bool:
-    """Every tensor argument is 0-d (one at least) and no array gives the call a dimension:
-    SlangPy, given their (1,) views, returns a (1,) result, which is 0-d (as in NumPy).
+    """The call shape is () and a tensor made it so: every tensor argument covers no call
+    axis (a 0-d tensor, or a float tensor of shape (3,) at a float3 parameter: one whole
+    element) and no array gives the call a dimension. Its result is 0-d, as in NumPy,
+    whatever made the shape (): SlangPy returns (1,) for the (1,) views of 0-d tensors
+    (``as_zero_d``), a number for whole elements (``tensor_result`` asks for a tensor).
 
     >>> if zero_d_call(bound): out = out.reshape(())
     """
     seen = False
     for p, value in bound:
         if type(value) is Tensor:
-            if value.shape:
+            if value.shape and _covers(p, value) != ():
                 return False
             seen = True
         elif type(value) is np.ndarray:
@@ -286,6 +289,24 @@ def zero_d_call(bound: list) -> bool:
         elif not (type(value) in (float, int, bool) or value is None or type(value) is list):
             return False  # structs and SlangPy's values: left as SlangPy shapes them
     return seen
+
+
+def _covers(p: ParamInfo, value: Tensor) -> tuple[int, ...] | None:
+    try:
+        return argument_shape(param_type(p, value), value)
+    except ElementAxesError:
+        return None  # (refused by check_written before the call)
+
+
+def tensor_result(fn: FunctionTarget, bound: list, options: dict) -> None:
+    """For a call of shape () made by tensors (``zero_d_call``) that returns a scalar,
+    vector or matrix and was given no ``_result``: ask SlangPy for a tensor result, which
+    it returns as a number when no 0-d tensor gives the call its (1,) shape (a whole float3
+    tensor at a float3 parameter), so that the result stays a tensor on a tape."""
+    if "_result" in options or not zero_d_call(bound):
+        return
+    if type_elements(result_type(fn, bound)) is not None:
+        options["_result"] = "tensor"
 
 
 def as_zero_d(out: Any) -> Any:

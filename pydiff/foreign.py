@@ -5,6 +5,7 @@ the call layer asks here, and the interop module above it registers how to run t
     handler = foreign.handler(args, kwargs)                   # None: only pydiff's values
     if handler: return handler(fn, args, kwargs)
     foreign.framework(value)                                  # "torch", or None
+    args, kwargs = foreign.as_data(fn, args, kwargs, "m.f.bwds")  # torch data -> pydiff
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class _Registration(NamedTuple):
     call: Callable[[Any, tuple, dict], Any]
     name: str
     advice: str
+    data: Callable[[Any, str], Any] | None
+    needs_grad: Callable[[Any], bool]
 
 
 _handlers: list[_Registration] = []
@@ -27,12 +30,16 @@ def register(
     call: Callable[[Any, tuple, dict], Any],
     name: str = "foreign",
     advice: str = "",
+    data: Callable[[Any, str], Any] | None = None,
+    needs_grad: Callable[[Any], bool] = lambda value: False,
 ) -> None:
     """Run calls with an argument of one of ``classes()`` (the classes loaded now: () while
     their framework is not imported) through ``call(fn, args, kwargs)`` instead. ``name``
     (the framework, "torch") and ``advice`` (how to convert its values) go into the messages
-    of the places that cannot take them."""
-    _handlers.append(_Registration(classes, call, name, advice))
+    of the places that cannot take them. ``data(value, where)``: the value as a pydiff tensor
+    of its values, for calls outside the framework's autograd (``as_data``), which refuse a
+    value that ``needs_grad`` (its gradient would be lost)."""
+    _handlers.append(_Registration(classes, call, name, advice, data, needs_grad))
 
 
 def _registration(value: Any) -> _Registration | None:
@@ -45,7 +52,7 @@ def _registration(value: Any) -> _Registration | None:
 
 def handler(args: tuple, kwargs: dict) -> Callable[[Any, tuple, dict], Any] | None:
     """The ``call`` of the first registration with an argument of its classes, or None."""
-    for classes, call, _, _ in _handlers:
+    for classes, call, *_ in _handlers:
         kinds = classes()
         if kinds:
             for a in args:
@@ -67,3 +74,53 @@ def advice(value: Any) -> str:
     """How to convert ``value``, a foreign tensor, for pydiff ("" when not one)."""
     reg = _registration(value)
     return reg.advice if reg is not None else ""
+
+
+def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call of the shader function ``fn`` that no framework's
+    autograd sees (``fn.fwds``, ``fn.bwds``), with foreign tensors converted to pydiff
+    tensors of their values (constants: no gradient reaches them). Refused, naming the
+    parameter: one that requires grad (``needs_grad``), and one at a parameter the
+    call writes or at an option (``_result``), whose values would not come back."""
+    if not _handlers or not _holds_foreign((*args, *kwargs.values())):
+        return args, kwargs
+    names = [p.name for p in fn.params]
+    written = {p.name for p in fn.params if p.writes_value}
+
+    def convert(value: Any, name: str) -> Any:
+        if type(value) in (tuple, list):  # fwds's (value, tangent) pairs, lists of values
+            return type(value)(convert(v, name) for v in value)
+        reg = _registration(value)
+        if reg is None:
+            return value
+        where = name if name.startswith("_") else f"parameter {name!r}"
+        if name in written:
+            raise TypeError(
+                f"{use}: {where} is a {reg.name} tensor, which the call writes: the values "
+                f"would not reach it. Pass a pydiff tensor and convert it after the call "
+                f"({reg.advice})"
+            )
+        if name.startswith("_") or reg.data is None:
+            raise TypeError(
+                f"{use}: {where} is a {reg.name} tensor; pass a pydiff one ({reg.advice})"
+            )
+        if reg.needs_grad(value):
+            raise TypeError(
+                f"{use}: {where} is a {reg.name} tensor that requires grad; {use} runs outside "
+                f"{reg.name} autograd, so no gradient would reach it. Pass t.detach() for its "
+                f"values, or call the function itself on {reg.name} tensors ({reg.name} "
+                "autograd)"
+            )
+        return reg.data(value, f"{use}: {where}")
+
+    new_args = tuple(
+        convert(a, names[k] if k < len(names) else f"argument {k}") for k, a in enumerate(args)
+    )
+    return new_args, {k: convert(v, k) for k, v in kwargs.items()}
+
+
+def _holds_foreign(values: tuple) -> bool:
+    return any(
+        _holds_foreign(tuple(v)) if type(v) in (tuple, list) else _registration(v) is not None
+        for v in values
+    )

@@ -25,7 +25,7 @@ from .arguments import (
     resolve_error,
     scalar_numpy_result,
 )
-from .call_shape import as_zero_d, zero_d_call
+from .call_shape import as_zero_d, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
 from .bwds_checks import refuse_written_struct, with_values_of
@@ -88,6 +88,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         options["_result"] = result.bind(True)
     elif result is not MISSING:
         _check_host_result(fn, bound, result)
+    else:
+        tensor_result(fn, bound, options)  # call shape () from a whole float3 tensor: a tensor
     tape = active_tape()
     aliased = _aliased_reads(fn, bound, result)
     needs_grad = any(p.reads_value and _any_grad(v) for p, v in bound)

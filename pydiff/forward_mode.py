@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import slangpy as spy
 
-from . import capturing, generated_calls
+from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, prepare_arguments, check_device, fwd_tensor_struct, scratch
 from .call_shape import param_type
 from .forward_call import forward_call
@@ -293,6 +293,7 @@ class ForwardFunction:
         self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = foreign.as_data(self._fn, args, kwargs, f"{self._fn.label}.fwds")
         return forward_mode_call(self._fn, args, kwargs)
 
     def __repr__(self) -> str:

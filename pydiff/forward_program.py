@@ -131,7 +131,7 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
             "(None for the other arguments)"
         )
     arr = to_float32(value, f"{what}: primal {k}")  # overflow refused, not made inf
-    return make_tensor(arr.reshape(np.shape(value) or (1,)))
+    return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, forward_trace, lint, lint_sources
+from . import capturing, foreign, forward_trace, lint, lint_sources
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -384,6 +384,7 @@ class BackwardFunction:
                 f"{self._fn.label}.bwds inside pydiff.jvp on values with tangents (forward over "
                 "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
             )
+        args, kwargs = foreign.as_data(self._fn, args, kwargs, self._fn.bwds_label)
         # Deferred kernels go first (a batch this joins is ordered by its own scope).
         self._fn.module.device.queue.flush_deferred()
         return backward_call(self._fn, args, kwargs)

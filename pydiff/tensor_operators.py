@@ -33,6 +33,15 @@ def _operand(other: Any, symbol: str) -> bool:
     return False
 
 
+def _comparison(symbol: str, other: Any) -> str:
+    what = "a pydiff.Tensor" if isinstance(other, TensorOperators) else type(other).__name__
+    return (
+        f"pydiff.Tensor {symbol} {what}: tensors do not compare with {symbol} (neither by value "
+        f"nor by identity); compare their values: x.numpy() {symbol} v (elementwise, as NumPy), "
+        f"float(x) {symbol} v for one element, or `x is y` for the same tensor"
+    )
+
+
 class TensorOperators:
     """Mixed into ``Tensor``: operators, indexing and math methods."""
 
@@ -167,6 +176,16 @@ class TensorOperators:
         if not spec:
             return repr(self)
         return format(self.item(), spec)  # type: ignore[attr-defined]
+
+    # `x == v` refused rather than by identity (a silent False in `if loss == 0:`) or by
+    # value (pydiff keeps tensors in lists and dicts by identity): hashing stays by identity.
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        raise TypeError(_comparison("==", other))
+
+    def __ne__(self, other: object) -> bool:
+        raise TypeError(_comparison("!=", other))
 
     def __contains__(self, value: Any) -> bool:
         return bool(np.any(self.numpy() == value))  # type: ignore[attr-defined]

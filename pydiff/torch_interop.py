@@ -21,8 +21,7 @@ import numpy as np
 import slangpy as spy
 
 from . import foreign, tensor_methods
-from .creation import empty as make_empty
-from .creation import tensor as make_tensor
+from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .errors import OpDtypeError
 from .grad_transforms import on_tape
@@ -56,8 +55,7 @@ def _torch() -> Any:
 
 
 def is_torch_tensor(value: Any) -> bool:
-    """Whether ``value`` is a torch.Tensor (False without importing torch when it is not
-    loaded: nothing could be one then)."""
+    """Whether ``value`` is a torch.Tensor (False, without importing torch, when not loaded)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
 
@@ -112,11 +110,9 @@ def from_torch(
     else:
         accepted = ", ".join(f"torch.{n}" for n in _FROM_TORCH)
         asked = f" as dtype={dtype!r}" if dtype is not None else ""
-        hint = (
-            f'; pass dtype="{_ON_REQUEST[name][0]}" for a narrowing copy'
-            if name in _ON_REQUEST and dtype is None
-            else ""
-        )
+        hint = ""
+        if name in _ON_REQUEST and dtype is None:
+            hint = f'; pass dtype="{_ON_REQUEST[name][0]}" for a narrowing copy'
         raise TypeError(
             f"from_torch: a tensor of dtype torch.{name} cannot be converted{asked} (accepted: "
             f"{accepted}; torch.float64 and torch.int64 with dtype=){hint}"
@@ -194,6 +190,12 @@ def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if active_tape() is not None:
+            raise RuntimeError(
+                f"pydiff.torch_function({getattr(fn, '__name__', fn)}) inside a pydiff tape "
+                "(Tape, grad, vjp, jacrev...): torch_function runs outside pydiff tapes (they do "
+                "not nest); there call fn on pydiff tensors (pydiff.from_torch(t) for torch's)"
+            )
         return _bridge().apply(fn, kwargs, *args)
 
     return call
@@ -374,8 +376,7 @@ def _handed(x: Tensor, where: Any) -> Any:
 
 
 def _seed(grad: Any, out: Tensor) -> Any:
-    """torch's upstream gradient for ``out``, as the tape takes it (on the device if both are
-    CUDA and the dtype converts exactly)."""
+    """torch's upstream gradient for ``out`` as the tape takes it (on the device: both CUDA)."""
     exact = str(grad.dtype).removeprefix("torch.") in _FROM_TORCH
     if grad.is_cuda and out.device.type == "cuda" and exact:
         return from_torch(grad, device=out.device, requires_grad=False)
@@ -442,6 +443,8 @@ foreign.register(
     "convert the torch tensor with pydiff.from_torch(t) for a pydiff result, or the pydiff "
     "tensor with pydiff.to_torch(x) for a torch one (pydiff.torch_function(fn) runs pydiff "
     "code inside torch autograd)",
+    data=lambda value, where: _convert_arg(value, where),
+    needs_grad=_needs_torch_grad,
 )
 tensor_methods.provide("__dlpack__", _dlpack)
 tensor_methods.provide("__dlpack_device__", _dlpack_device)

@@ -497,3 +497,42 @@ def test_an_inout_0d_tensor_on_a_tape(device):
     # loss = w0 k: d/dw0 = k, d/dk = w0 (the value before the call)
     assert w.grad.shape == () and k.grad.shape == ()
     np.testing.assert_allclose([w.grad.item(), k.grad.item()], [2.0, 3.0], rtol=RTOL)
+
+
+def test_whole_element_call_shape_is_0d_off_a_tape_too(device):
+    """energy(float3 p) of one (3,) tensor: call shape (), so a 0-d tensor each time (the
+    second call runs through the remembered plan), and 0-d with _result='numpy'."""
+    fw = pydiff.load_module("tests/shaders/forward.slang", device=device)
+    p = pydiff.tensor([1.0, 2.0, 3.0], device=device)
+    want = 1.0 * 2.0 * 3.0 + np.sin(1.0)
+    for _ in range(3):
+        e = fw.energy(p)
+        assert isinstance(e, pydiff.Tensor) and e.shape == ()
+        np.testing.assert_allclose(float(e), want, rtol=RTOL)
+    r = fw.energy(p, _result="numpy")
+    assert isinstance(r, np.ndarray) and r.shape == ()
+    np.testing.assert_allclose(r, want, rtol=RTOL)
+    rows = fw.energy(pydiff.tensor([[1.0, 2.0, 3.0]], device=device))  # a call axis: (1,)
+    assert rows.shape == (1,)
+
+
+def test_tensor_equality_is_refused_and_hashing_stays_by_identity(device):
+    s, t = pydiff.tensor(4.0, device=device), pydiff.tensor(4.0, device=device)
+    for op in (lambda: s == 4.0, lambda: s != 4.0, lambda: s == t, lambda: 4.0 == s):
+        with pytest.raises(TypeError, match=r"x\.numpy\(\) (==|!=) v"):
+            op()
+    assert {s: 1, t: 2}[s] == 1 and len({s, t}) == 2 and s in [s] and float(s) == 4.0
+
+
+def test_fwds_and_bwds_refuse_written_and_result_torch_tensors(device):
+    fw = pydiff.load_module("tests/shaders/forward.slang", device=device)
+    m = pydiff.load_module("samples/polynomial.slang", device=device)
+    with pytest.raises(TypeError, match="parameter 'y' is a torch tensor, which the call writes"):
+        fw.cube_out.bwds(pydiff.tensor([1.0], device=device), torch.tensor([1.0]))
+    x = pydiff.tensor([1.0], device=device, requires_grad=True)
+    with pytest.raises(TypeError, match="_result is a torch tensor"):
+        m.polynomial.bwds(2.0, 0.0, 0.0, x, _result=torch.tensor([1.0]))
+    # a (value, tangent) pair of torch tensors: 2 x^2 and its derivative 4 x along 1
+    y, dy = m.polynomial.fwds(2.0, 0.0, 0.0, (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])))
+    np.testing.assert_allclose(np.asarray(y), [2.0, 8.0], rtol=RTOL)
+    np.testing.assert_allclose(np.asarray(dy), [4.0, 8.0], rtol=RTOL)
