@@ -22,6 +22,7 @@ from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import to_float32
 from .policy import zero_policy
+from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
 
@@ -179,6 +180,17 @@ def alias(x: Tensor) -> Tensor:
     torch.func: a closure's tensor is a constant)."""
     base = x.base if x.base is not None else x
     return Tensor(x.native_view(), x.device, storage=x.storage, base=base)
+
+
+def refuse_copied(out: Tensor, what: str) -> None:
+    """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
+    values with a gradient path: no tape records ``copy_``, so its gradient would be 0."""
+    if out.producer is None and out.storage.replaced[1] == COPY_FROM_GRAPH:
+        raise RuntimeError(
+            f"{what}: fn's output holds values copied in by copy_ from values with a gradient "
+            "path; no tape records copy_, so the gradient through it would be a silent 0. "
+            "Return the value itself (or a pydiff call of it)"
+        )
 
 
 class lent_grads:

@@ -27,7 +27,8 @@ class Trace:
 
     def __init__(self) -> None:
         self._tangents: dict[int, tuple[Any, Any]] = {}
-        self._views: list[tuple[Any, Any, Callable[[Any], Any]]] = []
+        self._on_storage: dict[int, list[Any]] = {}  # id(storage): tensors given a tangent
+        self._views: dict[int, list[tuple[Any, Any, Callable[[Any], Any]]]] = {}
 
     def tangent(self, x: Any) -> Any:
         """The tangent of ``x`` (None: none, i.e. zero)."""
@@ -39,20 +40,21 @@ class Trace:
             self._tangents.pop(id(x), None)
         else:
             self._tangents[id(x)] = (x, tangent)
+            self._on_storage.setdefault(id(x.storage), []).append(x)
 
     def viewed(self, source: Any, view: Any, fn: Callable[[Any], Any]) -> None:
         """Note that ``view`` shows ``source``'s values (its tangent is ``fn(source's)``)."""
-        self._views.append((view, source, fn))
+        self._views.setdefault(id(view.storage), []).append((view, source, fn))
 
     def replaced(self, x: Any, tangent: Any) -> None:
         """All the values of ``x``'s storage were written in place: every tensor on it loses
         its tangent, ``x`` takes ``tangent`` and the views made of it here follow."""
-        storage = x.storage
-        for key in [k for k, (y, _) in self._tangents.items() if y.storage is storage]:
-            del self._tangents[key]
+        for y in self._on_storage.pop(id(x.storage), []):
+            if self.tangent(y) is not None:
+                del self._tangents[id(y)]
         self.set(x, tangent)
-        for view, source, fn in self._views:
-            if view.storage is storage and self.tangent(source) is not None:
+        for view, source, fn in self._views.get(id(x.storage), []):
+            if self.tangent(source) is not None:
                 self.set(view, fn(self.tangent(source)))
 
 

@@ -20,6 +20,7 @@ from . import forward_trace
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
+from .forward_program import refuse_copied
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -132,6 +133,7 @@ def vjp(
             if c is None or not o.requires_grad:
                 continue  # no cotangent (zero), or an output no input reaches
             seed = c.numpy() if isinstance(c, Tensor) else c
+            refuse_copied(o, "vjp")
             if o.producer is tape:
                 tape.backward(o, grad=seed)
             elif any(o.storage is st and st.replaced[0] == n for st, n in taken):
