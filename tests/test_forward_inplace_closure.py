@@ -19,8 +19,7 @@ def test_no_transform_touches_a_closure_grad(device):
     f = lambda x: ops.tanh(ops.linear(x, W))  # noqa: E731
     pydiff.vjp(f, (x,), np.ones((1, 2)))
     pydiff.hessian(lambda x: ops.sum(f(x)), (x,))
-    pydiff.grad(lambda x: ops.sum(f(x)))(x)
-    pydiff.value_and_grad(lambda x: ops.sum(f(x)))(x)
+    pydiff.jacrev(f)(x)
     np.testing.assert_array_equal(W.grad.numpy(), 0.0)
     with pydiff.Tape() as tape:  # an ordinary tape still gives W its gradient
         y = ops.sum(f(x))
