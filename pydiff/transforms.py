@@ -130,10 +130,12 @@ def vjp(
             raise TypeError(f"vjp: fn returned a {type(o).__name__}; it must return pydiff Tensors")
     with zero_policy("accumulate"), lent_grads(tape, [x for x in leaves if x is not None]):
         for k, (o, c) in enumerate(zip(outs, cots)):
-            if c is None or not o.requires_grad:
-                continue  # no cotangent (zero), or an output no input reaches
-            seed = c.numpy() if isinstance(c, Tensor) else c
+            if c is None:
+                continue  # a cotangent of zero
             refuse_copied(o, "vjp")
+            if not o.requires_grad:
+                continue  # an output no primal reaches
+            seed = c.numpy() if isinstance(c, Tensor) else c
             if o.producer is tape:
                 tape.backward(o, grad=seed)
             elif any(o.storage is st and st.replaced[0] == n for st, n in taken):

@@ -45,6 +45,14 @@ def test_copy_in_place_forward_and_reverse(device):
     with pytest.raises(RuntimeError, match="copy_"):
         pydiff.grad(lambda a: ops.sum(f(a)))(a)
 
+    def g(a):  # copied into a tensor no recorded call wrote
+        y = pydiff.zeros((3,), device=a.device)
+        y.copy_(a * 3.0)
+        return y
+
+    with pytest.raises(RuntimeError, match="copy_"):
+        pydiff.jacrev(g)(a)
+
     b = T([0.5, 1.0, -0.3], device, requires_grad=True)
     with pydiff.Tape() as tape:
         y = b * 2.0
