@@ -22,6 +22,7 @@ from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import to_float32
 from .policy import zero_policy
+from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
 
@@ -55,12 +56,16 @@ class ShaderTangent(Function):
     def backward(ctx: FunctionCtx, g: Tensor) -> tuple:
         fn, args, per_arg, y = ctx.fn, ctx.call, ctx.per_arg, ctx.y
         d = dir_wrapper(fn)  # refuses what the compiler cannot differentiate twice
-        call, leaves, plain = [], [], []
+        call, leaves, plain, gx = [], [], [], []
         for p, a, u in zip(fn.params, args, per_arg):
             tensor = isinstance(a, Tensor)
-            leaves.append(a.detach().requires_grad_(True) if tensor else a)
-            plain.append(a.detach().requires_grad_(True) if tensor else a)
+            # int tensors (indices, counts) and no_diff arguments: no gradient, no leaf
+            wants = tensor and p.differentiable and a.differentiable
+            leaves.append(a.detach().requires_grad_(True) if wants else a)
+            plain.append(a.detach().requires_grad_(True) if wants else a)
             call.append(leaves[-1])
+            if tensor:
+                gx.append(leaves[-1] if wants else None)
             if p.differentiable:
                 zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
                 call.append(u.detach() if u is not None else zero)
@@ -69,9 +74,8 @@ class ShaderTangent(Function):
             d.bwds(*call, _result=seed)  # d<g, J(x) u>/dx
             seed = y.detach().copy_values().with_grads(grad_in=g.copy_values())
             fn.bwds(*plain, _result=seed)  # d<g, J u>/du = J^T g
-        gx = [x.grad for x in leaves if isinstance(x, Tensor)]
         gu = [x.grad for x, u in zip(plain, per_arg) if u is not None]
-        return tuple(gx) + tuple(gu)
+        return tuple(None if x is None else x.grad for x in gx) + tuple(gu)
 
 
 def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -165,9 +169,52 @@ def prepare(
             us.append(None)
             continue
         x = float_primal(x, what, k)
-        xs.append(x)
+        xs.append(alias(x))
         us.append(_direction(x, u, what, name, k))
     return xs, us
+
+
+def alias(x: Tensor) -> Tensor:
+    """``x``'s values and gradients as a tensor of its own identity, which alone carries the
+    tangent: the same tensor given twice gets two, and a closure reading ``x`` none (as
+    torch.func: a closure's tensor is a constant)."""
+    base = x.base if x.base is not None else x
+    return Tensor(x.native_view(), x.device, storage=x.storage, base=base)
+
+
+def refuse_copied(out: Tensor, what: str) -> None:
+    """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
+    values with a gradient path: no tape records ``copy_``, so its gradient would be 0."""
+    if out.producer is None and out.storage.replaced[1] == COPY_FROM_GRAPH:
+        raise RuntimeError(
+            f"{what}: fn's output holds values copied in by copy_ from values with a gradient "
+            "path; no tape records copy_, so the gradient through it would be a silent 0. "
+            "Return the value itself (or a pydiff call of it)"
+        )
+
+
+class lent_grads:
+    """A block in which the tensors ``tape`` read that are not ``leaves`` (nor views of
+    them), e.g. a model's parameters a function closes over, hold fresh gradient buffers: a
+    transform's backward leaves their ``.grad`` as it was (torch.func never touches it)."""
+
+    def __init__(self, tape: Tape, leaves: Sequence[Any]) -> None:
+        self._tape, self._leaves = tape, leaves
+
+    def __enter__(self) -> None:
+        self._back, seen = [], set()
+        for t in self._tape.inputs():
+            b = t.base if t.base is not None else t
+            if id(b) in seen or any(b is x for x in self._leaves) or not b.requires_grad:
+                continue
+            seen.add(id(b))
+            self._back.append((b, b.lend_grads()))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._back:
+            self._back[0][0].device.flush()  # the backward's kernels ran on the lent buffers
+        for _, give_back in reversed(self._back):
+            give_back()
 
 
 def traced(fn: Callable[..., Any], xs: Sequence[Any], us: Sequence[Any], what: str) -> tuple:
@@ -213,7 +260,8 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
             f"ops.mean), got {got}"
         )
     if t.producer is tape and t.requires_grad:
-        tape.backward(t)
+        with lent_grads(tape, leaves):
+            tape.backward(t)
     result = []
     for given, leaf, u in zip(primals, leaves, us):
         if u is None:

@@ -22,10 +22,13 @@ _shader_call: list[Callable[..., Any]] = []
 
 
 class Trace:
-    """Tangents by tensor identity (the tensor is kept, so its id stays its own)."""
+    """Tangents by tensor identity (the tensor is kept, so its id stays its own), and the
+    views made under it (to give them their source's tangent again after an in-place write)."""
 
     def __init__(self) -> None:
         self._tangents: dict[int, tuple[Any, Any]] = {}
+        self._on_storage: dict[int, list[Any]] = {}  # id(storage): tensors given a tangent
+        self._views: dict[int, list[tuple[Any, Any, Callable[[Any], Any]]]] = {}
 
     def tangent(self, x: Any) -> Any:
         """The tangent of ``x`` (None: none, i.e. zero)."""
@@ -37,6 +40,22 @@ class Trace:
             self._tangents.pop(id(x), None)
         else:
             self._tangents[id(x)] = (x, tangent)
+            self._on_storage.setdefault(id(x.storage), []).append(x)
+
+    def viewed(self, source: Any, view: Any, fn: Callable[[Any], Any]) -> None:
+        """Note that ``view`` shows ``source``'s values (its tangent is ``fn(source's)``)."""
+        self._views.setdefault(id(view.storage), []).append((view, source, fn))
+
+    def replaced(self, x: Any, tangent: Any) -> None:
+        """All the values of ``x``'s storage were written in place: every tensor on it loses
+        its tangent, ``x`` takes ``tangent`` and the views made of it here follow."""
+        for y in self._on_storage.pop(id(x.storage), []):
+            if self.tangent(y) is not None:
+                del self._tangents[id(y)]
+        self.set(x, tangent)
+        for view, source, fn in self._views.get(id(x.storage), []):
+            if self.tangent(source) is not None:
+                self.set(view, fn(self.tangent(source)))
 
 
 def active() -> Trace | None:
@@ -85,11 +104,25 @@ def derived(source: Any, result: Any, view: Callable[[Any], Any]) -> Any:
     """``result`` (a view of ``source``), with ``view(tangent of source)`` as its tangent."""
     trace = _active.get()
     if trace is not None:
+        if result.storage is source.storage:
+            trace.viewed(source, result, view)
         tangent = trace.tangent(source)
         if tangent is not None:
             with suspended():
                 trace.set(result, view(tangent))
     return result
+
+
+def replaced(x: Any, source: Any = None) -> Any:
+    """``x`` after all of its values were written in place: by the host (``fill``,
+    ``copy_from_numpy``, zeroing; no tangent) or copied from ``source`` (``copy_``: its
+    tangent). Under a trace, the tangents of the tensors on x's storage follow. Returns x."""
+    trace = _active.get()
+    if trace is not None:
+        tangent = None if source is None else trace.tangent(source)
+        with suspended():
+            trace.replaced(x, tangent)
+    return x
 
 
 def tangent_through(f: Callable[..., Any], args: Sequence[Any], tangents: Sequence[Any]) -> Any:

@@ -204,6 +204,7 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
         )
     for k, (o, t) in enumerate(zip(ctx.outputs, got)):
         if t is not None and not isinstance(t, Tensor):
+            first_order_only(ctx, f"{name}.jvp() returned a {type(t).__name__}, not pydiff ops")
             t = _as_tensor(t, o.device, cls, "jvp", k)
         if t is not None and t.expected_numpy_shape() != o.expected_numpy_shape():
             raise RuntimeError(

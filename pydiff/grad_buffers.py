@@ -11,7 +11,7 @@ was made). So a backward through a view adds into ``x.grad``; nothing is dropped
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .storage import allocate
 
@@ -174,6 +174,25 @@ class GradBuffers:
         self._base, self._viewed = None, (None, None)
         self._bound = None
         self._zero_pending = False
+
+    def lend_grads(self) -> Callable[[], None]:
+        """Give this tensor (a view: its base) a fresh zeroed gradient buffer until the
+        returned function is called, which puts its own back as they were: a backward in
+        between leaves its ``.grad`` untouched (a transform's, through a closure's tensor).
+
+        >>> give_back = w.lend_grads(); tape.backward(y); give_back()
+        """
+        if self._base is not None:
+            return self._base.lend_grads()
+        own = (self._grad_in, self._grad_out, self._zero_pending)
+        self._grad_in = self._grad_out = self.new_grad_buffer()
+        self._zero_pending, self._bound = False, None
+
+        def give_back() -> None:
+            self._grad_in, self._grad_out, self._zero_pending = own
+            self._bound = None
+
+        return give_back
 
     def requires_grad_(self, flag: bool = True, *, zero_later: bool = False) -> "Self":
         """Attach (or drop) a zeroed shared gradient buffer in place; returns self (a view:

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import forward_trace
 from .creation import tensor as make_tensor
+from .forward_program import refuse_copied
 from .function import Function
 from .host_values import to_float32
 from .tape import Tape
@@ -151,8 +152,9 @@ def value_and_grad(
                 "result (reduce it with ops.sum or ops.mean)"
             )
         out = on_tape(out, tape, list(leaves.values()))
+        refuse_copied(out, what)
         if out.requires_grad and out.producer is tape:
-            tape.backward(out)
+            tape.backward(out)  # tensors closed over get gradients too (docs/transforms.md)
         grads = tuple(_as_given(leaves[i].grad, args[i]) for i in nums)
         single = isinstance(argnums, numbers.Integral)
         return out, grads[0] if single else grads

@@ -132,14 +132,19 @@ def jacrev(
         sizes = [int(np.prod(s)) for s in out_shapes]
         _limit(sum(sizes), max_outputs, "jacrev", "max_outputs", "output elements")
         per_output = []
+
+        def of_differentiated(*ds: Any) -> Any:  # the other arguments held as given
+            given = dict(zip(nums, ds))
+            return call(*(given.get(i, x) for i, x in enumerate(xs)))
+
         for j, (out_shape, m) in enumerate(zip(out_shapes, sizes)):
             rows: list[list[np.ndarray]] = [[] for _ in nums]
             for e in range(m):
                 seeds = [np.zeros(s) for s in out_shapes]
                 seeds[j].reshape(-1)[e] = 1.0
-                _, grads = vjp(call, xs, tuple(seeds) if many else seeds[0])
-                for r, i, shape in zip(rows, nums, shapes):
-                    g = grads[i]
+                ds = tuple(xs[i] for i in nums)
+                _, grads = vjp(of_differentiated, ds, tuple(seeds) if many else seeds[0])
+                for r, g, shape in zip(rows, grads, shapes):
                     r.append(np.zeros(shape) if g is None else np.asarray(g.numpy(), np.float64))
             per_output.append(
                 [

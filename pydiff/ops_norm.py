@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import slangpy as spy
 
-from .creation import empty, zeros
+from .creation import empty, tensor, zeros
 from .device import Device
 from .function import Function
 from .module import library
@@ -167,9 +168,11 @@ class _RMSNorm(Function):
     @staticmethod
     def jvp(ctx, tx, tw, _):
         x, w, eps = ctx.args
-        r = div(1.0, sqrt(add(mean(mul(x, x), -1, True), eps)))  # 1 / rms per row
-        xr = mul(x, r)
-        dxr = None if tx is None else mul(r, sub(tx, mul(xr, mean(mul(xr, tx), -1, True))))
+        a, eps_a = _row_scale(ctx.saved_tensors[2], x, eps)  # x / a: no overflow of x^2
+        xs, ts = div(x, a), None if tx is None else div(tx, a)
+        r = div(1.0, sqrt(add(mean(mul(xs, xs), -1, True), eps_a)))  # a / rms per row
+        xr = mul(xs, r)
+        dxr = None if ts is None else mul(r, sub(ts, mul(xr, mean(mul(xr, ts), -1, True))))
         return add_tangents(
             None if dxr is None else mul(dxr, w), None if tw is None else mul(xr, tw), x
         )
@@ -223,12 +226,15 @@ class _LayerNorm(Function):
     @staticmethod
     def jvp(ctx, tx, tw, tb, _):
         x, w, b, eps = ctx.args
-        c = sub(x, mean(x, -1, True))
-        r = div(1.0, sqrt(add(mean(mul(c, c), -1, True), eps)))
-        xh = mul(c, r)  # (x - mean) / sqrt(var + eps)
+        a, eps_a = _row_scale(ctx.saved_tensors[2], x, eps)  # x / a: no overflow of c^2
+        xs = div(x, a)
+        c = sub(xs, mean(xs, -1, True))
+        r = div(1.0, sqrt(add(mean(mul(c, c), -1, True), eps_a)))
+        xh = mul(c, r)  # (x - mean) / sqrt(var + eps), in units of a
         dy = None
         if tx is not None:
-            dc = sub(tx, mean(tx, -1, True))
+            ts = div(tx, a)
+            dc = sub(ts, mean(ts, -1, True))
             dy = mul(r, sub(dc, mul(xh, mean(mul(xh, dc), -1, True))))
             dy = dy if w is None else mul(dy, w)
         dy = add_tangents(dy, None if tw is None else mul(xh, tw), x)
@@ -248,6 +254,18 @@ class _LayerNorm(Function):
         lib.layer_norm_dwb(spy.grid((x2.shape[1],)), x2, stats, g2, dw, db)
         has_w, has_b = ctx.affine  # one gradient per tensor input: None inputs are not counted
         return (dx,) + ((dw,) if has_w else ()) + ((db,) if has_b else ())
+
+
+def _row_scale(stats: Tensor, x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The forward's power-of-two row scale a (stats[:, 0], at least 1, 1 where not finite)
+    as a (..., 1) tensor, and eps / a^2: the forward-mode rules work on x / a and t / a as
+    the kernels do (exact: a is a power of two; a constant, as it is piecewise), so that
+    x^2 of a row of 1e19 neither overflows nor turns the tangent into 0."""
+    a = np.asarray(stats.numpy(), np.float64)[:, :1]
+    a = np.where(np.isfinite(a) & (a > 1.0), a, 1.0)
+    shape = x.shape[:-1] + (1,)
+    made = [tensor(v.reshape(shape).astype(np.float32), device=x.device) for v in (a, eps / a**2)]
+    return made[0], made[1]
 
 
 def _constant(device: Device, n: int, value: float) -> Tensor:

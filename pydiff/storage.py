@@ -22,6 +22,9 @@ from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
 if TYPE_CHECKING:
     from .device import Device
 
+#: ``Storage.replaced``'s writer for ``Tensor.copy_`` of values with a gradient path.
+COPY_FROM_GRAPH = "copy_ of values with a gradient path (copy_ is not recorded on a tape)"
+
 NUMPY_TO_SLANG = {
     np.dtype(np.float32): "float",
     np.dtype(np.float64): "float",  # Slang has no double atomics: float is the useful default
@@ -78,7 +81,11 @@ class Storage:
       and overwrote the values in place before another call wrote over them (the values
       those calls read are gone: their ``.bwds`` on this storage refuses), cleared by a
       write of all the values from the host; ``producer``: the Tape that recorded the latest
-      call writing them (every view of the buffer has it), or None.
+      call writing them (every view of the buffer has it), or None, also once all the values
+      were written from outside a call (host, copy, zeroing): a tape's gradient stops there;
+      ``replaced``: ``(count, writer)`` of those writes from outside (a tape compares the
+      count with the one at its call's record; ``COPY_FROM_GRAPH``: ``copy_`` of values that
+      have a gradient path, which no tape records).
 
     Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
@@ -95,6 +102,7 @@ class Storage:
         "reread",
         "written_over",
         "producer",
+        "replaced",
     )
 
     def __init__(self, buffer: Any = None) -> None:
@@ -108,12 +116,15 @@ class Storage:
         self.reread = False
         self.written_over: frozenset[str] = frozenset()
         self.producer: Any = None
+        self.replaced: tuple[int, str] = (0, "nothing")
 
     def wrote(self, writer: str, everything: bool = False) -> None:
         """Count a write of the values by ``writer`` (``everything``: all of them, from the
         host or a copy, so no earlier call's values survive in part)."""
         if everything:
             self.written_over = frozenset()
+            self.producer = None  # no recorded call made these values
+            self.replaced = (self.replaced[0] + 1, writer)
         elif self.read_by_writer and self.last_writer != writer:
             self.written_over |= {self.last_writer}
         if writer in self.written_over:  # its newest call's values are tracked again

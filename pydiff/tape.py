@@ -19,6 +19,7 @@ import numpy as np
 
 from . import forward_trace
 from .backward_scope import backward_scope
+from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
@@ -53,6 +54,9 @@ class _Entry:
     writes: list[Tensor]
     run_backward: Callable[["_Entry"], None]
     payload: dict = field(default_factory=dict)
+    #: ``Storage.replaced`` counts of the writes when recorded: values written from outside
+    #: a call since then (``fill``, ``copy_``) are not this call's any more.
+    replaced: tuple[int, ...] = ()
 
 
 class Tape:
@@ -111,6 +115,7 @@ class Tape:
             list(writes),
             run_backward,
             payload,
+            tuple(t.storage.replaced[0] for t in writes),
         )
         for _, t in reads:
             self._touched[id(t.storage)] = t
@@ -140,13 +145,24 @@ class Tape:
 
     # --- backward -----------------------------------------------------------------------
     def _needed(self, output: Tensor) -> list[_Entry]:
-        """Entries the output depends on, in recording order."""
+        """Entries the output depends on, in recording order. A call whose written values
+        were all overwritten from outside a call later (``fill``: constants, no gradient)
+        is not; copied over by ``copy_`` from values with a gradient path: refused."""
         needed = {id(output.storage)}
         chosen = []
         for entry in reversed(self._entries):
-            if any(id(t.storage) in needed for t in entry.writes):
+            hit = [(t, n) for t, n in zip(entry.writes, entry.replaced) if id(t.storage) in needed]
+            if any(t.storage.replaced[0] == n for t, n in hit):
                 chosen.append(entry)
                 needed.update(id(t.storage) for _, t, _ in entry.reads)
+                continue
+            writer = hit[0][0].storage.replaced[1] if hit else None
+            if writer == COPY_FROM_GRAPH:
+                raise RuntimeError(
+                    f"tape.backward: the values call #{entry.index} ({entry.label}) wrote were "
+                    f"replaced by {writer}, so no gradient would reach what they were copied "
+                    "from; compute the value with pydiff calls (or ops) instead of copy_"
+                )
         return chosen[::-1]
 
     def _check_versions(self, entries: list[_Entry]) -> None:
@@ -173,8 +189,15 @@ class Tape:
             )
         entries = self._needed(output)
         if not entries:
+            wrote = any(output.storage is t.storage for e in self._entries for t in e.writes)
             raise RuntimeError(
                 "tape.backward: the output was not produced by any call recorded on this tape"
+                + (
+                    f" (its values were overwritten by {output.storage.replaced[1]} after a "
+                    "recorded call wrote them: they are constants to the tape)"
+                    if wrote
+                    else ""
+                )
             )
         self._check_versions(entries)
         trace = forward_trace.active()

@@ -17,7 +17,7 @@ from . import capturing, forward_trace, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
-from .storage import Storage, allocate, element_shape, upload_numpy_type
+from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, upload_numpy_type
 from .storage import shape_with_inferred_axis
 from .storage import dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
@@ -255,7 +255,7 @@ class Tensor(GradBuffers, TensorOperators):
         """Record that all values were overwritten by ``what`` (the host, torch), not a call."""
         self.storage.holds_result_of = None
         self.storage.wrote(what, everything=True)
-        return self
+        return forward_trace.replaced(self)  # under pydiff.jvp: a tangent no more
 
     def copy_(self, src: "Tensor") -> "Tensor":
         """Copy ``src``'s values (same shape and dtype) into this tensor on the device.
@@ -265,7 +265,7 @@ class Tensor(GradBuffers, TensorOperators):
         if self.shape != src.shape or self._native.dtype.full_name != src.native.dtype.full_name:
             raise ValueError(f"copy_: {src!r} does not match {self!r}")
         if not (src.native.is_contiguous() and self._native.is_contiguous()):
-            return self.copy_from_numpy(src.numpy())
+            return forward_trace.replaced(self.copy_from_numpy(src.numpy()), src)
         capturing.refuse("a device copy (copy_/clone)")
         self._device.flush()
         native = self._device.native
@@ -280,8 +280,8 @@ class Tensor(GradBuffers, TensorOperators):
         )
         native.submit_command_buffer(encoder.finish())
         self.storage.holds_result_of = src.storage.holds_result_of
-        self.storage.wrote("a device copy", everything=True)
-        return self
+        self.storage.wrote(COPY_FROM_GRAPH if src.requires_grad else "a device copy", True)
+        return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent
 
     @property
     def tangent(self) -> "Tensor | None":
@@ -347,7 +347,7 @@ class Tensor(GradBuffers, TensorOperators):
             rec.record_clear(self._device.queue, self._native)
         self.storage.holds_result_of = None
         self.storage.wrote("a host write (zeroing)", everything=True)
-        return self
+        return forward_trace.replaced(self)
 
     def reshape(self, *shape: Any) -> "Tensor":
         """A view of the same contiguous storage with another shape, sharing this tensor's

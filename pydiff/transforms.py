@@ -19,7 +19,8 @@ import numpy as np
 from . import forward_trace
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
-from .forward_program import program_hessian, program_hvp, program_jvp
+from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
+from .forward_program import refuse_copied
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -40,6 +41,17 @@ def _shader_function(fn: Shader, what: str, args: Sequence[Any]) -> ShaderFuncti
     )
 
 
+def arguments(value: Any, what: str, name: str) -> tuple:
+    """``primals`` (or their directions) as a tuple; a TypeError naming ``name`` for a tensor,
+    an array or a number given where a tuple of arguments is expected."""
+    if isinstance(value, (tuple, list)):
+        return tuple(value)
+    raise TypeError(
+        f"{what}: {name} must be a tuple (one entry per argument of fn), got a "
+        f"{type(value).__module__}.{type(value).__name__}; for one argument write (x,)"
+    )
+
+
 def jvp(
     fn: Shader | Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
 ) -> tuple[Any, Any]:
@@ -52,9 +64,9 @@ def jvp(
     >>> y, dy = pydiff.jvp(m.f, (x, 2.0), (np.ones(x.shape), None))
     >>> y, dy = pydiff.jvp(lambda x: (x * x).sum(), (x,), (np.ones(x.shape),))
     """
+    primals, tangents = arguments(primals, "jvp", "primals"), arguments(tangents, "jvp", "tangents")
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_jvp(fn, primals, tangents)
-    primals, tangents = tuple(primals), tuple(tangents)
     f = _shader_function(fn, "jvp", primals)
     if len(tangents) != len(primals):
         raise ValueError(
@@ -81,22 +93,30 @@ def vjp(
 ) -> tuple[Any, tuple]:
     """Vector-Jacobian product: ``(f(primals), J^T cotangents)`` by reverse mode on a tape.
 
-    ``fn`` is a module function or a Python callable of pydiff calls; gradients come back for
-    tensor primals (None for the rest) in fresh buffers (the primals' own are untouched).
-    >>> y, (gx, _) = pydiff.vjp(m.f, (x, 2.0), np.ones(x.shape))
+    ``fn`` is a module function or a Python callable of pydiff calls; ``cotangents`` lines up
+    with its outputs (a tuple for several; None: zero). Gradients come back for tensor
+    primals in fresh buffers (the primals' own are untouched), for floats and float arrays
+    as numbers and arrays (of a module function: at differentiable parameters), None for the
+    rest (ints, int tensors, other values). No other tensor's ``.grad`` changes (a model's
+    parameters the function closes over keep theirs).
+    >>> y, (gx, gs) = pydiff.vjp(m.f, (x, 2.0), np.ones(x.shape))
     """
-    call = (
-        (lambda *a: fn(*a, _result="tensor"))
-        if isinstance(fn, (ShaderFunction, OverloadedFunction))
-        else fn
-    )
+    shader = isinstance(fn, (ShaderFunction, OverloadedFunction))
+    call = (lambda *a: fn(*a, _result="tensor")) if shader else fn
     if not callable(call):
         raise TypeError(f"vjp: fn must be a module function or a callable, not {type(fn).__name__}")
-    inputs = []
-    for x in primals:
+    primals = arguments(primals, "vjp", "primals")
+    params = _shader_function(fn, "vjp", primals).params if shader else None
+    inputs, leaves = [], []
+    for k, x in enumerate(primals):
+        leaf = None
         if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
-            x = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
-        inputs.append(x)
+            leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
+        elif _float_value(x) and (params is None or (k < len(params) and params[k].differentiable)):
+            leaf = float_primal(x, "vjp", k).requires_grad_(True)
+        inputs.append(x if leaf is None else leaf)
+        leaves.append(leaf)
+    taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
     with Tape() as tape:
         out = call(*inputs)
     outs = out if isinstance(out, tuple) else (out,)
@@ -105,15 +125,54 @@ def vjp(
         raise ValueError(
             f"vjp: fn returned {len(outs)} outputs but {len(cots)} cotangents were given"
         )
-    with zero_policy("accumulate"):
-        for o, c in zip(outs, cots):
-            if not isinstance(o, Tensor):
-                raise TypeError(
-                    f"vjp: fn returned a {type(o).__name__}; it must return pydiff Tensors"
-                )
-            tape.backward(o, grad=c.numpy() if isinstance(c, Tensor) else c)
-    grads = tuple(x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in inputs)
+    for o in outs:
+        if not isinstance(o, Tensor):
+            raise TypeError(f"vjp: fn returned a {type(o).__name__}; it must return pydiff Tensors")
+    with zero_policy("accumulate"), lent_grads(tape, [x for x in leaves if x is not None]):
+        for k, (o, c) in enumerate(zip(outs, cots)):
+            if c is None:
+                continue  # a cotangent of zero
+            refuse_copied(o, "vjp")
+            if not o.requires_grad:
+                continue  # an output no primal reaches
+            seed = c.numpy() if isinstance(c, Tensor) else c
+            if o.producer is tape:
+                tape.backward(o, grad=seed)
+            elif any(o.storage is st and st.replaced[0] == n for st, n in taken):
+                _add_into(o.grad, seed, k)  # an input (or a view of one) returned as it is
+    grads = tuple(
+        None if leaf is None else leaf.grad if isinstance(x, Tensor) else _as_given(leaf, x)
+        for x, leaf in zip(primals, leaves)
+    )
     return out, grads
+
+
+def _float_value(x: Any) -> bool:
+    """A Python float or a float array (list): a primal vjp differentiates (ints: fixed)."""
+    if isinstance(x, float):
+        return True
+    return isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
+
+
+def _as_given(leaf: Tensor, given: Any) -> Any:
+    """A gradient in the form its primal was given: a number, or an array of its shape."""
+    values = np.asarray(leaf.grad.numpy(), np.float64)
+    return (
+        float(values.reshape(-1)[0])
+        if isinstance(given, float)
+        else values.reshape(np.shape(given))
+    )
+
+
+def _add_into(grad: Tensor, cotangent: Any, k: int) -> None:
+    """grad += cotangent (of output k, which is a primal passed through)."""
+    want = grad.expected_numpy_shape()
+    seed = np.asarray(cotangent, np.float64)
+    if seed.size == 1 == int(np.prod(want)):
+        seed = seed.reshape(want)
+    if seed.shape != want:
+        raise ValueError(f"vjp: cotangent {k} has shape {seed.shape}; output {k} has {want}")
+    grad.copy_from_numpy(grad.numpy() + seed)
 
 
 def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]) -> tuple:
@@ -126,9 +185,9 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
     >>> (hv,) = pydiff.hvp(m.energy, (x,), (np.ones(x.shape),))
     >>> (hv,) = pydiff.hvp(lambda x: (x * x * x).sum(), (x,), (np.ones(x.shape),))
     """
+    primals, v = arguments(primals, "hvp", "primals"), arguments(v, "hvp", "v")
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hvp(fn, primals, v)
-    primals, v = tuple(primals), tuple(v)
     f = _shader_function(fn, "hvp", primals)
     if len(v) != len(primals):
         raise ValueError(
@@ -201,9 +260,9 @@ def hessian(
     >>> H = pydiff.hessian(m.energy, (x,))        # (n, n) float64, n = x's element count
     >>> H = pydiff.hessian(lambda x: (x * x * x).sum(), (x,))
     """
+    primals = arguments(primals, "hessian", "primals")
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hessian(fn, primals, max_inputs)
-    primals = tuple(primals)
     f = _shader_function(fn, "hessian", primals)
     shapes = []
     for p, x in zip(f.params, primals):
