@@ -108,6 +108,13 @@ class Tape:
         """Append an operation; ``reads`` are checked for later overwrites at backward.
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
+        for desc, t in reads:
+            if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+                raise RuntimeError(
+                    f"{label}: {desc} holds values {COPY_FROM_GRAPH}, so no gradient would "
+                    "reach what they were copied from: use src.clone() (recorded) or copy from "
+                    "src.detach() to mean a constant"
+                )
         entry = _Entry(
             len(self._entries) + 1,
             label,

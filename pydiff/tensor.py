@@ -378,7 +378,8 @@ class Tensor(GradBuffers, TensorOperators):
         >>> before = x.copy_values()
         """
         copy = Tensor(allocate(self._device, self._shape, self._native.dtype), self._device)
-        return forward_trace.derived(self, copy.copy_(self), lambda t: t.copy_values())
+        copy.copy_(self).storage.last_writer = "a snapshot (copy_values)"  # a constant on purpose
+        return forward_trace.derived(self, copy, lambda t: t.copy_values())
 
     def backward(self, grad: Any = None) -> None:
         """Backpropagate through the tape that recorded the call producing this tensor.

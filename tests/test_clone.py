@@ -79,3 +79,27 @@ def test_clone_values_of_every_size(device, n):
         loss = (x.clone() * 2.0).sum()
     tape.backward(loss)
     np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
+
+
+def test_copy_of_values_with_a_gradient_path_read_on_a_tape_is_refused(device):
+    """copy_ is not recorded: a later recorded read of the copy would silently lose the
+    gradient to the source, so the read is refused, naming the way out."""
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    w = pydiff.tensor([3.0, 4.0], device=device, requires_grad=True)
+    y = pydiff.zeros((2,), device=device)
+    with pydiff.Tape():
+        y.copy_(x)
+        with pytest.raises(RuntimeError, match=r"clone\(\).*detach\(\)"):
+            (y * w).sum()
+
+
+def test_a_detached_copy_and_a_snapshot_are_constants_on_a_tape(device):
+    x0 = np.array([1.0, 2.0], np.float32)
+    x = pydiff.tensor(x0, device=device, requires_grad=True)
+    y = pydiff.zeros((2,), device=device)
+    before = x.clone()  # outside a tape: a snapshot
+    with pydiff.Tape() as tape:
+        y.copy_(x.detach())
+        loss = (y * x).sum() + (before * x).sum()  # gradient: y + before = 2 x0
+    tape.backward(loss)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x0, rtol=1e-6)
