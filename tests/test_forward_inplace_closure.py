@@ -54,12 +54,11 @@ def test_copy_in_place_forward_and_reverse(device):
         pydiff.jacrev(g)(a)
 
     b = T([0.5, 1.0, -0.3], device, requires_grad=True)
-    with pydiff.Tape() as tape:
+    with pydiff.Tape():
         y = b * 2.0
         y.copy_(b * 3.0)
-        z = y * 1.0
-    with pytest.raises(RuntimeError, match="copy_"):
-        tape.backward(z, grad=np.ones(3))
+        with pytest.raises(RuntimeError, match="copy_"):  # refused where a call reads it
+            y * 1.0
 
 
 def test_fill_in_place_cuts_forward_and_reverse(device):
