@@ -82,8 +82,9 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     tensors of their values (constants: no gradient reaches them). Refused, naming the
     parameter: one that requires grad (``needs_grad``), and one at a parameter the
     call writes or at an option (``_result``), whose values would not come back."""
-    if not _handlers or not _holds_foreign((*args, *kwargs.values())):
-        return args, kwargs
+    kinds = _loaded_classes()
+    if not kinds or not _holds_foreign((*args, *kwargs.values()), kinds):
+        return args, kwargs  # (every .bwds/.fwds call: one lookup while torch is not loaded)
     names = [p.name for p in fn.params]
     written = {p.name for p in fn.params if p.writes_value}
 
@@ -119,8 +120,18 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     return new_args, {k: convert(v, k) for k, v in kwargs.items()}
 
 
-def _holds_foreign(values: tuple) -> bool:
-    return any(
-        _holds_foreign(tuple(v)) if type(v) in (tuple, list) else _registration(v) is not None
-        for v in values
-    )
+def _loaded_classes() -> tuple:
+    kinds: tuple = ()
+    for reg in _handlers:
+        kinds += reg.classes()
+    return kinds
+
+
+def _holds_foreign(values: tuple, kinds: tuple) -> bool:
+    for v in values:
+        if type(v) in (tuple, list):
+            if _holds_foreign(tuple(v), kinds):
+                return True
+        elif isinstance(v, kinds):
+            return True
+    return False

@@ -379,7 +379,9 @@ class BackwardFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         capturing.refuse(self._refusal)
-        if any(t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])):
+        if forward_trace.active() is not None and any(
+            t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])
+        ):
             raise NotImplementedError(
                 f"{self._fn.label}.bwds inside pydiff.jvp on values with tangents (forward over "
                 "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
