@@ -28,7 +28,7 @@ from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
-from .tape import Tape, suspend_recording
+from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
 
 #: The default iteration limit of the forward and the adjoint solve.
@@ -62,6 +62,51 @@ def _step(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
     if not new.size:
         return 0.0, 0.0
     return float(np.max(np.abs(new - old))), float(np.max(np.abs(new)))
+
+
+class _Stop:
+    """When an iteration may stop. Once the whole step is within ``atol + tol * max|x|``:
+    when every element's step is within ``atol + tol * |element|`` too (as numpy.isclose; a
+    small, slowly converging component is not stopped by the size of a large one), or when
+    the steps stop shrinking (float32 rounding of terms larger than a small element: 5 steps
+    without a new low), where nothing more can be resolved."""
+
+    def __init__(self, tol: float, atol: float):
+        self.tol, self.atol, self.best, self.stalled = tol, atol, math.inf, 0
+
+    def __call__(self, old: np.ndarray, new: np.ndarray, residual: float, size: float) -> bool:
+        if residual > self.atol + self.tol * size:
+            return False
+        mag = np.abs(new)
+        if not new.size or bool(np.all(np.abs(new - old) <= self.atol + self.tol * mag)):
+            return True
+        if residual < 0.99 * self.best:
+            self.best, self.stalled = residual, 0
+        else:
+            self.stalled += 1
+        return self.stalled >= 5
+
+
+def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: tuple) -> None:
+    """One probe of f at (x0, params) detached, where a tape records or pydiff.jvp runs: a
+    result that still wants a gradient or carries a tangent read one from somewhere else (a
+    closure, a global), whose derivative the implicit solve would not see: refused."""
+    trace = forward_trace.active()
+    if active_tape() is None and trace is None:
+        return
+    xl = x0.detach()
+    args = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
+    with suspend_recording(), Tape() as tape:
+        out = _call(f, xl, args)
+    if out.requires_grad:
+        _refuse_hidden_inputs(f, tape, [xl, *args])
+    if trace is not None and trace.tangent(out) is not None:
+        name = getattr(f, "__name__", None) or repr(f)
+        raise ValueError(
+            f"fixed_point: f ({name}) reads a tensor that carries a tangent but is not one of "
+            "params (a closure's or a global's); its derivative would be wrong. Pass it to "
+            "fixed_point after x0, as a parameter of f"
+        )
 
 
 def _not_converged(which: str, steps: int, residual: float, bound: str, hint: str) -> None:
@@ -135,15 +180,15 @@ class FixedPoint(Function):
         *params: Any,
     ) -> Tensor:
         fixed = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
-        x, old = x0, x0.numpy().astype(np.float64)
+        x, old, stop = x0, x0.numpy().astype(np.float64), _Stop(tol, atol)
         for steps in range(1, max_iter + 1):
             x = _call(f, x, fixed)
             new = x.numpy().astype(np.float64)
             residual, size = _step(old, new)
             if not math.isfinite(residual):
                 break
-            old = new
-            if residual <= atol + tol * size:
+            done, old = stop(old, new, residual, size), new
+            if done:
                 ctx.f, ctx.tol, ctx.max_iter, ctx.params = f, tol, max_iter, params
                 ctx.save_for_backward(x)  # the backward linearises f here: overwrites refused
                 return x
@@ -163,7 +208,7 @@ class FixedPoint(Function):
         dx <- df/dx dx + df/dp dp (one JVP of f at x* per step; converges as the forward)."""
         first_order_only(ctx, "an iteration of JVPs of f at the solution")
         x, params, tparams = ctx.saved_tensors[0].detach(), ctx.params, tangents[5:]
-        dx = np.zeros(x.expected_numpy_shape())
+        dx, stop = np.zeros(x.expected_numpy_shape()), _Stop(ctx.tol, 0.0)
         if all(t is None for t in tparams):
             return None
         for steps in range(1, ctx.max_iter + 1):
@@ -174,8 +219,8 @@ class FixedPoint(Function):
             residual, size = _step(dx, new)
             if not math.isfinite(residual):
                 break
-            dx = new
-            if residual <= ctx.tol * size:  # relative: linear in dp (0 <= 0 for dp = 0)
+            done, dx = stop(dx, new, residual, size), new
+            if done:  # relative: linear in dp (0 <= 0 for dp = 0)
                 return make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
         _not_converged(
             "tangent solve (I - df/dx) dx = df/dp dp",
@@ -190,15 +235,15 @@ class FixedPoint(Function):
         wants = [isinstance(p, Tensor) and p.requires_grad for p in ctx.params]
         (x,) = ctx.saved_tensors
         seed = xbar.numpy().astype(np.float64)
-        lam = seed
+        lam, stop = seed, _Stop(ctx.tol, 0.0)
         for steps in range(1, ctx.max_iter + 1):
             gx, _ = _vjp(ctx.f, x, ctx.params, [False] * len(wants), lam, True)
             new = seed + gx
             residual, size = _step(lam, new)
             if not math.isfinite(residual):
                 break
-            lam = new
-            if residual <= ctx.tol * size:  # relative: linear in xbar (0 <= 0 for xbar = 0)
+            done, lam = stop(lam, new, residual, size), new
+            if done:  # relative: linear in xbar (0 <= 0 for xbar = 0)
                 _, grads = _vjp(ctx.f, x, ctx.params, wants, lam, False)
                 tensor_grads = [g for p, g in zip(ctx.params, grads) if isinstance(p, Tensor)]
                 return (None, *tensor_grads)  # x* does not depend on x0
@@ -224,9 +269,10 @@ def fixed_point(
 
     ``f`` is a shader function (called with ``_result="tensor"``) or a Python function of
     pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
-    ``max|x_k - x_(k-1)| <= atol + tol * max|x_k|`` (infinity norms: ``tol`` relative,
-    ``atol`` an absolute floor for a solution at or near 0). Gradients flow to the tensor
-    ``params`` (numbers are constants), never through the iterations: the backward solves
+    every element's step is within ``atol + tol * |x_k|`` (as numpy.isclose: ``tol``
+    relative, ``atol`` an absolute floor for a solution at or near 0; see ``_Stop``).
+    Gradients flow to the tensor ``params`` (numbers are constants), never through the
+    iterations: the backward solves
     ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar + (df/dx)^T lam`` with one VJP of f at x*
     per step until ``max|lam_k - lam_(k-1)| <= tol * max|lam_k|`` (relative alone: the solve
     is linear in xbar, so any scale of the upstream gradient gets the same accuracy), then
@@ -264,4 +310,5 @@ def fixed_point(
         x0 = make_tensor(arr, device=device)  # a number: 0-d, as np.asarray
     elif x0.scalar_type not in ("float", "half"):
         raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
+    _refuse_closure_reads(f, x0, params)
     return FixedPoint.apply(f, float(tol), float(atol), int(max_iter), x0, *params)

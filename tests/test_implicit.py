@@ -249,10 +249,9 @@ def test_bad_f_refused(device):
 def test_a_tensor_with_gradients_f_closes_over_is_refused(device):
     A = pydiff.tensor(np.full((2, 2), 0.25, np.float32), device=device, requires_grad=True)
     b = pydiff.tensor(np.ones((2, 1), np.float32), device=device, requires_grad=True)
-    with pydiff.Tape() as tape:
-        x = pydiff.fixed_point(lambda x, b: ops.matmul(A, x) + b, np.zeros((2, 1)), b)
-    with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
-        tape.backward(x, grad=np.ones((2, 1)))
+    with pydiff.Tape():  # refused at the solve, before anything is recorded
+        with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
+            pydiff.fixed_point(lambda x, b: ops.matmul(A, x) + b, np.zeros((2, 1)), b)
     np.testing.assert_array_equal(A.grad.numpy(), np.zeros((2, 2)))
 
 
@@ -260,10 +259,9 @@ def test_a_view_of_a_closure_tensor_is_still_refused(device):
     # A view of a param is the param (breaker 18's cases); a view of a closure's tensor is not.
     A = pydiff.tensor(np.full(4, 0.25, np.float32), device=device, requires_grad=True)
     b = pydiff.tensor(np.ones((2, 1), np.float32), device=device, requires_grad=True)
-    with pydiff.Tape() as tape:
-        x = pydiff.fixed_point(lambda x, b: ops.matmul(A.reshape(2, 2), x) + b, np.zeros((2, 1)), b)
-    with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
-        tape.backward(x, grad=np.ones((2, 1)))
+    with pydiff.Tape():
+        with pytest.raises(ValueError, match=r"reads a tensor of shape \(2, 2\) that requires"):
+            pydiff.fixed_point(lambda x, b: ops.matmul(A.reshape(2, 2), x) + b, np.zeros((2, 1)), b)
 
 
 def test_params_and_state_read_through_views_in_forward_mode(device):
