@@ -303,20 +303,29 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
         raise ValueError(
             f"hessian: {n} inputs need {n} HVPs; above max_inputs={max_inputs}, use pydiff.hvp"
         )
+    shapes: list[Any] = [None] * len(primals)
+    for k, shape in found:
+        shapes[k] = shape
+    return hessian_by_columns(shapes, lambda dirs: program_hvp(fn, primals, dirs))
+
+
+def hessian_by_columns(shapes: Sequence[Any], hvp_of: Callable[[list], Sequence[Any]]) -> Any:
+    """The (n, n) Hessian from n HVPs along the unit vectors: ``shapes`` holds each primal's
+    shape (None: held fixed, direction None), ``hvp_of(directions)`` one H v per primal."""
+    sizes = [0 if s is None else int(np.prod(s)) for s in shapes]
+    n = sum(sizes)
     H = np.zeros((n, n))
     for col in range(n):
         e = np.zeros(n)
         e[col] = 1.0
-        dirs: list[Any] = [None] * len(primals)
-        at = 0
-        for (k, shape), size in zip(found, sizes):
-            dirs[k] = e[at : at + size].reshape(shape)
+        dirs, at = [], 0
+        for shape, size in zip(shapes, sizes):
+            dirs.append(None if shape is None else e[at : at + size].reshape(shape))
             at += size
-        hv = program_hvp(fn, primals, dirs)
         H[:, col] = np.concatenate(
             [
                 np.asarray(h.numpy() if isinstance(h, Tensor) else h, np.float64).ravel()
-                for h in hv
+                for h in hvp_of(dirs)
                 if h is not None
             ]
         )

@@ -20,7 +20,7 @@ from . import forward_trace
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import refuse_copied
+from .forward_program import hessian_by_columns, refuse_copied
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -280,20 +280,4 @@ def hessian(
         raise ValueError(
             f"hessian: {n} inputs need {n} HVPs; above max_inputs={max_inputs}, use pydiff.hvp"
         )
-    H = np.zeros((n, n))
-    for col in range(n):
-        e = np.zeros(n)
-        e[col] = 1.0
-        dirs, at = [], 0
-        for s, size in zip(shapes, sizes):
-            dirs.append(None if s is None else e[at : at + size].reshape(s))
-            at += size
-        hv = hvp(f, primals, dirs)
-        H[:, col] = np.concatenate(
-            [
-                np.asarray(h.numpy() if isinstance(h, Tensor) else h, np.float64).ravel()
-                for h in hv
-                if h is not None
-            ]
-        )
-    return H
+    return hessian_by_columns(shapes, lambda dirs: hvp(f, primals, dirs))
