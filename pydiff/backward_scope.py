@@ -54,7 +54,9 @@ class BackwardScope:
             flush_all_deferred()  # SlangPy runs it now: deferred kernels go first
             node(*args, **kwargs)
             return
-        node.append_to(self.device.queue.encoder(), *args, **kwargs)
+        queue = self.device.queue
+        with queue.lock:  # recording, like every copy, is exclusive (command_queue: CUDA)
+            node.append_to(queue.encoder(), *args, **kwargs)
 
     def flush(self) -> None:
         """Submit the kernels appended so far (before a host read or an ordered copy)."""
@@ -63,12 +65,13 @@ class BackwardScope:
 
     def clear(self, device: "Device", native: Any) -> None:
         """Zero a SlangPy tensor of ``device`` in order with the kernels appended so far."""
-        encoder = device.queue.pending_encoder()
-        if encoder is None:
-            device.queue.flush_deferred()  # cleared now: after the deferred kernels
-            native.clear()
-        else:
-            native.clear(encoder)
+        with device.queue.lock:  # (the batch's encoder fetched and used under it)
+            encoder = device.queue.pending_encoder()
+            if encoder is None:
+                device.queue.flush_deferred()  # cleared now: after the deferred kernels
+                native.clear()
+            else:
+                native.clear(encoder)
         rec = capturing.recording()
         if rec is not None:
             rec.record_clear(device.queue, native)

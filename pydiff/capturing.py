@@ -185,26 +185,29 @@ class CapturedStep:
                     "load_state_dict, which loads in place), or capture the step again."
                 )
         self._queue.flush()
-        device = self._queue.native
-        encoder = device.create_command_encoder()
-        for command in self._commands:
-            kind = command[0]
-            if kind == "dispatch":
-                _, kernel, root, cursor, threads, dynamic, _ = command
-                if dynamic is not None:
-                    for name, value in dynamic().items():
-                        cursor[name] = value  # uniforms are copied when the dispatch is recorded
-                compute = encoder.begin_compute_pass()
-                compute.bind_pipeline(kernel.pipeline, root)
-                compute.dispatch([threads, 1, 1])
-                compute.end()
-            elif kind == "clear":
-                command[1].clear(encoder)
-            elif kind == "upload":
-                encoder.upload_buffer_data(command[1], 0, command[2])
-            else:  # host state for the dispatches after it (their uniforms are read now)
-                command[1]()
-        device.submit_command_buffer(encoder.finish())
+        with self._queue.lock:  # recording and submitting: exclusive (command_queue)
+            device = self._queue.native
+            encoder = device.create_command_encoder()
+            for command in self._commands:
+                kind = command[0]
+                if kind == "dispatch":
+                    _, kernel, root, cursor, threads, dynamic, _ = command
+                    if dynamic is not None:
+                        for name, value in dynamic().items():
+                            cursor[name] = (
+                                value  # uniforms are copied when the dispatch is recorded
+                            )
+                    compute = encoder.begin_compute_pass()
+                    compute.bind_pipeline(kernel.pipeline, root)
+                    compute.dispatch([threads, 1, 1])
+                    compute.end()
+                elif kind == "clear":
+                    command[1].clear(encoder)
+                elif kind == "upload":
+                    encoder.upload_buffer_data(command[1], 0, command[2])
+                else:  # host state for the dispatches after it (their uniforms are read now)
+                    command[1]()
+            device.submit_command_buffer(encoder.finish())
         self.replays += 1
         return self.result
 

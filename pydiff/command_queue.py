@@ -11,7 +11,16 @@ as it safely can, through two kinds of pending work:
   again only when nothing else refers to it). A forward pass of pydiff ops thus submits
   nothing until something needs the results;
 - a *batch*, per thread and per context (a ``ContextVar``): a backward appends its kernels to
-  it (SlangPy's ``append_to`` and clears as well, unlocked: no other thread appends there).
+  it (SlangPy's ``append_to``, clears and uploads as well), each under the queue's lock, the
+  encoder fetched inside it (``with queue.lock: queue.encoder()``).
+
+Other threads' batches on CUDA: with four threads taking gradients at once on an H200, about
+1 in 40 values or gradients came back wrong (zeros, scaled) while one thread's batch held
+recorded but unsubmitted commands as another thread submitted or read back; serialised, or
+with the backward submitted kernel by kernel, none did (Vulkan copes). So on every backend
+but Vulkan, each submission, and each flush before a SlangPy call or a read, also submits
+the batches other threads have open (``open_batches``), after the deferred list: a thread's
+own commands keep their order, its later ones going into a new encoder.
 
 ``flush()`` submits both, the deferred list first (a batch may read what it computed), in
 one submission. A batch that ends joins the deferred list, in order, without a submission of
@@ -46,6 +55,7 @@ from .cuda_context import ensure_current
 DEFER_MAX = 256
 # PYDIFF_DEFER=0 submits each deferred command at once (debugging, measurements).
 DEFER = os.environ.get("PYDIFF_DEFER", "1").strip() != "0"
+SWEEP = {"1": True, "0": False}
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
@@ -61,7 +71,7 @@ def flush_all_deferred() -> None:
 
 
 class _Batch:
-    __slots__ = ("encoder",)
+    __slots__ = ("encoder",)  # created on first use, under the queue's lock
 
     def __init__(self) -> None:
         self.encoder: Any = None
@@ -90,6 +100,15 @@ class CommandQueue:
         # process when two threads copy at once (seen on an H200; Vulkan copes).
         self.lock = self._lock
         self._finished: list = []  # command lists of ended batches, to run before _deferred
+        #: Batches with recorded, unsubmitted commands, where submissions take them along
+        #: (every backend but Vulkan: see the module docstring); empty elsewhere.
+        self.open_batches: set = set()
+        #: Whether submissions take other threads' open batches along (PYDIFF_SWEEP_BATCHES=1
+        #: or 0 forces it on or off, e.g. to test it on Vulkan).
+        self.sweep_batches = SWEEP.get(
+            os.environ.get("PYDIFF_SWEEP_BATCHES", "").strip(),
+            native_device.info.type != spy.DeviceType.vulkan,
+        )
         self._deferred: Any = None
         self._held: list = []
         self._count = 0
@@ -125,24 +144,31 @@ class CommandQueue:
             return
         batch = self._batch.get()
         self._batch.reset(token)
-        if batch is None or batch.encoder is None:
+        if batch is None:
             return
-        with self._lock:
+        with self._lock:  # (another thread's submission may have taken the encoder)
+            if batch.encoder is None:
+                return
             if self._deferred is not None:
                 self._finished.append(self._deferred.finish())
                 self._deferred = None
             self._finished.append(batch.encoder.finish())
             self.deferred = True
             batch.encoder = None
+            self.open_batches.discard(batch)
 
     def encoder(self) -> Any:
         """The open batch's command encoder (created on first use), or None outside a batch:
-        callers then defer their work (``defer``) or record and submit it themselves."""
+        callers then defer their work (``defer``) or record and submit it themselves. Call it
+        and record with the lock held (another thread's submission may take the encoder)."""
         batch = self._batch.get()
         if batch is None:
             return None
         if batch.encoder is None:
-            batch.encoder = self.native.create_command_encoder()
+            with self._lock:
+                batch.encoder = self.native.create_command_encoder()
+                if self.sweep_batches:
+                    self.open_batches.add(batch)
         return batch.encoder
 
     def pending_encoder(self) -> Any:
@@ -165,20 +191,29 @@ class CommandQueue:
                 self._submit([])
 
     def flush_deferred(self) -> None:
-        """Submit the deferred list (not this context's batch)."""
-        if self.deferred:
+        """Submit the deferred list and other threads' open batches (not this context's)."""
+        if self.deferred or self._others_open():
             with self._lock:
                 self._submit([])
+
+    def _others_open(self) -> bool:
+        """Whether a batch other than this context's has unsubmitted commands."""
+        count = len(self.open_batches)
+        if not count:
+            return False
+        own = self._batch.get()
+        return count > (own is not None and own.encoder is not None)
 
     def flush(self) -> None:
         """Submit the deferred list, then this context's batch, in one submission (before a
         host read, a SlangPy call, a copy)."""
         batch = self._batch.get()
         if batch is not None and batch.encoder is not None:
-            encoder, batch.encoder = batch.encoder, None
             with self._lock:
-                self._submit([encoder])
-        elif self.deferred:  # (nothing pending: no lock)
+                encoder, batch.encoder = batch.encoder, None
+                self.open_batches.discard(batch)
+                self._submit([encoder] if encoder is not None else [])
+        elif self.deferred or self.open_batches:  # (nothing pending: no lock)
             with self._lock:
                 self._submit([])
 
@@ -190,6 +225,13 @@ class CommandQueue:
         buffers = list(self._finished)
         if self._deferred is not None:
             buffers.append(self._deferred.finish())
+        if self.open_batches:  # other threads' (module docstring); this context's stays open
+            own = self._batch.get()
+            for batch in list(self.open_batches):
+                if batch is not own and batch.encoder is not None:
+                    buffers.append(batch.encoder.finish())
+                    batch.encoder = None
+                    self.open_batches.discard(batch)
         buffers.extend(e.finish() for e in after)
         if buffers:
             if len(buffers) == 1:

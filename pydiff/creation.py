@@ -105,7 +105,9 @@ def zeros(
     >>> w = pydiff.zeros((64, 32), requires_grad=True)
     """
     out = _new("pydiff.zeros", shape, dtype, device, requires_grad)
-    out.native.clear()
+    native = out.native  # (flushes)
+    with out.device.queue.lock:  # a submission of its own: exclusive (command_queue)
+        native.clear()
     return out
 
 

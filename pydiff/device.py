@@ -130,7 +130,7 @@ class Device:
         >>> dev.native.wait_for_idle()     # waits for the ops issued so far
         """
         self.queue.enter()
-        if self.queue.deferred:
+        if self.queue.deferred or self.queue.open_batches:
             self.queue.flush_deferred()
         return self._native
 
@@ -176,7 +176,7 @@ class Device:
     def library(self) -> spy.Module:
         """pydiff's Slang library (shaders/pydiff.slang) on this device, as a SlangPy module
         (its calls run at once: the deferred list is submitted first)."""
-        if self.queue.deferred:
+        if self.queue.deferred or self.queue.open_batches:
             self.queue.flush_deferred()
         with self._lock:
             return self._load_library()

@@ -191,18 +191,19 @@ def _one_buffer(tensors: Sequence[Tensor]) -> bool:
 def _copies(tensors: Sequence[Tensor], flat: Tensor, into_flat: bool) -> None:
     """Device copies between each of ``tensors`` and its span of ``flat``, one submission."""
     dev = flat.device.native
-    encoder = dev.create_command_encoder()
-    at = flat.native.offset * int(flat.native.dtype.buffer_layout.stride)
-    for t in tensors:
-        n = t.native
-        stride = int(n.dtype.buffer_layout.stride)
-        nbytes = n.element_count * stride
-        if into_flat:
-            encoder.copy_buffer(flat.native.storage, at, n.storage, n.offset * stride, nbytes)
-        else:
-            encoder.copy_buffer(n.storage, n.offset * stride, flat.native.storage, at, nbytes)
-        at += nbytes
-    dev.submit_command_buffer(encoder.finish())
+    with flat.device.queue.lock:  # recording and submitting: exclusive (command_queue)
+        encoder = dev.create_command_encoder()
+        at = flat.native.offset * int(flat.native.dtype.buffer_layout.stride)
+        for t in tensors:
+            n = t.native
+            stride = int(n.dtype.buffer_layout.stride)
+            nbytes = n.element_count * stride
+            if into_flat:
+                encoder.copy_buffer(flat.native.storage, at, n.storage, n.offset * stride, nbytes)
+            else:
+                encoder.copy_buffer(n.storage, n.offset * stride, flat.native.storage, at, nbytes)
+            at += nbytes
+        dev.submit_command_buffer(encoder.finish())
 
 
 def _read_bucket(tensors: Sequence[Tensor], dtype: np.dtype) -> np.ndarray:

@@ -73,7 +73,8 @@ class FixedPointAccumulator:
         )
 
     def _check(self) -> None:
-        bits = int(self.status.to_numpy().reshape(-1)[0])
+        with self.device.queue.lock:  # a host read: exclusive (command_queue)
+            bits = int(self.status.to_numpy().reshape(-1)[0])
         if bits & 1:
             raise GradientOverflowError(
                 f"{self.desc}: the gradient left pydiff's fixed-point range (each contribution "

@@ -343,7 +343,8 @@ def _record_cut(
     def run_backward(entry: Any) -> None:
         for t in in_place:
             if t.requires_grad:
-                t.zero_grad(t.device.queue.encoder())  # in order with the batched backward
+                with t.device.queue.lock:  # in order with the batched backward
+                    t.zero_grad(t.device.queue.encoder())
         warn_once(
             f"tape.backward: the gradient flows through {fn.label}, which is not "
             f"[Differentiable], so {wanting} get(s) no gradient through it. Mark it "

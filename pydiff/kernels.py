@@ -212,21 +212,25 @@ class KernelCache:
         for this dispatch site, holding its bound object (see ``OBJECT_MAX_BUFFER``)."""
         if dynamic is not None:
             bindings.update(dynamic())
-        if encoder is None:
-            encoder = self.queue.encoder()
         buffers, scalars = [], []
         for item in bindings.items():
             (buffers if isinstance(item[1], spy.Buffer) else scalars).append(item)
         rec = capturing.recording()
         if rec is not None:
             rec.record_dispatch(self.queue, kernel, threads, buffers, scalars, dynamic)
-        if encoder is None:  # outside a batch: deferred, holding its buffers until submitted
-            self.queue.defer(
-                lambda enc: self._record(kernel, threads, enc, bindings, buffers, scalars, held),
-                [b for _, b in buffers],
-            )
-            return
-        self._record(kernel, threads, encoder, bindings, buffers, scalars, held)
+        # The batch's encoder is fetched and recorded into under the queue's lock (another
+        # thread's submission may take it: command_queue); the queue's lock before the cache's.
+        with self.queue.lock:
+            if encoder is None:
+                encoder = self.queue.encoder()
+            if encoder is not None:
+                self._record(kernel, threads, encoder, bindings, buffers, scalars, held)
+                return
+        # outside a batch: deferred, holding its buffers until submitted
+        self.queue.defer(
+            lambda enc: self._record(kernel, threads, enc, bindings, buffers, scalars, held),
+            [b for _, b in buffers],
+        )
 
     def _record(
         self,

@@ -247,12 +247,14 @@ class Tape:
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)
-            encoder = output.device.queue.encoder()
-            for entry in entries:
-                for t in entry.writes:
-                    t.zero_grad(encoder)
-            if encoder is None or not upstream.upload(seed, encoder):
-                upstream.copy_from_numpy(seed)
+            queue = output.device.queue
+            with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
+                encoder = queue.encoder()
+                for entry in entries:
+                    for t in entry.writes:
+                        t.zero_grad(encoder)
+                if encoder is None or not upstream.upload(seed, encoder):
+                    upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             for entry in reversed(entries):
                 entry.run_backward(entry)

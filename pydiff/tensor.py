@@ -7,6 +7,7 @@ module.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True)); x.gr
 
 from __future__ import annotations
 
+
 import math
 from typing import Any, Callable
 
@@ -110,7 +111,7 @@ class Tensor(GradBuffers, TensorOperators):
     def native(self) -> spy.Tensor:
         """The SlangPy tensor holding the primal values (no gradient buffers attached). The
         device's deferred kernels are submitted first: whatever reads it sees their results."""
-        if self._device.queue.deferred:
+        if self._device.queue.deferred or self._device.queue.open_batches:
             self._device.queue.flush_deferred()
         return self._native
 
@@ -244,7 +245,8 @@ class Tensor(GradBuffers, TensorOperators):
         if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
             return False
         values = np.ascontiguousarray(data, dtype=np.float32).ravel()
-        encoder.upload_buffer_data(n.storage, 0, values)
+        with self._device.queue.lock:  # an upload, even recorded, is a copy: exclusive
+            encoder.upload_buffer_data(n.storage, 0, values)
         rec = capturing.recording()
         if rec is not None:
             rec.record_upload(self._device.queue, n.storage, values)
@@ -267,18 +269,19 @@ class Tensor(GradBuffers, TensorOperators):
         if not (src.native.is_contiguous() and self._native.is_contiguous()):
             return forward_trace.replaced(self.copy_from_numpy(src.numpy()), src)
         capturing.refuse("a device copy (copy_/clone)")
-        self._device.flush()
         native = self._device.native
         stride = src.native.dtype.buffer_layout.stride
-        encoder = native.create_command_encoder()
-        encoder.copy_buffer(
-            self._native.storage,
-            self._native.offset * stride,
-            src.native.storage,
-            src.native.offset * stride,
-            src.native.element_count * stride,
-        )
-        native.submit_command_buffer(encoder.finish())
+        with self._device.queue.lock:
+            self._device.flush()
+            encoder = native.create_command_encoder()
+            encoder.copy_buffer(
+                self._native.storage,
+                self._native.offset * stride,
+                src.native.storage,
+                src.native.offset * stride,
+                src.native.element_count * stride,
+            )
+            native.submit_command_buffer(encoder.finish())
         self.storage.holds_result_of = src.storage.holds_result_of
         self.storage.wrote(COPY_FROM_GRAPH if src.requires_grad else "a device copy", True)
         return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent
@@ -335,15 +338,15 @@ class Tensor(GradBuffers, TensorOperators):
         """Zero the values in order with the commands of ``encoder``, of this context's batch,
         or else of the device's deferred list; returns self."""
         queue = self._device.queue
-        if encoder is None:
-            encoder = queue.encoder()
         native = self._native
-        if encoder is None:
-            queue.defer(native.clear, (native.storage,))
-        else:
-            native.clear(encoder)
-        rec = capturing.recording()
-        if rec is not None:
+        with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
+            if encoder is None:
+                encoder = queue.encoder()
+            if encoder is None:
+                queue.defer(native.clear, (native.storage,))
+            else:
+                native.clear(encoder)
+        if (rec := capturing.recording()) is not None:
             rec.record_clear(self._device.queue, self._native)
         self.storage.holds_result_of = None
         self.storage.wrote("a host write (zeroing)", everything=True)
@@ -409,7 +412,7 @@ class Tensor(GradBuffers, TensorOperators):
         queue = self._device.queue
         if queue.cuda:  # a thread's first use of a CUDA device (cuda_context)
             queue.enter()
-        if queue.deferred:  # a SlangPy call reads it: deferred work runs first
+        if queue.deferred or queue.open_batches:  # a SlangPy call reads it: deferred work first
             queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native

@@ -243,3 +243,49 @@ def test_library_module_submits_first(device):
     raw = spy.Tensor(y.buffer, device.dtype("float"), list(y.shape), [y.shape[1], 1], 0)
     out = device.library.op_exp(raw, _result="tensor")
     np.testing.assert_allclose(out.to_numpy(), np.exp(ref), rtol=1e-4)
+
+
+def test_another_threads_submission_takes_an_open_batch_along(device, monkeypatch):
+    """Where batches are swept (every backend but Vulkan; forced on here): a thread's open
+    batch, holding a recorded kernel, is submitted by another thread's flush, after the
+    deferred list, and the batch's owner goes on in a new encoder with its order kept: the
+    values read afterwards are the float64 references."""
+    monkeypatch.setattr(device.queue, "sweep_batches", True)
+    x = RNG.standard_normal((16, 8)).astype(np.float32)
+    w = RNG.standard_normal((4, 8)).astype(np.float32)
+    xt, wt = pydiff.tensor(x, device=device), pydiff.tensor(w, device=device)
+    recorded, swept = threading.Event(), threading.Event()
+    out = {}
+
+    def owner():
+        token = device.queue.begin_batch()
+        try:
+            y = ops.linear(xt, wt)  # recorded into this thread's batch
+            recorded.set()
+            swept.wait(10)
+            out["taken"] = not device.queue.pending  # the other thread submitted it
+            out["z"] = ops.linear(y, pydiff.tensor(np.eye(4, dtype=np.float32), device=device))
+        finally:
+            device.queue.end_batch(token)
+        out["y"] = y.numpy()
+
+    t = threading.Thread(target=owner)
+    t.start()
+    recorded.wait(10)
+    assert device.queue.open_batches, "the owner's batch should be open, with its kernel"
+    device.queue.flush()  # this thread's flush: the owner's batch goes too
+    assert not device.queue.open_batches
+    swept.set()
+    t.join()
+    assert out["taken"]
+    np.testing.assert_allclose(out["y"], _linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["z"].numpy(), _linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    assert not device.queue.open_batches
+
+
+def test_only_vulkan_leaves_other_threads_batches_alone(device, monkeypatch):
+    monkeypatch.delenv("PYDIFF_SWEEP_BATCHES", raising=False)
+    queue = command_queue.CommandQueue(device.native)
+    assert queue.sweep_batches is (device.type != "vulkan")
+    monkeypatch.setenv("PYDIFF_SWEEP_BATCHES", "1")
+    assert command_queue.CommandQueue(device.native).sweep_batches
