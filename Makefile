@@ -10,8 +10,11 @@ setup:
 demo: setup
 	$(PY) samples/polynomial.py
 
+# Tests run on one pytest-xdist worker per CPU as far as memory allows (scripts/test_workers.py;
+# `make test TEST_WORKERS=0` runs them in one process).
+TEST_WORKERS ?= $(shell python3 scripts/test_workers.py 2>/dev/null || echo 0)
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # Every call the generated kernels cover through them, whatever its size (CI: the suites that
 # exercise covered calls; `GENERATED_TESTS=tests` runs the whole suite that way).
