@@ -220,7 +220,8 @@ class CommandQueue:
     def _submit(self, after: list) -> None:
         """Submit the deferred list (if any) and then ``after``'s encoders (lock held). The
         list reads as pending until the submission returns: a thread that checks it without
-        the lock (``deferred``, ``flush``) must wait for this submission, not overtake it."""
+        the lock (``deferred``, ``flush``) must wait for this submission, not overtake it; so
+        does a batch taken from another thread (its owner, finding it gone, waits too)."""
         self.enter()
         buffers = list(self._finished)
         if self._deferred is not None:
@@ -229,6 +230,7 @@ class CommandQueue:
             own = self._batch.get()
             for batch in list(self.open_batches):
                 if batch is not own and batch.encoder is not None:
+                    self.deferred = True  # (its owner's flush waits, as for the list)
                     buffers.append(batch.encoder.finish())
                     batch.encoder = None
                     self.open_batches.discard(batch)

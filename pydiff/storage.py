@@ -236,6 +236,13 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 
     >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer
     """
+    if native.dtype.full_name == "bool":  # words (4 bytes; 1 on CUDA) that SlangPy misreads
+        # (before the queue's lock: dev.dtype may take the device's, which is held around
+        # work that takes the queue's, e.g. a memo's make() creating tensors)
+        word = "uint" if int(native.dtype.buffer_layout.stride) == 4 else "uint8_t"
+        shape, strides = list(native.shape), list(native.strides)
+        words = spy.Tensor(native.storage, dev.dtype(word), shape, strides, native.offset)
+        return read_back(dev, words) != 0
     with dev.queue.lock:
         dev.queue.enter()
         return _read_back(dev, native)
@@ -243,10 +250,6 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 
 def _read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     shape, strides = list(native.shape), list(native.strides)
-    if native.dtype.full_name == "bool":  # words (4 bytes; 1 on CUDA) that SlangPy misreads
-        word = "uint" if int(native.dtype.buffer_layout.stride) == 4 else "uint8_t"
-        words = spy.Tensor(native.storage, dev.dtype(word), shape, strides, native.offset)
-        return _read_back(dev, words) != 0
     if not shape or min(shape) <= 0:
         return native.to_numpy()
     stride = int(native.dtype.buffer_layout.stride)

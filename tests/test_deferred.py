@@ -283,6 +283,71 @@ def test_another_threads_submission_takes_an_open_batch_along(device, monkeypatc
     assert not device.queue.open_batches
 
 
+class _HeldSubmissions:
+    """The device's native device, but a submission made by the thread ``hold`` names waits
+    (up to 0.5 s) for ``release`` first: a slow submission, or a thread switch inside it."""
+
+    def __init__(self, native):
+        self._native, self.hold, self.entered = native, None, threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    def _wait(self):
+        if threading.get_ident() == self.hold:
+            self.entered.set()
+            self.release.wait(0.5)
+
+    def submit_command_buffer(self, buffer):
+        self._wait()
+        return self._native.submit_command_buffer(buffer)
+
+    def submit_command_buffers(self, buffers):
+        self._wait()
+        return self._native.submit_command_buffers(buffers)
+
+
+def test_a_batchs_owner_waits_for_the_sweep_that_took_it(device, monkeypatch):
+    """Another thread's submission has taken this thread's batch (a zeroing) and not yet
+    submitted it: the owner's flush must wait for that submission before the owner goes on,
+    else a read through SlangPy (``native.to_numpy()``) overtakes the zeroing and sees the
+    old values. It did: the sweep emptied the batch and the set of open batches before
+    submitting, so the owner's flush found nothing pending and returned at once."""
+    monkeypatch.setattr(device.queue, "sweep_batches", True)
+    held = _HeldSubmissions(device.queue.native)
+    y = pydiff.tensor(np.ones(64, np.float32), device=device)
+    y.numpy()
+    monkeypatch.setattr(device.queue, "native", held)
+    recorded, out = threading.Event(), {}
+
+    def owner():
+        token = device.queue.begin_batch()
+        try:
+            y.zero_()  # recorded into this thread's batch
+            recorded.set()
+            held.entered.wait(10)  # the sweeper is inside its submission, with the zeroing
+            device.queue.flush()
+            out["read"] = y.native.to_numpy()
+            held.release.set()
+        finally:
+            device.queue.end_batch(token)
+
+    def sweeper():
+        held.hold = threading.get_ident()
+        recorded.wait(10)
+        device.queue.flush_deferred()  # takes the owner's open batch along
+
+    threads = [threading.Thread(target=owner), threading.Thread(target=sweeper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert held.entered.is_set(), "the sweeper should have taken the owner's batch"
+    np.testing.assert_array_equal(out["read"], np.zeros(64, np.float32))
+    assert not device.queue.open_batches and not device.queue.deferred
+
+
 def test_only_vulkan_leaves_other_threads_batches_alone(device, monkeypatch):
     monkeypatch.delenv("PYDIFF_SWEEP_BATCHES", raising=False)
     queue = command_queue.CommandQueue(device.native)

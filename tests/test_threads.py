@@ -216,6 +216,45 @@ def test_device_memo_under_concurrent_eviction(device, monkeypatch):
     _run_threads(work)
 
 
+def test_a_bool_read_while_a_memo_makes_tensors_does_not_deadlock(device):
+    """Lock order: the device's lock (``device.cached`` holds it around ``make()``) comes
+    before the queue's (``make()`` creating a tensor: ``pydiff.zeros`` clears it under the
+    queue's lock). Reading a bool tensor looked up its word dtype (``device.dtype``: the
+    device's lock, the first time) while holding the queue's lock: one thread in each
+    waited for the other for ever."""
+    import time
+
+    import pydiff.device as device_module
+
+    dev = device_module.Device(device.native, device.type)  # no word dtype looked up yet
+    flags = pydiff.tensor(np.array([True, False, True]), device=dev)
+    holding, reading, out = threading.Event(), threading.Event(), {}
+
+    def memo():
+        def make():
+            holding.set()
+            reading.wait(10)
+            time.sleep(0.2)  # the reader holds the queue's lock, waiting for the device's
+            return pydiff.zeros((4,), device=dev)
+
+        out["zeros"] = dev.cached(("threads-test", "lock order"), make).numpy()
+
+    def read():
+        holding.wait(10)
+        reading.set()
+        out["flags"] = flags.numpy()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (memo, read)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "the two threads deadlocked"
+    np.testing.assert_array_equal(out["flags"], [True, False, True])
+    np.testing.assert_array_equal(out["zeros"], np.zeros(4))
+
+
 OPEN_AT_ONCE = r"""
 import threading
 import pydiff
