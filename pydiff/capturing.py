@@ -184,8 +184,8 @@ class CapturedStep:
                     "Copy new values into the captured tensors instead (copy_from_numpy, "
                     "load_state_dict, which loads in place), or capture the step again."
                 )
-        self._queue.flush()
         with self._queue.lock:  # recording and submitting: exclusive (command_queue)
+            self._queue.flush()  # (under the lock: no other thread records in between)
             device = self._queue.native
             encoder = device.create_command_encoder()
             for command in self._commands:

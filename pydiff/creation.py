@@ -105,9 +105,8 @@ def zeros(
     >>> w = pydiff.zeros((64, 32), requires_grad=True)
     """
     out = _new("pydiff.zeros", shape, dtype, device, requires_grad)
-    native = out.native  # (flushes)
     with out.device.queue.lock:  # a submission of its own: exclusive (command_queue)
-        native.clear()
+        out.native.clear()  # (.native flushes first, under the lock)
     return out
 
 

@@ -73,7 +73,8 @@ class FixedPointAccumulator:
         )
 
     def _check(self) -> None:
-        with self.device.queue.lock:  # a host read: exclusive (command_queue)
+        with self.device.queue.lock:  # a host read: exclusive, after what is pending
+            self.device.queue.flush()
             bits = int(self.status.to_numpy().reshape(-1)[0])
         if bits & 1:
             raise GradientOverflowError(

@@ -245,6 +245,7 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
         return read_back(dev, words) != 0
     with dev.queue.lock:
         dev.queue.enter()
+        dev.queue.flush()  # (again, under the lock: what another thread recorded since goes too)
         return _read_back(dev, native)
 
 
