@@ -203,8 +203,7 @@ class Tensor(GradBuffers, TensorOperators):
     # --- data in and out ---------------------------------------------------------------
     def numpy(self) -> np.ndarray:
         """Copy to a NumPy array (vector elements become a trailing dimension)."""
-        self._device.flush()  # kernels queued in a batched backward run first
-        values = read_back(self._device, self._native)
+        values = read_back(self._device, self._native)  # (flushes first, under the queue's lock)
         return values if self._shape else values.reshape(self.expected_numpy_shape())
 
     def expected_numpy_shape(self) -> tuple[int, ...]:

@@ -315,9 +315,5 @@ def test_threads_taking_grads_at_once_get_their_own_values(device):
             bad.append(repr(exc))
 
     for _ in range(8):
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _run_threads(work)
     assert not bad, bad[:5]
