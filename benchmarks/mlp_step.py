@@ -3,6 +3,9 @@ cross_entropy on a tape, AdamW.
 
     layers, step = make_mlp_step(xb, yb)
     step()                       # one eager step; pydiff.capture(step) records it
+
+The backward forgets the recording (``retain_graph=False``), as a training loop does: the
+step's intermediates are then freed at once (docs/tape.md).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import pydiff
 from pydiff import nn, ops, optim
 
 
-def make_mlp_step(xb: pydiff.Tensor, yb: pydiff.Tensor):
+def make_mlp_step(xb: pydiff.Tensor, yb: pydiff.Tensor, retain_graph: bool = False):
     """Fresh layers (seeded) and an optimizer, and the function that runs one step on them."""
     layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
@@ -20,7 +23,7 @@ def make_mlp_step(xb: pydiff.Tensor, yb: pydiff.Tensor):
         opt.zero_grad()
         with pydiff.Tape() as tape:
             loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
-        tape.backward(loss)
+        tape.backward(loss, retain_graph=retain_graph)
         opt.step()
         return loss
 

@@ -263,10 +263,15 @@ class Adam(Optimizer):
         h = self._hyper()
         batch = _Batch()
         fast: dict[int, list] = {}  # per device: (p, m, v) for the four-parameter kernel
+        # The pending work (a backward's kernels) is submitted first, to run while this step
+        # records: a step that is waited for at once measured 3-10% faster (lavapipe; one
+        # submission more: docs/benchmarks.md, training loop).
+        for dev in {id(p.device): p.device for p in self.params}.values():
+            dev.queue.flush_deferred()
         for k, p in enumerate(self.params):
             m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
             if float4_ready(p, p.grad, m, v):
-                fast.setdefault(id(p.device.native), []).append((p, m, v))
+                fast.setdefault(id(p.device), []).append((p, m, v))
                 continue
             library(p.device).adamw_step(
                 p.detach(),

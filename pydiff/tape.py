@@ -81,6 +81,8 @@ class Tape:
         # Tensors that held gradients of their own before this tape overwrote them: their
         # buffers serve as intermediates during a backward, then get those gradients back.
         self._leaves: dict[int, Tensor] = {}
+        # Set by backward(retain_graph=False): the recording is gone, a backward is refused.
+        self._released_by: str | None = None
 
     # --- recording ----------------------------------------------------------------------
     def __enter__(self) -> "Tape":
@@ -90,6 +92,7 @@ class Tape:
                 "finish it before starting another"
             )
         self._token = _active_tape.set(self)
+        self._released_by = None  # a new recording
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -183,16 +186,28 @@ class Tape:
                         "another tensor, or run backward before overwriting."
                     )
 
-    def backward(self, output: Tensor, grad: Any = None) -> None:
+    def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:
         """Backpropagate from ``output`` through the recorded calls.
 
         ``grad`` is dL/d(output): an array or tensor of its shape; it may be omitted when the
         output has one element (then 1), and one value serves any one-element output (a 0-d
-        loss takes ``[1.0]``, a (1,) one ``1.0``).
+        loss takes ``[1.0]``, a (1,) one ``1.0``). ``retain_graph=False`` forgets the
+        recording afterwards (as PyTorch's default does), so that the step's intermediate
+        tensors are freed as soon as nothing else holds them: a tape and its tensors refer
+        to each other, which otherwise leaves them to Python's cycle collector (a training
+        loop's fastest form; a second backward is then refused).
+
+        >>> tape.backward(loss, retain_graph=False)    # one backward per recording
         """
         if not isinstance(output, Tensor):
             raise TypeError(
                 f"tape.backward: output must be a pydiff.Tensor, not {type(output).__name__}"
+            )
+        if self._released_by is not None:
+            raise RuntimeError(
+                f"tape.backward: this tape's recording was forgotten by {self._released_by}; "
+                "record the calls again on a new tape, or keep the recording for a second "
+                "backward with retain_graph=True (the default)"
             )
         entries = self._needed(output)
         if not entries:
@@ -261,6 +276,9 @@ class Tape:
             for t, before in kept:
                 scope.flush()
                 t.grad.copy_from_numpy(t.grad.numpy() + before)
+        if not retain_graph:
+            self.reset()
+            self._released_by = "an earlier backward(retain_graph=False)"
 
     def _keep_leaf_gradients(self, entries: list[_Entry], scope: Any) -> list:
         """The gradients that overwritten leaves hold now, under their zeroing policy (STRICT

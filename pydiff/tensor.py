@@ -383,8 +383,9 @@ class Tensor(GradBuffers, TensorOperators):
         copy.copy_(self).storage.last_writer = "a snapshot (copy_values)"  # a constant on purpose
         return forward_trace.derived(self, copy, lambda t: t.copy_values())
 
-    def backward(self, grad: Any = None) -> None:
-        """Backpropagate through the tape that recorded the call producing this tensor.
+    def backward(self, grad: Any = None, *, retain_graph: bool = True) -> None:
+        """Backpropagate through the tape that recorded the call producing this tensor
+        (``retain_graph``: as for ``Tape.backward``).
 
         >>> with pydiff.Tape():
         ...     loss = m.loss(x, _result="tensor")
@@ -395,7 +396,7 @@ class Tensor(GradBuffers, TensorOperators):
                 "backward(): this tensor was not produced by a call recorded on a pydiff.Tape; "
                 "make it inside 'with pydiff.Tape() as tape:' (or call .bwds yourself)"
             )
-        self.producer.backward(self, grad)
+        self.producer.backward(self, grad, retain_graph=retain_graph)
 
     # --- binding to SlangPy calls ----------------------------------------------------------
     def bind(self, with_grads: bool = True) -> spy.Tensor:

@@ -76,7 +76,8 @@ def train(
         opt.zero_grad()
         with pydiff.Tape() as tape:
             loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
-        tape.backward(loss)
+        # One backward per recording: forgetting it frees the step's tensors at once.
+        tape.backward(loss, retain_graph=False)
         opt.step()
         return loss
 

@@ -1,0 +1,115 @@
+"""Tape.backward(retain_graph=False): the same gradients as a retained recording (checked
+against NumPy), the recording forgotten (a second backward refused, loudly), and the step's
+intermediates freed by reference counting alone, without Python's cycle collector."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import nn, ops, optim
+
+XS = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
+
+
+def test_released_backward_gives_the_closed_form_gradient_and_forgets(device, load):
+    """c = x^2 * sin(x), both ways; then every later backward over the recording raises."""
+    m = load("chain", device)
+    up = np.array([1.0, 2.0, -1.0, 0.5])
+    xd = XS.astype(np.float64)
+    expected = up * (2 * xd * np.sin(xd) + xd**2 * np.cos(xd))
+    for retain in (True, False):
+        x = pydiff.tensor(XS, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            a = m.square(x, _result="tensor")
+            c = m.times(a, m.sine(x, _result="tensor"), _result="tensor")
+        tape.backward(c, grad=up, retain_graph=retain)
+        np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-5)
+        assert len(tape) == (3 if retain else 0)
+    with pytest.raises(RuntimeError, match=r"forgotten by an earlier backward\(retain_graph"):
+        tape.backward(c, grad=up)
+    with pytest.raises(RuntimeError, match="forgotten"):
+        c.backward(grad=up)
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-5)  # untouched by the refusals
+    with tape:  # the same tape records anew
+        y = m.square(x, _result="tensor")
+    x.zero_grad()
+    y.backward(grad=np.ones(4), retain_graph=False)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * xd, rtol=1e-6)
+
+
+def _step_parts(device, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((32, 8)).astype(np.float32)
+    Y = rng.integers(0, 4, 32).astype(np.int32)
+    layers = [nn.Linear(8, 16, seed=0, activation="relu", device=device)]
+    layers.append(nn.Linear(16, 4, seed=1, device=device))
+    return X, Y, layers
+
+
+def _numpy_grads(X, Y, W1, b1, W2, b2):
+    """Cross-entropy (mean) of linear -> relu -> linear: gradients in float64."""
+    h = np.maximum(X @ W1.T + b1, 0)
+    z = h @ W2.T + b2
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    dz = (p - np.eye(z.shape[1])[Y]) / len(Y)
+    dh = (dz @ W2) * (h > 0)
+    return dh.T @ X, dh.sum(0), dz.T @ h, dz.sum(0)
+
+
+def test_a_released_training_step_frees_its_intermediates_without_the_collector(device):
+    X, Y, layers = _step_parts(device)
+    xb, yb = pydiff.tensor(X, device=device), pydiff.tensor(Y, device=device)
+    params = [p for layer in layers for p in layer.parameters()]
+    ref = [p.numpy().astype(np.float64) for p in params]
+    gc.disable()  # anything freed below is freed by reference counting
+    try:
+        for retain in (True, False):
+            for p in params:
+                p.zero_grad()
+            with pydiff.Tape() as tape:
+                h = layers[0](xb)
+                loss = ops.cross_entropy(layers[1](h), yb)
+            tape.backward(loss, retain_graph=retain)
+            for p, want in zip(params, _numpy_grads(X, Y, *ref)):
+                np.testing.assert_allclose(p.grad.numpy(), want, rtol=2e-4, atol=1e-6)
+            watched = weakref.ref(h)
+            del h, loss, tape
+            if not retain:  # (retained, the tape and its tensors form a cycle)
+                assert watched() is None
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def test_a_captured_step_with_a_released_tape_replays_like_eager_steps(device):
+    X, Y, eager_layers = _step_parts(device)
+    _, _, captured_layers = _step_parts(device)
+    xb, yb = pydiff.tensor(X, device=device), pydiff.tensor(Y, device=device)
+
+    def make_step(layers):
+        opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-2)
+
+        def step():
+            opt.zero_grad()
+            with pydiff.Tape() as tape:
+                loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
+            tape.backward(loss, retain_graph=False)
+            opt.step()
+            return loss
+
+        return step
+
+    eager, to_capture = make_step(eager_layers), make_step(captured_layers)
+    to_capture()  # the optimizer's state is made on its first step
+    captured = pydiff.capture(to_capture)  # capturing runs the step: two steps taken
+    eager(), eager()
+    for _ in range(3):
+        got, want = captured.replay().numpy(), eager().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(eager_layers, captured_layers):
+        for p, q in zip(a.parameters(), b.parameters()):
+            np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-7)
