@@ -136,7 +136,8 @@ def value_and_grad(
         out = on_tape(out, tape, list(leaves.values()))
         refuse_copied(out, what)
         if out.requires_grad and out.producer is tape:
-            tape.backward(out)  # tensors closed over get gradients too (docs/transforms.md)
+            # Once only: forgotten at once, its tensors are freed without the cycle collector.
+            tape.backward(out, retain_graph=False)  # closed-over tensors get gradients too
         grads = tuple(_as_given(leaves[i].grad, args[i]) for i in nums)
         single = isinstance(argnums, numbers.Integral)
         return out, grads[0] if single else grads

@@ -12,6 +12,7 @@ import math
 
 import contextvars
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from . import forward_trace
 from .backward_scope import backward_scope
+from .errors import warn_once
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -42,6 +44,25 @@ class suspend_recording:
 
     def __exit__(self, *exc: Any) -> None:
         _active_tape.reset(self._token)
+
+
+class Forgotten:
+    """The producer of tensors whose recording a tape forgot (``backward(...,
+    retain_graph=False)``, ``reset()``): a backward from them is refused, and a tape that
+    reads them warns that no gradient flows past them."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def refusal(self, where: str) -> RuntimeError:
+        return RuntimeError(
+            f"{where}: the tensor was made by calls whose recording was forgotten by "
+            f"{self.why}; record the calls again on a tape (tape.backward's retain_graph=True, "
+            "the default, keeps a recording for another backward)"
+        )
+
+    def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:
+        raise self.refusal("backward()")
 
 
 @dataclass
@@ -81,8 +102,6 @@ class Tape:
         # Tensors that held gradients of their own before this tape overwrote them: their
         # buffers serve as intermediates during a backward, then get those gradients back.
         self._leaves: dict[int, Tensor] = {}
-        # Set by backward(retain_graph=False): the recording is gone, a backward is refused.
-        self._released_by: str | None = None
 
     # --- recording ----------------------------------------------------------------------
     def __enter__(self) -> "Tape":
@@ -92,7 +111,6 @@ class Tape:
                 "finish it before starting another"
             )
         self._token = _active_tape.set(self)
-        self._released_by = None  # a new recording
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -112,6 +130,13 @@ class Tape:
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
         for desc, t in reads:
+            if isinstance(t.producer, Forgotten) and t.requires_grad:
+                warn_once(
+                    f"{desc} was made by calls whose recording was forgotten by "
+                    f"{t.producer.why}: the gradient stops at it (it gets one; what it was "
+                    "made from gets none). Record those calls on this tape, or pass "
+                    "t.detach() to mean a constant"
+                )
             if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
                 raise RuntimeError(
                     f"{label}: {desc} holds values {COPY_FROM_GRAPH}, so no gradient would "
@@ -203,12 +228,12 @@ class Tape:
             raise TypeError(
                 f"tape.backward: output must be a pydiff.Tensor, not {type(output).__name__}"
             )
-        if self._released_by is not None:
-            raise RuntimeError(
-                f"tape.backward: this tape's recording was forgotten by {self._released_by}; "
-                "record the calls again on a new tape, or keep the recording for a second "
-                "backward with retain_graph=True (the default)"
+        if type(retain_graph) is not bool and not isinstance(retain_graph, np.bool_):
+            raise TypeError(
+                f"tape.backward: retain_graph must be True or False, not {retain_graph!r}"
             )
+        if isinstance(output.producer, Forgotten):
+            raise output.producer.refusal("tape.backward")
         entries = self._needed(output)
         if not entries:
             wrote = any(output.storage is t.storage for e in self._entries for t in e.writes)
@@ -277,8 +302,7 @@ class Tape:
                 scope.flush()
                 t.grad.copy_from_numpy(t.grad.numpy() + before)
         if not retain_graph:
-            self.reset()
-            self._released_by = "an earlier backward(retain_graph=False)"
+            self._forget("an earlier backward(retain_graph=False)")
 
     def _keep_leaf_gradients(self, entries: list[_Entry], scope: Any) -> list:
         """The gradients that overwritten leaves hold now, under their zeroing policy (STRICT
@@ -293,13 +317,35 @@ class Tape:
         return kept
 
     def zero(self) -> None:
-        """Zero every gradient buffer the recorded calls touched."""
-        for t in self._touched.values():
-            if t.requires_grad:
+        """Zero every gradient buffer the recorded calls touched (also once the recording is
+        forgotten: of the tensors still alive)."""
+        for held in list(self._touched.values()):
+            t = held() if isinstance(held, weakref.ref) else held
+            if t is not None and t.requires_grad:
                 t.zero_grad()
 
     def reset(self) -> None:
-        """Forget the recording (gradients are left as they are)."""
+        """Forget the recording (gradients are left as they are); the tape may record anew.
+
+        >>> tape.reset()    # its results refuse a backward from now on
+        """
+        self._forget("tape.reset()")
+
+    def _forget(self, why: str) -> None:
+        """Drop the recording: its results' producer becomes a ``Forgotten`` (a backward from
+        them is refused, a later recording on this tape treats them as made elsewhere), and
+        the touched tensors are held weakly, for ``zero()`` only: nothing here keeps the
+        step's tensors alive, so they are freed without Python's cycle collector."""
+        forgotten = Forgotten(why)
+        for entry in self._entries:
+            for t in entry.writes:
+                if t.producer is self:
+                    t.producer = forgotten
+        touched = {}  # (a tape reused step after step keeps only the tensors still alive)
+        for key, held in self._touched.items():
+            held = held if isinstance(held, weakref.ref) else weakref.ref(held)
+            if held() is not None:
+                touched[key] = held
+        self._touched = touched
         self._entries.clear()
-        self._touched.clear()
         self._leaves.clear()
