@@ -49,10 +49,22 @@ class suspend_recording:
 class Forgotten:
     """The producer of tensors whose recording a tape forgot (``backward(...,
     retain_graph=False)``, ``reset()``): a backward from them is refused, and a tape that
-    reads them warns that no gradient flows past them."""
+    reads one of those results (or a view of one) warns that no gradient flows past it."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, results: Sequence[Tensor] = ()) -> None:
         self.why = why
+        # The results themselves, weakly: a new leaf made from their values (``detach()``,
+        # which shares the storage and so this producer) is a leaf on purpose.
+        # (by id, checked by identity: tensors refuse ==, and an id is reused once freed)
+        self._results = {id(t): weakref.ref(t) for t in results}
+
+    def made(self, t: Tensor) -> bool:
+        """Whether ``t`` is one of the forgotten results or a view of one."""
+        for candidate in (t, t.base):
+            held = self._results.get(id(candidate)) if candidate is not None else None
+            if held is not None and held() is candidate:
+                return True
+        return False
 
     def refusal(self, where: str) -> RuntimeError:
         return RuntimeError(
@@ -130,7 +142,7 @@ class Tape:
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
         for desc, t in reads:
-            if isinstance(t.producer, Forgotten) and t.requires_grad:
+            if isinstance(t.producer, Forgotten) and t.requires_grad and t.producer.made(t):
                 warn_once(
                     f"{desc} was made by calls whose recording was forgotten by "
                     f"{t.producer.why}: the gradient stops at it (it gets one; what it was "
@@ -152,13 +164,13 @@ class Tape:
             payload,
             tuple(t.storage.replaced[0] for t in writes),
         )
-        for _, t in reads:
-            self._touched[id(t.storage)] = t
+        for _, t in reads:  # (a view's base: after a forget a view may die before its base)
+            self._touched[id(t.storage)] = t if t.base is None else t.base
         for t in overwritten:
             if t.producer is not self and t.requires_grad:
                 self._leaves.setdefault(id(t.storage), t)
         for t in writes:
-            self._touched[id(t.storage)] = t
+            self._touched[id(t.storage)] = t if t.base is None else t.base
             t.producer = self
         self._entries.append(entry)
         return entry
@@ -336,7 +348,7 @@ class Tape:
         them is refused, a later recording on this tape treats them as made elsewhere), and
         the touched tensors are held weakly, for ``zero()`` only: nothing here keeps the
         step's tensors alive, so they are freed without Python's cycle collector."""
-        forgotten = Forgotten(why)
+        forgotten = Forgotten(why, [t for entry in self._entries for t in entry.writes])
         for entry in self._entries:
             for t in entry.writes:
                 if t.producer is self:

@@ -113,3 +113,37 @@ def test_a_captured_step_with_a_released_tape_replays_like_eager_steps(device):
     for a, b in zip(eager_layers, captured_layers):
         for p, q in zip(a.parameters(), b.parameters()):
             np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_zero_after_a_release_reaches_a_parameter_read_through_a_view(device):
+    """The recording touched w only through a temporary view: tape.zero() after the release
+    still zeroes w.grad (the view shares it), so the next step's gradient is not doubled."""
+    w = pydiff.tensor(np.arange(4.0, dtype=np.float32), device=device, requires_grad=True)
+    tape = pydiff.Tape()
+    for _ in range(2):
+        with tape:
+            loss = ops.sum(ops.mul(w.reshape(2, 2), w.reshape(2, 2)))
+        tape.backward(loss, retain_graph=False)
+        np.testing.assert_allclose(w.grad.numpy(), 2 * np.arange(4.0), rtol=1e-6)  # d/dw w.w
+        tape.zero()
+        np.testing.assert_array_equal(w.grad.numpy(), 0.0)
+
+
+def test_a_leaf_made_from_a_forgotten_result_does_not_warn(device):
+    """pydiff.grad at a result of a released step takes a fresh leaf sharing its values: a
+    leaf on purpose, so no GradientFlowWarning; reading the result itself on a new tape
+    warns (its gradient stops there)."""
+    import warnings
+
+    x = pydiff.tensor(XS, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        h = ops.mul(x, x)
+        loss = ops.sum(h)
+    tape.backward(loss, retain_graph=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydiff.GradientFlowWarning)
+        g = pydiff.grad(lambda t: ops.sum(ops.mul(t, t)))(h)
+    np.testing.assert_allclose(g.numpy(), 2 * XS.astype(np.float64) ** 2, rtol=1e-6)
+    with pytest.warns(pydiff.GradientFlowWarning, match="forgotten"):
+        with pydiff.Tape():
+            ops.sum(ops.mul(h, h))
