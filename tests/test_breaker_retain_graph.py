@@ -34,6 +34,21 @@ struct P : IDifferentiable { float a; float b; };
 """
 
 
+class Exp(pydiff.Function):
+    """exp as a Function whose backward reads its saved output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = ops.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return ops.mul(g, y)
+
+
 @pytest.fixture
 def m(device):
     return pydiff.load_module_from_source("breaker_retain", CHAIN, device=device)
@@ -387,18 +402,6 @@ def test_released_gradients_match_retained_and_torch_for_ops(device):
 
 
 def test_functions_module_calls_inout_struct_broadcast(device, m):
-    class Exp(pydiff.Function):  # backward reads its saved output
-        @staticmethod
-        def forward(ctx, x):
-            y = ops.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return ops.mul(g, y)
-
     class Cube(pydiff.Function):  # saves its input, returns a NumPy gradient
         @staticmethod
         def forward(ctx, x):
@@ -699,18 +702,6 @@ def test_two_thousand_released_steps_keep_memory_flat_without_the_collector(devi
     l2 = nn.Linear(16, 4, seed=1, device=device)
     opt = optim.AdamW(l1.parameters() + l2.parameters(), lr=1e-3)
     xb, yb = pydiff.tensor(X, device=device), pydiff.tensor(Y, device=device)
-
-    class Exp(pydiff.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = ops.exp(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return ops.mul(g, y)
 
     def step():
         opt.zero_grad()
