@@ -53,9 +53,9 @@ class Forgotten:
 
     def __init__(self, why: str, results: Sequence[Tensor] = ()) -> None:
         self.why = why
-        # The results themselves, weakly: a new leaf made from their values (``detach()``,
-        # which shares the storage and so this producer) is a leaf on purpose.
-        # (by id, checked by identity: tensors refuse ==, and an id is reused once freed)
+        # The results themselves, weakly, by id checked by identity (tensors refuse ==): a
+        # new leaf made from their values (``detach()`` shares the storage, and so this
+        # producer) is a leaf on purpose.
         self._results = {id(t): weakref.ref(t) for t in results}
 
     def made(self, t: Tensor) -> bool:
@@ -228,11 +228,11 @@ class Tape:
 
         ``grad`` is dL/d(output): an array or tensor of its shape; it may be omitted when the
         output has one element (then 1), and one value serves any one-element output (a 0-d
-        loss takes ``[1.0]``, a (1,) one ``1.0``). ``retain_graph=False`` forgets the
-        recording afterwards (as PyTorch's default does), so that the step's intermediate
-        tensors are freed as soon as nothing else holds them: a tape and its tensors refer
-        to each other, which otherwise leaves them to Python's cycle collector (a training
-        loop's fastest form; a second backward is then refused).
+        loss takes ``[1.0]``, a (1,) one ``1.0``). ``retain_graph=False`` forgets the whole
+        recording afterwards (PyTorch's default frees what a backward walked), so that the
+        step's intermediate tensors are freed as soon as nothing else holds them: a tape and
+        its tensors refer to each other, which otherwise leaves them to Python's cycle
+        collector (a training loop's fastest form; a backward from them is then refused).
 
         >>> tape.backward(loss, retain_graph=False)    # one backward per recording
         """
@@ -348,11 +348,11 @@ class Tape:
         them is refused, a later recording on this tape treats them as made elsewhere), and
         the touched tensors are held weakly, for ``zero()`` only: nothing here keeps the
         step's tensors alive, so they are freed without Python's cycle collector."""
-        forgotten = Forgotten(why, [t for entry in self._entries for t in entry.writes])
-        for entry in self._entries:
-            for t in entry.writes:
-                if t.producer is self:
-                    t.producer = forgotten
+        results = [t for entry in self._entries for t in entry.writes]
+        forgotten = Forgotten(why, results)
+        for t in results:
+            if t.producer is self:
+                t.producer = forgotten
         touched = {}  # (a tape reused step after step keeps only the tensors still alive)
         for key, held in self._touched.items():
             held = held if isinstance(held, weakref.ref) else weakref.ref(held)
