@@ -23,7 +23,7 @@ import numpy as np
 from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .creation import tensor as make_tensor
-from .tape import active_tape, suspend_recording
+from .tape import Claim, active_tape, producer_claim, suspend_recording
 from .tensor import Tensor, float4_ready
 
 
@@ -69,6 +69,13 @@ class FunctionCtx:
             scope.before_accumulate(x, x.grad_out, f"input {k} of {self.name}")
         self.targets.add(k)
         return x.grad_out
+
+    def producer(self, k: int) -> Claim | None:
+        """In ``backward`` under ``Tape.backward``: the recorded Function call that produced
+        tensor input ``k``, when this backward may do that call's backward as well (it alone
+        reads the input, the call's one output; see ``tape.Claim``), else None. Add what that
+        backward would add (through ``claim.ctx.grad_target``), then ``claim.take_over()``."""
+        return producer_claim(self.inputs[k])
 
 
 class Function:
@@ -173,7 +180,9 @@ class Function:
             def run_backward(entry: Any) -> None:
                 _run_backward(cls, ctx, [t for _, t in inputs], outputs)
 
-            tape.record(f"{cls.__name__}.apply", reads, list(outputs), run_backward)
+            tape.record(
+                f"{cls.__name__}.apply", reads, list(outputs), run_backward, function=cls, ctx=ctx
+            )
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
 

@@ -13,8 +13,15 @@ from typing import Any
 from .function import Function
 from .ops_args import need_2d, need_float, same_device
 from .ops_elementwise import add_tangents, mul, relu_mask
-from .ops_reduce import sum_mid
-from .products import blocking, fast_product, linear_backward_narrow, product, relu_masked
+from .ops_reduce import CE_PRODUCER_FUSIONS, sum_mid
+from .products import (
+    blocking,
+    fast_product,
+    linear_backward_narrow,
+    narrow_fits,
+    product,
+    relu_masked,
+)
 from .tensor import Tensor, float4_ready
 
 ACTIVATIONS = (None, "relu")
@@ -148,6 +155,36 @@ class _LinearNoBias(_Linear):
     @staticmethod
     def forward(ctx, x, w, activation=None):
         return _Linear.forward(ctx, x, w, None, activation)
+
+
+def _fuse_cross_entropy(claim: Any, logits: Tensor, labels: Tensor, lse: Tensor, gl, dz) -> bool:
+    """The backward of a linear layer (no activation) whose output only a cross-entropy read,
+    and that cross-entropy's, in one dispatch: the narrow kernel makes the logits' gradient
+    itself (the same bits as the two kernels). False, with nothing done, where the layer's
+    own backward would not take that kernel."""
+    ctx = claim.ctx
+    x, w, y = ctx.saved_tensors
+    batch, n_out = logits.shape
+    n_in = x.shape[1]
+    has_bias = ctx.has_bias
+    inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
+    if (
+        y is not None
+        or not w.requires_grad
+        or not narrow_fits(batch, n_in, n_out, logits.device)
+        or not (blocking("mm_nn", batch, n_in, n_out) and blocking("mm_tn", n_out, n_in, batch))
+        or not float4_ready(logits, x, w)
+        or not all(float4_ready(t.grad_out) for t in inputs if t.requires_grad)
+    ):
+        return False
+    dx, dw = ctx.grad_target(0), ctx.grad_target(1)
+    db = ctx.grad_target(2) if has_bias else None
+    buffers = {"z": logits.buffer, "labels": labels.buffer, "lse": lse.buffer}
+    buffers |= {"gl": gl.buffer, "dz": dz.buffer}
+    return linear_backward_narrow(logits, x, w, dx, dw, db, cross_entropy=buffers)
+
+
+CE_PRODUCER_FUSIONS[_Linear] = CE_PRODUCER_FUSIONS[_LinearNoBias] = _fuse_cross_entropy
 
 
 def linear(

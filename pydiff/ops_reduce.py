@@ -8,7 +8,7 @@ a fixed order on the device (no atomics), with their backward passes.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import slangpy as spy
@@ -188,6 +188,12 @@ def _ce_forward_threads(batch: int) -> int:
     return 8 if batch <= 2048 else 256
 
 
+#: Functions whose backward can take the cross-entropy's in (one kernel instead of two), by
+#: class: ``fuse(claim, logits, labels, lse, g, dz) -> bool`` (True: done, dz included) for
+#: the call that made the logits (``FunctionCtx.producer``). pydiff.ops_linear adds linear.
+CE_PRODUCER_FUSIONS: dict[type, Callable[..., bool]] = {}
+
+
 class _CrossEntropy(Function):
     flush_before_backward = False  # kernels only
 
@@ -238,6 +244,11 @@ class _CrossEntropy(Function):
             and float4_ready(logits.grad_out)
         ):
             target = ctx.grad_target(0)
+            claim = ctx.producer(0)
+            fuse = CE_PRODUCER_FUSIONS.get(claim.function) if claim is not None else None
+            if fuse is not None and fuse(claim, logits, labels, lse, g, target):
+                claim.take_over()
+                return None, None
             kernel = logits.device.kernels.get(
                 "ops/cross_entropy.slang", "ce_backward_acc", C=logits.shape[1]
             )

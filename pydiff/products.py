@@ -11,6 +11,8 @@ backends).
 
 from __future__ import annotations
 
+from typing import Any
+
 import slangpy as spy
 
 from .creation import empty, tensor, zeros
@@ -132,6 +134,13 @@ NARROW_MAX_OUTPUTS = 16
 NARROW_MAX_ROWS = 4096
 
 
+def narrow_fits(batch: int, n_in: int, n_out: int, device: Any) -> bool:
+    """Whether ``linear_backward_narrow`` takes a (batch, n_in) -> n_out layer."""
+    return not (
+        n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS or device.kernels.gpu
+    )
+
+
 def linear_backward_narrow(
     g: Tensor,
     x: Tensor,
@@ -140,13 +149,18 @@ def linear_backward_narrow(
     dw: Tensor,
     db: Tensor | None,
     mask: Tensor | None = None,
+    cross_entropy: dict | None = None,
 ) -> bool:
     """dx += g' W, dW += g'^T x and db += column sums of g' (g' = g * [mask > 0], or g) in one
     dispatch, for layers of at most ``NARROW_MAX_OUTPUTS`` outputs and in_features a multiple
-    of 64; False, with nothing done, if it does not fit. The caller checked float4_ready."""
+    of 64; False, with nothing done, if it does not fit. The caller checked float4_ready.
+    ``cross_entropy``: g is the layer's output (the logits) and g' the gradient of the mean
+    cross-entropy that read them, made in the kernel and added into the logits' gradient
+    buffer too; the buffers ``z``, ``labels``, ``lse`` (its row statistics), ``gl`` (the loss's
+    upstream gradient) and ``dz``, which must hold zeros (matmul.slang's CE)."""
     batch, n_out = g.shape
     n_in = x.shape[1]
-    if n_out > NARROW_MAX_OUTPUTS or n_in % 64 or batch > NARROW_MAX_ROWS or g.device.kernels.gpu:
+    if not narrow_fits(batch, n_in, n_out, g.device):
         return False
     kernel = g.device.kernels.get(
         "ops/matmul.slang",
@@ -156,13 +170,14 @@ def linear_backward_narrow(
         NO=n_out,
         TG=32,
         MASK=int(mask is not None),
+        CE=int(cross_entropy is not None),
         HAS_DX=int(dx is not None),
         HAS_DB=int(db is not None),
     )
     # absent gradients bind a buffer of the right kind that the kernel never touches
     dx_buffer = (dx if dx is not None else dw).native.storage
     bindings = {
-        "g": g.native.storage,
+        **(cross_entropy if cross_entropy is not None else {"g": g.native.storage}),
         "x": x.native.storage,
         "w": w.native.storage,
         "dx": dx_buffer,

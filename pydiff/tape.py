@@ -31,9 +31,21 @@ _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
 )
 
 
+_running: contextvars.ContextVar["_BackwardRun | None"] = contextvars.ContextVar(
+    "pydiff_backward_run", default=None
+)
+
+
 def active_tape() -> "Tape | None":
     """The tape recording here, if any."""
     return _active_tape.get()
+
+
+def producer_claim(t: Tensor) -> "Claim | None":
+    """In a recorded call's backward, run by ``Tape.backward``: the call that produced ``t``,
+    if the backward may do that call's backward too (``Claim``), else None."""
+    run = _running.get()
+    return run.claim(t) if run is not None else None
 
 
 class suspend_recording:
@@ -90,6 +102,55 @@ class _Entry:
     #: ``Storage.replaced`` counts of the writes when recorded: values written from outside
     #: a call since then (``fill``, ``copy_``) are not this call's any more.
     replaced: tuple[int, ...] = ()
+
+
+@dataclass
+class Claim:
+    """A backward's hold on the call that produced one of its inputs: ``function`` and
+    ``ctx`` are that call's (a ``pydiff.Function`` and its FunctionCtx). After doing that
+    call's backward as well, ``take_over()`` makes the tape skip it (one kernel for two)."""
+
+    function: type
+    ctx: Any
+    entry: _Entry
+    run: "_BackwardRun"
+
+    def take_over(self) -> None:
+        self.run.skipped.add(id(self.entry))
+
+
+class _BackwardRun:
+    """One ``Tape.backward`` walking its entries: which entry runs now and which are done."""
+
+    def __init__(self, recorded: list[_Entry], needed: list[_Entry]) -> None:
+        self.recorded = recorded
+        self.pending = {id(e) for e in needed}
+        self.skipped: set[int] = set()
+        self.current: _Entry | None = None
+
+    def claim(self, t: Tensor) -> Claim | None:
+        """The call that wrote ``t``, if fusing its backward into the running one cannot
+        change a gradient: it is a Function whose only output is ``t`` and whose backward is
+        still to run; no other recorded call wrote ``t``'s storage or read it (views
+        included), so ``t``'s gradient is the running call's alone; one buffer holds it."""
+        current = self.current
+        key = t.storage
+        writers = [e for e in self.recorded if any(w.storage is key for w in e.writes)]
+        readers = [e for e in self.recorded for _, r, _ in e.reads if r.storage is key]
+        if current is None or len(writers) != 1 or len(readers) != 1 or readers[0] is not current:
+            return None
+        entry = writers[0]
+        if (
+            id(entry) not in self.pending
+            or id(entry) in self.skipped
+            or entry.index >= current.index
+            or len(entry.writes) != 1
+            or entry.writes[0] is not t
+            or "ctx" not in entry.payload
+            or t.grad_in is not t.grad_out
+        ):
+            return None
+        return Claim(entry.payload["function"], entry.payload["ctx"], entry, self)
 
 
 class Tape:
@@ -308,8 +369,16 @@ class Tape:
                 if encoder is None or not upstream.upload(seed, encoder):
                     upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
-            for entry in reversed(entries):
-                entry.run_backward(entry)
+            run = _BackwardRun(self._entries, entries)
+            token = _running.set(run)
+            try:
+                for entry in reversed(entries):
+                    if id(entry) not in run.skipped:  # (taken over by a later call's backward)
+                        run.current = entry
+                        entry.run_backward(entry)
+                        run.pending.discard(id(entry))
+            finally:
+                _running.reset(token)
             for t, before in kept:
                 scope.flush()
                 t.grad.copy_from_numpy(t.grad.numpy() + before)
