@@ -3,6 +3,9 @@ at equal thread counts; AdamW and elementwise kernels in GB/s against a NumPy co
 
 python benchmarks/bench_train.py [--params 10000000] [--rounds 15]
 
+The loop is timed with the cross-entropy's backward fused into the last linear's (the
+default) and apart ("backward unfused"), in the same run.
+
 Threads: PyTorch and NumPy's OpenBLAS run with as many threads as lavapipe computes on (1
 when pydiff runs lavapipe inline, N with LP_NUM_THREADS=N). The copy bandwidth reference
 is the faster NumPy copy on 1 or as many threads (one np.copyto per thread on its own slice:
@@ -36,7 +39,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", str(planned_threads()))
 import numpy as np  # noqa: E402
 
 import pydiff  # noqa: E402
-from pydiff import optim  # noqa: E402
+from pydiff import ops_reduce, optim  # noqa: E402
 from pydiff.module import library  # noqa: E402
 from pydiff.products import elementwise_kernel  # noqa: E402
 
@@ -130,6 +133,16 @@ def main() -> None:
 
     layers, eager_step = make_mlp_step(xb, yb)
     _, retaining_step = make_mlp_step(xb, yb, retain_graph=True)
+    _, step_to_unfuse = make_mlp_step(xb, yb)
+    fusions = dict(ops_reduce.CE_PRODUCER_FUSIONS)
+
+    def unfused_step():  # cross_entropy's and the last linear's backwards as two kernels
+        ops_reduce.CE_PRODUCER_FUSIONS.clear()
+        try:
+            return step_to_unfuse()
+        finally:
+            ops_reduce.CE_PRODUCER_FUSIONS.update(fusions)
+
     _, step_to_capture = make_mlp_step(xb, yb)
     step_to_capture()  # the optimizer creates its state on its first step
     captured = pydiff.capture(step_to_capture)
@@ -191,6 +204,7 @@ def main() -> None:
         {
             "pydiff": (eager_step, dev.native.wait_for_idle),
             "pydiff, recording retained": (retaining_step, dev.native.wait_for_idle),
+            "pydiff, backward unfused": (unfused_step, dev.native.wait_for_idle),
             "pydiff captured": (captured.replay, dev.native.wait_for_idle),
             **{name: (fn, None) for name, fn in contenders.items() if not name.startswith("py")},
         },

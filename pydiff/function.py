@@ -61,7 +61,7 @@ class FunctionCtx:
         >>> target = ctx.grad_target(0)
         >>> if target is not None: m.add_into(target, g)          # then return None for it
         """
-        x = self.inputs[k]
+        x = self.inputs[self._input_index(k, "grad_target")]
         if not x.requires_grad:
             return None
         scope = active_scope()
@@ -75,7 +75,21 @@ class FunctionCtx:
         tensor input ``k``, when this backward may do that call's backward as well (it alone
         reads the input, the call's one output; see ``tape.Claim``), else None. Add what that
         backward would add (through ``claim.ctx.grad_target``), then ``claim.take_over()``."""
-        return producer_claim(self.inputs[k])
+        claim = producer_claim(self.inputs[self._input_index(k, "producer")])
+        if claim is not None:
+            claim.ctx.targets = set()  # its backward's additions start here, as in its own run
+        return claim
+
+    def _input_index(self, k: Any, where: str) -> int:
+        """``k`` checked as the index of a tensor input (no negative indices: input k is the
+        k-th tensor argument of ``forward``, and -1 would alias another)."""
+        n = len(self.inputs)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < n:
+            raise IndexError(
+                f"{self.name}: ctx.{where}({k!r}): k must be the index of a tensor input of "
+                f"forward, 0 to {n - 1} ({n} tensor input{'s' if n != 1 else ''})"
+            )
+        return int(k)
 
 
 class Function:
@@ -357,6 +371,7 @@ def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tu
     if outer is not None and cls.flush_before_backward:
         outer.flush()  # the upstream gradients must be complete before user code reads them
     grad_outputs = tuple(o.grad_in for o in outputs)
+    ctx.targets = set()  # (what this backward adds through grad_target: not an earlier one's)
     grads = _gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, (g, x) in enumerate(zip(grads, inputs)):

@@ -275,6 +275,15 @@ class Tape:
 
     def _check_versions(self, entries: list[_Entry]) -> None:
         for entry in entries:
+            if "ctx" in entry.payload:  # a Function's outputs all get gradient buffers
+                for k, t in enumerate(entry.writes):
+                    if not t.requires_grad:
+                        raise RuntimeError(
+                            f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
+                            "lost its gradient buffers (requires_grad_(False)) after the call "
+                            "was recorded, so no gradient can pass through it; to mean a "
+                            "constant, record the calls that read it on t.detach()"
+                        )
             for desc, t, version in entry.reads:
                 if t.storage.version != version:
                     raise RuntimeError(
