@@ -85,6 +85,9 @@ class KernelCache:
         self._kernels: OrderedDict = OrderedDict()
         self._sorted: dict = {}
         self._objects: OrderedDict = OrderedDict()
+        #: Callers' memos of which kernel a call takes (``products.fast_product``'s plans):
+        #: they hold kernels, so they go whenever a kernel is evicted.
+        self.plans: dict = {}
         self._objects_bytes = 0
         # Threads share the kernels and bound objects: the lock keeps a lookup from racing an
         # eviction, and a bound object's uniforms from being set by two threads at once.
@@ -111,6 +114,7 @@ class KernelCache:
             kernel = self._kernels[key] = self._build(file, entry, defines)
             while len(self._kernels) > KERNELS_MAX:
                 self._drop_objects_of(self._kernels.popitem(last=False)[1])
+                self.plans.clear()
         else:
             self._kernels.move_to_end(key)
         return kernel

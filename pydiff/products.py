@@ -49,6 +49,7 @@ def blocking(
 
 
 BLOCK_ACCUMULATORS = 128
+PLANS_MAX = 4096  # fast_product's memo (kernels.plans), emptied beyond
 GPU_BLOCK_ACCUMULATORS = 8
 
 
@@ -69,11 +70,51 @@ def fast_product(
     (masked) A; False, with nothing done, if the kernels do not fit."""
     m, n = out.shape
     k = a.shape[0] if kind == "mm_tn" else a.shape[1]
-    gpu = a.device.kernels.gpu
-    block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS if gpu else None)
     extra = [t for t in (bias, mask, db) if t is not None]
-    if block is None or not float4_ready(a, b, out, *extra):
+    if not float4_ready(a, b, out, *extra):
         return False
+    kernels = a.device.kernels
+    # The plan depends on the shapes and options only: found once (a step's products repeat),
+    # kept by the kernel cache with its kernels
+    key = ("product", kind, m, n, k, bias is not None, relu, mask is not None, db is not None)
+    plan = kernels.plans.get(key)
+    if plan is None:
+        plan = _plan(kernels, *key[1:])
+        if len(kernels.plans) >= PLANS_MAX:  # (shapes that never fit build no kernel)
+            kernels.plans.clear()
+        kernels.plans[key] = plan
+    if not plan:
+        return False
+    kernel, threads, c_vec = plan
+    bindings = {
+        "a": a.buffer,
+        "b": b.buffer,
+        "c": out.buffer,
+        "beta": float(beta),
+    }
+    if c_vec:
+        bindings["c_in"] = out.buffer
+    if kind == "mm_nt":
+        bindings["bias"] = (bias if bias is not None else a).buffer
+    if mask is not None:
+        bindings["mask"] = mask.buffer
+    if db is not None:
+        bindings["db"] = db.buffer
+        db.storage.wrote(kind)
+    kernels.dispatch(kernel, threads, **bindings)
+    out.storage.wrote(kind)
+    return True
+
+
+def _plan(
+    kernels: Any, kind: str, m: int, n: int, k: int, bias: bool, relu: bool, mask: bool, db: bool
+) -> tuple:
+    """fast_product's kernel, thread count and C_VEC for these shapes and options; () when
+    the kernels do not fit."""
+    gpu = kernels.gpu
+    block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS if gpu else None)
+    if block is None:
+        return ()
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
     # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
@@ -90,7 +131,7 @@ def fast_product(
         and (m // rows) % 8 == 0
         and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
     )
-    kernel = a.device.kernels.get(
+    kernel = kernels.get(
         "ops/matmul.slang",
         kind,
         M=m,
@@ -99,33 +140,16 @@ def fast_product(
         RB=rows,
         CB=cols,
         TG=32,
-        HAS_BIAS=int(bias is not None),
+        HAS_BIAS=int(bias),
         A_VEC=int(a_vec),
         RELU=int(relu),
-        MASK=int(mask is not None),
-        HAS_DB=int(db is not None),
+        MASK=int(mask),
+        HAS_DB=int(db),
         C_VEC=int(c_vec),
         SHUF=int(shuf),
         SHUF_A=int(shuf_a),
     )
-    bindings = {
-        "a": a.buffer,
-        "b": b.buffer,
-        "c": out.buffer,
-        "beta": float(beta),
-    }
-    if c_vec:
-        bindings["c_in"] = out.buffer
-    if kind == "mm_nt":
-        bindings["bias"] = (bias if bias is not None else a).buffer
-    if mask is not None:
-        bindings["mask"] = mask.buffer
-    if db is not None:
-        bindings["db"] = db.buffer
-        db.storage.wrote(kind)
-    a.device.kernels.dispatch(kernel, (m // rows) * (n // cols), **bindings)
-    out.storage.wrote(kind)
-    return True
+    return kernel, (m // rows) * (n // cols), c_vec
 
 
 # The one-dispatch backward of a narrow linear layer (matmul.slang's linear_bwd_narrow): up to

@@ -1,0 +1,36 @@
+"""fast_product's plans (which kernel a product takes, memoised per kernel cache): right
+products when the kernels they hold are evicted, and a bounded memo."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import pydiff
+from pydiff import kernels as kernels_module
+from pydiff import ops, products
+
+
+def _check_matmul(device, m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    got = ops.matmul(pydiff.tensor(a, device=device), pydiff.tensor(b, device=device)).numpy()
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_evicting_kernels_empties_the_plans_and_products_stay_right(device, monkeypatch):
+    monkeypatch.setattr(kernels_module, "KERNELS_MAX", 2)
+    shapes = [(8, 16, 4), (16, 8, 8), (32, 4, 16), (8, 16, 4), (16, 8, 8)]
+    for seed, shape in enumerate(shapes):
+        _check_matmul(device, *shape, seed)
+        held = {v[0] for v in device.kernels.plans.values() if v}
+        # every kernel a plan holds is one the cache holds (none outlives its eviction)
+        assert held <= set(device.kernels._kernels.values())  # noqa: SLF001 (the cache's own)
+    assert device.kernels.sizes()["kernels"] <= 2
+
+
+def test_the_plans_stay_bounded(device, monkeypatch):
+    monkeypatch.setattr(products, "PLANS_MAX", 3)
+    for seed, n in enumerate((4, 8, 12, 16, 20)):
+        _check_matmul(device, 8, 8, n, seed)
+        assert len(device.kernels.plans) <= 3
