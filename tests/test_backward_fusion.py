@@ -13,18 +13,7 @@ import pytest
 import pydiff
 from pydiff import ops, ops_reduce
 
-
-def _entries_used(device, monkeypatch) -> list[str]:
-    """The kernel entry points asked for from now on (each dispatch asks)."""
-    used: list[str] = []
-    real = device.kernels.get
-
-    def get(file, entry, **defines):
-        used.append(entry)
-        return real(file, entry, **defines)
-
-    monkeypatch.setattr(device.kernels, "get", get)
-    return used
+from kernel_usage import entries_used
 
 
 def _problem(seed=5, batch=256, n_in=64, n_out=10):
@@ -82,7 +71,7 @@ def test_fused_gradients_match_float64_and_the_two_kernels_bit_for_bit(
     device, monkeypatch, shape, x_grad, bias
 ):
     x, w, b, labels = _problem(1, *shape)
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     fused = _run(device, x, w, b, labels, x_grad, bias)
     if _fused_possible(device):
         assert "ce_backward_acc" not in used and "linear_bwd_narrow" in used
@@ -112,7 +101,7 @@ def _chain(dz, x, w):
 
 
 def test_logits_read_by_another_call_are_not_fused(device, monkeypatch):
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     (x, w, b, labels), got = _loss_and_grads(
         device, lambda z, y: ops.add(ops.cross_entropy(z, y), ops.mul(ops.sum(z), 0.5))
     )
@@ -123,7 +112,7 @@ def test_logits_read_by_another_call_are_not_fused(device, monkeypatch):
 
 
 def test_two_cross_entropies_of_one_logits_add_up(device, monkeypatch):
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     (x, w, b, labels), got = _loss_and_grads(
         device, lambda z, y: ops.add(ops.cross_entropy(z, y), ops.cross_entropy(z, y))
     )
@@ -133,7 +122,7 @@ def test_two_cross_entropies_of_one_logits_add_up(device, monkeypatch):
 
 
 def test_a_view_of_the_logits_is_not_fused(device, monkeypatch):
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     (x, w, b, labels), got = _loss_and_grads(
         device, lambda z, y: ops.cross_entropy(z.reshape(z.shape), y)
     )
@@ -144,7 +133,7 @@ def test_a_view_of_the_logits_is_not_fused(device, monkeypatch):
 
 def test_relu_logits_are_not_fused_and_stay_right(device, monkeypatch):
     x, w, b, labels = _problem(4)
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     xt, wt, bt = (pydiff.tensor(a, device=device, requires_grad=True) for a in (x, w, b))
     with pydiff.Tape() as tape:
         z = ops.linear(xt, wt, bt, activation="relu")

@@ -17,23 +17,13 @@ import pytest
 import pydiff
 from pydiff import nn, ops, ops_reduce, optim
 
+from kernel_usage import entries_used
+
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _entries_used(device, monkeypatch) -> list[str]:
-    used: list[str] = []
-    real = device.kernels.get
-
-    def get(file, entry, **defines):
-        used.append(entry)
-        return real(file, entry, **defines)
-
-    monkeypatch.setattr(device.kernels, "get", get)
-    return used
 
 
 def _fusable(device) -> bool:
@@ -119,7 +109,7 @@ def _bits_equal(a, b):
 
 
 def _fused_and_separate(device, monkeypatch, *args, **kwargs):
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     fused = _run(device, *args, **kwargs)
     fused_used = list(used)
     monkeypatch.setattr(ops_reduce, "CE_PRODUCER_FUSIONS", {})
@@ -300,7 +290,7 @@ def _check_leaves(xt, wt, bt, want, atol=2e-6):
 
 def test_z_grad_readable_and_right_after_fused_backward(device, monkeypatch):
     x, w, b, labels = _problem(20, 100, 64, 10)
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     xt, wt, bt = _leaves(device, x, w, b)
     with pydiff.Tape():
         z = ops.linear(xt, wt, bt)
@@ -394,7 +384,7 @@ def test_backward_from_ce_while_tape_recorded_other_reads_after(device):
 def test_backward_from_ce_while_tape_recorded_unrelated_calls_after(device, monkeypatch):
     """Unrelated recordings after the loss do not stop the fusion or change the gradients."""
     x, w, b, labels = _problem(26, 32, 64, 8)
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     xt, wt, bt = _leaves(device, x, w, b)
     u = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
     with pydiff.Tape() as tape:
@@ -1414,7 +1404,7 @@ def test_logits_also_feed_a_second_head(device, monkeypatch):
     w2 = (rng.standard_normal((10, 64)) * 0.2).astype(np.float32)
     y1 = rng.integers(0, 64, 24).astype(np.int32)
     y2 = rng.integers(0, 10, 24).astype(np.int32)
-    used = _entries_used(device, monkeypatch)
+    used = entries_used(device, monkeypatch)
     a, bb = (pydiff.tensor(v, device=device, requires_grad=True) for v in (w1, w2))
     with pydiff.Tape() as tape:
         z1 = ops.linear(pydiff.tensor(x, device=device), a)
