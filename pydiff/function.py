@@ -23,7 +23,8 @@ import numpy as np
 from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .creation import tensor as make_tensor
-from .tape import Claim, active_tape, producer_claim, suspend_recording
+from .backward_claims import Claim, producer_claim
+from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 
 

@@ -96,6 +96,19 @@ class KernelCache:
     def get(self, file: str, entry: str, **defines: int) -> Any:
         """The compute kernel ``entry`` of shaders/``file`` with ``defines``, built once (the
         ``KERNELS_MAX`` most recently used are kept)."""
+        return self.get_keyed(file, entry, **defines)[1]
+
+    def touch(self, key: tuple) -> bool:
+        """Count a use of the kernel of ``key`` (from ``get_keyed``) for the eviction order,
+        as ``get`` does; False when it was evicted (a memo that holds it must build anew)."""
+        with self._lock:
+            if key not in self._kernels:
+                return False
+            self._kernels.move_to_end(key)
+            return True
+
+    def get_keyed(self, file: str, entry: str, **defines: int) -> tuple[tuple, Any]:
+        """``get``, with the key that ``touch`` takes."""
         # A call site passes its defines in one order: its unsorted key finds the sorted one
         # without sorting (15 defines per matrix product); bounded like the kernels.
         fast = (file, entry, *defines.items())
@@ -106,7 +119,7 @@ class KernelCache:
                 self._sorted.clear()
             self._sorted[fast] = key
         with self._lock:
-            return self._get(key, file, entry, defines)
+            return key, self._get(key, file, entry, defines)
 
     def _get(self, key: tuple, file: str, entry: str, defines: dict) -> Any:
         kernel = self._kernels.get(key)

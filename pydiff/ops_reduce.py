@@ -244,7 +244,7 @@ class _CrossEntropy(Function):
             and float4_ready(logits.grad_out)
         ):
             target = ctx.grad_target(0)
-            claim = ctx.producer(0)
+            claim = ctx.producer(0) if CE_PRODUCER_FUSIONS else None
             fuse = CE_PRODUCER_FUSIONS.get(claim.function) if claim is not None else None
             if fuse is not None and fuse(claim, logits, labels, lse, g, target):
                 claim.take_over()

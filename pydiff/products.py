@@ -78,6 +78,8 @@ def fast_product(
     # kept by the kernel cache with its kernels
     key = ("product", kind, m, n, k, bias is not None, relu, mask is not None, db is not None)
     plan = kernels.plans.get(key)
+    if plan and not kernels.touch(plan[0]):  # (its kernel evicted by another thread meanwhile)
+        plan = None
     if plan is None:
         plan = _plan(kernels, *key[1:])
         if len(kernels.plans) >= PLANS_MAX:  # (shapes that never fit build no kernel)
@@ -85,7 +87,7 @@ def fast_product(
         kernels.plans[key] = plan
     if not plan:
         return False
-    kernel, threads, c_vec = plan
+    _, kernel, threads, c_vec = plan
     bindings = {
         "a": a.buffer,
         "b": b.buffer,
@@ -109,8 +111,8 @@ def fast_product(
 def _plan(
     kernels: Any, kind: str, m: int, n: int, k: int, bias: bool, relu: bool, mask: bool, db: bool
 ) -> tuple:
-    """fast_product's kernel, thread count and C_VEC for these shapes and options; () when
-    the kernels do not fit."""
+    """fast_product's kernel (its cache key and itself), thread count and C_VEC for these
+    shapes and options; () when the kernels do not fit."""
     gpu = kernels.gpu
     block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS if gpu else None)
     if block is None:
@@ -131,7 +133,7 @@ def _plan(
         and (m // rows) % 8 == 0
         and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
     )
-    kernel = kernels.get(
+    key, kernel = kernels.get_keyed(
         "ops/matmul.slang",
         kind,
         M=m,
@@ -149,7 +151,7 @@ def _plan(
         SHUF=int(shuf),
         SHUF_A=int(shuf_a),
     )
-    return kernel, (m // rows) * (n // cols), c_vec
+    return key, kernel, (m // rows) * (n // cols), c_vec
 
 
 # The one-dispatch backward of a narrow linear layer (matmul.slang's linear_bwd_narrow): up to

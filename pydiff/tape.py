@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import forward_trace
+from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .errors import warn_once
 from .storage import COPY_FROM_GRAPH
@@ -31,21 +32,9 @@ _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
 )
 
 
-_running: contextvars.ContextVar["_BackwardRun | None"] = contextvars.ContextVar(
-    "pydiff_backward_run", default=None
-)
-
-
 def active_tape() -> "Tape | None":
     """The tape recording here, if any."""
     return _active_tape.get()
-
-
-def producer_claim(t: Tensor) -> "Claim | None":
-    """In a recorded call's backward, run by ``Tape.backward``: the call that produced ``t``,
-    if the backward may do that call's backward too (``Claim``), else None."""
-    run = _running.get()
-    return run.claim(t) if run is not None else None
 
 
 class suspend_recording:
@@ -102,55 +91,6 @@ class _Entry:
     #: ``Storage.replaced`` counts of the writes when recorded: values written from outside
     #: a call since then (``fill``, ``copy_``) are not this call's any more.
     replaced: tuple[int, ...] = ()
-
-
-@dataclass
-class Claim:
-    """A backward's hold on the call that produced one of its inputs: ``function`` and
-    ``ctx`` are that call's (a ``pydiff.Function`` and its FunctionCtx). After doing that
-    call's backward as well, ``take_over()`` makes the tape skip it (one kernel for two)."""
-
-    function: type
-    ctx: Any
-    entry: _Entry
-    run: "_BackwardRun"
-
-    def take_over(self) -> None:
-        self.run.skipped.add(id(self.entry))
-
-
-class _BackwardRun:
-    """One ``Tape.backward`` walking its entries: which entry runs now and which are done."""
-
-    def __init__(self, recorded: list[_Entry], needed: list[_Entry]) -> None:
-        self.recorded = recorded
-        self.pending = {id(e) for e in needed}
-        self.skipped: set[int] = set()
-        self.current: _Entry | None = None
-
-    def claim(self, t: Tensor) -> Claim | None:
-        """The call that wrote ``t``, if fusing its backward into the running one cannot
-        change a gradient: it is a Function whose only output is ``t`` and whose backward is
-        still to run; no other recorded call wrote ``t``'s storage or read it (views
-        included), so ``t``'s gradient is the running call's alone; one buffer holds it."""
-        current = self.current
-        key = t.storage
-        writers = [e for e in self.recorded if any(w.storage is key for w in e.writes)]
-        readers = [e for e in self.recorded for _, r, _ in e.reads if r.storage is key]
-        if current is None or len(writers) != 1 or len(readers) != 1 or readers[0] is not current:
-            return None
-        entry = writers[0]
-        if (
-            id(entry) not in self.pending
-            or id(entry) in self.skipped
-            or entry.index >= current.index
-            or len(entry.writes) != 1
-            or entry.writes[0] is not t
-            or "ctx" not in entry.payload
-            or t.grad_in is not t.grad_out
-        ):
-            return None
-        return Claim(entry.payload["function"], entry.payload["ctx"], entry, self)
 
 
 class Tape:
@@ -252,10 +192,11 @@ class Tape:
         return out
 
     # --- backward -----------------------------------------------------------------------
-    def _needed(self, output: Tensor) -> list[_Entry]:
-        """Entries the output depends on, in recording order. A call whose written values
-        were all overwritten from outside a call later (``fill``: constants, no gradient)
-        is not; copied over by ``copy_`` from values with a gradient path: refused."""
+    def _needed(self, output: Tensor) -> tuple[list[_Entry], set[int]]:
+        """Entries the output depends on, in recording order, and the storages (ids) on the
+        way. A call whose written values were all overwritten from outside a call later
+        (``fill``: constants, no gradient) is not; copied over by ``copy_`` from values with a
+        gradient path: refused."""
         needed = {id(output.storage)}
         chosen = []
         for entry in reversed(self._entries):
@@ -271,13 +212,13 @@ class Tape:
                     f"replaced by {writer}, so no gradient would reach what they were copied "
                     "from; compute the value with pydiff calls (or ops) instead of copy_"
                 )
-        return chosen[::-1]
+        return chosen[::-1], needed
 
-    def _check_versions(self, entries: list[_Entry]) -> None:
+    def _check_versions(self, entries: list[_Entry], path: set[int]) -> None:
         for entry in entries:
             if "ctx" in entry.payload:  # a Function's outputs all get gradient buffers
                 for k, t in enumerate(entry.writes):
-                    if not t.requires_grad:
+                    if not t.requires_grad and id(t.storage) in path:
                         raise RuntimeError(
                             f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
                             "lost its gradient buffers (requires_grad_(False)) after the call "
@@ -316,7 +257,7 @@ class Tape:
             )
         if isinstance(output.producer, Forgotten):
             raise output.producer.refusal("tape.backward")
-        entries = self._needed(output)
+        entries, path = self._needed(output)
         if not entries:
             wrote = any(output.storage is t.storage for e in self._entries for t in e.writes)
             raise RuntimeError(
@@ -328,7 +269,7 @@ class Tape:
                     else ""
                 )
             )
-        self._check_versions(entries)
+        self._check_versions(entries, path)
         trace = forward_trace.active()
         reads = [t for e in entries for _, t, _ in e.reads] if trace is not None else []
         if any(trace.tangent(t) is not None for t in reads):
@@ -378,8 +319,8 @@ class Tape:
                 if encoder is None or not upstream.upload(seed, encoder):
                     upstream.copy_from_numpy(seed)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
-            run = _BackwardRun(self._entries, entries)
-            token = _running.set(run)
+            run = BackwardRun(self._entries, entries)
+            token = running.set(run)
             try:
                 for entry in reversed(entries):
                     if id(entry) not in run.skipped:  # (taken over by a later call's backward)
@@ -387,7 +328,7 @@ class Tape:
                         entry.run_backward(entry)
                         run.pending.discard(id(entry))
             finally:
-                _running.reset(token)
+                running.reset(token)
             for t, before in kept:
                 scope.flush()
                 t.grad.copy_from_numpy(t.grad.numpy() + before)

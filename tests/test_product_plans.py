@@ -23,7 +23,7 @@ def test_evicting_kernels_empties_the_plans_and_products_stay_right(device, monk
     shapes = [(8, 16, 4), (16, 8, 8), (32, 4, 16), (8, 16, 4), (16, 8, 8)]
     for seed, shape in enumerate(shapes):
         _check_matmul(device, *shape, seed)
-        held = {v[0] for v in device.kernels.plans.values() if v}
+        held = {v[1] for v in device.kernels.plans.values() if v}
         # every kernel a plan holds is one the cache holds (none outlives its eviction)
         assert held <= set(device.kernels._kernels.values())  # noqa: SLF001 (the cache's own)
     assert device.kernels.sizes()["kernels"] <= 2
@@ -34,3 +34,26 @@ def test_the_plans_stay_bounded(device, monkeypatch):
     for seed, n in enumerate((4, 8, 12, 16, 20)):
         _check_matmul(device, 8, 8, n, seed)
         assert len(device.kernels.plans) <= 3
+
+
+def test_a_product_used_through_its_plan_stays_among_the_recent_kernels(device, monkeypatch):
+    """A plan's hit counts as a use of its kernel: new kernels evict others first (the hot
+    product is built once, not again after every KERNELS_MAX new kernels)."""
+    monkeypatch.setattr(kernels_module, "KERNELS_MAX", 3)
+    built: list = []
+    real = device.kernels._build  # noqa: SLF001 (counting the cache's own builds)
+
+    def build(file, entry, defines):
+        built.append((entry, defines.get("M"), defines.get("N"), defines.get("K")))
+        return real(file, entry, defines)
+
+    monkeypatch.setattr(device.kernels, "_build", build)
+    # an empty cache, so that it fills before it evicts (a kernel a plan used without
+    # counting the use would be the oldest then)
+    device.kernels._kernels.clear()  # noqa: SLF001
+    device.kernels.plans.clear()
+    for seed, n in enumerate((4, 8, 12, 16, 20, 24)):
+        _check_matmul(device, 24, 40, 36, 100 + seed)  # the hot product
+        _check_matmul(device, 40, 12, n, seed)  # a new kernel each time (shapes no other test uses)
+    hot = [b for b in built if b[1:] == (24, 36, 40)]
+    assert len(hot) == 1, built
