@@ -235,3 +235,60 @@ def test_threads_fuse_their_own_tapes(device):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+class _TwoOutputs(pydiff.Function):
+    """(2x, 3x); backward takes None for an output without gradient buffers."""
+
+    @staticmethod
+    def forward(ctx, x):
+        v = x.numpy()
+        return pydiff.tensor(2 * v, device=x.device), pydiff.tensor(3 * v, device=x.device)
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        g = 2 * ga.numpy()
+        return g if gb is None else g + 3 * gb.numpy()
+
+
+def test_an_output_off_the_path_may_drop_its_gradient_buffers(device):
+    x = pydiff.tensor(np.array([1.0, -2.0, 0.5], np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        a, b = _TwoOutputs.apply(x)
+        loss = ops.sum(a)
+    b.requires_grad_(False)  # not read by anything the loss depends on
+    tape.backward(loss)
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 2.0, 2.0])
+
+
+def test_an_output_on_the_path_without_gradient_buffers_is_refused(device):
+    x = pydiff.tensor(np.array([1.0, -2.0, 0.5], np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        a, b = _TwoOutputs.apply(x)
+        loss = ops.add(ops.sum(a), ops.sum(b))
+    b.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="output 1 of call #1.*requires_grad_"):
+        tape.backward(loss)
+    assert np.all(x.grad.numpy() == 0)  # refused before any kernel ran
+
+
+def test_many_heads_on_one_tape_each_fuse(device, monkeypatch):
+    """Per-step losses on one tape: each head's claim (the tape indexed once per backward)."""
+    used = entries_used(device, monkeypatch)
+    heads = [_problem(40 + k, 16, 64, 5) for k in range(6)]
+    xt = pydiff.tensor(heads[0][0], device=device, requires_grad=True)
+    ws = [pydiff.tensor(h[1], device=device, requires_grad=True) for h in heads]
+    with pydiff.Tape() as tape:
+        loss = None
+        for (_, _, _, labels), w in zip(heads, ws):
+            term = ops.cross_entropy(ops.linear(xt, w), pydiff.tensor(labels, device=device))
+            loss = term if loss is None else ops.add(loss, term)
+    tape.backward(loss)
+    if _fused_possible(device):
+        assert "ce_backward_acc" not in used and used.count("linear_bwd_narrow") == 6
+    dx = np.zeros(heads[0][0].shape)
+    for (_, w, _, labels), wt in zip(heads, ws):
+        ref = _reference(heads[0][0], w, None, labels)
+        np.testing.assert_allclose(wt.grad.numpy(), ref["w"], rtol=2e-5, atol=2e-6)
+        dx += ref["x"]
+    np.testing.assert_allclose(xt.grad.numpy(), dx, rtol=2e-5, atol=2e-6)
