@@ -30,7 +30,12 @@ def producer_claim(t: Tensor) -> "Claim | None":
 class Claim:
     """A backward's hold on the call that produced one of its inputs: ``function`` and
     ``ctx`` are that call's (a ``pydiff.Function`` and its FunctionCtx). After doing that
-    call's backward as well, ``take_over()`` makes the tape skip it (one kernel for two)."""
+    call's backward as well, ``take_over()`` makes the tape skip it (one kernel for two).
+
+    >>> claim = ctx.producer(0)                  # in a Function's backward
+    >>> dw = claim.ctx.grad_target(1)            # the producer's input 1, added into here
+    >>> claim.take_over()                        # its own backward is skipped
+    """
 
     function: type
     ctx: Any

@@ -75,7 +75,12 @@ class FunctionCtx:
         """In ``backward`` under ``Tape.backward``: the recorded Function call that produced
         tensor input ``k``, when this backward may do that call's backward as well (it alone
         reads the input, the call's one output; see ``tape.Claim``), else None. Add what that
-        backward would add (through ``claim.ctx.grad_target``), then ``claim.take_over()``."""
+        backward would add (through ``claim.ctx.grad_target``), then ``claim.take_over()``.
+
+        >>> claim = ctx.producer(0)
+        >>> if claim is not None and claim.function is MyLinear:   # do its backward too, then
+        ...     claim.take_over()
+        """
         claim = producer_claim(self.inputs[self._input_index(k, "producer")])
         if claim is not None:
             claim.ctx.targets = set()  # its backward's additions start here, as in its own run
