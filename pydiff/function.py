@@ -74,8 +74,9 @@ class FunctionCtx:
     def producer(self, k: int) -> Claim | None:
         """In ``backward`` under ``Tape.backward``: the recorded Function call that produced
         tensor input ``k``, when this backward may do that call's backward as well (it alone
-        reads the input, the call's one output; see ``tape.Claim``), else None. Add what that
-        backward would add (through ``claim.ctx.grad_target``), then ``claim.take_over()``.
+        reads the input, the call's one output; see ``backward_claims.Claim``), else None.
+        Add what that backward would add (through ``claim.ctx.grad_target``), then
+        ``claim.take_over()``.
 
         >>> claim = ctx.producer(0)
         >>> if claim is not None and claim.function is MyLinear:   # do its backward too, then
