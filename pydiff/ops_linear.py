@@ -66,6 +66,21 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 _FUSED_DB_MAX_ROWS = 4096
 
 
+def _in_place_fits(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool, *more) -> bool:
+    """The in-place kernels take this layer: the products' shapes, float4 layouts of g, x, w
+    (and ``more``) and of the gradient buffers of the inputs that want one."""
+    batch, n_out = g.shape
+    n_in = x.shape[1]
+    if not (
+        blocking("mm_nn", batch, n_in, n_out)
+        and blocking("mm_tn", n_out, n_in, batch)
+        and float4_ready(g, x, w, *more)
+    ):
+        return False
+    inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
+    return all(float4_ready(t.grad_out) for t in inputs if t.requires_grad)
+
+
 def _linear_backward_in_place(
     ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool, mask: Tensor | None = None
 ) -> bool:
@@ -74,15 +89,7 @@ def _linear_backward_in_place(
     g' = g * [mask > 0] (the relu of a fused linear + relu) or g. False, with nothing done,
     when they do not fit."""
     batch, n_out = g.shape
-    n_in = x.shape[1]
-    if not (
-        blocking("mm_nn", batch, n_in, n_out)
-        and blocking("mm_tn", n_out, n_in, batch)
-        and float4_ready(g, x, w, *([mask] if mask is not None else []))
-    ):
-        return False
-    inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
-    if not all(float4_ready(t.grad_out) for t in inputs if t.requires_grad):
+    if not _in_place_fits(ctx, g, x, w, has_bias, *([mask] if mask is not None else [])):
         return False
     wants_db = has_bias and ctx.inputs[2].requires_grad
     fuse_db = wants_db and w.requires_grad and batch <= _FUSED_DB_MAX_ROWS
@@ -165,16 +172,12 @@ def _fuse_cross_entropy(claim: Any, logits: Tensor, labels: Tensor, lse: Tensor,
     ctx = claim.ctx
     x, w, y = ctx.saved_tensors
     batch, n_out = logits.shape
-    n_in = x.shape[1]
     has_bias = ctx.has_bias
-    inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
     if (
         y is not None
         or not w.requires_grad
-        or not narrow_fits(batch, n_in, n_out, logits.device)
-        or not (blocking("mm_nn", batch, n_in, n_out) and blocking("mm_tn", n_out, n_in, batch))
-        or not float4_ready(logits, x, w)
-        or not all(float4_ready(t.grad_out) for t in inputs if t.requires_grad)
+        or not narrow_fits(batch, x.shape[1], n_out, logits.device)
+        or not _in_place_fits(ctx, logits, x, w, has_bias)
     ):
         return False
     dx, dw = ctx.grad_target(0), ctx.grad_target(1)
