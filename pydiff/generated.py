@@ -220,9 +220,13 @@ def forward(
     dev = fn.module.device
     kinds = kinds_of(args, shape)
     group = _group(math.prod(shape))
-    key = (fn, "fwd", kinds, dev.typed_loads, group)
+    paired = dev.kernels.paired_stores
+    key = (fn, "fwd", kinds, dev.typed_loads, group, paired)
     kernel = _compiled(
-        fn, key, "pydiff_gen_fwd", lambda: forward_source(fn, kinds, dev.typed_loads, group)
+        fn,
+        key,
+        "pydiff_gen_fwd",
+        lambda: forward_source(fn, kinds, dev.typed_loads, group, paired),
     )
     if kernel is None:
         decline("forward", "kernel failed to build")
@@ -263,12 +267,13 @@ def backward(
     sums = tuple(tuple(g) for g in buffers.values())
     scalars = tuple(sorted(i for i in grads if kinds[i] == "s"))
     group = _group(upstream.numel)
-    key = (fn, "bwd", kinds, sums, scalars, dev.typed_loads, group)
+    paired = dev.kernels.paired_stores
+    key = (fn, "bwd", kinds, sums, scalars, dev.typed_loads, group, paired)
     kernel = _compiled(
         fn,
         key,
         "pydiff_gen_bwd",
-        lambda: backward_source(fn, kinds, sums, scalars, dev.typed_loads, group),
+        lambda: backward_source(fn, kinds, sums, scalars, dev.typed_loads, group, paired),
     )
     full = [_partials(dev, shape, n) for n in range(len(scalars))]
     if kernel is None or any(f is None for f in full):
@@ -359,9 +364,13 @@ def fwds(
     kinds = kinds_of(args, shape)
     tkinds = tuple("z" if t is None else _kind(t, shape) or "?" for t in tangents)
     group = _group(math.prod(shape))
-    key = (fn, "fwds", kinds, tkinds, dev.typed_loads, group)
+    paired = dev.kernels.paired_stores
+    key = (fn, "fwds", kinds, tkinds, dev.typed_loads, group, paired)
     kernel = _compiled(
-        fn, key, "pydiff_gen_fwds", lambda: fwds_source(fn, kinds, tkinds, dev.typed_loads, group)
+        fn,
+        key,
+        "pydiff_gen_fwds",
+        lambda: fwds_source(fn, kinds, tkinds, dev.typed_loads, group, paired),
     )
     if kernel is None:
         decline("fwds", "kernel failed to build")

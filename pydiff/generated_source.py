@@ -12,6 +12,7 @@ element read once per thread), ``"z"`` (tangents only) a zero tangent.
 
 from __future__ import annotations
 
+from .kernels import float4_out_source
 from .signature import FunctionTarget
 
 #: Threads per group for calls of more than SMALL_COUNT float4s.
@@ -22,9 +23,12 @@ GROUP = 256
 CHUNK = 2
 
 
-def _header(fn: FunctionTarget, typed_loads: bool) -> str:
+def _header(fn: FunctionTarget, typed_loads: bool, paired: bool) -> str:
     float4_in = "Buffer<float4>" if typed_loads else "StructuredBuffer<float4>"
-    return f"import {fn.module.import_spec};\ntypealias Float4In = {float4_in};\n\n"
+    return (
+        f"import {fn.module.import_spec};\ntypealias Float4In = {float4_in};\n"
+        f"{float4_out_source(paired)}\n"
+    )
 
 
 def _params(kinds: tuple[str, ...], name: str = "a") -> list[str]:
@@ -86,7 +90,11 @@ def _kernel(entry: str, params: list[str], prologue: str, body: str, group: int)
 
 
 def forward_source(
-    fn: FunctionTarget, kinds: tuple[str, ...], typed_loads: bool, group: int = GROUP
+    fn: FunctionTarget,
+    kinds: tuple[str, ...],
+    typed_loads: bool,
+    group: int = GROUP,
+    paired: bool = False,
 ) -> str:
     """The kernel ``pydiff_gen_fwd``: result[q] = f(args[q]) for each float4 q."""
     call = f"{fn.name}({', '.join(_element(kinds, i) for i in range(len(kinds)))})"
@@ -94,10 +102,10 @@ def forward_source(
         _loads(kinds) + "        float4 pydiff_r;\n"
         "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n"
         f"            pydiff_r[pydiff_k] = {call};\n"
-        "        pydiff_result[pydiff_q] = pydiff_r;\n"
+        "        store4(pydiff_result, pydiff_q, pydiff_r);\n"
     )
-    params = _params(kinds) + ["uniform RWStructuredBuffer<float4> pydiff_result"]
-    return _header(fn, typed_loads) + _kernel(
+    params = _params(kinds) + ["uniform Float4Out pydiff_result"]
+    return _header(fn, typed_loads, paired) + _kernel(
         "pydiff_gen_fwd", params, _scalar_loads(kinds), body, group
     )
 
@@ -109,6 +117,7 @@ def backward_source(
     scalars: tuple[int, ...],
     typed: bool,
     group: int = GROUP,
+    paired: bool = False,
 ) -> str:
     """The kernel ``pydiff_gen_bwd``: for each float4 q, ``bwd_diff(f)`` per element with the
     upstream gradient, then each gradient buffer j (adding the parameters in ``sums[j]``)
@@ -118,10 +127,10 @@ def backward_source(
     params = _params(kinds) + ["uniform Float4In pydiff_up"]
     for j in range(len(sums)):
         params += [
-            f"uniform RWStructuredBuffer<float4> pydiff_g{j}",
+            f"uniform Float4Out pydiff_g{j}",
             f"uniform Float4In pydiff_g{j}_in",
         ]
-    params += [f"uniform RWStructuredBuffer<float4> pydiff_sg{i}" for i in scalars]
+    params += [f"uniform Float4Out pydiff_sg{i}" for i in scalars]
     wanted = sorted({i for members in sums for i in members} | set(scalars))
     body = _loads(kinds) + "        float4 pydiff_u = pydiff_up[pydiff_q];\n"
     body += "".join(f"        float4 pydiff_d{i} = float4(0.0);\n" for i in wanted)
@@ -148,16 +157,18 @@ def backward_source(
         body += (
             f"        float4 pydiff_o{j} = pydiff_g{j}_in[pydiff_q];\n"
             f"        float4 pydiff_n{j} = {adds};\n"
-            f"        pydiff_g{j}[pydiff_q] = select(pydiff_in, pydiff_n{j}, pydiff_o{j});\n"
+            f"        store4(pydiff_g{j}, pydiff_q, select(pydiff_in, pydiff_n{j}, pydiff_o{j}));\n"
         )
     body += "".join(
-        f"        pydiff_sg{i}[pydiff_q] = float4(0.0) + pydiff_d{i};\n" for i in scalars
+        f"        store4(pydiff_sg{i}, pydiff_q, float4(0.0) + pydiff_d{i});\n" for i in scalars
     )
     # pydiff_zero (0): the sum goes through an integer op the compiler cannot fold, so the
     # add into the buffer is not fused with the gradient's last product (an fma rounds once
     # where SlangPy's path, adding into memory, rounds twice: other bits).
     params.append("uniform uint pydiff_zero")
-    return _header(fn, typed) + _kernel("pydiff_gen_bwd", params, _scalar_loads(kinds), body, group)
+    return _header(fn, typed, paired) + _kernel(
+        "pydiff_gen_bwd", params, _scalar_loads(kinds), body, group
+    )
 
 
 def fwds_source(
@@ -166,6 +177,7 @@ def fwds_source(
     tangents: tuple[str, ...],
     typed: bool,
     group: int = GROUP,
+    paired: bool = False,
 ) -> str:
     """The kernel ``pydiff_gen_fwds``: for each float4 q, ``fwd_diff(f)`` per element on
     (value, tangent) pairs of the differentiable parameters: the value into ``result``, the
@@ -185,13 +197,13 @@ def fwds_source(
         f"            let pydiff_pair = fwd_diff({fn.name})({', '.join(args)});\n"
         "            pydiff_r[pydiff_k] = pydiff_pair.p;\n"
         "            pydiff_dr[pydiff_k] = pydiff_pair.d;\n        }\n"
-        "        pydiff_result[pydiff_q] = pydiff_r;\n"
-        "        pydiff_tangent[pydiff_q] = pydiff_dr;\n"
+        "        store4(pydiff_result, pydiff_q, pydiff_r);\n"
+        "        store4(pydiff_tangent, pydiff_q, pydiff_dr);\n"
     )
     params = _params(kinds) + _params(tangents, "t")
     params += [
-        "uniform RWStructuredBuffer<float4> pydiff_result",
-        "uniform RWStructuredBuffer<float4> pydiff_tangent",
+        "uniform Float4Out pydiff_result",
+        "uniform Float4Out pydiff_tangent",
     ]
     prologue = _scalar_loads(kinds) + _scalar_loads(tangents, "t")
-    return _header(fn, typed) + _kernel("pydiff_gen_fwds", params, prologue, body, group)
+    return _header(fn, typed, paired) + _kernel("pydiff_gen_fwds", params, prologue, body, group)

@@ -1,10 +1,11 @@
 """The fast kernels' backend differences, tested without a GPU: pydiff's kernels read float4
 buffers through typed views on Vulkan and through structured ones on CUDA/D3D12, and a GPU
 takes other kernel shapes than lavapipe (one float4 per thread, small register blocks, no
-one-kernel narrow backward: kernels.py). Running the fast-path tests (capture, ops,
-optimizers) on Vulkan with ``PYDIFF_FLOAT4_LOADS=structured``, ``PYDIFF_KERNEL_SHAPES=gpu``
-and ``PYDIFF_FLOAT4_CHUNK=1`` runs the source, buffers and shapes a GPU gets, against the same
-NumPy references."""
+one-kernel narrow backward: kernels.py) and stores a float4 at once (lavapipe: as two 64-bit
+words). Running the fast-path tests (capture, ops, optimizers) on Vulkan with
+``PYDIFF_FLOAT4_LOADS=structured``, ``PYDIFF_KERNEL_SHAPES=gpu``, ``PYDIFF_FLOAT4_CHUNK=1`` and
+``PYDIFF_FLOAT4_STORES=float4`` runs the source, buffers and shapes a GPU gets, against the
+same NumPy references."""
 
 import os
 import subprocess
@@ -42,12 +43,14 @@ def test_fast_paths_as_a_gpu_runs_them(device):
         "PYDIFF_FLOAT4_LOADS": "structured",
         "PYDIFF_KERNEL_SHAPES": "gpu",
         "PYDIFF_FLOAT4_CHUNK": "1",
+        "PYDIFF_FLOAT4_STORES": "float4",
         "PYDIFF_DEVICE_TYPES": "vulkan",
     }
     tests = [
         "tests/test_capture.py",
         "tests/test_optim.py",
         "tests/test_generated.py",
+        "tests/test_float4_stores.py",
         "tests/test_ops.py::test_fast_product_kernels_match_numpy",
         "tests/test_ops.py::test_linear_relu_fused_matches_numpy",
         "tests/test_ops.py::test_cross_entropy_large_batch_matches_numpy_bit_for_bit_across_runs",
@@ -57,7 +60,7 @@ def test_fast_paths_as_a_gpu_runs_them(device):
         "import pydiff, slangpy as spy; d = pydiff.create_device('vulkan'); "
         "x = pydiff.zeros((5,), device=d); from pydiff.tensor import float4_ready; "
         "assert not d.typed_loads and float4_ready(x); "
-        "assert d.kernels.gpu and d.kernels.chunk == 1; "
+        "assert d.kernels.gpu and d.kernels.chunk == 1 and not d.kernels.paired_stores; "
         "assert x.native.storage.desc.format == spy.Format.undefined; print('structured')"
     )
     seen = subprocess.run(
