@@ -67,10 +67,13 @@ def float4_out_source(paired: bool) -> str:
     """Slang declarations every float4 kernel is compiled with: ``Float4Out``, the type of a
     written float4 buffer, and ``store4(buffer, index, value)``, which writes a float4 into it
     bit for bit (NaN payloads and -0 included) in either form."""
-    out = "RWStructuredBuffer<uint64_t2>" if paired else "RWStructuredBuffer<float4>"
+    if not paired:  # no 64-bit integers in a GPU's kernels
+        return (
+            "typealias Float4Out = RWStructuredBuffer<float4>;\n"
+            "void store4(RWStructuredBuffer<float4> b, uint i, float4 v) { b[i] = v; }\n"
+        )
     return (
-        f"typealias Float4Out = {out};\n"
-        "void store4(RWStructuredBuffer<float4> b, uint i, float4 v) { b[i] = v; }\n"
+        "typealias Float4Out = RWStructuredBuffer<uint64_t2>;\n"
         "void store4(RWStructuredBuffer<uint64_t2> b, uint i, float4 v)\n{\n"
         "    uint4 u = asuint(v);\n"
         "    b[i] = uint64_t2(uint64_t(u.x) | (uint64_t(u.y) << 32), "
