@@ -251,7 +251,7 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
     with a one-element result: the tangent <grad f, v> recorded on a tape, then its backward."""
     xs, us = prepare("hvp", primals, v, "directions")
     leaves = [x.detach().requires_grad_(True) if u is not None else x for x, u in zip(xs, us)]
-    with Tape() as tape:
+    with Tape(reads_other_tapes=True) as tape:
         out, t = traced(fn, leaves, us, "hvp")
     if not isinstance(out, Tensor) or out.numel != 1:
         got = out.shape if isinstance(out, Tensor) else f"a tuple of {len(out)}"

@@ -121,7 +121,7 @@ def value_and_grad(
             leaves[i] if i in leaves else as_data(a, f"{what}: argument {i}")
             for i, a in enumerate(args)
         ]
-        with Tape() as tape:
+        with Tape(reads_other_tapes=True) as tape:
             out = fn(*call_args, **kwargs)
         if not isinstance(out, Tensor):
             raise TypeError(

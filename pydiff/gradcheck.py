@@ -243,7 +243,7 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
             while j == 0 or j < len(vs):
                 state.restore()
                 versions = state.versions()
-                with Tape() as tape:
+                with Tape(reads_other_tapes=True) as tape:
                     outs = _outputs(f(*inputs))
                 if not vs:
                     vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]

@@ -96,7 +96,7 @@ def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: tuple) -> N
         return
     xl = x0.detach()
     args = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
-    with suspend_recording(), Tape() as tape:
+    with suspend_recording(), Tape(reads_other_tapes=True) as tape:
         out = _call(f, xl, args)
     if out.requires_grad:
         _refuse_hidden_inputs(f, tape, [xl, *args])
@@ -138,7 +138,7 @@ def _vjp(
             (p.detach().requires_grad_(True) if w else p.detach()) if isinstance(p, Tensor) else p
             for p, w in zip(params, wants)
         ]
-        with Tape() as tape:
+        with Tape(reads_other_tapes=True) as tape:
             out = _call(f, xl, tuple(args))
         _refuse_hidden_inputs(f, tape, [xl, *args])
         out = on_tape(out, tape, [xl, *args])

@@ -103,12 +103,18 @@ class Tape:
     recording: intermediate gradients restart from zero, leaf gradients follow the zeroing
     policy (ACCUMULATE adds, RESET replaces, STRICT raises).
 
+    A tape reading a result another tape recorded warns (its backward stops there) unless
+    made with ``reads_other_tapes=True``: its backwards are then chained by hand.
+
     >>> with pydiff.Tape() as tape:
     ...     y = m.square(x, _result="tensor")
     >>> tape.backward(y, grad=np.ones(y.shape))
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, reads_other_tapes: bool = False) -> None:
+        #: True: this tape reads results of other tapes on purpose (whoever runs its backward
+        #: carries their gradients on, as pydiff's transforms do): no GradientFlowWarning.
+        self.reads_other_tapes = reads_other_tapes
         self._entries: list[_Entry] = []
         self._token: contextvars.Token | None = None
         self._touched: dict[int, Tensor] = {}
@@ -149,6 +155,19 @@ class Tape:
                     f"{t.producer.why}: the gradient stops at it (it gets one; what it was "
                     "made from gets none). Record those calls on this tape, or pass "
                     "t.detach() to mean a constant"
+                )
+            elif (
+                type(t.producer) is Tape
+                and t.producer is not self
+                and t.requires_grad
+                and not self.reads_other_tapes
+            ):
+                warn_once(
+                    f"{desc} was made by a call recorded on another tape: this tape's backward "
+                    "gives it a gradient and stops there (what it was made from gets none). "
+                    "Record those calls on this tape, pass t.detach() to mean a constant, or "
+                    "chain the backwards yourself (other_tape.backward(t, grad=t.grad) after "
+                    "this one; Tape(reads_other_tapes=True) says so and does not warn)"
                 )
             if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
                 raise RuntimeError(

@@ -255,7 +255,7 @@ def _bridge() -> Any:
                         "positionally"
                     )
                 named[name] = _convert_arg(value, f"keyword argument {name!r}")
-            with Tape() as tape:
+            with Tape(reads_other_tapes=True) as tape:
                 result = _run(fn, inputs, named, (*args, *kwargs.values()))
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
             for k, out in enumerate(outputs):

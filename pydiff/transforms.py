@@ -117,7 +117,7 @@ def vjp(
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)
     taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
-    with Tape() as tape:
+    with Tape(reads_other_tapes=True) as tape:
         out = call(*inputs)
     outs = out if isinstance(out, tuple) else (out,)
     cots = tuple(cotangents) if isinstance(out, tuple) else (cotangents,)

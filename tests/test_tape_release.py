@@ -147,3 +147,36 @@ def test_a_leaf_made_from_a_forgotten_result_does_not_warn(device):
     with pytest.warns(pydiff.GradientFlowWarning, match="forgotten"):
         with pydiff.Tape():
             ops.sum(ops.mul(h, h))
+
+
+def test_reading_a_result_of_another_live_tape_warns_and_chaining_by_hand_is_exact(device):
+    """A second tape reading a result the first tape recorded (still live, not forgotten)
+    cannot carry the gradient into the first tape's calls: it warns where the read is
+    recorded, once per line, and the chain by hand gives the closed form d(3 x^2)/dx = 6x.
+    A detached read, the same tape, and a leaf do not warn."""
+    import warnings
+
+    xd = XS.astype(np.float64)
+    x = pydiff.tensor(XS, device=device, requires_grad=True)
+    with pydiff.Tape() as first:
+        h = ops.mul(x, x)
+    with pytest.warns(pydiff.GradientFlowWarning, match="recorded on another tape"):
+        with pydiff.Tape() as second:
+            loss = ops.sum(ops.mul(h, pydiff.tensor(np.full(4, 3.0, np.float32), device=device)))
+    second.backward(loss)
+    np.testing.assert_allclose(h.grad.numpy(), np.full(4, 3.0))
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)  # stopped at h, as the warning says
+    first.backward(h, grad=h.grad)
+    np.testing.assert_allclose(x.grad.numpy(), 6 * xd, rtol=1e-6)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydiff.GradientFlowWarning)
+        with pydiff.Tape():
+            ops.sum(ops.mul(h.detach(), h.detach()))  # a constant on purpose
+        with first:  # the tape that made h records on: one graph
+            again = ops.sum(ops.mul(h, h))
+        first.backward(again)
+        with pydiff.Tape():
+            ops.sum(ops.mul(x, x))  # a leaf
+        with pydiff.Tape(reads_other_tapes=True):  # chained by hand, said so
+            ops.sum(ops.mul(h, h))
