@@ -15,7 +15,6 @@ per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -23,7 +22,7 @@ from typing import Any, Sequence
 import slangpy as spy
 
 from .command_queue import CommandQueue
-from .errors import TensorTooLargeError
+from .errors import TensorTooLargeError, env_choice
 
 #: Most elements of one tensor and threads of one call: SlangPy indexes both with 32-bit
 #: signed ints (``int lin_idx`` in its tensor.slang), so more would wrap around silently.
@@ -50,7 +49,8 @@ def typed_float4_loads(device_type: str) -> bool:
     >>> typed_float4_loads("vulkan"), typed_float4_loads("cuda")
     (True, False)
     """
-    forced = os.environ.get("PYDIFF_FLOAT4_LOADS", "").strip().lower()
+    # "typed" is the default's name: typed on Vulkan, structured elsewhere
+    forced = env_choice("PYDIFF_FLOAT4_LOADS", ("auto", "typed", "structured"))
     return device_type == "vulkan" and forced != "structured"
 
 

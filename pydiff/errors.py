@@ -86,6 +86,22 @@ class GradientFlowWarning(UserWarning):
     (a ``no_diff`` parameter, a non-differentiable function): its gradient stays unchanged."""
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """The environment variable ``name``, trimmed and lower-cased; None when unset or empty.
+    Any value not in ``choices`` raises ``ValueError`` naming the variable and the choices
+    (a typo must not silently fall back to the default it was meant to change).
+
+        env_choice("PYDIFF_FLOAT4_STORES", ("auto", "paired", "float4"))   # 'paired', or None
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)} (or unset)")
+    return value
+
+
 def warn_once(message: str, category: type[Warning] = GradientFlowWarning) -> None:
     """Warn once per message and call site: the first frame outside pydiff, so a loop that
     repeats one call warns once, and each line of user code that does it is named.

@@ -47,6 +47,12 @@ def collect() -> dict[str, Any]:
                     for k in _FEATURES
                 },
                 "include_paths": [str(p) for p in dev.native.desc.compiler_options.include_paths],
+                "fast_kernels": {
+                    "loads": "typed" if dev.typed_loads else "structured",
+                    "stores": "paired 64-bit" if dev.kernels.paired_stores else "float4",
+                    "float4s_per_thread": dev.kernels.chunk,
+                    "shapes": "GPU" if dev.kernels.gpu else "lavapipe",
+                },
             }
         )
     return {
@@ -100,5 +106,12 @@ def format_info(data: dict[str, Any]) -> str:
             )
         for key, what in _FEATURES.items():
             lines.append(f"          {'yes' if d['features'][key] else 'no ':3s}  {what}")
+        fast = d.get("fast_kernels")
+        if fast:
+            lines.append(
+                f"          fast kernels: {fast['loads']} float4 loads, {fast['stores']} stores, "
+                f"{fast['float4s_per_thread']} float4(s) per thread, {fast['shapes']} shapes "
+                "(PYDIFF_FLOAT4_LOADS, _STORES, _CHUNK, PYDIFF_KERNEL_SHAPES)"
+            )
         lines.append(f"          shader search path: {', '.join(d['include_paths']) or '(none)'}")
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import slangpy as spy
 
 from . import capturing
 from .command_queue import CommandQueue
-from .errors import PydiffError
+from .errors import PydiffError, env_choice
 
 # Root shader objects with the buffers of recent dispatches bound, for reuse: binding by
 # keyword builds a new object each time (about half of a dispatch's 30-45 us on the CPU). An
@@ -57,7 +57,7 @@ def paired_float4_stores(adapter_name: str) -> bool:
     >>> paired_float4_stores("NVIDIA H200")
     False
     """
-    forced = os.environ.get("PYDIFF_FLOAT4_STORES", "").strip().lower()
+    forced = env_choice("PYDIFF_FLOAT4_STORES", ("auto", "paired", "float4"))
     if forced in ("float4", "paired"):
         return forced == "paired"
     return "llvmpipe" in adapter_name
@@ -92,7 +92,9 @@ def float4_chunk(adapter_name: str) -> int:
     """
     forced = os.environ.get("PYDIFF_FLOAT4_CHUNK", "").strip()
     if forced:
-        return max(1, int(forced))
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"PYDIFF_FLOAT4_CHUNK={forced!r}: expected a whole number >= 1")
+        return int(forced)
     return 4 if "llvmpipe" in adapter_name else 1
 
 
@@ -118,7 +120,7 @@ class KernelCache:
         #: there, and the narrow layer's one-kernel backward (8 threads walking the batch) is
         #: left to two products.
         #: ``PYDIFF_KERNEL_SHAPES=gpu`` takes the GPU's shapes on lavapipe (their tests).
-        forced = os.environ.get("PYDIFF_KERNEL_SHAPES", "").strip().lower() == "gpu"
+        forced = env_choice("PYDIFF_KERNEL_SHAPES", ("auto", "gpu")) == "gpu"
         self.gpu = forced or "llvmpipe" not in native_device.info.adapter_name
         self.chunk = float4_chunk(native_device.info.adapter_name)
         self._kernels: OrderedDict = OrderedDict()

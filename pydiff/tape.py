@@ -312,7 +312,8 @@ class Tape:
         upstream = output.grad_in
         if isinstance(grad, Tensor):
             grad = grad.numpy()
-        seed = np.asarray(grad, dtype=np.float64)
+        with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
+            seed = np.asarray(grad, dtype=np.float64)
         want = output.expected_numpy_shape()
         if seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too

@@ -144,6 +144,14 @@ def test_info_lists_versions_devices_and_paths(device):
     assert data["shader_dir"] in opened[device.type]["include_paths"]
     text = pydiff_cli("info").stdout
     assert "slangpy  0.43.1" in text and "float atomics" in text
+    fast = opened[device.type]["fast_kernels"]
+    assert fast == {
+        "loads": "typed" if device.typed_loads else "structured",
+        "stores": "paired 64-bit" if device.kernels.paired_stores else "float4",
+        "float4s_per_thread": device.kernels.chunk,
+        "shapes": "GPU" if device.kernels.gpu else "lavapipe",
+    }
+    assert f"fast kernels: {fast['loads']} float4 loads, {fast['stores']} stores" in text
     cache = data["compile_cache"]
     assert set(cache) >= {"enabled", "path", "bytes", "max_bytes"}
     assert ("compile cache: " + (cache["path"] or "off")) in text

@@ -9,7 +9,9 @@ import pytest
 
 import pydiff
 from pydiff import generated
-from pydiff.kernels import float4_out_source, paired_float4_stores
+from pydiff import ops, optim
+from pydiff.buffer_pool import typed_float4_loads
+from pydiff.kernels import float4_chunk, float4_out_source, paired_float4_stores
 
 # Bit patterns a store must keep: quiet NaNs with payloads (both signs), a signalling NaN,
 # +-0, +-inf, subnormals, the largest finite floats and ordinary values.
@@ -119,3 +121,96 @@ def test_generated_forward_and_backward_store_every_bit(device):
     with np.errstate(invalid="ignore"):
         expected = (np.float32(-0.0) + bits.view(np.float32)).view(np.uint32)
     np.testing.assert_array_equal(x.grad_out.numpy().view(np.uint32), expected)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("PYDIFF_FLOAT4_STORES", "0"),
+        ("PYDIFF_FLOAT4_STORES", "float"),
+        ("PYDIFF_FLOAT4_STORES", "garbage"),
+        ("PYDIFF_FLOAT4_LOADS", "structure"),
+        ("PYDIFF_FLOAT4_CHUNK", "abc"),
+        ("PYDIFF_FLOAT4_CHUNK", "0"),
+    ],
+)
+def test_a_mistyped_override_is_refused_naming_the_variable(monkeypatch, name, value):
+    """A typo must not silently leave the default it was meant to change (the breaker set
+    PYDIFF_FLOAT4_STORES=0 and got the paired stores it meant to turn off)."""
+    monkeypatch.setenv(name, value)
+    check = {
+        "PYDIFF_FLOAT4_STORES": lambda: paired_float4_stores("llvmpipe (LLVM 15.0.6, 256 bits)"),
+        "PYDIFF_FLOAT4_LOADS": lambda: typed_float4_loads("vulkan"),
+        "PYDIFF_FLOAT4_CHUNK": lambda: float4_chunk("llvmpipe (LLVM 15.0.6, 256 bits)"),
+    }[name]
+    with pytest.raises(ValueError, match=f"{name}={value!r}: expected"):
+        check()
+
+
+def test_accepted_spellings_of_the_overrides(monkeypatch):
+    llvmpipe = "llvmpipe (LLVM 15.0.6, 256 bits)"
+    for value, paired in ((" Paired ", True), ("FLOAT4", False), ("auto", True), ("", True)):
+        monkeypatch.setenv("PYDIFF_FLOAT4_STORES", value)
+        assert paired_float4_stores(llvmpipe) is paired
+    for value, typed in (("typed", True), ("Structured", False), ("auto", True)):
+        monkeypatch.setenv("PYDIFF_FLOAT4_LOADS", value)
+        assert typed_float4_loads("vulkan") is typed
+        assert not typed_float4_loads("cuda")
+    monkeypatch.setenv("PYDIFF_FLOAT4_CHUNK", " 2 ")
+    assert float4_chunk(llvmpipe) == 2
+
+
+def test_neighbouring_small_tensors_are_never_written(device):
+    """Many small tensors alive at once (the pool packs them into neighbouring buffers):
+    relu, dropout, a tape backward and AdamW/SGD steps over some leave the others, and
+    their gradients, exactly as they were (the breaker's case, smaller)."""
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(1, 10, 48)]
+    before = [
+        pydiff.tensor(np.full(s, 1234.5 + i, np.float32), device=device, requires_grad=True)
+        for i, s in enumerate(sizes)
+    ]
+    work = [
+        pydiff.tensor(rng.standard_normal(s).astype(np.float32), device=device, requires_grad=True)
+        for s in sizes
+    ]
+    after = [
+        pydiff.tensor(np.full(s, -77.25 - i, np.float32), device=device)
+        for i, s in enumerate(sizes)
+    ]
+    adam = optim.AdamW(work, lr=0.1, weight_decay=0.1)
+    sgd = optim.SGD(work, lr=0.1, momentum=0.9)
+    for step in range(2):
+        adam.zero_grad()
+        with pydiff.Tape() as tape:
+            total = None
+            for w in work:
+                s = ops.sum(ops.dropout(ops.relu(w), 0.25, seed=step))
+                total = s if total is None else ops.add(total, s)
+        tape.backward(total)
+        adam.step()
+        sgd.step()
+    for i, (a, b) in enumerate(zip(before, after)):
+        np.testing.assert_array_equal(a.numpy(), np.float32(1234.5 + i))
+        np.testing.assert_array_equal(b.numpy(), np.float32(-77.25 - i))
+        np.testing.assert_array_equal(a.grad.numpy(), 0.0)
+
+
+def test_a_signalling_nan_in_a_seed_or_tangent_gives_no_numpy_warning(device):
+    """NumPy's float64 cast of a signalling NaN set the invalid flag: a RuntimeWarning from
+    pydiff's own line (the breaker's case). The NaN arrives quiet, as IEEE arithmetic makes it."""
+    import warnings
+
+    m = pydiff.load_module_from_source(
+        "snan_seed", "[Differentiable] float sq(float x) { return x * x; }\n", device=device
+    )
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    seed = np.array([0x7F800001, 0x3F800000], np.uint32).view(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pydiff.Tape() as tape:
+            y = m.sq(x, _result="tensor")
+        tape.backward(y, grad=seed)
+        pydiff.tensor([1.0, 2.0], device=device).with_tangent(seed)
+    got = x.grad.numpy()
+    assert np.isnan(got[0]) and got[1] == np.float32(4.0)  # d(x^2)/dx * 1 at x = 2
