@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import forward_trace
+from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .errors import warn_once
@@ -326,7 +326,10 @@ class Tape:
         # is recorded here: on an idle second core the step's wall time drops 0.78 -> 0.68 ms
         # (MLP step; one more submission, ~35 us of CPU: docs/benchmarks.md, Host cost per op).
         output.device.flush()
-        with backward_scope("tape.backward", output.device if _BATCH else None) as scope:
+        # A captured backward is batched whatever PYDIFF_TAPE_BATCH says: its seed is then a
+        # recorded upload, where unbatched it is a host write a replay cannot repeat.
+        batch = _BATCH or capturing.recording() is not None
+        with backward_scope("tape.backward", output.device if batch else None) as scope:
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)

@@ -191,3 +191,15 @@ def test_linear_with_in_features_not_a_multiple_of_4_is_refused_clearly(device):
     step()
     with pytest.raises(pydiff.CaptureError, match=r"in_features is a multiple of 4"):
         pydiff.capture(step)
+
+
+def test_replay_matches_eager_with_the_backward_unbatched(device, monkeypatch):
+    """PYDIFF_TAPE_BATCH=0 (each backward kernel submitted on its own, for measurements) made
+    capture refuse the step: its seed became a host write. A captured backward is batched
+    anyway; the eager steps, unbatched, give the same bits."""
+    import pydiff.tape as tape_module
+
+    monkeypatch.setattr(tape_module, "_BATCH", False)
+    test_replay_matches_eager_steps_with_new_batches(
+        device, lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.01)
+    )
