@@ -120,6 +120,34 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     return new_args, {k: convert(v, k) for k, v in kwargs.items()}
 
 
+def refuse_lost_grad(value: Any, where: str) -> None:
+    """Refuse (``ValueError``, as lists in calls through the framework are) a foreign tensor
+    that requires grad, alone or in a list or tuple, where pydiff copies its values: no
+    gradient would reach it (the framework's own error from its NumPy conversion said nothing
+    of where or why).
+
+        refuse_lost_grad(data, "pydiff.tensor: data")     # before np.asarray(data)
+    """
+    kinds = _loaded_classes()
+    if not kinds or not _holds_foreign((value,), kinds):
+        return
+    listed = type(value) in (tuple, list)
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) in (tuple, list):
+            stack.extend(item)
+            continue
+        reg = _registration(item)
+        if reg is not None and reg.needs_grad(item):
+            held = f"a list holding a {reg.name} tensor" if listed else f"a {reg.name} tensor"
+            raise ValueError(
+                f"{where}: {held} that requires grad; its values are copied, so no gradient "
+                f"would reach it. Call the function on {reg.name} tensors ({reg.name} autograd "
+                f"sees the call; {reg.name}.stack a list), or t.detach() for the values"
+            )
+
+
 def _loaded_classes() -> tuple:
     kinds: tuple = ()
     for reg in _handlers:

@@ -291,3 +291,34 @@ def test_from_torch_refuses_sparse_meta_and_a_non_bool_requires_grad(device):
     with pytest.raises(TypeError, match=r"from_torch: requires_grad must be a bool"):
         pydiff.from_torch(torch.ones(2), device=device, requires_grad=1)
     assert pydiff.from_torch(torch.ones(2), device=device, requires_grad=np.True_).requires_grad
+
+
+def test_torch_tensors_that_require_grad_in_copied_values_are_refused_clearly(device):
+    """A torch tensor that requires grad, alone or in a list, where pydiff copies values: no
+    gradient could reach it, and torch's own error ("Can't call numpy() on Tensor that
+    requires grad") named neither the place nor the reason. Without grad the values pass."""
+    m = pydiff.load_module_from_source(
+        "torch_lists",
+        "[Differentiable] float sq(float x) { return x * x; }\n"
+        "float sum3(float[3] a) { return a[0] + a[1] + a[2]; }\n",
+        device=device,
+    )
+    leaf = torch.tensor(2.0, requires_grad=True)
+    cases = [
+        (
+            lambda: pydiff.tensor([torch.tensor(1.0), leaf], device=device),
+            "pydiff.tensor: data: a list",
+        ),
+        (lambda: pydiff.tensor([[1.0], [leaf]], device=device), "pydiff.tensor: data: a list"),
+        (lambda: pydiff.tensor(torch.ones(2, requires_grad=True), device=device), "a torch tensor"),
+        (lambda: m.sq([torch.tensor(1.0), leaf]), "parameter 'x'"),
+        (lambda: m.sum3([torch.tensor(1.0), leaf, torch.tensor(3.0)]), "parameter 'a'"),
+    ]
+    for make, where in cases:
+        with pytest.raises(ValueError, match="requires grad; its values are copied") as info:
+            make()
+        assert where in str(info.value)
+    assert leaf.grad is None
+    plain = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)]
+    np.testing.assert_array_equal(pydiff.tensor(plain, device=device).numpy(), [1.0, 2.0, 3.0])
+    assert m.sum3(plain) == 6.0
