@@ -21,6 +21,9 @@ def describe(dev) -> str:
     text = f"{dev.type} ({dev.adapter_name})"
     if "llvmpipe" in dev.adapter_name:
         text += "; lavapipe compute " + lavapipe_threads_text()
+    kernels = getattr(dev, "kernels", None)
+    if kernels is not None:  # the fast kernels' forms (pydiff info prints them too)
+        text += "; float4 stores " + ("paired 64-bit" if kernels.paired_stores else "float4")
     return text
 
 
