@@ -41,7 +41,6 @@ another thread reads right. The deferred list is also submitted when it holds
 from __future__ import annotations
 
 import contextvars
-import os
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -49,12 +48,13 @@ from typing import Any, Callable, Iterable
 import slangpy as spy
 
 from .cuda_context import ensure_current
+from .errors import env_choice
 
 # Commands the deferred list holds before it is submitted anyway: bounds the memory its
 # buffers pin (and a step's few dozen commands stay in one submission).
 DEFER_MAX = 256
 # PYDIFF_DEFER=0 submits each deferred command at once (debugging, measurements).
-DEFER = os.environ.get("PYDIFF_DEFER", "1").strip() != "0"
+DEFER = env_choice("PYDIFF_DEFER", ("0", "1")) != "0"
 SWEEP = {"1": True, "0": False}
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
@@ -106,7 +106,7 @@ class CommandQueue:
         #: Whether submissions take other threads' open batches along (PYDIFF_SWEEP_BATCHES=1
         #: or 0 forces it on or off, e.g. to test it on Vulkan).
         self.sweep_batches = SWEEP.get(
-            os.environ.get("PYDIFF_SWEEP_BATCHES", "").strip(),
+            env_choice("PYDIFF_SWEEP_BATCHES", ("0", "1")) or "",
             native_device.info.type != spy.DeviceType.vulkan,
         )
         self._deferred: Any = None

@@ -22,7 +22,7 @@ import slangpy as spy
 from . import call_uniforms, compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
-from .errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError, env_choice
 from .kernels import KernelCache
 from .slangpy_loader import missing_driver
 from .lavapipe import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads  # noqa: F401 (public)
@@ -265,7 +265,7 @@ def _normalise_type(type: str | spy.DeviceType) -> str:
     return name
 
 
-def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | None) -> Any:
+def _create_native(type_name: str, paths: list, caches: tuple | None, validation: bool) -> Any:
     """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches, without
     slang-rhi's validation layer and SlangPy's shader hot reload: both on by default, they
     wrap every command and submission (validation) and poll the shader files at every
@@ -273,7 +273,7 @@ def _create_native(type_name: str, paths: list[str], caches: tuple[str, str] | N
     (docs/benchmarks.md, "Host cost per op"). ``PYDIFF_RHI_VALIDATION=1`` turns validation
     back on, to debug pydiff's own use of the device."""
     options: dict[str, Any] = {
-        "enable_rhi_validation": os.environ.get("PYDIFF_RHI_VALIDATION", "0").strip() == "1",
+        "enable_rhi_validation": validation,
         "enable_hot_reload": False,
     }
     if caches is not None:
@@ -316,11 +316,12 @@ def _open_device(
     if type_name in _failed_types:
         raise DeviceUnavailableError(_failed_types[type_name])
     paths = [str(shader_dir()), *include_paths]
+    validation = env_choice("PYDIFF_RHI_VALIDATION", ("0", "1")) == "1"  # (a typo: ValueError)
     choose_lavapipe_threads()
     caches = compile_cache.prepare(base, type_name)
     try:
         with _quiet_native_output():
-            native = _create_native(type_name, paths, caches)
+            native = _create_native(type_name, paths, caches, validation)
     except Exception as exc:  # slangpy raises RuntimeError("Failed to create device!")
         hint = (
             " On a machine without a GPU, install Mesa's lavapipe (Vulkan on the CPU): "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import contextvars
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -21,12 +20,12 @@ import numpy as np
 from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
-from .errors import warn_once
+from .errors import env_choice, warn_once
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
-_BATCH = os.environ.get("PYDIFF_TAPE_BATCH", "1") == "1"
+_BATCH = env_choice("PYDIFF_TAPE_BATCH", ("0", "1")) != "0"
 _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
     "pydiff_tape", default=None
 )

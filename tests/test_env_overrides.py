@@ -1,0 +1,62 @@
+"""pydiff's debugging and tuning switches (environment variables) refuse values they do not
+know, naming the variable: a typo must not silently leave the default it was meant to change.
+Read at import (each case in a child process) or when a device opens."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    ("PYDIFF_DEFER", "no", "import pydiff"),
+    ("PYDIFF_TAPE_BATCH", "true", "import pydiff"),
+    ("PYDIFF_GENERATED_MIN_ELEMENTS", "4k", "import pydiff"),
+    ("PYDIFF_SWEEP_BATCHES", "yes", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_RHI_VALIDATION", "on", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_FLOAT4_STORES", "off", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_GENERATED", "no", "import pydiff; pydiff.generated.enabled()"),
+]
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("name, value, code", CASES, ids=[c[0] for c in CASES])
+def test_an_unknown_value_is_refused_naming_the_variable(device, name, value, code):
+    if device.type != "vulkan":
+        pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
+    out = _run(code, {name: value})
+    assert out.returncode != 0
+    assert f"ValueError: {name}={value!r}: expected" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_documented_values_are_taken(device):
+    if device.type != "vulkan":
+        pytest.skip("checked once, on Vulkan")
+    env = {
+        "PYDIFF_DEFER": "0",
+        "PYDIFF_TAPE_BATCH": "0",
+        "PYDIFF_GENERATED_MIN_ELEMENTS": "1",
+        "PYDIFF_SWEEP_BATCHES": "1",
+        "PYDIFF_FLOAT4_STORES": "Float4",
+    }
+    code = (
+        "import pydiff; from pydiff import command_queue, generated, tape; "
+        "d = pydiff.create_device('vulkan'); "
+        "assert not command_queue.DEFER and generated.MIN_ELEMENTS == 1; "
+        "assert d.queue.sweep_batches and not d.kernels.paired_stores; print('taken')"
+    )
+    out = _run(code, env)
+    assert out.stdout.strip() == "taken", out.stderr[-2000:]
