@@ -48,14 +48,13 @@ from typing import Any, Callable, Iterable
 import slangpy as spy
 
 from .cuda_context import ensure_current
-from .errors import env_choice
+from .errors import ENV_OFF, ENV_ON, env_choice, env_flag
 
 # Commands the deferred list holds before it is submitted anyway: bounds the memory its
 # buffers pin (and a step's few dozen commands stay in one submission).
 DEFER_MAX = 256
 # PYDIFF_DEFER=0 submits each deferred command at once (debugging, measurements).
-DEFER = env_choice("PYDIFF_DEFER", ("0", "1")) != "0"
-SWEEP = {"1": True, "0": False}
+DEFER = env_flag("PYDIFF_DEFER", True)
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
@@ -105,9 +104,11 @@ class CommandQueue:
         self.open_batches: set = set()
         #: Whether submissions take other threads' open batches along (PYDIFF_SWEEP_BATCHES=1
         #: or 0 forces it on or off, e.g. to test it on Vulkan).
-        self.sweep_batches = SWEEP.get(
-            env_choice("PYDIFF_SWEEP_BATCHES", ("0", "1")) or "",
-            native_device.info.type != spy.DeviceType.vulkan,
+        sweep = env_choice("PYDIFF_SWEEP_BATCHES", ("auto", *ENV_ON, *ENV_OFF))
+        self.sweep_batches = (
+            native_device.info.type != spy.DeviceType.vulkan
+            if sweep in (None, "auto")
+            else sweep in ENV_ON
         )
         self._deferred: Any = None
         self._held: list = []

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import slangpy as spy
 
-from .errors import CacheWarning
+from .errors import CacheWarning, env_flag
 
 ENV_DIR = "PYDIFF_CACHE_DIR"
 ENV_SWITCH = "PYDIFF_CACHE"
 ENV_MAX_MB = "PYDIFF_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 1024
-_OFF = {"0", "off", "false", "no"}
 _warned: set[str] = set()
 _created: set[str] = set()  # type folders this process made (see discard_new)
 
@@ -58,7 +57,7 @@ def root(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
         return None
     if cache_dir is not None and cache_dir is not True:
         return Path(cache_dir).expanduser()
-    if os.environ.get(ENV_SWITCH, "").strip().lower() in _OFF:
+    if not env_flag(ENV_SWITCH, True):
         return None
     env = os.environ.get(ENV_DIR, "").strip()
     return Path(env).expanduser() if env else default_root()

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
-from .foreign import refuse_lost_grad
+from .foreign import as_array
 from .storage import NUMPY_TO_SLANG, allocate, dtype_name, element_shape, shape_tuple
 from .tensor import Tensor
 
@@ -34,8 +33,7 @@ def tensor(
     >>> s = pydiff.tensor(3.0)                                   # shape (), as np.asarray
     """
     dev = resolve_device(device)
-    refuse_lost_grad(data, "pydiff.tensor: data")
-    arr = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
+    arr = data.numpy() if isinstance(data, Tensor) else as_array(data, "pydiff.tensor: data")
     if dtype is None:
         if arr.dtype not in NUMPY_TO_SLANG:
             raise TypeError(

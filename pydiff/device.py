@@ -22,7 +22,7 @@ import slangpy as spy
 from . import call_uniforms, compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
-from .errors import DeviceUnavailableError, env_choice
+from .errors import DeviceUnavailableError, env_flag
 from .kernels import KernelCache
 from .slangpy_loader import missing_driver
 from .lavapipe import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads  # noqa: F401 (public)
@@ -316,7 +316,7 @@ def _open_device(
     if type_name in _failed_types:
         raise DeviceUnavailableError(_failed_types[type_name])
     paths = [str(shader_dir()), *include_paths]
-    validation = env_choice("PYDIFF_RHI_VALIDATION", ("0", "1")) == "1"  # (a typo: ValueError)
+    validation = env_flag("PYDIFF_RHI_VALIDATION", False)  # (a typo: ValueError, not a failed open)
     choose_lavapipe_threads()
     caches = compile_cache.prepare(base, type_name)
     try:

@@ -86,6 +86,10 @@ class GradientFlowWarning(UserWarning):
     (a ``no_diff`` parameter, a non-differentiable function): its gradient stays unchanged."""
 
 
+#: The spellings an on/off switch takes (``env_flag``), as every pydiff switch reads them.
+ENV_ON, ENV_OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
 def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     """The environment variable ``name``, trimmed and lower-cased; None when unset or empty.
     Any value not in ``choices`` raises ``ValueError`` naming the variable and the choices
@@ -100,6 +104,31 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     if value not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)} (or unset)")
     return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off switch: ``default`` when unset or empty, else one of ``ENV_ON`` or
+    ``ENV_OFF`` (any case); anything else raises ``ValueError`` naming the variable.
+
+        DEFER = env_flag("PYDIFF_DEFER", True)
+    """
+    value = env_choice(name, ENV_ON + ENV_OFF)
+    return default if value is None else value in ENV_ON
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """A whole-number setting (``default`` when unset or empty); anything else, or a number
+    below ``minimum``, raises ``ValueError`` naming the variable.
+
+        MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().replace("_", "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(f"{name}={raw!r}: expected a whole number >= {minimum} (or unset)")
+    return int(value)
 
 
 def warn_once(message: str, category: type[Warning] = GradientFlowWarning) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 
 class _Registration(NamedTuple):
     classes: Callable[[], tuple]
@@ -120,14 +122,22 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     return new_args, {k: convert(v, k) for k, v in kwargs.items()}
 
 
-def refuse_lost_grad(value: Any, where: str) -> None:
-    """Refuse (``ValueError``, as lists in calls through the framework are) a foreign tensor
-    that requires grad, alone or in a list or tuple, where pydiff copies its values: no
-    gradient would reach it (the framework's own error from its NumPy conversion said nothing
-    of where or why).
+def as_array(value: Any, where: str) -> Any:
+    """``np.asarray(value)``, where pydiff copies values; a foreign tensor in it that requires
+    grad, alone or in a list or tuple, is refused (``TypeError``, as in ``as_data``): no
+    gradient would reach it, and the framework's own error from its NumPy conversion said
+    nothing of where or why. (Checked only when the conversion fails: lists stay as fast.)
 
-        refuse_lost_grad(data, "pydiff.tensor: data")     # before np.asarray(data)
+        arr = as_array(data, "pydiff.tensor: data")
     """
+    try:
+        return np.asarray(value)
+    except RuntimeError:
+        _refuse_lost_grad(value, where)
+        raise
+
+
+def _refuse_lost_grad(value: Any, where: str) -> None:
     kinds = _loaded_classes()
     if not kinds or not _holds_foreign((value,), kinds):
         return
@@ -141,7 +151,7 @@ def refuse_lost_grad(value: Any, where: str) -> None:
         reg = _registration(item)
         if reg is not None and reg.needs_grad(item):
             held = f"a list holding a {reg.name} tensor" if listed else f"a {reg.name} tensor"
-            raise ValueError(
+            raise TypeError(
                 f"{where}: {held} that requires grad; its values are copied, so no gradient "
                 f"would reach it. Call the function on {reg.name} tensors ({reg.name} autograd "
                 f"sees the call; {reg.name}.stack a list), or t.detach() for the values"

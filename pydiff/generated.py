@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -33,7 +32,7 @@ from . import broadcast_grad
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
-from .errors import env_choice
+from .errors import env_flag, env_int
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget
@@ -54,10 +53,7 @@ SMALL_GROUP = 32
 #: recorded from Python, costs more than SlangPy's (16 elements: ~105 against ~90 us).
 #: ``PYDIFF_GENERATED_MIN_ELEMENTS=1`` (or pytest's ``--pydiff-generated=force``) sends every
 #: covered call this way.
-_MIN_RAW = os.environ.get("PYDIFF_GENERATED_MIN_ELEMENTS", "").strip() or "4096"
-if not _MIN_RAW.isdigit():
-    raise ValueError(f"PYDIFF_GENERATED_MIN_ELEMENTS={_MIN_RAW!r}: expected a whole number")
-MIN_ELEMENTS = int(_MIN_RAW)
+MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 _stats: Counter = Counter()
 _lock = threading.Lock()
@@ -65,7 +61,7 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether generated kernels may be used (``PYDIFF_GENERATED=0`` turns them off)."""
-    return env_choice("PYDIFF_GENERATED", ("0", "1")) != "0"
+    return env_flag("PYDIFF_GENERATED", True)  # (read at each call: tests switch it)
 
 
 def settings() -> dict[str, Any]:

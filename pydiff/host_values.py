@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .creation import tensor
-from .foreign import refuse_lost_grad
+from .foreign import as_array
 from .call_shape import short_name, value_elements, display_name
 from .signature import ParamInfo
 from .storage import SCALAR_NUMPY, has_c_strides
@@ -93,8 +93,7 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
             )
         return _number(label, p, base, value)  # for a vector: every component, as Slang does
     if kind is list:  # (a tuple is .fwds's (value, tangent) pair)
-        refuse_lost_grad(value, _where(label, p))
-        arr = np.asarray(value)
+        arr = as_array(value, _where(label, p))
         if arr.dtype == object or arr.dtype.kind in "USV":
             return value  # not numbers: SlangPy reports it
         if axes and arr.shape[len(arr.shape) - len(axes) :] != axes:

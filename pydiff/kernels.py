@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -23,7 +22,7 @@ import slangpy as spy
 
 from . import capturing
 from .command_queue import CommandQueue
-from .errors import PydiffError, env_choice
+from .errors import PydiffError, env_choice, env_int
 
 # Root shader objects with the buffers of recent dispatches bound, for reuse: binding by
 # keyword builds a new object each time (about half of a dispatch's 30-45 us on the CPU). An
@@ -90,12 +89,7 @@ def float4_chunk(adapter_name: str) -> int:
     >>> float4_chunk("llvmpipe (LLVM 15.0.6, 256 bits)"), float4_chunk("NVIDIA H200")
     (4, 1)
     """
-    forced = os.environ.get("PYDIFF_FLOAT4_CHUNK", "").strip()
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"PYDIFF_FLOAT4_CHUNK={forced!r}: expected a whole number >= 1")
-        return int(forced)
-    return 4 if "llvmpipe" in adapter_name else 1
+    return env_int("PYDIFF_FLOAT4_CHUNK", 4 if "llvmpipe" in adapter_name else 1, minimum=1)
 
 
 class KernelCache:

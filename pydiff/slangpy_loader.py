@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 import sys
 from typing import Any
+
+from .errors import ENV_OFF, ENV_ON, env_choice
 
 ENV = "PYDIFF_SLANGPY_TORCH"
 
@@ -56,10 +57,10 @@ def missing_driver(type_name: str) -> str | None:
 
 def torch_bridge_wanted() -> bool:
     """Whether SlangPy should load its torch bridge: when asked for, or torch is loaded."""
-    choice = os.environ.get(ENV, "auto").strip().lower()
-    if choice in ("1", "on", "true", "yes"):
+    choice = env_choice(ENV, ("auto", *ENV_ON, *ENV_OFF))
+    if choice in ENV_ON:
         return True
-    if choice in ("0", "off", "false", "no"):
+    if choice in ENV_OFF:
         return False
     return "torch" in sys.modules
 

@@ -20,12 +20,12 @@ import numpy as np
 from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
-from .errors import env_choice, warn_once
+from .errors import env_flag, warn_once
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
-_BATCH = env_choice("PYDIFF_TAPE_BATCH", ("0", "1")) != "0"
+_BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
 _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
     "pydiff_tape", default=None
 )
@@ -111,10 +111,12 @@ class Tape:
     """
 
     def __init__(self, *, reads_other_tapes: bool = False) -> None:
-        #: True: this tape reads results of other tapes on purpose (whoever runs its backward
-        #: carries their gradients on, as pydiff's transforms do): no GradientFlowWarning.
+        #: True: this tape reads results of other tapes on purpose, as constants (pydiff's
+        #: transforms: a closure's tensors) or with the backwards chained by hand: no
+        #: GradientFlowWarning.
         self.reads_other_tapes = reads_other_tapes
         self._entries: list[_Entry] = []
+        self._made: set[int] = set()  # ids of the recorded results (``made``)
         self._token: contextvars.Token | None = None
         self._touched: dict[int, Tensor] = {}
         # Tensors that held gradients of their own before this tape overwrote them: their
@@ -148,18 +150,21 @@ class Tape:
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
         for desc, t in reads:
-            if isinstance(t.producer, Forgotten) and t.requires_grad and t.producer.made(t):
+            producer = t.producer
+            if producer is None or producer is self:
+                pass
+            elif type(producer) is Forgotten and t.requires_grad and producer.made(t):
                 warn_once(
                     f"{desc} was made by calls whose recording was forgotten by "
-                    f"{t.producer.why}: the gradient stops at it (it gets one; what it was "
+                    f"{producer.why}: the gradient stops at it (it gets one; what it was "
                     "made from gets none). Record those calls on this tape, or pass "
                     "t.detach() to mean a constant"
                 )
             elif (
-                type(t.producer) is Tape
-                and t.producer is not self
-                and t.requires_grad
+                type(producer) is Tape
                 and not self.reads_other_tapes
+                and t.requires_grad
+                and producer.made(t)
             ):
                 warn_once(
                     f"{desc} was made by a call recorded on another tape: this tape's backward "
@@ -168,7 +173,7 @@ class Tape:
                     "chain the backwards yourself (other_tape.backward(t, grad=t.grad) after "
                     "this one; Tape(reads_other_tapes=True) says so and does not warn)"
                 )
-            if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+            if producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
                 raise RuntimeError(
                     f"{label}: {desc} holds values {COPY_FROM_GRAPH}, so no gradient would "
                     "reach what they were copied from: use src.clone() (recorded) or copy from "
@@ -190,12 +195,18 @@ class Tape:
                 self._leaves.setdefault(id(t.storage), t)
         for t in writes:
             self._touched[id(t.storage)] = t if t.base is None else t.base
+            self._made.add(id(t))  # (entries hold them: an id here is that tensor's)
             t.producer = self
         self._entries.append(entry)
         return entry
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def made(self, t: Tensor) -> bool:
+        """Whether ``t`` is one of the recording's results or a view of one (a new leaf that
+        shares a result's storage, ``detach()``, is a leaf on purpose)."""
+        return id(t) in self._made or (t.base is not None and id(t.base) in self._made)
 
     def inputs(self) -> list[Tensor]:
         """The tensors the recorded calls read that no recorded call wrote, in order."""
@@ -401,4 +412,5 @@ class Tape:
                 touched[key] = held
         self._touched = touched
         self._entries.clear()
+        self._made.clear()
         self._leaves.clear()

@@ -12,13 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [
-    ("PYDIFF_DEFER", "no", "import pydiff"),
-    ("PYDIFF_TAPE_BATCH", "true", "import pydiff"),
+    ("PYDIFF_DEFER", "maybe", "import pydiff"),
+    ("PYDIFF_TAPE_BATCH", "2", "import pydiff"),
     ("PYDIFF_GENERATED_MIN_ELEMENTS", "4k", "import pydiff"),
-    ("PYDIFF_SWEEP_BATCHES", "yes", "import pydiff; pydiff.create_device('vulkan')"),
-    ("PYDIFF_RHI_VALIDATION", "on", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_SWEEP_BATCHES", "always", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_RHI_VALIDATION", "enable", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_FLOAT4_STORES", "off", "import pydiff; pydiff.create_device('vulkan')"),
-    ("PYDIFF_GENERATED", "no", "import pydiff; pydiff.generated.enabled()"),
+    ("PYDIFF_CACHE", "sometimes", "import pydiff; pydiff.compile_cache.root()"),
+    ("PYDIFF_SLANGPY_TORCH", "perhaps", "import pydiff"),
+    ("PYDIFF_GENERATED", "none", "import pydiff; pydiff.generated.enabled()"),
 ]
 
 
@@ -46,16 +48,19 @@ def test_the_documented_values_are_taken(device):
     if device.type != "vulkan":
         pytest.skip("checked once, on Vulkan")
     env = {
-        "PYDIFF_DEFER": "0",
-        "PYDIFF_TAPE_BATCH": "0",
-        "PYDIFF_GENERATED_MIN_ELEMENTS": "1",
-        "PYDIFF_SWEEP_BATCHES": "1",
+        "PYDIFF_DEFER": "off",
+        "PYDIFF_TAPE_BATCH": "No",
+        "PYDIFF_GENERATED": "true",
+        "PYDIFF_GENERATED_MIN_ELEMENTS": "1_000",
+        "PYDIFF_SWEEP_BATCHES": "yes",
         "PYDIFF_FLOAT4_STORES": "Float4",
+        "PYDIFF_CACHE": "FALSE",
     }
     code = (
-        "import pydiff; from pydiff import command_queue, generated, tape; "
+        "import pydiff; from pydiff import command_queue, compile_cache, generated, tape; "
         "d = pydiff.create_device('vulkan'); "
-        "assert not command_queue.DEFER and generated.MIN_ELEMENTS == 1; "
+        "assert not command_queue.DEFER and not tape._BATCH and generated.enabled(); "
+        "assert generated.MIN_ELEMENTS == 1000 and compile_cache.root() is None; "
         "assert d.queue.sweep_batches and not d.kernels.paired_stores; print('taken')"
     )
     out = _run(code, env)

@@ -180,3 +180,11 @@ def test_reading_a_result_of_another_live_tape_warns_and_chaining_by_hand_is_exa
             ops.sum(ops.mul(x, x))  # a leaf
         with pydiff.Tape(reads_other_tapes=True):  # chained by hand, said so
             ops.sum(ops.mul(h, h))
+        leaf = h.detach().requires_grad_(True)  # a new leaf sharing h's storage: on purpose
+        with pydiff.Tape() as third:
+            total = ops.sum(ops.mul(leaf, leaf))
+        third.backward(total)
+        np.testing.assert_allclose(leaf.grad.numpy(), 2 * xd**2, rtol=1e-6)
+    with pytest.warns(pydiff.GradientFlowWarning, match="recorded on another tape"):
+        with pydiff.Tape():
+            ops.sum(h.reshape(2, 2))  # a view of the result: the same cut
