@@ -15,6 +15,7 @@ A folder that cannot be written means running without the cache, with one warnin
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -64,13 +65,21 @@ def root(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
 
 
 def max_bytes() -> int:
-    """The size bound of each cache, from ``$PYDIFF_CACHE_MAX_MB`` (default 1024 MB)."""
-    raw = os.environ.get(ENV_MAX_MB, "").strip()
+    """The size bound of each cache, from ``$PYDIFF_CACHE_MAX_MB`` (default 1024 MB; fractions
+    taken, at least 1 MB used); anything but a positive number raises ``ValueError`` naming it.
+
+    >>> pydiff.compile_cache.max_bytes()
+    1073741824
+    """
+    raw = os.environ.get(ENV_MAX_MB, "")
+    if not raw.strip():
+        return DEFAULT_MAX_MB << 20
     try:
-        mb = float(raw) if raw else DEFAULT_MAX_MB
+        mb = float(raw.strip().replace("_", ""))
     except ValueError:
-        _warn_once(f"{ENV_MAX_MB}={raw!r} is not a number; using {DEFAULT_MAX_MB} MB")
-        mb = DEFAULT_MAX_MB
+        mb = math.nan
+    if not (0 < mb < math.inf):
+        raise ValueError(f"{ENV_MAX_MB}={raw!r}: expected a positive number of MB (or unset)")
     return max(int(mb * (1 << 20)), 1 << 20)
 
 
@@ -96,6 +105,7 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     cannot be used, so the device opens without a persistent cache."""
     if base is None:
         return None
+    limit = max_bytes()  # (a bad value: ValueError before any folder is made)
     modules, shaders = paths_for(base, device_type)
     if not modules.parent.exists():
         _created.add(str(modules.parent))
@@ -117,7 +127,7 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
             f"pydiff's compile cache: {bad[0]}{more} were damaged (truncated or overwritten) and "
             "are removed; what they held is compiled again"
         )
-    bound(modules)
+    bound(modules, limit)
     return str(modules), str(shaders)
 
 

@@ -21,6 +21,13 @@ CASES = [
     ("PYDIFF_CACHE", "sometimes", "import pydiff; pydiff.compile_cache.root()"),
     ("PYDIFF_SLANGPY_TORCH", "perhaps", "import pydiff"),
     ("PYDIFF_GENERATED", "none", "import pydiff; pydiff.generated.enabled()"),
+    (
+        "PYDIFF_CACHE_MAX_MB",
+        "1GB",
+        "import pydiff, tempfile; pydiff.create_device('vulkan', cache_dir=tempfile.mkdtemp())",
+    ),
+    ("PYDIFF_CACHE_MAX_MB", "-5", "import pydiff; pydiff.compile_cache.max_bytes()"),
+    ("PYDIFF_CACHE_MAX_MB", "nan", "import pydiff; pydiff.compile_cache.max_bytes()"),
 ]
 
 
@@ -35,7 +42,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("name, value, code", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, value, code", CASES, ids=[f"{c[0]}={c[1]}" for c in CASES])
 def test_an_unknown_value_is_refused_naming_the_variable(device, name, value, code):
     if device.type != "vulkan":
         pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
@@ -55,12 +62,14 @@ def test_the_documented_values_are_taken(device):
         "PYDIFF_SWEEP_BATCHES": "yes",
         "PYDIFF_FLOAT4_STORES": "Float4",
         "PYDIFF_CACHE": "FALSE",
+        "PYDIFF_CACHE_MAX_MB": " 2.5 ",
     }
     code = (
         "import pydiff; from pydiff import command_queue, compile_cache, generated, tape; "
         "d = pydiff.create_device('vulkan'); "
         "assert not command_queue.DEFER and not tape._BATCH and generated.enabled(); "
         "assert generated.MIN_ELEMENTS == 1000 and compile_cache.root() is None; "
+        "assert compile_cache.max_bytes() == int(2.5 * 2**20); "
         "assert d.queue.sweep_batches and not d.kernels.paired_stores; print('taken')"
     )
     out = _run(code, env)
