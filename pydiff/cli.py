@@ -13,10 +13,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .errors import DeviceUnavailableError, SlangCompileError
+from .errors import DeviceUnavailableError, EnvironmentSettingError, SlangCompileError
+
+
+def _number(low: float, *, above: bool = False, whole: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= low (> low with ``above``), so a bad step or
+    tolerance stops the command (exit 2) instead of making every check pass."""
+
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {'whole ' if whole else ''}number"
+            ) from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a {'whole' if whole else 'finite'} number "
+                f"{'>' if above else '>='} {low:g}"
+            )
+        return value
+
+    return parse
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -120,13 +142,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
     check.add_argument("--seed", type=int, default=0, help="random seed of the sample points")
     check.add_argument(
-        "--points", type=int, default=16, help="sample points per function (default 16)"
+        "--points",
+        type=_number(1, whole=True),
+        default=16,
+        help="sample points per function (default 16)",
     )
     check.add_argument(
-        "--eps", type=float, default=1e-3, help="finite-difference step (default 1e-3)"
+        "--eps",
+        type=_number(0, above=True),
+        default=1e-3,
+        help="finite-difference step (default 1e-3)",
     )
-    check.add_argument("--atol", type=float, default=1e-3)
-    check.add_argument("--rtol", type=float, default=1e-2)
+    check.add_argument("--atol", type=_number(0), default=1e-3)
+    check.add_argument("--rtol", type=_number(0), default=1e-2)
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     check.set_defaults(run=_check)
     info = sub.add_parser(
@@ -140,7 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache.add_argument("action", choices=["info", "clear"], nargs="?", default="info")
     cache.set_defaults(run=_cache)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except EnvironmentSettingError as exc:  # a mistyped PYDIFF_* switch: say which, no traceback
+        print(f"pydiff {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

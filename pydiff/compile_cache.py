@@ -26,7 +26,7 @@ from pathlib import Path
 
 import slangpy as spy
 
-from .errors import CacheWarning, env_flag
+from .errors import CacheWarning, EnvironmentSettingError, env_flag
 
 ENV_DIR = "PYDIFF_CACHE_DIR"
 ENV_SWITCH = "PYDIFF_CACHE"
@@ -79,7 +79,9 @@ def max_bytes() -> int:
     except ValueError:
         mb = math.nan
     if not (0 < mb < math.inf):
-        raise ValueError(f"{ENV_MAX_MB}={raw!r}: expected a positive number of MB (or unset)")
+        raise EnvironmentSettingError(
+            f"{ENV_MAX_MB}={raw!r}: expected a positive number of MB (or unset)"
+        )
     return max(int(mb * (1 << 20)), 1 << 20)
 
 
@@ -235,11 +237,13 @@ def usage(base: Path | None = None) -> dict:
     base = root() if base is None else base
     if base is None:
         return {"enabled": False, "path": None, "bytes": 0, "max_bytes": max_bytes()}
+    usable = not base.exists() or base.is_dir()
     return {
         "enabled": True,
         "path": str(base),
-        "bytes": size_of(base) if base.exists() else 0,
+        "bytes": size_of(base) if usable and base.exists() else 0,
         "max_bytes": max_bytes(),
+        "problem": None if usable else "not a folder: devices open without the cache",
     }
 
 

@@ -69,6 +69,11 @@ class GradientOverflowError(PydiffError, OverflowError):
     NaN are carried, as IEEE sums give them)."""
 
 
+class EnvironmentSettingError(PydiffError, ValueError):
+    """A ``PYDIFF_*`` environment variable holds a value pydiff does not take (the message
+    names the variable and the values it takes)."""
+
+
 class ShaderTrapWarning(UserWarning):
     """Raised at load time for shader patterns that will fail in ``.bwds``."""
 
@@ -102,7 +107,9 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     if not value:
         return None
     if value not in choices:
-        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)} (or unset)")
+        raise EnvironmentSettingError(
+            f"{name}={raw!r}: expected one of {', '.join(choices)} (or unset)"
+        )
     return value
 
 
@@ -127,7 +134,9 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     if not value:
         return default
     if not value.isdigit() or int(value) < minimum:
-        raise ValueError(f"{name}={raw!r}: expected a whole number >= {minimum} (or unset)")
+        raise EnvironmentSettingError(
+            f"{name}={raw!r}: expected a whole number >= {minimum} (or unset)"
+        )
     return int(value)
 
 

@@ -17,6 +17,7 @@ outputs are an array or number, or a list/tuple/dict of them.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -192,6 +193,20 @@ class Precision(NamedTuple):
     second: float  # the other step of the kink test (``smooth``)
     atol: float
     rtol: float
+
+
+def check_settings(where: str, eps: float, atol: float, rtol: float) -> None:
+    """Refuse a step or tolerance that would make a check pass without checking: a step that
+    is not a positive finite number (every point then looks like a kink, and is skipped), a
+    tolerance that is negative or NaN (no comparison can fail, or none can pass).
+
+    >>> check_settings("gradcheck", eps=1e-3, atol=1e-3, rtol=1e-2)
+    """
+    for name, value, low in (("eps", eps, "> 0"), ("atol", atol, ">= 0"), ("rtol", rtol, ">= 0")):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{where}: {name}={value!r} must be a number")
+        if not math.isfinite(value) or value < 0 or (name == "eps" and value == 0):
+            raise ValueError(f"{where}: {name}={value!r} must be a finite number {low}")
 
 
 def for_precision(eps: float, atol: float, rtol: float, half: bool = False) -> Precision:

@@ -306,6 +306,7 @@ def gradcheck(
     >>> pydiff.gradcheck(m.polynomial, (2.0, 8.0, -1.0, x))
     True
     """
+    fd.check_settings("gradcheck", eps, atol, rtol)
     f = as_callable(fn)
     state = _Inputs(inputs)
     checked = state.checked

@@ -73,6 +73,8 @@ def format_cache(cache: dict[str, Any]) -> str:
     """One line on the persistent compile cache (where, how big, the bound)."""
     if not cache["enabled"]:
         return "compile cache: off (PYDIFF_CACHE=0)"
+    if cache.get("problem"):
+        return f"compile cache: {cache['path']}: {cache['problem']}"
     mb = cache["bytes"] / (1 << 20)
     bound = cache["max_bytes"] / (1 << 20)
     return f"compile cache: {cache['path']} ({mb:.1f} MB; each cache bounded at {bound:.0f} MB)"

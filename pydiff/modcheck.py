@@ -351,6 +351,9 @@ def check_module(
 
     failed = [r for r in check_module("my_shaders.slang", ["f"]) if r.status == "FAIL"]
     """
+    fd.check_settings("check_module", eps, atol, rtol)
+    if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+        raise ValueError(f"check_module: points={points!r} must be a whole number >= 1")
     dev = resolve_device(device)
     module = load_module(path, device=dev)
     found = differentiable_functions(module)

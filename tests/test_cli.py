@@ -116,6 +116,13 @@ def test_check_json_is_strict_and_nan_gradients_fail(device):
             2,
             "no \\[Differentiable\\] function named nope",
         ),
+        # a step or tolerance that would make every check pass without checking (exit 0)
+        (("check", "tests/shaders/check_wrong.slang", "--eps", "0"), 2, "--eps: '0': expected"),
+        (("check", "tests/shaders/check_wrong.slang", "--eps", "nan"), 2, "--eps: 'nan'"),
+        (("check", "tests/shaders/check_wrong.slang", "--atol", "nan"), 2, "--atol: 'nan'"),
+        (("check", "tests/shaders/check_wrong.slang", "--rtol", "-1"), 2, "--rtol: '-1'"),
+        (("check", "tests/shaders/check_wrong.slang", "--points", "0"), 2, "--points: '0'"),
+        (("check", "tests/shaders/check_wrong.slang", "--points", "2.5"), 2, "not a whole"),
     ],
 )
 def test_check_errors_are_messages_not_tracebacks(device, args, code, message):
@@ -175,3 +182,43 @@ def test_check_lists_generic_functions_and_takes_several_names(device, tmp_path)
     assert {r["function"] for r in both["results"]} == {"h", "k"}
     missing = pydiff_cli("check", str(tmp_path / "none.slang"), "--json", device=device)
     assert missing.returncode == 2 and "not found" in json.loads(missing.stdout)["error"]
+
+
+@pytest.mark.parametrize(
+    "command", [("info",), ("cache",), ("check", "tests/shaders/check_none.slang")]
+)
+def test_a_bad_switch_is_one_line_and_exit_2(device, command):
+    if device.type != "vulkan":
+        pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
+    env = {**os.environ, "PYDIFF_CACHE_MAX_MB": "abc"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pydiff", *command],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == (
+        f"pydiff {command[0]}: PYDIFF_CACHE_MAX_MB='abc': expected a positive number of MB "
+        "(or unset)"
+    )
+
+
+def test_cache_says_when_its_folder_is_a_file(device, tmp_path):
+    if device.type != "vulkan":
+        pytest.skip("checked once, on Vulkan")
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("x")
+    env = {**os.environ, "PYDIFF_CACHE_DIR": str(not_a_folder), "PYDIFF_CACHE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pydiff", "cache"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"{not_a_folder}: not a folder" in out.stdout

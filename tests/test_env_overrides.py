@@ -48,7 +48,7 @@ def test_an_unknown_value_is_refused_naming_the_variable(device, name, value, co
         pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
     out = _run(code, {name: value})
     assert out.returncode != 0
-    assert f"ValueError: {name}={value!r}: expected" in out.stderr, out.stderr[-2000:]
+    assert f"EnvironmentSettingError: {name}={value!r}: expected" in out.stderr, out.stderr[-2000:]
 
 
 def test_the_documented_values_are_taken(device):

@@ -59,6 +59,28 @@ def test_fixed_inputs_and_errors(device, load):
         pydiff.gradcheck(42, (x,))
 
 
+@pytest.mark.parametrize(
+    "setting, error",
+    [
+        ({"eps": 0.0}, ValueError),
+        ({"eps": float("nan")}, ValueError),
+        ({"eps": -1e-3}, ValueError),
+        ({"atol": float("nan")}, ValueError),
+        ({"rtol": float("inf")}, ValueError),
+        ({"atol": -1.0}, ValueError),
+        ({"eps": "1e-3"}, TypeError),
+        ({"rtol": True}, TypeError),
+    ],
+)
+def test_a_step_or_tolerance_that_cannot_check_is_refused(device, load, setting, error):
+    m = load("chain", device)
+    x = _t(device, [0.3, -0.7, 1.1])
+    (name,) = setting
+    # cube_wrong fails a real check: with these settings it would have passed, or skipped all
+    with pytest.raises(error, match=f"gradcheck: {name}="):
+        pydiff.gradcheck(m.cube_wrong, (x,), **setting)
+
+
 def test_adjoint_test_catches_a_transposed_linear_map(device):
     """A linear map whose hand-written backward applies A instead of A^T."""
     import slangpy as spy
