@@ -13,7 +13,15 @@ from typing import Any, Sequence
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .foreign import as_array
-from .storage import NUMPY_TO_SLANG, allocate, dtype_name, element_shape, shape_tuple
+from .storage import (
+    NUMPY_TO_SLANG,
+    allocate,
+    dtype_name,
+    element_shape,
+    host_cast,
+    shape_tuple,
+    upload_numpy_type,
+)
 from .tensor import Tensor
 
 
@@ -50,6 +58,7 @@ def tensor(
         )
     shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape  # () for a scalar: 0-d
     out = empty(shape, dtype=name, device=dev)
+    arr = host_cast(arr, upload_numpy_type(out.native, out.scalar_type), "pydiff.tensor: data")
     out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
     if requires_grad:
         out.requires_grad_(True)

@@ -17,7 +17,7 @@ from . import capturing, forward_trace, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
-from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, upload_numpy_type
+from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import shape_with_inferred_axis
 from .storage import dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
@@ -221,9 +221,7 @@ class Tensor(GradBuffers, TensorOperators):
                 f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
-        np_type = upload_numpy_type(self._native, self.scalar_type)
-        if np_type is not None:
-            arr = arr.astype(np_type, copy=False)
+        arr = host_cast(arr, upload_numpy_type(self._native, self.scalar_type), "copy_from_numpy")
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
             arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")

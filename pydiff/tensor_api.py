@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import capturing, ops, tensor_methods
-from .creation import ones, tensor as make_tensor
+from .creation import empty, ones, tensor as make_tensor
 from .function import Function
 from .storage import dtype_name, element_shape
 from .tape import active_tape
@@ -150,7 +150,11 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
     if x.dtype in _FLOATS and name in _FLOATS:  # the same dtype too: a copy on the tape
         return _AsType.apply(x, name)
-    return make_tensor(x.detach().numpy(), dtype=name, device=x.device)  # no gradient: ints
+    out = empty(x.shape, dtype=name, device=x.device)  # no gradient: ints
+    values = x.detach().numpy()
+    if values.dtype.kind == "f" and out.scalar_type not in _FLOATS:
+        values = np.trunc(values)  # NumPy's and C's conversion to an integer: toward zero
+    return out.copy_from_numpy(values)
 
 
 class _Ones(Function):

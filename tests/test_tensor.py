@@ -149,3 +149,53 @@ def test_views_read_back_exactly(device, shape, strides, offset):
         base[offset:], shape=shape, strides=tuple(4 * s for s in strides)
     )
     np.testing.assert_array_equal(view.numpy(), want)
+
+
+@pytest.mark.parametrize(
+    "data, dtype, error, message",
+    [
+        (
+            np.array([2**32 + 1, 2]),
+            None,
+            ValueError,
+            "values from 2 to 4294967297 do not fit int32",
+        ),
+        ([2**40], "int", ValueError, "values from 1099511627776 to 1099511627776 do not fit int32"),
+        (np.array([-1]), "uint", ValueError, "values from -1 to -1 do not fit uint32"),
+        (np.array([2.7]), "int", ValueError, "2.7 is not a whole number"),
+        (np.array([np.nan, 1.0]), "int", ValueError, "nan is not a whole number"),
+        (np.array([np.inf]), "uint", ValueError, "inf is not a whole number"),
+        (np.array([1 + 5j, 2.0]), "float", TypeError, "complex values"),
+    ],
+)
+def test_host_values_a_cast_would_change_are_refused(device, data, dtype, error, message):
+    # NumPy's cast wraps 2**32 + 1 to 1 in int32, truncates 2.7, makes NaN anything and drops
+    # an imaginary part: a label wrapped into range would pass as another class
+    with pytest.raises(error, match=f"pydiff.tensor: data: {message}"):
+        pydiff.tensor(data, dtype=dtype, device=device)
+    target = pydiff.zeros((np.asarray(data).size,), dtype=dtype or "int", device=device)
+    with pytest.raises(error, match=f"copy_from_numpy: {message}"):
+        target.copy_from_numpy(np.asarray(data).reshape(-1))
+    assert not target.numpy().any()  # nothing written
+
+
+def test_host_values_that_fit_are_taken_exactly(device):
+    edges = np.array([2**31 - 1, -(2**31), 0], np.int64)
+    assert pydiff.tensor(edges, device=device).numpy().tolist() == edges.tolist()
+    whole = np.array([3.0, -4.0, 0.0])
+    assert pydiff.tensor(whole, dtype="int", device=device).numpy().tolist() == [3, -4, 0]
+    u = pydiff.tensor(np.array([2**32 - 1], np.int64), dtype="uint", device=device)
+    assert u.numpy().tolist() == [2**32 - 1]
+    t = pydiff.zeros((2,), dtype="int", device=device)
+    with pytest.raises(ValueError, match="do not fit int32"):
+        t.fill(2**40)
+    assert t.fill(-7).numpy().tolist() == [-7, -7]
+    # astype converts as NumPy and C do, toward zero
+    x = pydiff.tensor([-2.7, 2.7, -0.5], device=device)
+    assert x.astype("int").numpy().tolist() == np.trunc([-2.7, 2.7, -0.5]).astype(int).tolist()
+
+
+def test_a_label_beyond_int32_is_not_wrapped_into_range(device):
+    z = pydiff.zeros((1, 3), device=device)
+    with pytest.raises(ValueError, match="do not fit int32"):
+        pydiff.ops.cross_entropy(z, pydiff.tensor(np.array([2**32 + 1]), device=device))
