@@ -13,7 +13,7 @@ import numpy as np
 
 from . import finite_diff as fd
 from .errors import GradcheckError
-from .forward_program import prepare, traced
+from .forward_program import prepare, refuse_inside_tape, traced
 from .function import Function
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -306,6 +306,7 @@ def gradcheck(
     >>> pydiff.gradcheck(m.polynomial, (2.0, 8.0, -1.0, x))
     True
     """
+    refuse_inside_tape("gradcheck")
     f = as_callable(fn)
     state = _Inputs(inputs)
     checked = state.checked
