@@ -22,6 +22,13 @@ struct P { float a; float b; };
 [Differentiable] float arr(float a[3], float s) { return s * (a[0] * a[1] + a[2] * a[2]); }
 [Differentiable] T cube<T : __BuiltinFloatingPointType>(T x) { return x * x * x; }
 [Differentiable] float nd_param(float a, no_diff float x) { return a * x * x; }
+// a forward derivative that forgets x^2 on q.a: gradcheck's forward check must catch it
+DifferentialPair<float> sqw_fwd(DifferentialPair<Q> q, DifferentialPair<float> x)
+{
+    return diffPair(q.p.a * x.p * x.p + q.p.b, q.d.a * x.p + q.d.b + 2.0 * q.p.a * x.p * x.d);
+}
+[Differentiable][ForwardDerivative(sqw_fwd)]
+float sqw(Q q, float x) { return q.a * x * x + q.b; }
 """
 
 A = np.array([0.5, -1.0, 2.0])
@@ -53,6 +60,16 @@ def test_fwds_takes_tangents_of_tensors_in_struct_fields(m):
     # the tangent on field b (d/db = 1) and on x at once: d/dx (a x^2) = 2 a x
     y, dy = m.sq.fwds({"a": pydiff.tensor(A), "b": at}, (2.0, 0.5))
     np.testing.assert_allclose(dy.numpy(), 1.0 + 0.5 * 4 * A, rtol=1e-6)
+
+
+def test_gradcheck_checks_forward_mode_through_struct_fields(m):
+    a = pydiff.tensor(A, requires_grad=True)
+    b = pydiff.tensor([0.1, 0.2, 0.3], requires_grad=True)
+    x = pydiff.tensor([1.5, -0.5, 2.0], requires_grad=True)
+    assert pydiff.gradcheck(m.sq, ({"a": a, "b": b}, x), check_forward=True)
+    assert pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x))  # the backward alone is right
+    with pytest.raises(pydiff.GradcheckError, match="forward mode"):
+        pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x), check_forward=True)
 
 
 def test_struct_tangent_where_no_derivative_flows_warns(m):
