@@ -12,14 +12,16 @@ any call.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import slangpy as spy
 
 from . import capturing, foreign, generated_calls
-from .arguments import bind_arguments, prepare_arguments, check_device, fwd_tensor_struct, scratch
+from .arguments import bind_arguments, check_device, fwd_tensor_struct, nested_tensors
+from .arguments import prepare_arguments, scratch
 from .call_shape import param_type
+from .errors import warn_once
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -46,7 +48,8 @@ def wrapper_header(fn: GeneratingFunction) -> str:
     return (
         "import slangpy;\n"
         + ("import pydiff;\n" if uses_pydiff else "")
-        + f"import {fn.module.import_spec};\n"
+        # exported: SlangPy binds struct (dict) arguments by the user module's types
+        + f"__exported import {fn.module.import_spec};\n"
     )
 
 
@@ -81,15 +84,19 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     wrapper per specialisation: ``f__pydiff_fwd_float``)."""
     need_differentiable(fn, ".fwds")
     types = types or {}
-    params, args, pre, post = [], [], [], []
+    params, args, pre, post, aliases = [], [], [], [], []
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.differentiable:
+            dt = f"{t}.Differential"
+            if "[" in t:  # Slang parses no member of an array type written inline (float[3])
+                aliases.append(f"typealias {fn.name}__pydiff_{n}_type = {t};\n")
+                dt = f"{fn.name}__pydiff_{n}_type.Differential"
             if p.io == "in":
-                params += [f"{t} {n}", f"{t}.Differential {n}__t"]
+                params += [f"{t} {n}", f"{dt} {n}__t"]
                 args.append(f"diffPair({n}, {n}__t)")
             else:
-                params += [f"{p.io} {t} {n}", f"{p.io} {t}.Differential {n}__t"]
+                params += [f"{p.io} {t} {n}", f"{p.io} {dt} {n}__t"]
                 pre.append(
                     f"DifferentialPair<{t}> {n}__p;"
                     if p.io == "out"
@@ -126,6 +133,7 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     kind = "fwd" + "".join("_" + re.sub(r"\W+", "_", types[k]).strip("_") for k in sorted(types))
     source = (
         wrapper_header(fn)
+        + "".join(aliases)
         + f"{rtype} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n    "
         + "\n    ".join(body)
         + "\n}\n"
@@ -136,8 +144,8 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
 def _zero_like(value: Any) -> Any:
     if isinstance(value, (float, int)) and not isinstance(value, bool):
         return 0.0
-    if isinstance(value, np.ndarray):
-        return np.zeros_like(value, dtype=np.float32)
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return np.zeros(np.shape(value), dtype=np.float32)
     return value * 0.0  # slangpy vector/matrix values
 
 
@@ -149,9 +157,58 @@ def _tangent_tensor(t: Tensor) -> Tensor:
     return t.tangent
 
 
+def _struct_tangent(fn: GeneratingFunction, p: Any, value: Any, path: str = "") -> Any:
+    """The tangent of a struct (dict) or array (list) argument, shaped as SlangPy binds the
+    parameter's ``Differential``: each tensor's tangent (zeros where it has none), 0 for the
+    other values, without the fields that have no derivative (a tangent there is said)."""
+    if isinstance(value, dict):
+        out = {}
+        for key, v in value.items():
+            rel = f"{path}.{key}" if path else str(key)
+            if rel in p.no_grad_fields:
+                if any(t.tangent is not None for t in nested_tensors(v)):
+                    _warn_dropped(fn, p, "." + rel)
+                continue
+            out[key] = _struct_tangent(fn, p, v, rel)
+        return out
+    if isinstance(value, (list, tuple)) and nested_tensors(value):
+        return [_struct_tangent(fn, p, v, path) for v in value]
+    if isinstance(value, Tensor):
+        return _primal_and_tangent(fn, p, value)[1]
+    if isinstance(value, tuple) and len(value) == 2 and path:
+        raise TypeError(
+            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds a tuple at "
+            f"'{path or p.name}'; inside a struct (dict) or array (list) argument give tensors "
+            "their tangent with t.with_tangent(u) (numbers there are held fixed)"
+        )
+    return _zero_like(value)
+
+
+def _refuse_listed_tangents(fn: GeneratingFunction, p: Any, value: Any, path: str) -> None:
+    """Tensors with tangents in a list (an array argument, or a struct's array field): the
+    call reads the list as one host array, so their tangents would be dropped: refused."""
+    if isinstance(value, dict):
+        for key, v in value.items():
+            _refuse_listed_tangents(fn, p, v, f"{path}.{key}")
+    elif isinstance(value, list) and any(t.tangent is not None for t in nested_tensors(value)):
+        raise TypeError(
+            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds tensors with tangents "
+            f"in a list at '{path}': the call reads such a list as one host array, so their "
+            "tangents would be lost; pass the array as one tensor (with its tangent)"
+        )
+
+
 def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any, Any]:
+    if isinstance(value, (dict, list)) and (isinstance(value, dict) or nested_tensors(value)):
+        return value, _struct_tangent(fn, p, value)
     if isinstance(value, tuple) and len(value) == 2:
         primal, tangent = value
+        if isinstance(primal, dict):
+            raise TypeError(
+                f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) is given a (value, "
+                "tangent) pair of a struct (dict): give the tensors inside the value "
+                "their tangents with t.with_tangent(u) instead (numbers there are held fixed)"
+            )
         if isinstance(primal, Tensor):
             view = primal.detach()
             try:
@@ -176,6 +233,20 @@ def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any
     return value, _zero_like(value)
 
 
+def _warn_dropped(fn: GeneratingFunction, p: Any, where: str = "", struct: bool = False) -> None:
+    """A tangent given where no derivative flows: said, as reverse mode says it (bwds_checks)."""
+    why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
+    if struct:
+        why = f"a struct {p.type_name} that is not IDifferentiable (or no_diff)"
+    at = f"'{p.name}{where}'" if where else f"'{p.name}'"
+    what = f"field {at} gets no derivative" if where else f"parameter {at} is {why}"
+    warn_once(
+        f"{fn.label}: {what}, so forward mode drops the tangent given to it: the result's "
+        "tangent leaves it out. Pass the value without a tangent to say none is wanted, or make "
+        "it differentiable (drop no_diff; a float type; an IDifferentiable struct)"
+    )
+
+
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
@@ -195,6 +266,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
+    for p, value in bound:
+        pair = isinstance(value, tuple) and len(value) == 2
+        _refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
     prepare_arguments(fn, bound, {"_result": "tensor", **options})
     want = options.pop("_result", "tensor")
     if want not in ("tensor", "numpy"):
@@ -241,11 +315,16 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
                 )
             call_args.append(value)
         else:
-            if isinstance(value, tuple) and len(value) == 2 and not p.no_diff and p.io == "in":
+            pair = isinstance(value, tuple) and len(value) == 2 and p.io == "in"
+            if pair and not p.no_diff:
                 raise TypeError(
                     f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) carries no derivative "
                     "(not differentiable or no_diff), so it takes no (value, tangent) pair"
                 )
+            inside = nested_tensors(value) if isinstance(value, (dict, list, tuple)) else []
+            if pair or any(t.tangent is not None for t in [value, *inside] if type(t) is Tensor):
+                _warn_dropped(fn, p, struct=isinstance(value, dict))
+                value = value[0] if pair else value
             call_args.append(value)
     done = generated_calls.call_fwds(fn, bound, call_args, want)
     if done is not None:
@@ -300,17 +379,25 @@ class ForwardFunction:
         return f"<pydiff fwds of {self._fn!r}>"
 
 
-def dir_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
+def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingFunction:
     """``[Differentiable] float f__pydiff_dir(x, no_diff v, ...) = fwd_diff(f)(x; v).d``:
-    the directional derivative, whose reverse-mode gradient w.r.t. x is H v."""
+    the directional derivative, whose reverse-mode gradient w.r.t. x is H v. ``args`` (the
+    call's arguments, by position) specialise a generic function, as ``fn.fwds`` does."""
     need_differentiable(fn, "hvp")
-    if fn.signature.return_type not in ("float", "double", "half"):
-        raise TypeError(
-            f"hvp: {fn.label} returns {fn.signature.return_type}; hvp needs a scalar (float) result"
+    types = generic_types(fn, list(zip(fn.params, args)))
+    ret = types.get(fn.signature.return_type, fn.signature.return_type)
+    if ret not in ("float", "double", "half"):
+        generic = (
+            f" (the generic type {fn.signature.return_type} is {ret} at this call)"
+            if fn.signature.return_type in types
+            else ""
         )
-    params, args = [], []
+        raise TypeError(
+            f"hvp: {fn.label} returns {ret}{generic}; hvp needs a scalar (float) result"
+        )
+    params, call_args = [], []
     for p in fn.params:
-        n, t = p.name, p.type_name
+        n, t = p.name, types.get(p.type_name, p.type_name)
         if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
             raise TypeError(
                 f"hvp: parameter '{n}' of {fn.label} is a {t}: a second derivative through "
@@ -322,14 +409,14 @@ def dir_wrapper(fn: GeneratingFunction) -> GeneratingFunction:
             raise TypeError(f"hvp: parameter '{n}' of {fn.label} is {p.io}; hvp needs inputs only")
         if p.differentiable:
             params += [f"{t} {n}", f"no_diff {t} {n}__v"]
-            args.append(f"diffPair({n}, {n}__v)")
+            call_args.append(f"diffPair({n}, {n}__v)")
         else:
             params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
-            args.append(n)
-    ret = fn.signature.return_type
+            call_args.append(n)
+    kind = "dir" + "".join("_" + re.sub(r"\W+", "_", types[k]).strip("_") for k in sorted(types))
     source = (
         wrapper_header(fn)
-        + f"[Differentiable]\n{ret} {fn.name}__pydiff_dir({', '.join(params)})\n{{\n"
-        f"    return fwd_diff({fn.name})({', '.join(args)}).d;\n}}\n"
+        + f"[Differentiable]\n{ret} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n"
+        f"    return fwd_diff({fn.name})({', '.join(call_args)}).d;\n}}\n"
     )
-    return fn.generated("dir", source)
+    return fn.generated(kind, source)

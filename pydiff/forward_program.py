@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import forward_trace
+from .arguments import map_tensors, nested_tensors
 from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
@@ -34,6 +35,10 @@ def _fwds_tangent(fn: Any, args: Sequence[Any], names: list, tangents: Sequence[
     _, dy = fn.fwds(*values[:n], **dict(zip(names, values[n:])))
     arr = np.asarray(dy.numpy() if isinstance(dy, Tensor) else dy, np.float32)
     return make_tensor(arr.reshape(y.expected_numpy_shape()), dtype=y.dtype, device=y.device)
+
+
+def _with_tangent(t: Tensor, tangent: Any) -> Tensor:
+    return t if tangent is None else t.detach().with_tangent(tangent)
 
 
 class ShaderTangent(Function):
@@ -55,7 +60,7 @@ class ShaderTangent(Function):
     @staticmethod
     def backward(ctx: FunctionCtx, g: Tensor) -> tuple:
         fn, args, per_arg, y = ctx.fn, ctx.call, ctx.per_arg, ctx.y
-        d = dir_wrapper(fn)  # refuses what the compiler cannot differentiate twice
+        d = dir_wrapper(fn, args)  # refuses what the compiler cannot differentiate twice
         call, leaves, plain, gx = [], [], [], []
         for p, a, u in zip(fn.params, args, per_arg):
             tensor = isinstance(a, Tensor)
@@ -84,8 +89,15 @@ def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
     names = [k for k in kwargs if not k.startswith("_")]
     values = list(args) + [kwargs[k] for k in names]
     tangents = forward_trace.tangents_of(values)
+    # tensors with tangents inside struct (dict) and array (list) arguments, per argument
+    inner = [
+        [t for t in nested_tensors(v) if trace.tangent(t) is not None]
+        if isinstance(v, (dict, list, tuple))
+        else []
+        for v in values
+    ]
     with forward_trace.suspended():
-        if all(t is None for t in tangents):
+        if all(t is None for t in tangents) and not any(inner):
             return fn(*args, **kwargs)
         for p in fn.params:
             if p.writes_value:
@@ -101,9 +113,25 @@ def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
                 "_result='tensor' so that its result can carry a tangent"
             )
         recorded = [a for a in values + list(tangents) if isinstance(a, Tensor)]
+        recorded += [x for v, ts in zip(values, inner) for x in nested_tensors(v) + ts]
+        recorded += [trace.tangent(t) for ts in inner for t in ts]
         if active_tape() is None or not any(a.requires_grad for a in recorded):
+            values = [
+                map_tensors(v, lambda t: _with_tangent(t, trace.tangent(t))) if ts else v
+                for v, ts in zip(values, inner)
+            ]
             trace.set(y, _fwds_tangent(fn, values, names, tangents, y))
             return y
+        for k, ts in enumerate(inner):
+            if ts:
+                name = names[k - len(args)] if k >= len(args) else fn.params[k].name
+                raise NotImplementedError(
+                    f"{fn.label}: parameter '{name}' holds a value with a direction inside a "
+                    "struct (dict) or list argument while a tape records (hvp, hessian, or jvp "
+                    "inside a 'with pydiff.Tape()' block): reverse over forward through a shader "
+                    "call cannot follow it there. Make that value a parameter of its own (a "
+                    "float, vector or array), or run jvp / jacfwd / jacrev outside the tape"
+                )
         if names:
             raise NotImplementedError(
                 f"{fn.label}: inside hvp/hessian (reverse over forward through a shader call) "
@@ -182,6 +210,19 @@ def alias(x: Tensor) -> Tensor:
     return Tensor(x.native_view(), x.device, storage=x.storage, base=base)
 
 
+def refuse_inside_tape(what: str) -> None:
+    """A RuntimeError for a transform that records on a tape of its own, called while one
+    records on this thread: tapes do not nest, and what the transform returns would be a
+    constant to the recording tape's backward (its gradient through it silently 0)."""
+    if active_tape() is not None:
+        raise RuntimeError(
+            f"pydiff.{what} cannot run while a pydiff.Tape is recording on this thread: it "
+            "records on a tape of its own, and tapes do not nest. Call it outside the "
+            "'with pydiff.Tape()' block (before it, or after tape.backward); a function given "
+            "to vjp, jacrev, grad, hvp or hessian runs on their tape, so it cannot call it"
+        )
+
+
 def refuse_copied(out: Tensor, what: str) -> None:
     """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
     values with a gradient path: no tape records ``copy_``, so its gradient would be 0."""
@@ -249,6 +290,7 @@ def program_jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequen
 def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]) -> tuple:
     """One ``H v`` per primal given a direction (None for the others) of a Python function
     with a one-element result: the tangent <grad f, v> recorded on a tape, then its backward."""
+    refuse_inside_tape("hvp")
     xs, us = prepare("hvp", primals, v, "directions")
     leaves = [x.detach().requires_grad_(True) if u is not None else x for x, u in zip(xs, us)]
     with Tape(reads_other_tapes=True) as tape:
@@ -291,6 +333,7 @@ def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
 def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: int) -> np.ndarray:
     """The (n, n) Hessian of a scalar Python function w.r.t. its float primals, flattened and
     concatenated: one ``program_hvp`` per input (see pydiff.hessian)."""
+    refuse_inside_tape("hessian")
     primals = tuple(primals)
     found = variables(primals)
     sizes = [int(np.prod(s)) for _, s in found]

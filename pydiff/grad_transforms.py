@@ -16,7 +16,7 @@ import numpy as np
 
 from . import forward_trace
 from .creation import tensor as make_tensor
-from .forward_program import refuse_copied
+from .forward_program import refuse_copied, refuse_inside_tape
 from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor
@@ -115,6 +115,7 @@ def value_and_grad(
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         what = f"{_name}({getattr(fn, '__name__', 'fn')})"
+        refuse_inside_tape(_name)
         nums = argnum_tuple(argnums, len(args), what)
         leaves = {i: _leaf(args[i], i, what) for i in nums}
         call_args = [

@@ -12,8 +12,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import finite_diff as fd
+from .arguments import map_tensors
 from .errors import GradcheckError
-from .forward_program import prepare, traced
+from .forward_program import prepare, refuse_inside_tape, traced
 from .function import Function
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -137,13 +138,21 @@ def _nested(inputs: Sequence[Any]) -> bool:
     return any(isinstance(a, (dict, list, tuple)) for a in inputs)
 
 
+def _listed(value: Any) -> bool:
+    """A list or tuple in an argument (inside dicts too): fwds cannot carry tangents there."""
+    if isinstance(value, dict):
+        return any(_listed(v) for v in value.values())
+    return isinstance(value, (list, tuple))
+
+
 def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -> bool:
-    if check_forward:
-        if _nested(inputs):
+    if check_forward and _nested(inputs):
+        # a module function's fwds takes tangents of tensors in struct (dict) fields
+        if not isinstance(fn, ShaderFunction) or any(_listed(a) for a in inputs):
             raise TypeError(
                 "gradcheck: check_forward=True with struct (dict) or list arguments of "
-                f"{getattr(fn, 'label', fn)}: forward mode takes tangents of tensors and "
-                "numbers only; leave "
+                f"{getattr(fn, 'label', fn)}: forward mode of it takes tangents of tensors "
+                "and numbers (and, for a module function, of tensors in dicts) only; leave "
                 "check_forward=None to check the backward alone"
             )
     if check_forward is not None:
@@ -201,12 +210,13 @@ def _check_forward(
 def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, us: dict) -> list:
     # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
     # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
-    args = [a.detach() if isinstance(a, Tensor) else a for a in inputs]
-    for k, a in enumerate(args):
-        if isinstance(a, Tensor):
-            label = state.label_of(a)
-            if label in us:
-                a.with_tangent(us[label].reshape(a.expected_numpy_shape()))
+    def with_direction(t: Tensor) -> Tensor:
+        view, label = t.detach(), state.label_of(t)
+        if label in us:
+            view.with_tangent(us[label].reshape(t.expected_numpy_shape()))
+        return view
+
+    args = [map_tensors(a, with_direction) for a in inputs]  # struct (dict) fields too
     result = fn.fwds(*args)
     tangents = [] if result is None else [result[1]]
     tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
@@ -307,6 +317,7 @@ def gradcheck(
     True
     """
     fd.check_settings("gradcheck", eps, atol, rtol)
+    refuse_inside_tape("gradcheck")
     f = as_callable(fn)
     state = _Inputs(inputs)
     checked = state.checked

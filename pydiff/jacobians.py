@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .forward_program import float_primal, prepare, traced
+from .forward_program import float_primal, prepare, refuse_inside_tape, traced
 from .grad_transforms import argnum_tuple, as_data
 from .module import OverloadedFunction, ShaderFunction
 from .tensor import Tensor
@@ -124,6 +124,7 @@ def jacrev(
 
     @functools.wraps(call)
     def run(*args: Any) -> Any:
+        refuse_inside_tape("jacrev")
         nums = argnum_tuple(argnums, len(args), "jacrev")
         xs, shapes = _inputs(args, nums, "jacrev")
         out = call(*xs)

@@ -20,7 +20,7 @@ from . import forward_trace
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import hessian_by_columns, refuse_copied
+from .forward_program import hessian_by_columns, refuse_copied, refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape, suspend_recording
@@ -52,6 +52,24 @@ def arguments(value: Any, what: str, name: str) -> tuple:
     )
 
 
+def _refuse_struct(what: str, fn: ShaderFunction, k: int, x: Any) -> None:
+    """A struct (dict) primal given a direction of a module function: refused, with the way
+    that works."""
+    if isinstance(x, dict):
+        name = fn.params[k].name if k < len(fn.params) else str(k)
+        how = (
+            "differentiate a Python function of the tensors inside instead: pydiff.jvp(lambda "
+            "a: m.f({'field': a, ...}, ..., _result='tensor'), (a,), (u,))"
+            if what == "jvp"
+            else "second order through struct fields is not supported: make the value a "
+            "parameter of its own (a float, vector or array)"
+        )
+        raise TypeError(
+            f"{what}: primal {k} ('{name}' of {fn.label}) is a struct (dict); {what} of a module "
+            f"function takes directions of tensors and numbers only: {how}"
+        )
+
+
 def jvp(
     fn: Shader | Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
 ) -> tuple[Any, Any]:
@@ -73,10 +91,12 @@ def jvp(
             f"jvp: {len(primals)} primals but {len(tangents)} tangents (use None for fixed ones)"
         )
     args = []
-    for x, t in zip(primals, tangents):
+    for k, (x, t) in enumerate(zip(primals, tangents)):
         if t is None:
             args.append(x)
-        elif isinstance(x, Tensor):
+            continue
+        _refuse_struct("jvp", f, k, x)
+        if isinstance(x, Tensor):
             view = x.detach()
             args.append(view.with_tangent(t))
         else:
@@ -101,6 +121,7 @@ def vjp(
     parameters the function closes over keep theirs).
     >>> y, (gx, gs) = pydiff.vjp(m.f, (x, 2.0), np.ones(x.shape))
     """
+    refuse_inside_tape("vjp")
     shader = isinstance(fn, (ShaderFunction, OverloadedFunction))
     call = (lambda *a: fn(*a, _result="tensor")) if shader else fn
     if not callable(call):
@@ -120,7 +141,7 @@ def vjp(
     with Tape(reads_other_tapes=True) as tape:
         out = call(*inputs)
     outs = out if isinstance(out, tuple) else (out,)
-    cots = tuple(cotangents) if isinstance(out, tuple) else (cotangents,)
+    cots = tuple(cotangents) if isinstance(out, tuple) else (_single(cotangents, out),)
     if len(cots) != len(outs):
         raise ValueError(
             f"vjp: fn returned {len(outs)} outputs but {len(cots)} cotangents were given"
@@ -136,6 +157,7 @@ def vjp(
             if not o.requires_grad:
                 continue  # an output no primal reaches
             seed = c.numpy() if isinstance(c, Tensor) else c
+            _check_cotangent(seed, o, k, isinstance(out, tuple))
             if o.producer is tape:
                 tape.backward(o, grad=seed)
             elif any(o.storage is st and st.replaced[0] == n for st, n in taken):
@@ -145,6 +167,32 @@ def vjp(
         for x, leaf in zip(primals, leaves)
     )
     return out, grads
+
+
+def _single(cotangents: Any, out: Any) -> Any:
+    """The cotangent of a one-output function: ``(u,)`` (one per output, as jvp takes its
+    tangents) taken as ``u`` where unambiguous: one entry, itself None or an array of the
+    output's shape (a list of numbers stays the cotangent itself)."""
+    if not isinstance(cotangents, (tuple, list)) or len(cotangents) != 1:
+        return cotangents
+    (c,) = cotangents
+    if c is None:
+        return None
+    want = out.expected_numpy_shape() if isinstance(out, Tensor) else None
+    shape = c.expected_numpy_shape() if isinstance(c, Tensor) else np.shape(c)
+    array_like = isinstance(c, (Tensor, np.ndarray, list, tuple, float, int, np.generic))
+    return c if array_like and want is not None and shape == want else cotangents
+
+
+def _check_cotangent(seed: Any, out: Tensor, k: int, many: bool) -> None:
+    """A ValueError naming vjp's ``cotangents`` for one of the wrong shape."""
+    shape, want = np.shape(seed), out.expected_numpy_shape()
+    if shape != want and not (int(np.prod(shape)) == 1 == int(np.prod(want))):
+        which = f"cotangents[{k}]" if many else "cotangents"
+        raise ValueError(
+            f"vjp: {which} has shape {shape}; output {k} has shape {want}"
+            + ("" if many else " (one output: pass its cotangent, or a 1-tuple of it)")
+        )
 
 
 def _float_value(x: Any) -> bool:
@@ -193,10 +241,12 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         raise ValueError(
             f"hvp: {len(primals)} primals but {len(v)} directions (use None for fixed arguments)"
         )
-    d = dir_wrapper(f)
+    d = dir_wrapper(f, primals)
     dev = f.module.device
     call_args, leaves = [], []
-    for p, x, u in zip(f.params, primals, v):
+    for k, (p, x, u) in enumerate(zip(f.params, primals, v)):
+        if p.differentiable:  # (a fixed struct of no derivative is passed as it is)
+            _refuse_struct("hvp", f, k, x)
         if not p.differentiable:
             if u is not None:
                 raise ValueError(
@@ -265,8 +315,9 @@ def hessian(
         return program_hessian(fn, primals, max_inputs)
     f = _shader_function(fn, "hessian", primals)
     shapes = []
-    for p, x in zip(f.params, primals):
+    for k, (p, x) in enumerate(zip(f.params, primals)):
         if p.differentiable:
+            _refuse_struct("hessian", f, k, x)
             shapes.append(
                 x.expected_numpy_shape() if isinstance(x, Tensor) else np.shape(np.asarray(x))
             )
