@@ -23,10 +23,21 @@ GROUP = 256
 CHUNK = 2
 
 
+#: How the kernels read a float4. Typed loads read the words as uint4: a float texel load
+#: followed by a conversion to half in the user's function is folded by Mesa into one load
+#: that rounds toward zero (half(0.3337) gave 0.33349609, not 0.33374023 as NumPy and
+#: SlangPy's path give), which a uint load followed by asfloat cannot be.
+_FLOAT4_IN = {
+    True: "typealias Float4In = Buffer<uint4>;\n"
+    "float4 load4(Float4In b, uint i) { return asfloat(b[i]); }\n",
+    False: "typealias Float4In = StructuredBuffer<float4>;\n"
+    "float4 load4(Float4In b, uint i) { return b[i]; }\n",
+}
+
+
 def _header(fn: FunctionTarget, typed_loads: bool, paired: bool) -> str:
-    float4_in = "Buffer<float4>" if typed_loads else "StructuredBuffer<float4>"
     return (
-        f"import {fn.module.import_spec};\ntypealias Float4In = {float4_in};\n"
+        f"import {fn.module.import_spec};\n{_FLOAT4_IN[typed_loads]}"
         f"{float4_out_source(paired)}\n"
     )
 
@@ -53,7 +64,7 @@ def _element(kinds: tuple[str, ...], i: int, name: str = "a") -> str:
 
 def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
     return "".join(
-        f"        float4 pydiff_v{name}{i} = pydiff_{name}{i}[pydiff_q];\n"
+        f"        float4 pydiff_v{name}{i} = load4(pydiff_{name}{i}, pydiff_q);\n"
         for i, kind in enumerate(kinds)
         if kind == "t"
     )
@@ -62,7 +73,7 @@ def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
 def _scalar_loads(kinds: tuple[str, ...], name: str = "a") -> str:
     """Broadcast one-element tensors: read once per thread, before the loop."""
     return "".join(
-        f"    float pydiff_s{name}{i} = pydiff_{name}{i}[0].x;\n"
+        f"    float pydiff_s{name}{i} = load4(pydiff_{name}{i}, 0).x;\n"
         for i, kind in enumerate(kinds)
         if kind == "s"
     )
@@ -132,7 +143,7 @@ def backward_source(
         ]
     params += [f"uniform Float4Out pydiff_sg{i}" for i in scalars]
     wanted = sorted({i for members in sums for i in members} | set(scalars))
-    body = _loads(kinds) + "        float4 pydiff_u = pydiff_up[pydiff_q];\n"
+    body = _loads(kinds) + "        float4 pydiff_u = load4(pydiff_up, pydiff_q);\n"
     body += "".join(f"        float4 pydiff_d{i} = float4(0.0);\n" for i in wanted)
     body += "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n        {\n"
     args = []
@@ -155,7 +166,7 @@ def backward_source(
         for i in members:
             adds = f"({adds} + asfloat(asuint(pydiff_d{i}) ^ pydiff_zero))"
         body += (
-            f"        float4 pydiff_o{j} = pydiff_g{j}_in[pydiff_q];\n"
+            f"        float4 pydiff_o{j} = load4(pydiff_g{j}_in, pydiff_q);\n"
             f"        float4 pydiff_n{j} = {adds};\n"
             f"        store4(pydiff_g{j}, pydiff_q, select(pydiff_in, pydiff_n{j}, pydiff_o{j}));\n"
         )

@@ -294,3 +294,29 @@ def test_hand_written_infinite_derivative_keeps_its_nan(device, forced):
     assert counts["backward"] == 1
     _same(gen, ref)
     assert not np.isfinite(gen[0]).any()
+
+
+def test_half_conversions_in_the_users_function_round_to_nearest(device, forced):
+    # Mesa folded a float texel load followed by half() into one load rounding toward zero:
+    # half(0.3337) was 0.33349609 on the generated path, 0.33374023 on SlangPy's and NumPy's
+    m = pydiff.load_module_from_source(
+        "gen_half_inside",
+        """
+[Differentiable] float hmul(float s, float x) {
+    half hs = half(s); half hx = half(x); return float(hs * hx);
+}
+""",
+        device=device,
+    )
+    values = np.float32([0.2, 0.3337, 1.0001, 3.14159, 1000.3, 7.0, 1e-6, 6e-8] * 8)
+    want = (np.float16(1.1) * values.astype(np.float16)).astype(np.float32)
+
+    def run():
+        x = pydiff.tensor(values, device=device, requires_grad=True)
+        s = pydiff.tensor(np.float32([1.1]), device=device)
+        return [m.hmul(v, x, _result="tensor").numpy() for v in (1.1, s)]
+
+    gen, slang, counts = _paths(forced, run)
+    assert counts.get("forward") == 2, counts
+    for got in gen + slang:
+        np.testing.assert_array_equal(got, want)
