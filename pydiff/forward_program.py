@@ -46,7 +46,7 @@ class ShaderTangent(Function):
     arguments x the gradient of <g, J(x) u> by ``bwd_diff`` of the directional derivative
     (``forward_mode.dir_wrapper``) and the tangents u the gradient J^T g by ``fn.bwds``.
 
-    >>> t = ShaderTangent.apply(fn, (y,), slots, *args, *tangents)   # slots: args with one
+    >>> t = ShaderTangent.apply(fn, (y.detach(),), slots, *args, *tangents)  # slots: which have one
     """
 
     @staticmethod
@@ -139,7 +139,8 @@ def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
             )
         slots = tuple(t is not None for t in tangents)
         given = [t for t in tangents if t is not None]
-        trace.set(y, ShaderTangent.apply(fn, (y,), slots, *args, *given))
+        # (y in a tuple, detached: the call's result, read for its shape, is no input)
+        trace.set(y, ShaderTangent.apply(fn, (y.detach(),), slots, *args, *given))
         return y
 
 

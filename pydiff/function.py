@@ -22,8 +22,9 @@ import numpy as np
 
 from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
-from .creation import tensor as make_tensor
 from .backward_claims import Claim, producer_claim
+from .function_checks import as_tensor, check_reached, gradients, own_outputs, refuse_nested
+from .function_checks import nested_tensors
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 
@@ -47,11 +48,33 @@ class FunctionCtx:
         #: The arguments of ``forward`` and its outputs as a tuple (for ``jvp``).
         self.args: tuple = ()
         self.outputs: tuple = ()
+        #: Storage versions of the saved tensors when saved (id(storage): version).
+        self.saved_versions: dict[int, int] = {}
+        #: The outputs ``mark_non_differentiable`` was given.
+        self.non_differentiable: tuple = ()
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep tensors for ``backward``. Saved inputs and outputs are checked at the backward
-        (as PyTorch does): overwritten in place after the forward, they raise RuntimeError."""
+        (as PyTorch does): an input overwritten in place after it was saved (in ``forward``
+        too), an output after the forward, raises RuntimeError."""
         self.saved_tensors = tuple(tensors)
+        self.saved_versions = {
+            id(t.storage): t.storage.version for t in tensors if isinstance(t, Tensor)
+        }
+
+    def mark_non_differentiable(self, *outputs: Any) -> None:
+        """In ``forward``: these outputs get no gradient (returned without gradient buffers;
+        ``backward`` gets None for them), as integer and bool outputs. Without a backward, it
+        also says that they do not depend on the inputs (no check that recorded calls made
+        them from the inputs).
+
+        >>> ctx.mark_non_differentiable(counts)
+        """
+        self.non_differentiable += outputs
+
+    def marked(self, output: Any) -> bool:
+        """Whether ``output`` (that object) was given to ``mark_non_differentiable``."""
+        return any(output is o for o in self.non_differentiable)
 
     def grad_target(self, k: int) -> Tensor | None:
         """In ``backward``: tensor input ``k``'s gradient buffer, ready to be **added** into
@@ -161,7 +184,12 @@ class Function:
                     f"{cls.__name__}.apply)(...) runs it inside {framework} autograd, or "
                     "convert the tensor with pydiff.from_torch(t)"
                 )
-        if forward_trace.active() is not None:
+        if (trace := forward_trace.active()) is not None:
+            if cls.jvp is not Function.jvp:  # (one without: the calls inside carry them)
+                has = trace.tangent
+                refuse_nested(
+                    cls.__name__, args, lambda t: has(t) is not None, "has a tangent", "tangents"
+                )
             tangents = forward_trace.tangents_of(args)
             if any(t is not None for t in tangents):
                 return _forward_mode(cls, args, tangents)
@@ -170,40 +198,65 @@ class Function:
     @classmethod
     def _run(cls, args: tuple) -> tuple[Any, FunctionCtx]:
         """``apply``'s work without forward mode: the result and the FunctionCtx."""
+        name = cls.__name__
         inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
-        ctx = FunctionCtx(cls.__name__, [a for _, a in inputs])
+        ctx = FunctionCtx(name, [a for _, a in inputs])
         ctx.args = args
         tape = active_tape()
         if not cls._has_backward():
             result = cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
-            if tape is None or not any(ctx.needs_input_grad):
+            if tape is None:
                 return result, ctx
-            return _passed_through(cls, tape, result, inputs), ctx
+            nested = [t for a in args for _, t in nested_tensors(a, "")]
+            sources = {id(t.storage) for t in ctx.inputs + nested if t.requires_grad}
+            if not sources:
+                return result, ctx
+            return _passed_through(cls, tape, result, inputs, ctx, sources), ctx
+        if tape is not None:
+            refuse_nested(name, args, lambda t: t.requires_grad, "requires grad", "gradients")
         with suspend_recording():
             result = cls.forward(ctx, *args)
         outputs_tuple = isinstance(result, tuple)
+        items = result if outputs_tuple else (result,)
         device = inputs[0][1].device if inputs else None
-        outputs = _own_outputs(cls, result if outputs_tuple else (result,), inputs, device)
+        outputs = own_outputs(cls, items, inputs, device)
+        # Integer and bool outputs (indices, masks) and marked ones have no gradient.
+        constant = {
+            k
+            for k, (item, o) in enumerate(zip(items, outputs))
+            if not o.differentiable or ctx.marked(item) or ctx.marked(o)
+        }
+        outputs = tuple(
+            o.detach() if k in constant and o.requires_grad else o for k, o in enumerate(outputs)
+        )
         for o in outputs:
-            o.storage.wrote(f"{cls.__name__}.forward")
-        if tape is not None and any(ctx.needs_input_grad):
-            for o in outputs:
-                if not o.requires_grad:
+            o.storage.wrote(f"{name}.forward")
+        if tape is not None and any(ctx.needs_input_grad) and len(constant) < len(outputs):
+            for k, o in enumerate(outputs):
+                if k not in constant and not o.requires_grad:
                     # Zeroed by the backward in its own command list (or when read first).
                     o.requires_grad_(True, zero_later=True)
-            reads = [(f"input {k} of {cls.__name__}", t) for k, (_, t) in enumerate(inputs)]
+            saved = ctx.saved_versions  # an input's values as saved: forward may write it after
+            reads: list = [
+                (
+                    f"input {k} of {name}"
+                    + (", saved for its backward," if id(t.storage) in saved else ""),
+                    t,
+                    saved.get(id(t.storage), t.storage.version),
+                )
+                for k, (_, t) in enumerate(inputs)
+            ]
             reads += [  # outputs the backward reads (the inputs are read anyway)
-                (f"output {k} of {cls.__name__}, saved for its backward,", o)
+                (f"output {k} of {name}, saved for its backward,", o)
                 for k, o in enumerate(outputs)
                 if any(isinstance(t, Tensor) and t.storage is o.storage for t in ctx.saved_tensors)
             ]
 
             def run_backward(entry: Any) -> None:
-                _run_backward(cls, ctx, [t for _, t in inputs], outputs)
+                _run_backward(cls, ctx, [t for _, t in inputs], outputs, constant)
 
-            tape.record(
-                f"{cls.__name__}.apply", reads, list(outputs), run_backward, function=cls, ctx=ctx
-            )
+            writes = [o for k, o in enumerate(outputs) if k not in constant]
+            tape.record(f"{name}.apply", reads, writes, run_backward, function=cls, ctx=ctx)
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
 
@@ -235,7 +288,7 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
     for k, (o, t) in enumerate(zip(ctx.outputs, got)):
         if t is not None and not isinstance(t, Tensor):
             first_order_only(ctx, f"{name}.jvp() returned a {type(t).__name__}, not pydiff ops")
-            t = _as_tensor(t, o.device, cls, "jvp", k)
+            t = as_tensor(t, o.device, cls, "jvp", k)
         if t is not None and t.expected_numpy_shape() != o.expected_numpy_shape():
             raise RuntimeError(
                 f"{name}.jvp() tangent {k} has shape {t.expected_numpy_shape()} but output {k} "
@@ -256,130 +309,54 @@ def first_order_only(ctx: FunctionCtx, why: str) -> None:
         )
 
 
-def _passed_through(cls: type, tape: Any, result: Any, inputs: list) -> Any:
-    """Pattern 1's outputs, each that is an input (or a view of one: ``return x``) replaced
-    by a copy recorded on the tape with the identity's backward. No recorded call wrote the
-    input, so the tape could not reach it from the output (nor its gradient the input)."""
+def _passed_through(
+    cls: type, tape: Any, result: Any, inputs: list, ctx: FunctionCtx, sources: set
+) -> Any:
+    """Pattern 1's outputs on a tape, each that is an input (or a view of one: ``return x``)
+    replaced by a copy recorded on the tape with the identity's backward (no recorded call
+    wrote the input, so the tape could not reach it from the output, nor its gradient the
+    input); marked ones detached. The others must be connected to inputs that require grad
+    (``sources``, storage ids) by recorded calls (``check_reached``)."""
     many = isinstance(result, tuple)
     taken = {id(t.storage) for _, t in inputs}
     identity = type(cls.__name__, (Function,), {"backward": staticmethod(lambda ctx, g: g)})
-    outputs = []
-    for o in result if many else (result,):
-        if isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
+    outputs, checked = [], []
+    for k, o in enumerate(result if many else (result,)):
+        if isinstance(o, Tensor) and ctx.marked(o):
+            o = o.detach() if o.requires_grad else o
+        elif isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
             with suspend_recording():
                 copy = o.copy_values()
             copy.storage.wrote(f"{cls.__name__}.forward")
             copy.requires_grad_(True)
             forward_trace.derived(o, copy, lambda t: t)  # the input's tangent (pydiff.jvp)
-            ctx = FunctionCtx(cls.__name__, [o])
+            one = FunctionCtx(cls.__name__, [o])
 
-            def run_backward(entry: Any, ctx: FunctionCtx = ctx, o: Tensor = o, c: Tensor = copy):
+            def run_backward(entry: Any, ctx: FunctionCtx = one, o: Tensor = o, c: Tensor = copy):
                 _run_backward(identity, ctx, [o], (c,))
 
             tape.record(
                 f"{cls.__name__}.apply", [(f"input of {cls.__name__}", o)], [copy], run_backward
             )
             o = copy
+        elif isinstance(o, Tensor):
+            checked.append((k, o))
         outputs.append(o)
+    check_reached(cls.__name__, tape, checked, sources)
     return tuple(outputs) if many else outputs[0]
 
 
-def _as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, list) and any(isinstance(v, Tensor) for v in value):
-        raise TypeError(
-            f"{cls.__name__}.{where}() returned a list holding pydiff Tensors; return several "
-            "outputs as a tuple (return a, b)"
-        )
-    if isinstance(value, (np.ndarray, list, float, int)):
-        return make_tensor(np.asarray(value, dtype=np.float32), device=device)
-    raise TypeError(
-        f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "
-        "Tensors (or NumPy arrays)"
-    )
-
-
-def _own_outputs(cls: type, items: tuple, inputs: list, device: Any) -> tuple[Tensor, ...]:
-    """The outputs as tensors of their own: an output that is an input, a view of one (same
-    storage) or another output again is copied. Sharing an input's gradient buffers would
-    count that input's gradient twice (the seed and backward's gradient land in one buffer),
-    and marking the output written would look like an overwrite of the input."""
-    taken = {id(t.storage) for _, t in inputs}
-    outputs = []
-    for k, o in enumerate(items):
-        t = _as_tensor(o, device, cls, "forward", k)
-        if id(t.storage) in taken:
-            t = t.copy_values()
-        taken.add(id(t.storage))
-        outputs.append(t)
-    return tuple(outputs)
-
-
-_GRAD_TYPES = "a pydiff.Tensor, a NumPy array (or number) or None"
-
-
-def _expected(cls: type, inputs: list[Tensor]) -> str:
-    shapes = ", ".join(f"input {k}: shape {x.expected_numpy_shape()}" for k, x in enumerate(inputs))
-    return (
-        f"{cls.__name__}.backward() must return one gradient per tensor input of forward "
-        f"({len(inputs)}: {shapes}), each {_GRAD_TYPES} (None: no gradient for that input); "
-        "several as a tuple"
-    )
-
-
-def _gradients(cls: type, ctx: FunctionCtx, grads: Any, inputs: list[Tensor]) -> tuple:
-    """backward's return value as one checked entry per tensor input."""
-    name = cls.__name__
-    if grads is None and not ctx.targets:
-        raise TypeError(
-            f"{name}.backward() returned None (a missing return?). {_expected(cls, inputs)}; "
-            f"to give no gradient at all return {'(None,)' if len(inputs) == 1 else 'Nones'}"
-        )
-    if isinstance(grads, list) and len(inputs) > 1:
-        if len(grads) == len(inputs) and all(
-            g is None or isinstance(g, (Tensor, np.ndarray)) for g in grads
-        ):
-            grads = tuple(grads)  # a list of one gradient per input
-    if not isinstance(grads, tuple):
-        grads = (grads,)
-    if len(grads) != len(inputs):
-        raise RuntimeError(
-            f"{name}.backward() returned {len(grads)} gradients but expected "
-            f"{len(inputs)} (one per tensor input of forward, None where there is none). "
-            f"{_expected(cls, inputs)}"
-        )
-    checked = []
-    for k, g in enumerate(grads):
-        if g is None or isinstance(g, Tensor):
-            checked.append(g)
-            continue
-        what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
-        if isinstance(g, (str, bytes, dict, set)) or not isinstance(
-            g, (np.ndarray, list, tuple, float, int, np.number)
-        ):
-            raise TypeError(f"{what}; it must be {_GRAD_TYPES}. {_expected(cls, inputs)}")
-        try:
-            arr = np.asarray(g)
-            if arr.dtype.kind not in "biuf":
-                raise TypeError(f"elements of type {arr.dtype}")
-            arr = arr.astype(np.float64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"{what} that is not an array of numbers ({exc}); it must be {_GRAD_TYPES}. "
-                f"{_expected(cls, inputs)}"
-            ) from None
-        checked.append(arr)
-    return tuple(checked)
-
-
-def _run_backward(cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple) -> None:
+def _run_backward(
+    cls: type, ctx: FunctionCtx, inputs: list[Tensor], outputs: tuple, constant: set = frozenset()
+) -> None:
+    """Run ``cls.backward`` and add its gradients into the inputs' (``constant``: indices of
+    the outputs without gradient, which get None)."""
     outer = active_scope()
     if outer is not None and cls.flush_before_backward:
         outer.flush()  # the upstream gradients must be complete before user code reads them
-    grad_outputs = tuple(o.grad_in for o in outputs)
+    grad_outputs = tuple(None if k in constant else o.grad_in for k, o in enumerate(outputs))
     ctx.targets = set()  # (what this backward adds through grad_target: not an earlier one's)
-    grads = _gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
+    grads = gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, (g, x) in enumerate(zip(grads, inputs)):
             if k in ctx.targets:

@@ -140,16 +140,18 @@ class Tape:
     def record(
         self,
         label: str,
-        reads: list[tuple[str, Tensor]],
+        reads: Sequence[tuple[str, Tensor] | tuple[str, Tensor, int]],
         writes: list[Tensor],
         run_backward: Callable[[_Entry], None],
         overwritten: Sequence[Tensor] = (),
         **payload: Any,
     ) -> _Entry:
-        """Append an operation; ``reads`` are checked for later overwrites at backward.
+        """Append an operation; ``reads`` (description, tensor, and optionally the version its
+        backward needs, else the current one) are checked for later overwrites at backward.
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
-        for desc, t in reads:
+        reads = [(r[0], r[1], r[2] if len(r) > 2 else r[1].storage.version) for r in reads]
+        for desc, t, _ in reads:
             producer = t.producer
             if producer is None or producer is self:
                 pass
@@ -182,13 +184,13 @@ class Tape:
         entry = _Entry(
             len(self._entries) + 1,
             label,
-            [(desc, t, t.storage.version) for desc, t in reads],
+            reads,
             list(writes),
             run_backward,
             payload,
             tuple(t.storage.replaced[0] for t in writes),
         )
-        for _, t in reads:  # (a view's base: after a forget a view may die before its base)
+        for _, t, _ in reads:  # (a view's base: after a forget a view may die before its base)
             self._touched[id(t.storage)] = t if t.base is None else t.base
         for t in overwritten:
             if t.producer is not self and t.requires_grad:
@@ -207,6 +209,26 @@ class Tape:
         """Whether ``t`` is one of the recording's results or a view of one (a new leaf that
         shares a result's storage, ``detach()``, is a leaf on purpose)."""
         return id(t) in self._made or (t.base is not None and id(t.base) in self._made)
+
+    def reaches(self, output: Tensor, storages: set[int]) -> bool:
+        """Whether a gradient from ``output`` would reach one of ``storages`` (ids): its
+        storage is one, or the recorded calls it depends on read one (``_needed``'s walk).
+
+        >>> tape.reaches(y, {id(x.storage)})     # False: y was made on the host from x
+        """
+        needed = {id(output.storage)}
+        if needed & storages:
+            return True
+        for entry in reversed(self._entries):
+            if any(
+                id(t.storage) in needed and t.storage.replaced[0] == n
+                for t, n in zip(entry.writes, entry.replaced)
+            ):
+                read = {id(t.storage) for _, t, _ in entry.reads}
+                if read & storages:
+                    return True
+                needed |= read
+        return False
 
     def inputs(self) -> list[Tensor]:
         """The tensors the recorded calls read that no recorded call wrote, in order."""

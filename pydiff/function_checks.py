@@ -1,0 +1,193 @@
+"""What ``pydiff.Function.apply`` checks: tensors nested in list, tuple and dict arguments
+(which a hand-written backward cannot give gradients), the outputs (tensors of their own;
+integer, bool and marked outputs without gradients; a forward without backward whose
+outputs no recorded call connects to its inputs), and the gradients ``backward`` returns.
+
+    outputs = own_outputs(cls, items, inputs, device)       # copies of inputs, arrays wrapped
+    refuse_nested(name, args, lambda t: t.requires_grad, "requires grad", "a gradient")
+    check_reached(name, tape, [(0, y)], {id(x.storage)})    # pattern 1 on a tape
+    grads = gradients(cls, ctx, cls.backward(ctx, g), inputs)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .creation import tensor as make_tensor
+from .errors import warn_once
+from .tensor import Tensor
+
+
+def nested_tensors(value: Any, label: str) -> list[tuple[str, Tensor]]:
+    """The pydiff tensors inside lists, tuples and dicts of ``value`` (not ``value`` itself),
+    each with where it is: ``nested_tensors([a, {"w": w}], "argument 0")`` ->
+    ``[("argument 0[0]", a), ("argument 0[1]['w']", w)]``."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    found: list[tuple[str, Tensor]] = []
+    for key, v in items:
+        if isinstance(v, Tensor):
+            found.append((f"{label}[{key!r}]", v))
+        elif isinstance(v, (list, tuple, dict)):
+            found += nested_tensors(v, f"{label}[{key!r}]")
+    return found
+
+
+def refuse_nested(
+    name: str, args: Sequence[Any], wants: Callable[[Tensor], bool], has: str, gets: str
+) -> None:
+    """TypeError for a tensor inside a list, tuple or dict argument of which ``wants`` holds
+    (needs a gradient, has a tangent): ``backward`` returns, and ``jvp`` takes, one value per
+    tensor *argument*, so such a tensor would silently get none."""
+    for k, a in enumerate(args):
+        if not isinstance(a, (list, tuple, dict)):
+            continue
+        for where, t in nested_tensors(a, f"argument {k}"):
+            if wants(t):
+                raise TypeError(
+                    f"{name}.apply: {where}, a pydiff Tensor of shape {t.shape} inside a "
+                    f"{type(a).__name__}, {has}; {name} has a hand-written derivative, which "
+                    f"gives {gets} only to tensors passed as arguments of their own, so it "
+                    f"would get none. Pass the tensors as separate arguments ({name}.apply(a, b) "
+                    "with forward(ctx, a, b)), or t.detach() to mean a constant"
+                )
+
+
+def check_reached(
+    name: str, tape: Any, outputs: Sequence[tuple[int, Tensor]], sources: set
+) -> None:
+    """A forward without backward on a tape (pattern 1): its float outputs must be connected
+    to the inputs that require grad (storage ids ``sources``) by recorded calls, else the tape
+    would treat them as constants (a forward computed on the host: ``.numpy()``). None of them
+    connected: RuntimeError; some: a GradientFlowWarning for each of the others (an output
+    that is a constant on purpose beside ones that are not; marked ones are not given here)."""
+    outputs = [(k, o) for k, o in outputs if o.differentiable]
+    cut = [(k, o) for k, o in outputs if not tape.reaches(o, sources)]
+    if not cut:
+        return
+    fix = (
+        f"Give {name} a backward (then forward may compute on the host), or compute it with "
+        "pydiff ops or shader calls; ctx.mark_non_differentiable(out) says that an output "
+        "does not depend on the inputs"
+    )
+    if len(cut) == len(outputs):
+        which = f"output {cut[0][0]}" if len(outputs) == 1 else "any of its outputs"
+        raise RuntimeError(
+            f"{name}.apply: {name} has no backward, and its forward did not compute {which} "
+            f"(shape {cut[0][1].shape}) from its inputs with recorded pydiff calls (a host round "
+            "trip, such as .numpy()?), so the tape could not pass a gradient through it to the "
+            f"inputs that require one. {fix}"
+        )
+    for k, o in cut:
+        warn_once(
+            f"{name}.apply: output {k} (shape {o.shape}) of {name}, which has no backward, was "
+            "not computed from its inputs with recorded pydiff calls: it is a constant on the "
+            f"tape, no gradient flows through it to the inputs. {fix}"
+        )
+
+
+def as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
+    """Output ``k`` of ``cls.forward`` (or of its ``jvp``) as a pydiff tensor."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, list) and any(isinstance(v, Tensor) for v in value):
+        raise TypeError(
+            f"{cls.__name__}.{where}() returned a list holding pydiff Tensors; return several "
+            "outputs as a tuple (return a, b)"
+        )
+    if isinstance(value, (np.ndarray, list, float, int)):
+        return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+    raise TypeError(
+        f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "
+        "Tensors (or NumPy arrays)"
+    )
+
+
+def own_outputs(cls: type, items: tuple, inputs: list, device: Any) -> tuple[Tensor, ...]:
+    """The outputs as tensors of their own: an output that is an input, a view of one (same
+    storage) or another output again is copied. Sharing an input's gradient buffers would
+    count that input's gradient twice (the seed and backward's gradient land in one buffer),
+    and marking the output written would look like an overwrite of the input."""
+    taken = {id(t.storage) for _, t in inputs}
+    outputs = []
+    for k, o in enumerate(items):
+        t = as_tensor(o, device, cls, "forward", k)
+        if id(t.storage) in taken:
+            t = t.copy_values()
+        taken.add(id(t.storage))
+        outputs.append(t)
+    return tuple(outputs)
+
+
+GRAD_TYPES = "a pydiff.Tensor, a NumPy array (or number) or None"
+
+
+def expected(cls: type, inputs: list[Tensor]) -> str:
+    shapes = ", ".join(f"input {k}: shape {x.expected_numpy_shape()}" for k, x in enumerate(inputs))
+    return (
+        f"{cls.__name__}.backward() must return one gradient per tensor input of forward "
+        f"({len(inputs)}: {shapes}), each {GRAD_TYPES} (None: no gradient for that input); "
+        "several as a tuple"
+    )
+
+
+def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
+    """backward's return value as one checked entry per tensor input."""
+    name = cls.__name__
+    if grads is None and not ctx.targets:
+        raise TypeError(
+            f"{name}.backward() returned None (a missing return?). {expected(cls, inputs)}; "
+            f"to give no gradient at all return {'(None,)' if len(inputs) == 1 else 'Nones'}"
+        )
+    if isinstance(grads, list) and len(inputs) > 1:
+        if len(grads) == len(inputs) and all(
+            g is None or isinstance(g, (Tensor, np.ndarray)) for g in grads
+        ):
+            grads = tuple(grads)  # a list of one gradient per input
+    if not isinstance(grads, tuple):
+        grads = (grads,)
+    if len(grads) != len(inputs):
+        raise RuntimeError(
+            f"{name}.backward() returned {len(grads)} gradients but expected "
+            f"{len(inputs)} (one per tensor input of forward, None where there is none). "
+            f"{expected(cls, inputs)}"
+        )
+    checked = []
+    for k, g in enumerate(grads):
+        what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
+        if isinstance(g, Tensor) and g.scalar_type == "bool":
+            raise _boolean(what, k, cls, inputs)
+        if g is None or isinstance(g, Tensor):
+            checked.append(g)
+            continue
+        if isinstance(g, (str, bytes, dict, set)) or not isinstance(
+            g, (np.ndarray, list, tuple, float, int, np.number, np.bool_)
+        ):
+            raise TypeError(f"{what}; it must be {GRAD_TYPES}. {expected(cls, inputs)}")
+        try:
+            arr = np.asarray(g)
+            if arr.dtype.kind not in "biuf":
+                raise TypeError(f"elements of type {arr.dtype}")
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{what} that is not an array of numbers ({exc}); it must be {GRAD_TYPES}. "
+                f"{expected(cls, inputs)}"
+            ) from None
+        if arr.dtype.kind == "b":
+            raise _boolean(what, k, cls, inputs)
+        checked.append(arr.astype(np.float64))  # integers are numbers (as PyTorch takes them)
+    return tuple(checked)
+
+
+def _boolean(what: str, k: int, cls: type, inputs: list[Tensor]) -> TypeError:
+    # A bool mask returned as a gradient is a forgotten "* grad" (a ReLU's x > 0).
+    return TypeError(
+        f"{what} of booleans (for input {k}); a gradient holds numbers: multiply a mask by the "
+        f"upstream gradient. {expected(cls, inputs)}"
+    )
