@@ -25,6 +25,13 @@ class TensorTooLargeError(PydiffError, ValueError, MemoryError):
     message says how much was asked and the limit."""
 
 
+class OpenFileLimitError(PydiffError, OSError):
+    """A buffer could not be allocated because the process is at its open-file limit
+    (``RLIMIT_NOFILE``; on lavapipe every device buffer holds a file descriptor). ``errno``
+    is ``EMFILE``, as the operating system's own error; the message gives the count and the
+    limit and what to do."""
+
+
 class SlangCompileError(PydiffError):
     """A Slang module failed to compile; the message starts with ``file:line``."""
 
