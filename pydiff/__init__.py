@@ -31,6 +31,7 @@ from .errors import (
     ShaderTrapWarning,
     SlangCompileError,
     StaleGradientError,
+    TapeReuseWarning,
     TensorTooLargeError,
     OpDtypeError,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "ShaderTrapWarning",
     "SlangCompileError",
     "StaleGradientError",
+    "TapeReuseWarning",
     "TensorTooLargeError",
     "Tape",
     "Tensor",

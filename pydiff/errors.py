@@ -85,6 +85,12 @@ class ShaderTrapWarning(UserWarning):
     """Raised at load time for shader patterns that will fail in ``.bwds``."""
 
 
+class TapeReuseWarning(UserWarning):
+    """A ``Tape`` that ran a backward and kept its recording (``retain_graph=True``, the
+    default) records again: the old records and their tensors stay alive, and grow with
+    every step of a loop that reuses it."""
+
+
 class CacheWarning(UserWarning):
     """pydiff's persistent compile cache cannot be used (the run goes on without it)."""
 
