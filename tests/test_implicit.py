@@ -393,13 +393,14 @@ def test_tensors_inside_dict_list_and_tuple_params_get_their_gradients(device, l
         tape.backward(x, grad=w)
         np.testing.assert_allclose(a.grad.numpy(), want_a, rtol=2e-4, atol=2e-5)
         np.testing.assert_allclose(b.grad.numpy(), want_b, rtol=2e-4, atol=2e-5)
-    # forward mode through a list param: da gives dx*/da da
+    # forward mode through a struct and a list param: da gives dx*/da da
     a = pydiff.tensor(a_np, device=device)
     b = pydiff.tensor(b_np, device=device)
-    _, dx = pydiff.jvp(
-        lambda a, b: pydiff.fixed_point(calls[1][0], np.zeros(4), [a, b]), (a, b), (w, None)
-    )
-    np.testing.assert_allclose(dx.numpy(), want_a, rtol=2e-4, atol=2e-5)
+    for f, params in calls[:2]:
+        _, dx = pydiff.jvp(
+            lambda a, b: pydiff.fixed_point(f, np.zeros(4), *params(a, b)), (a, b), (w, None)
+        )
+        np.testing.assert_allclose(dx.numpy(), want_a, rtol=2e-4, atol=2e-5)
 
 
 def test_non_finite_upstream_gradient_propagates_as_ieee(device):
