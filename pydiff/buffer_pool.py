@@ -14,6 +14,7 @@ per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
 from collections import OrderedDict
@@ -22,7 +23,8 @@ from typing import Any, Sequence
 import slangpy as spy
 
 from .command_queue import CommandQueue
-from .errors import TensorTooLargeError, env_choice
+from .errors import OpenFileLimitError, PydiffError, TensorTooLargeError, env_choice
+from .lavapipe import near_open_file_limit
 
 #: Most elements of one tensor and threads of one call: SlangPy indexes both with 32-bit
 #: signed ints (``int lin_idx`` in its tensor.slang), so more would wrap around silently.
@@ -140,10 +142,23 @@ def check_size(what: str, device_type: str, shape: Sequence[int], element_bytes:
     )
 
 
-def allocation_failed(nbytes: int | None, exc: Exception, what: str = "") -> TensorTooLargeError:
-    """The error for a buffer the device refused (of ``nbytes`` if known)."""
+def allocation_failed(nbytes: int | None, exc: Exception, what: str = "") -> PydiffError:
+    """The error for a buffer the device refused (of ``nbytes`` if known): OpenFileLimitError
+    when the process is at its open-file limit (lavapipe's buffers each hold a descriptor,
+    and the device's error does not say so), else TensorTooLargeError."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     size = f" of {format_bytes(nbytes)} ({nbytes:,} bytes)" if nbytes is not None else ""
+    if (files := near_open_file_limit()) is not None:
+        return OpenFileLimitError(
+            errno.EMFILE,
+            f"{what}the device could not allocate a buffer{size}: the process has {files[0]:,} "
+            f"open files of its limit of {files[1]:,} (RLIMIT_NOFILE), and each device buffer "
+            "on lavapipe holds one. Raise the limit (`ulimit -n` in the shell, or "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, ...) before pydiff opens the device) "
+            "or keep fewer tensors alive (a fresh Tape per step, or backward with "
+            "retain_graph=False, frees a tape's intermediates; pydiff.empty_cache() releases "
+            "the buffers of freed tensors at once)",
+        )
     return TensorTooLargeError(
         f"{what}the device could not allocate a buffer{size}: {first}; it may be out of "
         "memory (free tensors, pydiff.empty_cache()) or the buffer may exceed the device's "

@@ -26,7 +26,7 @@ from .errors import DeviceUnavailableError, env_flag
 from .kernels import KernelCache
 from .slangpy_loader import missing_driver
 from .lavapipe import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads  # noqa: F401 (public)
-from .lavapipe import lavapipe_threads_text  # noqa: F401 (public here)
+from .lavapipe import before_device_opens, lavapipe_threads_text  # noqa: F401 (public here)
 
 #: Bounds of the per-device memos, ``scratch`` (buffers per size) and ``cached`` (LRU).
 SCRATCH_MAX_ITEMS = 256
@@ -317,7 +317,7 @@ def _open_device(
         raise DeviceUnavailableError(_failed_types[type_name])
     paths = [str(shader_dir()), *include_paths]
     validation = env_flag("PYDIFF_RHI_VALIDATION", False)  # (a typo: ValueError, not a failed open)
-    choose_lavapipe_threads()
+    before_device_opens(type_name)
     caches = compile_cache.prepare(base, type_name)
     try:
         with _quiet_native_output():

@@ -25,6 +25,13 @@ class TensorTooLargeError(PydiffError, ValueError, MemoryError):
     message says how much was asked and the limit."""
 
 
+class OpenFileLimitError(PydiffError, OSError):
+    """A buffer could not be allocated because the process is at its open-file limit
+    (``RLIMIT_NOFILE``; on lavapipe every device buffer holds a file descriptor). ``errno``
+    is ``EMFILE``, as the operating system's own error; the message gives the count and the
+    limit and what to do."""
+
+
 class SlangCompileError(PydiffError):
     """A Slang module failed to compile; the message starts with ``file:line``."""
 
@@ -76,6 +83,12 @@ class EnvironmentSettingError(PydiffError, ValueError):
 
 class ShaderTrapWarning(UserWarning):
     """Raised at load time for shader patterns that will fail in ``.bwds``."""
+
+
+class TapeReuseWarning(UserWarning):
+    """A ``Tape`` that ran a backward and kept its recording (``retain_graph=True``, the
+    default) records again: the old records and their tensors stay alive, and grow with
+    every step of a loop that reuses it."""
 
 
 class CacheWarning(UserWarning):

@@ -14,7 +14,7 @@ import numpy as np
 from . import finite_diff as fd
 from .arguments import map_tensors
 from .errors import GradcheckError
-from .forward_program import prepare, refuse_inside_tape, traced
+from .forward_program import lent_grads, prepare, refuse_inside_tape, traced
 from .function import Function
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -243,10 +243,14 @@ def _element_message(
 def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs, rng: Any) -> tuple:
     """J^T v for random upstream v, summed here over one backward per output, each on a
     tape of its own from the start values: an in-place input is also an output, and a
-    second backward over one recording would start from the values the first one left."""
+    second backward over one recording would start from the values the first one left.
+    Tensors the function reads that are not inputs (a model's parameters it closes over)
+    lend their gradient buffers for each backward, as the transforms' do: v is random, so
+    what it would add to their ``.grad`` is noise in the caller's training step."""
     saved = {k: t.grad.numpy().copy() for k, t in checked}
     analytic = {k: np.zeros(t.expected_numpy_shape()) for k, t in checked}
     vs: list[np.ndarray] = []
+    own = [t if t.base is None else t.base for a in inputs for _, t in leaves(a, "")]
     j = 0
     try:
         with zero_policy("accumulate"):
@@ -265,9 +269,10 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
                         analytic[source] += vs[j].reshape(analytic[source].shape)
                     j += 1
                     continue
-                for _, t in checked:
-                    t.zero_grad()
-                tape.backward(outs[j], grad=vs[j])
+                with lent_grads(tape, own):
+                    for _, t in checked:
+                        t.zero_grad()
+                    tape.backward(outs[j], grad=vs[j])
                 for k, t in checked:
                     analytic[k] += t.grad.numpy().astype(np.float64)
                 j += 1

@@ -57,6 +57,47 @@ def _call(f: Callable[..., Any], x: Tensor, params: tuple) -> Tensor:
     return out
 
 
+class _Params:
+    """``params`` with the tensors taken out of the dicts (structs), lists and tuples they
+    sit in: ``tensors`` are what ``FixedPoint.apply`` records (each gets its gradient), and
+    ``build(tensors)`` puts these (or detached copies, leaves of a VJP) back in their places.
+
+    >>> _Params(({"a": a, "b": 2.0}, c)).build([a2, c2])   # ({"a": a2, "b": 2.0}, c2)
+    """
+
+    def __init__(self, params: tuple):
+        self.tensors: list[Tensor] = []
+        self.layout = self._take(tuple(params))
+
+    def _take(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            self.tensors.append(value)
+            return _Slot(len(self.tensors) - 1)
+        if type(value) is dict:
+            return {k: self._take(v) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(self._take(v) for v in value)
+        return value
+
+    def build(self, tensors: Any) -> tuple:
+        """The params with ``tensors`` (one per ``self.tensors``, in order) in their places."""
+        return _put(self.layout, tuple(tensors))
+
+
+class _Slot(int):
+    """Where ``_Params`` took a tensor out: its index among the tensors."""
+
+
+def _put(layout: Any, tensors: tuple) -> Any:
+    if isinstance(layout, _Slot):
+        return tensors[layout]
+    if type(layout) is dict:
+        return {k: _put(v, tensors) for k, v in layout.items()}
+    if type(layout) in (list, tuple):
+        return type(layout)(_put(v, tensors) for v in layout)
+    return layout
+
+
 def _step(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
     """(max |new - old|, max |new|): the step and the size of the new iterate."""
     if not new.size:
@@ -87,7 +128,7 @@ class _Stop:
         return self.stalled >= 5
 
 
-def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: tuple) -> None:
+def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: _Params) -> None:
     """One probe of f at (x0, params) detached, where a tape records or pydiff.jvp runs: a
     result that still wants a gradient or carries a tangent read one from somewhere else (a
     closure, a global), whose derivative the implicit solve would not see: refused."""
@@ -95,9 +136,9 @@ def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: tuple) -> N
     if active_tape() is None and trace is None:
         return
     xl = x0.detach()
-    args = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
+    args = [p.detach() for p in params.tensors]
     with suspend_recording(), Tape(reads_other_tapes=True) as tape:
-        out = _call(f, xl, args)
+        out = _call(f, xl, params.build(args))
     if out.requires_grad:
         _refuse_hidden_inputs(f, tape, [xl, *args])
     if trace is not None and trace.tangent(out) is not None:
@@ -128,18 +169,18 @@ _LINEAR_HINT = (
 
 
 def _vjp(
-    f: Callable[..., Any], x: Tensor, params: tuple, wants: list[bool], lam: np.ndarray, dx: bool
+    f: Callable[..., Any], x: Tensor, params: _Params, wants: list[bool], lam: np.ndarray, dx: bool
 ) -> tuple[np.ndarray | None, list[Tensor | None]]:
-    """lam^T df/dx (if ``dx``) and lam^T df/dp for the params ``wants`` marks, at (x, params):
-    one forward of f on a fresh tape, one backward."""
+    """lam^T df/dx (if ``dx``) and lam^T df/dp for the tensors of params ``wants`` marks, at
+    (x, params): one forward of f on a fresh tape, one backward."""
     with suspend_recording():  # also when the outer backward runs inside its tape's `with`
         xl = x.detach().requires_grad_(True) if dx else x.detach()
         args = [
-            (p.detach().requires_grad_(True) if w else p.detach()) if isinstance(p, Tensor) else p
-            for p, w in zip(params, wants)
+            p.detach().requires_grad_(True) if w else p.detach()
+            for p, w in zip(params.tensors, wants)
         ]
         with Tape(reads_other_tapes=True) as tape:
-            out = _call(f, xl, tuple(args))
+            out = _call(f, xl, params.build(args))
         _refuse_hidden_inputs(f, tape, [xl, *args])
         out = on_tape(out, tape, [xl, *args])
         if out.requires_grad and out.producer is tape:
@@ -159,8 +200,9 @@ def _refuse_hidden_inputs(f: Callable[..., Any], tape: Tape, given: list) -> Non
             name = getattr(f, "__name__", None) or repr(f)
             raise ValueError(
                 f"fixed_point: f ({name}) reads a tensor of shape {t.shape} that requires a "
-                "gradient but is not one of params (a closure's or a global's); its gradient "
-                "would be wrong. Pass it to fixed_point after x0, as a parameter of f"
+                "gradient but is not one of params (a closure's or a global's, or one inside "
+                "a param other than a dict, list or tuple); its gradient would be wrong. Pass "
+                "it to fixed_point after x0, as a parameter of f"
             )
 
 
@@ -177,9 +219,10 @@ class FixedPoint(Function):
         atol: float,
         max_iter: int,
         x0: Tensor,
-        *params: Any,
+        params: _Params,
+        *tensors: Tensor,
     ) -> Tensor:
-        fixed = tuple(p.detach() if isinstance(p, Tensor) else p for p in params)
+        fixed = params.build(t.detach() for t in tensors)
         x, old, stop = x0, x0.numpy().astype(np.float64), _Stop(tol, atol)
         for steps in range(1, max_iter + 1):
             x = _call(f, x, fixed)
@@ -207,53 +250,82 @@ class FixedPoint(Function):
         """Implicit function theorem: dx* = (I - df/dx)^-1 (df/dp dp), solved by the iteration
         dx <- df/dx dx + df/dp dp (one JVP of f at x* per step; converges as the forward)."""
         first_order_only(ctx, "an iteration of JVPs of f at the solution")
-        x, params, tparams = ctx.saved_tensors[0].detach(), ctx.params, tangents[5:]
-        dx, stop = np.zeros(x.expected_numpy_shape()), _Stop(ctx.tol, 0.0)
+        x, params, tparams = ctx.saved_tensors[0].detach(), ctx.params, tangents[6:]
         if all(t is None for t in tparams):
             return None
-        for steps in range(1, ctx.max_iter + 1):
+        shape, args = x.expected_numpy_shape(), (x, *params.tensors)
+
+        def tangent(dx: Any, dps: tuple) -> np.ndarray:  # df/dx dx + df/dp dps at x*
+            out = forward_trace.tangent_through(
+                lambda x, *p: _call(ctx.f, x, params.build(p)), args, (dx, *dps)
+            )
+            return np.zeros(shape) if out is None else out.numpy().astype(np.float64)
+
+        def apply(dx: np.ndarray) -> np.ndarray:  # df/dx dx
             t = make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
-            step = lambda x, *p: _call(ctx.f, x, p)  # noqa: E731
-            out = forward_trace.tangent_through(step, (x, *params), (t, *tparams))
-            new = np.zeros_like(dx) if out is None else out.numpy().astype(np.float64)
-            residual, size = _step(dx, new)
-            if not math.isfinite(residual):
-                break
-            done, dx = stop(dx, new, residual, size), new
-            if done:  # relative: linear in dp (0 <= 0 for dp = 0)
-                return make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
-        _not_converged(
-            "tangent solve (I - df/dx) dx = df/dp dp",
-            steps,
-            residual,
-            f"tol * max|dx| = {ctx.tol:g} * {size:.3g}",
-            _LINEAR_HINT,
-        )
+            return tangent(t, (None,) * len(tparams))
+
+        rhs = tangent(None, tparams)
+        dx = _solve("tangent solve (I - df/dx) dx = df/dp dp", "dx", rhs, apply, ctx)
+        return make_tensor(dx.astype(np.float32), dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx: FunctionCtx, xbar: Tensor) -> tuple:
-        wants = [isinstance(p, Tensor) and p.requires_grad for p in ctx.params]
+        params = ctx.params
+        wants = [p.requires_grad for p in params.tensors]
         (x,) = ctx.saved_tensors
+
+        def apply(lam: np.ndarray) -> np.ndarray:  # (df/dx)^T lam
+            return _vjp(ctx.f, x, params, [False] * len(wants), lam, True)[0]
+
         seed = xbar.numpy().astype(np.float64)
-        lam, stop = seed, _Stop(ctx.tol, 0.0)
-        for steps in range(1, ctx.max_iter + 1):
-            gx, _ = _vjp(ctx.f, x, ctx.params, [False] * len(wants), lam, True)
-            new = seed + gx
-            residual, size = _step(lam, new)
-            if not math.isfinite(residual):
-                break
-            done, lam = stop(lam, new, residual, size), new
-            if done:  # relative: linear in xbar (0 <= 0 for xbar = 0)
-                _, grads = _vjp(ctx.f, x, ctx.params, wants, lam, False)
-                tensor_grads = [g for p, g in zip(ctx.params, grads) if isinstance(p, Tensor)]
-                return (None, *tensor_grads)  # x* does not depend on x0
-        _not_converged(
-            "adjoint solve (I - df/dx)^T lam = xbar",
-            steps,
-            residual,
-            f"tol * max|lam| = {ctx.tol:g} * {size:.3g}",
-            _LINEAR_HINT,
-        )
+        lam = _solve("adjoint solve (I - df/dx)^T lam = xbar", "lam", seed, apply, ctx)
+        _, grads = _vjp(ctx.f, x, params, wants, lam, False)
+        return (None, *grads)  # x* does not depend on x0
+
+
+def _solve(
+    which: str, name: str, rhs: np.ndarray, apply: Callable[[np.ndarray], np.ndarray], ctx: Any
+) -> np.ndarray:
+    """v = rhs + L v (L = ``apply``, linear) by the iteration v <- rhs + L v from v = rhs,
+    stopping on the relative step alone (linear in rhs: 0 <= 0 for rhs = 0). Non-finite
+    elements of rhs (a NaN or inf upstream gradient or tangent) are not a diverging solve:
+    the finite part is solved, then they are carried through L (``_spread``), as IEEE
+    arithmetic carries them through any other op."""
+    bad = ~np.isfinite(rhs)
+    finite = np.where(bad, 0.0, rhs)
+    v, stop = finite, _Stop(ctx.tol, 0.0)
+    for steps in range(1, ctx.max_iter + 1):
+        new = finite + apply(v)
+        residual, size = _step(v, new)
+        if not math.isfinite(residual):
+            break
+        done, v = stop(v, new, residual, size), new
+        if done:
+            return _spread(rhs, bad, v, apply, ctx.max_iter) if bad.any() else v
+    _not_converged(
+        which, steps, residual, f"tol * max|{name}| = {ctx.tol:g} * {size:.3g}", _LINEAR_HINT
+    )
+
+
+def _spread(
+    rhs: np.ndarray, bad: np.ndarray, v: np.ndarray, apply: Callable, max_iter: int
+) -> np.ndarray:
+    """``v`` (the solution for rhs's finite part) with rhs's non-finite elements put in and
+    carried through L: each step of v <- rhs + L v takes them one hop further (an elementwise
+    f: nowhere), until the set of non-finite elements stops growing, after which it never
+    grows again. Those elements of rhs keep their value (the leading term of the series
+    rhs + L rhs + ..., so an inf keeps its sign); the others reach none of them and keep
+    their solution."""
+    v = np.where(bad, rhs, v)
+    reached = bad
+    for _ in range(max_iter):
+        v = np.where(bad, rhs, rhs + apply(v))
+        now = ~np.isfinite(v)
+        if np.array_equal(now, reached):
+            break
+        reached = now
+    return v
 
 
 def fixed_point(
@@ -271,12 +343,13 @@ def fixed_point(
     pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
     every element's step is within ``atol + tol * |x_k|`` (as numpy.isclose: ``tol``
     relative, ``atol`` an absolute floor for a solution at or near 0; see ``_Stop``).
-    Gradients flow to the tensor ``params`` (numbers are constants), never through the
-    iterations: the backward solves
+    Gradients flow to the tensor ``params``, also those inside dicts (structs), lists and
+    tuples (numbers are constants), never through the iterations: the backward solves
     ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar + (df/dx)^T lam`` with one VJP of f at x*
     per step until ``max|lam_k - lam_(k-1)| <= tol * max|lam_k|`` (relative alone: the solve
     is linear in xbar, so any scale of the upstream gradient gets the same accuracy), then
-    ``pbar = (df/dp)^T lam``. x* does not depend on x0, which gets no gradient. A forward or
+    ``pbar = (df/dp)^T lam``; NaN or inf in xbar propagate as IEEE arithmetic carries them
+    (``_solve``). x* does not depend on x0, which gets no gradient. A forward or
     adjoint solve that does not converge in ``max_iter`` iterations (or overflows) raises
     ``pydiff.ConvergenceError`` with the last residual. Works on a ``pydiff.Tape``, under
     ``pydiff.grad`` and in ``pydiff.torch_function``.
@@ -306,9 +379,10 @@ def fixed_point(
             arr = np.asarray(x0, dtype=np.float32)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"fixed_point: x0 is not an array of numbers: {exc}") from None
-        device = next((p.device for p in params if isinstance(p, Tensor)), None)
+        device = next((p.device for p in _Params(params).tensors), None)
         x0 = make_tensor(arr, device=device)  # a number: 0-d, as np.asarray
     elif x0.scalar_type not in ("float", "half"):
         raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
-    _refuse_closure_reads(f, x0, params)
-    return FixedPoint.apply(f, float(tol), float(atol), int(max_iter), x0, *params)
+    flat = _Params(params)
+    _refuse_closure_reads(f, x0, flat)
+    return FixedPoint.apply(f, float(tol), float(atol), int(max_iter), x0, flat, *flat.tensors)

@@ -1,4 +1,5 @@
-"""Lavapipe (Mesa's Vulkan on the CPU): how many threads it runs compute on.
+"""Lavapipe (Mesa's Vulkan on the CPU): how many threads it runs compute on, and the
+open-file limit each of its buffers counts against.
 
 pydiff.device.choose_lavapipe_threads()      # before the first device opens
 pydiff.device.lavapipe_threads_text()        # 'inline (LP_NUM_THREADS=0)'
@@ -6,7 +7,15 @@ pydiff.device.lavapipe_threads_text()        # 'inline (LP_NUM_THREADS=0)'
 
 from __future__ import annotations
 
+import errno
 import os
+
+from .errors import env_flag
+
+try:
+    import resource
+except ImportError:  # not on Windows: no limit to read or raise
+    resource = None  # type: ignore[assignment]
 
 # Mesa's lavapipe (Vulkan on the CPU) hands each dispatch to a pool of one worker thread per
 # core. On two cores that hand-off costs more than the second core gives back for the small
@@ -59,3 +68,72 @@ def lavapipe_threads_text(value: str | None = None) -> str:
         if value.strip() == "0"
         else f"on LP_NUM_THREADS={value} workers"
     )
+
+
+# Lavapipe backs every device buffer with a file descriptor (and a memory mapping), so a
+# process with many live tensors (a long recorded chain: its results and their gradient
+# buffers) reaches RLIMIT_NOFILE, whose soft value is often 1024 although the hard one is far
+# higher. Past the mappings' own limit (vm.max_map_count, 65530 by default) lavapipe crashes
+# the process instead of failing an allocation, so the soft limit is raised no further than
+# half of it: the open-file limit, which fails cleanly, stays the one reached first.
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
+def open_files() -> tuple[int, int] | None:
+    """(file descriptors open now, the soft RLIMIT_NOFILE) on Linux; None where it cannot be
+    read (another system) or the limit is infinite. A descriptor table so full that listing
+    it fails (the listing needs a descriptor of its own) counts as full."""
+    if resource is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        count = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
+    except OSError as exc:
+        return (soft, soft) if exc.errno == errno.EMFILE else None
+    return count, soft
+
+
+def near_open_file_limit() -> tuple[int, int] | None:
+    """``open_files()`` when the process is within a few descriptors of its limit (an
+    allocation that failed for want of one), else None."""
+    found = open_files()
+    if found is None:
+        return None
+    count, limit = found
+    return found if count + max(16, limit // 100) >= limit else None
+
+
+def raise_open_file_limit() -> int | None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, but to no more than half of
+    vm.max_map_count (see above), and never lower it; returns the new soft limit, or None
+    where nothing changed (``PYDIFF_RAISE_NOFILE=off``, not Linux, already high enough, or
+    refused). pydiff calls it before it opens a Vulkan device."""
+    if resource is None or not env_flag("PYDIFF_RAISE_NOFILE", True):
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open(_MAX_MAP_COUNT) as f:
+            cap = int(f.read()) // 2
+    except (OSError, ValueError):
+        cap = 65530 // 2  # Linux's default
+    target = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+    if soft >= target:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return None
+    return target
+
+
+def before_device_opens(type_name: str) -> None:
+    """What lavapipe needs settled before a device of ``type_name`` opens: its threads
+    (``choose_lavapipe_threads``) and, for Vulkan, the open-file limit its buffers count
+    against (``raise_open_file_limit``)."""
+    choose_lavapipe_threads()
+    if type_name == "vulkan":
+        raise_open_file_limit()

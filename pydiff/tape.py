@@ -20,7 +20,7 @@ import numpy as np
 from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
-from .errors import env_flag, warn_once
+from .errors import TapeReuseWarning, env_flag, warn_once
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -122,6 +122,8 @@ class Tape:
         # Tensors that held gradients of their own before this tape overwrote them: their
         # buffers serve as intermediates during a backward, then get those gradients back.
         self._leaves: dict[int, Tensor] = {}
+        #: A backward ran over the recording held now (``__enter__`` warns on reuse).
+        self._backward_ran = False
 
     # --- recording ----------------------------------------------------------------------
     def __enter__(self) -> "Tape":
@@ -129,6 +131,15 @@ class Tape:
             raise RuntimeError(
                 "pydiff.Tape: tapes do not nest; record everything on the outer tape, or "
                 "finish it before starting another"
+            )
+        if self._backward_ran and self._entries:
+            warn_once(
+                "pydiff.Tape: this tape ran a backward and still holds its recording "
+                "(backward's retain_graph=True, the default); recording on it again adds to "
+                "that, so a loop reusing it keeps every step's operations and tensors alive "
+                "and each backward walks them all. Use a fresh Tape per step, "
+                "tape.backward(loss, retain_graph=False), or tape.reset() before recording anew",
+                TapeReuseWarning,
             )
         self._token = _active_tape.set(self)
         return self
@@ -387,6 +398,7 @@ class Tape:
             for t, before in kept:
                 scope.flush()
                 t.grad.copy_from_numpy(t.grad.numpy() + before)
+        self._backward_ran = True
         if not retain_graph:
             self._forget("an earlier backward(retain_graph=False)")
 
@@ -436,3 +448,4 @@ class Tape:
         self._entries.clear()
         self._made.clear()
         self._leaves.clear()
+        self._backward_ran = False

@@ -17,6 +17,7 @@ CASES = [
     ("PYDIFF_GENERATED_MIN_ELEMENTS", "4k", "import pydiff"),
     ("PYDIFF_SWEEP_BATCHES", "always", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_RHI_VALIDATION", "enable", "import pydiff; pydiff.create_device('vulkan')"),
+    ("PYDIFF_RAISE_NOFILE", "max", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_FLOAT4_STORES", "off", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_CACHE", "sometimes", "import pydiff; pydiff.compile_cache.root()"),
     ("PYDIFF_SLANGPY_TORCH", "perhaps", "import pydiff"),

@@ -356,3 +356,79 @@ def test_overwriting_the_solution_before_backward_raises(device):
     with pytest.raises(RuntimeError, match=r"overwritten"):
         tape.backward(loss)
     np.testing.assert_array_equal(b.grad.numpy(), [0.0, 0.0])
+
+
+def _tanh_reference(a_np, b_np, w):
+    """x = a tanh(x) + b in float64, and the gradients of sum(w x*) w.r.t. a and b by
+    central differences of the whole solve."""
+
+    def ref_loss(a, b):
+        return float(np.sum(w * _np_solve(lambda x: a * np.tanh(x) + b, np.zeros(a.shape))))
+
+    return _central_fd(ref_loss, [a_np.astype(np.float64), b_np.astype(np.float64)])
+
+
+def test_tensors_inside_dict_list_and_tuple_params_get_their_gradients(device, load):
+    # A struct parameter of a shader function is a dict; a Python f may take a list or a
+    # tuple: the tensors inside are params like top-level ones.
+    m = load("implicit", device)
+    rng = np.random.default_rng(5)
+    a_np = rng.uniform(-0.9, 0.9, 4).astype(np.float32)
+    b_np = rng.standard_normal(4).astype(np.float32)
+    w = rng.standard_normal(4)
+    want_a, want_b = _tanh_reference(a_np, b_np, w)
+    calls = [
+        (m.contraction_struct, lambda a, b: ({"a": a, "b": b},)),
+        (lambda x, p: p[0] * ops.tanh(x) + p[1], lambda a, b: ([a, b],)),
+        (
+            lambda x, s, p: p["t"][0] * ops.tanh(x) + s * p["b"],
+            lambda a, b: (1.0, {"t": (a, 2), "b": b}),
+        ),
+    ]
+    for f, params in calls:
+        a = pydiff.tensor(a_np, device=device, requires_grad=True)
+        b = pydiff.tensor(b_np, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            x = pydiff.fixed_point(f, np.zeros(4), *params(a, b))
+        tape.backward(x, grad=w)
+        np.testing.assert_allclose(a.grad.numpy(), want_a, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(b.grad.numpy(), want_b, rtol=2e-4, atol=2e-5)
+    # forward mode through a struct and a list param: da gives dx*/da da
+    a = pydiff.tensor(a_np, device=device)
+    b = pydiff.tensor(b_np, device=device)
+    for f, params in calls[:2]:
+        _, dx = pydiff.jvp(
+            lambda a, b: pydiff.fixed_point(f, np.zeros(4), *params(a, b)), (a, b), (w, None)
+        )
+        np.testing.assert_allclose(dx.numpy(), want_a, rtol=2e-4, atol=2e-5)
+
+
+def test_non_finite_upstream_gradient_propagates_as_ieee(device):
+    # NaN/inf in the upstream gradient (or a tangent) is not a diverging solve: it reaches
+    # the gradients of what it depends on, as through any op; the other elements keep theirs.
+    a_np = np.array([0.5, 0.3, -0.4], np.float32)
+    w = np.array([1.0, 2.0, 1.0])
+    want_a, _ = _tanh_reference(a_np, np.ones(3, np.float32), w)
+    a = pydiff.tensor(a_np, device=device, requires_grad=True)
+    f = lambda x, a: a * ops.tanh(x) + 1.0  # noqa: E731 (x* > 0: tanh(x*) > 0)
+    for bad, want in ((math.nan, math.nan), (math.inf, math.inf), (-math.inf, -math.inf)):
+        a.zero_grad()
+        with pydiff.Tape() as tape:
+            x = pydiff.fixed_point(f, np.zeros(3), a, max_iter=50)
+        tape.backward(x, grad=np.array([bad, w[1], w[2]]))
+        got = a.grad.numpy()
+        np.testing.assert_array_equal(got[0], want)
+        np.testing.assert_allclose(got[1:], want_a[1:], rtol=2e-4, atol=2e-5)
+    _, dx = pydiff.jvp(
+        lambda a: pydiff.fixed_point(f, np.zeros(3), a, max_iter=50),
+        (pydiff.tensor(a_np, device=device),),
+        (np.array([math.nan, w[1], w[2]]),),
+    )
+    assert math.isnan(dx.numpy()[0])
+    np.testing.assert_allclose(dx.numpy()[1:], want_a[1:], rtol=2e-4, atol=2e-5)
+    # Coupled (a matrix product): a NaN reaches every element, as through ops.matmul.
+    A = pydiff.tensor(np.full((2, 2), 0.25, np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, A: ops.matmul(A, x) + 1.0, np.zeros((2, 1)), A)
+    tape.backward(x, grad=np.array([[math.nan], [0.0]]))
+    assert np.isnan(A.grad.numpy()).all()

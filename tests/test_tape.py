@@ -167,3 +167,28 @@ def test_in_place_call_on_tape(device, load):
     tape.backward(y, grad=np.ones(4))
     # y = (2 x0)^2 -> dy/dx0 = 8 x0
     np.testing.assert_allclose(x.grad.numpy(), 8 * XS, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["accumulate", "reset", "strict"])
+def test_chained_tapes_under_accumulate_give_the_whole_gradient(device, policy):
+    # docs/tape.md's recipe for chaining two tapes by hand: with any policy in force, the
+    # pair runs under accumulate after the leaves are zeroed, and gives the gradient of
+    # the whole function (a reset backward would drop the second tape's share of x).
+    import torch
+
+    from pydiff import ops
+
+    x = _x(device)
+    x.grad.fill(5.0)  # an earlier step's gradient, which the recipe zeroes
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as first:
+            h = ops.mul(x, x)
+        with pydiff.Tape(reads_other_tapes=True) as second:  # h: chained on purpose
+            loss = ops.sum(ops.sin(h)) + ops.sum(x * x * x)
+        x.zero_grad()
+        with pydiff.zero_policy("accumulate"):
+            second.backward(loss)
+            first.backward(h, grad=h.grad)
+    xt = torch.tensor(XS.astype(np.float64), requires_grad=True)
+    (torch.sin(xt * xt).sum() + (xt * xt * xt).sum()).backward()
+    np.testing.assert_allclose(x.grad.numpy(), xt.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -188,3 +188,47 @@ def test_reading_a_result_of_another_live_tape_warns_and_chaining_by_hand_is_exa
     with pytest.warns(pydiff.GradientFlowWarning, match="recorded on another tape"):
         with pydiff.Tape():
             ops.sum(h.reshape(2, 2))  # a view of the result: the same cut
+
+
+def test_reentering_a_tape_that_kept_its_recording_warns(device):
+    """A tape reused step after step with the default retain_graph=True keeps every step's
+    recording: entering it again after a backward warns (TapeReuseWarning, once per line);
+    the documented ways to reuse one do not, and the gradients are unchanged."""
+    import warnings
+
+    if device.type != "vulkan":
+        pytest.skip("warned once per line and process: checked once, on Vulkan")
+    w = pydiff.tensor(XS, device=device, requires_grad=True)
+
+    def steps(tape, n, **kw):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                w.zero_grad()
+                with tape:
+                    loss = ops.sum(ops.mul(w, w))
+                tape.backward(loss, **kw)
+                np.testing.assert_allclose(w.grad.numpy(), 2 * XS, rtol=1e-6)
+        return [x for x in seen if issubclass(x.category, pydiff.TapeReuseWarning)]
+
+    tape = pydiff.Tape()
+    got = steps(tape, 3)
+    assert len(got) == 1 and "retain_graph=False" in str(got[0].message)
+    assert got[0].filename == __file__  # the user's `with tape:` line
+    assert len(tape) == 6  # three steps' recordings, kept
+    assert not steps(pydiff.Tape(), 3, retain_graph=False)
+    tape = pydiff.Tape()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            tape.reset()  # forgets: the new recording is alone
+            with tape:
+                loss = ops.sum(ops.mul(w, w))
+            tape.backward(loss)
+        tape = pydiff.Tape()
+        with tape:  # two blocks, one backward: one recording, no backward ran over it yet
+            a = ops.mul(w, w)
+        with tape:
+            loss = ops.sum(a)
+        tape.backward(loss)
+    assert not [x for x in seen if issubclass(x.category, pydiff.TapeReuseWarning)]
