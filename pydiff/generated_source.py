@@ -37,8 +37,7 @@ _FLOAT4_IN = {
 
 def _header(fn: FunctionTarget, typed_loads: bool, paired: bool) -> str:
     return (
-        f"import {fn.module.import_spec};\n{_FLOAT4_IN[typed_loads]}"
-        f"{float4_out_source(paired)}\n"
+        f"import {fn.module.import_spec};\n{_FLOAT4_IN[typed_loads]}{float4_out_source(paired)}\n"
     )
 
 

@@ -135,9 +135,8 @@ class Tape:
         if self._backward_ran and self._entries:
             warn_once(
                 "pydiff.Tape: this tape ran a backward and still holds its recording "
-                "(backward's retain_graph=True, the default); recording on it again adds to "
-                "that, so a loop reusing it keeps every step's operations and tensors alive "
-                "and each backward walks them all. Use a fresh Tape per step, "
+                "(backward's retain_graph=True, the default); recording again adds to "
+                "that: a loop reusing it keeps every step's work alive. Use a fresh Tape per step, "
                 "tape.backward(loss, retain_graph=False), or tape.reset() before recording anew",
                 TapeReuseWarning,
             )
