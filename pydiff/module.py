@@ -190,11 +190,23 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
     if not re.fullmatch(r"[A-Za-z_]\w*", name):
         raise ValueError(f"name={name!r}: a module name must be a Slang identifier")
     dev = resolve_device(device)
+    failed_key = (id(dev), name, hashlib.sha1(source.encode()).hexdigest())
+    if failed_key in _FAILED_SOURCES:  # SlangPy would hand back the broken module: a segfault
+        message, file, line = _FAILED_SOURCES[failed_key]
+        raise SlangCompileError(message, file=file, line=line)
     try:
         native = spy.Module.load_from_source(dev.native, name, source, link=_links(source, dev))
     except spy.SlangCompileError as exc:
-        raise _compile_error(exc, f"<{name}>", name) from None
+        error = _compile_error(exc, f"<{name}>", name)
+        _FAILED_SOURCES[failed_key] = (str(error), error.file, error.line)
+        raise error from None
     return Module(native, dev, name, source, f"<{name}>", name)
+
+
+#: Sources that failed to compile, by (device, name, source digest): the Slang session keeps
+#: a module that failed, and loading the same name again returns it, half-built (a second
+#: pydiff.hvp of a function whose wrapper failed crashed the interpreter).
+_FAILED_SOURCES: dict[tuple[int, str, str], tuple[str, str | None, int | None]] = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,9 +305,20 @@ class ShaderFunction:
         this function: forward mode, directional derivative, ...) once, as a ShaderFunction."""
         if kind not in self._generated:
             digest = hashlib.sha1(source.encode()).hexdigest()[:12]
-            module = load_module_from_source(
-                f"pydiff_{kind}_{self.name}_{digest}", source, device=self.module.device
-            )
+            try:
+                module = load_module_from_source(
+                    f"pydiff_{kind}_{self.name}_{digest}", source, device=self.module.device
+                )
+            except SlangCompileError as exc:
+                if kind.startswith("dir") and "E41022" in str(exc):  # hvp: reverse of forward
+                    raise SlangCompileError(
+                        f"hvp: {self.label}: its forward derivative is not differentiable in "
+                        "reverse mode (a [ForwardDerivative] function must itself be "
+                        f"[Differentiable] for second derivatives)\n{exc}",
+                        file=exc.file,
+                        line=exc.line,
+                    ) from None
+                raise
             self._generated[kind] = getattr(module, f"{self.name}__pydiff_{kind}")
         return self._generated[kind]
 

@@ -198,3 +198,26 @@ def test_transforms_with_a_tape_of_their_own_refuse_inside_a_recording_tape(devi
     tape.backward(loss)
     np.testing.assert_allclose(W.grad.numpy(), 2 * np.array([0.3, 0.7, -0.2]), rtol=1e-6)
     run()  # outside the block it runs
+
+
+def test_hvp_retried_after_a_failed_wrapper_raises_again(device):
+    # the Slang session keeps a module that failed to compile; loading the same name again
+    # handed back the half-built module and the second hvp crashed the interpreter
+    m = pydiff.load_module_from_source(
+        "hvp_retry",
+        """
+[Differentiable][ForwardDerivative(softplus_fwd)]
+float softplus(float x) { return log(1.0 + exp(x)); }
+DifferentialPair<float> softplus_fwd(DifferentialPair<float> x)
+{ return diffPair(log(1.0 + exp(x.p)), x.d / (1.0 + exp(-x.p))); }
+""",
+        device=device,
+    )
+    x = pydiff.tensor([-1.0, 0.0, 0.5, 2.0], device=device)
+    for _ in range(3):
+        with pytest.raises(pydiff.SlangCompileError, match="must itself be \\[Differentiable\\]"):
+            pydiff.hvp(m.softplus, (x,), (np.ones(4),))
+    with pytest.raises(pydiff.SlangCompileError, match="hvp_retry_broken"):
+        pydiff.load_module_from_source("hvp_retry_broken", "float f( {", device=device)
+    with pytest.raises(pydiff.SlangCompileError, match="hvp_retry_broken"):
+        pydiff.load_module_from_source("hvp_retry_broken", "float f( {", device=device)
