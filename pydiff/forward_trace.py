@@ -113,6 +113,14 @@ def derived(source: Any, result: Any, view: Callable[[Any], Any]) -> Any:
     return result
 
 
+def view_of(source: Any, result: Any, view: Callable[[Any], Any]) -> Any:
+    """``derived`` for ``reshape`` and ``clone``, which also keep a tangent attached by hand
+    (``x.with_tangent(u)`` read by ``.fwds``) outside ``pydiff.jvp``: ``view`` of it."""
+    if _active.get() is None and source.tangent is not None:
+        return result.with_tangent(view(source.tangent))
+    return derived(source, result, view)
+
+
 def replaced(x: Any, source: Any = None) -> Any:
     """``x`` after all of its values were written in place: by the host (``fill``,
     ``copy_from_numpy``, zeroing; no tangent) or copied from ``source`` (``copy_``: its

@@ -370,7 +370,7 @@ class Tensor(GradBuffers, TensorOperators):
                 view_of(g, shape, what)  # refused now if it cannot be viewed
         native = self._native.view(shape)  # () -> a 0-d view, kept as (1,) with shape ()
         view = Tensor(native, self._device, storage=self.storage, base=base)
-        return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
+        return forward_trace.view_of(self, view, lambda t: t.reshape(shape))  # its tangent too
 
     def copy_values(self) -> "Tensor":
         """A copy of the values in new storage, never recorded: no gradient path (``clone``).
@@ -379,7 +379,7 @@ class Tensor(GradBuffers, TensorOperators):
         """
         copy = Tensor(allocate(self._device, self._shape, self._native.dtype), self._device)
         copy.copy_(self).storage.last_writer = "a snapshot (copy_values)"  # a constant on purpose
-        return forward_trace.derived(self, copy, lambda t: t.copy_values())
+        return forward_trace.view_of(self, copy, lambda t: t.copy_values())
 
     def backward(self, grad: Any = None, *, retain_graph: bool = True) -> None:
         """Backpropagate through the tape that recorded the call producing this tensor

@@ -221,3 +221,20 @@ DifferentialPair<float> softplus_fwd(DifferentialPair<float> x)
         pydiff.load_module_from_source("hvp_retry_broken", "float f( {", device=device)
     with pytest.raises(pydiff.SlangCompileError, match="hvp_retry_broken"):
         pydiff.load_module_from_source("hvp_retry_broken", "float f( {", device=device)
+
+
+def test_reshape_and_clone_keep_a_tangent_attached_by_hand(device):
+    m = pydiff.load_module_from_source(
+        "hand_tangent",
+        "[Differentiable] float f(float a, float x) { return a * x * x; }",
+        device=device,
+    )
+    values = np.arange(1, 7, dtype=np.float64)
+    u = np.linspace(-1.0, 2.0, 6)
+    x = pydiff.tensor(values, device=device).with_tangent(u)
+    want = 2.0 * 2.0 * values * u  # d(a x^2) = 2 a x u
+    for view, expect in ((x.reshape((2, 3)), want.reshape(2, 3)), (x.clone(), want)):
+        _, dy = m.f.fwds(2.0, view)
+        np.testing.assert_allclose(dy.numpy(), expect, rtol=1e-6)
+    assert x.reshape((2, 3)).tangent.storage is x.tangent.storage  # a view of it
+    assert x.clone().tangent.storage is not x.tangent.storage  # a copy of it
