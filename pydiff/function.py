@@ -16,6 +16,7 @@ tape.backward(y, grad=np.ones(y.shape))
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -186,6 +187,9 @@ class Function:
         outputs = _own_outputs(cls, result if outputs_tuple else (result,), inputs, device)
         for o in outputs:
             o.storage.wrote(f"{cls.__name__}.forward")
+            if tape is None and any(ctx.needs_input_grad):
+                gone = lambda _, k=id(o): MADE_OFF_TAPE.pop(k, None)  # noqa: E731
+                MADE_OFF_TAPE[id(o)] = (weakref.ref(o, gone), cls.__name__, o.storage.version)
         if tape is not None and any(ctx.needs_input_grad):
             for o in outputs:
                 if not o.requires_grad:
@@ -206,6 +210,12 @@ class Function:
             )
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
+
+
+# Outputs of Functions with a backward computed off a tape from inputs that require a
+# gradient (x[1:], x.T): copies with no path back, which .bwds warns of (bwds_checks).
+# {id: (weakref to the tensor, class name, storage version then)}; by id: tensors refuse ==.
+MADE_OFF_TAPE: dict[int, tuple] = {}
 
 
 def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
