@@ -25,6 +25,8 @@ from .call_shape import (
     check_tensor_type,
     check_written,
     result_type,
+    short_name,
+    value_elements,
 )
 from .host_values import convert, element_base
 from .signature import FunctionTarget, ParamInfo
@@ -163,6 +165,15 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse an integer or bool ``_result`` tensor for a floating-point result (SlangPy
     truncates every value). Its shape is checked with the written parameters
     (``call_shape.check_written``)."""
+    if type(result) is str and result == "numpy":
+        returns = result_type(fn, bound)
+        generic = any(p.generic for p, _ in bound)  # (an unresolved T: SlangPy decides)
+        if returns != "void" and value_elements(returns) is None and not generic:
+            raise TypeError(
+                f"{fn.label}: _result='numpy', but the function returns {returns}, which has "
+                "no NumPy array form (only scalar, vector, matrix and array results do); use "
+                "_result='tensor' (the default for tensor arguments)"
+            )
     if type(result) is not Tensor:
         return
     returns = result_type(fn, bound)
@@ -172,6 +183,14 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             f"{fn.label}: _result has dtype {result.dtype} but the function returns "
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
+        )
+    shapes = value_elements(returns), value_elements(result.native.dtype.full_name)
+    if want is not None and None not in shapes and shapes[1][1] and not shapes[0][1]:
+        # (a vector result's wrong element type: call_shape.check_written says it)
+        raise ValueError(
+            f"{fn.label}: _result has dtype {result.dtype}, elements of shape "
+            f"{shapes[1][1]}, but the function returns one {returns} per call element; pass "
+            f"a tensor of dtype {short_name(returns)!r} or _result='tensor'"
         )
 
 

@@ -34,11 +34,12 @@ from .call_plan import DECLINED, BackwardPlan, layout_key, remember
 from .call_shape import result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (
+    bwds_arguments_checked,
     maybe_broadcast,
     positional_result,
     primal_sink,
     refuse_shared_result_grad,
-    refuse_written_struct,
+    refuse_stale,
     shared_grads,
     upstream_arg,
     values_read,
@@ -386,7 +387,7 @@ def backward_call(
         fn.check_traps()
     args, kwargs = positional_result(fn, args, kwargs)
     bound, options = bind_arguments(fn, args, kwargs)
-    refuse_written_struct(fn, bound, fn.bwds_label)
+    bwds_arguments_checked(fn, bound, kwargs.get("_result"))
     bound = values_read(fn, bound)
     warn_struct_fields(fn, bound)
     refuse_shared_result_grad(fn, bound, kwargs.get("_result"))
@@ -400,6 +401,7 @@ def backward_call(
     if deterministic:
         warn_nondeterministic(fn)
     with backward_scope(fn.bwds_label) as scope:
+        refuse_stale(scope, fn, bound)
         if generated_calls.call_backward_in_scope(fn, bound, options, result, scope, prior):
             return
         b = _Backward(fn, scope, prior)

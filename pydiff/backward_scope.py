@@ -88,19 +88,27 @@ class BackwardScope:
         key = id(grad.storage)
         if key in self._seen:
             return
+        self.check_stale(owner, grad, owner_desc)
         self._seen.add(key)
-        policy = owner.zero_policy or get_zero_policy()
-        if policy is ZeroPolicy.RESET:
+        if (owner.zero_policy or get_zero_policy()) is ZeroPolicy.RESET:
             self.flush()
             grad.zero_()
-        elif policy is ZeroPolicy.STRICT and grad.storage.holds_result_of is not None:
+        self._written.append(grad)
+
+    def check_stale(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
+        """The STRICT policy's refusal of ``before_accumulate``, changing nothing: a call runs
+        it for every buffer it adds into before any policy zeroes one (a refused call leaves
+        every gradient as it was)."""
+        if id(grad.storage) in self._seen:
+            return
+        policy = owner.zero_policy or get_zero_policy()
+        if policy is ZeroPolicy.STRICT and grad.storage.holds_result_of is not None:
             raise StaleGradientError(
                 f"{owner_desc}: its gradient buffer still holds the result of "
                 f"{grad.storage.holds_result_of}; this backward ({self.label}) would add to "
                 "it. Call .zero_grad() on the tensor first, or use zero_policy('reset') or "
                 "'accumulate'."
             )
-        self._written.append(grad)
 
     def mark_result(self, grad: "Tensor") -> None:
         """Record that ``grad`` now holds this backward's result (set, not added)."""

@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from .arguments import nested_tensors
 from .errors import warn_once
+from .function import MADE_OFF_TAPE
 from .signature import FunctionTarget, ParamInfo
 from .storage import allocate
 from .tensor import Tensor
@@ -146,6 +148,68 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
                     "input's gradient would be added to the upstream gradient it is computed "
                     "from. Pass the written tensor and the input with gradient buffers of their "
                     "own (x.with_grads(...))"
+                )
+
+
+def made_off_tape(t: Tensor) -> str | None:
+    """The ``Function`` (class name) that computed ``t`` off a tape from tensors that require
+    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too)."""
+    found = MADE_OFF_TAPE.get(id(t))
+    if found is None or found[0]() is not t or found[2] != t.storage.version:
+        return None
+    return found[1]
+
+
+def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:
+    """``.bwds``'s checks of its arguments as given: written struct arguments and written
+    parameters on one storage refused; copies made off a tape from tensors that want a
+    gradient (``x[:, 1:]``, ``x.T``) warned."""
+    refuse_written_struct(fn, bound, fn.bwds_label)
+    refuse_written_twice(fn, bound, result, fn.bwds_label)
+    for p, value in bound:
+        if type(value) is not Tensor or value.grad_out is not None or not p.differentiable:
+            continue
+        made_by = made_off_tape(value)
+        if made_by is not None:
+            warn_once(
+                f"{fn.bwds_label}: parameter '{p.name}' is given a tensor that {made_by} "
+                "(indexing, .T, transpose, astype) computed off a tape from a tensor that "
+                "requires a gradient: a copy without gradient buffers or a path back, so "
+                ".bwds gives the tensor it came from no gradient. Compute it and call the "
+                "function on a pydiff.Tape (tape.backward carries the gradient back), or "
+                "pass .detach() of it to say no gradient is wanted"
+            )
+
+
+def refuse_stale(scope: Any, fn: FunctionTarget, bound: list) -> None:
+    """The STRICT policy's refusals for the buffers ``.bwds`` adds the gradients of its
+    ``in`` parameters into, all before the call's policies change any (RESET zeroing)."""
+    for p, v in bound:
+        if type(v) is Tensor and p.differentiable and p.io == "in" and v.grad_out is not None:
+            scope.check_stale(v, v.grad_out, f"{fn.label}: parameter '{p.name}'")
+
+
+def refuse_written_twice(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:
+    """Two written parameters (``out``/``inout``, or one and ``_result``) on one storage (the
+    same tensor, or views of it): the call keeps only the last write, while its backward
+    reads the one upstream gradient for each and adds both contributions (a wrong gradient),
+    so the forward call and ``.bwds`` refuse it, naming both. Two tensor parameters
+    (``IRWDiffTensor``...) may write one tensor at elements of their own: their ``.bwds`` is
+    refused by ``refuse_shared_result_grad``."""
+    seen: dict[int, tuple[str, bool]] = {}
+    written = [(bound[j][0], bound[j][1]) for j in fn.signature.written]
+    for p, value in written + [(None, result)]:
+        what = "_result" if p is None else f"parameter '{p.name}'"
+        whole = p is None or p.tensor_kind is None  # writes every element it is given
+        for t in nested_tensors(value):  # (or those in a written struct's fields)
+            other, other_whole = seen.setdefault(id(t.storage), (what, whole))
+            if other != what and (whole or other_whole):
+                raise ValueError(
+                    f"{where}: {other} and {what} are the same tensor (or views of one "
+                    f"storage, shape {t.shape}), and the call writes both: only the last "
+                    "write is kept, while the backward would add the gradients of both "
+                    "outputs into what it reads. Pass a tensor of its own to each written "
+                    "parameter"
                 )
 
 

@@ -163,6 +163,8 @@ class ForwardPlan:
             if result.device is not dev:
                 return DECLINED
             written.append(result.storage)
+        if len(set(map(id, written))) != len(written):
+            return DECLINED  # two written arguments on one storage: the full path refuses
         for i in self.reads if written else ():
             st = args[i].storage
             if st in written:  # (Storage compares by identity)

@@ -28,7 +28,7 @@ from .arguments import (
 from .call_shape import as_zero_d, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
-from .bwds_checks import refuse_written_struct, with_values_of
+from .bwds_checks import refuse_written_struct, refuse_written_twice, with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
@@ -77,6 +77,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
+    refuse_written_twice(fn, bound, options.get("_result"), fn.label)
     if isinstance(options.get("_result"), (bool, int, float, np.generic)):
         _check_host_result(fn, bound, options["_result"])  # not a seed (.bwds's), refused
     prepare_arguments(fn, bound, options)

@@ -266,13 +266,19 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
+    want = options.pop("_result", "tensor")
+    if type(want) is str and want not in ("tensor", "numpy"):
+        raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")
+    if type(want) is not str:
+        raise TypeError(
+            f"{fn.label}.fwds: _result is {_described(want)}; .fwds returns a new (value, "
+            "tangent) pair and writes into nothing given: use _result='tensor' (the default) "
+            "or 'numpy', then copy the value where you want it (y.copy_(value))"
+        )
     for p, value in bound:
         pair = isinstance(value, tuple) and len(value) == 2
         _refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
     prepare_arguments(fn, bound, {"_result": "tensor", **options})
-    want = options.pop("_result", "tensor")
-    if want not in ("tensor", "numpy"):
-        raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")
     if options:
         raise TypeError(f"{fn.label}.fwds: unsupported options {sorted(options)}")
     call_args: list[Any] = []
@@ -347,6 +353,13 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     if want == "numpy":
         return primal.numpy(), tangent.numpy()
     return primal, tangent
+
+
+def _described(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"a {type(value).__module__}.{type(value).__name__}" + (
+        f" of shape {tuple(shape)}" if shape is not None else ""
+    )
 
 
 def as_scalar(x: Any) -> Any:

@@ -16,6 +16,7 @@ tape.backward(y, grad=np.ones(y.shape))
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -231,6 +232,11 @@ class Function:
         )
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
+        if tape is None and any(ctx.needs_input_grad):  # (.bwds of one warns: bwds_checks)
+            for k, o in enumerate(outputs):
+                if k not in constant:
+                    gone = lambda _, i=id(o): MADE_OFF_TAPE.pop(i, None)  # noqa: E731
+                    MADE_OFF_TAPE[id(o)] = (weakref.ref(o, gone), name, o.storage.version)
         if tape is not None and any(ctx.needs_input_grad) and len(constant) < len(outputs):
             for k, o in enumerate(outputs):
                 if k not in constant and not o.requires_grad:
@@ -259,6 +265,12 @@ class Function:
             tape.record(f"{name}.apply", reads, writes, run_backward, function=cls, ctx=ctx)
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
+
+
+# Outputs of Functions with a backward computed off a tape from inputs that require a
+# gradient (x[1:], x.T): copies with no path back, which .bwds warns of (bwds_checks).
+# {id: (weakref to the tensor, class name, storage version then)}; by id: tensors refuse ==.
+MADE_OFF_TAPE: dict[int, tuple] = {}
 
 
 def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:

@@ -15,7 +15,9 @@ converts before SlangPy sees the value, for the forward call, ``.bwds`` and ``.f
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -76,7 +78,10 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         return value
     base, axes, array = found
     if isinstance(value, np.generic):
-        value = value.item()
+        value = value.item()  # (a longdouble stays one)
+        kind = type(value)
+    if kind not in (bool, int, float, list) and not isinstance(value, np.ndarray):
+        value = _other_number(label, p, value)
         kind = type(value)
     if kind in (bool, int, float):
         if array:
@@ -122,6 +127,31 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
     return value
 
 
+def _other_number(label: str, p: ParamInfo, v: Any) -> Any:
+    """A scalar that is neither a Python nor a NumPy number SlangPy takes: a real number
+    (``np.longdouble``, ``Decimal``, ``Fraction``) as the nearest Python float (then checked
+    as one: a float32 or half parameter keeps far fewer digits than a double); complex
+    numbers, strings and bytes refused. Anything else (SlangPy's grids and the like) as is."""
+    if isinstance(v, (complex, str, bytes)):
+        fix = (
+            "complex values have no real type to go to; pass its .real and .imag to two parameters"
+            if type(v) is complex
+            else "not a number; pass a number (float(s) parses a string)"
+        )
+        raise TypeError(f"{_where(label, p)}: got {type(v).__name__} {v!r}: {fix}")
+    if isinstance(v, (numbers.Real, decimal.Decimal)) and not isinstance(v, (bool, int, float)):
+        try:
+            f = float(v)
+        except (OverflowError, ValueError):
+            f = math.inf
+        if math.isinf(f) and not (v != v or abs(v) == math.inf):
+            raise ValueError(
+                f"{_where(label, p)}: {v!r} is beyond the largest float and would become inf"
+            )
+        return int(v) if isinstance(v, numbers.Integral) else f
+    return v
+
+
 def _where(label: str, p: ParamInfo) -> str:
     return f"{label}: parameter '{p.name}' ({p.type_name})"
 
@@ -134,13 +164,23 @@ def _number(label: str, p: ParamInfo, base: str, v: bool | int | float) -> bool 
             f"{base} parameter is most likely a mistake; pass {fix}"
         )
     if base in _FLOATS:
-        top = float(np.finfo(SCALAR_NUMPY[base]).max)
-        too_big = abs(v) > top if isinstance(v, int) else math.isfinite(v) and abs(v) > top
-        if too_big:
+        dtype = SCALAR_NUMPY[base]
+        top = float(np.finfo(dtype).max)
+        # IEEE round-to-nearest gives inf only from half an ulp past the largest value on
+        # (float: 2^128 (1 - 2^-25), half: 65520); below that the largest value itself, as
+        # NumPy's conversion of the same number in an array.
+        if base == "double":
+            too_big = abs(v) > top  # (a Python float is a double already)
+        else:
+            info = np.finfo(dtype)
+            too_big = abs(v) >= 2.0**info.maxexp * (1 - 2.0 ** -(info.nmant + 2))
+        if too_big and (isinstance(v, int) or math.isfinite(v)):
             raise ValueError(
-                f"{_where(label, p)}: {v!r} is beyond the largest {base} ({top:.6g}) and would "
+                f"{_where(label, p)}: {v!r} is beyond the largest {base} ({top:.8g}) and would "
                 "become inf"
             )
+        if abs(v) > top and math.isfinite(v):
+            return top if v > 0 else -top  # rounds to the largest value (not a tie to inf)
         return float(v)
     if base in _INTS:
         info = np.iinfo(SCALAR_NUMPY[base])
