@@ -74,7 +74,7 @@ class Optimizer:
                     f"{type(self).__name__}: params[{j}] and params[{k}] are the same tensor "
                     "(or views of one); list each parameter once"
                 )
-        self.defaults = Hyperparameters(type(self).__name__, defaults)
+        self._defaults = Hyperparameters(type(self).__name__, defaults)
         self.step_count = 0  # steps taken (step() calls and replays)
         # Each parameter's own count of the steps that updated it (torch's state['step']): a
         # step skips parameters without a gradient, and Adam's bias correction is per
@@ -84,6 +84,22 @@ class Optimizer:
         # Each kernel dispatch site's bound object (kernels.dispatch(held=)): these buffers
         # are the optimizer's own, dispatched every step.
         self._held: dict[Any, list] = {}
+
+    @property
+    def defaults(self) -> Hyperparameters:
+        """The hyper-parameters, read at each step and replay: a dict of fixed keys whose
+        values are checked when set (``optim_checks.Hyperparameters``)."""
+        return self._defaults
+
+    @defaults.setter
+    def defaults(self, values: Any) -> None:
+        new = Hyperparameters(type(self).__name__, values)  # every value checked
+        if set(new) != set(self._defaults):
+            raise KeyError(
+                f"{type(self).__name__}.defaults = {{{', '.join(map(repr, new))}}}: expected "
+                f"the keys {', '.join(self._defaults)}"
+            )
+        self._defaults = new
 
     def _with_grads(self) -> list[int]:
         """The parameters this step updates: those whose gradient buffer was written (by a

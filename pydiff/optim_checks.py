@@ -26,9 +26,16 @@ _RULES = {
 
 
 def _number(owner: str, key: str, value: Any) -> float:
-    """``value`` as a float, or a TypeError naming ``owner`` and ``key`` (a bool, a string,
-    None or a sequence is no number)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    """``value`` as a float, or a TypeError naming ``owner`` and ``key``: a real number, or a
+    0-d array or tensor of one (torch.optim takes a tensor lr); a bool, a string, None or a
+    sequence is none."""
+    scalar = getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not (isinstance(value, numbers.Real) or scalar)
+        or "bool" in str(getattr(value, "dtype", ""))
+        or "complex" in str(getattr(value, "dtype", ""))
+    ):
         raise TypeError(
             f"{owner}: {key}={value!r} is a {type(value).__name__}; expected {_RULES[key]}"
         )

@@ -101,7 +101,20 @@ def test_defaults_keys_are_fixed(device):
     assert opt.defaults["eps"] == 1e-8
     opt.defaults.update(lr=np.float32(0.5), weight_decay=0)  # NumPy numbers and ints: floats
     assert type(opt.defaults["lr"]) is float and type(opt.defaults["weight_decay"]) is float
+    opt.defaults["lr"] = np.array(0.25)  # a 0-d array (or torch tensor, as torch.optim takes)
+    assert opt.defaults["lr"] == 0.25 and type(opt.defaults["lr"]) is float
+    for bad in (np.array([0.25]), np.array(True), np.array(1 + 0j)):
+        with pytest.raises(TypeError, match="AdamW.defaults: lr="):
+            opt.defaults["lr"] = bad
     assert pickle.loads(pickle.dumps(opt.defaults)) == dict(opt.defaults)
+    with pytest.raises(KeyError, match="expected the keys lr, betas, eps, weight_decay"):
+        opt.defaults = {"lr": 0.1}  # a new dict: checked as a whole
+    with pytest.raises(ValueError, match="AdamW: eps=-1"):
+        opt.defaults = {**opt.defaults, "eps": -1}
+    opt.defaults = {**opt.defaults, "betas": [0.5, 0.6]}
+    assert opt.defaults["betas"] == (0.5, 0.6)
+    with pytest.raises(KeyError, match="lrr"):  # still the checked dict
+        opt.defaults["lrr"] = 0.0
 
 
 BAD = [
