@@ -69,14 +69,17 @@ def on_replay(action: Callable[[], None]) -> None:
         rec.record_host(action)
 
 
-def check_on_replay(what: str, still_same: Callable[[], str | None]) -> None:
+def check_on_replay(
+    what: str, still_same: Callable[[], str | None], advice: str | None = None
+) -> None:
     """Before every replay of the capture in progress, call ``still_same()``: it returns None
     when the objects ``what`` names are still those the capture recorded, else a description
     of what was replaced; replay() then refuses instead of running on the old buffers.
-    No-op outside a capture."""
+    ``advice``: what the refusal tells the user to do (else: copy values in place, or
+    capture again). No-op outside a capture."""
     rec = _recording.get()
     if rec is not None:
-        rec.record_check(what, still_same)
+        rec.record_check(what, still_same, advice)
 
 
 def same_objects(recorded: dict[str, Any], current: Callable[[], dict[str, Any]]):
@@ -111,7 +114,7 @@ class CapturedStep:
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: captures cannot be nested")
         self._commands: list[tuple] = []
-        self._checks: list[tuple[str, Callable[[], str | None]]] = []
+        self._checks: list[tuple[str, Callable[[], str | None], str | None]] = []
         self._queue: Any = None  # the CommandQueue of the one device the step uses
         self.replays = 0
         token = _recording.set(self)
@@ -156,9 +159,11 @@ class CapturedStep:
         """Host code to run at this point of every replay."""
         self._commands.append(("host", action))
 
-    def record_check(self, what: str, still_same: Callable[[], str | None]) -> None:
+    def record_check(
+        self, what: str, still_same: Callable[[], str | None], advice: str | None = None
+    ) -> None:
         """A check run before every replay (see ``check_on_replay``)."""
-        self._checks.append((what, still_same))
+        self._checks.append((what, still_same, advice))
 
     def record_clear(self, queue: Any, native: Any) -> None:
         """Zeroing of a SlangPy tensor."""
@@ -175,8 +180,10 @@ class CapturedStep:
         """Submit the captured commands again (one command list); returns ``result``."""
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: replay() inside a capture")
-        for what, still_same in self._checks:
+        for what, still_same, advice in self._checks:
             changed = still_same()
+            if changed is not None and advice is not None:
+                raise CaptureError(f"pydiff.capture: replay() refused: {what}: {changed}. {advice}")
             if changed is not None:
                 raise CaptureError(
                     f"pydiff.capture: replay() refused: {what}: {changed} since the capture, "

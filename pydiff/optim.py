@@ -6,6 +6,7 @@ opt.zero_grad(); tape.backward(loss); opt.step()
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import numpy as np
@@ -14,6 +15,7 @@ from . import capturing
 from .creation import zeros
 from .device import Device
 from .module import library
+from .optim_checks import Hyperparameters, check_state_dict
 from .tensor import Tensor, float4_ready
 
 # The fused optimizer kernels' shape (shaders/optim/*.slang): float4s per thread, and threads
@@ -22,6 +24,9 @@ from .tensor import Tensor, float4_ready
 # small model's 4.8K parameters alike; groups of 64-1024 threads alike.
 OPTIM_CHUNK = 4  # lavapipe's; the kernels take device.kernels.chunk (1 on a GPU)
 ADAM_GROUP = 256
+# The four-parameter Adam kernel's ratios of each slot's bias correction to slot 0's while
+# their step counts agree.
+_SAME_STEP = {f"{name}{slot}": 1.0 for name in ("step_ratio", "bias2_ratio") for slot in (1, 2, 3)}
 
 
 class _Batch:
@@ -43,6 +48,8 @@ class _Batch:
 
 class Optimizer:
     """Base class: holds parameters (tensors with gradients) and per-parameter state."""
+
+    _buffers: tuple[str, ...] = ()  # the names of each parameter's state tensors
 
     def __init__(self, params: Iterable[Tensor], defaults: dict[str, Any]):
         self.params = list(params)
@@ -67,30 +74,78 @@ class Optimizer:
                     f"{type(self).__name__}: params[{j}] and params[{k}] are the same tensor "
                     "(or views of one); list each parameter once"
                 )
-        for key, value in defaults.items():
-            if isinstance(value, float) and value < 0:
-                raise ValueError(f"{type(self).__name__}: {key}={value} must be >= 0")
-        self.defaults = dict(defaults)
-        self.step_count = 0
+        self._defaults = Hyperparameters(type(self).__name__, defaults)
+        self.step_count = 0  # steps taken (step() calls and replays)
+        # Each parameter's own count of the steps that updated it (torch's state['step']): a
+        # step skips parameters without a gradient, and Adam's bias correction is per
+        # parameter.
+        self.param_steps = [0] * len(self.params)
         self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
         # Each kernel dispatch site's bound object (kernels.dispatch(held=)): these buffers
         # are the optimizer's own, dispatched every step.
         self._held: dict[Any, list] = {}
 
-    def _advance(self) -> None:
-        self.step_count += 1
+    @property
+    def defaults(self) -> Hyperparameters:
+        """The hyper-parameters, read at each step and replay: a dict of fixed keys whose
+        values are checked when set (``optim_checks.Hyperparameters``)."""
+        return self._defaults
 
-    def _on_replay(self) -> None:
-        """What each replay of a captured step re-does (the step count, for bias correction)
-        and re-checks: that the parameters, their gradients and the state are the tensors
-        the capture recorded (a replaced one would leave the replay on the old buffers)."""
+    @defaults.setter
+    def defaults(self, values: Any) -> None:
+        new = Hyperparameters(type(self).__name__, values)  # every value checked
+        if set(new) != set(self._defaults):
+            raise KeyError(
+                f"{type(self).__name__}.defaults = {{{', '.join(map(repr, new))}}}: expected "
+                f"the keys {', '.join(self._defaults)}"
+            )
+        self._defaults = new
+
+    def _with_grads(self) -> list[int]:
+        """The parameters this step updates: those whose gradient buffer was written (by a
+        backward, the host, a copy) since it was allocated or last zeroed (``zero_grad``).
+        The others are skipped, as torch.optim skips a ``.grad`` of None."""
+        return [
+            k
+            for k, p in enumerate(self.params)
+            if (g := p.grad) is not None and g.storage.written_since_zeroed()
+        ]
+
+    def _advance(self, updated: list[int]) -> None:
+        self.step_count += 1
+        for k in updated:
+            self.param_steps[k] += 1
+
+    def _on_replay(self, updated: list[int]) -> None:
+        """What each replay of a captured step re-does (the step counts of the parameters the
+        step updates, for bias correction) and re-checks: that the parameters, their
+        gradients and the state are the tensors the capture recorded (a replaced one would
+        leave the replay on the old buffers), and that no parameter the captured step skips
+        (no gradient then) has one now (the replay would skip it still)."""
         if capturing.recording() is None:
             return
-        capturing.on_replay(self._advance)
-        capturing.check_on_replay(
-            f"{type(self).__name__}.step",
-            capturing.same_objects(self._tensors(), self._tensors),
-        )
+        capturing.on_replay(lambda: self._advance(updated))
+        what = f"{type(self).__name__}.step"
+        capturing.check_on_replay(what, capturing.same_objects(self._tensors(), self._tensors))
+        skipped = [k for k in range(len(self.params)) if k not in set(updated)]
+        if skipped:
+            capturing.check_on_replay(
+                what,
+                lambda: self._gained_grads(skipped),
+                advice="The captured step updates the parameters that had a gradient when it "
+                "was captured, and only those: capture the step again (or zero that gradient).",
+            )
+
+    def _gained_grads(self, skipped: list[int]) -> str | None:
+        for k in skipped:
+            g = self.params[k].grad
+            if g is not None and g.storage.written_since_zeroed():
+                by = g.storage.holds_result_of or g.storage.last_writer
+                return (
+                    f"params[{k}] has a gradient (from {by}), but had none when "
+                    "the step was captured, which so leaves it unchanged"
+                )
+        return None
 
     def _tensors(self) -> dict[str, Any]:
         named: dict[str, Any] = {}
@@ -103,43 +158,59 @@ class Optimizer:
 
     def zero_grad(self) -> None:
         """Zero every parameter's gradient (in order with the device's pending work: the
-        zeroing is submitted with the forward pass that follows)."""
+        zeroing is submitted with the forward pass that follows). A zeroed gradient is no
+        gradient: the next step skips a parameter unless a backward or a write fills it
+        (torch's ``zero_grad(set_to_none=True)``)."""
         for p in self.params:
             p.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """Hyper-parameters, step count and state buffers as NumPy arrays (a copy)."""
+        """The optimizer's class name, hyper-parameters, step count and per parameter its
+        state buffers as NumPy arrays (a copy) and its own step count (``'step'``)."""
         return {
+            "optimizer": type(self).__name__,
             "defaults": dict(self.defaults),
             "step": self.step_count,
-            "state": [{k: t.numpy().copy() for k, t in s.items()} for s in self.state],
+            "state": [
+                {**{k: t.numpy().copy() for k, t in s.items()}, "step": n}
+                for s, n in zip(self.state, self.param_steps)
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned (shapes are checked first). State buffers that
-        exist are overwritten in place, so a captured step replays on the loaded state."""
-        if len(state["state"]) != len(self.params):
-            raise ValueError(
-                f"load_state_dict: {len(state['state'])} parameter states for {len(self.params)} "
-                "parameters"
-            )
+        """Restore what state_dict() returned: refused (TypeError/ValueError, nothing changed)
+        when it is not this optimizer class's or a shape differs. State buffers that exist
+        are overwritten in place, so a captured step replays on the loaded state. A state
+        dict without per-parameter step counts (older pydiff) gives each its ``'step'``."""
+        owner = type(self).__name__
+        defaults = check_state_dict(owner, state, len(self.params), self.defaults, self._buffers)
         for k, (p, saved) in enumerate(zip(self.params, state["state"])):
             for name, arr in saved.items():
-                if np.shape(arr) != p.expected_numpy_shape():
+                if name != "step" and np.shape(arr) != p.expected_numpy_shape():
                     raise ValueError(
-                        f"load_state_dict: state '{name}' of param {k} has shape "
+                        f"{owner}.load_state_dict: state '{name}' of param {k} has shape "
                         f"{np.shape(arr)}, param {p.shape}"
                     )
-        self.defaults.update(state["defaults"])
+        self.defaults.update(defaults)
         self.step_count = int(state["step"])
         for k, (p, saved) in enumerate(zip(self.params, state["state"])):
+            self.param_steps[k] = int(saved.get("step", self.step_count))
             current = self.state[k]
             for name in [n for n in current if n not in saved]:
                 del current[name]  # a fresh state: the next step creates it anew
             for name, arr in saved.items():
+                if name == "step":
+                    continue
                 if name not in current:
                     current[name] = zeros(p.shape, device=p.device)
                 current[name].copy_from_numpy(arr)
+
+    def _make_state(self) -> None:
+        """Every parameter's state, made on the first step (also for parameters it skips: a
+        captured step can then update any of them)."""
+        for k in range(len(self.params)):
+            for name in self._buffers:
+                self._buffer(k, name)
 
     def _buffer(self, k: int, name: str) -> Tensor:
         if name not in self.state[k]:
@@ -159,30 +230,31 @@ class SGD(Optimizer):
     >>> opt.step()
     """
 
+    _buffers = ("momentum_buffer",)
+
     def __init__(
         self, params: Iterable[Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0
     ):
-        super().__init__(
-            params,
-            {"lr": float(lr), "momentum": float(momentum), "weight_decay": float(weight_decay)},
-        )
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
 
-    def _hyper(self) -> dict:
-        """The kernel's uniforms, read at each step (and at each replay of a captured one)."""
+    def _hyper(self, k: int) -> dict:
+        """Parameter ``k``'s kernel uniforms, read at each step (and at each replay of a
+        captured one): its first update sets the momentum buffer to the gradient."""
         d = self.defaults
         return {
             "lr": d["lr"],
             "momentum": d["momentum"],
             "weight_decay": d["weight_decay"],
-            "first": 1 if self.step_count == 0 else 0,
+            "first": 1 if self.param_steps[k] == 0 else 0,
         }
 
     def step(self) -> None:
-        d = self.defaults
-        first = 1 if self.step_count == 0 else 0
+        """Update the parameters that have a gradient (see ``Optimizer._with_grads``)."""
+        updated = self._with_grads()
         batch = _Batch()
-        for k, p in enumerate(self.params):
-            buf = self._buffer(k, "momentum_buffer")
+        self._make_state()
+        for k in updated:
+            p, buf = self.params[k], self.state[k]["momentum_buffer"]
             if float4_ready(p, p.grad, buf):
                 batch.join(p)
                 chunk = p.device.kernels.chunk
@@ -197,17 +269,18 @@ class SGD(Optimizer):
                     buf=buf.buffer,
                     buf_in=buf.buffer,
                     count=count,
-                    dynamic=self._hyper,
+                    dynamic=functools.partial(self._hyper, k),
                     held=self._held.setdefault(k, []),
                 )
                 p.storage.wrote("SGD.step")
                 continue
+            h = self._hyper(k)
             library(p.device).sgd_step(
-                p.detach(), p.grad, buf, d["lr"], d["momentum"], d["weight_decay"], first
+                p.detach(), p.grad, buf, h["lr"], h["momentum"], h["weight_decay"], h["first"]
             )
         batch.submit()
-        self._advance()
-        self._on_replay()
+        self._advance(updated)
+        self._on_replay(updated)
 
 
 class Adam(Optimizer):
@@ -218,6 +291,7 @@ class Adam(Optimizer):
     """
 
     _decoupled = False
+    _buffers = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -227,52 +301,62 @@ class Adam(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ):
-        b1, b2 = betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"{type(self).__name__}: betas={betas} must lie in [0, 1)")
-        super().__init__(
-            params,
-            {
-                "lr": float(lr),
-                "beta1": float(b1),
-                "beta2": float(b2),
-                "eps": float(eps),
-                "weight_decay": float(weight_decay),
-            },
-        )
+        hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, hyper)
 
-    def _hyper(self) -> dict:
-        """The kernel's uniforms for the current step count (bias correction), read at each
-        step and at each replay of a captured one."""
-        d, t = self.defaults, self.step_count
-        wd = d["weight_decay"]
+    def _hyper(self, k: int) -> dict:
+        """Parameter ``k``'s kernel uniforms for its step count (bias correction, per
+        parameter as in torch), read at each step and at each replay of a captured one."""
+        d, t = self.defaults, self.param_steps[k]
+        wd, (b1, b2) = d["weight_decay"], d["betas"]
         return {
             "decay": 1.0 - d["lr"] * wd if self._decoupled else 1.0,
             "l2": 0.0 if self._decoupled else wd,
-            "one_minus_b1": 1.0 - d["beta1"],
-            "beta2": d["beta2"],
-            "one_minus_b2": 1.0 - d["beta2"],
-            "step_size": d["lr"] / (1.0 - d["beta1"] ** t),
-            "bias2_sqrt": (1.0 - d["beta2"] ** t) ** 0.5,
+            "one_minus_b1": 1.0 - b1,
+            "beta2": b2,
+            "one_minus_b2": 1.0 - b2,
+            "step_size": d["lr"] / (1.0 - b1**t),
+            "bias2_sqrt": (1.0 - b2**t) ** 0.5,
             "eps": d["eps"],
         }
 
+    def _hyper_four(self, ks: tuple[int, ...]) -> dict:
+        """The four-parameter kernel's uniforms: those of slot 0's parameter (``ks``: the
+        slots' parameters), and for the others the ratio of their bias correction to it: 1
+        while the step counts agree (the common case: no uniform changes)."""
+        out = self._hyper(ks[0])
+        steps = self.param_steps
+        t0 = steps[ks[0]]
+        if all(steps[k] == t0 for k in ks):
+            out.update(_SAME_STEP)
+            return out
+        b1, b2 = self.defaults["betas"]
+        for slot in (1, 2, 3):
+            t = steps[ks[slot]] if slot < len(ks) else t0
+            # lr / (1 - b1^t) over lr / (1 - b1^t0); likewise sqrt(1 - b2^t)
+            out[f"step_ratio{slot}"] = (1.0 - b1**t0) / (1.0 - b1**t)
+            out[f"bias2_ratio{slot}"] = ((1.0 - b2**t) / (1.0 - b2**t0)) ** 0.5
+        return out
+
     def step(self) -> None:
-        self._advance()
-        self._on_replay()
-        h = self._hyper()
+        """Update the parameters that have a gradient (see ``Optimizer._with_grads``)."""
+        updated = self._with_grads()
+        self._advance(updated)
+        self._on_replay(updated)
         batch = _Batch()
-        fast: dict[int, list] = {}  # per device: (p, m, v) for the four-parameter kernel
+        fast: dict[int, list] = {}  # per device: (k, p, m, v) for the four-parameter kernel
         # The pending work (a backward's kernels) is submitted first, to run while this step
         # records: a step that is waited for at once measured 3-10% faster (lavapipe; one
         # submission more: docs/benchmarks.md, training loop).
         for dev in {id(p.device): p.device for p in self.params}.values():
             dev.queue.flush_deferred()
-        for k, p in enumerate(self.params):
-            m, v = self._buffer(k, "exp_avg"), self._buffer(k, "exp_avg_sq")
+        self._make_state()
+        for k in updated:
+            p, m, v = self.params[k], self.state[k]["exp_avg"], self.state[k]["exp_avg_sq"]
             if float4_ready(p, p.grad, m, v):
-                fast.setdefault(id(p.device), []).append((p, m, v))
+                fast.setdefault(id(p.device), []).append((k, p, m, v))
                 continue
+            h = self._hyper(k)
             library(p.device).adamw_step(
                 p.detach(),
                 p.grad,
@@ -295,9 +379,9 @@ class Adam(Optimizer):
     def _dispatch_four(self, slots: list, batch: _Batch, site: int) -> None:
         """One kernel updating up to four parameters (threads split by float4 ranges)."""
         bindings, end = {}, 0
-        chunk = slots[0][0].device.kernels.chunk
+        chunk = slots[0][1].device.kernels.chunk
         for k in range(4):
-            p, m, v = slots[min(k, len(slots) - 1)]
+            _, p, m, v = slots[min(k, len(slots) - 1)]
             count = -(-p.numel // 4)  # float4s
             if k < len(slots):
                 end += -(-count // chunk)
@@ -315,13 +399,16 @@ class Adam(Optimizer):
                     f"count{k}": count,
                 }
             )
-        dev = slots[0][0].device
-        batch.join(slots[0][0])
+        dev = slots[0][1].device
+        batch.join(slots[0][1])
         kernel = dev.kernels.get(
             "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
         )
         held = self._held.setdefault((id(dev), site), [])
-        dev.kernels.dispatch(kernel, end, dynamic=self._hyper, held=held, **bindings)
+        # (unused slots repeat the last one, with an empty range)
+        ks = tuple(slot[0] for slot in slots)
+        hyper = functools.partial(self._hyper_four, ks)
+        dev.kernels.dispatch(kernel, end, dynamic=hyper, held=held, **bindings)
 
 
 class AdamW(Adam):

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 #: ``Storage.replaced``'s writer for ``Tensor.copy_`` of values with a gradient path.
 COPY_FROM_GRAPH = "copy_ of values with a gradient path (copy_ is not recorded on a tape)"
+#: ``Storage.last_writer`` of a zeroing (``Tensor.zero_``, ``zero_grad``).
+ZEROED = "a host write (zeroing)"
 
 NUMPY_TO_SLANG = {
     np.dtype(np.float32): "float",
@@ -162,6 +164,15 @@ class Storage:
         self.before = None
         self.read_by_writer = ()
         self.reread = False
+
+    def written_since_zeroed(self) -> bool:
+        """Whether anything wrote the values since they were allocated or last zeroed
+        (``ZEROED``): a write counted by ``wrote`` (a call, the host, a copy) or a backward's
+        result (``holds_result_of``: backwards mark the gradient buffers they write). The
+        optimizers step only parameters whose gradient buffer says so (torch's ``None``)."""
+        if self.holds_result_of is not None:
+            return True
+        return self.version != 0 and self.last_writer != ZEROED
 
 
 def has_c_strides(arr: np.ndarray) -> bool:

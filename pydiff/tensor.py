@@ -18,7 +18,7 @@ from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
-from .storage import shape_with_inferred_axis
+from .storage import ZEROED, shape_with_inferred_axis
 from .storage import dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
 
@@ -346,7 +346,7 @@ class Tensor(GradBuffers, TensorOperators):
         if (rec := capturing.recording()) is not None:
             rec.record_clear(self._device.queue, self._native)
         self.storage.holds_result_of = None
-        self.storage.wrote("a host write (zeroing)", everything=True)
+        self.storage.wrote(ZEROED, everything=True)
         return forward_trace.replaced(self)
 
     def reshape(self, *shape: Any) -> "Tensor":
