@@ -222,13 +222,13 @@ class Device:
         self.queue.flush()
 
     def empty_cache(self) -> None:
-        """Release the storage buffers, this thread's scratch buffers and the bound shader
-        objects kept for reuse."""
+        """Release the storage buffers, this thread's scratch buffers, the compiled kernels and
+        the bound shader objects kept for reuse."""
         self.queue.flush()  # queued kernels may still read a scratch buffer
         self.scratch.clear()
         with self._lock:  # memo entries holding buffers (e.g. layer_norm's default weights)
             self._cache.release_buffers()
-        self.kernels.release_objects()
+        self.kernels.release()
         self.pool.prune()
         self.wait()  # slang-rhi frees a released buffer once the work before it has finished
 

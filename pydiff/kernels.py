@@ -38,8 +38,9 @@ OBJECT_MAX_BUFFER = 4 << 20
 # gradients, state) may keep the object of a dispatch site itself (``dispatch(held=[])``),
 # for buffers of any size, replaced when the buffers change: without it, a 10M-parameter
 # AdamW step rebuilt its 28-buffer object every step (about 150 us of host time on CUDA).
-# Compiled kernels are specialised per shape (matmul's M, N, K): a loop over changing shapes
-# compiles new ones; the least recently used beyond this many are dropped (rebuilt on demand).
+# Compiled kernels are specialised per layout, not per batch size (matmul's N and its blocking;
+# M and K are uniforms): a loop over changing layer widths compiles new ones; the least
+# recently used beyond this many are dropped (rebuilt on demand), and their memory with them.
 KERNELS_MAX = 128
 
 
@@ -188,9 +189,20 @@ class KernelCache:
             + text
         )
         name = f"pydiff_kernel_{entry}_{hashlib.sha1(source.encode()).hexdigest()[:12]}"
+        # Each kernel in a Slang session of its own, dropped with it: a session keeps every
+        # module loaded into it until it closes (about 1.5 MB of RSS per module and program on
+        # lavapipe), so kernels built in the device's session piled up past KERNELS_MAX and
+        # past empty_cache (+1.6 GB over 350 batch sizes). A session adds about 25 ms to a
+        # build of 50-100 ms; a program keeps its session alive while a kernel or object does.
+        desc = self.native.slang_session.desc
         try:
-            module = self.native.load_module_from_source(name, source)
-            program = self.native.link_program([module], [module.entry_point(entry)])
+            session = self.native.create_slang_session(
+                compiler_options=desc.compiler_options,
+                add_default_include_paths=desc.add_default_include_paths,
+                cache_path=desc.cache_path,
+            )
+            module = session.load_module_from_source(name, source)
+            program = session.link_program([module], [module.entry_point(entry)])
         except Exception as exc:  # a bug in pydiff's own shaders, not the user's
             raise PydiffError(
                 f"pydiff kernel {file}:{entry} {defines} failed to build:\n{exc}"
@@ -246,6 +258,15 @@ class KernelCache:
         with self._lock:
             self._objects.clear()
             self._objects_bytes = 0
+
+    def release(self) -> None:
+        """Drop the compiled kernels (and their Slang sessions: their memory), the plans
+        holding them and the cached shader objects; kernels are rebuilt on demand."""
+        with self._lock:
+            self.release_objects()
+            self._kernels.clear()
+            self._sorted.clear()
+            self.plans.clear()
 
     def dispatch(
         self,

@@ -93,6 +93,8 @@ def fast_product(
         "b": b.buffer,
         "c": out.buffer,
         "beta": float(beta),
+        "M": m,
+        "K": k,
     }
     if c_vec:
         bindings["c_in"] = out.buffer
@@ -133,12 +135,16 @@ def _plan(
         and (m // rows) % 8 == 0
         and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
     )
+    # M and K are uniforms, not defines: the batch is M (mm_nt, mm_nn) or K (mm_tn) of a layer's
+    # products, and a kernel per batch size cost a compile and 1.5-2.5 MB each; as constants they
+    # made no difference to the products' speed (bench_step_kernels.py, within its noise). What
+    # they decide at compile time is the blocking only: RB divides M, KU divides K.
+    ku = {} if kind == "mm_nt" else {"KU": 4 if k % 4 == 0 else (2 if k % 2 == 0 else 1)}
     key, kernel = kernels.get_keyed(
         "ops/matmul.slang",
         kind,
-        M=m,
         N=n,
-        K=k,
+        **ku,
         RB=rows,
         CB=cols,
         TG=32,
@@ -188,10 +194,9 @@ def linear_backward_narrow(
     n_in = x.shape[1]
     if not narrow_fits(batch, n_in, n_out, g.device):
         return False
-    kernel = g.device.kernels.get(
+    kernel = g.device.kernels.get(  # the batch is a uniform: one kernel for every batch size
         "ops/matmul.slang",
         "linear_bwd_narrow",
-        B=batch,
         NI=n_in,
         NO=n_out,
         TG=32,
@@ -212,6 +217,7 @@ def linear_backward_narrow(
         "dw_in": dw.native.storage,
         "db": (db if db is not None else g).native.storage,
         "beta": 1.0,
+        "B": batch,
     }
     if mask is not None:
         bindings["mask"] = mask.native.storage

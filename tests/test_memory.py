@@ -280,3 +280,113 @@ def test_bounded_dict_counts_device_bytes():
     assert d.bytes == 0
     d["n"] = 5
     assert d.pop("n") == 5 and d.bytes == 0
+
+
+# ---- batch sizes (F6): one product kernel serves every batch size ----
+
+
+def _ce_layer_grads(x, w, b, labels):
+    """dW, db, dx of mean cross_entropy(x W^T + b, labels), float64 closed form."""
+    z = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    g = (p - np.eye(w.shape[0])[labels]) / len(labels)
+    return g.T @ x, g.sum(axis=0), g @ w
+
+
+def _train_layer(device, w, b, batch, seed):
+    """A linear + cross_entropy step over ``batch`` rows, its gradients checked."""
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((batch, w.shape[1])).astype(np.float32)
+    labels = rng.integers(0, w.shape[0], batch)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    for t in (w, b):
+        t.zero_grad()
+    with pydiff.Tape() as tape:
+        loss = pydiff.ops.cross_entropy(pydiff.ops.linear(x, w, b), labels.astype(np.int32))
+    tape.backward(loss)
+    want = _ce_layer_grads(xs, w.numpy(), b.numpy(), labels)
+    for got, expected in zip((w.grad, b.grad, x.grad), want):
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_new_batch_sizes_reuse_the_compiled_product_kernels(device):
+    """The products take the batch (M, or K of dW = g^T x) and the narrow backward its B as
+    uniforms: a layer trained over new batch sizes compiles its kernels once. Before, each new
+    batch size compiled 3-4 kernels (about 0.1-0.7 s each and 1.5-2 MB of RSS)."""
+    rng = np.random.default_rng(0)
+    layers = []
+    for n_in, n_out in ((16, 8), (64, 10)):  # the product kernels; the narrow backward
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32) / 4
+        layers.append(
+            [pydiff.tensor(a, device=device, requires_grad=True) for a in (w, np.zeros(n_out))]
+        )
+    device.empty_cache()
+    for seed, batch in enumerate((16, 32, 48, 80, 96, 112)):  # one register blocking
+        for w, b in layers:
+            _train_layer(device, w, b, batch, seed)
+        if seed == 0:
+            first = device.kernels.sizes()["kernels"]
+    assert device.kernels.sizes()["kernels"] == first
+    # Any batch size: the blocking still depends on which divisors the batch has (rows per
+    # thread, KU), a bounded set, not one kernel per size (this loop compiled 160 before).
+    for seed, batch in enumerate(range(1, 41)):
+        _train_layer(device, *layers[0], batch, seed)
+    assert device.kernels.sizes()["kernels"] <= first + 30
+
+
+def test_empty_cache_releases_the_compiled_kernels(device):
+    a = np.arange(32, dtype=np.float32).reshape(8, 4) / 8
+    b = np.ones((4, 8), np.float32)
+    c = pydiff.ops.matmul(pydiff.tensor(a, device=device), pydiff.tensor(b, device=device))
+    np.testing.assert_allclose(c.numpy(), a.astype(np.float64) @ b, rtol=1e-6)
+    assert device.kernels.sizes()["kernels"] > 0
+    device.empty_cache()
+    assert device.kernels.sizes() == {"kernels": 0, "objects": 0, "object_bytes": 0}
+    c = pydiff.ops.matmul(pydiff.tensor(a, device=device), pydiff.tensor(b, device=device))
+    np.testing.assert_allclose(c.numpy(), a.astype(np.float64) @ b, rtol=1e-6)
+
+
+# ops.matmul over 80 new widths N (a new kernel each: N is compiled in), the kernel cache
+# bounded to 4, without the persistent compile cache; RSS (MB) after 20 and after 80.
+WIDTHS = r"""
+import gc, json, os, sys
+import numpy as np
+from pydiff import kernels
+kernels.KERNELS_MAX = 4
+import pydiff
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+dev = pydiff.create_device(sys.argv[1], cache_dir=False)
+a = pydiff.tensor(np.ones((8, 8), np.float32), device=dev)
+rss = []
+for i in range(80):
+    n = 4 * (i + 1)
+    c = pydiff.ops.matmul(a, pydiff.tensor(np.ones((8, n), np.float32), device=dev))
+    assert float(c.numpy()[0, n - 1]) == 8.0
+    if i + 1 in (20, 80):
+        gc.collect()
+        rss.append(rss_mb())
+print(json.dumps({"rss": rss, "kernels": dev.kernels.sizes()["kernels"]}))
+"""
+
+
+def test_evicted_kernels_release_their_memory(device):
+    """Kernels are compiled in Slang sessions of their own: a session keeps every module
+    loaded into it, so kernels built in the device's one session kept 1.5-2.5 MB each after
+    their eviction (60 evicted kernels: +90 to +150 MB here; now flat within a few MB)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WIDTHS, device.type],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["kernels"] <= 4
+    first, last = report["rss"]
+    assert last - first < 40, report
