@@ -16,7 +16,7 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, foreign, forward_trace, lint, lint_sources
+from . import capturing, foreign, forward_trace, lint, lint_sources, module_session
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -29,14 +29,17 @@ from .signature import ParamInfo, Signature
 _LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
 
 
-def _compile_error(exc: Exception, display_name: str, hashed_name: str | None) -> SlangCompileError:
+def _compile_error(
+    exc: Exception, display_name: str, hashed_name: str | None, alias: str = ""
+) -> SlangCompileError:
     text = str(exc)
-    if hashed_name:
-        # SlangPy names source modules by a hash and prepends one line to their text.
-        text = re.sub(
-            r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text
-        )
+    # SlangPy names source modules by a hash (or pydiff by ``alias``, a reloaded file) and
+    # prepends one line to their text.
+    shifted = re.escape(alias) if alias else r"\b[0-9a-f]{40}" if hashed_name else ""
+    if shifted:
+        text = re.sub(shifted + r":(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text)
         text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
+        text = text.replace(Path(alias).stem, display_name) if alias else text
     m = _LOCATION.search(text)
     file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
     where = f"{file}:{line}" if line else file
@@ -63,6 +66,7 @@ class Module:
         file: str,
         import_spec: str,
         lint_source: bool = True,
+        decl_module: Any = None,
     ):
         #: The SlangPy module underneath, its device, name and file ("<name>" for source).
         self.native = native
@@ -78,7 +82,9 @@ class Module:
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps: dict[str, list[lint.Finding]] = {}
         self._function_names: list[str] | None = None
-        if file.startswith("<"):
+        if decl_module is not None:  # a file compiled again: its path gives the first version
+            self._decl_loader = lambda: decl_module
+        elif file.startswith("<"):
             self._decl_loader = lambda: device.native.load_module_from_source(name, source)
         else:
             self._decl_loader = lambda: device.native.load_module(file)
@@ -163,20 +169,39 @@ def _links(source: str, dev: Device) -> list:
 def load_module(
     path: str | Path, device: Device | str | None = None, *, lint: bool = True
 ) -> Module:
-    """Load a ``.slang`` file: a path, or a name on the device's include paths.
+    """Load a ``.slang`` file: a path, or a name on the device's include paths. Loading it
+    again after an edit compiles the new text (under a fresh module name); an edited file it
+    imports is refused (Slang keeps the first copy of an imported module).
 
     >>> m = pydiff.load_module("samples/polynomial.slang")
     >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
     """
     dev = resolve_device(device)
     file = _find_file(path, dev)
+    if file.parent != shader_dir():
+        module_session.check_name(file.stem, f"pydiff.load_module({str(path)!r})")
     source = file.read_text(encoding="utf-8", errors="replace")
+    module_session.check_imports(source, str(file), dev)
+    now = module_session.digest(source)
+    held = module_session.compiled_digest(dev, str(file))
+    if held is None or held == now:
+        try:
+            native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
+        except spy.SlangCompileError as exc:
+            raise _compile_error(exc, str(file), None) from None
+        module_session.record(dev, str(file), now)
+        spec = '"' + str(file).replace("\\", "/") + '"'
+        return Module(native, dev, file.stem, source, str(file), spec, lint)
+    # Edited since the session compiled it: the session keeps that copy under the file's path
+    # and name, so the new text gets its own (a neighbouring path: its imports resolve alike).
+    fresh = f"{file.stem}__pydiff_v{now[:12]}"
+    alias = str(file.with_name(fresh + ".slang"))
     try:
-        native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
+        slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
     except spy.SlangCompileError as exc:
-        raise _compile_error(exc, str(file), None) from None
-    spec = '"' + str(file).replace("\\", "/") + '"'
-    return Module(native, dev, file.stem, source, str(file), spec, lint)
+        raise _compile_error(exc, str(file), None, alias) from None
+    native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
+    return Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)
 
 
 def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
@@ -189,10 +214,20 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
     """
     if not re.fullmatch(r"[A-Za-z_]\w*", name):
         raise ValueError(f"name={name!r}: a module name must be a Slang identifier")
+    module_session.check_name(name, f"pydiff.load_module_from_source({name!r}, ...)")
     dev = resolve_device(device)
+    module_session.check_imports(source, f"<{name}>", dev)
     try:
         native = spy.Module.load_from_source(dev.native, name, source, link=_links(source, dev))
     except spy.SlangCompileError as exc:
+        if "already loaded with different source" in str(exc):
+            raise SlangCompileError(
+                f"<{name}>: a module named {name!r} was already loaded in this process with "
+                "different source; SlangPy cannot reload a module: give this version another "
+                "name, or restart the process",
+                file=f"<{name}>",
+                line=None,
+            ) from None
         raise _compile_error(exc, f"<{name}>", name) from None
     return Module(native, dev, name, source, f"<{name}>", name)
 
