@@ -124,6 +124,9 @@ class Module:
             raise AttributeError(
                 f"module '{self.name}' ({self.file}) has no function '{name}'{hint}{listing}"
             )
+        if self.source is not None and name not in self.function_names():
+            if not module_session.reachable(self.device, self.import_spec, name):
+                raise module_session.unreachable_error(self.name, self.file, self.source, name)
         native = getattr(self.native, name)
         if reflected.is_overloaded:
             fn = OverloadedFunction(

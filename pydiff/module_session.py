@@ -16,10 +16,12 @@ the session holds as an import is refused.
 from __future__ import annotations
 
 import hashlib
+import re
 import weakref
 from pathlib import Path
+from typing import Any
 
-from . import lint_sources
+from . import lint_macros, lint_sources
 
 #: Modules a session holds under these names for SlangPy's and pydiff's own code: Slang's core
 #: module, SlangPy's (every generated kernel imports it), pydiff's shader library and its
@@ -90,10 +92,37 @@ def stale_import_error(stale: list[str], file: str) -> RuntimeError:
     )
 
 
-def check_imports(source: str, file: str, device) -> None:
+def check_imports(source: str, file: str, device: Any) -> None:
     """Refuse a module whose imports the session holds in a version older than the disk's."""
     options = device.native.desc.compiler_options
     scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
     stale = changed_imports(device, scan.files)
     if stale:
         raise stale_import_error(stale, file)
+
+
+_PLAIN_IMPORT = re.compile(r'^[ \t]*import\s+([\w.]+|"[^"\n]+")\s*;', re.MULTILINE)
+
+
+def reachable(device: Any, import_spec: str, name: str) -> bool:
+    """Whether ``name`` is visible to code that imports the module (as SlangPy's generated
+    kernels do): not when it comes from a module the module imports without ``__exported``,
+    which its reflection lists all the same."""
+    probe = f"import {import_spec};\nvoid pydiff_probe() {{ {name}; }}\n"
+    label = hashlib.sha1(probe.encode()).hexdigest()[:12]
+    try:
+        device.native.load_module_from_source(f"pydiff_probe_{label}", probe)
+    except Exception as exc:  # other errors (generic, overloaded names): let the call decide
+        return "undefined identifier" not in str(exc)
+    return True
+
+
+def unreachable_error(module_name: str, file: str, source: str, name: str) -> AttributeError:
+    plain = [m.group(1) for m in _PLAIN_IMPORT.finditer(lint_macros.blank_comments(source))]
+    which = " or ".join(f"`__exported import {p};`" for p in plain) or "`__exported import`"
+    return AttributeError(
+        f"module '{module_name}' ({file}) cannot call '{name}': it comes from a module "
+        f"'{module_name}' imports with a plain `import`, which code importing "
+        f"'{module_name}' (the kernels a call generates) does not see. Write {which} in "
+        f"{file} for the module that declares '{name}', or load that module and call it there"
+    )
