@@ -16,7 +16,7 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, foreign, forward_trace, lint, lint_sources, module_session
+from . import capturing, double_math, foreign, forward_trace, lint, lint_sources, module_session
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -92,10 +92,11 @@ class Module:
         if source is not None and lint_source:
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
-            for f in scan.own + scan.imported:
+            doubles = double_math.findings(device, source, file)
+            for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = scan.traps
+            self.traps = double_math.with_findings(scan.traps, doubles)
             self.source_files = list(scan.files)
 
     def function_names(self) -> list[str]:
@@ -322,8 +323,8 @@ class ShaderFunction:
             lines = "\n  ".join(str(f) for f in found)
             raise ShaderTrapError(
                 f"{self.module.name}.{self.name}{'' if forward else '.bwds'} refused: "
-                "SlangPy 0.43 would return wrong "
-                f"gradients or crash the process on:\n  {lines}"
+                "SlangPy 0.43 would return wrong values "
+                f"or gradients, or crash the process, on:\n  {lines}"
             )
 
     def generated(self, kind: str, source: str) -> "ShaderFunction":
