@@ -386,6 +386,7 @@ class ForwardFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = foreign.as_data(self._fn, args, kwargs, f"{self._fn.label}.fwds")
+        self._fn.check_traps(forward=True)  # what refuses the forward call refuses this too
         return forward_mode_call(self._fn, args, kwargs)
 
     def __repr__(self) -> str:

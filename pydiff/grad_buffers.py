@@ -97,6 +97,15 @@ class GradBuffers:
                 f"a tensor of dtype {self.dtype!r} cannot have gradients (no derivative type); "
                 "use a floating-point dtype such as 'float', 'half' or 'float3'"
             )
+        if str(self.dtype).startswith("double"):
+            # SlangPy's RWDiffTensor needs atomic adds of its element type; Slang has none for
+            # double, so the call would fail binding the tensor with a raw SlangPy error.
+            raise TypeError(
+                f"a tensor of dtype {self.dtype!r} cannot have gradients: pydiff's gradients "
+                "are float or half (Slang has no double atomics to add them with). Use "
+                "dtype='float' for tensors with gradients (a function may still compute in "
+                "double inside), or .fwds with a tangent, which works for double"
+            )
         if self._device.type == "cuda" and self.dtype == "half3":
             raise TypeError(
                 "gradients of 'half3' tensors on CUDA are refused: SlangPy accumulated them "

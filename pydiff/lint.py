@@ -58,7 +58,7 @@ class Finding:
     @property
     def crashes_call(self) -> bool:
         """Whether even a forward call must be refused (the kernel's build crashes)."""
-        return self.kind in ("do-while-break", "struct-interface-tensor")
+        return self.kind in ("do-while-break", "struct-interface-tensor", "double-intrinsic")
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"

@@ -16,7 +16,8 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, foreign, forward_trace, lint, lint_sources
+from . import capturing, double_math, foreign, forward_trace, lint, lint_sources, module_session
+from . import slang_compile
 from .arguments import overload_listing
 from .backward_call import backward_call
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -25,25 +26,6 @@ from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .signature import ParamInfo, Signature
-
-_LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
-
-
-def _compile_error(exc: Exception, display_name: str, hashed_name: str | None) -> SlangCompileError:
-    text = str(exc)
-    if hashed_name:
-        # SlangPy names source modules by a hash and prepends one line to their text.
-        text = re.sub(
-            r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text
-        )
-        text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
-    m = _LOCATION.search(text)
-    file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
-    where = f"{file}:{line}" if line else file
-    details = "\n".join(
-        ln for ln in text.splitlines() if ln.strip() and "compilation ceased" not in ln
-    )
-    return SlangCompileError(f"{where}: Slang compile error\n{details}", file=file, line=line)
 
 
 class Module:
@@ -63,6 +45,7 @@ class Module:
         file: str,
         import_spec: str,
         lint_source: bool = True,
+        decl_module: Any = None,
     ):
         #: The SlangPy module underneath, its device, name and file ("<name>" for source).
         self.native = native
@@ -78,7 +61,9 @@ class Module:
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps: dict[str, list[lint.Finding]] = {}
         self._function_names: list[str] | None = None
-        if file.startswith("<"):
+        if decl_module is not None:  # a file compiled again: its path gives the first version
+            self._decl_loader = lambda: decl_module
+        elif file.startswith("<"):
             self._decl_loader = lambda: device.native.load_module_from_source(name, source)
         else:
             self._decl_loader = lambda: device.native.load_module(file)
@@ -86,10 +71,11 @@ class Module:
         if source is not None and lint_source:
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
-            for f in scan.own + scan.imported:
+            doubles = double_math.findings(device, source, file)
+            for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = scan.traps
+            self.traps = double_math.with_findings(scan.traps, doubles)
             self.source_files = list(scan.files)
 
     def function_names(self) -> list[str]:
@@ -118,6 +104,9 @@ class Module:
             raise AttributeError(
                 f"module '{self.name}' ({self.file}) has no function '{name}'{hint}{listing}"
             )
+        if self.source is not None and name not in self.function_names():
+            if not module_session.reachable(self.device, self.import_spec, name):
+                raise module_session.unreachable_error(self.name, self.file, self.source, name)
         native = getattr(self.native, name)
         if reflected.is_overloaded:
             fn = OverloadedFunction(
@@ -163,20 +152,39 @@ def _links(source: str, dev: Device) -> list:
 def load_module(
     path: str | Path, device: Device | str | None = None, *, lint: bool = True
 ) -> Module:
-    """Load a ``.slang`` file: a path, or a name on the device's include paths.
+    """Load a ``.slang`` file: a path, or a name on the device's include paths. Loading it
+    again after an edit compiles the new text (under a fresh module name); an edited file it
+    imports is refused (Slang keeps the first copy of an imported module).
 
     >>> m = pydiff.load_module("samples/polynomial.slang")
     >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
     """
     dev = resolve_device(device)
     file = _find_file(path, dev)
+    if file.parent != shader_dir():
+        module_session.check_name(file.stem, f"pydiff.load_module({str(path)!r})")
     source = file.read_text(encoding="utf-8", errors="replace")
+    module_session.check_imports(source, str(file), dev)
+    now = module_session.digest(source)
+    held = module_session.compiled_digest(dev, str(file))
+    if held is None or held == now:
+        try:
+            native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
+        except spy.SlangCompileError as exc:
+            raise slang_compile.compile_error(exc, str(file), None) from None
+        module_session.record(dev, str(file), now)
+        spec = '"' + str(file).replace("\\", "/") + '"'
+        return Module(native, dev, file.stem, source, str(file), spec, lint)
+    # Edited since the session compiled it: the session keeps that copy under the file's path
+    # and name, so the new text gets its own (a neighbouring path: its imports resolve alike).
+    fresh = f"{file.stem}__pydiff_v{now[:12]}"
+    alias = str(file.with_name(fresh + ".slang"))
     try:
-        native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
+        slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
     except spy.SlangCompileError as exc:
-        raise _compile_error(exc, str(file), None) from None
-    spec = '"' + str(file).replace("\\", "/") + '"'
-    return Module(native, dev, file.stem, source, str(file), spec, lint)
+        raise slang_compile.compile_error(exc, str(file), None, alias) from None
+    native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
+    return Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)
 
 
 def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
@@ -189,28 +197,11 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
     """
     if not re.fullmatch(r"[A-Za-z_]\w*", name):
         raise ValueError(f"name={name!r}: a module name must be a Slang identifier")
+    module_session.check_name(name, f"pydiff.load_module_from_source({name!r}, ...)")
     dev = resolve_device(device)
-    failed_key = (id(dev), name, hashlib.sha1(source.encode()).hexdigest())
-    if failed_key in _FAILED_SOURCES:  # SlangPy would hand back the broken module: a segfault
-        message, file, line = _FAILED_SOURCES[failed_key]
-        raise SlangCompileError(message, file=file, line=line)
-    try:
-        native = spy.Module.load_from_source(dev.native, name, source, link=_links(source, dev))
-    except spy.SlangCompileError as exc:
-        error = _compile_error(exc, f"<{name}>", name)
-        _FAILED_SOURCES[failed_key] = (str(error), error.file, error.line)
-        raise error from None
+    module_session.check_imports(source, f"<{name}>", dev)
+    native = slang_compile.load_source(dev.native, name, source, _links(source, dev))
     return Module(native, dev, name, source, f"<{name}>", name)
-
-
-#: Sources that failed to compile, by (device, name, source digest): the Slang session keeps
-#: a module that failed, and loading the same name again returns it, half-built (a second
-#: pydiff.hvp of a function whose wrapper failed crashed the interpreter).
-_FAILED_SOURCES: dict[tuple[int, str, str], tuple[str, str | None, int | None]] = {}
-
-
-# --------------------------------------------------------------------------------------------
-# calls
 
 
 class ShaderFunction:
@@ -296,8 +287,8 @@ class ShaderFunction:
             lines = "\n  ".join(str(f) for f in found)
             raise ShaderTrapError(
                 f"{self.module.name}.{self.name}{'' if forward else '.bwds'} refused: "
-                "SlangPy 0.43 would return wrong "
-                f"gradients or crash the process on:\n  {lines}"
+                "SlangPy 0.43 would return wrong values "
+                f"or gradients, or crash the process, on:\n  {lines}"
             )
 
     def generated(self, kind: str, source: str) -> "ShaderFunction":
@@ -330,7 +321,9 @@ class ShaderFunction:
             try:
                 native = spy.Module.load_from_source(self.module.device.native, name, src)
             except spy.SlangCompileError as exc:
-                raise _compile_error(exc, f"<inout wrapper of {self.name}>", name) from None
+                raise slang_compile.compile_error(
+                    exc, f"<inout wrapper of {self.name}>", name
+                ) from None
             self._inout_wrapper = getattr(native, f"{self.name}__pydiff_inout")
         return self._inout_wrapper
 

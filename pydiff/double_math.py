@@ -1,0 +1,120 @@
+"""Which math intrinsics a device computes wrong on ``double`` values, measured once.
+
+Vulkan's SPIR-V extended instructions (sin, exp, log, pow, ...) are defined for 16- and 32-bit
+floats only; Slang emits them on doubles anyway, and what a driver does then is undefined:
+Mesa's lavapipe returns 0 for sin, 1 for cos and denormal garbage for exp (sqrt and the
+arithmetic are right; asin/atan/exp2 come out at float precision or worse). A module calling
+one of them on a double is refused on such a device (``lint_double`` finds the calls).
+
+    broken = broken_intrinsics(dev)       # frozenset({'sin', 'exp', ...}) on lavapipe
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import slangpy as spy
+
+from .lint import Finding
+from .lint_double import BINARY, UNARY, double_calls
+
+#: Arguments measured at: away from special values, inside every domain (acosh: x + 1).
+_X, _Y = 0.3741, 1.6180339887
+_EXPECTED = {
+    "sin": math.sin(_X), "cos": math.cos(_X), "tan": math.tan(_X), "asin": math.asin(_X),
+    "acos": math.acos(_X), "atan": math.atan(_X), "exp": math.exp(_X), "exp2": 2.0**_X,
+    "log": math.log(_X), "log2": math.log2(_X), "log10": math.log10(_X),
+    "sinh": math.sinh(_X), "cosh": math.cosh(_X), "tanh": math.tanh(_X),
+    "asinh": math.asinh(_X), "acosh": math.acosh(_X + 1.0), "atanh": math.atanh(_X),
+    "sqrt": math.sqrt(_X), "rsqrt": 1.0 / math.sqrt(_X), "atan2": math.atan2(_X, _Y),
+    "pow": _X**_Y, "fmod": math.fmod(_Y, _X), "ldexp": _X * 2.0**_Y,
+}  # fmt: skip
+#: Relative error past which the result is not a double's: float precision is ~6e-8.
+TOLERANCE = 1e-12
+
+
+def _probe_source() -> str:
+    cases = [
+        f"case {i}: return {n}(x{' + 1.0l' if n == 'acosh' else ''});" for i, n in enumerate(UNARY)
+    ]
+    cases += [f"case {len(UNARY) + i}: return {n}({'y, x' if n == 'fmod' else 'x, y'});"
+              for i, n in enumerate(BINARY)]  # fmt: skip
+    return (
+        "double pydiff_double_probe(int k, double x, double y) {\n  switch (k) {\n  "
+        + "\n  ".join(cases)
+        + "\n  default: return 0.0l;\n  }\n}\n"
+    )
+
+
+def measure(device: Any) -> dict[str, float]:
+    """Each intrinsic's result on ``device`` (one kernel, all of them)."""
+    names = [*UNARY, *BINARY]
+    native = device.native.load_module_from_source("pydiff_double_probe", _probe_source())
+    module = spy.Module(native)
+    n = len(names)
+    k = np.arange(n, dtype=np.int32)
+    got = module.pydiff_double_probe(k, np.full(n, _X), np.full(n, _Y), _result="numpy")
+    return dict(zip(names, (float(v) for v in got)))
+
+
+def broken_intrinsics(device: Any) -> dict[str, float]:
+    """The intrinsics ``device`` computes wrong on doubles, with what it returned (cached)."""
+
+    def probe() -> dict[str, float]:
+        got = measure(device)
+        return {
+            name: value
+            for name, value in got.items()
+            if not abs(value - _EXPECTED[name]) <= TOLERANCE * abs(_EXPECTED[name])
+        }
+
+    return device.cached("pydiff.double_math.broken", probe)
+
+
+def expected(name: str) -> float:
+    return _EXPECTED[name]
+
+
+def argument(name: str) -> str:
+    return {"acosh": f"{_X + 1.0}", "fmod": f"{_Y}, {_X}"}.get(
+        name, f"{_X}, {_Y}" if name in BINARY else f"{_X}"
+    )
+
+
+def findings(device: Any, source: str, file: str) -> list[Finding]:
+    """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
+    computes wrong on doubles; the device is measured only when some function calls one."""
+    calls = double_calls(source)
+    if not calls:
+        return []
+    broken = broken_intrinsics(device)
+    found = []
+    for function, sites in calls.items():
+        for line, name, origin in sites:
+            if name not in broken:
+                continue
+            via = "" if origin == function else f" (in {origin}(), which it calls)"
+            found.append(
+                Finding(
+                    file,
+                    line,
+                    function,
+                    "double-intrinsic",
+                    f"{name}() of a double{via} returns wrong values on this device "
+                    f"({device.adapter_name}: {name}({argument(name)}) gave {broken[name]!r}, "
+                    f"not {expected(name)!r}; Vulkan defines it for 16/32-bit floats only). "
+                    f"Compute it in float (double({name}(float(x))), float precision) or with "
+                    "a series of your own in double",
+                )  # fmt: skip
+            )
+    return found
+
+
+def with_findings(traps: dict[str, list], found: list[Finding]) -> dict[str, list]:
+    """A copy of ``traps`` (the trap scan's, shared through its cache) with ``found`` added."""
+    merged = {name: list(fs) for name, fs in traps.items()}
+    for f in found:
+        merged.setdefault(f.function, []).append(f)
+    return merged
