@@ -43,11 +43,14 @@ def tensor(
     dev = resolve_device(device)
     arr = data.numpy() if isinstance(data, Tensor) else as_array(data, "pydiff.tensor: data")
     if dtype is None:
-        if arr.dtype not in NUMPY_TO_SLANG:
+        native_order = arr.dtype.newbyteorder("=")  # big-endian '>f4' holds float32 values
+        name = NUMPY_TO_SLANG.get(native_order)
+        if name is None and native_order.kind in "iu" and native_order.itemsize < 4:
+            name = "int"  # int8/16, uint8/16 (an image's bytes): every value fits
+        if name is None:
             raise TypeError(
                 f"data of NumPy dtype {arr.dtype} has no default Slang dtype; pass dtype="
             )
-        name = NUMPY_TO_SLANG[arr.dtype]
     else:
         name = dtype_name(dtype)
     elem = element_shape(dev.dtype(name))
@@ -58,7 +61,8 @@ def tensor(
         )
     shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape  # () for a scalar: 0-d
     out = empty(shape, dtype=name, device=dev)
-    arr = host_cast(arr, upload_numpy_type(out.native, out.scalar_type), "pydiff.tensor: data")
+    kind = out.scalar_type
+    arr = host_cast(arr, upload_numpy_type(out.native, kind), "pydiff.tensor: data", kind == "bool")
     out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
     if requires_grad:
         out.requires_grad_(True)

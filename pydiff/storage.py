@@ -62,11 +62,12 @@ def upload_numpy_type(native: spy.Tensor, scalar_type: str) -> Any:
     return UPLOAD_NUMPY.get(scalar_type)
 
 
-def host_cast(arr: np.ndarray, np_type: Any, where: str) -> np.ndarray:
+def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) -> np.ndarray:
     """``arr`` as ``np_type`` for an upload, refusing what NumPy's cast would change silently:
     complex values (the imaginary part dropped), and, for an integer type, values that are
     not whole numbers (NaN, inf, 2.7) or do not fit (int64 2**32 + 1 wraps to 1 in int32:
-    a label that passes its range check as another class).
+    a label that passes its range check as another class). ``truth``: a bool tensor's words,
+    non-zero (NaN too) is true, as NumPy and C convert.
 
     >>> host_cast(np.array([3, 4]), np.int32, "copy_from_numpy")     # array([3, 4], int32)
     """
@@ -74,6 +75,8 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str) -> np.ndarray:
         return arr
     if arr.dtype.kind == "c":
         raise TypeError(f"{where}: complex values (dtype {arr.dtype}) have no real dtype to go to")
+    if truth:
+        return (arr != 0).astype(np_type)
     target = np.dtype(np_type)
     if target.kind in "iu" and arr.size and arr.dtype.kind in "fiub":
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.trunc(arr))):
@@ -82,9 +85,10 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str) -> np.ndarray:
                 f"{where}: {float(bad)!r} is not a whole number; the tensor holds {target}"
             )
         info = np.iinfo(target)
-        if arr.dtype.kind != "b" and (arr.min() < info.min or arr.max() > info.max):
+        low, high = (arr.min(), arr.max()) if arr.dtype.kind != "b" else (0, 1)
+        if float(low) < info.min or float(high) > info.max:  # (float: no float16 overflow)
             raise ValueError(
-                f"{where}: values from {arr.min()} to {arr.max()} do not fit {target} "
+                f"{where}: values from {low} to {high} do not fit {target} "
                 f"({info.min} to {info.max})"
             )
     return arr.astype(np_type, copy=False)

@@ -221,7 +221,8 @@ class Tensor(GradBuffers, TensorOperators):
                 f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
-        arr = host_cast(arr, upload_numpy_type(self._native, self.scalar_type), "copy_from_numpy")
+        up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
+        arr = host_cast(arr, up, "copy_from_numpy", kind == "bool")
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
             arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")

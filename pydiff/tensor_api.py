@@ -152,7 +152,7 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
         return _AsType.apply(x, name)
     out = empty(x.shape, dtype=name, device=x.device)  # no gradient: ints
     values = x.detach().numpy()
-    if values.dtype.kind == "f" and out.scalar_type not in _FLOATS:
+    if values.dtype.kind == "f" and out.scalar_type not in (*_FLOATS, "bool"):
         values = np.trunc(values)  # NumPy's and C's conversion to an integer: toward zero
     return out.copy_from_numpy(values)
 

@@ -199,3 +199,34 @@ def test_a_label_beyond_int32_is_not_wrapped_into_range(device):
     z = pydiff.zeros((1, 3), device=device)
     with pytest.raises(ValueError, match="do not fit int32"):
         pydiff.ops.cross_entropy(z, pydiff.tensor(np.array([2**32 + 1]), device=device))
+
+
+def test_bool_conversions_take_non_zero_as_true(device):
+    # NumPy's and C's rule: any non-zero value (NaN too) is true, never a truncation to int
+    values = np.array([0.0, 0.5, -0.3, 2.0, np.nan, -0.0])
+    want = values.astype(bool).tolist()
+    x = pydiff.tensor(values, device=device)
+    assert x.astype("bool").numpy().tolist() == want
+    assert pydiff.tensor(values, dtype="bool", device=device).numpy().tolist() == want
+    ints = pydiff.tensor(np.array([-1, 0, 2]), device=device)
+    assert ints.astype("bool").numpy().tolist() == [True, False, True]
+    assert pydiff.zeros((2,), dtype="bool", device=device).fill(0.5).numpy().tolist() == [1, 1]
+
+
+def test_host_casts_of_small_and_foreign_dtypes(device):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float16 against int32's bounds warned of an overflow
+        h = np.array([1.0, 2.0, -3.0], np.float16)
+        assert pydiff.tensor(h, dtype="int", device=device).numpy().tolist() == [1, 2, -3]
+        assert pydiff.tensor(h, device=device).astype("int").numpy().tolist() == [1, 2, -3]
+    big_endian = np.array([1.5, -2.25], ">f4")
+    t = pydiff.tensor(big_endian, device=device)
+    assert t.dtype == "float" and t.numpy().tolist() == [1.5, -2.25]
+    image = np.array([0, 17, 255], np.uint8)
+    u = pydiff.tensor(image, device=device)
+    assert u.dtype == "int" and u.numpy().tolist() == image.tolist()
+    assert pydiff.tensor(np.array([-7], ">i2"), device=device).numpy().tolist() == [-7]
+    with pytest.raises(TypeError, match="uint64 has no default Slang dtype"):
+        pydiff.tensor(np.array([1], np.uint64), device=device)
