@@ -67,7 +67,8 @@ from .transforms import hessian, hvp, jvp, vjp
 from .grad_transforms import grad, value_and_grad
 from .jacobians import jacfwd, jacrev
 from .implicit import fixed_point
-from .torch_interop import from_dlpack, from_torch, to_torch, torch_function
+from .dlpack_interop import from_dlpack
+from .torch_interop import from_torch, to_torch, torch_function
 from . import distributed, nn, ops, optim
 from . import tensor_api  # noqa: F401 (provides Tensor's operators and methods)
 

@@ -1,10 +1,9 @@
 """PyTorch interop: tensors both ways, and pydiff code inside torch autograd.
 
-On a CUDA device ``to_torch`` hands torch a view of pydiff's own buffer (zero-copy, after
-pydiff's pending work), and ``from_torch`` of a CUDA tensor copies on the device (SlangPy
-0.43 cannot wrap memory it did not allocate). On Vulkan (lavapipe) a torch CPU tensor and a
-pydiff tensor cannot share memory, so values cross through NumPy, one copy each way; round
-trips are bit-exact. torch is imported only when one of these is used.
+On CUDA ``to_torch`` hands torch a view of pydiff's own buffer (zero-copy, after pydiff's
+pending work), and ``from_torch`` of a CUDA tensor copies on the device (SlangPy 0.43 cannot
+wrap memory it did not allocate). On Vulkan values cross through NumPy, one copy each way
+(bit-exact). torch is imported only when one of these is used.
 
     x = pydiff.from_torch(torch.randn(4), requires_grad=True)
     t = pydiff.to_torch(x)                              # a torch.Tensor with x's values
@@ -20,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import foreign, tensor_methods
+from . import foreign
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .errors import OpDtypeError
@@ -30,9 +29,9 @@ from .tape import Tape, active_tape
 from .tensor import Tensor
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
-_FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
+FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
 #: pydiff scalar type -> torch dtype name.
-_TO_TORCH = {"float": "float32", "half": "float16", "int": "int32", "uint": "uint32"}
+TO_TORCH = {"float": "float32", "half": "float16", "int": "int32", "uint": "uint32"}
 #: pydiff scalar type -> SlangPy's DataType, for views of a CUDA buffer.
 _SPY_TYPES = {
     "float": spy.DataType.float32,
@@ -44,7 +43,7 @@ _SPY_TYPES = {
 _ON_REQUEST = {"float64": ("float", np.float32), "int64": ("int", np.int32)}
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
     try:
         import torch
     except ImportError:
@@ -76,7 +75,7 @@ def from_torch(
     >>> x = pydiff.from_torch(torch.linspace(0, 1, 5), requires_grad=True)
     >>> labels = pydiff.from_torch(torch.tensor([0, 2, 1]), dtype="int")   # int64 -> int32
     """
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch: t must be a torch.Tensor, not {type(t).__name__}")
     if t.layout != torch.strided:
@@ -96,8 +95,8 @@ def from_torch(
             f"from_torch: t has shape {tuple(t.shape)}: no elements (a pydiff tensor has one "
             "at least)"
         )
-    if name in _FROM_TORCH and dtype in (None, _FROM_TORCH[name]):
-        target = _FROM_TORCH[name]
+    if name in FROM_TORCH and dtype in (None, FROM_TORCH[name]):
+        target = FROM_TORCH[name]
         arr = None if t.is_cuda else t.detach().contiguous().numpy()
     elif name in _ON_REQUEST and dtype == _ON_REQUEST[name][0]:
         target, np_type = _ON_REQUEST[name]
@@ -108,7 +107,7 @@ def from_torch(
             )
         arr = to_float32(arr, "from_torch") if np_type is np.float32 else arr.astype(np_type)
     else:
-        accepted = ", ".join(f"torch.{n}" for n in _FROM_TORCH)
+        accepted = ", ".join(f"torch.{n}" for n in FROM_TORCH)
         asked = f" as dtype={dtype!r}" if dtype is not None else ""
         hint = ""
         if name in _ON_REQUEST and dtype is None:
@@ -121,7 +120,7 @@ def from_torch(
     if wants_grad and target not in ("float", "half"):
         raise ValueError(f"from_torch: requires_grad=True needs a floating dtype, not {target!r}")
     dev = resolve_device(device)
-    if t.is_cuda and dev.type == "cuda" and name in _FROM_TORCH:
+    if t.is_cuda and dev.type == "cuda" and name in FROM_TORCH:
         out = make_empty(tuple(t.shape), dtype=target, device=dev, requires_grad=bool(wants_grad))
         shared_view(out).copy_(t.detach())  # on the device: no host round trip
         torch.cuda.current_stream(t.device).synchronize()  # before pydiff's kernels read it
@@ -140,13 +139,13 @@ def to_torch(x: Tensor) -> Any:
     >>> t = pydiff.to_torch(pydiff.tensor([1.0, 2.0]))      # tensor([1., 2.])
     >>> g = pydiff.to_torch(x.grad)
     """
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(x, Tensor):
         raise TypeError(f"to_torch: x must be a pydiff.Tensor, not {type(x).__name__}")
-    if x.scalar_type not in _TO_TORCH:
+    if x.scalar_type not in TO_TORCH:
         raise TypeError(
             f"to_torch: a tensor of dtype {x.dtype!r} has no torch dtype (accepted scalar types: "
-            f"{', '.join(_TO_TORCH)})"
+            f"{', '.join(TO_TORCH)})"
         )
     if x.device.type == "cuda" and torch.cuda.is_available():
         return shared_view(x)
@@ -161,10 +160,10 @@ def shared_view(x: Tensor) -> Any:
 
     >>> shared_view(x).add_(1.0)         # x's values, changed in place by torch
     """
-    torch = _torch()
+    torch = torch_module()
     native = x.native  # submits pydiff's deferred kernels
     x.device.native.wait_for_idle()
-    item = torch.empty((), dtype=getattr(torch, _TO_TORCH[x.scalar_type])).element_size()
+    item = torch.empty((), dtype=getattr(torch, TO_TORCH[x.scalar_type])).element_size()
     element = x.expected_numpy_shape()[len(x.shape) :]
     per = int(native.dtype.buffer_layout.stride) // item
     if len(element) > 1 or (element and per < element[0]):
@@ -196,9 +195,19 @@ def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
                 "(Tape, grad, vjp, jacrev...): torch_function runs outside pydiff tapes (they do "
                 "not nest); there call fn on pydiff tensors (pydiff.from_torch(t) for torch's)"
             )
-        return _bridge().apply(fn, kwargs, *args)
+        return _bridge().apply(fn, kwargs, _anchor(args, kwargs), *args)
 
     return call
+
+
+def _anchor(args: tuple, kwargs: dict) -> Any:
+    """A torch leaf needing a gradient where a pydiff argument needs one and no torch one does:
+    torch records the call only for inputs of its own (else the pydiff one's would be lost)."""
+    values = (*args, *kwargs.values())
+    if not any(isinstance(v, Tensor) and v.requires_grad for v in values):
+        return None
+    torch = torch_module()
+    return torch.ones((), requires_grad=torch.is_grad_enabled())
 
 
 def _describe(fn: Any, k: int) -> str:
@@ -239,11 +248,11 @@ def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
 
 @functools.cache
 def _bridge() -> Any:
-    torch = _torch()
+    torch = torch_module()
 
     class PydiffFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, fn: Any, kwargs: dict, *args: Any) -> Any:
+        def forward(ctx: Any, fn: Any, kwargs: dict, _anchor: Any, *args: Any) -> Any:
             label = getattr(fn, "__name__", None) or repr(fn)
             inputs = [_convert_arg(a, _describe(fn, k)) for k, a in enumerate(args)]
             named = {}
@@ -302,69 +311,13 @@ def _bridge() -> Any:
             for out, grad in zip(ctx.outputs, grads):
                 if grad is not None and out.requires_grad and out.producer is ctx.tape:
                     ctx.tape.backward(out, grad=_seed(grad.detach(), out))
-            result = [None, None]
+            result = [None, None, None]  # (fn, kwargs, the anchor)
             for value, torch_made, where in zip(ctx.inputs, ctx.from_torch, ctx.torch_devices):
                 wanted = torch_made and isinstance(value, Tensor) and value.requires_grad
                 result.append(_handed(value.grad, where) if wanted else None)
             return tuple(result)
 
     return PydiffFunction
-
-
-#: DLPack's device types (dlpack.h's DLDeviceType).
-_DL_CPU, _DL_CUDA = 1, 2
-
-
-def _cuda_export(x: Tensor) -> bool:
-    if x.device.type != "cuda" or x.scalar_type not in _TO_TORCH:
-        return False
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return False
-    return bool(torch.cuda.is_available())
-
-
-def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
-    if _cuda_export(x):
-        return shared_view(x).__dlpack__(stream=stream, **kwargs)
-    return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d
-
-
-def _dlpack_device(x: Tensor) -> tuple[int, int]:
-    return (_DL_CUDA, 0) if _cuda_export(x) else (_DL_CPU, 0)
-
-
-def from_dlpack(
-    obj: Any, *, device: Device | str | None = None, requires_grad: bool = False
-) -> Tensor:
-    """A pydiff tensor with the values of any DLPack producer (a torch or CuPy tensor, a NumPy
-    array, a JAX array). A CUDA producer's values are copied on the device when pydiff's
-    device is CUDA (SlangPy cannot wrap memory it did not allocate), else through the host.
-
-    >>> x = pydiff.from_dlpack(torch.arange(4.0, device="cuda"))
-    >>> y = pydiff.from_dlpack(np.ones(3, np.float32), requires_grad=True)
-    """
-    if not hasattr(obj, "__dlpack_device__"):
-        raise TypeError(
-            f"from_dlpack: obj must implement the DLPack protocol (__dlpack__ and "
-            f"__dlpack_device__), not {type(obj).__name__}"
-        )
-    if isinstance(obj, Tensor):
-        obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
-    if obj.__dlpack_device__()[0] != _DL_CPU:
-        return from_torch(_torch().from_dlpack(obj), device=device, requires_grad=requires_grad)
-    arr = np.from_dlpack(obj)
-    if arr.dtype.name not in _FROM_TORCH:
-        raise TypeError(
-            f"from_dlpack: values of dtype {arr.dtype.name} cannot be converted (accepted: "
-            f"{', '.join(_FROM_TORCH)})"
-        )
-    return make_tensor(
-        arr, dtype=_FROM_TORCH[arr.dtype.name], device=device, requires_grad=requires_grad
-    )
 
 
 def _handed(x: Tensor, where: Any) -> Any:
@@ -377,7 +330,7 @@ def _handed(x: Tensor, where: Any) -> Any:
 
 def _seed(grad: Any, out: Tensor) -> Any:
     """torch's upstream gradient for ``out`` as the tape takes it (on the device: both CUDA)."""
-    exact = str(grad.dtype).removeprefix("torch.") in _FROM_TORCH
+    exact = str(grad.dtype).removeprefix("torch.") in FROM_TORCH
     if grad.is_cuda and out.device.type == "cuda" and exact:
         return from_torch(grad, device=out.device, requires_grad=False)
     return grad.cpu().numpy()
@@ -446,5 +399,3 @@ foreign.register(
     data=lambda value, where: _convert_arg(value, where),
     needs_grad=_needs_torch_grad,
 )
-tensor_methods.provide("__dlpack__", _dlpack)
-tensor_methods.provide("__dlpack_device__", _dlpack_device)

@@ -322,3 +322,21 @@ def test_torch_tensors_that_require_grad_in_copied_values_are_refused_clearly(de
     plain = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)]
     np.testing.assert_array_equal(pydiff.tensor(plain, device=device).numpy(), [1.0, 2.0, 3.0])
     assert m.sum3(plain) == 6.0
+
+
+def test_pydiff_parameter_beside_torch_data_gets_its_gradient(device):
+    # torch records a call only for inputs of its own: with a data batch that needs no
+    # gradient the pydiff parameter's gradient was lost, and pydiff.optim never moved it
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 2))
+    x = torch.tensor(rng.standard_normal((4, 2)), dtype=torch.float32)  # requires no grad
+    head = torch.tensor(rng.standard_normal((3, 1)), dtype=torch.float32)
+    W = pydiff.tensor(w.astype(np.float32), device=device, requires_grad=True)
+    h = pydiff.ops.linear(x, W)
+    assert h.grad_fn is not None
+    (h @ head).sum().backward()
+    g = np.ones((4, 1)) @ head.numpy().astype(np.float64).T  # dL/dh
+    np.testing.assert_allclose(W.grad.numpy(), g.T @ x.numpy().astype(np.float64), rtol=1e-5)
+    with torch.no_grad():  # inference: no graph, and nothing written
+        W.zero_grad()
+        assert pydiff.ops.linear(x, W).grad_fn is None

@@ -1,0 +1,81 @@
+"""DLPack both ways: ``pydiff.from_dlpack`` of any producer (torch, CuPy, NumPy, JAX) and the
+``__dlpack__`` export of pydiff tensors (on CUDA a view of pydiff's own buffer through torch,
+elsewhere a host copy).
+
+    x = pydiff.from_dlpack(np.ones(3, np.float32))
+    t = torch.from_dlpack(x)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import tensor_methods
+from .creation import tensor as make_tensor
+from .device import Device
+from .tensor import Tensor
+from .torch_interop import FROM_TORCH, TO_TORCH, from_torch, shared_view, to_torch, torch_module
+
+#: DLPack's device types (dlpack.h's DLDeviceType).
+_DL_CPU, _DL_CUDA = 1, 2
+
+
+def _cuda_export(x: Tensor) -> bool:
+    if x.device.type != "cuda" or x.scalar_type not in TO_TORCH:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return False
+    return bool(torch.cuda.is_available())
+
+
+def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
+    if _cuda_export(x):
+        return shared_view(x).__dlpack__(stream=stream, **kwargs)
+    return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d
+
+
+def _dlpack_device(x: Tensor) -> tuple[int, int]:
+    return (_DL_CUDA, 0) if _cuda_export(x) else (_DL_CPU, 0)
+
+
+def from_dlpack(
+    obj: Any, *, device: Device | str | None = None, requires_grad: bool = False
+) -> Tensor:
+    """A pydiff tensor with the values of any DLPack producer (a torch or CuPy tensor, a NumPy
+    array, a JAX array). A CUDA producer's values are copied on the device when pydiff's
+    device is CUDA (SlangPy cannot wrap memory it did not allocate), else through the host.
+
+    >>> x = pydiff.from_dlpack(torch.arange(4.0, device="cuda"))
+    >>> y = pydiff.from_dlpack(np.ones(3, np.float32), requires_grad=True)
+    """
+    if not hasattr(obj, "__dlpack_device__"):
+        raise TypeError(
+            f"from_dlpack: obj must implement the DLPack protocol (__dlpack__ and "
+            f"__dlpack_device__), not {type(obj).__name__}"
+        )
+    if isinstance(obj, Tensor):
+        obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
+    if obj.__dlpack_device__()[0] != _DL_CPU:
+        return from_torch(
+            torch_module().from_dlpack(obj), device=device, requires_grad=requires_grad
+        )
+    arr = np.from_dlpack(obj)
+    if arr.dtype.name not in FROM_TORCH:
+        raise TypeError(
+            f"from_dlpack: values of dtype {arr.dtype.name} cannot be converted (accepted: "
+            f"{', '.join(FROM_TORCH)})"
+        )
+    return make_tensor(
+        arr, dtype=FROM_TORCH[arr.dtype.name], device=device, requires_grad=requires_grad
+    )
+
+
+tensor_methods.provide("__dlpack__", _dlpack)
+tensor_methods.provide("__dlpack_device__", _dlpack_device)
