@@ -285,12 +285,12 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def tangent(self) -> "Tensor | None":
-        """Forward mode: the tangent (directional derivative) of these values, or None.
-
-        ``.fwds`` reads it for inputs and fills it for outputs.
-        >>> x.with_tangent(np.ones(x.shape)); y, dy = m.f.fwds(x)
-        """
-        return self._tangent
+        """The tangent ``.fwds`` reads (and fills for outputs), or None; a reshape view without
+        its own follows its base's current one (``m.f.fwds(x.with_tangent(u))``)."""
+        own, base = self._tangent, self._base
+        if own is not None or base is None or base.tangent is None:
+            return own
+        return base.tangent.reshape(self.shape)
 
     def with_tangent(self, tangent: Any) -> "Tensor":
         """Attach a tangent (a pydiff.Tensor or host data of the same shape); returns self.
@@ -371,7 +371,7 @@ class Tensor(GradBuffers, TensorOperators):
                 view_of(g, shape, what)  # refused now if it cannot be viewed
         native = self._native.view(shape)  # () -> a 0-d view, kept as (1,) with shape ()
         view = Tensor(native, self._device, storage=self.storage, base=base)
-        return forward_trace.view_of(self, view, lambda t: t.reshape(shape))  # its tangent too
+        return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
 
     def copy_values(self) -> "Tensor":
         """A copy of the values in new storage, never recorded: no gradient path (``clone``).

@@ -237,4 +237,7 @@ def test_reshape_and_clone_keep_a_tangent_attached_by_hand(device):
         _, dy = m.f.fwds(2.0, view)
         np.testing.assert_allclose(dy.numpy(), expect, rtol=1e-6)
     assert x.reshape((2, 3)).tangent.storage is x.tangent.storage  # a view of it
+    view = x.reshape((2, 3))
+    x.with_tangent(2.0 * u)  # a view made before follows the base's new tangent
+    np.testing.assert_allclose(m.f.fwds(2.0, view)[1].numpy(), 2.0 * want.reshape(2, 3), rtol=1e-6)
     assert x.clone().tangent.storage is not x.tangent.storage  # a copy of it
