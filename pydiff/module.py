@@ -26,24 +26,9 @@ from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .signature import ParamInfo, Signature
 
-_LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
-
 
 def _compile_error(exc: Exception, display_name: str, hashed_name: str | None) -> SlangCompileError:
-    text = str(exc)
-    if hashed_name:
-        # SlangPy names source modules by a hash and prepends one line to their text.
-        text = re.sub(
-            r"\b[0-9a-f]{40}:(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text
-        )
-        text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
-    m = _LOCATION.search(text)
-    file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
-    where = f"{file}:{line}" if line else file
-    details = "\n".join(
-        ln for ln in text.splitlines() if ln.strip() and "compilation ceased" not in ln
-    )
-    return SlangCompileError(f"{where}: Slang compile error\n{details}", file=file, line=line)
+    return SlangCompileError.from_slang(str(exc), display_name, bool(hashed_name))
 
 
 class Module:
