@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import threading
 import weakref
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
+from .errors import kernel_compile_error
 from .fixed_point_grad import dummy_fields
 from .call_shape import (
     ElementAxesError,
@@ -372,6 +374,9 @@ def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     name shared with a Slang builtin); keep its head and say what to do."""
     if "createBuffer" in str(exc):  # SlangPy allocating a result or a temporary failed
         return allocation_failed(None, exc, f"{fn.label}: ")
+    text = str(exc)
+    if "RHI messages" in text and re.search(r"\b(?:internal )?error\[E\d+\]", text):
+        return kernel_compile_error(fn.label, fn.module.file, text)
     if type(exc).__name__ != "ResolveException":
         return exc
     lines = str(exc).splitlines()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import warnings
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _warned: set = set()
+_LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
 
 
 class PydiffError(Exception):
@@ -39,6 +41,58 @@ class SlangCompileError(PydiffError):
         super().__init__(message)
         self.file = file
         self.line = line
+
+    @classmethod
+    def from_slang(
+        cls,
+        text: str,
+        display_name: str,
+        hashed: bool,
+        what: str = "Slang compile error",
+        alias: str = "",
+    ) -> "SlangCompileError":
+        """From Slang's diagnostics ``text``; ``hashed``: the module was compiled from a
+        string, which SlangPy names by a 40-digit hash and prepends one line to (``alias``:
+        the name pydiff compiled a reloaded file under, likewise)."""
+        shifted = re.escape(alias) if alias else r"\b[0-9a-f]{40}" if hashed else ""
+        if shifted:
+            text = re.sub(
+                shifted + r":(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text
+            )
+            text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
+        if alias:
+            text = text.replace(os.path.splitext(os.path.basename(alias))[0], display_name)
+        m = _LOCATION.search(text)
+        file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
+        where = f"{file}:{line}" if line else file
+        details = "\n".join(
+            ln for ln in text.splitlines() if ln.strip() and "compilation ceased" not in ln
+        )
+        return cls(f"{where}: {what}\n{details}", file=file, line=line)
+
+
+def kernel_compile_error(label: str, file: str, text: str) -> SlangCompileError:
+    """A call's kernel failed to compile (Slang reports it only at dispatch, through
+    slang-rhi, naming source modules by a hash): the user's file and line, and what to do
+    for the known cases."""
+    text = text[text.index("RHI messages") :].split("\n", 1)[-1]
+    text = "\n".join(
+        ln
+        for ln in text.splitlines()
+        if "file an issue on GitHub" not in ln and not re.search(r"/src/sgl/.* in function", ln)
+    )
+    if "unrolling failed" in text:
+        text += (
+            "\nHint: a [ForceUnroll] loop must have a trip count Slang can tell at compile "
+            "time (for (int k = 0; k < 4; k++)); drop [ForceUnroll] or bound the loop."
+        )
+    elif "internal compiler error" in text:
+        text += (
+            "\nHint: Slang cannot build the derivative of the expression marked (a float '%' "
+            "is one: write a - b * no_diff(trunc(a / b)) instead, see docs/traps.md)."
+        )
+    what = f"Slang could not compile the kernel of {label}"
+    return SlangCompileError.from_slang(text, file, file.startswith("<"), what)
 
 
 class StaleGradientError(PydiffError, RuntimeError):

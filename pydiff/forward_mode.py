@@ -21,7 +21,7 @@ from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, check_device, fwd_tensor_struct, nested_tensors
 from .arguments import prepare_arguments, scratch
 from .call_shape import param_type
-from .errors import warn_once
+from .errors import ShaderTrapError, warn_once
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -263,6 +263,11 @@ def _split_pair(
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
     need_differentiable(fn, ".fwds")
+    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
+    if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
+        raise ShaderTrapError(
+            f"{fn.label}.fwds refused: Slang's derivative is wrong here:\n  " + "\n  ".join(wrong)
+        )
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)

@@ -8,8 +8,9 @@ function, using both kinds makes ``.bwds`` segfault in the Slang compiler; ``.lo
 with an index that is not integer scalars gives all-zero gradients; a loop condition reading
 ``t.shape`` hangs, and so does the compile of a backward that reads or writes one under a
 condition (an ``if`` branch, a ``?:`` arm) or uses one again after a subscript store
-(``t[i] = v; ... t[j]``). Concrete DiffTensor types have none of these
-problems.
+(``t[i] = v; ... t[j]``), and a read back after a ``.store`` or a helper's store gives
+wrong gradients (lint_readback). Concrete DiffTensor types have none of these problems.
+``pow`` with a negative base and ``fmod``'s divisor get derivative 0 (lint_math).
 
     findings = pydiff.lint.scan_source(open("layer.slang").read(), "layer.slang")
     for f in findings: print(f)          # layer.slang:12: in dense(): ...
@@ -22,12 +23,17 @@ from dataclasses import dataclass
 
 from .lint_flow import matching as _matching
 from .lint_flow import call_at, conditional_spans, do_while_break, promotions, while_break
+from .lint_reach import interface_holders, reached_kinds
+from .lint_math import FMOD_KIND, POW_KIND, POW_WARN_KIND, math_traps
+from .lint_readback import KIND as READBACK
+from .lint_readback import helper_effects, readback_message, store_then_read
 from .lint_macros import Defines, IncludeMacros, preprocess, unexpanded_message
 from .lint_macros import blank_comments_and_strings as _strip_comments
 from .lint_index import (
     VECTOR_ORDER,
     accesses,
     declared_index_types,
+    field_index_types,
     load_store_problem,
     scalar_form,
     show,
@@ -37,6 +43,7 @@ from .lint_index import (
 
 _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
+_VECTOR_EXTENSION = re.compile(r"\bextension\s+((?:float|half|double)[2-4])\s*[^{;]*\{")
 _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s*>")
 
 
@@ -53,7 +60,12 @@ class Finding:
     @property
     def refuses_bwds(self) -> bool:
         """Whether .bwds must be refused (a crash or wrong gradient), not only warned about."""
-        return self.kind != "vector-index-order"
+        return self.kind not in ("vector-index-order", POW_WARN_KIND)
+
+    @property
+    def wrong_jvp(self) -> bool:
+        """Whether forward mode (.fwds, jvp) gets the same wrong derivative rule."""
+        return self.kind in (POW_KIND, FMOD_KIND)
 
     @property
     def crashes_call(self) -> bool:
@@ -111,13 +123,24 @@ def scan_source(
     pre = preprocess(source, defines, include)
     src = _strip_comments(pre.text)
     findings: list[Finding] = []
-    for fn in _differentiable_functions(src):
+    fields = field_index_types(src)
+    functions = _differentiable_functions(src)
+    kinds: dict[str, dict[str, str]] = {}  # function -> index kind -> an access shown
+    vector_extensions = [
+        (m.end(), _matching(src, m.end() - 1, "{", "}") % (len(src) + 1), m.group(1))
+        for m in _VECTOR_EXTENSION.finditer(src)
+    ]
+    effects = helper_effects([(fn.name, fn.params, fn.body) for fn in functions])
+    for fn in functions:
         tensors: dict[str, int] = {}
+        read_write = []
         for p in fn.params:
             t = _INTERFACE_DIFF_TENSOR.search(p)
             words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
             if t and words:
                 tensors[words[-1]] = int(t.group(2))
+                if t.group(1) == "RW":
+                    read_write.append(words[-1])
         types = declared_index_types(fn.params, fn.body)
 
         def add(offset: int, kind: str, message: str) -> None:
@@ -129,7 +152,7 @@ def scan_source(
                 add(at - fn.body_offset, "macro-unexpanded", unexpanded_message(name, why))
         indexed = accesses(fn.body, tensors, types)
         for a in indexed:
-            why = load_store_problem(a, types) if a.op in ("load", "store") else None
+            why = load_store_problem(a, {**fields, **types}) if a.op in ("load", "store") else None
             if why:
                 fix = f"{a.tensor}[{scalar_form(a)}]" + (" = value" if a.op == "store" else "")
                 add(
@@ -168,6 +191,9 @@ def scan_source(
                 f"once, as the last use of '{a.tensor}', or declare the parameter as a "
                 "concrete DiffTensor/WDiffTensor",
             )
+        back = None if twice else store_then_read(fn.body, read_write, effects)
+        if back:
+            add(back[0], READBACK, readback_message(*back[1:]))
         for loop in re.finditer(r"\b(for|while)\s*\(", fn.body):
             close = _matching(fn.body, loop.end() - 1, "(", ")")
             header = fn.body[loop.end() : close]
@@ -203,10 +229,20 @@ def scan_source(
             found = do_while_break(fn.body, loop.end() - 1, set(types))
             if found:
                 add(found[0], "do-while-break", found[1])
-        for offset, message in promotions(fn.params, fn.body):
+        params = fn.params
+        vector_this = next((v for s, e, v in vector_extensions if s <= fn.body_offset < e), "")
+        if vector_this:  # 'k * this' inside 'extension float3' promotes k like 'k * v'
+            params = [*params, f"{vector_this} this"]
+        for offset, message in promotions(params, fn.body):
             add(offset, "scalar-vector-promotion", message)
+        ints = {n for n, t in types.items() if t in ("int", "uint")}
+        for offset, kind, message in math_traps(fn.body, ints):
+            add(offset, kind, message)
         scalar = [a for a in indexed if a.kind == "scalar"]
         array = [a for a in indexed if a.kind == "array"]
+        for a in reversed(indexed):
+            if a.kind:
+                kinds.setdefault(fn.name, {})[a.kind] = show(a)
         if scalar and array:
             first = array[0]
             uint_loop = any(
@@ -237,22 +273,45 @@ def scan_source(
                     f"prefer 'int[N]'",
                 )
                 break
+    findings += _mixed_through_calls(src, file, functions, kinds)
     findings += _struct_interface_tensors(src, file)
     return findings
 
 
-_STRUCT = re.compile(r"\bstruct\s+([A-Za-z_]\w*)[^{;]*\{")
-_INTERFACE_TENSOR = re.compile(r"\bI(?:RW|W)?(?:Diff)?Tensor\s*<")
+def _mixed_through_calls(
+    src: str, file: str, functions: list[_Function], kinds: dict[str, dict[str, str]]
+) -> list[Finding]:
+    """Both index kinds reached from one differentiable function, one of them only in a
+    function it calls (``h(w, int2(1, i)) + w[i, 0]``): .bwds segfaults as when both are in
+    one body, since the backward kernel compiles them together."""
+    reach = reached_kinds([(fn.name, fn.body) for fn in functions], kinds)
+    bodies = {fn.name: fn for fn in functions}
+    found = []
+    for name, k in reach.items():
+        own = kinds.get(name, {})
+        if "scalar" in k and "array" in k and not ("scalar" in own and "array" in own):
+            fn = bodies[name]
+            found.append(
+                Finding(
+                    file,
+                    _line_of(src, fn.body_offset),
+                    name,
+                    "mixed-index-kinds",
+                    f"'{k['array']}' (array/vector/uint index) and '{k['scalar']}' (integer "
+                    "scalar index) are both reached from this differentiable function, one "
+                    "through a function it calls: SlangPy 0.43 bwds crashes (segfault in the "
+                    "Slang compiler); index every interface tensor the same way: integer "
+                    "scalars (t[i], t[i, j]) everywhere, or int[N] arrays everywhere, in the "
+                    "helpers too; or use concrete DiffTensor parameters",
+                )
+            )
+    return found
 
 
 def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
     """Functions taking a struct with an interface tensor field (ITensor, IDiffTensor, ...):
     SlangPy 0.43 segfaults building any call of them, forward included."""
-    holders = []
-    for m in _STRUCT.finditer(src):
-        end = _matching(src, m.end() - 1, "{", "}")
-        if end > 0 and _INTERFACE_TENSOR.search(src[m.end() : end]):
-            holders.append(m.group(1))
+    holders = interface_holders(src)
     found = []
     for m in _ANY_FUNCTION.finditer(src) if holders else ():
         held = [h for h in holders if re.search(rf"\b{h}\b", m.group(3))]

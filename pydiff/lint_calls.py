@@ -29,6 +29,9 @@ _DERIVATIVE_OF = re.compile(r"\[\s*(BackwardDerivativeOf|ForwardDerivativeOf)\b"
 _DEF = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(")
 _BRACE = re.compile(r"\s*\{")
 _STRUCT = re.compile(r"\bstruct\s+([A-Za-z_]\w*)([^{;]*)\{")
+# an extension's methods are methods of the extended type ('extension float { ... }')
+_EXTENSION = re.compile(r"\bextension\s+([A-Za-z_]\w*(?:\s*<[^{;]*>)?)([^{;]*)\{")
+_NAMESPACE = re.compile(r"\bnamespace\s+([A-Za-z_]\w*)")
 _KEYWORDS = {"if", "for", "while", "switch", "return", "do", "else", "no_diff", "sizeof"}
 _FLOATY = re.compile(
     r"^(?:float|half|double)(?:[1-4](?:x[1-4])?)?$|^(?:vector|matrix)\s*<\s*(?:float|half|double)"
@@ -60,9 +63,9 @@ class _Def:
 @functools.lru_cache(maxsize=64)
 def _definitions(src: str) -> tuple[_Def, ...]:
     structs = []
-    for m in _STRUCT.finditer(src):
+    for m in (*_STRUCT.finditer(src), *_EXTENSION.finditer(src)):
         end = matching(src, m.end() - 1, "{", "}")
-        structs.append((m.end(), end if end > 0 else len(src), m.group(1)))
+        structs.append((m.end(), end if end > 0 else len(src), _type_name(m.group(1))))
     out = []
     for m in _DEF.finditer(src):
         if m.group(1) in _KEYWORDS or src[: m.start()].rstrip().endswith("."):
@@ -94,8 +97,17 @@ def _definitions(src: str) -> tuple[_Def, ...]:
     return tuple(out)
 
 
+def _type_name(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
 def _differentiable_structs(src: str) -> set[str]:
-    return {m.group(1) for m in _STRUCT.finditer(src) if "IDifferentiable" in m.group(2)}
+    out = {m.group(1) for m in _STRUCT.finditer(src) if "IDifferentiable" in m.group(2)}
+    for m in _EXTENSION.finditer(src):  # extension float { [mutating] ... }: writes a float
+        name = _type_name(m.group(1))
+        if _FLOATY.match(name) or name in out or "IDifferentiable" in m.group(2):
+            out.add(name)
+    return out
 
 
 def _type_of(param: str) -> tuple[str, str]:
@@ -160,12 +172,13 @@ def scan_source(text: str, file: str, writers: dict[str, list[Writer]]) -> list[
 @functools.lru_cache(maxsize=64)
 def _scan(text: str, file: str, writers: tuple[tuple[str, tuple[Writer, ...]], ...]) -> tuple:
     defs = _definitions(text)
+    namespaces = frozenset(_NAMESPACE.findall(text))
     findings = []
     for caller in (d for d in defs if _DIFF.search(d.attrs)):
         for name, ws in writers:
             at = call_at(caller.body, name)
             while at >= 0:
-                hit = _match(caller, defs, name, ws, at)
+                hit = _match(caller, defs, name, ws, at, namespaces)
                 if hit:
                     line = text.count("\n", 0, caller.body_at + at) + 1
                     findings.append(Finding(file, line, caller.name, KIND, _message(hit)))
@@ -175,7 +188,12 @@ def _scan(text: str, file: str, writers: tuple[tuple[str, tuple[Writer, ...]], .
 
 
 def _match(
-    caller: _Def, defs: tuple[_Def, ...], name: str, ws: list[Writer], at: int
+    caller: _Def,
+    defs: tuple[_Def, ...],
+    name: str,
+    ws: list[Writer],
+    at: int,
+    namespaces: frozenset[str] = frozenset(),
 ) -> Writer | None:
     body = caller.body
     paren = body.find("(", at + len(name))
@@ -183,10 +201,12 @@ def _match(
     n = len([a for a in split_top(body[paren + 1 : close]) if a.strip()]) if close > 0 else -1
     if re.search(r"\bno_diff\s*\(?\s*$", body[:at]):
         return None  # the author asked for no derivative
-    if not body[:at].rstrip().endswith("."):  # a free call, or a method of the caller's struct
+    recv = re.search(r"([A-Za-z_]\w*)\s*(?:\.|::)\s*$", body[:at])
+    if recv and recv.group(1) in namespaces:  # nn.stp(...), nn::stp(...): a free function
+        cands = [w for w in ws if not w.struct]
+    elif not body[:at].rstrip().endswith("."):  # free, or a method of the caller's struct
         cands = [w for w in ws if not w.struct or w.struct == caller.struct]
     else:
-        recv = re.search(r"([A-Za-z_]\w*)\s*\.\s*$", body[:at])
         struct = _receiver_type(recv.group(1), caller) if recv else None
         if struct is None and any(
             d.name == name and d.struct and _DIFF.search(d.attrs) for d in defs

@@ -291,9 +291,12 @@ def _statement_end(body: str, i: int) -> int:
 
 def conditional_spans(body: str) -> list[tuple[int, int, str]]:
     """(start, end, what) of the parts of ``body`` that run only under a condition that is
-    not a constant: the branches of ``if``/``else`` and ``switch``, the arms of ``?:``, and
-    everything after an ``if`` that can ``return``. Loop bodies are not counted."""
+    not a constant: the branches of ``if``/``else`` and ``switch``, the arms of ``?:``, the
+    right operand of a short-circuit ``&&``/``||`` (to the end of its expression),
+    everything after an ``if`` that can ``return``, and the rest of a loop's body after an
+    ``if`` that can ``continue`` or ``break``. Loop bodies themselves are not counted."""
     spans = []
+    loops = _loop_bodies(body)
     for m in re.finditer(r"\b(if|switch)\s*\(", body):
         close = matching(body, m.end() - 1, "(", ")")
         cond = body[m.end() : close].strip() if close > 0 else ""
@@ -303,13 +306,31 @@ def conditional_spans(body: str) -> list[tuple[int, int, str]]:
         spans.append((close + 1, end, f"'{m.group(1)} ({cond})'"))
         if m.group(1) == "if" and re.search(r"\breturn\b", body[close + 1 : end]):
             spans.append((end, len(body), f"the 'return' under 'if ({cond})'"))
-    for m in re.finditer(r"\?", body):
+        jump = re.search(r"\b(continue|break)\b", body[close + 1 : end])
+        inside = [e for s, e in loops if s <= m.start() < e]
+        if m.group(1) == "if" and jump and inside:
+            spans.append((end, min(inside), f"the '{jump.group(1)}' under 'if ({cond})'"))
+    for m in re.finditer(r"\?|&&|\|\|", body):
         depth, k = 0, m.end()
-        while k < len(body):  # the arms end where the expression does
+        while k < len(body):  # the arms (the right operand) end where the expression does
             depth += body[k] in "([{"
             depth -= body[k] in ")]}"
             if depth < 0 or (depth == 0 and body[k] in ";,"):
                 break
             k += 1
-        spans.append((m.end(), k, "a '?:'"))
+        spans.append((m.end(), k, "a '?:'" if m.group(0) == "?" else f"a '{m.group(0)}'"))
     return spans
+
+
+def _loop_bodies(body: str) -> list[tuple[int, int]]:
+    """(start, end) of every ``for``/``while``/``do`` loop, its header included."""
+    out = []
+    for m in re.finditer(r"\b(for|while)\s*\(", body):
+        close = matching(body, m.end() - 1, "(", ")")
+        if m.group(1) == "while" and body[close + 1 :].lstrip().startswith(";"):
+            continue  # the 'while' closing a do-loop: counted with its 'do'
+        out.append((m.start(), _statement_end(body, m.start())))
+    for m in re.finditer(r"\bdo\s*\{", body):
+        end = matching(body, m.end() - 1, "{", "}")
+        out.append((m.start(), end + 1 if end >= 0 else len(body)))
+    return out

@@ -27,6 +27,9 @@ _VECTOR_CTOR = re.compile(rf"^\s*({_INT}[1-4]|vector\s*<[^>]*>|{_INT}\s*\[\s*\w*
 VECTOR_ORDER = re.compile(rf"^\s*({_INT}[2-4]|vector\s*<[^>]*>)\s*\(")
 _IDENT = re.compile(r"^\s*([A-Za-z_]\w*)\s*$")
 _ELEMENT = re.compile(r"^\s*[A-Za-z_]\w*\s*\[[^\[\],]*\]\s*$")  # idx[0]: one int element
+_MEMBER = re.compile(r"[A-Za-z_][\w.\[\]]*\.\s*([A-Za-z_]\w*)\s*")
+_SWIZZLE = re.compile(r"[xyzw]{1,4}|[rgba]{1,4}")
+_STRUCT_BODY = re.compile(r"\bstruct\s+[A-Za-z_]\w*[^{;]*\{")
 _INT_CALLS = {"int", "uint", "min", "max", "clamp", "abs", "select", "asint", "asuint"}
 
 
@@ -62,6 +65,19 @@ def declared_index_types(params: list[str], body: str) -> dict[str, str]:
     for m in _VECTOR_LET.finditer(text):
         types[m.group(1)] = "vector"
     return types
+
+
+def field_index_types(src: str) -> dict[str, str]:
+    """'.field' -> 'int', 'uint', 'array' or 'vector', for the fields of the structs in
+    ``src`` (a field name declared with two types counts as its non-scalar one)."""
+    out: dict[str, str] = {}
+    for m in _STRUCT_BODY.finditer(src):
+        end = matching(src, m.end() - 1, "{", "}")
+        fields = declared_index_types([], src[m.end() : end] if end > 0 else "")
+        for name, kind in fields.items():
+            if out.get("." + name, kind) == kind or kind in ("array", "vector"):
+                out["." + name] = kind
+    return out
 
 
 def index_kind(args: list[str], dims: int, types: dict[str, str]) -> str | None:
@@ -144,6 +160,14 @@ def load_store_problem(a: Access, types: dict[str, str]) -> str | None:
         arg = arg[1:-1].strip()  # {i}: the scalar i
     if _IDENT.match(arg):
         return f"'{arg}', whose type the trap scanner cannot tell (not a declared int)"
+    member = _MEMBER.fullmatch(arg)
+    if member:  # idx.xy, s.idx: a swizzle or a field, scalar only where provably so
+        name = member.group(1)
+        if _SWIZZLE.fullmatch(name):
+            return None if len(name) == 1 else f"the vector swizzle '{arg}'"
+        if types.get("." + name) not in ("int", "uint"):
+            return f"the field '{arg}', which is not declared as an integer scalar"
+        return None
     for m in re.finditer(r"(?<![\w.])([A-Za-z_]\w*)\s*(\(|<)?", arg):
         name, call = m.group(1), m.group(2)
         if call and name not in _INT_CALLS:
@@ -198,7 +222,8 @@ def store_then_access(body: str, indexed: list[Access]) -> tuple[Access, str, st
     (``t[j] = w``, ``t.store(j, w)``) or passed to a function (``g(t, j)``). SlangPy 0.43
     bwds never finishes compiling it (memory grows by GBs). Measured right, so not reported:
     reads in the store's own statement (``t[i] = t[i] * t[i]``), ``t.shape``, a
-    ``t.store(...)`` or a helper's store followed by other accesses, and one subscript store
+    ``t.store(...)`` or a helper's store followed by other stores (a read back after one is
+    ``lint_readback``'s), and one subscript store
     as the tensor's last use."""
     for a in indexed:
         if a.op != "[]":

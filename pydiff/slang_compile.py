@@ -9,35 +9,19 @@ fresh alias for a reloaded file, and prepends a line), as a ``SlangCompileError`
 from __future__ import annotations
 
 import hashlib
-import re
-from pathlib import Path
 from typing import Any
 
 import slangpy as spy
 
 from .errors import SlangCompileError
 
-_LOCATION = re.compile(r"-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)")
-
 
 def compile_error(
     exc: Exception, display_name: str, hashed_name: str | None, alias: str = ""
 ) -> SlangCompileError:
-    text = str(exc)
-    # SlangPy names source modules by a hash (or pydiff by ``alias``, a reloaded file) and
-    # prepends one line to their text.
-    shifted = re.escape(alias) if alias else r"\b[0-9a-f]{40}" if hashed_name else ""
-    if shifted:
-        text = re.sub(shifted + r":(\d+)", lambda m: f"{display_name}:{int(m.group(1)) - 1}", text)
-        text = re.sub(r"(?m)^(\d+)( \|)", lambda m: f"{int(m.group(1)) - 1}{m.group(2)}", text)
-        text = text.replace(Path(alias).stem, display_name) if alias else text
-    m = _LOCATION.search(text)
-    file, line = (m.group("file"), int(m.group("line"))) if m else (display_name, None)
-    where = f"{file}:{line}" if line else file
-    details = "\n".join(
-        ln for ln in text.splitlines() if ln.strip() and "compilation ceased" not in ln
-    )
-    return SlangCompileError(f"{where}: Slang compile error\n{details}", file=file, line=line)
+    """SlangPy's compile error as a ``SlangCompileError`` naming ``display_name`` and the line
+    (``alias``: the fresh name a reloaded file was compiled under)."""
+    return SlangCompileError.from_slang(str(exc), display_name, bool(hashed_name), alias=alias)
 
 
 #: Sources that failed to compile, by (device, name, source digest): the Slang session keeps

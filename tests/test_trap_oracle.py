@@ -472,3 +472,100 @@ def test_macro_and_import_lint_matches_slangpy(case, tmp_path):
     outcome = _oracle("int idx", body, "3", _central(ref), prefix, str(tmp_path))
     assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
     assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"
+
+
+# breakA: trap spellings that got past the scan (short-circuit and continue reads hang, a
+# swizzled .load gives zeros, index kinds split across a call crash, pow with a negative base
+# and fmod's divisor get derivative 0), each next to the fix or look-alike that is right.
+# (id, params, body, shape, prefix, float64 expected dL/dx or "" for 2x)
+MIX_HELPER = "[Differentiable] float h(IDiffTensor<float, 1> t, int[1] at) { return t[at]; }"
+EVASION_CASES = [
+    (
+        "and-read",
+        "int idx",
+        "float a = x[idx]; bool ok = (idx >= 0) && (x[idx] > 0.0); "
+        "y[idx] = select(ok, a * a, a * a);",
+        "3",
+        "",
+        "",
+    ),
+    (
+        "bitand-read",
+        "int idx",
+        "float a = x[idx]; bool ok = (idx >= 0) & (x[idx] > 0.0); "
+        "y[idx] = select(ok, a * a, a * a);",
+        "3",
+        "",
+        "",
+    ),
+    (
+        "continue-then-read",
+        "int idx",
+        "float a = 0.0; [MaxIters(4)] for (int k = 0; k < 2; k++) "
+        "{ if (k > 0) continue; a += x[idx]; } y[idx] = a * a;",
+        "3",
+        "",
+        "",
+    ),
+    (
+        "load-swizzle",
+        "int[2] idx",
+        "int i = idx[0]; int j = idx[1]; int2 v = int2(j, i); float a = x.load(v.xy); "
+        "y[i, j] = a * a;",
+        "2,2",
+        "",
+        "",
+    ),
+    (
+        "load-swizzle-components",
+        "int[2] idx",
+        "int i = idx[0]; int j = idx[1]; int2 v = int2(j, i); float a = x.load(v.y, v.x); "
+        "y[i, j] = a * a;",
+        "2,2",
+        "",
+        "",
+    ),
+    (
+        "mixed-through-helper",
+        "int idx",
+        "int at[1] = { idx }; float a = h(x, at) * 0.5 + x[idx] * 0.5; y[idx] = a * a;",
+        "3",
+        MIX_HELPER,
+        "",
+    ),
+    (
+        "pow-negative",
+        "int idx",
+        "float a = x[idx] - 2.5; y[idx] = pow(a, 2.0);",
+        "3",
+        "",
+        "-3,-1,1",
+    ),
+    ("pow-fix", "int idx", "float a = x[idx] - 2.5; y[idx] = a * a;", "3", "", "-3,-1,1"),
+    ("fmod-divisor", "int idx", "y[idx] = fmod(7.5, x[idx]);", "3", "", "-7,-3,-2"),
+    (
+        "fmod-fix",
+        "int idx",
+        "float a = x[idx]; y[idx] = 7.5 - a * no_diff(trunc(7.5 / a));",
+        "3",
+        "",
+        "-7,-3,-2",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EVASION_CASES, ids=[c[0] for c in EVASION_CASES])
+def test_evasion_lint_matches_slangpy(case):
+    if "vulkan" not in pydiff.available_devices():
+        pytest.skip("the oracle runs on Vulkan")
+    _, params, body, shape, prefix, expected = case
+    dims = len(shape.split(","))
+    src = (
+        f"import slangpy;\n{prefix}\n[Differentiable]\nvoid f({params}, "
+        f"IDiffTensor<float, {dims}> x, IWDiffTensor<float, {dims}> y)\n{{\n{body}\n}}\n"
+    )
+    refused = bool(lint.affected_functions(src, lint.scan_source(src)).get("f"))
+    outcome = _oracle(params, body, shape, expected, prefix)
+    assert outcome.split()[0] in ("ok", "wrong", "crash", "hang"), outcome
+    assert refused == (outcome != "ok"), f"lint refused={refused}, SlangPy: {outcome}"

@@ -82,11 +82,6 @@ ALLOWED = [
         "y[i + 3] = x[i] * x[i]; y[i] = x[i]",
     ),
     (
-        "helper-store-then-read",
-        "putrw(d, i, x[i] * x[i]); y[i] = d[i + 3];",
-        "d[i] = x[i] * x[i]; y[i] = d[i + 3]",
-    ),
-    (
         "store-methods-two-elements",
         "float a = x[i]; y.store(i, a); y.store(i + 3, a * a);",
         "y[i] = x[i]; y[i + 3] = x[i] * x[i]",
@@ -95,11 +90,6 @@ ALLOWED = [
         "store-method-then-subscript-store",
         "float a = x[i]; y.store(i, a); y[i + 3] = a * a;",
         "y[i] = x[i]; y[i + 3] = x[i] * x[i]",
-    ),
-    (
-        "store-method-then-read-other",
-        "d.store(i, x[i] * x[i]); y[i] = d[i + 3];",
-        "d[i] = x[i] * x[i]; y[i] = d[i + 3]",
     ),
 ]
 
