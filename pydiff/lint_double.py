@@ -261,13 +261,16 @@ def double_calls(
                     guessed.add((name, line))
                 own.setdefault(name, []).append((line, m.group(1), name))
     result = {name: list(calls) for name, calls in own.items()}
+    called = [
+        (name, set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text[start:end])) - {name})
+        for name, _, start, end, _ in functions
+    ]
     changed = True
     while changed:  # callers inherit (matched by name, as the trap scan does)
         changed = False
-        for name, _, start, end, _ in functions:
-            for callee, calls in list(result.items()):
-                if callee == name or not re.search(rf"\b{callee}\s*\(", text[start:end]):
-                    continue
+        for name, callees in called:
+            for callee in callees & result.keys():
+                calls = result[callee]
                 for call in calls:
                     if call not in result.setdefault(name, []):
                         result[name].append(call)
