@@ -86,7 +86,8 @@ def argument(name: str) -> str:
 def findings(device: Any, source: str, file: str) -> list[Finding]:
     """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
     computes wrong on doubles; the device is measured only when some function calls one."""
-    calls = double_calls(source)
+    guessed: set[tuple[str, int]] = set()
+    calls = double_calls(source, guessed)
     if not calls:
         return []
     broken = broken_intrinsics(device)
@@ -96,6 +97,14 @@ def findings(device: Any, source: str, file: str) -> list[Finding]:
             if name not in broken:
                 continue
             via = "" if origin == function else f" (in {origin}(), which it calls)"
+            guess = (
+                "; the argument's type could not be inferred (a call of a generic or imported "
+                "function, a let/var local set from one, a struct's member) and counts as a "
+                "double in a function that uses doubles: if it is a float, give it its type "
+                "(float y = ..., or float(...) around it)"
+                if (origin, line) in guessed
+                else ""
+            )
             found.append(
                 Finding(
                     file,
@@ -106,7 +115,7 @@ def findings(device: Any, source: str, file: str) -> list[Finding]:
                     f"({device.adapter_name}: {name}({argument(name)}) gave {broken[name]!r}, "
                     f"not {expected(name)!r}; Vulkan defines it for 16/32-bit floats only). "
                     f"Compute it in float (double({name}(float(x))), float precision) or with "
-                    "a series of your own in double",
+                    f"a series of your own in double{guess}",
                 )  # fmt: skip
             )
     return found

@@ -4,8 +4,12 @@ SPIR-V's GLSL.std.450 defines sin, exp, log, pow, ... for 16- and 32-bit floats 
 emits them on doubles all the same, and Mesa's lavapipe returns 0, 1 or denormal garbage for
 them (sqrt, fma, floor, ... are right). Which intrinsics a device gets wrong is measured once
 per device (``pydiff.double_math``); this scan finds where a function calls one of them on a
-double: an argument naming a ``double`` parameter or local, a ``double(...)`` cast or a double
-literal (``1.0l``), outside ``float(...)``/``half(...)`` conversions. Callers inherit it.
+double: an argument naming a ``double`` parameter, local or global, a ``double(...)`` cast, a
+double literal (``1.0l``) or a call of a module function declared to return a double, outside
+``float(...)``/``int(...)`` conversions and calls of functions returning float. ``let``/``var``
+locals take their initialiser's type; in a function that uses doubles, a value whose type the
+scan cannot infer (a generic's or an imported function's result) counts as a double: a false
+refusal says so, a wrong value would not. Callers inherit it.
 
     calls = double_calls(source)     # {function: [(line, "sin", function calling it), ...]}
 """
@@ -47,23 +51,15 @@ def _closing(text: str, open_at: int) -> int:
     return len(text)
 
 
-def _functions(text: str) -> list[tuple[str, str, int, int]]:
-    """(name, parameter text, body start, body end) of each function definition."""
+def _functions(text: str) -> list[tuple[str, str, int, int, int]]:
+    """(name, parameter text, body start, body end, name start) of each function definition."""
     found = []
     for m in _FUNCTION.finditer(text):
         if m.group(1) in _KEYWORDS:
             continue
         brace = m.end() - 1
-        found.append((m.group(1), m.group(2), brace, _closing(text, brace)))
+        found.append((m.group(1), m.group(2), brace, _closing(text, brace), m.start(1)))
     return found
-
-
-def _without_narrowing(arg: str) -> str:
-    """``arg`` with its ``float(...)``/``half(...)`` conversions cut out (computed in float)."""
-    while (m := _NARROWING.search(arg)) is not None:
-        end = _closing(arg, m.end() - 1)
-        arg = arg[: m.start()] + arg[end + 1 :]
-    return arg
 
 
 def _double_names(text: str) -> set[str]:
@@ -74,31 +70,207 @@ def _double_names(text: str) -> set[str]:
     return names
 
 
-def double_calls(source: str) -> dict[str, list[tuple[int, str, str]]]:
+_TYPE = r"[A-Za-z_]\w*(?:\s*<(?:[^<>;{}()]|<[^<>;{}()]*>)*>)?"
+_MODIFIERS = r"(?:(?:in|out|inout|const|static|no_diff|uniform|groupshared|precise)\s+)*"
+#: ``TYPE name`` declarations (parameters, locals, globals, fields), more declarators after.
+_DECL = re.compile(
+    r"(?:^|[(,;{}])\s*" + _MODIFIERS + r"(" + _TYPE + r")\s+([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)?"
+    r"((?:(?:=[^,;)]*)?,\s*[A-Za-z_]\w*)*)\s*(?=[=,;)\[:])"
+)
+#: ``let y = ...`` / ``var y : T = ...``: the type comes from the annotation or the initialiser.
+_LET = re.compile(r"\b(?:let|var)\s+([A-Za-z_]\w*)\s*(?::\s*(" + _TYPE + r"))?\s*=([^;]*)")
+_DOUBLE_TYPE = re.compile(r"\b(?:double[234]?(?:x[234])?|float64_t)\b")
+_OTHER_TYPE = re.compile(
+    r"\b(?:(?:float|half|int|uint|bool)[234]?(?:x[234])?|u?int(?:8|16|32|64)_t|float(?:16|32)_t|"
+    r"void)\b"
+)
+_NOT_TYPES = _KEYWORDS | {"let", "var", "case", "goto", "typedef", "typealias", "import"}
+_IGNORED = {"true", "false", "vector", "matrix", "sizeof", "no_diff", "detach"}
+#: Intrinsics whose result has their arguments' type (the arguments are looked at).
+_PASSTHROUGH = set(
+    "abs min max clamp lerp saturate floor ceil round trunc frac fma mad sign dot length "
+    "distance normalize cross select step smoothstep reflect refract mul transpose "
+    "determinant copysign rcp degrees radians".split()
+)
+_RETURN_TYPE = re.compile(r"(" + _TYPE + r")\s*$")
+
+
+def _type_kind(type_text: str) -> str:
+    """'double', 'other' (a float/int/bool type or a container of one) or 'unknown'."""
+    if _DOUBLE_TYPE.search(type_text) or re.search(r"\bvector\s*<\s*double|\bmatrix\s*<\s*double",
+                                                   type_text):  # fmt: skip
+        return "double"
+    return "other" if _OTHER_TYPE.search(type_text) else "unknown"
+
+
+def _declared(text: str) -> dict[str, str]:
+    """name -> kind of each name declared with an explicit type in ``text``."""
+    kinds: dict[str, str] = {}
+    for m in _DECL.finditer(text):
+        if m.group(1) in _NOT_TYPES or m.group(2) in _NOT_TYPES:
+            continue
+        kind = _type_kind(m.group(1))
+        for name in (m.group(2), *re.findall(r",\s*([A-Za-z_]\w*)", m.group(3) or "")):
+            kinds[name] = "double" if "double" in (kind, kinds.get(name)) else kind
+    for name in _double_names(text):  # the declarator forms the generic pattern misses
+        kinds[name] = "double"
+    return kinds
+
+
+def _return_kinds(text: str, functions: list) -> dict[str, str]:
+    """Function name -> kind of its declared return type ('double' if any overload is)."""
+    kinds: dict[str, str] = {}
+    for name, _, start, _end, name_at in functions:
+        m = _RETURN_TYPE.search(text[max(0, name_at - 200) : name_at])
+        kind = _type_kind(m.group(1)) if m and m.group(1) not in _NOT_TYPES else "unknown"
+        old = kinds.get(name)
+        kinds[name] = kind if old in (None, kind) else ("double" if "double" in (old, kind)
+                                                        else "unknown")  # fmt: skip
+    return kinds
+
+
+class _Scope:
+    """What the scan knows of one function's names and the module's functions."""
+
+    def __init__(self, names: dict[str, str], returns: dict[str, str]) -> None:
+        self.names = names
+        self.returns = returns
+        self.intrinsics = set(UNARY) | set(BINARY) | _PASSTHROUGH
+        self.uses_double = False
+        self.guessed: set[str] = set()  # let/var locals counted as double for want of a type
+
+    def kind(self, expr: str) -> str:
+        """'double' if ``expr`` may hold a double, 'other' if it cannot, 'unknown'."""
+        expr = self._without_narrowing(expr)
+        if _DOUBLE_LITERAL.search(expr):
+            return "double"
+        unknown = False
+        for m in re.finditer(r"(\.\s*)?\b([A-Za-z_]\w*)\s*(\(|<[^<>;]*>\s*\()?", expr):
+            word, call = m.group(2), m.group(3)
+            if m.group(1) or word in _IGNORED or word in _KEYWORDS:
+                continue  # a member (its object is seen) or a keyword
+            if _type_kind(word) != "unknown":  # a type: a conversion or a template argument
+                if _type_kind(word) == "double":
+                    return "double"
+                continue
+            if call:
+                kind = self.returns.get(word)
+                if kind == "double":
+                    return "double"
+                if kind == "unknown" or (kind is None and word not in self.intrinsics):
+                    unknown = True  # a function of another module, a method: its type unseen
+                continue
+            kind = self.names.get(word, "unknown")
+            if kind == "double":
+                return "double"
+            unknown = unknown or kind == "unknown"
+        return "unknown" if unknown else "other"
+
+    def _without_narrowing(self, expr: str) -> str:
+        """``expr`` with calls whose result is surely not a double cut out: float/int/...
+        conversions and functions of the module declared to return such a type."""
+        pos = 0
+        while (m := re.compile(r"\b([A-Za-z_]\w*)\s*\(").search(expr, pos)) is not None:
+            word = m.group(1)
+            narrowing = _NARROWING.match(m.group(0)) or re.match(r"(?:u?int|bool)[234]?$", word)
+            if narrowing or self.returns.get(word) == "other":
+                end = _closing(expr, m.end() - 1)
+                expr = expr[: m.start()] + " 0 " + expr[end + 1 :]
+                pos = m.start() + 3
+            else:
+                pos = m.end()
+        return expr
+
+
+def _globals(text: str, functions: list, returns: dict[str, str]) -> dict[str, str]:
+    """Kinds of the names declared outside function definitions (globals, struct fields) and
+    of ``#define``d constants (by their body); function-like macros go into ``returns``
+    (their arguments are looked at, as an intrinsic's are)."""
+    outside = list(text)
+    for _, _, _, end, name_at in functions:
+        outside[name_at : end + 1] = " " * (end + 1 - name_at)
+    kinds = _declared("".join(outside))
+    define = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)\b(\()?([^\n]*)", re.M)
+    for m in define.finditer(text):
+        double = _DOUBLE_LITERAL.search(m.group(3)) is not None
+        if m.group(2):
+            returns[m.group(1)] = "double" if double else "passthrough"
+        else:
+            kinds[m.group(1)] = "double" if double else "other"
+    return kinds
+
+
+def _scope(text: str, params: str, body: str, base: dict[str, str], returns: dict) -> _Scope:
+    """The function's names with their kinds; ``let``/``var`` locals get their initialiser's
+    kind, through chains of them. In a function that uses doubles, a local whose type the
+    scan cannot infer counts as a double: a false refusal says so, a wrong value would not."""
+    scope = _Scope({**base, **_declared(params + ";" + body)}, returns)
+    uses_double = scope.kind(params + ";" + body) == "double"
+    lets = list(_LET.finditer(body))
+    for _ in range(len(lets) + 1):  # each round settles at least one more link of a chain
+        changed = False
+        for m in lets:
+            kind = _type_kind(m.group(2)) if m.group(2) else scope.kind(m.group(3))
+            if kind == "unknown" and uses_double:
+                kind = "double"
+                scope.guessed.add(m.group(1))
+            uses_double = uses_double or kind == "double"
+            if scope.names.get(m.group(1)) != kind:
+                scope.names[m.group(1)] = kind
+                changed = True
+        if not changed:
+            break
+    scope.uses_double = uses_double
+    return scope
+
+
+def _guess(scope: _Scope, arg: str) -> bool:
+    """Whether ``arg`` is a double only through locals whose type was guessed."""
+    if not scope.guessed:
+        return False
+    known = scope.names
+    scope.names = {k: ("unknown" if k in scope.guessed else v) for k, v in known.items()}
+    try:
+        return scope.kind(arg) != "double"
+    finally:
+        scope.names = known
+
+
+def double_calls(
+    source: str, guessed: set[tuple[str, int]] | None = None
+) -> dict[str, list[tuple[int, str, str]]]:
     """Per function: (line, intrinsic, function calling it) of each intrinsic it calls with a
-    double argument, or reaches through the functions it calls."""
+    double argument, or reaches through the functions it calls. ``guessed`` gets the
+    (function, line) of calls counted as double only because a type could not be inferred."""
     text = blank_comments_and_strings(source)
     functions = _functions(text)
+    returns = _return_kinds(text, functions)
+    base = _globals(text, functions, returns)
     intrinsic = re.compile(r"\b(" + "|".join((*UNARY, *BINARY)) + r")\s*\(")
     own: dict[str, list[tuple[int, str, str]]] = {}
-    for name, params, start, end in functions:
+    for name, params, start, end, _ in functions:
         body = text[start:end]
-        doubles = _double_names(params + ";" + body)
+        scope = _scope(text, params, body, base, returns)
         for m in intrinsic.finditer(body):
             close = _closing(body, m.end() - 1)
-            arg = _without_narrowing(body[m.end() : close])
-            words = set(re.findall(r"[A-Za-z_]\w*", arg))
-            if words & doubles or _DOUBLE_LITERAL.search(arg):
+            arg = body[m.end() : close]
+            kind = scope.kind(arg)
+            if kind == "double" or (kind == "unknown" and scope.uses_double):
                 line = text.count("\n", 0, start + m.start()) + 1
+                if guessed is not None and (kind == "unknown" or _guess(scope, arg)):
+                    guessed.add((name, line))
                 own.setdefault(name, []).append((line, m.group(1), name))
     result = {name: list(calls) for name, calls in own.items()}
+    called = [
+        (name, set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text[start:end])) - {name})
+        for name, _, start, end, _ in functions
+    ]
     changed = True
     while changed:  # callers inherit (matched by name, as the trap scan does)
         changed = False
-        for name, _, start, end in functions:
-            for callee, calls in list(result.items()):
-                if callee == name or not re.search(rf"\b{callee}\s*\(", text[start:end]):
-                    continue
+        for name, callees in called:
+            for callee in callees & result.keys():
+                calls = result[callee]
                 for call in calls:
                     if call not in result.setdefault(name, []):
                         result[name].append(call)

@@ -102,3 +102,76 @@ def test_scan_sees_double_arguments_only():
     assert calls["b"] == [(3, "sin", "b")]
     assert calls["g"] == [(3, "sin", "b")]
     assert [c[1] for c in calls["c"] + calls["d"] + calls["f"]] == ["exp", "log", "pow"]
+
+
+# Locals typed by inference and doubles returned by calls (F2b): these gave 7.65e-315, -43.67
+# and 0.0 on lavapipe, silently, before the scan inferred their types.
+INFERRED = {  # function -> (source, first argument, float64 reference of the value)
+    "let_local": ("double let_local(double x) { let y = x; return exp(y); }", np.exp),
+    "var_local": ("double var_local(double x) { var y = x; return log(y); }", np.log),
+    "let_in_float_fn": (
+        "[Differentiable] float let_in_float_fn(float x) "
+        "{ let d = double(x); let e = exp(d); return float(e); }",
+        np.exp,
+    ),
+    "call_result": ("float call_result(float x) { return float(exp(twice(x))); }",
+                    lambda x: np.exp(2 * x)),
+}  # fmt: skip
+INFERRED_SOURCE = "double twice(double x) { return x * 2.0l; }\n" + "\n".join(
+    src for src, _ in INFERRED.values()
+)
+
+
+def test_inferred_double_locals_and_call_results_are_refused_or_right(device):
+    from pydiff.double_math import broken_intrinsics
+
+    broken = broken_intrinsics(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = pydiff.load_module_from_source("dinfer", INFERRED_SOURCE, device)
+    x = np.array([0.3741, 0.8])
+    for line, (name, (src, ref)) in enumerate(INFERRED.items(), start=2):
+        intrinsic = "log" if "log(" in src else "exp"
+        if intrinsic in broken:
+            with pytest.raises(ShaderTrapError, match=rf"<dinfer>:{line}: in {name}\(\)"):
+                getattr(m, name)(x, _result="numpy")
+        else:
+            got = getattr(m, name)(x, _result="numpy")
+            np.testing.assert_allclose(got, ref(x), rtol=1e-6, err_msg=name)
+    # .bwds is refused before it runs: no gradient is written
+    t = pydiff.tensor(x, requires_grad=True, device=device)
+    if "exp" in broken:
+        with pytest.raises(ShaderTrapError, match=r"<dinfer>:4: in let_in_float_fn\(\)"):
+            m.let_in_float_fn.bwds(t, _result=1.0)
+        assert t.grad is None or not np.any(t.grad.numpy())
+    else:
+        m.let_in_float_fn.bwds(t, _result=1.0)
+        np.testing.assert_allclose(t.grad.numpy(), np.exp(x), rtol=1e-5)
+
+
+def test_scan_infers_let_var_and_call_result_types():
+    src = """
+    double twice(double x) { return x * 2.0l; }
+    float half_of(float x) { return x * 0.5; }
+    T same<T : __BuiltinFloatingPointType>(T x) { return x; }
+    double a(double x) { let y = x; return exp(y); }
+    float b(float x) { let d = double(x); var e = d * 3.0; let f = e; return float(sin(f)); }
+    float c(float x) { return float(exp(twice(x))); }
+    float d(float x) { let y : double = x; return float(cos(y)); }
+    float e(float x) { double d = x; let y = same(x); return exp(y) + float(d); }
+    float f(float x) { double d = x; let y = x * 2.0; return exp(y) + float(d); }
+    float g(float x) { double d = x; let y = half_of(x); return exp(max(y, 1.0)) + float(d); }
+    float h(float x) { let y = float(twice(x)); return exp(y); }  // exp(twice(x)) in a comment
+    double i(double x) { return double(sin(float(x))); }
+    float j(float x) { let y = same(x); return exp(y); }
+    """
+    guessed: set = set()
+    calls = double_calls(src, guessed)
+    assert {k: [c[:2] for c in v] for k, v in calls.items()} == {
+        "a": [(5, "exp")],
+        "b": [(6, "sin")],
+        "c": [(7, "exp")],
+        "d": [(8, "cos")],
+        "e": [(9, "exp")],  # a generic's result beside doubles: refused, said to be a guess
+    }
+    assert guessed == {("e", 9)}
