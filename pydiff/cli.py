@@ -113,6 +113,7 @@ def _cache(args: argparse.Namespace) -> int:
     from . import compile_cache
     from .info import format_cache
 
+    compile_cache.max_bytes()  # a bad PYDIFF_CACHE_MAX_MB stops `clear` too, before it removes
     if args.action == "clear":
         removed = compile_cache.clear()
         where = compile_cache.root()
@@ -140,7 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="check only these functions (--function a b, or repeated)",
     )
     check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
-    check.add_argument("--seed", type=int, default=0, help="random seed of the sample points")
+    check.add_argument(
+        "--seed", type=_number(0, whole=True), default=0, help="random seed of the sample points"
+    )
     check.add_argument(
         "--points",
         type=_number(1, whole=True),

@@ -123,6 +123,7 @@ def test_check_json_is_strict_and_nan_gradients_fail(device):
         (("check", "tests/shaders/check_wrong.slang", "--rtol", "-1"), 2, "--rtol: '-1'"),
         (("check", "tests/shaders/check_wrong.slang", "--points", "0"), 2, "--points: '0'"),
         (("check", "tests/shaders/check_wrong.slang", "--points", "2.5"), 2, "not a whole"),
+        (("check", "tests/shaders/check_wrong.slang", "--seed", "-1"), 2, "--seed: '-1'"),
     ],
 )
 def test_check_errors_are_messages_not_tracebacks(device, args, code, message):
@@ -185,12 +186,14 @@ def test_check_lists_generic_functions_and_takes_several_names(device, tmp_path)
 
 
 @pytest.mark.parametrize(
-    "command", [("info",), ("cache",), ("check", "tests/shaders/check_none.slang")]
+    "command",
+    [("info",), ("cache",), ("cache", "clear"), ("check", "tests/shaders/check_none.slang")],
 )
-def test_a_bad_switch_is_one_line_and_exit_2(device, command):
+def test_a_bad_switch_is_one_line_and_exit_2(device, command, tmp_path):
     if device.type != "vulkan":
         pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
-    env = {**os.environ, "PYDIFF_CACHE_MAX_MB": "abc"}
+    # (a cache of its own: `cache clear` must stop before removing anything, but if not...)
+    env = {**os.environ, "PYDIFF_CACHE_MAX_MB": "abc", "PYDIFF_CACHE_DIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-m", "pydiff", *command],
         capture_output=True,
