@@ -197,7 +197,7 @@ def scalar_form(a: Access) -> str:
 _ASSIGN_AFTER = re.compile(r"\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)")
 
 
-def _statement_stop(body: str, i: int) -> int:
+def statement_stop(body: str, i: int) -> int:
     """The offset of the ``;`` (or the closing brace) ending the statement around ``i``."""
     depth = 0
     for k in range(i, len(body)):
@@ -208,10 +208,10 @@ def _statement_stop(body: str, i: int) -> int:
     return len(body)
 
 
-def _statement(body: str, at: int) -> str:
+def statement(body: str, at: int) -> str:
     """The statement around offset ``at``, whitespace collapsed, at most 60 characters."""
     start = max(body.rfind(c, 0, at) for c in ";{}") + 1
-    text = " ".join(body[start : _statement_stop(body, start)].split())
+    text = " ".join(body[start : statement_stop(body, start)].split())
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -232,7 +232,7 @@ def store_then_access(body: str, indexed: list[Access]) -> tuple[Access, str, st
         if close < 0 or not _ASSIGN_AFTER.match(body, close + 1):
             continue
         use = re.compile(rf"(?<![\w.]){a.tensor}\b(?!\s*\.\s*(?!load\b|store\b)\w)")
-        later = use.search(body, _statement_stop(body, close + 1))
+        later = use.search(body, statement_stop(body, close + 1))
         if later:
-            return a, _statement(body, a.offset), _statement(body, later.start())
+            return a, statement(body, a.offset), statement(body, later.start())
     return None

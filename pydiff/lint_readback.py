@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from .lint_flow import matching
-from .lint_index import split_top
+from .lint_index import split_top, statement, statement_stop
 
 KIND = "interface-store-then-read"
 _ASSIGN = re.compile(r"\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)")
@@ -98,22 +98,6 @@ def helper_effects(functions: list[tuple[str, list[str], str]]) -> dict[str, lis
     return effects
 
 
-def _statement_end(body: str, i: int) -> int:
-    depth = 0
-    for k in range(i, len(body)):
-        depth += body[k] in "([{"
-        depth -= body[k] in ")]}"
-        if depth < 0 or (body[k] == ";" and depth == 0):
-            return k
-    return len(body)
-
-
-def _shown(body: str, at: int) -> str:
-    start = max(body.rfind(c, 0, at) for c in ";{}") + 1
-    text = " ".join(body[start : _statement_end(body, start)].split())
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def store_then_read(
     body: str, tensors: list[str], effects: dict[str, list[frozenset]]
 ) -> tuple[int, str, str, str] | None:
@@ -126,10 +110,10 @@ def store_then_read(
         first = next((e for e in events if e[1] == "write"), None)
         if first is None:
             continue
-        stop = _statement_end(body, first[0])
+        stop = statement_stop(body, first[0])
         later = next((e for e in events if e[1] == "read" and e[0] > stop), None)
         if later:
-            return first[0], name, _shown(body, first[0]), _shown(body, later[0])
+            return first[0], name, statement(body, first[0]), statement(body, later[0])
     return None
 
 
