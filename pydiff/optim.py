@@ -208,6 +208,9 @@ class Optimizer:
     def _make_state(self) -> None:
         """Every parameter's state, made on the first step (also for parameters it skips: a
         captured step can then update any of them)."""
+        names = self._buffers
+        if all(name in st for st in self.state for name in names):
+            return  # (every later step: one pass, no call per buffer)
         for k in range(len(self.params)):
             for name in self._buffers:
                 self._buffer(k, name)
