@@ -12,8 +12,8 @@ ROOT = Path(__file__).parent.parent
 SHADERS = Path(__file__).parent / "shaders"
 
 
-def pydiff_cli(*args: str, device=None):
-    env = dict(os.environ)
+def pydiff_cli(*args: str, device=None, **variables: str):
+    env = {**os.environ, **variables}
     if device is not None:
         env["PYDIFF_DEVICE"] = device.type
     return subprocess.run(
@@ -193,15 +193,7 @@ def test_a_bad_switch_is_one_line_and_exit_2(device, command, tmp_path):
     if device.type != "vulkan":
         pytest.skip("the parsing is the same on every backend; checked once, on Vulkan")
     # (a cache of its own: `cache clear` must stop before removing anything, but if not...)
-    env = {**os.environ, "PYDIFF_CACHE_MAX_MB": "abc", "PYDIFF_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "pydiff", *command],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env=env,
-    )
+    out = pydiff_cli(*command, PYDIFF_CACHE_MAX_MB="abc", PYDIFF_CACHE_DIR=str(tmp_path))
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == (
         f"pydiff {command[0]}: PYDIFF_CACHE_MAX_MB='abc': expected a positive number of MB "
@@ -214,14 +206,6 @@ def test_cache_says_when_its_folder_is_a_file(device, tmp_path):
         pytest.skip("checked once, on Vulkan")
     not_a_folder = tmp_path / "cache"
     not_a_folder.write_text("x")
-    env = {**os.environ, "PYDIFF_CACHE_DIR": str(not_a_folder), "PYDIFF_CACHE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "pydiff", "cache"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env=env,
-    )
+    out = pydiff_cli("cache", PYDIFF_CACHE_DIR=str(not_a_folder), PYDIFF_CACHE="1")
     assert out.returncode == 0, out.stderr
     assert f"{not_a_folder}: not a folder" in out.stdout
