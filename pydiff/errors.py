@@ -31,7 +31,11 @@ class OpenFileLimitError(PydiffError, OSError):
     """A buffer could not be allocated because the process is at its open-file limit
     (``RLIMIT_NOFILE``; on lavapipe every device buffer holds a file descriptor). ``errno``
     is ``EMFILE``, as the operating system's own error; the message gives the count and the
-    limit and what to do."""
+    limit and what to do.
+
+    >>> try: kept.append(pydiff.zeros(4))
+    ... except pydiff.OpenFileLimitError: pydiff.empty_cache()
+    """
 
 
 class SlangCompileError(PydiffError):
@@ -132,7 +136,11 @@ class GradientOverflowError(PydiffError, OverflowError):
 
 class EnvironmentSettingError(PydiffError, ValueError):
     """A ``PYDIFF_*`` environment variable holds a value pydiff does not take (the message
-    names the variable and the values it takes)."""
+    names the variable and the values it takes).
+
+    >>> os.environ["PYDIFF_FLOAT4_STORES"] = "off"; pydiff.create_device("vulkan")
+    EnvironmentSettingError: PYDIFF_FLOAT4_STORES='off': expected one of auto, paired, float4
+    """
 
 
 class ShaderTrapWarning(UserWarning):
@@ -142,7 +150,11 @@ class ShaderTrapWarning(UserWarning):
 class TapeReuseWarning(UserWarning):
     """A ``Tape`` that ran a backward and kept its recording (``retain_graph=True``, the
     default) records again: the old records and their tensors stay alive, and grow with
-    every step of a loop that reuses it."""
+    every step of a loop that reuses it.
+
+    >>> with tape: ...; tape.backward(loss)     # then, next step: with pydiff.Tape() as tape:
+    >>> warnings.simplefilter("error", pydiff.TapeReuseWarning)   # make it an error in tests
+    """
 
 
 class CacheWarning(UserWarning):
