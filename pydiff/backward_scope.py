@@ -88,9 +88,11 @@ class BackwardScope:
         key = id(grad.storage)
         if key in self._seen:
             return
-        self.check_stale(owner, grad, owner_desc)
+        policy = owner.zero_policy or get_zero_policy()
+        if policy is ZeroPolicy.STRICT:
+            self.check_stale(owner, grad, owner_desc)
         self._seen.add(key)
-        if (owner.zero_policy or get_zero_policy()) is ZeroPolicy.RESET:
+        if policy is ZeroPolicy.RESET:
             self.flush()
             grad.zero_()
         self._written.append(grad)

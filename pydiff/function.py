@@ -222,10 +222,11 @@ class Function:
         device = inputs[0][1].device if inputs else None
         outputs = own_outputs(cls, items, inputs, device)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
+        marked = ctx.marked if ctx.non_differentiable else lambda _: False
         constant = {
             k
             for k, (item, o) in enumerate(zip(items, outputs))
-            if not o.differentiable or ctx.marked(item) or ctx.marked(o)
+            if not o.differentiable or marked(item) or marked(o)
         }
         outputs = tuple(
             o.detach() if k in constant and o.requires_grad else o for k, o in enumerate(outputs)
@@ -243,6 +244,7 @@ class Function:
                     # Zeroed by the backward in its own command list (or when read first).
                     o.requires_grad_(True, zero_later=True)
             saved = ctx.saved_versions  # an input's values as saved: forward may write it after
+            saved_ids = {id(t.storage) for t in ctx.saved_tensors if isinstance(t, Tensor)}
             reads: list = [
                 (
                     f"input {k} of {name}"
@@ -255,7 +257,7 @@ class Function:
             reads += [  # outputs the backward reads (the inputs are read anyway)
                 (f"output {k} of {name}, saved for its backward,", o)
                 for k, o in enumerate(outputs)
-                if any(isinstance(t, Tensor) and t.storage is o.storage for t in ctx.saved_tensors)
+                if id(o.storage) in saved_ids
             ]
 
             def run_backward(entry: Any) -> None:
