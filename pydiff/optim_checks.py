@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+
+from .tensor import Tensor
 
 # Each hyper-parameter's rule, as torch.optim checks it (its NaN slips through `not 0 <= x`
 # only where torch's does not: every value here must be finite as well).
@@ -25,20 +28,38 @@ _RULES = {
 }
 
 
+def _host_values(value: Any) -> np.ndarray | None:
+    """The values of an array or tensor (NumPy, pydiff, torch) as a NumPy array, read once
+    (a device tensor's through a read-back); None for anything else."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)
+    if isinstance(value, Tensor):
+        return value.numpy()
+    torch = sys.modules.get("torch")  # (never imported here: a torch tensor implies it)
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return None
+
+
 def _number(owner: str, key: str, value: Any) -> float:
-    """``value`` as a float, or a TypeError naming ``owner`` and ``key``: a real number, or a
-    0-d array or tensor of one (torch.optim takes a tensor lr); a bool, a string, None or a
-    sequence is none."""
-    scalar = getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not (isinstance(value, numbers.Real) or scalar)
-        or "bool" in str(getattr(value, "dtype", ""))
-        or "complex" in str(getattr(value, "dtype", ""))
-    ):
-        raise TypeError(
-            f"{owner}: {key}={value!r} is a {type(value).__name__}; expected {_RULES[key]}"
-        )
+    """``value`` as a float, or a TypeError naming ``owner`` and ``key``: a real number, a
+    0-d NumPy array or scalar, or a pydiff or torch tensor of one element (torch.optim takes
+    a tensor lr of one element, any shape), its value read once, now; a bool, a string,
+    None, a sequence or a tensor of other sizes is none."""
+    values = _host_values(value)
+    expected = f"expected {_RULES[key]}"
+    if values is not None:
+        one = values.ndim == 0 if isinstance(value, (np.ndarray, np.generic)) else values.size == 1
+        if not one:
+            raise TypeError(
+                f"{owner}: {key}={value!r} is a {type(value).__name__} of shape "
+                f"{values.shape}; {expected} (a 0-d array, or a tensor of one element)"
+            )
+        if values.dtype.kind not in "iuf":  # bool, complex, strings, objects
+            raise TypeError(f"{owner}: {key}={value!r} holds {values.dtype} values; {expected}")
+        return float(values.reshape(()))
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {key}={value!r} is a {type(value).__name__}; {expected}")
     return float(value)
 
 
@@ -46,6 +67,9 @@ def check_hyper(owner: str, key: str, value: Any) -> Any:
     """The value stored for hyper-parameter ``key`` (a float; ``betas`` a tuple of two), or a
     TypeError/ValueError naming ``owner`` (e.g. ``"AdamW"``), the key and the rule."""
     if key == "betas":
+        values = _host_values(value)
+        if values is not None and values.ndim == 1:  # betas=torch.tensor([0.9, 0.999])
+            value = tuple(values)
         if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
             raise TypeError(f"{owner}: betas={value!r}; expected {_RULES[key]}")
         if len(value) != 2:
