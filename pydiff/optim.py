@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable
 
-import numpy as np
 
 from . import capturing
 from .creation import zeros
@@ -178,29 +177,24 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned: refused (TypeError/ValueError, nothing changed)
-        when it is not this optimizer class's or a shape differs. State buffers that exist
-        are overwritten in place, so a captured step replays on the loaded state. A state
-        dict without per-parameter step counts (older pydiff) gives each its ``'step'``."""
+        """Restore what state_dict() returned, or refuse (TypeError/ValueError, nothing
+        changed) a dict this optimizer could not have saved (``optim_checks``). Existing
+        state buffers are overwritten in place (a captured step replays on them). An older
+        dict without per-parameter counts gives each parameter its ``'step'``.
+
+        >>> opt.load_state_dict(saved)          # saved = opt.state_dict(), earlier
+        """
         owner = type(self).__name__
-        defaults = check_state_dict(owner, state, len(self.params), self.defaults, self._buffers)
-        for k, (p, saved) in enumerate(zip(self.params, state["state"])):
-            for name, arr in saved.items():
-                if name != "step" and np.shape(arr) != p.expected_numpy_shape():
-                    raise ValueError(
-                        f"{owner}.load_state_dict: state '{name}' of param {k} has shape "
-                        f"{np.shape(arr)}, param {p.shape}"
-                    )
+        shapes = [p.expected_numpy_shape() for p in self.params]
+        defaults, loaded = check_state_dict(owner, state, shapes, self.defaults, self._buffers)
         self.defaults.update(defaults)
         self.step_count = int(state["step"])
-        for k, (p, saved) in enumerate(zip(self.params, state["state"])):
-            self.param_steps[k] = int(saved.get("step", self.step_count))
+        for k, (p, saved) in enumerate(zip(self.params, loaded)):
+            self.param_steps[k] = saved.pop("step")
             current = self.state[k]
             for name in [n for n in current if n not in saved]:
                 del current[name]  # a fresh state: the next step creates it anew
             for name, arr in saved.items():
-                if name == "step":
-                    continue
                 if name not in current:
                     current[name] = zeros(p.shape, device=p.device)
                 current[name].copy_from_numpy(arr)

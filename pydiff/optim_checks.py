@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -132,13 +132,27 @@ class Hyperparameters(dict):
 _BETAS = ("beta1", "beta2")
 
 
+#: The keys of a pydiff ``state_dict()``: any other key is from something else.
+STATE_DICT_KEYS = ("optimizer", "defaults", "step", "state")
+#: State buffers no step makes negative (a sum of squares): a negative one is no saved state.
+_NON_NEGATIVE = ("exp_avg_sq",)
+
+
 def check_state_dict(
-    owner: str, state: Any, n_params: int, defaults: Hyperparameters, buffers: Iterable[str]
-) -> dict[str, Any]:
-    """The hyper-parameters of ``state`` (a pydiff ``state_dict()``) checked for ``owner``
-    (an optimizer of ``n_params`` parameters and the state buffers named ``buffers``), or a
-    TypeError/ValueError saying what the dict lacks or holds that this optimizer has not.
-    Nothing is changed; the caller checks the buffers' shapes and loads."""
+    owner: str,
+    state: Any,
+    shapes: Sequence[tuple[int, ...]],
+    defaults: Hyperparameters,
+    buffers: Iterable[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``state`` (a pydiff ``state_dict()``) checked for ``owner``, an optimizer whose
+    parameters' NumPy shapes are ``shapes`` and whose state buffers are named ``buffers``:
+    its hyper-parameters, and per parameter its step count (``'step'``, the optimizer's
+    where an older dict has none) and its buffers as float32 arrays, ready to load. Else a
+    TypeError/ValueError saying what the dict lacks or holds that this optimizer could not
+    have saved: another class, other keys, another number of parameters or shapes, a
+    parameter stepped more often than the optimizer, part of a parameter's buffers. Nothing
+    is changed: the caller loads what this returns, which cannot fail half-way."""
     where = f"{owner}.load_state_dict"
     if not isinstance(state, Mapping):
         raise TypeError(
@@ -151,6 +165,13 @@ def check_state_dict(
             f"{where}: not a state dict of pydiff's {owner}{what}: it lacks "
             f"{', '.join(repr(k) for k in missing)} (expected the keys of {owner}.state_dict(): "
             "'optimizer', 'defaults', 'step', 'state')"
+        )
+    extra = [k for k in state if k not in STATE_DICT_KEYS]
+    if extra:
+        raise ValueError(
+            f"{where}: the state dict holds {', '.join(map(repr, extra))}, which "
+            f"{owner}.state_dict() never saves (its keys: "
+            f"{', '.join(map(repr, STATE_DICT_KEYS))}): not a state dict of pydiff's {owner}"
         )
     saved_by = state.get("optimizer", owner)  # (dicts saved before the name was recorded)
     if saved_by != owner:
@@ -170,24 +191,88 @@ def check_state_dict(
             f"{owner}'s ({', '.join(defaults)}): not a state dict of {owner}"
         )
     checked = {k: check_hyper(f"{where}: defaults", k, v) for k, v in saved.items()}
-    _count(where, "step", state["step"])
-    entries = state["state"]
-    if not isinstance(entries, (list, tuple)) or len(entries) != n_params:
-        got = len(entries) if isinstance(entries, (list, tuple)) else type(entries).__name__
-        raise ValueError(f"{where}: {got} parameter states for {n_params} parameters")
-    known = set(buffers)
+    total = _count(where, "step", state["step"])
+    entries = _entries(where, owner, state["state"], len(shapes))
+    known = tuple(buffers)
+    loaded = []
     for k, entry in enumerate(entries):
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where}: state[{k}] is a {type(entry).__name__}, not a dict")
         for name in entry:
-            if name == "step":
-                _count(where, f"state[{k}]['step']", entry[name])
-            elif name not in known:
+            if name != "step" and name not in known:
                 raise ValueError(
                     f"{where}: state[{k}] holds {name!r}, which {owner} has not (its state: "
                     f"{', '.join(sorted(known))}, step): not a state dict of {owner}"
                 )
-    return checked
+        steps = _count(where, f"state[{k}]['step']", entry.get("step", total))
+        if steps > total:
+            raise ValueError(
+                f"{where}: state[{k}]['step']={steps}, more than the optimizer's "
+                f"'step'={total}: a parameter is updated at most once per step"
+            )
+        held = [name for name in known if name in entry]
+        if held and len(held) != len(known):
+            raise ValueError(
+                f"{where}: state[{k}] holds {', '.join(map(repr, held))} without "
+                f"{', '.join(repr(n) for n in known if n not in held)}: {owner} makes all its "
+                "state buffers together (or none, before its first step)"
+            )
+        if steps and not held:
+            raise ValueError(
+                f"{where}: state[{k}] has 'step'={steps} but no state buffers "
+                f"({', '.join(known)}): {owner} makes them on its first step"
+            )
+        arrays = {name: _buffer(where, k, name, entry[name], shapes[k]) for name in held}
+        loaded.append({"step": steps, **arrays})
+    return checked, loaded
+
+
+def _entries(where: str, owner: str, entries: Any, n_params: int) -> Sequence[Any]:
+    """``state['state']``, a list of one dict per parameter, checked to have ``n_params``."""
+    if isinstance(entries, Mapping):  # torch.optim's layout, keyed by parameter index
+        keys = list(entries)
+        beyond = [i for i in keys if not (isinstance(i, int) and 0 <= i < n_params)]
+        unknown = f" ({beyond[:8]}: no index of its {n_params} parameters)" if beyond else ""
+        raise ValueError(
+            f"{where}: state['state'] is a dict keyed by {keys[:8]}{unknown}, torch.optim's "
+            f"layout; expected a list of {n_params} per-parameter dicts, as {owner}.state_dict() "
+            "saves"
+        )
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(
+            f"{where}: state['state'] is a {type(entries).__name__}; expected a list of "
+            f"{n_params} per-parameter dicts"
+        )
+    if len(entries) != n_params:
+        raise ValueError(
+            f"{where}: state['state'] has {len(entries)} per-parameter entries (saved by an "
+            f"optimizer of {len(entries)} parameters), {owner} here has {n_params}: load it "
+            "into an optimizer over the same parameters, in the same order"
+        )
+    return entries
+
+
+def _buffer(where: str, k: int, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """State buffer ``name`` of parameter ``k`` as a float32 array of ``shape``, checked."""
+    arr = _host_values(value)
+    if arr is None:
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # a ragged list
+            arr = np.asarray(None)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{where}: state[{k}][{name!r}] holds {arr.dtype} values; expected floats")
+    if arr.shape != tuple(shape):
+        raise ValueError(
+            f"{where}: state[{k}][{name!r}] of param {k} has shape {arr.shape}; param {k} "
+            f"has {tuple(shape)}"
+        )
+    if name in _NON_NEGATIVE and bool(np.any(arr < 0)):
+        raise ValueError(
+            f"{where}: state[{k}][{name!r}] has negative values: a mean of squared "
+            "gradients is never negative, so this is no saved state"
+        )
+    return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def _count(where: str, what: str, value: Any) -> int:

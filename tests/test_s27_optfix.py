@@ -13,6 +13,7 @@ The two-rank workers are this file run as a script (tests/ranks.py)."""
 
 from __future__ import annotations
 
+import copy
 
 import numpy as np
 import pytest
@@ -116,3 +117,104 @@ def test_bad_tensor_hyper_parameters_are_refused(device):
         with pytest.raises(error, match=rf"Adam: {match}"):
             optim.Adam([p], **{"lr": 0.1, key: value})
         assert dict(opt.defaults) == before
+
+
+# --- load_state_dict: what this optimizer could not have saved --------------------------
+
+
+def _adam(device, n=2, steps=2):
+    params = [
+        pydiff.tensor(X0[: 3 + k] * (k + 1), device=device, requires_grad=True) for k in range(n)
+    ]
+    opt = optim.Adam(params, lr=0.1, weight_decay=0.01)
+    for _ in range(steps):
+        for p in params:
+            p.grad.fill(0.5)
+        opt.step()
+    return params, opt
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        a["step"] == b["step"]
+        and a["defaults"] == b["defaults"]
+        and len(a["state"]) == len(b["state"])
+        and all(
+            x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+            for x, y in zip(a["state"], b["state"])
+        )
+    )
+
+
+def _edited(saved, edit):
+    out = copy.deepcopy(saved)
+    edit(out)
+    return out
+
+
+def test_load_state_dict_refuses_what_this_optimizer_could_not_have_saved(device):
+    params, opt = _adam(device)
+    saved = opt.state_dict()
+    bigger = _adam(device, n=3)[1].state_dict()
+    smaller = _adam(device, n=1)[1].state_dict()
+
+    def torch_layout(d):
+        d["state"] = {0: d["state"][0], 1: d["state"][1], 5: d["state"][1]}
+
+    def sneaked_in(d):  # what the loader used to read past: a change then a bad buffer
+        d["defaults"]["lr"] = 0.5
+        d["step"] = 7
+        d["state"][1]["exp_avg"] = np.ones(4, np.complex64)
+
+    cases = [
+        (bigger, r"state\['state'\] has 3 per-parameter entries.*Adam here has 2"),
+        (smaller, r"state\['state'\] has 1 per-parameter entries.*Adam here has 2"),
+        (_edited(saved, torch_layout), r"keyed by \[0, 1, 5\] \(\[5\]: no index of its 2"),
+        (_edited(saved, lambda d: d.update(param_steps=[2, 2])), "'param_steps', which Adam"),
+        (_edited(saved, lambda d: d.update(param_groups=[])), "'param_groups', which Adam"),
+        (
+            _edited(saved, lambda d: d["state"][1].update(step=3)),
+            r"state\[1\]\['step'\]=3, more than the optimizer's 'step'=2",
+        ),
+        (
+            _edited(saved, lambda d: d["state"][0].pop("exp_avg_sq")),
+            r"state\[0\] holds 'exp_avg' without 'exp_avg_sq'",
+        ),
+        (
+            _edited(saved, lambda d: d["state"].__setitem__(1, {"step": 2})),
+            r"state\[1\] has 'step'=2 but no state buffers",
+        ),
+        (
+            _edited(saved, lambda d: d["state"][1].update(exp_avg_sq=-np.ones(4, np.float32))),
+            r"state\[1\]\['exp_avg_sq'\] has negative values",
+        ),
+        (_edited(saved, sneaked_in), r"state\[1\]\['exp_avg'\] holds complex64 values"),
+        (
+            _edited(saved, lambda d: d["state"][0].update(exp_avg=np.array(list("abc")))),
+            r"state\[0\]\['exp_avg'\] holds <U1 values",
+        ),
+        (
+            _edited(saved, lambda d: d["state"][0].update(exp_avg=[[1.0], [2.0, 3.0]])),
+            r"state\[0\]\['exp_avg'\] holds object values",
+        ),
+    ]
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        assert _same(opt.state_dict(), saved), match  # a refused load changes nothing
+        assert opt.param_steps == [2, 2] and opt.step_count == 2
+
+
+def test_load_state_dict_takes_other_float_arrays_and_lists(device):
+    params, opt = _adam(device)
+    saved = opt.state_dict()
+    as64 = copy.deepcopy(saved)
+    as64["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"].astype(np.float64) * 2
+    as64["state"][1]["exp_avg_sq"] = (saved["state"][1]["exp_avg_sq"] * 3).tolist()
+    opt.load_state_dict(as64)
+    got = opt.state_dict()["state"]
+    np.testing.assert_array_equal(got[0]["exp_avg"], saved["state"][0]["exp_avg"] * 2)
+    np.testing.assert_array_equal(got[1]["exp_avg_sq"], saved["state"][1]["exp_avg_sq"] * 3)
+    fresh = _adam(device, steps=0)[1].state_dict()  # before any step: no buffers, step 0
+    opt.load_state_dict(fresh)
+    assert opt.state == [{}, {}] and opt.param_steps == [0, 0]
