@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable
 
+import numpy as np
 
 from . import capturing
 from .creation import zeros
@@ -23,6 +24,8 @@ from .tensor import Tensor, float4_ready
 # small model's 4.8K parameters alike; groups of 64-1024 threads alike.
 OPTIM_CHUNK = 4  # lavapipe's; the kernels take device.kernels.chunk (1 on a GPU)
 ADAM_GROUP = 256
+#: The writer of a gradient zeroed by zero_grad(set_to_none=False): a write, not ZEROED.
+ZERO_GRADIENT = "zero_grad(set_to_none=False)"
 # The four-parameter Adam kernel's ratios of each slot's bias correction to slot 0's while
 # their step counts agree.
 _SAME_STEP = {f"{name}{slot}": 1.0 for name in ("step_ratio", "bias2_ratio") for slot in (1, 2, 3)}
@@ -155,13 +158,28 @@ class Optimizer:
                 named[f"state[{k}][{name!r}]"] = t
         return named
 
-    def zero_grad(self) -> None:
-        """Zero every parameter's gradient (in order with the device's pending work: the
-        zeroing is submitted with the forward pass that follows). A zeroed gradient is no
-        gradient: the next step skips a parameter unless a backward or a write fills it
-        (torch's ``zero_grad(set_to_none=True)``)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every parameter's gradient (submitted with the forward pass that follows).
+        Both values zero the buffers (pydiff's gradients are never None); ``set_to_none``
+        says what the next step does with a parameter no backward or write fills since:
+        True (torch's default) skips it, as torch skips a ``.grad`` of None; False steps it
+        with the zero gradient if it had a gradient (torch's ``.grad`` not None), as torch
+        does: momentum, weight decay and Adam's moments move it, its step count grows.
+
+        >>> opt.zero_grad(set_to_none=False)   # the next step: those with a gradient, used or not
+        """
+        if not isinstance(set_to_none, (bool, np.bool_)):
+            raise TypeError(
+                f"{type(self).__name__}.zero_grad: set_to_none={set_to_none!r}; expected True "
+                "or False"
+            )
         for p in self.params:
+            # torch zeroes a .grad not None, leaves None as None: a written gradient stays one
+            g = p.grad
+            kept = not set_to_none and g is not None and g.storage.written_since_zeroed()
             p.zero_grad()
+            if kept:
+                p.grad.storage.wrote(ZERO_GRADIENT, everything=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's class name, hyper-parameters, step count and per parameter its

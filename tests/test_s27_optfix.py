@@ -218,3 +218,69 @@ def test_load_state_dict_takes_other_float_arrays_and_lists(device):
     fresh = _adam(device, steps=0)[1].state_dict()  # before any step: no buffers, step 0
     opt.load_state_dict(fresh)
     assert opt.state == [{}, {}] and opt.param_steps == [0, 0]
+
+
+# --- zero_grad(set_to_none=False): torch's steps with zero gradients --------------------
+
+SHAPES = [(3, 4), (5,), (2,), (3,)]
+OPTIMIZERS = {
+    "SGD": dict(lr=0.05, momentum=0.9, weight_decay=0.05),
+    "Adam": dict(lr=0.02, weight_decay=0.05),
+    "AdamW": dict(lr=0.02, weight_decay=0.1),
+}
+
+
+def _plan(step):
+    """(set_to_none, the parameters with a gradient this step): 0 always; 1 at steps 0 and 3
+    (a zero gradient at the others, but None after the set_to_none=True of step 6); 2 from
+    step 4 on at even steps (None before); 3 never."""
+    used = [True, step in (0, 3), step >= 4 and step % 2 == 0, False]
+    return step == 6, used
+
+
+def _gradients(steps):
+    rng = np.random.default_rng(27)
+    return [[rng.standard_normal(s) for s in SHAPES] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_zero_grad_set_to_none_false_steps_as_torch(device, kind):
+    torch = pytest.importorskip("torch")
+    steps, kw = 10, OPTIMIZERS[kind]
+    grads = _gradients(steps)
+    starts = [
+        np.random.default_rng(k).standard_normal(s).astype(np.float32) for k, s in enumerate(SHAPES)
+    ]
+    params = [pydiff.tensor(x, device=device, requires_grad=True) for x in starts]
+    tparams = [torch.tensor(x.astype(np.float64), requires_grad=True) for x in starts]
+    opt = getattr(optim, kind)(params, **kw)
+    topt = getattr(torch.optim, kind)(tparams, **kw)
+    for step in range(steps):
+        to_none, used = _plan(step)
+        opt.zero_grad(set_to_none=to_none)
+        topt.zero_grad(set_to_none=to_none)
+        for p, tp, g, u in zip(params, tparams, grads[step], used):
+            if u:  # (a backward into a zeroed buffer: the gradient itself)
+                p.grad.copy_from_numpy(g.astype(np.float32))
+                tp.grad = torch.tensor(g) if tp.grad is None else tp.grad + torch.tensor(g)
+        opt.step()
+        topt.step()
+    for k, (p, tp) in enumerate(zip(params, tparams)):
+        np.testing.assert_allclose(
+            p.numpy(), tp.detach().numpy(), rtol=2e-5, atol=2e-5, err_msg=f"param {k}"
+        )
+    np.testing.assert_array_equal(params[3].numpy(), starts[3])  # never a gradient
+    if kind != "SGD":  # (torch's SGD keeps no step count)
+        tsteps = [int(topt.state[tp]["step"]) if tp in topt.state else 0 for tp in tparams]
+        assert opt.param_steps == tsteps
+    # param 1 was stepped with zero gradients (steps 1, 2, 4, 5), so it moved past its two
+    # real updates: what set_to_none=False means.
+    assert opt.param_steps[1] == 6
+
+
+def test_zero_grad_set_to_none_refuses_non_bools(device):
+    p = pydiff.tensor(X0, device=device, requires_grad=True)
+    opt = optim.SGD([p], lr=0.1)
+    with pytest.raises(TypeError, match="SGD.zero_grad: set_to_none='no'"):
+        opt.zero_grad(set_to_none="no")
+    opt.zero_grad(set_to_none=np.bool_(True))
