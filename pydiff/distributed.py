@@ -322,14 +322,10 @@ def _agree(dist: Any, what: str, tensors: list[Tensor], *settings: Any) -> None:
     """Check that every rank calls ``what`` with the same tensor layouts (dtypes and shapes,
     in order) and settings, by one small all-reduce of a hash: a mismatch would pair
     unrelated buckets (silently wrong, or gloo aborting the process on a size mismatch)."""
-    torch = _torch()
     layout = [(t.dtype, tuple(t.shape)) for t in tensors]
     digest = hashlib.sha256(repr((what, layout, settings)).encode()).digest()
     mine = int.from_bytes(digest[:7], "little")  # 56 bits: its negation fits int64 too
-    where = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    probe = torch.tensor([mine, -mine], dtype=torch.int64, device=where)
-    _run(what, dist, lambda: dist.all_reduce(probe, op=dist.ReduceOp.MAX))
-    if probe.tolist() != [mine, -mine]:
+    if _max_over_ranks(dist, what, [mine, -mine]) != [mine, -mine]:
         raise DistributedError(
             f"pydiff.distributed.{what}: the ranks called it with different tensors or "
             f"settings (this rank {dist.get_rank()}: {len(layout)} tensors {layout[:4]}"
@@ -337,6 +333,15 @@ def _agree(dist: Any, what: str, tensors: list[Tensor], *settings: Any) -> None:
             "the same tensors (dtypes, shapes) in the same order, with the same op, src and "
             "bucket_bytes"
         )
+
+
+def _max_over_ranks(dist: Any, what: str, values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` (int64s, as many on every rank) over the ranks."""
+    torch = _torch()
+    where = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    probe = torch.tensor(values, dtype=torch.int64, device=where)
+    _run(what, dist, lambda: dist.all_reduce(probe, op=dist.ReduceOp.MAX))
+    return probe.tolist()
 
 
 def _bucket_bytes(value: Any, what: str) -> int:
@@ -381,7 +386,10 @@ def all_reduce_grads(
     or their mean (``op="mean"``: each rank divides by the world size before the sum, as DDP
     does, so a mean whose sum would overflow stays finite; the same on every rank).
     With each rank's loss a mean over an equal share of the batch, the mean is the gradient
-    of the whole batch's mean loss. Returns the bytes all-reduced (per rank).
+    of the whole batch's mean loss. Returns the bytes all-reduced (per rank). A gradient
+    that no rank wrote since it was zeroed (its parameter unused on every rank) is left
+    as it is, zeros counting as no gradient, so the optimizer skips it as torch's DDP
+    leaves its ``.grad`` None; one written on some rank counts as written on every rank.
 
     One flat buffer per dtype, in buckets of at most ``bucket_bytes`` (25 MiB), in the
     listed order: one collective per bucket, never one per tensor. Every rank must list the
@@ -413,6 +421,15 @@ def all_reduce_grads(
     n = dist.get_world_size()
     if check_layout:
         _agree(dist, "all_reduce_grads", grads, op, bucket_bytes)
+
+    # A gradient no rank wrote since it was zeroed is zeros everywhere and stays "no
+    # gradient" (the optimizers skip its parameter, as torch's DDP leaves an unused
+    # parameter's .grad None): one small all-reduce of the flags, then only the others.
+    mine = [int(g.storage.written_since_zeroed()) for g in grads]
+    written = _max_over_ranks(dist, "all_reduce_grads", mine)
+    grads = [g for g, flag in zip(grads, written) if flag]
+    if not grads:
+        return 0
 
     def collective(buf: Any) -> None:
         _run("all_reduce_grads", dist, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))

@@ -336,6 +336,7 @@ def test_torchs_own_init_works(device):
     )
     try:
         x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
+        x.grad.fill(1.0)  # (a gradient no rank wrote does not travel: 0 bytes)
         assert dist.all_reduce_grads([x]) == 16 and dist.world_size() == 1
     finally:
         torch.distributed.destroy_process_group()
@@ -343,6 +344,7 @@ def test_torchs_own_init_works(device):
 
 def test_wrong_types_are_refused_by_index(device, group_of_one):
     x = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
+    x.grad.fill(1.0)  # written: it travels (16 bytes below)
     cases = [
         ([np.zeros(3, np.float32)], TypeError, r"tensors\[0\] is a ndarray"),
         ([torch.zeros(3, requires_grad=True)], TypeError, r"tensors\[0\] is a Tensor"),

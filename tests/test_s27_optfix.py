@@ -14,13 +14,17 @@ The two-rank workers are this file run as a script (tests/ranks.py)."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pydiff
+from pydiff import distributed as dist
 from pydiff import optim
 
+from ranks import free_port, launch_scenario, needs_vulkan, scenario_worker
 
 X0 = np.array([1.0, -2.0, 0.5, 3.0, -1.5], np.float32)
 
@@ -284,3 +288,89 @@ def test_zero_grad_set_to_none_refuses_non_bools(device):
     with pytest.raises(TypeError, match="SGD.zero_grad: set_to_none='no'"):
         opt.zero_grad(set_to_none="no")
     opt.zero_grad(set_to_none=np.bool_(True))
+
+
+# --- all_reduce_grads: a gradient no rank wrote stays unwritten --------------------------
+
+
+@pytest.fixture
+def group_of_one():
+    pytest.importorskip("torch")
+    dist.init_process_group(
+        "gloo", timeout=30.0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    import torch
+
+    torch.distributed.destroy_process_group()
+
+
+def test_all_reduce_leaves_a_gradient_no_rank_wrote_unwritten(device, group_of_one):
+    used = pydiff.tensor(X0, device=device, requires_grad=True)
+    unused = pydiff.tensor(X0[:3], device=device, requires_grad=True)
+    opt = optim.SGD([used, unused], lr=0.5, momentum=0.9, weight_decay=0.5)
+    opt.zero_grad()
+    used.grad.fill(1.0)
+    assert dist.all_reduce_grads([used, unused]) == 4 * X0.size  # only the written travels
+    assert used.grad.storage.written_since_zeroed()
+    assert not unused.grad.storage.written_since_zeroed()
+    opt.step()
+    np.testing.assert_array_equal(unused.numpy(), X0[:3])  # skipped: no weight decay
+    np.testing.assert_allclose(used.numpy(), X0 - 0.5 * (1.0 + 0.5 * X0), rtol=1e-6)
+    assert opt.param_steps == [1, 0]
+    assert dist.all_reduce_grads([unused]) == 0
+
+
+def _scenario_unused(me, world):
+    """Parameter 0 used on every rank, 1 on rank 0 only, 2 on none: three SGD and AdamW
+    steps with the gradients all-reduced before each."""
+    out = {}
+    for kind, kw in (("SGD", OPTIMIZERS["SGD"]), ("AdamW", OPTIMIZERS["AdamW"])):
+        params = [
+            pydiff.tensor(np.full(s, 1.0, np.float32), requires_grad=True) for s in SHAPES[:3]
+        ]
+        opt = getattr(optim, kind)(params, **kw)
+        for step in range(3):
+            opt.zero_grad()
+            for k, p in enumerate(params):
+                if k == 0 or (k == 1 and me == 0):
+                    p.grad.copy_from_numpy(_rank_gradient(me, k, step).astype(np.float32))
+            dist.all_reduce_grads(params)
+            opt.step()
+        out[kind] = {"params": [p.numpy().tolist() for p in params], "steps": opt.param_steps}
+    return out
+
+
+def _rank_gradient(rank, k, step):
+    return np.random.default_rng((rank, k, step)).standard_normal(SHAPES[k])
+
+
+@needs_vulkan
+def test_two_ranks_skip_a_parameter_no_rank_used_as_ddp(tmp_path):
+    torch = pytest.importorskip("torch")
+    results = launch_scenario(__file__, "unused", tmp_path, {"B19_TIMEOUT": "60"}, wait=180)
+    for code, log, res in results:
+        assert code == 0 and res is not None, log
+    for kind in ("SGD", "AdamW"):
+        # DDP's rule: the mean over both ranks (a rank that did not use it adds zeros); a
+        # parameter no rank used keeps .grad None and is skipped.
+        tparams = [torch.ones(s, dtype=torch.float64) for s in SHAPES[:3]]
+        topt = getattr(torch.optim, kind)(tparams, **OPTIMIZERS[kind])
+        for step in range(3):
+            topt.zero_grad()
+            tparams[0].grad = torch.tensor(sum(_rank_gradient(r, 0, step) for r in range(2)) / 2)
+            tparams[1].grad = torch.tensor(_rank_gradient(0, 1, step) / 2)
+            topt.step()
+        for me, (_, _, res) in enumerate(results):
+            for k, tp in enumerate(tparams):
+                got = np.array(res[kind]["params"][k])
+                np.testing.assert_allclose(
+                    got, tp.numpy(), rtol=2e-5, atol=2e-5, err_msg=f"{kind} rank {me} param {k}"
+                )
+            assert res[kind]["steps"] == [3, 3, 0]
+        assert results[0][2] == results[1][2]  # the same on both ranks
+        np.testing.assert_array_equal(np.array(results[0][2][kind]["params"][2]), 1.0)
+
+
+if __name__ == "__main__":
+    scenario_worker(globals(), sys.argv[1], Path(sys.argv[2]))
