@@ -127,6 +127,28 @@ class BackwardScope:
             check()
 
 
+class separate_backward:
+    """Run a backward of its own inside another one rather than joining it.
+
+    For a backward that computes something for its caller (an implicit solve's
+    vector-Jacobian products of ``f`` on a tape of its own, one per adjoint step): its
+    gradient buffers are not the outer backward's, and joined, the outer scope would keep
+    every one of them (and its id) until it ends, 3 buffers per step of a solve of 10^5
+    steps. Kernels still go to the device's open batch, in order.
+
+        with separate_backward():
+            vjp_tape.backward(out, grad=lam)
+    """
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _active_scope.set(None)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _active_scope.reset(self._token)
+
+
 class backward_scope:
     """Enter a top-level backward, or join the one already running.
 

@@ -10,7 +10,9 @@ at x* per step, each on a tape of its own), then gives ``pbar = (df/dp)^T lam``.
 Stopping rules (infinity norms): the forward stops on ``|x_k - x_(k-1)| <= atol + tol |x_k|``;
 the adjoint and tangent solves are linear in their right-hand side, so they stop on the
 relative step ``|lam_k - lam_(k-1)| <= tol |lam_k|`` alone: the same iterations, to the same
-relative accuracy, whatever the scale of the upstream gradient or the direction.
+relative accuracy, whatever the scale of the upstream gradient or the direction. Each goes
+on until the error its last step leaves, step * rho / (1 - rho) for the contraction rho the
+steps show, is within that bound too (``implicit_stop``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .errors import ConvergenceError
 from . import forward_trace
+from .implicit_stop import StopRule, step_size
 from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
 from .module import OverloadedFunction, ShaderFunction
@@ -98,56 +102,46 @@ def _put(layout: Any, tensors: tuple) -> Any:
     return layout
 
 
-def _step(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
-    """(max |new - old|, max |new|): the step and the size of the new iterate."""
-    if not new.size:
-        return 0.0, 0.0
-    return float(np.max(np.abs(new - old))), float(np.max(np.abs(new)))
-
-
-class _Stop:
-    """When an iteration may stop. Once the whole step is within ``atol + tol * max|x|``:
-    when every element's step is within ``atol + tol * |element|`` too (as numpy.isclose; a
-    small, slowly converging component is not stopped by the size of a large one), or when
-    the steps stop shrinking (float32 rounding of terms larger than a small element: 5 steps
-    without a new low), where nothing more can be resolved."""
-
-    def __init__(self, tol: float, atol: float):
-        self.tol, self.atol, self.best, self.stalled = tol, atol, math.inf, 0
-
-    def __call__(self, old: np.ndarray, new: np.ndarray, residual: float, size: float) -> bool:
-        if residual > self.atol + self.tol * size:
-            return False
-        mag = np.abs(new)
-        if not new.size or bool(np.all(np.abs(new - old) <= self.atol + self.tol * mag)):
-            return True
-        if residual < 0.99 * self.best:
-            self.best, self.stalled = residual, 0
-        else:
-            self.stalled += 1
-        return self.stalled >= 5
-
-
 def _refuse_closure_reads(f: Callable[..., Any], x0: Tensor, params: _Params) -> None:
     """One probe of f at (x0, params) detached, where a tape records or pydiff.jvp runs: a
     result that still wants a gradient or carries a tangent read one from somewhere else (a
-    closure, a global), whose derivative the implicit solve would not see: refused."""
+    closure, a global), whose derivative the implicit solve would not see: refused. The
+    parameters themselves read through the closure are fine (``_closure_params``; in
+    forward mode, the parameter itself or a view made inside f: the tangent solve gives
+    exactly those tensors their tangents)."""
     trace = forward_trace.active()
     if active_tape() is None and trace is None:
         return
     xl = x0.detach()
     args = [p.detach() for p in params.tensors]
-    with suspend_recording(), Tape(reads_other_tapes=True) as tape:
+    probe = None if trace is None else _ParamsHidden(trace, params.tensors)
+    with suspend_recording(), Tape(reads_other_tapes=True) as tape, forward_trace.tracing(probe):
         out = _call(f, xl, params.build(args))
     if out.requires_grad:
-        _refuse_hidden_inputs(f, tape, [xl, *args])
-    if trace is not None and trace.tangent(out) is not None:
+        _closure_params(f, tape, [xl, *args], params.tensors)
+    if probe is not None and probe.tangent(out) is not None:
         name = getattr(f, "__name__", None) or repr(f)
         raise ValueError(
             f"fixed_point: f ({name}) reads a tensor that carries a tangent but is not one of "
-            "params (a closure's or a global's); its derivative would be wrong. Pass it to "
-            "fixed_point after x0, as a parameter of f"
+            "params or a view of one made inside f (a closure's or a global's, or a view "
+            "made before the call); its derivative would be wrong. Pass it to fixed_point "
+            "after x0, as a parameter of f"
         )
+
+
+class _ParamsHidden(forward_trace.Trace):
+    """The active trace with the parameters' own tangents hidden (for the probe): what then
+    still reaches f's result came from a tensor that is not a parameter."""
+
+    def __init__(self, outer: forward_trace.Trace, params: list[Tensor]):
+        super().__init__()
+        self.outer, self.params = outer, {id(p): p for p in params}
+
+    def tangent(self, x: Any) -> Any:
+        own = super().tangent(x)
+        if own is not None or self.params.get(id(x)) is x:
+            return own
+        return self.outer.tangent(x)
 
 
 def _not_converged(which: str, steps: int, residual: float, bound: str, hint: str) -> None:
@@ -170,9 +164,11 @@ _LINEAR_HINT = (
 
 def _vjp(
     f: Callable[..., Any], x: Tensor, params: _Params, wants: list[bool], lam: np.ndarray, dx: bool
-) -> tuple[np.ndarray | None, list[Tensor | None]]:
+) -> tuple[np.ndarray | None, list[Any]]:
     """lam^T df/dx (if ``dx``) and lam^T df/dp for the tensors of params ``wants`` marks, at
-    (x, params): one forward of f on a fresh tape, one backward."""
+    (x, params): one forward of f on a fresh tape, one backward. A parameter f also reads
+    through its closure (``a`` or ``a.reshape(...)``, not the argument it received) lends
+    its gradient buffer for the backward: that share is added to its argument's."""
     with suspend_recording():  # also when the outer backward runs inside its tape's `with`
         xl = x.detach().requires_grad_(True) if dx else x.detach()
         args = [
@@ -181,29 +177,57 @@ def _vjp(
         ]
         with Tape(reads_other_tapes=True) as tape:
             out = _call(f, xl, params.build(args))
-        _refuse_hidden_inputs(f, tape, [xl, *args])
+        closure = _closure_params(f, tape, [xl, *args], params.tensors)
         out = on_tape(out, tape, [xl, *args])
-        if out.requires_grad and out.producer is tape:
-            with zero_policy("accumulate"):
-                tape.backward(out, grad=lam.reshape(out.expected_numpy_shape()))
-    gx = xl.grad.numpy().astype(np.float64) if dx else None
-    return gx, [a.grad if w else None for a, w in zip(args, wants)]
+        lent = {id(_base(params.tensors[i])): params.tensors[i].lend_grads() for i in closure}
+        try:
+            if out.requires_grad and out.producer is tape:
+                with zero_policy("accumulate"), separate_backward():
+                    tape.backward(out, grad=lam.reshape(out.expected_numpy_shape()))
+            gx = xl.grad.numpy().astype(np.float64) if dx else None
+            grads: list[Any] = [a.grad if w else None for a, w in zip(args, wants)]
+            for i in closure:  # (after the backward's kernels: read while still lent)
+                if wants[i]:
+                    grads[i] = grads[i].numpy() + params.tensors[i].grad.numpy()
+        finally:
+            for give_back in lent.values():
+                give_back()
+    return gx, grads
 
 
-def _refuse_hidden_inputs(f: Callable[..., Any], tape: Tape, given: list) -> None:
-    """A tensor with gradients that f reads without receiving it (a closure's, a global):
-    its gradient would come out wrong (one VJP's share per adjoint step), so it is refused.
-    A view of a given tensor (``b.reshape(...)``) is that tensor: its gradient is the base's."""
+def _base(t: Tensor) -> Tensor:
+    return t.base if t.base is not None else t
+
+
+def _closure_params(f: Callable[..., Any], tape: Tape, given: list, params: list) -> list[int]:
+    """The indices of the ``params`` that f read on ``tape`` through its closure rather than
+    through the ``given`` arguments (the detached copies it received): the parameter
+    itself, or a view of it (``a.reshape(...)``), whose gradient the VJP collects apart.
+    Any other tensor with gradients that f reads without receiving it (a closure's, a
+    global's, the rest of the buffer a parameter is a part of) is refused: its gradient
+    would be wrong (one VJP's share per adjoint step). A view of a given tensor is that
+    tensor."""
+    found: list[int] = []
     for t in tape.inputs():
-        base = t.base if t.base is not None else t
-        if t.requires_grad and not any(base is g for g in given):
-            name = getattr(f, "__name__", None) or repr(f)
-            raise ValueError(
-                f"fixed_point: f ({name}) reads a tensor of shape {t.shape} that requires a "
-                "gradient but is not one of params (a closure's or a global's, or one inside "
-                "a param other than a dict, list or tuple); its gradient would be wrong. Pass "
-                "it to fixed_point after x0, as a parameter of f"
-            )
+        if not t.requires_grad or any(_base(t) is g for g in given):
+            continue
+        whole = [
+            i
+            for i, p in enumerate(params)
+            if p is t or (_base(p) is _base(t) and p.numel == _base(p).numel)
+        ]
+        if whole:
+            found += [whole[0]] if whole[0] not in found else []
+            continue
+        name = getattr(f, "__name__", None) or repr(f)
+        raise ValueError(
+            f"fixed_point: f ({name}) reads a tensor of shape {t.shape} that requires a "
+            "gradient but is not one of params or a view of one (a closure's or a global's, "
+            "one inside a param other than a dict, list or tuple, or the rest of the buffer a "
+            "param is a part of); its gradient would be wrong. Pass it to fixed_point after "
+            "x0, as a parameter of f"
+        )
+    return found
 
 
 class FixedPoint(Function):
@@ -223,11 +247,11 @@ class FixedPoint(Function):
         *tensors: Tensor,
     ) -> Tensor:
         fixed = params.build(t.detach() for t in tensors)
-        x, old, stop = x0, x0.numpy().astype(np.float64), _Stop(tol, atol)
+        x, old, stop = x0, x0.numpy().astype(np.float64), StopRule(tol, atol)
         for steps in range(1, max_iter + 1):
             x = _call(f, x, fixed)
             new = x.numpy().astype(np.float64)
-            residual, size = _step(old, new)
+            residual, size = step_size(old, new)
             if not math.isfinite(residual):
                 break
             done, old = stop(old, new, residual, size), new
@@ -294,10 +318,10 @@ def _solve(
     arithmetic carries them through any other op."""
     bad = ~np.isfinite(rhs)
     finite = np.where(bad, 0.0, rhs)
-    v, stop = finite, _Stop(ctx.tol, 0.0)
+    v, stop = finite, StopRule(ctx.tol, 0.0)
     for steps in range(1, ctx.max_iter + 1):
         new = finite + apply(v)
-        residual, size = _step(v, new)
+        residual, size = step_size(v, new)
         if not math.isfinite(residual):
             break
         done, v = stop(v, new, residual, size), new
@@ -341,8 +365,9 @@ def fixed_point(
 
     ``f`` is a shader function (called with ``_result="tensor"``) or a Python function of
     pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
-    every element's step is within ``atol + tol * |x_k|`` (as numpy.isclose: ``tol``
-    relative, ``atol`` an absolute floor for a solution at or near 0; see ``_Stop``).
+    every element's step, and the error it leaves for the contraction rho the steps show
+    (step * rho / (1 - rho)), is within ``atol + tol * |x_k|`` (as numpy.isclose: ``tol``
+    relative, ``atol`` an absolute floor for a solution at or near 0; see ``StopRule``).
     Gradients flow to the tensor ``params``, also those inside dicts (structs), lists and
     tuples (numbers are constants), never through the iterations: the backward solves
     ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar + (df/dx)^T lam`` with one VJP of f at x*
