@@ -1,5 +1,6 @@
 """FwdDiffTensor's fixed-point sums against exact rational references (negative totals as
-exact as positive ones, sum(-v) == -sum(v))."""
+exact as positive ones, sum(-v) == -sum(v)), and a zero policy set through a view governing
+the gradient buffer it shares with its base."""
 
 from __future__ import annotations
 
@@ -101,3 +102,53 @@ def test_fixed_point_sum_is_the_same_bits_in_any_order(m, device):
     got = fixed_point_sums(m, device, orders)
     assert got[0].tobytes() == got[1].tobytes() == got[2].tobytes()
     assert got[0] == exact_fixed_point_sum(mixed)
+
+
+# --- a zero policy belongs to the gradient buffer a view shares with its base -----------
+
+TIMES = "[Differentiable] float times(float a, float b) { return a * b; }"
+
+
+@pytest.fixture(scope="module")
+def times(device):
+    return pydiff.load_module_from_source("s27_detfix_times", TIMES, device=device)
+
+
+def _backward(times, t, device):
+    shape = t.shape
+    times.times.bwds(
+        t,
+        pydiff.ones(shape, device=device),
+        _result=pydiff.zeros(shape, device=device).with_grads(ones=True),
+    )
+
+
+def test_strict_set_on_a_view_guards_the_base(times, device):
+    x = pydiff.tensor(np.arange(6.0), device=device, requires_grad=True)
+    x.reshape((2, 3)).zero_policy = pydiff.ZeroPolicy.STRICT
+    assert x.zero_policy is pydiff.ZeroPolicy.STRICT
+    _backward(times, x, device)
+    with pytest.raises(pydiff.StaleGradientError):
+        _backward(times, x, device)
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(6))
+
+
+def test_strict_set_on_the_base_guards_its_views(times, device):
+    x = pydiff.tensor(np.arange(6.0), device=device, requires_grad=True)
+    x.zero_policy = "strict"
+    assert x.reshape((3, 2)).zero_policy is pydiff.ZeroPolicy.STRICT
+    _backward(times, x.reshape((2, 3)), device)
+    with pytest.raises(pydiff.StaleGradientError):
+        _backward(times, x.reshape((3, 2)), device)
+
+
+def test_policy_set_on_one_view_is_every_views(times, device):
+    x = pydiff.tensor(np.arange(6.0), device=device, requires_grad=True)
+    v, u = x.reshape((2, 3)), x.reshape((3, 2))
+    v.zero_policy = "reset"
+    assert u.zero_policy is x.zero_policy is pydiff.ZeroPolicy.RESET
+    _backward(times, x, device)
+    _backward(times, u, device)  # RESET: starts from zero, not 2
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(6))
+    u.zero_policy = None  # back to the global policy, for all of them
+    assert x.zero_policy is None and v.zero_policy is None
