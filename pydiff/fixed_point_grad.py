@@ -23,7 +23,7 @@ from .errors import GradientOverflowError
 
 SUM_LIMIT = 2.0**31  # |every partial sum| must stay below this
 CONTRIBUTION_LIMIT = 2.0**30  # |each single contribution|
-RESOLUTION = 2.0**-64  # each contribution is truncated to a multiple of this
+RESOLUTION = 2.0**-64  # each contribution is truncated (towards zero) to a multiple of this
 
 
 def dummy_fields(device: Any) -> dict:

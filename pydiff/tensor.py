@@ -68,7 +68,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._grad_in = grad_in
         self._grad_out = grad_out
         self.storage = storage if storage is not None else Storage(native.storage)
-        self.zero_policy = zero_policy
+        self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
@@ -170,15 +170,16 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def zero_policy(self) -> ZeroPolicy | None:
-        """This tensor's own zeroing policy (a view: else its base's), or None to follow the
-        global/context one."""
-        if self._zero_policy is None and self._base is not None:
-            return self._base.zero_policy
-        return self._zero_policy
+        """The policy of this tensor's gradient buffers (None: the global/context one); a view
+        reads and sets its base's: ``x.reshape((6,)).zero_policy = "strict"`` sets x's."""
+        return self._zero_policy if self._base is None else self._base.zero_policy
 
     @zero_policy.setter
     def zero_policy(self, value: ZeroPolicy | str | None) -> None:
-        self._zero_policy = None if value is None else ZeroPolicy.parse(value)
+        if self._base is not None:
+            self._base.zero_policy = value
+        else:
+            self._zero_policy = None if value is None else ZeroPolicy.parse(value)
 
     @property
     def producer(self) -> Any:
