@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
-from . import call_uniforms, compile_cache, cuda_context
+from . import call_data_loads, call_uniforms, compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
 from .device_names import AUTO_ORDER, auto_override, normalise_type
@@ -261,6 +261,7 @@ def _create_native(type_name: str, paths: list, caches: tuple | None, validation
     if type_name == "cuda":  # PyTorch's context, current on every thread (cuda_context)
         options["existing_device_handles"] = cuda_context.primary_handles()
     call_uniforms.install()  # no push constants past what Vulkan drivers take
+    call_data_loads.install()  # no Slang warning about SlangPy's struct-argument loads
     return spy.Device(
         type=getattr(spy.DeviceType, type_name),
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},
