@@ -1,6 +1,6 @@
-"""`pydiff info` and `create_device("auto")` with a PYDIFF_DEVICE pydiff does not take (one
-line naming the variable and its values, exit status 2), and Slang's E31159 warning about
-SlangPy's generated loads of struct arguments, which no longer reaches the user's console."""
+"""The pydiff command line's refusals (a bad PYDIFF_DEVICE in `info`, usage errors under
+--json, a --points too large to allocate) and Slang's E31159 warning about SlangPy's generated
+loads of struct arguments, which no longer reaches the user's console."""
 
 import json
 import os
@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 import pydiff
+from pydiff import cli
 from pydiff.device_names import auto_override
 from pydiff.errors import EnvironmentSettingError
+from pydiff.modcheck import MAX_POINTS, check_module
 
 ROOT = Path(__file__).parent.parent
+WRONG = "tests/shaders/check_wrong.slang"
 BAD_DEVICE = (
     "PYDIFF_DEVICE='bogus': unknown device type; expected one of auto, cuda, d3d12, metal, "
     "vulkan (or unset)"
@@ -31,6 +34,16 @@ def pydiff_cli(*args: str, **variables: str) -> subprocess.CompletedProcess:
         timeout=600,
         env={**os.environ, **variables},
     )
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """cli.main in this process: (exit status, stdout, stderr)."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 # -- 1. PYDIFF_DEVICE: read and refused like every other switch, by `info` too
@@ -65,11 +78,65 @@ def test_info_refuses_a_bad_pydiff_device(device):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == f"pydiff info: {BAD_DEVICE}"
     assert out.stdout == ""  # refused first: no listing as if the variable were unset
+    as_json = pydiff_cli("info", "--json", PYDIFF_DEVICE="bogus")
+    assert as_json.returncode == 2
+    assert json.loads(as_json.stdout) == {"error": BAD_DEVICE}
     check = pydiff_cli("check", "tests/shaders/check_none.slang", PYDIFF_DEVICE="bogus")
     assert check.returncode == 2 and check.stderr.strip() == f"pydiff check: {BAD_DEVICE}"
     good = pydiff_cli("info", "--json", PYDIFF_DEVICE=device.type.upper())
     assert good.returncode == 0, good.stderr
     assert json.loads(good.stdout)["pydiff_device"] == device.type
+
+
+# -- 2. usage errors under --json: a JSON object on stdout as well
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("check", WRONG, "--json", "--points", "0"), "argument --points: '0': expected"),
+        (("check", "--json", WRONG, "--eps", "x"), "argument --eps: 'x' is not a number"),
+        (("check", WRONG, "--js", "--rtol", "-1"), "argument --rtol: '-1'"),  # abbreviated
+        (("check", WRONG, "--json", "--device", "bogus"), "argument --device: 'bogus'"),
+        (("check", "--json"), "the following arguments are required: file"),
+        (("check", WRONG, "--json", "--nope"), "unrecognized arguments: --nope"),
+    ],
+)
+def test_check_json_usage_errors_are_json(capsys, args, error):
+    code, out, err = run_main(capsys, *args)
+    assert code == 2
+    report = json.loads(out)
+    assert report["passed"] is False and report["results"] == [] and report["file"] is None
+    assert report["error"].startswith(error), report
+    assert error in err  # the human message (and usage) still on stderr
+
+
+def test_usage_errors_without_json_print_nothing_on_stdout(capsys):
+    code, out, err = run_main(capsys, "check", WRONG, "--points", "0")
+    assert (code, out) == (2, "") and "argument --points: '0'" in err
+    code, out, err = run_main(capsys, "info", "--json", "--bogus")
+    assert code == 2 and json.loads(out) == {"error": "unrecognized arguments: --bogus"}
+
+
+# -- 3. --points: bounded before anything is allocated
+
+
+def test_huge_points_are_refused_naming_the_bound(capsys):
+    code, out, err = run_main(capsys, "check", WRONG, "--points", "10000000000")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (
+        f"pydiff check: error: argument --points: '10000000000': expected a whole number "
+        f"<= {MAX_POINTS}"
+    )
+    assert "MemoryError" not in err and "Traceback" not in err
+    with pytest.raises(ValueError, match=rf"points=10000000000 must be .* 1 to {MAX_POINTS}"):
+        check_module(WRONG, points=10**10)
+
+
+def test_points_at_the_bound_still_check(device):
+    rows = check_module(ROOT / WRONG, ["fine"], device=device, points=MAX_POINTS)
+    assert {r.status for r in rows} == {"PASS"}
+    assert max(r.points for r in rows) == MAX_POINTS
 
 
 # -- 4. E31159 on SlangPy's generated struct loads: silenced there, kept for the user's code
