@@ -6,23 +6,30 @@
 
 Exit status of ``check``: 0 when every check passes (or nothing could be checked), 1 when
 any fails or a function could not be run, 2 when the file cannot be read or compiled or the
-arguments are wrong.
+arguments are wrong. With ``--json`` every outcome prints one JSON object on stdout, usage
+errors too (``{"passed": false, "error": ...}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+from .device_names import TYPES, normalise_type
 from .errors import DeviceUnavailableError, EnvironmentSettingError, SlangCompileError
+from .modcheck import MAX_POINTS
 
 
-def _number(low: float, *, above: bool = False, whole: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number >= low (> low with ``above``), so a bad step or
-    tolerance stops the command (exit 2) instead of making every check pass."""
+def _number(
+    low: float, *, above: bool = False, whole: bool = False, high: float = math.inf
+) -> Callable[[str], float]:
+    """An argparse type: a finite number >= low (> low with ``above``) and <= high, so a bad
+    step or tolerance stops the command (exit 2) instead of making every check pass, and a
+    huge ``--points`` stops it before the arrays are allocated."""
 
     def parse(text: str) -> float:
         try:
@@ -36,9 +43,26 @@ def _number(low: float, *, above: bool = False, whole: bool = False) -> Callable
                 f"{text!r}: expected a {'whole' if whole else 'finite'} number "
                 f"{'>' if above else '>='} {low:g}"
             )
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a {'whole' if whole else 'finite'} number <= {high:g}"
+            )
         return value
 
     return parse
+
+
+def _device_type(text: str) -> str:
+    """An argparse type: a device type pydiff knows (``cpu`` passes, refused when it opens,
+    saying why), so a misspelt ``--device`` is a usage error naming the flag."""
+    try:
+        return normalise_type(text)
+    except DeviceUnavailableError:
+        return text
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown device type; expected one of {', '.join(('auto', *TYPES))}"
+        ) from None
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -65,11 +89,7 @@ def _check(args: argparse.Namespace) -> int:
     except (FileNotFoundError, SlangCompileError, ValueError, DeviceUnavailableError) as exc:
         print(f"pydiff check: {exc}", file=sys.stderr)
         if args.json:
-            print(
-                json.dumps(
-                    {"file": args.file, "passed": False, "error": str(exc), "results": []}, indent=2
-                )
-            )
+            print(json.dumps(_check_error(str(exc), args.file), indent=2))
         return 2
     failed = [r for r in results if r.status in ("FAIL", "ERROR")]
     if args.json:
@@ -123,14 +143,49 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_error(message: str, file: str | None = None) -> dict[str, Any]:
+    """What ``check --json`` prints when nothing could be checked (exit 2)."""
+    return {"file": file, "passed": False, "error": message, "results": []}
+
+
+def _json_usage_reply(argv: Sequence[str]) -> Callable[[str], dict[str, Any]] | None:
+    """The JSON object a usage error prints on stdout when ``--json`` (or an abbreviation
+    argparse takes, ``--js``) is among the options; None without it. ``check``'s has the
+    shape of its other errors, with ``file`` null: the arguments were not understood."""
+    options = list(itertools.takewhile(lambda a: a != "--", argv))
+    if not any(a.startswith("--j") and "--json".startswith(a) for a in options):
+        return None
+    command = next((a for a in options if not a.startswith("-")), None)
+    return _check_error if command == "check" else lambda message: {"error": message}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, plus, on a usage error with ``--json`` given, the error as a JSON
+    object on stdout: a script reading the JSON gets something to parse, not nothing."""
+
+    def __init__(self, *args: Any, json_reply: Callable[[str], dict] | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.json_reply = json_reply
+
+    def error(self, message: str) -> NoReturn:
+        if self.json_reply is not None:
+            print(json.dumps(self.json_reply(message), indent=2), flush=True)
+        super().error(message)  # usage and message on stderr, exit status 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pydiff", description="pydiff: differentiable Slang shaders from Python"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    reply = _json_usage_reply(argv)
+    parser = _Parser(
+        prog="pydiff",
+        description="pydiff: differentiable Slang shaders from Python",
+        json_reply=reply,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",
         help="check every [Differentiable] function of a .slang file against finite differences",
+        json_reply=reply,
     )
     check.add_argument("file", help="the .slang file")
     check.add_argument(
@@ -140,15 +195,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME",
         help="check only these functions (--function a b, or repeated)",
     )
-    check.add_argument("--device", default="auto", help="vulkan, cuda, d3d12 or auto (default)")
+    check.add_argument(
+        "--device",
+        type=_device_type,
+        default="auto",
+        help="vulkan, cuda, d3d12, metal or auto (default)",
+    )
     check.add_argument(
         "--seed", type=_number(0, whole=True), default=0, help="random seed of the sample points"
     )
     check.add_argument(
         "--points",
-        type=_number(1, whole=True),
+        type=_number(1, whole=True, high=MAX_POINTS),
         default=16,
-        help="sample points per function (default 16)",
+        help=f"sample points per function (default 16, at most {MAX_POINTS})",
     )
     check.add_argument(
         "--eps",
@@ -161,12 +221,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     check.set_defaults(run=_check)
     info = sub.add_parser(
-        "info", help="versions, devices that open here, features, shader search path"
+        "info",
+        help="versions, devices that open here, features, shader search path",
+        json_reply=reply,
     )
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
     cache = sub.add_parser(
-        "cache", help="the persistent compile cache: where and how big, or clear it"
+        "cache",
+        help="the persistent compile cache: where and how big, or clear it",
+        json_reply=reply,
     )
     cache.add_argument("action", choices=["info", "clear"], nargs="?", default="info")
     cache.set_defaults(run=_cache)
@@ -175,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except EnvironmentSettingError as exc:  # a mistyped PYDIFF_* switch: say which, no traceback
         print(f"pydiff {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # (check reports its own, with its file)
+            print(json.dumps({"error": str(exc)}, indent=2))
         return 2
 
 

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import slangpy as spy
 
-from . import call_uniforms, compile_cache, cuda_context
+from . import call_data_loads, call_uniforms, compile_cache, cuda_context
 from .buffer_pool import BoundedDict, BufferPool, typed_float4_loads
 from .command_queue import CommandQueue
+from .device_names import AUTO_ORDER, auto_override, normalise_type
 from .errors import DeviceUnavailableError, env_flag
 from .kernels import KernelCache
 from .slangpy_loader import missing_driver
@@ -32,18 +33,6 @@ from .lavapipe import before_device_opens, lavapipe_threads_text  # noqa: F401 (
 SCRATCH_MAX_ITEMS = 256
 SCRATCH_MAX_BYTES = 512 * 2**20
 CACHED_MAX_ITEMS = 1024
-
-#: Order in which ``type="auto"`` tries backends: fastest first.
-AUTO_ORDER = ("cuda", "d3d12", "vulkan")
-
-_TYPES = {t: getattr(spy.DeviceType, t) for t in ("cuda", "d3d12", "vulkan", "metal")}
-
-# SlangPy 0.43's CPU device opens but cannot dispatch a vectorised call ("zero compute
-# dispatch groups") and has no float atomics for bwds, so pydiff refuses it up front.
-_UNSUPPORTED = {
-    "cpu": "SlangPy 0.43's CPU device cannot dispatch vectorised calls nor run bwds; "
-    "use 'vulkan' (on a machine without a GPU, Mesa's lavapipe: run `make setup`)",
-}
 
 
 def shader_dir() -> Path:
@@ -252,19 +241,6 @@ _failed_types: dict[str, str] = {}
 _default: Device | None = None
 
 
-def _normalise_type(type: str | spy.DeviceType) -> str:
-    if isinstance(type, spy.DeviceType):
-        type = str(type).split(".")[-1]
-    name = str(type).strip().lower()
-    if name in _UNSUPPORTED:
-        raise DeviceUnavailableError(f"device type '{name}': {_UNSUPPORTED[name]}")
-    if name != "auto" and name not in _TYPES:
-        raise ValueError(
-            f"type={type!r}: unknown device type; expected 'auto' or one of {sorted(_TYPES)}"
-        )
-    return name
-
-
 def _create_native(type_name: str, paths: list, caches: tuple | None, validation: bool) -> Any:
     """A SlangPy device as ``spy.create_device`` makes it, plus the persistent caches, without
     slang-rhi's validation layer and SlangPy's shader hot reload: both on by default, they
@@ -285,8 +261,9 @@ def _create_native(type_name: str, paths: list, caches: tuple | None, validation
     if type_name == "cuda":  # PyTorch's context, current on every thread (cuda_context)
         options["existing_device_handles"] = cuda_context.primary_handles()
     call_uniforms.install()  # no push constants past what Vulkan drivers take
+    call_data_loads.install()  # no Slang warning about SlangPy's struct-argument loads
     return spy.Device(
-        type=_TYPES[type_name],
+        type=getattr(spy.DeviceType, type_name),
         compiler_options={"include_paths": [str(spy.SHADER_PATH), *paths]},
         **options,
     )
@@ -346,7 +323,8 @@ def create_device(
 ) -> Device:
     """Open a device; ``"auto"`` tries CUDA, then D3D12, then Vulkan.
 
-    The environment variable ``PYDIFF_DEVICE`` (e.g. ``vulkan``) overrides ``"auto"``.
+    The environment variable ``PYDIFF_DEVICE`` (e.g. ``vulkan``) overrides ``"auto"`` (a
+    value it does not take: ``EnvironmentSettingError``).
     Compiled modules and shaders persist between processes in ``cache_dir`` (default: the
     per-user cache folder, ``$PYDIFF_CACHE_DIR``; ``False`` or ``PYDIFF_CACHE=0``: none; see
     docs/devices.md). Devices are cached: asking twice for the same type, include paths and
@@ -356,12 +334,12 @@ def create_device(
     >>> dev = pydiff.create_device("vulkan", include_paths=["my_shaders"])
     >>> m = pydiff.load_module("model.slang", device=dev)
     """
-    name = _normalise_type(type)
+    name = normalise_type(type)
     paths = tuple(str(Path(p).resolve()) for p in include_paths)
     if name == "auto":
-        override = os.environ.get("PYDIFF_DEVICE", "").strip()
+        override = auto_override()  # a value it does not take: EnvironmentSettingError
         if override:
-            return open_device(_normalise_type(override), paths, cache_dir)
+            return open_device(override, paths, cache_dir)
         errors = []
         for candidate in AUTO_ORDER:
             try:

@@ -16,6 +16,7 @@ import slangpy as spy
 
 from . import compile_cache
 from .device import AUTO_ORDER, lavapipe_threads_text, open_device, shader_dir
+from .device_names import auto_override
 from .errors import DeviceUnavailableError
 
 # The device features pydiff relies on, by the name SlangPy reports.
@@ -29,6 +30,9 @@ _FEATURES = {
 def collect() -> dict[str, Any]:
     from . import __version__
 
+    # First: a PYDIFF_DEVICE pydiff does not take stops info as it stops every command that
+    # opens the "auto" device (EnvironmentSettingError), rather than list backends as if unset.
+    auto_device = auto_override()
     devices = []
     for name in AUTO_ORDER:
         try:
@@ -64,6 +68,7 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
         "shader_dir": str(shader_dir()),
         "devices": devices,
+        "pydiff_device": auto_device,
         "lavapipe_threads": os.environ.get("LP_NUM_THREADS"),
         "compile_cache": compile_cache.usage(),
     }
@@ -96,6 +101,8 @@ def format_info(data: dict[str, Any]) -> str:
             if gen["enabled"]
             else "generated kernels: off (PYDIFF_GENERATED=0)"
         )
+    if data.get("pydiff_device"):
+        lines.append(f'PYDIFF_DEVICE={data["pydiff_device"]}: the device "auto" opens')
     lines.append("devices:")
     for d in data["devices"]:
         if not d["opens"]:
