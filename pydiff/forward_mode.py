@@ -18,10 +18,12 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing, foreign, generated_calls
-from .arguments import bind_arguments, check_device, fwd_tensor_struct, nested_tensors
-from .arguments import prepare_arguments, scratch
+from .arguments import bind_arguments, check_device, fwd_tensor_struct
+from .arguments import prepare_arguments
+from .forward_args import gives_tangent, primal_and_tangent, primals_only
+from .forward_args import refuse_listed_tangents, tangent_tensor, warn_dropped
 from .call_shape import param_type
-from .errors import ShaderTrapError, warn_once
+from .errors import ShaderTrapError
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -141,112 +143,6 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     return fn.generated(kind, source)
 
 
-def _zero_like(value: Any) -> Any:
-    if isinstance(value, (float, int)) and not isinstance(value, bool):
-        return 0.0
-    if isinstance(value, (np.ndarray, list, tuple)):
-        return np.zeros(np.shape(value), dtype=np.float32)
-    return value * 0.0  # slangpy vector/matrix values
-
-
-def _tangent_tensor(t: Tensor) -> Tensor:
-    if t.tangent is None:
-        zero = spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype)
-        zero = Tensor(zero if t.shape else zero.view(()), t.device)
-        t.with_tangent(zero)
-    return t.tangent
-
-
-def _struct_tangent(fn: GeneratingFunction, p: Any, value: Any, path: str = "") -> Any:
-    """The tangent of a struct (dict) or array (list) argument, shaped as SlangPy binds the
-    parameter's ``Differential``: each tensor's tangent (zeros where it has none), 0 for the
-    other values, without the fields that have no derivative (a tangent there is said)."""
-    if isinstance(value, dict):
-        out = {}
-        for key, v in value.items():
-            rel = f"{path}.{key}" if path else str(key)
-            if rel in p.no_grad_fields:
-                if any(t.tangent is not None for t in nested_tensors(v)):
-                    _warn_dropped(fn, p, "." + rel)
-                continue
-            out[key] = _struct_tangent(fn, p, v, rel)
-        return out
-    if isinstance(value, (list, tuple)) and nested_tensors(value):
-        return [_struct_tangent(fn, p, v, path) for v in value]
-    if isinstance(value, Tensor):
-        return _primal_and_tangent(fn, p, value)[1]
-    if isinstance(value, tuple) and len(value) == 2 and path:
-        raise TypeError(
-            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds a tuple at "
-            f"'{path or p.name}'; inside a struct (dict) or array (list) argument give tensors "
-            "their tangent with t.with_tangent(u) (numbers there are held fixed)"
-        )
-    return _zero_like(value)
-
-
-def _refuse_listed_tangents(fn: GeneratingFunction, p: Any, value: Any, path: str) -> None:
-    """Tensors with tangents in a list (an array argument, or a struct's array field): the
-    call reads the list as one host array, so their tangents would be dropped: refused."""
-    if isinstance(value, dict):
-        for key, v in value.items():
-            _refuse_listed_tangents(fn, p, v, f"{path}.{key}")
-    elif isinstance(value, list) and any(t.tangent is not None for t in nested_tensors(value)):
-        raise TypeError(
-            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds tensors with tangents "
-            f"in a list at '{path}': the call reads such a list as one host array, so their "
-            "tangents would be lost; pass the array as one tensor (with its tangent)"
-        )
-
-
-def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any, Any]:
-    if isinstance(value, (dict, list)) and (isinstance(value, dict) or nested_tensors(value)):
-        return value, _struct_tangent(fn, p, value)
-    if isinstance(value, tuple) and len(value) == 2:
-        primal, tangent = value
-        if isinstance(primal, dict):
-            raise TypeError(
-                f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) is given a (value, "
-                "tangent) pair of a struct (dict): give the tensors inside the value "
-                "their tangents with t.with_tangent(u) instead (numbers there are held fixed)"
-            )
-        if isinstance(primal, Tensor):
-            view = primal.detach()
-            try:
-                view.with_tangent(tangent)
-            except ValueError as exc:
-                raise ValueError(f"{fn.label}.fwds: parameter '{p.name}': {exc}") from None
-            return view, view.tangent
-        if isinstance(primal, np.ndarray) or isinstance(tangent, np.ndarray):
-            a, b = np.asarray(primal), np.asarray(tangent)
-            if a.shape != b.shape:
-                raise ValueError(
-                    f"{fn.label}.fwds: parameter '{p.name}': tangent has shape {b.shape} but the "
-                    f"value has shape {a.shape}"
-                )
-        return primal, tangent
-    if isinstance(value, Tensor):
-        check_device(fn, value, f"parameter '{p.name}'")
-        if value.tangent is not None:
-            return value, value.tangent
-        zeros = scratch(fn.module.device, value, "zeros")  # (1,) for a 0-d value: viewed as ()
-        return value, Tensor(zeros if value.shape else zeros.view(()), value.device)
-    return value, _zero_like(value)
-
-
-def _warn_dropped(fn: GeneratingFunction, p: Any, where: str = "", struct: bool = False) -> None:
-    """A tangent given where no derivative flows: said, as reverse mode says it (bwds_checks)."""
-    why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
-    if struct:
-        why = f"a struct {p.type_name} that is not IDifferentiable (or no_diff)"
-    at = f"'{p.name}{where}'" if where else f"'{p.name}'"
-    what = f"field {at} gets no derivative" if where else f"parameter {at} is {why}"
-    warn_once(
-        f"{fn.label}: {what}, so forward mode drops the tangent given to it: the result's "
-        "tangent leaves it out. Pass the value without a tangent to say none is wanted, or make "
-        "it differentiable (drop no_diff; a float type; an IDifferentiable struct)"
-    )
-
-
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
@@ -282,7 +178,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         )
     for p, value in bound:
         pair = isinstance(value, tuple) and len(value) == 2
-        _refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
+        refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
     prepare_arguments(fn, bound, {"_result": "tensor", **options})
     if options:
         raise TypeError(f"{fn.label}.fwds: unsupported options {sorted(options)}")
@@ -292,18 +188,18 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         any_array = any_array or isinstance(value, (Tensor, np.ndarray))
         if p.differentiable:
             if p.io == "in":
-                call_args += list(_primal_and_tangent(fn, p, value))
+                call_args += list(primal_and_tangent(fn, p, value))
                 continue
             if not isinstance(value, Tensor):
                 raise TypeError(
                     f"{fn.label}.fwds: parameter '{p.name}' is {p.io}: pass a pydiff.Tensor to "
                     "receive it"
                 )
-            call_args += [value, _tangent_tensor(value)]
+            call_args += [value, tangent_tensor(value)]
         elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
             check_device(fn, value, f"parameter '{p.name}'")
             tangent = (
-                _tangent_tensor(value)
+                tangent_tensor(value)
                 if p.writes_value
                 else (value.tangent if value.tangent is not None else None)
             )
@@ -332,10 +228,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
                     f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) carries no derivative "
                     "(not differentiable or no_diff), so it takes no (value, tangent) pair"
                 )
-            inside = nested_tensors(value) if isinstance(value, (dict, list, tuple)) else []
-            if pair or any(t.tangent is not None for t in [value, *inside] if type(t) is Tensor):
-                _warn_dropped(fn, p, struct=isinstance(value, dict))
-                value = value[0] if pair else value
+            if pair or gives_tangent(value):
+                warn_dropped(fn, p, struct=isinstance(value, dict))
+                value = value[0] if pair else primals_only(value)
             call_args.append(value)
     done = generated_calls.call_fwds(fn, bound, call_args, want)
     if done is not None:

@@ -124,3 +124,73 @@ def test_random_values_into_an_integer_dtype_are_refused_by_name(device, make):
     with pytest.raises(TypeError, match=f"pydiff.{name}: dtype='int', but random values are"):
         make(3, dtype="int", device=device)
     assert make(3, seed=1, dtype="half", device=device).dtype == "half"
+
+
+# --- 2. (value, tangent) pairs as struct fields in .fwds -------------------------------------
+
+STRUCT_SOURCE = """
+struct Inner : IDifferentiable { float s; float t; };
+struct Outer : IDifferentiable { Inner inner; float w; int k; };
+struct Plain { float a; float b; };
+[Differentiable] float so(Outer o, float x)
+{ return o.w * sin(o.inner.s * x) + o.inner.t * o.inner.t * float(o.k); }
+[Differentiable] float sp(Plain q, float x) { return q.a * x * x + q.b; }
+"""
+
+
+def _so64(s, t, w, x, k=3):
+    return w * np.sin(s * x) + t * t * k
+
+
+def _central(f, point, direction, h=1e-6):
+    up = f(*(p + h * d for p, d in zip(point, direction)))
+    down = f(*(p - h * d for p, d in zip(point, direction)))
+    return (up - down) / (2 * h)
+
+
+@pytest.fixture
+def structs(device):
+    return pydiff.load_module_from_source("s27_struct_pairs", STRUCT_SOURCE, device=device)
+
+
+def test_fwds_takes_value_tangent_pairs_in_struct_fields(device, structs):
+    S = np.array([0.5, -1.2, 2.0])
+    US = np.array([1.0, -0.5, 0.25])
+    X = np.array([0.3, 1.1, -0.7])
+    t, ut, w, uw, ux = 0.8, -0.4, 1.5, 0.6, 0.9
+    s = pydiff.tensor(S, device=device)
+    y, dy = structs.so.fwds(
+        {"inner": {"s": (s, US), "t": (t, ut)}, "w": (w, uw), "k": 3},
+        (pydiff.tensor(X, device=device), np.full(3, ux)),
+    )
+    point = (S, np.full(3, t), np.full(3, w), X)
+    direction = (US, np.full(3, ut), np.full(3, uw), np.full(3, ux))
+    np.testing.assert_allclose(y.numpy(), _so64(*point), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dy.numpy(), _central(_so64, point, direction), rtol=1e-4, atol=1e-5)
+    assert s.tangent is None  # the pair's tangent went with a view, not onto the user's tensor
+    # numbers only: one value and its tangent
+    y, dy = structs.so.fwds({"inner": {"s": 0.5, "t": (t, 1.0)}, "w": w, "k": 3}, 0.3)
+    want = _central(lambda tt: _so64(0.5, tt, w, 0.3), (t,), (1.0,))
+    assert y == pytest.approx(_so64(0.5, t, w, 0.3), rel=1e-6)
+    assert dy == pytest.approx(want, rel=1e-5)
+
+
+def test_struct_field_pairs_where_no_derivative_flows_warn_and_use_the_value(device, structs):
+    from pydiff.errors import GradientFlowWarning
+
+    with pytest.warns(GradientFlowWarning, match="'o.k'"):
+        y, dy = structs.so.fwds({"inner": {"s": 0.5, "t": 0.8}, "w": 1.5, "k": (3, 1)}, 0.3)
+    assert y == pytest.approx(_so64(0.5, 0.8, 1.5, 0.3), rel=1e-6)
+    assert dy == 0.0
+    with pytest.warns(GradientFlowWarning, match="not IDifferentiable"):
+        y, dy = structs.sp.fwds({"a": (2.0, 1.0), "b": 1.0}, 3.0)
+    assert (y, dy) == (pytest.approx(19.0), 0.0)
+
+
+def test_struct_field_pairs_that_cannot_be_split_are_refused_by_field(device, structs):
+    inner = {"s": 0.5, "t": 0.8}
+    with pytest.raises(TypeError, match="parameter 'o' \\(Outer\\) at field 'inner' is given a"):
+        structs.so.fwds({"inner": (inner, inner), "w": 1.5, "k": 3}, 0.3)
+    s = pydiff.tensor([0.5, 1.0], device=device)
+    with pytest.raises(ValueError, match="field 'inner.s'.*tangent has shape \\(3,\\)"):
+        structs.so.fwds({"inner": {"s": (s, np.ones(3)), "t": 0.8}, "w": 1.5, "k": 3}, 0.3)
