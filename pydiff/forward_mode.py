@@ -63,20 +63,70 @@ def need_differentiable(fn: GeneratingFunction, what: str) -> None:
         )
 
 
-def generic_types(fn: GeneratingFunction, bound: list) -> dict[str, str]:
+def generic_types(fn: GeneratingFunction, bound: list, what: str = "") -> dict[str, str]:
     """The concrete type of each generic parameter type in this call (``{'T': 'float'}`` for
-    ``T f<T : IFloat>(T x)`` called on a float tensor or number), as SlangPy specialises it."""
+    ``T f<T : IFloat>(T x)`` called on a float tensor or number; ``vector<float,3>`` for
+    ``vector<float, N>`` on a float3 tensor, a ``spy.float3`` or a NumPy array of rows of 3),
+    as SlangPy specialises it; TypeError (naming ``what``, by default ``fn.fwds``) where the
+    argument fixes no size for a generic size ``N``."""
     types: dict[str, str] = {}
     for p, value in bound:
         if p.generic and p.tensor_kind is None:
             if isinstance(value, tuple) and len(value) == 2:  # a (value, tangent) pair
                 value = value[0]
             found = param_type(p, value)
+            if found == p.type_name:
+                found = _slangpy_value_type(value) or found
             if found == p.type_name and isinstance(value, float):
                 found = "float"
+            sized = _GENERIC_SIZE.match(p.type_name)
+            if sized and (found == p.type_name or not found.startswith(sized.group(1) + "<")):
+                found = _sized_type(fn, p, value, sized, what or f"{fn.label}.fwds")
             if found != p.type_name:
                 types.setdefault(p.type_name, found)
+            if sized and sized.group(2) not in _SLANGPY_ELEMENTS:  # vector<T,N>: T as well
+                types.setdefault(sized.group(2), found[found.index("<") + 1 :].split(",")[0])
     return types
+
+
+# vector<float,N> / matrix<T,R,C>: a type whose sizes (some at least) are generic values
+_GENERIC_SIZE = re.compile(r"^(vector|matrix)<(\w+),(\w+)(?:,(\w+))?>$")
+_SLANGPY_VALUE = re.compile(r"^(float16_t|float|double|int|uint|bool)(\d)(?:x(\d))?$")
+
+
+def _slangpy_value_type(value: Any) -> str | None:
+    """The Slang type of a SlangPy vector or matrix value (``spy.float3`` -> vector<float,3>)."""
+    found = _SLANGPY_VALUE.match(type(value).__name__)
+    if found is None or not type(value).__module__.startswith("slangpy"):
+        return None
+    elem, rows, cols = found.groups()
+    elem = "half" if elem == "float16_t" else elem
+    return f"matrix<{elem},{rows},{cols}>" if cols else f"vector<{elem},{rows}>"
+
+
+def _sized_type(fn: GeneratingFunction, p: Any, value: Any, sized: Any, what: str) -> str:
+    """``vector<float,N>`` at a NumPy array or list: N from its last axis (as a float3
+    tensor's elements); at anything else no size can be read, refused naming the generic size."""
+    kind, elem, *sizes = sized.groups()
+    sizes = [d for d in sizes if d is not None]
+    host = np.asarray(value) if type(value) in (np.ndarray, list) else None
+    axes = host.shape[-len(sizes) :] if host is not None and host.ndim >= len(sizes) else ()
+    if host is not None and host.dtype.kind in "fi" and len(axes) == len(sizes):
+        elem = elem if elem in _SLANGPY_ELEMENTS else (param_type(p, host) or "float")
+        return f"{kind}<{elem},{','.join(str(int(n)) for n in axes)}>"
+    generic = ", ".join(d for d in sizes if not d.isdigit())
+    got = f"a {value.dtype} tensor" if type(value) is Tensor else f"{type(value).__name__}"
+    example = "float3" if kind == "vector" else "float3x3"
+    raise TypeError(
+        f"{what}: parameter '{p.name}' of {fn.name} has type {p.type_name}, whose size "
+        f"{generic} is a generic value parameter; {got} does not fix it, so {fn.name} cannot "
+        f"be specialised. Pass a tensor of dtype '{example}' (pydiff.tensor(a, "
+        f"dtype='{example}')), a slangpy.{example} or a NumPy array whose last axes are the "
+        "sizes"
+    )
+
+
+_SLANGPY_ELEMENTS = ("float", "half", "double")
 
 
 def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> GeneratingFunction:
@@ -298,7 +348,7 @@ def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingF
     the directional derivative, whose reverse-mode gradient w.r.t. x is H v. ``args`` (the
     call's arguments, by position) specialise a generic function, as ``fn.fwds`` does."""
     need_differentiable(fn, "hvp")
-    types = generic_types(fn, list(zip(fn.params, args)))
+    types = generic_types(fn, list(zip(fn.params, args)), f"hvp of {fn.label}")
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
     if ret not in ("float", "double", "half"):
         generic = (

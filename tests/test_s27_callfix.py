@@ -194,3 +194,59 @@ def test_struct_field_pairs_that_cannot_be_split_are_refused_by_field(device, st
     s = pydiff.tensor([0.5, 1.0], device=device)
     with pytest.raises(ValueError, match="field 'inner.s'.*tangent has shape \\(3,\\)"):
         structs.so.fwds({"inner": {"s": (s, np.ones(3)), "t": 0.8}, "w": 1.5, "k": 3}, 0.3)
+
+
+# --- 3. generic value parameters (vector<float, N>) through .fwds and hvp --------------------
+
+X3 = np.array([[0.5, -1.2, 2.0], [1.5, 0.25, -0.7]])
+U3 = np.array([[1.0, -0.5, 0.25], [0.3, 2.0, -1.0]])
+
+
+def _vgen64(x):
+    return np.sin(x) * x
+
+
+def test_fwds_specialises_a_generic_vector_size(device, load):
+    m = load("generic_sizes", device)
+    want_y, want_dy = _vgen64(X3), _central(_vgen64, (X3,), (U3,))
+    x = pydiff.tensor(X3, dtype="float3", device=device).with_tangent(U3)
+    for given in (x, (X3, U3), (X3.astype(np.float32), U3)):
+        y, dy = m.vgen.fwds(given)
+        np.testing.assert_allclose(y.numpy(), want_y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dy.numpy(), want_dy, rtol=1e-4, atol=1e-5)
+    y, dy = m.vgen.fwds((X3[0].tolist(), U3[0].tolist()))  # one vector, as lists
+    np.testing.assert_allclose(dy, want_dy[0], rtol=1e-4, atol=1e-5)
+    import slangpy as spy
+
+    y, dy = m.vgen.fwds((spy.float3(*X3[0]), spy.float3(*U3[0])))
+    np.testing.assert_allclose(dy, want_dy[0], rtol=1e-4, atol=1e-5)
+    # a generic element type T and size N at once: x0 x2, its tangent u0 x2 + x0 u2
+    _, dy = m.vends.fwds(pydiff.tensor(X3, dtype="float3", device=device).with_tangent(U3))
+    want = _central(lambda a: a[:, 0] * a[:, 2], (X3,), (U3,))
+    np.testing.assert_allclose(dy.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_hvp_of_a_function_generic_over_a_vector_size(device, load):
+    m = load("generic_sizes", device)
+    (h,) = pydiff.hvp(m.vcube, (pydiff.tensor(X3, dtype="float3", device=device),), (U3,))
+    np.testing.assert_allclose(h.numpy(), 6 * X3 * U3, rtol=1e-5)  # d2/dx2 sum x^3 = 6x
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        lambda d: 2.0,
+        lambda d: (2.0, 1.0),
+        lambda d: pydiff.tensor([1.0, 2.0], device=d).with_tangent([1.0, 1.0]),
+    ],
+)
+def test_a_generic_vector_size_no_argument_fixes_is_refused_by_name(device, load, given):
+    m = load("generic_sizes", device)
+    with pytest.raises(TypeError, match="vgen.fwds: parameter 'x' of vgen .*size N is a generic"):
+        m.vgen.fwds(given(device))
+
+
+def test_hvp_refuses_a_generic_vector_size_by_name(device, load):
+    m = load("generic_sizes", device)
+    with pytest.raises(TypeError, match="hvp of .*vcube: parameter 'x' .*size N is a generic"):
+        pydiff.hvp(m.vcube, (pydiff.tensor([1.0, 2.0], device=device),), (np.ones(2),))
