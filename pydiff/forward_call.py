@@ -28,7 +28,8 @@ from .arguments import (
 from .call_shape import as_zero_d, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
-from .bwds_checks import refuse_written_struct, refuse_written_twice, with_values_of
+from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
+from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
@@ -96,6 +97,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     needs_grad = any(p.reads_value and _any_grad(v) for p, v in bound)
     if tape is not None and needs_grad:
         _refuse_aliases(fn, bound, result, aliased)
+        refuse_narrowed_result(fn, bound, result, f"{fn.label} on a tape")
         if fn.signature.differentiable:
             refuse_written_struct(fn, bound, f"{fn.label} on a tape")
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)

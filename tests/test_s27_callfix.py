@@ -250,3 +250,59 @@ def test_hvp_refuses_a_generic_vector_size_by_name(device, load):
     m = load("generic_sizes", device)
     with pytest.raises(TypeError, match="hvp of .*vcube: parameter 'x' .*size N is a generic"):
         pydiff.hvp(m.vcube, (pydiff.tensor([1.0, 2.0], device=device),), (np.ones(2),))
+
+
+# --- 4. a float result written into a half _result where the result gets gradients ------------
+
+NARROW_SOURCE = """
+[Differentiable] float sq(float x) { return x * x * 1.5; }
+[Differentiable] float3 sq3(float3 x) { return x * x; }
+[Differentiable] half hsq(half x) { return x * x; }
+"""
+XN = np.array([1.2345678, -2.0, 0.3])
+
+
+@pytest.fixture
+def narrow(device):
+    return pydiff.load_module_from_source("s27_narrow", NARROW_SOURCE, device=device)
+
+
+def test_bwds_refuses_a_half_result_for_a_float_function(device, narrow):
+    x = pydiff.tensor(XN, device=device, requires_grad=True)
+    y = pydiff.zeros((3,), dtype="half", device=device).with_grads(ones=True)
+    with pytest.raises(TypeError, match="s27_narrow.sq.bwds: _result is a half tensor but the "):
+        narrow.sq.bwds(x, _result=y)
+    with pytest.raises(TypeError, match="sq.bwds: _result is a half tensor"):
+        narrow.sq.bwds(x, y)  # the result given positionally
+    y3 = pydiff.zeros((3,), dtype="half3", device=device).with_grads(ones=True)
+    x3 = pydiff.tensor(np.ones((3, 3)), dtype="float3", device=device, requires_grad=True)
+    with pytest.raises(TypeError, match="_result is a half3 tensor but the function returns"):
+        narrow.sq3.bwds(x3, _result=y3)
+    assert not x.grad.numpy().any() and not x3.grad.numpy().any()  # nothing ran
+    # a half function into a float result (no rounding) and half into half stay allowed
+    h = pydiff.tensor(XN, dtype="half", device=device, requires_grad=True)
+    narrow.hsq.bwds(h, _result=pydiff.zeros((3,), device=device).with_grads(ones=True))
+    np.testing.assert_allclose(h.grad.numpy(), 2 * XN.astype(np.float16), rtol=2e-3)
+
+
+def test_a_tape_refuses_a_half_result_of_a_float_function_that_gets_gradients(device, narrow):
+    x = pydiff.tensor(XN, device=device, requires_grad=True)
+    with pydiff.Tape():
+        with pytest.raises(TypeError, match="sq on a tape: _result is a half tensor"):
+            narrow.sq(x, _result=pydiff.zeros((3,), dtype="half", device=device))
+        # nothing wants a gradient: nothing to lose, the call narrows as off a tape
+        c = pydiff.tensor(XN, device=device)
+        narrow.sq(c, _result=pydiff.zeros((3,), dtype="half", device=device))
+    # the way the message gives: a float result, then astype, which the tape records
+    with pydiff.Tape() as tape:
+        y = narrow.sq(x, _result="tensor").astype("half")
+        loss = y.sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(x.grad.numpy(), 3.0 * XN, rtol=1e-6)  # d(1.5 x^2)
+
+
+def test_a_forward_call_off_a_tape_narrows_into_a_half_result(device, narrow):
+    x = pydiff.tensor(XN, device=device, requires_grad=True)
+    y = narrow.sq(x, _result=pydiff.zeros((3,), dtype="half", device=device))
+    want = (1.5 * XN.astype(np.float32) ** 2).astype(np.float16)
+    np.testing.assert_allclose(y.numpy(), want, rtol=2**-10)
