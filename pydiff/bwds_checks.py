@@ -21,7 +21,7 @@ from .arguments import nested_tensors
 from .call_shape import result_type
 from .errors import warn_once
 from .host_values import element_base
-from .function import MADE_OFF_TAPE
+from .unrecorded import made_off_tape
 from .signature import FunctionTarget, ParamInfo
 from .storage import allocate
 from .tensor import Tensor
@@ -151,15 +151,6 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
                     "from. Pass the written tensor and the input with gradient buffers of their "
                     "own (x.with_grads(...))"
                 )
-
-
-def made_off_tape(t: Tensor) -> str | None:
-    """The ``Function`` (class name) that computed ``t`` off a tape from tensors that require
-    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too)."""
-    found = MADE_OFF_TAPE.get(id(t))
-    if found is None or found[0]() is not t or found[2] != t.storage.version:
-        return None
-    return found[1]
 
 
 def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:

@@ -36,6 +36,7 @@ from .signature import FunctionTarget, ParamInfo
 from . import foreign, generated_calls
 from .tape import Tape, active_tape
 from .tensor import Tensor
+from .unrecorded import note_unrecorded
 
 
 def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
@@ -291,7 +292,8 @@ def _record(
     if type(out) is Tensor:
         writes.append(out)
     if not needs_grad:
-        return  # constants as far as gradients go
+        note_unrecorded(writes, fn.label)  # constants as far as gradients go
+        return
     # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
     # gradient, or an earlier call's result): none of the gradient reaches those values where
     # the call wrote, so the backward clears it there.

@@ -391,11 +391,8 @@ class Tensor(GradBuffers, TensorOperators):
         ...     loss = m.loss(x, _result="tensor")
         >>> loss.backward()
         """
-        if self.producer is None:
-            raise RuntimeError(
-                "backward(): this tensor was not produced by a call recorded on a pydiff.Tape; "
-                "make it inside 'with pydiff.Tape() as tape:' (or call .bwds yourself)"
-            )
+        if self.producer is None:  # (what made it, said by pydiff.unrecorded)
+            raise RuntimeError(tensor_methods.call("not_recorded", "backward()", self))
         self.producer.backward(self, grad, retain_graph=retain_graph)
 
     # --- binding to SlangPy calls ----------------------------------------------------------

@@ -306,3 +306,65 @@ def test_a_forward_call_off_a_tape_narrows_into_a_half_result(device, narrow):
     y = narrow.sq(x, _result=pydiff.zeros((3,), dtype="half", device=device))
     want = (1.5 * XN.astype(np.float32) ** 2).astype(np.float16)
     np.testing.assert_allclose(y.numpy(), want, rtol=2**-10)
+
+
+# --- 5. a backward from a tensor no call on the tape made says what did make it ---------------
+
+
+@pytest.fixture
+def sq(device):
+    m = pydiff.load_module_from_source(
+        "s27_unrecorded", "[Differentiable] float sq(float x) { return x * x; }", device=device
+    )
+    return m.sq
+
+
+def _refusal(run) -> str:
+    with pytest.raises(RuntimeError, match="not produced by") as info:
+        run()
+    return str(info.value)
+
+
+def test_backward_from_a_result_of_another_tape_says_so(device, sq):
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    with pydiff.Tape():
+        y = sq(x, _result="tensor")
+    with pydiff.Tape() as other:
+        sq(x, _result="tensor")
+    text = _refusal(lambda: other.backward(y, grad=np.ones(2)))
+    assert "produced by a call recorded on another pydiff.Tape" in text
+    y.backward(grad=np.ones(2))  # the way the message gives
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 4.0])
+
+
+def test_backward_from_a_call_with_no_input_requiring_a_gradient_says_so(device, sq):
+    c = pydiff.tensor([1.0, 2.0], device=device)
+    with pydiff.Tape() as tape:
+        y = sq(c, _result="tensor")
+        total = (c * 2.0).sum()
+    text = _refusal(lambda: tape.backward(y, grad=np.ones(2)))
+    assert "s27_unrecorded.sq computed it while a tape was recording" in text
+    assert "none of the call's inputs requires a gradient" in text
+    assert "requires_grad=True" in text
+    text = _refusal(lambda: tape.backward(total))
+    assert "_Sum computed it while a tape was recording" in text
+    text = _refusal(lambda: tape.backward(y.reshape((2, 1)), grad=np.ones((2, 1))))
+    assert "computed it while a tape was recording" in text  # a view of it
+
+
+def test_backward_from_copies_and_calls_made_off_a_tape_says_so(device, sq):
+    x = pydiff.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = sq(x, _result="tensor")
+    text = _refusal(lambda: tape.backward(y[1:], grad=np.ones(2)))
+    assert "_Take computed it off a tape" in text
+    text = _refusal(lambda: tape.backward(y.clone(), grad=np.ones(3)))
+    assert "a copy (clone() or copy_ off a tape)" in text
+    off = sq(x, _result="tensor")
+    text = _refusal(lambda: tape.backward(off, grad=np.ones(3)))
+    assert "computed off a tape (no pydiff.Tape was recording)" in text
+    text = _refusal(lambda: off.sum().backward())
+    assert text.startswith("backward(): this tensor was not produced by a call recorded")
+    assert "computed by _Sum.forward off a tape" in text
+    text = _refusal(lambda: tape.backward(x, grad=np.ones(3)))
+    assert "its values were written by a host write" in text and "a leaf" in text
