@@ -21,11 +21,20 @@ from .tensor import Tensor
 
 
 def is_pair(value: Any) -> bool:
-    """A ``(value, tangent)`` pair: a 2-tuple (vector values are ``spy.float3`` or arrays)."""
+    """A ``(value, tangent)`` pair: a 2-tuple (vector values are ``spy.float3`` or arrays).
+
+    >>> is_pair((2.0, 1.0)), is_pair(spy.float2(2.0, 1.0))
+    (True, False)
+    """
     return isinstance(value, tuple) and len(value) == 2
 
 
 def zero_like(value: Any) -> Any:
+    """The zero tangent of a value held fixed (a number, array or SlangPy vector).
+
+    >>> zero_like(2.0), zero_like(np.ones(3))
+    (0.0, array([0., 0., 0.], dtype=float32))
+    """
     if isinstance(value, (float, int)) and not isinstance(value, bool):
         return 0.0
     if isinstance(value, (np.ndarray, list, tuple)):
@@ -34,7 +43,10 @@ def zero_like(value: Any) -> Any:
 
 
 def tangent_tensor(t: Tensor) -> Tensor:
-    """``t``'s tangent, zeros given to it first where it has none (out/inout arguments)."""
+    """``t``'s tangent, zeros given to it first where it has none (out/inout arguments).
+
+    >>> tangent_tensor(y)     # y.tangent, now zeros if y had none
+    """
     if t.tangent is None:
         zero = spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype)
         zero = Tensor(zero if t.shape else zero.view(()), t.device)
@@ -44,7 +56,11 @@ def tangent_tensor(t: Tensor) -> Tensor:
 
 def gives_tangent(value: Any) -> bool:
     """Whether ``value`` gives a tangent anywhere inside: a struct field's (value, tangent)
-    pair, or a tensor carrying one (a whole argument's pair is the caller's to see)."""
+    pair, or a tensor carrying one (a whole argument's pair is the caller's to see).
+
+    >>> gives_tangent({"a": (2.0, 1.0), "b": 3.0})
+    True
+    """
     if isinstance(value, dict):
         return any(is_pair(v) or gives_tangent(v) for v in value.values())
     return any(t.tangent is not None for t in nested_tensors(value))
@@ -52,14 +68,22 @@ def gives_tangent(value: Any) -> bool:
 
 def primals_only(value: Any) -> Any:
     """``value`` with each (value, tangent) pair in its fields as its value (the tangents of
-    a struct without derivatives, dropped once said)."""
+    a struct without derivatives, dropped once said).
+
+    >>> primals_only({"a": (2.0, 1.0), "b": 3.0})
+    {'a': 2.0, 'b': 3.0}
+    """
     if isinstance(value, dict):
         return {k: v[0] if is_pair(v) else primals_only(v) for k, v in value.items()}
     return value
 
 
 def primal_and_tangent(fn: FunctionTarget, p: ParamInfo, value: Any) -> tuple[Any, Any]:
-    """What ``fn.fwds`` passes for differentiable input ``p``: its primal and its tangent."""
+    """What ``fn.fwds`` passes for differentiable input ``p``: its primal and its tangent.
+
+    >>> primal_and_tangent(fn, p, {"a": (2.0, 1.0), "b": 3.0})
+    ({'a': 2.0, 'b': 3.0}, {'a': 1.0, 'b': 0.0})
+    """
     if isinstance(value, (dict, list)) and (isinstance(value, dict) or nested_tensors(value)):
         return _struct_split(fn, p, value)
     if is_pair(value):
@@ -134,7 +158,10 @@ def _struct_split(fn: FunctionTarget, p: ParamInfo, value: Any, path: str = "") 
 
 def refuse_listed_tangents(fn: FunctionTarget, p: ParamInfo, value: Any, path: str) -> None:
     """Tensors with tangents in a list (an array argument, or a struct's array field): the
-    call reads the list as one host array, so their tangents would be dropped: refused."""
+    call reads the list as one host array, so their tangents would be dropped: refused.
+
+    >>> refuse_listed_tangents(fn, p, [t.with_tangent(u), 1.0], "a")   # TypeError
+    """
     if isinstance(value, dict):
         for key, v in value.items():
             refuse_listed_tangents(fn, p, v, f"{path}.{key}")
@@ -147,7 +174,10 @@ def refuse_listed_tangents(fn: FunctionTarget, p: ParamInfo, value: Any, path: s
 
 
 def warn_dropped(fn: FunctionTarget, p: ParamInfo, where: str = "", struct: bool = False) -> None:
-    """A tangent given where no derivative flows: said, as reverse mode says it (bwds_checks)."""
+    """A tangent given where no derivative flows: said, as reverse mode says it (bwds_checks).
+
+    >>> warn_dropped(fn, p, ".c")     # GradientFlowWarning: field 'r.c' gets no derivative
+    """
     why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
     if struct:
         why = f"a struct {p.type_name} that is not IDifferentiable (or no_diff)"

@@ -47,7 +47,10 @@ def _still_holding(registry: dict, t: Tensor | None) -> str | None:
 
 def made_off_tape(t: Tensor) -> str | None:
     """The ``Function`` (class name) that computed ``t`` off a tape from tensors that require
-    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too)."""
+    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too).
+
+    >>> made_off_tape(x[1:])     # '_Take' for an x that requires a gradient, off a tape
+    """
     return _still_holding(MADE_OFF_TAPE, t)
 
 
