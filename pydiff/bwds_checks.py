@@ -18,8 +18,10 @@ import numpy as np
 import slangpy as spy
 
 from .arguments import nested_tensors
+from .call_shape import result_type
 from .errors import warn_once
-from .function import MADE_OFF_TAPE
+from .host_values import element_base
+from .unrecorded import made_off_tape
 from .signature import FunctionTarget, ParamInfo
 from .storage import allocate
 from .tensor import Tensor
@@ -151,21 +153,13 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
                 )
 
 
-def made_off_tape(t: Tensor) -> str | None:
-    """The ``Function`` (class name) that computed ``t`` off a tape from tensors that require
-    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too)."""
-    found = MADE_OFF_TAPE.get(id(t))
-    if found is None or found[0]() is not t or found[2] != t.storage.version:
-        return None
-    return found[1]
-
-
 def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:
     """``.bwds``'s checks of its arguments as given: written struct arguments and written
     parameters on one storage refused; copies made off a tape from tensors that want a
     gradient (``x[:, 1:]``, ``x.T``) warned."""
     refuse_written_struct(fn, bound, fn.bwds_label)
     refuse_written_twice(fn, bound, result, fn.bwds_label)
+    refuse_narrowed_result(fn, bound, result, fn.bwds_label)
     for p, value in bound:
         if type(value) is not Tensor or value.grad_out is not None or not p.differentiable:
             continue
@@ -179,6 +173,35 @@ def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None
                 "function on a pydiff.Tape (tape.backward carries the gradient back), or "
                 "pass .detach() of it to say no gradient is wanted"
             )
+
+
+_FLOAT_BITS = {"half": 16, "float": 32, "double": 64}
+
+
+def refuse_narrowed_result(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:
+    """Refuse a float ``_result`` tensor narrower than the function's float result (a half
+    tensor for a float function) where the result gets gradients: ``.bwds`` and a call a
+    tape records. Its values would be stored rounded while the backward differentiates the
+    unrounded ones, and their gradient held in half (nothing below 6e-8: flushed to 0).
+    Off a tape a forward call narrows, as torch's ``out=`` does (torch refuses ``out=``
+    under autograd).
+
+    >>> refuse_narrowed_result(fn, bound, y_half, "m.f.bwds")   # TypeError for a float f
+    """
+    if type(result) is not Tensor:
+        return
+    returns = result_type(fn, bound)
+    want, got = element_base(returns), element_base(result.native.dtype.full_name)
+    if want not in _FLOAT_BITS or got not in _FLOAT_BITS or _FLOAT_BITS[got] >= _FLOAT_BITS[want]:
+        return
+    raise TypeError(
+        f"{where}: _result is a {result.dtype} tensor but the function returns {returns}, "
+        f"and the result gets gradients here: its values would be rounded to {got} while the "
+        f"backward differentiates the {want} values, and its gradient held in {got} (small "
+        f"gradients flush to 0). Pass a {want} tensor as _result (or none), then convert "
+        f"with .astype({got!r}), which a tape records with its gradient; off a tape and "
+        "without .bwds a forward call may write into a narrower tensor"
+    )
 
 
 def refuse_stale(scope: Any, fn: FunctionTarget, bound: list) -> None:

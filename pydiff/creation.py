@@ -40,8 +40,18 @@ def tensor(
     >>> p = pydiff.tensor(np.zeros((8, 3)), dtype="float3")    # shape (8,)
     >>> s = pydiff.tensor(3.0)                                   # shape (), as np.asarray
     """
+    return from_host(data, dtype, device, requires_grad, "pydiff.tensor: data")
+
+
+def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: str) -> Tensor:
+    """``pydiff.tensor(data, ...)`` for another API, which ``where`` names in the errors
+    (values that do not fit the dtype, a shape that cannot hold its elements).
+
+    >>> from_host(np.linspace(0, 1, 5), "int", None, False, "pydiff.linspace")  # ValueError:
+    ... # pydiff.linspace: 0.25 is not a whole number; the tensor holds int32
+    """
     dev = resolve_device(device)
-    arr = data.numpy() if isinstance(data, Tensor) else as_array(data, "pydiff.tensor: data")
+    arr = data.numpy() if isinstance(data, Tensor) else as_array(data, where)
     if dtype is None:
         native_order = arr.dtype.newbyteorder("=")  # big-endian '>f4' holds float32 values
         name = NUMPY_TO_SLANG.get(native_order)
@@ -49,21 +59,21 @@ def tensor(
             name = "int"  # int8/16, uint8/16 (an image's bytes): every value fits
         if name is None:
             raise TypeError(
-                f"data of NumPy dtype {arr.dtype} has no default Slang dtype; pass dtype="
+                f"{where}: NumPy dtype {arr.dtype} has no default Slang dtype; pass dtype="
             )
     else:
         name = dtype_name(dtype)
     elem = element_shape(dev.dtype(name))
     if elem and arr.shape[len(arr.shape) - len(elem) :] != elem:
         raise ValueError(
-            f"data of shape {arr.shape} cannot hold elements of dtype {name!r}: its last "
+            f"{where}: shape {arr.shape} cannot hold elements of dtype {name!r}: its last "
             f"dimension(s) must be {elem}"
         )
     shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape  # () for a scalar: 0-d
     out = empty(shape, dtype=name, device=dev)
     kind = out.scalar_type
-    arr = host_cast(arr, upload_numpy_type(out.native, kind), "pydiff.tensor: data", kind == "bool")
-    out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()))
+    arr = host_cast(arr, upload_numpy_type(out.native, kind), where, kind == "bool")
+    out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()), caller=where)
     if requires_grad:
         out.requires_grad_(True)
     return out

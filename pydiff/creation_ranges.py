@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .creation import ones, tensor, zeros
+from .creation import from_host, ones, zeros
 from .device import Device
+from .storage import dtype_name
 from .tensor import Tensor
 
 
@@ -73,7 +74,7 @@ def arange(
             f"arange: values from {values.min()} to {values.max()} do not fit dtype 'int' "
             "(32 bits); pass dtype='float' for floats"
         )
-    return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
+    return from_host(values, dtype, device, requires_grad, "pydiff.arange")
 
 
 def linspace(
@@ -93,7 +94,7 @@ def linspace(
     if isinstance(num, bool) or not isinstance(num, numbers.Integral) or num < 1:
         raise ValueError(f"linspace: num must be an int >= 1, got {num!r}")
     values = np.linspace(start, stop, int(num))
-    return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
+    return from_host(values, dtype, device, requires_grad, "pydiff.linspace")
 
 
 def full(
@@ -109,8 +110,11 @@ def full(
     >>> pydiff.full((2, 3), 0.5)
     """
     shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
-    values = np.full(_shape((shape,), "full"), fill_value, dtype=np.float64)
-    return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
+    # float64 holds every float and int value exactly enough to check; complex stays complex
+    # (refused then, not its imaginary part dropped)
+    wide = np.complex128 if np.iscomplexobj(fill_value) else np.float64
+    values = np.full(_shape((shape,), "full"), fill_value, dtype=wide)
+    return from_host(values, dtype, device, requires_grad, "pydiff.full: fill_value")
 
 
 def _like(x: Tensor, what: str) -> Tensor:
@@ -158,7 +162,7 @@ def rand(
     >>> pydiff.rand(2, 3, seed=0)
     """
     values = _generator(seed, "rand").random(_shape(shape, "rand"), dtype=np.float32)
-    return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
+    return from_host(values, _float_dtype(dtype, "rand"), device, requires_grad, "pydiff.rand")
 
 
 def randn(
@@ -174,4 +178,18 @@ def randn(
     """
     gen = _generator(seed, "randn")
     values = gen.standard_normal(_shape(shape, "randn"), dtype=np.float32)
-    return tensor(values, dtype=dtype, device=device, requires_grad=requires_grad)
+    return from_host(values, _float_dtype(dtype, "randn"), device, requires_grad, "pydiff.randn")
+
+
+def _float_dtype(dtype: Any, what: str) -> Any:
+    """Random values are floats: an integer dtype (vectors too) would only truncate them."""
+    try:
+        name = dtype_name(dtype)
+    except (TypeError, KeyError):
+        return dtype  # pydiff.tensor names what is wrong with it
+    if name.startswith(("int", "uint", "bool")):
+        raise TypeError(
+            f"pydiff.{what}: dtype={dtype!r}, but random values are floats: pass dtype='float' "
+            f"or 'half' (pydiff.{what}(...).astype(...) converts afterwards)"
+        )
+    return dtype

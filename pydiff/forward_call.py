@@ -28,13 +28,15 @@ from .arguments import (
 from .call_shape import as_zero_d, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
-from .bwds_checks import refuse_written_struct, refuse_written_twice, with_values_of
+from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
+from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
 from . import foreign, generated_calls
 from .tape import Tape, active_tape
 from .tensor import Tensor
+from .unrecorded import note_unrecorded
 
 
 def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
@@ -96,6 +98,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     needs_grad = any(p.reads_value and _any_grad(v) for p, v in bound)
     if tape is not None and needs_grad:
         _refuse_aliases(fn, bound, result, aliased)
+        refuse_narrowed_result(fn, bound, result, f"{fn.label} on a tape")
         if fn.signature.differentiable:
             refuse_written_struct(fn, bound, f"{fn.label} on a tape")
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
@@ -289,7 +292,8 @@ def _record(
     if type(out) is Tensor:
         writes.append(out)
     if not needs_grad:
-        return  # constants as far as gradients go
+        note_unrecorded(writes, fn.label)  # constants as far as gradients go
+        return
     # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
     # gradient, or an earlier call's result): none of the gradient reaches those values where
     # the call wrote, so the backward clears it there.

@@ -18,10 +18,12 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing, foreign, generated_calls
-from .arguments import bind_arguments, check_device, fwd_tensor_struct, nested_tensors
-from .arguments import prepare_arguments, scratch
+from .arguments import bind_arguments, check_device, fwd_tensor_struct
+from .arguments import prepare_arguments
+from .forward_args import gives_tangent, primal_and_tangent, primals_only
+from .forward_args import refuse_listed_tangents, tangent_tensor, warn_dropped
 from .call_shape import param_type
-from .errors import ShaderTrapError, warn_once
+from .errors import ShaderTrapError
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .tape import suspend_recording
@@ -61,20 +63,70 @@ def need_differentiable(fn: GeneratingFunction, what: str) -> None:
         )
 
 
-def generic_types(fn: GeneratingFunction, bound: list) -> dict[str, str]:
+def generic_types(fn: GeneratingFunction, bound: list, what: str = "") -> dict[str, str]:
     """The concrete type of each generic parameter type in this call (``{'T': 'float'}`` for
-    ``T f<T : IFloat>(T x)`` called on a float tensor or number), as SlangPy specialises it."""
+    ``T f<T : IFloat>(T x)`` called on a float tensor or number; ``vector<float,3>`` for
+    ``vector<float, N>`` on a float3 tensor, a ``spy.float3`` or a NumPy array of rows of 3),
+    as SlangPy specialises it; TypeError (naming ``what``, by default ``fn.fwds``) where the
+    argument fixes no size for a generic size ``N``."""
     types: dict[str, str] = {}
     for p, value in bound:
         if p.generic and p.tensor_kind is None:
             if isinstance(value, tuple) and len(value) == 2:  # a (value, tangent) pair
                 value = value[0]
             found = param_type(p, value)
+            if found == p.type_name:
+                found = _slangpy_value_type(value) or found
             if found == p.type_name and isinstance(value, float):
                 found = "float"
+            sized = _GENERIC_SIZE.match(p.type_name)
+            if sized and (found == p.type_name or not found.startswith(sized.group(1) + "<")):
+                found = _sized_type(fn, p, value, sized, what or f"{fn.label}.fwds")
             if found != p.type_name:
                 types.setdefault(p.type_name, found)
+            if sized and sized.group(2) not in _SLANGPY_ELEMENTS:  # vector<T,N>: T as well
+                types.setdefault(sized.group(2), found[found.index("<") + 1 :].split(",")[0])
     return types
+
+
+# vector<float,N> / matrix<T,R,C>: a type whose sizes (some at least) are generic values
+_GENERIC_SIZE = re.compile(r"^(vector|matrix)<(\w+),(\w+)(?:,(\w+))?>$")
+_SLANGPY_VALUE = re.compile(r"^(float16_t|float|double|int|uint|bool)(\d)(?:x(\d))?$")
+
+
+def _slangpy_value_type(value: Any) -> str | None:
+    """The Slang type of a SlangPy vector or matrix value (``spy.float3`` -> vector<float,3>)."""
+    found = _SLANGPY_VALUE.match(type(value).__name__)
+    if found is None or not type(value).__module__.startswith("slangpy"):
+        return None
+    elem, rows, cols = found.groups()
+    elem = "half" if elem == "float16_t" else elem
+    return f"matrix<{elem},{rows},{cols}>" if cols else f"vector<{elem},{rows}>"
+
+
+def _sized_type(fn: GeneratingFunction, p: Any, value: Any, sized: Any, what: str) -> str:
+    """``vector<float,N>`` at a NumPy array or list: N from its last axis (as a float3
+    tensor's elements); at anything else no size can be read, refused naming the generic size."""
+    kind, elem, *sizes = sized.groups()
+    sizes = [d for d in sizes if d is not None]
+    host = np.asarray(value) if type(value) in (np.ndarray, list) else None
+    axes = host.shape[-len(sizes) :] if host is not None and host.ndim >= len(sizes) else ()
+    if host is not None and host.dtype.kind in "fi" and len(axes) == len(sizes):
+        elem = elem if elem in _SLANGPY_ELEMENTS else (param_type(p, host) or "float")
+        return f"{kind}<{elem},{','.join(str(int(n)) for n in axes)}>"
+    generic = ", ".join(d for d in sizes if not d.isdigit())
+    got = f"a {value.dtype} tensor" if type(value) is Tensor else f"{type(value).__name__}"
+    example = "float3" if kind == "vector" else "float3x3"
+    raise TypeError(
+        f"{what}: parameter '{p.name}' of {fn.name} has type {p.type_name}, whose size "
+        f"{generic} is a generic value parameter; {got} does not fix it, so {fn.name} cannot "
+        f"be specialised. Pass a tensor of dtype '{example}' (pydiff.tensor(a, "
+        f"dtype='{example}')), a slangpy.{example} or a NumPy array whose last axes are the "
+        "sizes"
+    )
+
+
+_SLANGPY_ELEMENTS = ("float", "half", "double")
 
 
 def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> GeneratingFunction:
@@ -141,112 +193,6 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     return fn.generated(kind, source)
 
 
-def _zero_like(value: Any) -> Any:
-    if isinstance(value, (float, int)) and not isinstance(value, bool):
-        return 0.0
-    if isinstance(value, (np.ndarray, list, tuple)):
-        return np.zeros(np.shape(value), dtype=np.float32)
-    return value * 0.0  # slangpy vector/matrix values
-
-
-def _tangent_tensor(t: Tensor) -> Tensor:
-    if t.tangent is None:
-        zero = spy.Tensor.zeros(t.device.native, t.native.shape, t.native.dtype)
-        zero = Tensor(zero if t.shape else zero.view(()), t.device)
-        t.with_tangent(zero)
-    return t.tangent
-
-
-def _struct_tangent(fn: GeneratingFunction, p: Any, value: Any, path: str = "") -> Any:
-    """The tangent of a struct (dict) or array (list) argument, shaped as SlangPy binds the
-    parameter's ``Differential``: each tensor's tangent (zeros where it has none), 0 for the
-    other values, without the fields that have no derivative (a tangent there is said)."""
-    if isinstance(value, dict):
-        out = {}
-        for key, v in value.items():
-            rel = f"{path}.{key}" if path else str(key)
-            if rel in p.no_grad_fields:
-                if any(t.tangent is not None for t in nested_tensors(v)):
-                    _warn_dropped(fn, p, "." + rel)
-                continue
-            out[key] = _struct_tangent(fn, p, v, rel)
-        return out
-    if isinstance(value, (list, tuple)) and nested_tensors(value):
-        return [_struct_tangent(fn, p, v, path) for v in value]
-    if isinstance(value, Tensor):
-        return _primal_and_tangent(fn, p, value)[1]
-    if isinstance(value, tuple) and len(value) == 2 and path:
-        raise TypeError(
-            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds a tuple at "
-            f"'{path or p.name}'; inside a struct (dict) or array (list) argument give tensors "
-            "their tangent with t.with_tangent(u) (numbers there are held fixed)"
-        )
-    return _zero_like(value)
-
-
-def _refuse_listed_tangents(fn: GeneratingFunction, p: Any, value: Any, path: str) -> None:
-    """Tensors with tangents in a list (an array argument, or a struct's array field): the
-    call reads the list as one host array, so their tangents would be dropped: refused."""
-    if isinstance(value, dict):
-        for key, v in value.items():
-            _refuse_listed_tangents(fn, p, v, f"{path}.{key}")
-    elif isinstance(value, list) and any(t.tangent is not None for t in nested_tensors(value)):
-        raise TypeError(
-            f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) holds tensors with tangents "
-            f"in a list at '{path}': the call reads such a list as one host array, so their "
-            "tangents would be lost; pass the array as one tensor (with its tangent)"
-        )
-
-
-def _primal_and_tangent(fn: GeneratingFunction, p: Any, value: Any) -> tuple[Any, Any]:
-    if isinstance(value, (dict, list)) and (isinstance(value, dict) or nested_tensors(value)):
-        return value, _struct_tangent(fn, p, value)
-    if isinstance(value, tuple) and len(value) == 2:
-        primal, tangent = value
-        if isinstance(primal, dict):
-            raise TypeError(
-                f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) is given a (value, "
-                "tangent) pair of a struct (dict): give the tensors inside the value "
-                "their tangents with t.with_tangent(u) instead (numbers there are held fixed)"
-            )
-        if isinstance(primal, Tensor):
-            view = primal.detach()
-            try:
-                view.with_tangent(tangent)
-            except ValueError as exc:
-                raise ValueError(f"{fn.label}.fwds: parameter '{p.name}': {exc}") from None
-            return view, view.tangent
-        if isinstance(primal, np.ndarray) or isinstance(tangent, np.ndarray):
-            a, b = np.asarray(primal), np.asarray(tangent)
-            if a.shape != b.shape:
-                raise ValueError(
-                    f"{fn.label}.fwds: parameter '{p.name}': tangent has shape {b.shape} but the "
-                    f"value has shape {a.shape}"
-                )
-        return primal, tangent
-    if isinstance(value, Tensor):
-        check_device(fn, value, f"parameter '{p.name}'")
-        if value.tangent is not None:
-            return value, value.tangent
-        zeros = scratch(fn.module.device, value, "zeros")  # (1,) for a 0-d value: viewed as ()
-        return value, Tensor(zeros if value.shape else zeros.view(()), value.device)
-    return value, _zero_like(value)
-
-
-def _warn_dropped(fn: GeneratingFunction, p: Any, where: str = "", struct: bool = False) -> None:
-    """A tangent given where no derivative flows: said, as reverse mode says it (bwds_checks)."""
-    why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
-    if struct:
-        why = f"a struct {p.type_name} that is not IDifferentiable (or no_diff)"
-    at = f"'{p.name}{where}'" if where else f"'{p.name}'"
-    what = f"field {at} gets no derivative" if where else f"parameter {at} is {why}"
-    warn_once(
-        f"{fn.label}: {what}, so forward mode drops the tangent given to it: the result's "
-        "tangent leaves it out. Pass the value without a tangent to say none is wanted, or make "
-        "it differentiable (drop no_diff; a float type; an IDifferentiable struct)"
-    )
-
-
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
@@ -282,7 +228,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         )
     for p, value in bound:
         pair = isinstance(value, tuple) and len(value) == 2
-        _refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
+        refuse_listed_tangents(fn, p, value[0] if pair else value, p.name)
     prepare_arguments(fn, bound, {"_result": "tensor", **options})
     if options:
         raise TypeError(f"{fn.label}.fwds: unsupported options {sorted(options)}")
@@ -292,18 +238,18 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         any_array = any_array or isinstance(value, (Tensor, np.ndarray))
         if p.differentiable:
             if p.io == "in":
-                call_args += list(_primal_and_tangent(fn, p, value))
+                call_args += list(primal_and_tangent(fn, p, value))
                 continue
             if not isinstance(value, Tensor):
                 raise TypeError(
                     f"{fn.label}.fwds: parameter '{p.name}' is {p.io}: pass a pydiff.Tensor to "
                     "receive it"
                 )
-            call_args += [value, _tangent_tensor(value)]
+            call_args += [value, tangent_tensor(value)]
         elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
             check_device(fn, value, f"parameter '{p.name}'")
             tangent = (
-                _tangent_tensor(value)
+                tangent_tensor(value)
                 if p.writes_value
                 else (value.tangent if value.tangent is not None else None)
             )
@@ -332,10 +278,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
                     f"{fn.label}.fwds: parameter '{p.name}' ({p.type_name}) carries no derivative "
                     "(not differentiable or no_diff), so it takes no (value, tangent) pair"
                 )
-            inside = nested_tensors(value) if isinstance(value, (dict, list, tuple)) else []
-            if pair or any(t.tangent is not None for t in [value, *inside] if type(t) is Tensor):
-                _warn_dropped(fn, p, struct=isinstance(value, dict))
-                value = value[0] if pair else value
+            if pair or gives_tangent(value):
+                warn_dropped(fn, p, struct=isinstance(value, dict))
+                value = value[0] if pair else primals_only(value)
             call_args.append(value)
     done = generated_calls.call_fwds(fn, bound, call_args, want)
     if done is not None:
@@ -403,7 +348,7 @@ def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingF
     the directional derivative, whose reverse-mode gradient w.r.t. x is H v. ``args`` (the
     call's arguments, by position) specialise a generic function, as ``fn.fwds`` does."""
     need_differentiable(fn, "hvp")
-    types = generic_types(fn, list(zip(fn.params, args)))
+    types = generic_types(fn, list(zip(fn.params, args)), f"hvp of {fn.label}")
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
     if ret not in ("float", "double", "half"):
         generic = (

@@ -28,6 +28,7 @@ from .function_checks import as_tensor, check_reached, gradients, own_outputs, r
 from .function_checks import nested_tensors
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
+from .unrecorded import MADE_OFF_TAPE, note_unrecorded
 
 
 class FunctionCtx:
@@ -233,6 +234,8 @@ class Function:
         )
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
+        if tape is not None and not any(ctx.needs_input_grad):
+            note_unrecorded(outputs, name)
         if tape is None and any(ctx.needs_input_grad):  # (.bwds of one warns: bwds_checks)
             for k, o in enumerate(outputs):
                 if k not in constant:
@@ -267,12 +270,6 @@ class Function:
             tape.record(f"{name}.apply", reads, writes, run_backward, function=cls, ctx=ctx)
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
-
-
-# Outputs of Functions with a backward computed off a tape from inputs that require a
-# gradient (x[1:], x.T): copies with no path back, which .bwds warns of (bwds_checks).
-# {id: (weakref to the tensor, class name, storage version then)}; by id: tensors refuse ==.
-MADE_OFF_TAPE: dict[int, tuple] = {}
 
 
 def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:

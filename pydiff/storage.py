@@ -75,6 +75,8 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
         return arr
     if arr.dtype.kind == "c":
         raise TypeError(f"{where}: complex values (dtype {arr.dtype}) have no real dtype to go to")
+    if arr.dtype.kind in "US":
+        raise TypeError(f"{where}: values of dtype {arr.dtype} are text, not numbers")
     if truth:
         return (arr != 0).astype(np_type)
     target = np.dtype(np_type)

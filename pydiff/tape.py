@@ -23,6 +23,7 @@ from .backward_scope import backward_scope
 from .errors import TapeReuseWarning, env_flag, warn_once
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
+from .unrecorded import not_recorded
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -321,15 +322,8 @@ class Tape:
         entries, path = self._needed(output)
         if not entries:
             wrote = any(output.storage is t.storage for e in self._entries for t in e.writes)
-            raise RuntimeError(
-                "tape.backward: the output was not produced by any call recorded on this tape"
-                + (
-                    f" (its values were overwritten by {output.storage.replaced[1]} after a "
-                    "recorded call wrote them: they are constants to the tape)"
-                    if wrote
-                    else ""
-                )
-            )
+            where = "tape.backward"
+            raise RuntimeError(not_recorded(where, output, self, len(self._entries), wrote))
         self._check_versions(entries, path)
         trace = forward_trace.active()
         reads = [t for e in entries for _, t, _ in e.reads] if trace is not None else []

@@ -210,8 +210,9 @@ class Tensor(GradBuffers, TensorOperators):
         """The NumPy shape of this tensor's values (vector/matrix elements trailing)."""
         return self.shape + element_shape(self._native.dtype)
 
-    def copy_from_numpy(self, data: Any) -> "Tensor":
-        """Overwrite the values from host data of the same shape; returns self.
+    def copy_from_numpy(self, data: Any, *, caller: str = "copy_from_numpy") -> "Tensor":
+        """Overwrite the values from host data of the same shape; returns self. ``caller``:
+        the API its errors name (pydiff's own callers pass theirs, e.g. ``"Tensor.fill"``).
 
         >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
         """
@@ -219,11 +220,11 @@ class Tensor(GradBuffers, TensorOperators):
         want = self.expected_numpy_shape()
         if arr.shape != want:
             raise ValueError(
-                f"copy_from_numpy: data has shape {arr.shape}, tensor of dtype {self.dtype} "
+                f"{caller}: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
         up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
-        arr = host_cast(arr, up, "copy_from_numpy", kind == "bool")
+        arr = host_cast(arr, up, caller, kind == "bool")
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
             arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
@@ -331,7 +332,7 @@ class Tensor(GradBuffers, TensorOperators):
     def fill(self, value: float) -> "Tensor":
         """Set every component to ``value``; returns self."""
         arr = np.full(self.expected_numpy_shape(), value)
-        return self.copy_from_numpy(arr)
+        return self.copy_from_numpy(arr, caller="Tensor.fill")
 
     def zero_(self, encoder: Any = None) -> "Tensor":
         """Zero the values in order with the commands of ``encoder``, of this context's batch,
@@ -391,11 +392,8 @@ class Tensor(GradBuffers, TensorOperators):
         ...     loss = m.loss(x, _result="tensor")
         >>> loss.backward()
         """
-        if self.producer is None:
-            raise RuntimeError(
-                "backward(): this tensor was not produced by a call recorded on a pydiff.Tape; "
-                "make it inside 'with pydiff.Tape() as tape:' (or call .bwds yourself)"
-            )
+        if self.producer is None:  # (what made it, said by pydiff.unrecorded)
+            raise RuntimeError(tensor_methods.call("not_recorded", "backward()", self))
         self.producer.backward(self, grad, retain_graph=retain_graph)
 
     # --- binding to SlangPy calls ----------------------------------------------------------

@@ -154,7 +154,7 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
     values = x.detach().numpy()
     if values.dtype.kind == "f" and out.scalar_type not in (*_FLOATS, "bool"):
         values = np.trunc(values)  # NumPy's and C's conversion to an integer: toward zero
-    return out.copy_from_numpy(values)
+    return out.copy_from_numpy(values, caller="Tensor.astype")
 
 
 class _Ones(Function):

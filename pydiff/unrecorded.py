@@ -1,0 +1,128 @@
+"""What a backward says of a tensor that no call recorded on its tape made, naming what did
+make it: a call recorded on another tape, a ``Function`` run off a tape (``MADE_OFF_TAPE``,
+kept here), a write from outside a call (``pydiff.tensor``, ``fill``, ``copy_``), or a call
+no tape recorded (off a tape, or with no input that requires a gradient).
+
+    raise RuntimeError(not_recorded("tape.backward", y, this_tape=tape))
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from . import tensor_methods
+from .storage import COPY_FROM_GRAPH
+from .tensor import Tensor
+
+# Outputs of Functions with a backward computed off a tape from inputs that require a
+# gradient (x[1:], x.T): copies with no path back, which .bwds warns of (bwds_checks) and a
+# backward from them names. {id: (weakref to the tensor, class name, storage version then)};
+# by id: tensors refuse ==.
+MADE_OFF_TAPE: dict[int, tuple] = {}
+
+
+# Tensors a call wrote while a tape was recording, which it did not record because none of
+# the call's inputs requires a gradient (constants to the tape). {id: (weakref, label,
+# storage version then)}.
+UNRECORDED_ON_TAPE: dict[int, tuple] = {}
+
+
+def note_unrecorded(tensors: Any, label: str) -> None:
+    """Remember that ``label`` wrote ``tensors`` on a tape that did not record it.
+
+    >>> note_unrecorded([y], "m.f")     # in forward_call, a call with no gradient to give
+    """
+    for t in tensors:
+        gone = lambda _, i=id(t): UNRECORDED_ON_TAPE.pop(i, None)  # noqa: E731
+        UNRECORDED_ON_TAPE[id(t)] = (weakref.ref(t, gone), label, t.storage.version)
+
+
+def _still_holding(registry: dict, t: Tensor | None) -> str | None:
+    found = registry.get(id(t)) if t is not None else None
+    if found is None or found[0]() is not t or found[2] != t.storage.version:
+        return None
+    return found[1]
+
+
+def made_off_tape(t: Tensor) -> str | None:
+    """The ``Function`` (class name) that computed ``t`` off a tape from tensors that require
+    a gradient, while ``t`` still holds those values; None otherwise (``t.detach()`` too).
+
+    >>> made_off_tape(x[1:])     # '_Take' for an x that requires a gradient, off a tape
+    """
+    return _still_holding(MADE_OFF_TAPE, t)
+
+
+def not_recorded(
+    where: str, output: Tensor, this_tape: Any = None, recorded: int = 1, overwritten: bool = False
+) -> str:
+    """Why no call recorded on ``this_tape`` (None: on any tape) produced ``output``, as the
+    message of ``where``'s refusal. ``recorded``: how many calls the tape holds;
+    ``overwritten``: one of them wrote the output's storage, replaced since from outside.
+
+    >>> not_recorded("tape.backward", x, tape)   # '...: its values were written by a host ...'
+    """
+    head = (
+        f"{where}: the output was not produced by any call recorded on this tape"
+        if this_tape is not None
+        else f"{where}: this tensor was not produced by a call recorded on a pydiff.Tape"
+    )
+    producer, storage = output.producer, output.storage
+    if overwritten:
+        return (
+            f"{head} (its values were overwritten by {storage.replaced[1]} after a recorded "
+            "call wrote them: they are constants to the tape)"
+        )
+    made_by = made_off_tape(output)
+    if made_by is None and output.base is not None:
+        made_by = made_off_tape(output.base)  # a reshape view of such a copy
+    if producer is not None and producer is not this_tape and type(producer).__name__ == "Tape":
+        return (
+            f"{head}: it was produced by a call recorded on another pydiff.Tape. Call that "
+            "tape's backward (output.backward() finds it), or record the calls on one tape"
+        )
+    constant_by = _still_holding(UNRECORDED_ON_TAPE, output)
+    if constant_by is None and output.base is not None:
+        constant_by = _still_holding(UNRECORDED_ON_TAPE, output.base)
+    if constant_by is not None:
+        return (
+            f"{head}: {constant_by} computed it while a tape was recording, but none of the "
+            "call's inputs requires a gradient, so the tape did not record it (a constant to "
+            "the tape). Create the inputs the gradient is for with requires_grad=True"
+        )
+    if made_by is not None:
+        return (
+            f"{head}: {made_by} computed it off a tape (no pydiff.Tape was recording), from "
+            "tensors that require a gradient, so it is a copy with no path back. Compute it "
+            "inside 'with pydiff.Tape() as tape:'"
+        )
+    outside = storage.replaced[0] > 0 and storage.last_writer in (
+        storage.replaced[1],
+        "a snapshot (copy_values)",
+    )
+    if outside and storage.replaced[1] == COPY_FROM_GRAPH:
+        return (
+            f"{head}: its values are a copy (clone() or copy_ off a tape) of values with a "
+            "gradient path, and no tape records such a copy. Make it on the tape (clone() "
+            "there is recorded) or compute it with recorded calls"
+        )
+    if outside:
+        return (
+            f"{head}: its values were written by {storage.last_writer}, not computed by a "
+            "call (a leaf, or a constant: no gradient flows through such a write). Call "
+            "backward on a result of calls recorded on the tape"
+        )
+    empty = " (this tape recorded no call)" if this_tape is not None and not recorded else ""
+    how = (
+        "computed off a tape (no pydiff.Tape was recording), or made by pydiff.zeros/empty"
+        if storage.last_writer == "nothing"
+        else f"computed by {storage.last_writer} off a tape (no pydiff.Tape was recording)"
+    )
+    return (
+        f"{head}{empty}: it was {how}. Compute it inside 'with pydiff.Tape() as tape:' from "
+        "tensors that require a gradient (or call .bwds yourself)"
+    )
+
+
+tensor_methods.provide("not_recorded", not_recorded)
