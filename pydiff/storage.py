@@ -93,7 +93,30 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
                 f"{where}: values from {low} to {high} do not fit {target} "
                 f"({info.min} to {info.max})"
             )
+    if target.kind == "f" and arr.dtype.kind in "fiu" and arr.size:
+        with np.errstate(over="ignore"):
+            out = arr.astype(np_type, copy=False)
+        overflow = np.isinf(out) & np.isfinite(arr)
+        if overflow.any():
+            # NumPy's cast would give inf (with a RuntimeWarning from here): refused, as a
+            # call's scalar argument beyond the float range is.
+            raise ValueError(
+                f"{where}: {arr[overflow].flat[0].item()!r} is beyond the largest {target} "
+                f"({float(np.finfo(target).max):.6g}); it would become inf"
+            )
+        return out
     return arr.astype(np_type, copy=False)
+
+
+def copy_refusal(dst: Any, src: Any) -> Exception:
+    """The error of ``dst.copy_(src)`` for a ``src`` that is not a tensor of ``dst``'s shape and
+    dtype (host values go through ``copy_from_numpy``)."""
+    if not hasattr(src, "native"):
+        return TypeError(
+            f"copy_: the source is a {type(src).__name__}, not a pydiff Tensor; copy host "
+            "values with dst.copy_from_numpy(values)"
+        )
+    return ValueError(f"copy_: {src!r} does not match {dst!r}")
 
 
 class Storage:

@@ -19,7 +19,7 @@ from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, shape_with_inferred_axis
-from .storage import dims, float4_layout, has_c_strides, read_back
+from .storage import copy_refusal, dims, float4_layout, has_c_strides, read_back
 from .tensor_operators import TensorOperators
 
 
@@ -263,8 +263,8 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> before.copy_(x)
         """
-        if self.shape != src.shape or self._native.dtype.full_name != src.native.dtype.full_name:
-            raise ValueError(f"copy_: {src!r} does not match {self!r}")
+        if not isinstance(src, Tensor) or (self.shape, self.dtype) != (src.shape, src.dtype):
+            raise copy_refusal(self, src)
         if not (src.native.is_contiguous() and self._native.is_contiguous()):
             return forward_trace.replaced(self.copy_from_numpy(src.numpy()), src)
         capturing.refuse("a device copy (copy_/clone)")
