@@ -1,0 +1,83 @@
+"""NumPy functions given tensors (__array_function__), operators with array operands of a
+shape that does not broadcast, non-finite eps/scale of the norms and attention, and
+`import pydiff;` found wherever Slang's syntax puts it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import pydiff
+
+X = np.array([1.0, 2.0, 3.0])
+
+
+# --- NumPy functions (not ufuncs) -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, f",
+    [
+        ("np.dot", lambda x: np.dot(x, x)),
+        ("np.linalg.norm", lambda x: np.linalg.norm(x)),
+        ("np.concatenate", lambda x: np.concatenate([x, x])),
+        ("np.outer", lambda x: np.outer(np.ones(2), x)),
+        ("np.reshape", lambda x: np.reshape(x, (3, 1), order="F")),
+        ("np.allclose", lambda x: np.allclose(x, X)),
+    ],
+)
+def test_numpy_function_of_tensor_requiring_grad_on_tape_is_refused(device, name, f):
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape():
+        with pytest.raises(TypeError, match=rf"^{name}: .*requires a gradient.*Tape.*numpy\(\)"):
+            f(x)
+        with pytest.raises(TypeError, match=rf"^{name}: "):
+            f(x * 1.0)  # an intermediate carrying the gradient too
+
+
+def test_numpy_function_mixed_back_gives_no_silent_wrong_gradient(device):
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        with pytest.raises(TypeError, match="np.dot"):
+            (np.dot(x, x) * x).sum()
+        loss = ((x @ x) * x).sum()  # the pydiff way: |x|^2 * sum(x)
+    tape.backward(loss)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * X * X.sum() + X @ X, rtol=1e-6)  # 26 38 50
+
+
+def test_numpy_function_under_jvp_with_a_tangent_is_refused(device):
+    def f(v):
+        return v * float(np.dot(v, v))
+
+    with pytest.raises(TypeError, match=r"np.dot: .*tangent while pydiff.jvp"):
+        pydiff.jvp(f, (X,), (np.array([1.0, 0.0, 0.0]),))
+
+
+def test_numpy_functions_compute_on_values_where_nothing_is_lost(device):
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    assert np.dot(x, x) == pytest.approx(14.0)  # off a tape: values
+    assert np.linalg.norm(x) == pytest.approx(math.sqrt(14.0))
+    np.testing.assert_array_equal(np.concatenate([x, x]), np.concatenate([X, X]))
+    assert np.allclose(x, X)
+    c = pydiff.tensor(X, device=device)
+    with pydiff.Tape():
+        assert np.dot(c, c) == pytest.approx(14.0)  # no gradient to lose
+        assert np.dot(x.detach(), x.numpy()) == pytest.approx(14.0)
+        assert np.asarray(x).tolist() == X.tolist()  # an explicit copy, as x.numpy()
+        assert (np.shape(x), np.ndim(x), np.size(x), np.size(x, 0)) == ((3,), 1, 3, 3)
+
+
+def test_numpy_transpose_and_reshape_run_the_tensor_methods(device):
+    a = np.arange(6.0).reshape(2, 3)
+    x = pydiff.tensor(a, requires_grad=True, device=device)
+    t = np.transpose(pydiff.tensor(a, device=device))  # was "axes (None,) are not a permutation"
+    assert isinstance(t, pydiff.Tensor)
+    np.testing.assert_array_equal(t.numpy(), a.T)
+    w = np.array([[1.0, -2.0], [0.5, 3.0], [2.0, 1.0]])
+    with pydiff.Tape() as tape:
+        y = np.transpose(x * x, (1, 0))  # recorded, as x.transpose(1, 0)
+        z = np.reshape(x, (3, 2))  # a view sharing x's gradient
+        loss = (y * w).sum() + (z * w).sum() + np.sum(x, axis=0, keepdims=True).sum()
+    tape.backward(loss)
+    expected = 2 * a * w.T + w.reshape(2, 3) + 1.0
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-6)
