@@ -8,8 +8,10 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import pydiff
+from pydiff import ops
 
 X = np.array([1.0, 2.0, 3.0])
 
@@ -81,3 +83,78 @@ def test_numpy_transpose_and_reshape_run_the_tensor_methods(device):
     tape.backward(loss)
     expected = 2 * a * w.T + w.reshape(2, 3) + 1.0
     np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-6)
+
+
+# --- operators with array operands ------------------------------------------------------
+@pytest.mark.parametrize(
+    "f, message",
+    [
+        (lambda x: x + np.ones(3), r"^add: shapes \(3, 4\) and \(3,\) do not broadcast$"),
+        (lambda x: x * [1.0, 2.0], r"^mul: shapes \(3, 4\) and \(2,\) do not broadcast$"),
+        (lambda x: np.ones((2, 4)) - x, r"^sub: shapes \(2, 4\) and \(3, 4\) do not broadcast$"),
+        (lambda x: x / np.ones((3, 3)), r"^div: shapes \(3, 4\) and \(3, 3\) do not broadcast$"),
+    ],
+)
+def test_operator_with_array_of_wrong_shape_names_op_and_shapes(device, f, message):
+    x = pydiff.tensor(np.arange(12.0).reshape(3, 4), device=device)
+    with pytest.raises(ValueError, match=message):
+        f(x)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [np.arange(4.0) + 1.0, [[2.0], [3.0], [-1.0]], np.full((2, 1, 4), 0.5), np.float32(2.5)],
+)
+def test_operator_with_broadcasting_array_matches_float64(device, other):
+    a = np.arange(12.0).reshape(3, 4) / 7.0 + 0.25
+    o = np.asarray(other, dtype=np.float64)
+    x = pydiff.tensor(a, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        y = (x * other + other) / (other - x * 0.0 + 4.0)
+        loss = (y * y).sum()
+    tape.backward(loss)
+    ya = (a * o + o) / (o + 4.0)
+    np.testing.assert_allclose(y.numpy(), ya, rtol=1e-5)
+    grad = (2 * ya * o / (o + 4.0)).reshape((-1,) + a.shape).sum(axis=0)
+    np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-5)
+
+
+# --- non-finite hyper-parameters --------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_norms_refuse_non_finite_eps(device, bad):
+    x = pydiff.tensor(np.arange(8.0).reshape(2, 4), device=device)
+    w = pydiff.ones((4,), device=device)
+    with pytest.raises(ValueError, match=r"^layer_norm: eps=.* must be a finite number"):
+        ops.layer_norm(x, w, eps=bad)
+    with pytest.raises(ValueError, match=r"^rms_norm: eps=.* must be a finite number"):
+        ops.rms_norm(x, w, eps=bad)
+
+
+def test_norms_eps_type_and_sign(device):
+    x = pydiff.tensor(np.arange(8.0).reshape(2, 4), device=device)
+    w = pydiff.ones((4,), device=device)
+    with pytest.raises(ValueError, match=r"^rms_norm: eps=-1.0 must be positive"):
+        ops.rms_norm(x, w, eps=-1.0)
+    with pytest.raises(TypeError, match=r"^layer_norm: eps must be a number"):
+        ops.layer_norm(x, eps="1e-5")
+    xt = torch.tensor(np.arange(8.0).reshape(2, 4))
+    expected = torch.nn.functional.layer_norm(xt, (4,), eps=1).numpy()
+    np.testing.assert_allclose(ops.layer_norm(x, eps=1).numpy(), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3, 2)])
+def test_attention_refuses_non_finite_scale(device, bad, shape):
+    q = pydiff.tensor(np.ones(shape), device=device)
+    with pytest.raises(ValueError, match=r"^attention: scale=.* must be a finite number"):
+        ops.attention(q, q, q, scale=bad)
+
+
+def test_attention_negative_scale_matches_torch(device):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, 2)) for _ in range(3))
+    out = ops.attention(*(pydiff.tensor(a, device=device) for a in (q, k, v)), scale=-0.7)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.tensor(a) for a in (q, k, v)), scale=-0.7
+    )
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
