@@ -158,3 +158,38 @@ def test_attention_negative_scale_matches_torch(device):
         *(torch.tensor(a) for a in (q, k, v)), scale=-0.7
     )
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --- `import pydiff;` wherever Slang reads it ---------------------------------------------
+_USES_PYDIFF = "[Differentiable] float f(FwdDiffTensor<1> w, float s) { return w.load({0}) * s; }\n"
+
+
+@pytest.mark.parametrize(
+    "tag, head",
+    [
+        ("same_line", "import slangpy; import pydiff;\n"),
+        ("after_block_comment", "/* pydiff's types */ import pydiff;\n"),
+        ("after_comment", "// FwdDiffTensor\nimport slangpy; /* c */ import pydiff; // x\n"),
+        ("exported", "import slangpy;  __exported import pydiff;\n"),
+        ("quoted", 'import "pydiff.slang";\n'),
+    ],
+)
+def test_import_pydiff_anywhere_links_the_library(device, tag, head):
+    m = pydiff.load_module_from_source(f"s27_import_{tag}", head + _USES_PYDIFF, device=device)
+    w, s = pydiff.tensor([2.0], device=device), pydiff.tensor([1.0, 2.0], device=device)
+    np.testing.assert_allclose(m.f(w, s, _result="numpy"), [2.0, 4.0])
+
+
+@pytest.mark.parametrize(
+    "tag, comment",
+    [("block", "/*\nimport pydiff;\n*/\n"), ("line", "// import pydiff;\n")],
+)
+def test_import_pydiff_in_a_comment_does_not_link_the_library(device, tag, comment):
+    # Linked, pydiff's FixedPointGrad would clash with the module's own in the call's kernel.
+    src = comment + (
+        "struct FixedPointGrad { float v; };\n"
+        "float g(FixedPointGrad p, float s) { return p.v * s; }\n"
+    )
+    m = pydiff.load_module_from_source(f"s27_comment_{tag}", src, device=device)
+    out = m.g({"v": 3.0}, pydiff.tensor([1.0, 2.0], device=device), _result="numpy")
+    np.testing.assert_allclose(out, [3.0, 6.0])
