@@ -16,7 +16,8 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, double_math, foreign, forward_trace, lint, lint_sources, module_session
+from . import capturing, double_math, foreign, forward_trace, lint, lint_macros, lint_sources
+from . import module_session
 from . import slang_compile
 from .arguments import overload_listing
 from .backward_call import backward_call
@@ -138,13 +139,15 @@ def _find_file(path: str | Path, device: Device) -> Path:
     )
 
 
-_IMPORTS_PYDIFF = re.compile(r"^\s*(?:__exported\s+)?import\s+pydiff\s*;", re.MULTILINE)
+# `import pydiff;` as Slang reads it: a statement wherever it stands (after another on the
+# same line too), not in a comment (blanked first); `import "pydiff.slang";` alike.
+_IMPORTS_PYDIFF = re.compile(r'(?<![\w.])import\s+(?:pydiff|"pydiff(?:\.slang)?")\s*;')
 
 
 def _links(source: str, dev: Device) -> list:
     """Modules SlangPy must import into its generated kernels: pydiff's library when the
     source imports it (its types, e.g. FwdDiffTensor, appear in the kernel's parameters)."""
-    if not _IMPORTS_PYDIFF.search(source):
+    if not _IMPORTS_PYDIFF.search(lint_macros.blank_comments(source)):
         return []
     return [dev.library]
 

@@ -7,6 +7,8 @@ x2 = rows_view("softmax", x)           # x as (rows, last dimension)
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -59,13 +61,48 @@ def same_device(name: str, **values: Any) -> Device:
 
 
 def check_broadcast(name: str, *values: Any) -> None:
-    shapes = [v.shape for v in values if isinstance(v, Tensor)]
+    """ValueError naming the op and the shapes when the tensors and arrays (NumPy arrays,
+    lists) among ``values`` do not broadcast together by NumPy's rules.
+
+    >>> check_broadcast("add", x, np.ones(3))    # x (3, 4): "add: shapes (3, 4) and (3,) ..."
+    """
+    shapes = [shape for shape in map(_operand_shape, values) if shape is not None]
     try:
         np.broadcast_shapes(*shapes)
     except ValueError:
         raise ValueError(
             f"{name}: shapes {' and '.join(map(str, shapes))} do not broadcast"
         ) from None
+
+
+def _operand_shape(v: Any) -> tuple[int, ...] | None:
+    """The shape of a tensor, array or list operand; None for a number or what has none (a
+    ragged list: its conversion refuses it)."""
+    if isinstance(v, Tensor):
+        return v.shape
+    if isinstance(v, (np.ndarray, np.generic, list, tuple)):
+        try:
+            return np.shape(v)
+        except ValueError:
+            return None
+    return None
+
+
+def finite_number(name: str, param: str, value: Any, *, positive: bool = False) -> float:
+    """``value`` as a float: TypeError naming the op and the parameter for what is not a
+    number, ValueError for NaN, an infinity (and, with ``positive``, a value <= 0), which
+    would make every output NaN (or 0) without an error.
+
+    >>> eps = finite_number("layer_norm", "eps", eps, positive=True)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {param} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: {param}={value} must be a finite number")
+    if positive and number <= 0:
+        raise ValueError(f"{name}: {param}={value} must be positive")
+    return number
 
 
 def need_2d(name: str, **tensors: Tensor) -> None:

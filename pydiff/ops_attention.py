@@ -19,7 +19,7 @@ from . import forward_trace
 from .creation import empty, tensor
 from .function import Function
 from .module import library
-from .ops_args import need_float, same_device
+from .ops_args import finite_number, need_float, same_device
 from .ops_elementwise import add, mul
 from .ops_linear import matmul
 from .ops_norm import softmax, softmax_rows, softmax_rows_bwd
@@ -156,9 +156,10 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, Real):
         raise TypeError(f"attention: scale must be a number or None, got {scale!r}")
+    scale = finite_number("attention", "scale", scale)  # NaN or inf: every output NaN
     if len(q.shape) == 2 and not causal:
-        return _Attention.apply(q, k, v, float(scale))
-    return _BatchedAttention.apply(q, k, v, causal, float(scale))
+        return _Attention.apply(q, k, v, scale)
+    return _BatchedAttention.apply(q, k, v, causal, scale)
 
 
 #: The most score entries one block of heads of ``by_ops`` holds (the rest: more blocks).

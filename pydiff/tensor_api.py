@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import capturing, ops, tensor_methods
+from . import capturing, numpy_functions, ops, tensor_methods
 from .creation import empty, ones, tensor as make_tensor
 from .function import Function
 from .storage import dtype_name, element_shape
@@ -292,6 +292,7 @@ for _name, _implementation in {
     "pow": power,
     "matmul": matmul,
     "values_text": values_text,
+    "array_function": numpy_functions.array_function,
     **{name: _promoting(getattr(ops, name)) for name in _OPS},
     "sum": _reduction(ops.sum),
     "mean": _reduction(ops.mean),

@@ -47,6 +47,11 @@ class TensorOperators:
 
     __array_ufunc__ = None  # NumPy defers to the operators below: `array + x` stays a Tensor
 
+    def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """``np.dot(x, y)``, ``np.sum(x)``, ...: see ``pydiff.numpy_functions`` (refused where
+        a NumPy copy of the values would lose the gradient)."""
+        return tensor_methods.call("array_function", func, args, kwargs)
+
     def __getitem__(self, key: Any) -> Any:
         return tensor_methods.call("getitem", self, key)
 
