@@ -397,7 +397,10 @@ def _run_backward(
                 _add_on_device(x.grad_out, g)  # no host round trip
             else:
                 arr = g.numpy() if arr is None else arr
-                x.grad_out.copy_from_numpy(x.grad_out.numpy() + arr)
+                held = x.grad_out.numpy()
+                with np.errstate(over="ignore"):  # a sum past the range is inf, as on the device
+                    total = (held + arr).astype(held.dtype)
+                x.grad_out.copy_from_numpy(total, caller=f"{cls.__name__}.backward()")
             scope.mark_result(x.grad_out)
 
 

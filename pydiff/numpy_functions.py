@@ -104,6 +104,31 @@ def losing_derivative(t: Tensor) -> str | None:
     return None
 
 
+# NumPy's functions that write into their first argument: on a copy the write would be lost.
+_WRITERS = {
+    np.copyto,
+    np.put,
+    np.place,
+    np.putmask,
+    np.fill_diagonal,
+    np.put_along_axis,
+}
+
+
+def _written_tensor(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The tensor ``func`` would write into (its first argument, or ``out`` however passed),
+    or None."""
+    if func in _WRITERS and args and isinstance(args[0], Tensor):
+        return args[0]
+    out = kwargs.get("out")
+    if out is None and len(args) > 1:
+        try:  # a positional out (np.dot(a, b, out))
+            out = inspect.signature(func).bind(*args, **kwargs).arguments.get("out")
+        except (TypeError, ValueError):
+            out = None
+    return next(_tensors(out), None)
+
+
 def array_function(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """What ``func(*args, **kwargs)`` gives when an argument is a pydiff tensor.
 
@@ -122,6 +147,14 @@ def array_function(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             result = own(x, **named)
             if result is not None:
                 return result
+    written = _written_tensor(func, args, kwargs)
+    if written is not None:
+        raise TypeError(
+            f"{_name(func)}: it would write into a pydiff.Tensor of shape {written.shape}, but "
+            "NumPy works on a copy of a tensor's values, so the write would be lost. Compute "
+            "the values in NumPy and store them with t.copy_from_numpy(values) (or use pydiff "
+            "ops, t.copy_(src), t.fill(v))"
+        )
     for t in _tensors((args, kwargs)):
         why = losing_derivative(t)
         if why is not None:

@@ -175,8 +175,9 @@ class Optimizer:
             )
         for p in self.params:
             # torch zeroes a .grad not None, leaves None as None: a written gradient stays one
-            g = p.grad
-            kept = not set_to_none and g is not None and g.storage.written_since_zeroed()
+            kept = (
+                not set_to_none and (g := p.grad) is not None and g.storage.written_since_zeroed()
+            )
             p.zero_grad()
             if kept:
                 p.grad.storage.wrote(ZERO_GRADIENT, everything=True)
