@@ -124,6 +124,10 @@ class KernelCache:
         #: Callers' memos of which kernel a call takes (``products.fast_product``'s plans):
         #: they hold kernels, so they go whenever a kernel is evicted.
         self.plans: dict = {}
+        #: ``products.sizes_fixed``'s counts: uses of each shape, and the shapes whose kernels
+        #: take their sizes as constants (no kernels held: they outlive evictions).
+        self.shape_uses: dict = {}
+        self.fixed_shapes: set = set()
         self._objects_bytes = 0
         # Threads share the kernels and bound objects: the lock keeps a lookup from racing an
         # eviction, and a bound object's uniforms from being set by two threads at once.
@@ -267,6 +271,8 @@ class KernelCache:
             self._kernels.clear()
             self._sorted.clear()
             self.plans.clear()
+            self.shape_uses.clear()
+            self.fixed_shapes.clear()
 
     def dispatch(
         self,

@@ -51,6 +51,31 @@ def blocking(
 BLOCK_ACCUMULATORS = 128
 PLANS_MAX = 4096  # fast_product's memo (kernels.plans), emptied beyond
 GPU_BLOCK_ACCUMULATORS = 8
+# The product kernels take their sizes as uniforms: one kernel serves every batch size (a
+# kernel per size cost a compile and 1.5-2.5 MB). A shape used HOT_SHAPE_USES times gets
+# kernels of its own with the sizes as constants, for at most FIXED_SHAPES_MAX shapes per
+# device: a training step's products ran 60 us faster of a 0.41 ms captured MLP step
+# (lavapipe; docs/benchmarks.md).
+HOT_SHAPE_USES = 3
+FIXED_SHAPES_MAX = 8
+
+
+def sizes_fixed(kernels: Any, shape: tuple) -> bool:
+    """Count a use of ``shape`` (a product's or a layer's sizes and options); whether its
+    kernels take the sizes as constants (``HOT_SHAPE_USES``, ``FIXED_SHAPES_MAX``). The counts
+    live in ``kernels`` (``shape_uses``, ``fixed_shapes``), emptied by ``empty_cache``."""
+    fixed = kernels.fixed_shapes
+    if shape in fixed:
+        return True
+    uses = kernels.shape_uses
+    n = uses.get(shape, 0) + 1
+    if n >= HOT_SHAPE_USES and len(fixed) < FIXED_SHAPES_MAX:
+        fixed.add(shape)
+        uses.pop(shape, None)
+        return True
+    if n < HOT_SHAPE_USES and len(uses) < PLANS_MAX:
+        uses[shape] = n
+    return False
 
 
 def fast_product(
@@ -77,6 +102,8 @@ def fast_product(
     # The plan depends on the shapes and options only: found once (a step's products repeat),
     # kept by the kernel cache with its kernels
     key = ("product", kind, m, n, k, bias is not None, relu, mask is not None, db is not None)
+    fixed = sizes_fixed(kernels, key)
+    key += (fixed,)
     plan = kernels.plans.get(key)
     if plan and not kernels.touch(plan[0]):  # (its kernel evicted by another thread meanwhile)
         plan = None
@@ -93,9 +120,9 @@ def fast_product(
         "b": b.buffer,
         "c": out.buffer,
         "beta": float(beta),
-        "M": m,
-        "K": k,
     }
+    if not fixed:
+        bindings["M"], bindings["K"] = m, k
     if c_vec:
         bindings["c_in"] = out.buffer
     if kind == "mm_nt":
@@ -111,7 +138,16 @@ def fast_product(
 
 
 def _plan(
-    kernels: Any, kind: str, m: int, n: int, k: int, bias: bool, relu: bool, mask: bool, db: bool
+    kernels: Any,
+    kind: str,
+    m: int,
+    n: int,
+    k: int,
+    bias: bool,
+    relu: bool,
+    mask: bool,
+    db: bool,
+    fixed: bool,
 ) -> tuple:
     """fast_product's kernel (its cache key and itself), thread count and C_VEC for these
     shapes and options; () when the kernels do not fit."""
@@ -156,6 +192,7 @@ def _plan(
         C_VEC=int(c_vec),
         SHUF=int(shuf),
         SHUF_A=int(shuf_a),
+        **({"FIXED_M": m, "FIXED_K": k} if fixed else {}),
     )
     return key, kernel, (m // rows) * (n // cols), c_vec
 
@@ -194,7 +231,10 @@ def linear_backward_narrow(
     n_in = x.shape[1]
     if not narrow_fits(batch, n_in, n_out, g.device):
         return False
-    kernel = g.device.kernels.get(  # the batch is a uniform: one kernel for every batch size
+    kernels = g.device.kernels
+    shape = ("narrow", batch, n_in, n_out, mask is not None, cross_entropy is not None)
+    fixed = sizes_fixed(kernels, shape)  # else the batch is a uniform (one kernel for all)
+    kernel = kernels.get(
         "ops/matmul.slang",
         "linear_bwd_narrow",
         NI=n_in,
@@ -204,6 +244,7 @@ def linear_backward_narrow(
         CE=int(cross_entropy is not None),
         HAS_DX=int(dx is not None),
         HAS_DB=int(db is not None),
+        **({"FIXED_B": batch} if fixed else {}),
     )
     # absent gradients bind a buffer of the right kind that the kernel never touches
     dx_buffer = (dx if dx is not None else dw).native.storage
@@ -217,8 +258,9 @@ def linear_backward_narrow(
         "dw_in": dw.native.storage,
         "db": (db if db is not None else g).native.storage,
         "beta": 1.0,
-        "B": batch,
     }
+    if not fixed:
+        bindings["B"] = batch
     if mask is not None:
         bindings["mask"] = mask.native.storage
     g.device.kernels.dispatch(kernel, n_in // 8, **bindings)

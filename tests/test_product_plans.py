@@ -44,7 +44,8 @@ def test_a_product_used_through_its_plan_stays_among_the_recent_kernels(device, 
     real = device.kernels._build  # noqa: SLF001 (counting the cache's own builds)
 
     def build(file, entry, defines):
-        built.append((entry, defines.get("N")))  # (M and K are uniforms)
+        # (M and K are uniforms, or constants once a shape is hot: products.sizes_fixed)
+        built.append((entry, defines.get("N"), "FIXED_M" in defines))
         return real(file, entry, defines)
 
     monkeypatch.setattr(device.kernels, "_build", build)
@@ -52,8 +53,24 @@ def test_a_product_used_through_its_plan_stays_among_the_recent_kernels(device, 
     # counting the use would be the oldest then)
     device.kernels._kernels.clear()  # noqa: SLF001
     device.kernels.plans.clear()
+    device.kernels.shape_uses.clear()
+    device.kernels.fixed_shapes.clear()
     for seed, n in enumerate((4, 8, 12, 16, 20, 24)):
         _check_matmul(device, 24, 40, 36, 100 + seed)  # the hot product
         _check_matmul(device, 40, 12, n, seed)  # a new kernel each time (shapes no other test uses)
     hot = [b for b in built if b[1] == 36]
-    assert len(hot) == 1, built
+    assert sorted(hot) == [("mm_nn", 36, False), ("mm_nn", 36, True)], built  # each once
+
+
+def test_a_hot_shape_takes_constant_sizes_and_stays_right(device, monkeypatch):
+    """The first uses of a shape take the kernels with uniform sizes, later ones kernels of
+    their own (products.sizes_fixed): each use is right (float64), for at most
+    FIXED_SHAPES_MAX shapes; the others keep the uniform kernels, still right."""
+    monkeypatch.setattr(products, "FIXED_SHAPES_MAX", 2)
+    device.kernels.shape_uses.clear()
+    device.kernels.fixed_shapes.clear()
+    for shape in [(16, 12, 20), (32, 12, 8), (48, 4, 24)]:
+        for use in range(products.HOT_SHAPE_USES + 2):
+            _check_matmul(device, *shape, seed=use)
+    fixed = {key[2:5] for key in device.kernels.fixed_shapes if key[0] == "product"}
+    assert fixed == {(16, 20, 12), (32, 8, 12)}  # (m, n, k) of the first two; the third not
