@@ -15,6 +15,7 @@ from typing import Any
 
 import slangpy as spy
 
+from . import capturing
 from .creation import empty, tensor, zeros
 from .module import library
 from .tensor import Tensor, float4_ready
@@ -62,14 +63,16 @@ FIXED_SHAPES_MAX = 8
 
 def sizes_fixed(kernels: Any, shape: tuple) -> bool:
     """Count a use of ``shape`` (a product's or a layer's sizes and options); whether its
-    kernels take the sizes as constants (``HOT_SHAPE_USES``, ``FIXED_SHAPES_MAX``). The counts
+    kernels take the sizes as constants (``HOT_SHAPE_USES``, or at once in a capture, which
+    is replayed; ``FIXED_SHAPES_MAX``). The counts
     live in ``kernels`` (``shape_uses``, ``fixed_shapes``), emptied by ``empty_cache``."""
     fixed = kernels.fixed_shapes
     if shape in fixed:
         return True
     uses = kernels.shape_uses
     n = uses.get(shape, 0) + 1
-    if n >= HOT_SHAPE_USES and len(fixed) < FIXED_SHAPES_MAX:
+    hot = n >= HOT_SHAPE_USES or capturing.recording() is not None  # (a capture replays)
+    if hot and len(fixed) < FIXED_SHAPES_MAX:
         fixed.add(shape)
         uses.pop(shape, None)
         return True

@@ -74,3 +74,27 @@ def test_a_hot_shape_takes_constant_sizes_and_stays_right(device, monkeypatch):
             _check_matmul(device, *shape, seed=use)
     fixed = {key[2:5] for key in device.kernels.fixed_shapes if key[0] == "product"}
     assert fixed == {(16, 20, 12), (32, 8, 12)}  # (m, n, k) of the first two; the third not
+
+
+def test_a_captured_product_takes_constant_sizes_at_once(device):
+    """A capture is replayed: its products take the kernels of their own from the first use
+    (replays right against float64)."""
+    device.kernels.shape_uses.clear()
+    device.kernels.fixed_shapes.clear()
+    rng = np.random.default_rng(5)
+    a = pydiff.tensor(rng.standard_normal((24, 8)).astype(np.float32), device=device)
+    b = pydiff.tensor(rng.standard_normal((8, 28)).astype(np.float32), device=device)
+    out = {}
+
+    def step():
+        out["c"] = ops.matmul(a, b)
+
+    captured = pydiff.capture(step)
+    assert any(key[2:5] == (24, 28, 8) for key in device.kernels.fixed_shapes)
+    for seed in range(3):
+        new_a = np.random.default_rng(seed).standard_normal((24, 8)).astype(np.float32)
+        a.copy_from_numpy(new_a)
+        captured.replay()
+        np.testing.assert_allclose(
+            out["c"].numpy(), new_a.astype(np.float64) @ b.numpy(), rtol=1e-5, atol=1e-4
+        )
