@@ -65,7 +65,10 @@ def sizes_fixed(kernels: Any, shape: tuple) -> bool:
     """Count a use of ``shape`` (a product's or a layer's sizes and options); whether its
     kernels take the sizes as constants (``HOT_SHAPE_USES``, or at once in a capture, which
     is replayed; ``FIXED_SHAPES_MAX``). The counts
-    live in ``kernels`` (``shape_uses``, ``fixed_shapes``), emptied by ``empty_cache``."""
+    live in ``kernels`` (``shape_uses``, ``fixed_shapes``), emptied by ``empty_cache``.
+
+    >>> fixed = sizes_fixed(dev.kernels, ("product", "mm_nt", 256, 64, 64))   # third use: True
+    """
     fixed = kernels.fixed_shapes
     if shape in fixed:
         return True

@@ -110,7 +110,10 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
 
 def copy_refusal(dst: Any, src: Any) -> Exception:
     """The error of ``dst.copy_(src)`` for a ``src`` that is not a tensor of ``dst``'s shape and
-    dtype (host values go through ``copy_from_numpy``)."""
+    dtype (host values go through ``copy_from_numpy``).
+
+    >>> raise copy_refusal(x, np.ones(3))    # TypeError: ... use x.copy_from_numpy(values)
+    """
     if not hasattr(src, "native"):
         return TypeError(
             f"copy_: the source is a {type(src).__name__}, not a pydiff Tensor; copy host "
