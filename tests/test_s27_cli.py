@@ -16,6 +16,7 @@ from pydiff import cli
 from pydiff.device_names import auto_override
 from pydiff.errors import EnvironmentSettingError
 from pydiff.modcheck import MAX_POINTS, check_module
+from test_cli import pydiff_cli
 
 ROOT = Path(__file__).parent.parent
 WRONG = "tests/shaders/check_wrong.slang"
@@ -23,17 +24,6 @@ BAD_DEVICE = (
     "PYDIFF_DEVICE='bogus': unknown device type; expected one of auto, cuda, d3d12, metal, "
     "vulkan (or unset)"
 )
-
-
-def pydiff_cli(*args: str, **variables: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pydiff", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        env={**os.environ, **variables},
-    )
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
