@@ -339,18 +339,20 @@ class Tape:
                     f"tape.backward: grad= is required for an output of shape {output.shape} "
                     "(only a single-element output defaults to 1)"
                 )
-            grad = np.ones(output.expected_numpy_shape())
         if not output.requires_grad:
             raise RuntimeError(
                 "tape.backward: the output has no gradient buffer, so nothing it depends on "
                 "requires a gradient (create inputs with requires_grad=True)"
             )
         upstream = output.grad_in
-        if isinstance(grad, Tensor):
-            grad = grad.numpy()
-        with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
-            seed = np.asarray(grad, dtype=np.float64)
         want = output.expected_numpy_shape()
+        if grad is None:
+            seed = np.ones(want)
+        else:
+            if isinstance(grad, Tensor):
+                grad = grad.numpy()
+            with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
+                seed = np.asarray(grad, dtype=np.float64)
         if seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
         if seed.shape != want:

@@ -98,3 +98,30 @@ def test_a_captured_product_takes_constant_sizes_at_once(device):
         np.testing.assert_allclose(
             out["c"].numpy(), new_a.astype(np.float64) @ b.numpy(), rtol=1e-5, atol=1e-4
         )
+
+
+def test_a_shape_turning_hot_keeps_its_results_bitwise(device):
+    """The uniform-size and constant-size kernels are separate compiles of one arithmetic:
+    a training loop whose shape turns hot mid-way gets the same bits before and after
+    (determinism promises the same gradients run to run), forward and backward."""
+    device.kernels.shape_uses.clear()
+    device.kernels.fixed_shapes.clear()
+    rng = np.random.default_rng(11)
+    xa = rng.standard_normal((40, 24)).astype(np.float32)
+    layer = pydiff.nn.Linear(24, 12, seed=4, activation="relu", device=device)
+    runs = []
+    for _ in range(products.HOT_SHAPE_USES + 2):
+        x = pydiff.tensor(xa, device=device, requires_grad=True)
+        layer.weight.grad.zero_()
+        with pydiff.Tape() as tape:
+            y = layer(x)
+            loss = ops.sum(y * y)
+        tape.backward(loss)
+        runs.append((y.numpy(), x.grad.numpy(), layer.weight.grad.numpy()))
+    assert any(key[0] == "product" for key in device.kernels.fixed_shapes)  # it did turn hot
+    for later in runs[1:]:
+        for got, first in zip(later, runs[0]):
+            assert got.tobytes() == first.tobytes()
+    w = layer.weight.numpy().astype(np.float64)
+    want = np.maximum(xa.astype(np.float64) @ w.T + layer.bias.numpy(), 0.0)
+    np.testing.assert_allclose(runs[0][0], want, rtol=1e-5, atol=1e-5)
