@@ -6,11 +6,14 @@ has one: ``np.sum``, ``np.mean``, ``np.transpose`` and ``np.reshape`` run ``x.su
 ``np.shape``, ``np.ndim`` and ``np.size`` read the shape. Every other function (``np.dot``,
 ``np.linalg.norm``, ``np.concatenate``, ...) computes on a NumPy copy of the values, and is
 refused where that would lose a derivative silently: a tensor that requires a gradient while
-a tape records, or one with a tangent while ``pydiff.jvp`` traces.
+a tape records, or one with a tangent while ``pydiff.jvp`` traces. NumPy's conversion of such
+a tensor to an array (``Tensor.__array__``: ``np.asarray(x)``, and the tensors inside a list
+or tuple, as ``np.sum([x, y])`` and ``np.array([x])`` convert them) is refused alike.
 
     np.linalg.norm(w)                   # off a tape: a NumPy float of the values
     with pydiff.Tape():
         np.dot(x, x)                    # TypeError: use x @ x, or np.dot(x.numpy(), ...)
+        np.sum([x, x])                  # TypeError: use x + x, or x.numpy() for the values
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import forward_trace
+from .backward_scope import active_scope
 from .tape import active_tape
 from .tensor import Tensor
 
@@ -92,11 +96,13 @@ def _name(func: Callable[..., Any]) -> str:
 
 def losing_derivative(t: Tensor) -> str | None:
     """Why a NumPy copy of ``t``'s values would lose a derivative here, or None: it requires
-    a gradient while a tape records, or has a tangent while ``pydiff.jvp`` traces.
+    a gradient while a tape records, or has a tangent while ``pydiff.jvp`` traces. (Inside a
+    backward, a ``Function.backward`` run by ``tape.backward`` within the tape's ``with``,
+    values are read for the gradient itself: pydiff records no backward, so none is lost.)
 
     >>> losing_derivative(x)      # 'requires a gradient and a pydiff.Tape is recording'
     """
-    if t.requires_grad and active_tape() is not None:
+    if t.requires_grad and active_tape() is not None and active_scope() is None:
         return "requires a gradient and a pydiff.Tape is recording"
     trace = forward_trace.active()
     if trace is not None and trace.tangent(t) is not None:
@@ -165,3 +171,24 @@ def array_function(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
                 "pass the values, t.detach().numpy() or t.numpy(), to compute without one"
             )
     return func(*_values(args), **_values(kwargs))
+
+
+def refuse_lost_conversion(t: Tensor) -> None:
+    """Refuse NumPy's conversion of ``t`` to an array (``Tensor.__array__``) where the copy
+    would lose a derivative silently (``losing_derivative``). NumPy converts the tensors in a
+    list or tuple the same way, so ``np.sum([x, y])`` and ``np.array([x])`` come here too:
+    NumPy's dispatch (``__array_function__``) does not look inside lists for most functions.
+
+    >>> refuse_lost_conversion(x)   # on a tape, x requiring grad: TypeError naming x.numpy()
+    """
+    why = losing_derivative(t)
+    if why is None:
+        return
+    raise TypeError(
+        f"NumPy converted a pydiff.Tensor of shape {t.shape} that {why} to a NumPy array "
+        "(np.asarray(x) or np.array(x), or a list or tuple holding tensors given to NumPy: "
+        "np.array([x, y]), np.sum([x, y]), np.mean([x, 2 * x]), ...): the copy carries no "
+        "derivative, so the gradient through it would be lost. For a gradient, combine the "
+        "tensors with pydiff ops (x + y, (x * 2).mean(), x.sum(), pydiff.ops...); to read "
+        "the values on purpose, use x.numpy(), float(x), x.item() or np.asarray(x.detach())"
+    )

@@ -293,6 +293,7 @@ for _name, _implementation in {
     "matmul": matmul,
     "values_text": values_text,
     "array_function": numpy_functions.array_function,
+    "refuse_lost_conversion": numpy_functions.refuse_lost_conversion,
     **{name: _promoting(getattr(ops, name)) for name in _OPS},
     "sum": _reduction(ops.sum),
     "mean": _reduction(ops.mean),

@@ -143,7 +143,10 @@ class TensorOperators:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The values as a NumPy array: always a copy read back from the device (NumPy 2's
-        ``np.asarray(x, copy=False)`` raises ValueError, as for any array it cannot view)."""
+        ``np.asarray(x, copy=False)`` raises ValueError, as for any array it cannot view).
+        Refused (TypeError) where the copy would lose a derivative: see
+        ``numpy_functions.refuse_lost_conversion`` (``np.sum([x, y])`` on a tape)."""
+        tensor_methods.call("refuse_lost_conversion", self)
         if copy is False:
             raise ValueError(
                 "np.asarray(x, copy=False) / np.array(x, copy=False): a pydiff.Tensor's values "

@@ -65,7 +65,9 @@ def test_numpy_functions_compute_on_values_where_nothing_is_lost(device):
     with pydiff.Tape():
         assert np.dot(c, c) == pytest.approx(14.0)  # no gradient to lose
         assert np.dot(x.detach(), x.numpy()) == pytest.approx(14.0)
-        assert np.asarray(x).tolist() == X.tolist()  # an explicit copy, as x.numpy()
+        assert np.asarray(x.detach()).tolist() == X.tolist()  # an explicit copy, as x.numpy()
+        with pytest.raises(TypeError, match="NumPy converted"):  # s28: as np.array([x])
+            np.asarray(x)
         assert (np.shape(x), np.ndim(x), np.size(x), np.size(x, 0)) == ((3,), 1, 3, 3)
 
 
