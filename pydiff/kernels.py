@@ -214,10 +214,15 @@ class KernelCache:
         return self.native.create_compute_kernel(program)
 
     def _bound_object(self, kernel: Any, buffers: list, scalars: list, held: Any) -> Any:
-        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
-        key = (kernel, *(b.native_handle.value for _, b in buffers))
+        if held and held[0][0] is kernel and _same_objects(held[2], buffers):
+            key = held[0]  # the very buffer objects of its last dispatch: no handles to read
+        else:
+            # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
+            key = (kernel, *(b.native_handle.value for _, b in buffers))
         if held is not None:  # the caller's one object for this dispatch site
             entry = held[1] if held and held[0] == key else None
+            if entry is not None:
+                held[2] = [b for _, b in buffers]
         else:
             entry = self._objects.get(key)
         if entry is None:
@@ -230,7 +235,9 @@ class KernelCache:
                 cursor[name] = buffer
             entry = [root, cursor, size, None]
             if held is not None:
-                held[:] = [key, entry]  # the object of replaced buffers goes at once
+                # (the object of replaced buffers goes at once; the buffers themselves are
+                # kept to recognise them: the object holds them anyway)
+                held[:] = [key, entry, [b for _, b in buffers]]
             else:
                 self._objects[key] = entry
                 self._objects_bytes += size
@@ -331,6 +338,16 @@ class KernelCache:
             compute.bind_pipeline(kernel.pipeline, root)
             compute.dispatch([threads, 1, 1])
             compute.end()
+
+
+def _same_objects(kept: list, buffers: list) -> bool:
+    """``buffers`` binds exactly the buffer objects ``kept``, in order."""
+    if len(kept) != len(buffers):
+        return False
+    for a, (_, b) in zip(kept, buffers):
+        if a is not b:
+            return False
+    return True
 
 
 def _same_value(a: Any, b: Any) -> bool:
