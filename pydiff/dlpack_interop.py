@@ -16,6 +16,7 @@ import numpy as np
 from . import tensor_methods
 from .creation import tensor as make_tensor
 from .device import Device
+from .lost_derivative import losing_derivative
 from .tensor import Tensor
 from .torch_interop import FROM_TORCH, TO_TORCH, from_torch, shared_view, to_torch, torch_module
 
@@ -36,6 +37,15 @@ def _cuda_export(x: Tensor) -> bool:
 
 
 def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
+    why = losing_derivative(x)
+    if why is not None:  # the consumer's array carries no derivative (torch's has none)
+        raise TypeError(
+            f"DLPack export (torch.from_dlpack(x), np.from_dlpack(x)) of a pydiff.Tensor of "
+            f"shape {x.shape} that {why}: the exported values carry no derivative, so the "
+            "gradient through them would be lost. For a gradient in PyTorch, run the pydiff "
+            "code inside torch autograd (pydiff.torch_function); to hand over the values on "
+            "purpose, export x.detach() or call pydiff.to_torch(x)"
+        )
     if _cuda_export(x):
         return shared_view(x).__dlpack__(stream=stream, **kwargs)
     return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d

@@ -23,9 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import forward_trace
-from .backward_scope import active_scope
-from .tape import active_tape
+from .lost_derivative import losing_derivative
 from .tensor import Tensor
 
 
@@ -92,22 +90,6 @@ def _name(func: Callable[..., Any]) -> str:
     module = getattr(func, "__module__", None) or "numpy"
     prefix = "np" + module[len("numpy") :] if module.startswith("numpy") else module
     return f"{prefix}.{getattr(func, '__name__', repr(func))}"
-
-
-def losing_derivative(t: Tensor) -> str | None:
-    """Why a NumPy copy of ``t``'s values would lose a derivative here, or None: it requires
-    a gradient while a tape records, or has a tangent while ``pydiff.jvp`` traces. (Inside a
-    backward, a ``Function.backward`` run by ``tape.backward`` within the tape's ``with``,
-    values are read for the gradient itself: pydiff records no backward, so none is lost.)
-
-    >>> losing_derivative(x)      # 'requires a gradient and a pydiff.Tape is recording'
-    """
-    if t.requires_grad and active_tape() is not None and active_scope() is None:
-        return "requires a gradient and a pydiff.Tape is recording"
-    trace = forward_trace.active()
-    if trace is not None and trace.tangent(t) is not None:
-        return "has a tangent while pydiff.jvp traces the function"
-    return None
 
 
 # NumPy's functions that write into their first argument: on a copy the write would be lost.
