@@ -1,0 +1,131 @@
+"""Gradients routed through another tensor's buffers: a tensor made by ``share_grads`` (the
+tape's copy of an in-place argument) follows the zeroing policy and the current gradient
+buffers of the tensor it shares, as a view follows its base; ``nn.Linear.zero_grad``
+matches the optimizers'; ``fixed_point`` with overlapping or repeated parameters. References:
+closed forms in float64, float64 NumPy solves of the fixed point and their central
+differences, torch.optim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+TIMES = "[Differentiable] float times(float a, float b) { return a * b; }"
+A0 = np.array([0.5, -1.5, 2.0])
+B0 = np.array([3.0, 0.25, -2.0])
+STALE = 100.0
+
+
+@pytest.fixture(scope="module")
+def times(device):
+    return pydiff.load_module_from_source("s28_viewfix_times", TIMES, device=device).times
+
+
+def _f32(values, device, **kw):
+    return pydiff.tensor(np.asarray(values, np.float32), device=device, **kw)
+
+
+def _stale_leaf(device, shape=(3,)):
+    """A leaf holding A0 whose gradient buffer holds a stale STALE in every element."""
+    x = _f32(A0.reshape(shape), device, requires_grad=True)
+    x.grad.copy_from_numpy(np.full(shape, STALE, np.float32))
+    return x
+
+
+def _times_bwds(times, a, device):
+    """d(a * b)/da = b = B0 (closed form), added under a's policy into a's gradient."""
+    b = _f32(B0.reshape(a.shape), device)
+    times.bwds(a, b, _result=pydiff.zeros(a.shape, device=device).with_grads(ones=True))
+
+
+# --- share_grads: the policy and buffers of the tensor shared, not copies of them --------
+
+
+def test_shared_grads_follow_the_policy_of_the_tensor_shared(times, device):
+    x = _stale_leaf(device)
+    x.zero_policy = "reset"
+    before = x.copy_values()
+    before.share_grads(x)
+    assert before.zero_policy is pydiff.ZeroPolicy.RESET
+    _times_bwds(times, before, device)
+    # RESET: the stale gradient dropped, this backward's alone (no policy: STALE + B0)
+    np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+
+
+def test_shared_grads_follow_a_policy_set_after_sharing(times, device):
+    x = _f32(A0, device, requires_grad=True)
+    before = x.copy_values()
+    before.share_grads(x)
+    x.zero_policy = "strict"
+    _times_bwds(times, before, device)
+    np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+    with pytest.raises(pydiff.StaleGradientError):
+        _times_bwds(times, before, device)  # (no policy: a silent 2 * B0)
+    np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+    before.zero_policy = None  # sets x's, as a view's does
+    assert x.zero_policy is None
+
+
+def test_shared_grads_of_a_view_follow_its_base(times, device):
+    x = _stale_leaf(device)
+    x.zero_policy = "reset"
+    view = x.reshape((3, 1))
+    before = view.copy_values()
+    before.share_grads(view)
+    assert before.zero_policy is pydiff.ZeroPolicy.RESET
+    _times_bwds(times, before, device)
+    np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+
+
+def test_shared_grads_follow_buffers_lent_after_sharing(times, device):
+    # A transform lends a closure tensor a fresh buffer for its backward: what goes through
+    # the copy must land there, and the tensor's own gradient stay as it was.
+    x = _stale_leaf(device)
+    before = x.copy_values()
+    before.share_grads(x)
+    give_back = x.lend_grads()
+    try:
+        _times_bwds(times, before, device)
+        np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+    finally:
+        give_back()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(3, STALE))
+
+
+def test_shared_grads_follow_buffers_attached_after_sharing(times, device):
+    x = _f32(A0, device)
+    before = x.copy_values()
+    before.share_grads(x)
+    assert not before.requires_grad
+    x.requires_grad_(True)
+    assert before.requires_grad and before.grad.storage is x.grad.storage
+    _times_bwds(times, before, device)
+    np.testing.assert_allclose(x.grad.numpy(), B0, rtol=1e-6)
+
+
+def test_share_grads_refuses_another_shape(device):
+    x = _f32(A0, device, requires_grad=True)
+    other = _f32(np.zeros((3, 1)), device)
+    with pytest.raises(ValueError, match=r"share_grads: .*\(3, 1\).*\(3,\)"):
+        other.share_grads(x)
+
+
+def test_in_place_call_on_a_tape_follows_the_policy_set_after_recording(device):
+    # The tape's copy of an in-place argument (share_grads): the policy given to the
+    # argument between the recording and the backward is the one its gradient gets.
+    src = """
+    import slangpy;
+    [Differentiable]
+    void sq_at(int i, IRWDiffTensor<float, 1> d) { float v = d[i]; d[i] = v * v; }
+    """
+    m = pydiff.load_module_from_source("s28_viewfix_sq_at", src, device=device)
+    idx = pydiff.tensor(np.arange(3, dtype=np.int32), device=device)
+    for policy, want in (("reset", 2 * A0), ("accumulate", 2 * A0 + STALE)):
+        x = _stale_leaf(device)
+        with pydiff.Tape() as tape:
+            m.sq_at(idx, x)
+        x.zero_policy = policy
+        tape.backward(x, grad=np.ones(3))
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6)
