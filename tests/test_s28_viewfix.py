@@ -129,3 +129,81 @@ def test_in_place_call_on_a_tape_follows_the_policy_set_after_recording(device):
         x.zero_policy = policy
         tape.backward(x, grad=np.ones(3))
         np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6)
+
+
+# --- nn.Linear.zero_grad: the optimizers' zero_grad over the layer's parameters ----------
+
+
+def _linear_backward(layer, x0, g, device):
+    x = _f32(x0, device)
+    with pydiff.Tape() as tape:
+        y = layer(x)
+    tape.backward(y, grad=g)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_zero_grad_leaves_the_next_backward_its_own_gradient(device, bias):
+    rng = np.random.default_rng(0)
+    x0 = rng.uniform(-1, 1, (5, 4)).astype(np.float32)
+    g = rng.uniform(-1, 1, (5, 3))
+    layer = pydiff.nn.Linear(4, 3, bias=bias, device=device, seed=0)
+    _linear_backward(layer, x0, g, device)
+    _linear_backward(layer, x0, g, device)  # accumulates: twice the gradient
+    x64 = x0.astype(np.float64)
+    np.testing.assert_allclose(layer.weight.grad.numpy(), 2 * g.T @ x64, rtol=1e-5, atol=1e-6)
+    layer.zero_grad()
+    np.testing.assert_array_equal(layer.weight.grad.numpy(), np.zeros((3, 4)))
+    _linear_backward(layer, x0, g, device)
+    # y = x W^T + b: dW = g^T x, db = sum of g over the batch (float64 closed forms)
+    np.testing.assert_allclose(layer.weight.grad.numpy(), g.T @ x64, rtol=1e-5, atol=1e-6)
+    if bias:
+        np.testing.assert_allclose(layer.bias.grad.numpy(), g.sum(axis=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_linear_zero_grad_steps_as_torch_module_zero_grad(device, set_to_none):
+    # After a step, zero_grad and a step with no backward between: torch skips every
+    # parameter after set_to_none=True (grad None), and applies a zero gradient after False
+    # (momentum and weight decay move the parameters, the step counts grow).
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    x0 = rng.uniform(-1, 1, (6, 4)).astype(np.float32)
+    g = rng.uniform(-1, 1, (6, 3))
+    layer = pydiff.nn.Linear(4, 3, device=device, seed=1)
+    ref = torch.nn.Linear(4, 3).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(layer.weight.numpy().astype(np.float64)))
+        ref.bias.copy_(torch.from_numpy(layer.bias.numpy().astype(np.float64)))
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt = pydiff.optim.SGD(layer.parameters(), **hyper)
+    ref_opt = torch.optim.SGD(ref.parameters(), **hyper)
+
+    _linear_backward(layer, x0, g, device)
+    ref(torch.from_numpy(x0.astype(np.float64))).backward(torch.from_numpy(g))
+    opt.step()
+    ref_opt.step()
+    after_first = layer.weight.numpy().copy()
+
+    layer.zero_grad(set_to_none=set_to_none)
+    ref.zero_grad(set_to_none=set_to_none)
+    opt.step()
+    ref_opt.step()
+    for mine, theirs in ((layer.weight, ref.weight), (layer.bias, ref.bias)):
+        np.testing.assert_allclose(mine.numpy(), theirs.detach().numpy(), rtol=1e-5, atol=1e-6)
+    moved = not np.array_equal(layer.weight.numpy(), after_first)
+    assert moved is (not set_to_none)
+    assert opt.param_steps == ([1, 1] if set_to_none else [2, 2])
+
+
+def test_linear_zero_grad_default_and_refusal_are_the_optimizers(device):
+    import inspect
+
+    layer = pydiff.nn.Linear(2, 2, device=device, seed=0)
+    mine = inspect.signature(pydiff.nn.Linear.zero_grad).parameters["set_to_none"].default
+    theirs = inspect.signature(pydiff.optim.SGD.zero_grad).parameters["set_to_none"].default
+    assert mine is theirs is True
+    with pytest.raises(TypeError, match=r"Linear\.zero_grad: set_to_none='no'"):
+        layer.zero_grad(set_to_none="no")
+    opt = pydiff.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"SGD\.zero_grad: set_to_none=1"):
+        opt.zero_grad(set_to_none=1)
