@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pydiff
+from pydiff import ops
 
 TIMES = "[Differentiable] float times(float a, float b) { return a * b; }"
 A0 = np.array([0.5, -1.5, 2.0])
@@ -207,3 +208,113 @@ def test_linear_zero_grad_default_and_refusal_are_the_optimizers(device):
     opt = pydiff.optim.SGD(layer.parameters(), lr=0.1)
     with pytest.raises(TypeError, match=r"SGD\.zero_grad: set_to_none=1"):
         opt.zero_grad(set_to_none=1)
+
+
+# --- fixed_point: parameters that are one tensor, views of one, or read through f's closure
+
+
+BASE = np.array([0.5, -0.3, 0.4, 0.8])
+UPSTREAM = np.array([1.0, -2.0, 0.5])
+
+
+def _solve64(w, u):
+    """x* = w tanh(x*) + u in float64 (|w| < 1: a contraction), by iteration."""
+    x = np.zeros(3)
+    for _ in range(2000):
+        x = w * np.tanh(x) + u
+    return x
+
+
+def _fd_gradient(coefficients, base):
+    """float64 central differences of <UPSTREAM, x*(base)> with respect to base, where
+    (w, u) = coefficients(base)."""
+    out = np.zeros(base.size)
+    for k in range(base.size):
+        e = np.zeros(base.size)
+        e[k] = 1e-6
+        hi = UPSTREAM @ _solve64(*coefficients(base + e))
+        lo = UPSTREAM @ _solve64(*coefficients(base - e))
+        out[k] = (hi - lo) / 2e-6
+    return out
+
+
+def _overlapping_slices(device):
+    base = _f32(BASE, device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        w, u = base[0:3], base[1:4]  # overlapping at base[1:3]
+        x = pydiff.fixed_point(lambda x, w, u: w * ops.tanh(x) + u, np.zeros(3), w, u, tol=1e-7)
+    return base, tape, x, lambda b: (b[0:3], b[1:4])
+
+
+def _one_tensor_twice_and_from_the_closure(device):
+    a = _f32(BASE[:3], device, requires_grad=True)
+
+    def f(x, p, q):  # p and q are a; a is read through the closure too
+        return 0.25 * (p + q + a) * ops.tanh(x) + a
+
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros(3), a, a, tol=1e-7)
+    return a, tape, x, lambda b: (0.75 * b, b)
+
+
+def _two_views_of_one_base(device):
+    base = _f32(BASE[:3], device, requires_grad=True)
+    column, row = base.reshape((3, 1)), base.reshape((1, 3))
+
+    def f(x, column, row):
+        return 0.5 * column.reshape(3) * ops.tanh(x) + row.reshape(3) + base
+
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros(3), column, row, tol=1e-7)
+    return base, tape, x, lambda b: (0.5 * b, 2 * b)
+
+
+def _struct_holding_one_tensor_twice(device):
+    a = _f32(BASE[:3], device, requires_grad=True)
+
+    def f(x, s):
+        return 0.5 * s["w"] * ops.tanh(x) + s["u"]
+
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(f, np.zeros(3), {"w": a, "u": a}, tol=1e-7)
+    return a, tape, x, lambda b: (0.5 * b, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _overlapping_slices,
+        _one_tensor_twice_and_from_the_closure,
+        _two_views_of_one_base,
+        _struct_holding_one_tensor_twice,
+    ],
+)
+def test_fixed_point_parameters_sharing_values_get_each_use_once(device, make):
+    # Every use of the shared values is a separate share of dL/dbase, counted once each.
+    base, tape, x, coefficients = make(device)
+    tape.backward(x, grad=UPSTREAM)
+    b64 = base.numpy().astype(np.float64).reshape(-1)
+    np.testing.assert_allclose(x.numpy(), _solve64(*coefficients(b64)), rtol=1e-5, atol=1e-6)
+    want = _fd_gradient(coefficients, b64)
+    np.testing.assert_allclose(base.grad.numpy().reshape(-1), want, rtol=1e-4, atol=1e-6)
+
+
+def test_fixed_point_overlapping_parameters_under_grad_and_jvp(device):
+    b32 = BASE.astype(np.float32)
+    b64 = b32.astype(np.float64)
+
+    def solve(b):
+        w, u = b[0:3], b[1:4]
+        return pydiff.fixed_point(lambda x, w, u: w * ops.tanh(x) + u, np.zeros(3), w, u, tol=1e-7)
+
+    def coefficients(b):
+        return b[0:3], b[1:4]
+
+    upstream = _f32(UPSTREAM, device)
+    g = pydiff.grad(lambda b: ops.sum(solve(b) * upstream))(_f32(b32, device))
+    np.testing.assert_allclose(np.asarray(g), _fd_gradient(coefficients, b64), rtol=1e-4, atol=1e-6)
+    d = np.array([0.3, -1.0, 0.7, 0.2])
+    _, tangent = pydiff.jvp(solve, (_f32(b32, device),), (d,))
+    e = 1e-6
+    hi, lo = _solve64(*coefficients(b64 + e * d)), _solve64(*coefficients(b64 - e * d))
+    np.testing.assert_allclose(tangent.numpy(), (hi - lo) / (2 * e), rtol=1e-4, atol=1e-6)
