@@ -31,11 +31,13 @@ class GradBuffers:
     _base: Any
     _viewed: tuple
     _bound: Any
+    _zero_policy: Any  # (tensor.py's zero_policy property: a tensor with a base reads its base's)
     _zero_pending: bool  # attached with zero_later: zeroed before anything reads them
 
     @property
     def base(self) -> "Self | None":
-        """The tensor this one is a view of (``reshape``), whose gradients it shares."""
+        """The tensor this one is a view of (``reshape``), or shares the gradients of
+        (``share_grads``): its gradient buffers and zeroing policy are this one's."""
         return self._base
 
     @property
@@ -177,12 +179,25 @@ class GradBuffers:
         )
 
     def share_grads(self, other: "Self") -> None:
-        """Use ``other``'s gradient buffers (a view of other values that must route its
-        gradient to the same place, e.g. the tape's copy of an in-place argument)."""
-        self._grad_in, self._grad_out = other.grad_in, other.grad_out
-        self._base, self._viewed = None, (None, None)
-        self._bound = None
+        """Route this tensor's gradients to ``other``'s from now on, as a view's go to its
+        base (e.g. the tape's copy of an in-place argument's values before the call): it
+        follows ``other``'s current gradient buffers (also ones lent or attached later) and
+        its zeroing policy (``zero_policy`` reads and sets ``other``'s). A copy of either
+        taken now would let a backward add into a buffer ``other`` no longer uses, or under
+        a policy ``other`` no longer has.
+
+        >>> before = x.copy_values(); before.share_grads(x)   # before.grad is x.grad
+        """
+        if other.shape != self._shape:
+            raise ValueError(
+                f"share_grads: this tensor's shape {self._shape} is not the shape "
+                f"{other.shape} of the tensor whose gradient buffers it would share"
+            )
+        self._base = other.base if other.base is not None else other
+        self._grad_in = self._grad_out = None  # (read from the base when next used)
+        self._viewed, self._bound = (None, None), None
         self._zero_pending = False
+        self._zero_policy = None  # (a tensor with a base has none of its own)
 
     def lend_grads(self) -> Callable[[], None]:
         """Give this tensor (a view: its base) a fresh zeroed gradient buffer until the
@@ -238,7 +253,10 @@ class GradBuffers:
 
 
 def view_of(grad: Any, shape: Sequence[int], what: str) -> Any:
-    """``grad`` (a gradient buffer) viewed in ``shape``: what a view of its primal shares."""
+    """``grad`` (a gradient buffer) viewed in ``shape``: what a view of its primal shares
+    (``grad`` itself in its own shape)."""
+    if grad.shape == tuple(shape):
+        return grad
     if not grad.native.is_contiguous():
         raise ValueError(
             f"reshape: the tensor's {what} buffer is not contiguous, so a view cannot share "

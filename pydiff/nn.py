@@ -3,6 +3,7 @@
 layer = pydiff.nn.Linear(64, 10)
 y = layer(x)                       # x @ W.T + b
 opt = pydiff.optim.AdamW(layer.parameters())
+layer.zero_grad()                  # as opt.zero_grad(): before the next backward
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 from . import capturing, ops
 from .device import Device, resolve_device
 from .creation import tensor
+from .grad_zeroing import zero_grads
 from .tensor import Tensor
 
 
@@ -67,3 +69,15 @@ class Linear:
 
     def parameters(self) -> list[Tensor]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients of ``weight`` and ``bias``, exactly as an optimizer's
+        ``zero_grad`` over them (``grad_zeroing``): both values zero the buffers (pydiff's
+        gradients are never None); with ``set_to_none=True`` (torch's default) the next
+        optimizer step skips a parameter nothing writes a gradient for before it, with
+        False a parameter that had a gradient keeps a zero one, which the step applies
+        (momentum, weight decay, moments), as torch's ``Module.zero_grad``.
+
+        >>> layer.zero_grad()          # then tape.backward(loss): this step's gradient alone
+        """
+        zero_grads(self.parameters(), set_to_none, "Linear")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable
 
-import numpy as np
-
 from . import capturing
 from .creation import zeros
 from .device import Device
+from .grad_zeroing import ZERO_GRADIENT as ZERO_GRADIENT  # (its home before grad_zeroing)
+from .grad_zeroing import zero_grads
 from .module import library
 from .optim_checks import Hyperparameters, check_state_dict
 from .tensor import Tensor, float4_ready
@@ -24,8 +24,6 @@ from .tensor import Tensor, float4_ready
 # small model's 4.8K parameters alike; groups of 64-1024 threads alike.
 OPTIM_CHUNK = 4  # lavapipe's; the kernels take device.kernels.chunk (1 on a GPU)
 ADAM_GROUP = 256
-#: The writer of a gradient zeroed by zero_grad(set_to_none=False): a write, not ZEROED.
-ZERO_GRADIENT = "zero_grad(set_to_none=False)"
 # The four-parameter Adam kernel's ratios of each slot's bias correction to slot 0's while
 # their step counts agree.
 _SAME_STEP = {f"{name}{slot}": 1.0 for name in ("step_ratio", "bias2_ratio") for slot in (1, 2, 3)}
@@ -164,23 +162,12 @@ class Optimizer:
         says what the next step does with a parameter no backward or write fills since:
         True (torch's default) skips it, as torch skips a ``.grad`` of None; False steps it
         with the zero gradient if it had a gradient (torch's ``.grad`` not None), as torch
-        does: momentum, weight decay and Adam's moments move it, its step count grows.
+        does: momentum, weight decay and Adam's moments move it, its step count grows
+        (``grad_zeroing``; ``nn.Linear.zero_grad`` is the same).
 
         >>> opt.zero_grad(set_to_none=False)   # the next step: those with a gradient, used or not
         """
-        if not isinstance(set_to_none, (bool, np.bool_)):
-            raise TypeError(
-                f"{type(self).__name__}.zero_grad: set_to_none={set_to_none!r}; expected True "
-                "or False"
-            )
-        for p in self.params:
-            # torch zeroes a .grad not None, leaves None as None: a written gradient stays one
-            kept = (
-                not set_to_none and (g := p.grad) is not None and g.storage.written_since_zeroed()
-            )
-            p.zero_grad()
-            if kept:
-                p.grad.storage.wrote(ZERO_GRADIENT, everything=True)
+        zero_grads(self.params, set_to_none, type(self).__name__)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's class name, hyper-parameters, step count and per parameter its
