@@ -127,10 +127,9 @@ def zeros(
 
     >>> w = pydiff.zeros((64, 32), requires_grad=True)
     """
-    out = _new("pydiff.zeros", shape, dtype, device, requires_grad)
-    with out.device.queue.lock:  # a submission of its own: exclusive (command_queue)
-        out.native.clear()  # (.native flushes first, under the lock)
-    return out
+    # Zeroed in order with the pending work (no submission of its own), and recorded by a
+    # capture: a step's scratch accumulator from zeros() restarts from zero on each replay.
+    return _new("pydiff.zeros", shape, dtype, device, requires_grad).zero_()
 
 
 def ones(
