@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
+from . import tensor_methods
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .foreign import as_array
@@ -51,7 +52,11 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     ... # pydiff.linspace: 0.25 is not a whole number; the tensor holds int32
     """
     dev = resolve_device(device)
-    arr = data.numpy() if isinstance(data, Tensor) else as_array(data, where)
+    if isinstance(data, Tensor):
+        tensor_methods.call("refuse_lost_copy", data, where)
+        arr = data.numpy()
+    else:
+        arr = as_array(data, where)
     if dtype is None:
         native_order = arr.dtype.newbyteorder("=")  # big-endian '>f4' holds float32 values
         name = NUMPY_TO_SLANG.get(native_order)

@@ -16,7 +16,7 @@ import numpy as np
 from . import tensor_methods
 from .creation import tensor as make_tensor
 from .device import Device
-from .lost_derivative import losing_derivative
+from .lost_derivative import losing_derivative, refuse_lost_copy
 from .tensor import Tensor
 from .torch_interop import FROM_TORCH, TO_TORCH, from_torch, shared_view, to_torch, torch_module
 
@@ -71,6 +71,7 @@ def from_dlpack(
             f"__dlpack_device__), not {type(obj).__name__}"
         )
     if isinstance(obj, Tensor):
+        refuse_lost_copy(obj, "pydiff.from_dlpack")
         obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
     if obj.__dlpack_device__()[0] != _DL_CPU:
         return from_torch(

@@ -26,3 +26,20 @@ def losing_derivative(t: Tensor) -> str | None:
     if trace is not None and trace.tangent(t) is not None:
         return "has a tangent while pydiff.jvp traces the function"
     return None
+
+
+def refuse_lost_copy(t: Tensor, where: str) -> None:
+    """Refuse a new tensor made from ``t``'s values (``where``, e.g. "pydiff.tensor: data",
+    names the API) where the copy would lose a derivative (``losing_derivative``), as NumPy's
+    conversion of ``t`` is: the copy is a new leaf, so no gradient reaches ``t``.
+
+    >>> refuse_lost_copy(x, "pydiff.from_dlpack")   # on a tape, x requiring grad: TypeError
+    """
+    why = losing_derivative(t)
+    if why is not None:
+        raise TypeError(
+            f"{where}: a pydiff.Tensor of shape {t.shape} that {why}: the copy is a new "
+            "tensor with no derivative link to it, so the gradient through it would be lost. "
+            "Use the tensor itself (or pydiff ops on it) to keep the gradient; to copy the "
+            "values on purpose, pass x.detach()"
+        )

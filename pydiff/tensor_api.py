@@ -21,6 +21,7 @@ import numpy as np
 from . import capturing, numpy_functions, ops, tensor_methods
 from .creation import empty, ones, tensor as make_tensor
 from .function import Function
+from .lost_derivative import refuse_lost_copy
 from .storage import dtype_name, element_shape
 from .tape import active_tape
 from .tensor import Tensor
@@ -294,6 +295,7 @@ for _name, _implementation in {
     "values_text": values_text,
     "array_function": numpy_functions.array_function,
     "refuse_lost_conversion": numpy_functions.refuse_lost_conversion,
+    "refuse_lost_copy": refuse_lost_copy,
     **{name: _promoting(getattr(ops, name)) for name in _OPS},
     "sum": _reduction(ops.sum),
     "mean": _reduction(ops.mean),

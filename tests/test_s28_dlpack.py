@@ -35,3 +35,21 @@ def test_torch_from_dlpack_on_a_tape_is_refused_and_the_tape_still_gives_gradien
     np.testing.assert_allclose(x.grad.numpy(), 2.0 * xa.astype(np.float64), rtol=1e-6)
     t = torch.from_dlpack(x.detach())
     np.testing.assert_array_equal(t.numpy(), xa)
+
+
+def test_new_tensors_copied_from_a_tensor_requiring_grad_on_a_tape_are_refused(device):
+    """pydiff.tensor(x) and pydiff.from_dlpack(x) make new leaves: on a tape, x's gradient
+    would silently stay 0 (as np.array([x]) and pydiff.tensor([x, y]) are refused)."""
+    xa = np.array([1.0, 2.0, 3.0], np.float32)
+    x = pydiff.tensor(xa, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        with pytest.raises(TypeError, match=r"pydiff.tensor: data: .*shape \(3,\).*x.detach"):
+            pydiff.tensor(x, device=device, requires_grad=True)
+        with pytest.raises(TypeError, match=r"pydiff.from_dlpack: .*shape \(3,\)"):
+            pydiff.from_dlpack(x, device=device)
+        c = pydiff.tensor(x.detach(), device=device)  # on purpose: a constant
+        loss = (x * x * c).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xa.astype(np.float64) ** 2, rtol=1e-6)
+    np.testing.assert_array_equal(pydiff.tensor(x, device=device).numpy(), xa)  # off the tape
+    np.testing.assert_array_equal(pydiff.from_dlpack(x, device=device).numpy(), xa)
