@@ -170,6 +170,11 @@ def load_module(
     module_session.check_imports(source, str(file), dev)
     now = module_session.digest(source)
     held = module_session.compiled_digest(dev, str(file))
+    # The same text loaded again is the same module (each new one held ~1 MB of kernels and
+    # reflection: a loop that reloads an unchanged file grew without bound).
+    loaded = dev.cached(("pydiff.load_module", str(file), now, bool(lint)), list)
+    if loaded:
+        return loaded[0]
     if held is None or held == now:
         try:
             native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
@@ -177,7 +182,8 @@ def load_module(
             raise slang_compile.compile_error(exc, str(file), None) from None
         module_session.record(dev, str(file), now)
         spec = '"' + str(file).replace("\\", "/") + '"'
-        return Module(native, dev, file.stem, source, str(file), spec, lint)
+        loaded[:] = [Module(native, dev, file.stem, source, str(file), spec, lint)]
+        return loaded[0]
     # Edited since the session compiled it: the session keeps that copy under the file's path
     # and name, so the new text gets its own (a neighbouring path: its imports resolve alike).
     fresh = f"{file.stem}__pydiff_v{now[:12]}"
@@ -187,7 +193,8 @@ def load_module(
     except spy.SlangCompileError as exc:
         raise slang_compile.compile_error(exc, str(file), None, alias) from None
     native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
-    return Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)
+    loaded[:] = [Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)]
+    return loaded[0]
 
 
 def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
