@@ -46,4 +46,3 @@ def test_replays_of_a_relu_layer_above_4096_rows_keep_the_gradient(device, batch
         captured.replay()
         np.testing.assert_allclose(w.grad.numpy(), want_w, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(b.grad.numpy(), want_b, rtol=1e-4, atol=1e-6)
-

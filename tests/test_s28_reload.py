@@ -21,9 +21,7 @@ def _check(module, k, device):
     np.testing.assert_allclose(x.grad.numpy(), 2.0 * k * xs, rtol=1e-6)
 
 
-def test_reloading_an_unchanged_file_gives_the_same_module_and_edits_still_load(
-    device, tmp_path
-):
+def test_reloading_an_unchanged_file_gives_the_same_module_and_edits_still_load(device, tmp_path):
     path = tmp_path / "s28_reload_sq.slang"
     path.write_text(_SOURCE.format(k=3.0))
     first = pydiff.load_module(str(path), device)
