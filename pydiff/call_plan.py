@@ -127,8 +127,8 @@ class ForwardPlan:
         self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
         self.names = tuple((i, bound[i][0].name) for i in self.tensors)
         self.floats, self.numbers = _numbers(key, bound)
-        # generated.call_forward decides by the first tensor's size (in the layout)
-        self.numel = bound[self.tensors[0]][1].numel if self.tensors else 0
+        # as generated_calls.call_forward decides (the layout fixes every tensor's size)
+        self.numel = generated.call_size(v for _, v in bound)
         self.result_tensor = type(result) is Tensor
         self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
         self.options: dict = {}
@@ -149,6 +149,7 @@ class ForwardPlan:
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide."""
+        generated.check_switch()  # (as the full path reads it)
         if active_tape() is not None or self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
         dev = fn.module.device
@@ -235,6 +236,7 @@ class BackwardPlan:
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The backward, or DECLINED (nothing done) where the full path must decide."""
+        generated.check_switch()  # (as the full path reads it)
         if active_scope() is not None or get_zero_policy() is not _ACCUMULATE:
             return DECLINED
         if is_deterministic() or self.numel >= generated.MIN_ELEMENTS:

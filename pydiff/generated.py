@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -57,11 +58,41 @@ MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 _stats: Counter = Counter()
 _lock = threading.Lock()
+SWITCH = "PYDIFF_GENERATED"
+_switch_read = ("", True)  # the switch's last raw value and what it means (unset: on)
 
 
 def enabled() -> bool:
-    """Whether generated kernels may be used (``PYDIFF_GENERATED=0`` turns them off)."""
-    return env_flag("PYDIFF_GENERATED", True)  # (read at each call: tests switch it)
+    """Whether generated kernels may be used (``PYDIFF_GENERATED=0`` turns them off). Read at
+    each call (tests switch it); a value it does not take raises ``EnvironmentSettingError``.
+
+        generated.enabled()          # True unless PYDIFF_GENERATED is 0, off, false or no
+    """
+    global _switch_read
+    raw = os.environ.get(SWITCH, "")
+    if raw != _switch_read[0]:  # parsed once per value: every call of a function reads it
+        _switch_read = (raw, env_flag(SWITCH, True))
+    return _switch_read[1]
+
+
+def check_switch() -> None:
+    """Raise ``EnvironmentSettingError`` if ``PYDIFF_GENERATED`` holds a value it does not take.
+    Every call of a user's function runs this, whatever its size: calls too small for the
+    generated kernels would otherwise never read the switch, and a typo would pass silently.
+
+        generated.check_switch()     # PYDIFF_GENERATED=of: EnvironmentSettingError
+    """
+    enabled()
+
+
+def call_size(values: Any) -> int:
+    """The most elements of a tensor among ``values``: the size a forward call or ``.fwds``
+    compares with ``MIN_ELEMENTS`` (any argument may be the one of the call's shape, a
+    broadcast one-element tensor may come first).
+
+        generated.call_size([pydiff.tensor([2.0]), x]) >= generated.MIN_ELEMENTS
+    """
+    return max((v.numel for v in values if type(v) is Tensor), default=0)
 
 
 def settings() -> dict[str, Any]:

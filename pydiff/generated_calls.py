@@ -2,7 +2,8 @@
 a ``.bwds`` on its own or inside a larger backward (a tape's, or one that broadcasts a
 parameter), and ``.fwds``. Each returns None/False for SlangPy's path, which then runs
 unchanged with all its checks; each leaves calls under ``generated.MIN_ELEMENTS`` elements
-to SlangPy (cheaper there per call).
+to SlangPy (cheaper there per call), and each reads ``PYDIFF_GENERATED`` first, whatever the
+call's size (a mistyped value raises).
 
     out = call_forward(fn, bound, options, result)            # None: SlangPy's path
     done = call_backward_in_scope(fn, bound, options, result, scope, prior)
@@ -21,12 +22,13 @@ from .tensor import Tensor
 
 
 def _large(values: list) -> bool:
-    return max((v.numel for v in values if type(v) is Tensor), default=0) >= generated.MIN_ELEMENTS
+    return generated.call_size(values) >= generated.MIN_ELEMENTS
 
 
 def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Tensor | None:
     """A forward call (``(param, value)`` pairs) as a generated kernel when it is large and
     covered: a tensor result (new or given), no SlangPy options; None: SlangPy's path."""
+    generated.check_switch()
     if options.keys() > {"_result"} or not (
         type(result) is Tensor or type(result) is str and result == "tensor"
     ):
@@ -41,6 +43,7 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
 def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
     """A ``.bwds`` adding gradients under ACCUMULATE as a generated kernel, when it is large
     and covered; False: SlangPy's path."""
+    generated.check_switch()
     if options or type(result) is not Tensor or result.grad_in is None:
         return False
     if result.numel < generated.MIN_ELEMENTS:
@@ -59,6 +62,7 @@ def call_backward_in_scope(
     policy acts on each gradient buffer (``scope.before_accumulate``) as on SlangPy's path,
     and a result the call overwrote on a tape (its storage in ``prior``) has its gradient
     cleared after the call. False: SlangPy's path (which raises the errors)."""
+    generated.check_switch()
     if options or type(result) is not Tensor or result.grad_in is None:
         return False
     if capturing.recording() is not None:
@@ -107,6 +111,7 @@ def call_fwds(fn: FunctionTarget, bound: list, call_args: list, want: str) -> An
     forward mode builds them (a (value, tangent) pair of arguments per differentiable
     parameter); ``(value, tangent)`` tensors, or arrays for ``want == "numpy"``; None:
     SlangPy's path."""
+    generated.check_switch()
     args, tangents = [], []
     it = iter(call_args)
     for p, _ in bound:
