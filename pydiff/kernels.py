@@ -214,14 +214,15 @@ class KernelCache:
         return self.native.create_compute_kernel(program)
 
     def _bound_object(self, kernel: Any, buffers: list, scalars: list, held: Any) -> Any:
-        if held and held[0][0] is kernel and _same_objects(held[2], buffers):
+        same = bool(held) and held[0][0] is kernel and _same_objects(held[2], buffers)
+        if same:
             key = held[0]  # the very buffer objects of its last dispatch: no handles to read
         else:
             # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
             key = (kernel, *(b.native_handle.value for _, b in buffers))
         if held is not None:  # the caller's one object for this dispatch site
             entry = held[1] if held and held[0] == key else None
-            if entry is not None:
+            if entry is not None and not same:  # (other wrappers of the same buffers)
                 held[2] = [b for _, b in buffers]
         else:
             entry = self._objects.get(key)
