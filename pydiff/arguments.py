@@ -30,9 +30,10 @@ from .call_shape import (
     short_name,
     value_elements,
 )
-from .host_values import convert, element_base
+from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
 from .storage import SCALAR_NUMPY, allocate
+from .struct_values import convert_value
 from .tensor import Tensor
 
 MISSING = object()  # an option (such as _result) that was not given
@@ -76,7 +77,7 @@ def prepare_arguments(fn: FunctionTarget, bound: list, options: dict) -> None:
     for i, (p, value) in enumerate(bound):
         if type(value) is not Tensor:
             try:
-                new = convert(fn.label, p, value, fn.module.device)
+                new = convert_value(fn.label, p, value, fn.module.device)
             except (TypeError, ValueError):
                 if _overloads_differ(fn, i, exact=True):
                     continue  # another overload may take it: SlangPy picks from the value

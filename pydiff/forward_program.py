@@ -18,6 +18,7 @@ import numpy as np
 
 from . import forward_trace
 from .arguments import map_tensors, nested_tensors
+from .backward_scope import separate_backward
 from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
@@ -303,7 +304,7 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
             f"ops.mean), got {got}"
         )
     if t.producer is tape and t.requires_grad:
-        with lent_grads(tape, leaves):
+        with lent_grads(tape, leaves), separate_backward():  # (inside another one too)
             tape.backward(t)
     result = []
     for given, leaf, u in zip(primals, leaves, us):

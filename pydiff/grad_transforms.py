@@ -9,14 +9,16 @@ of pydiff tensors, run on a tape of their own.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 import numbers
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import forward_trace
+from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
-from .forward_program import refuse_copied, refuse_inside_tape
+from .forward_program import lent_grads, refuse_copied, refuse_inside_tape
 from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor
@@ -137,8 +139,15 @@ def value_and_grad(
         out = on_tape(out, tape, list(leaves.values()))
         refuse_copied(out, what)
         if out.requires_grad and out.producer is tape:
-            # Once only: forgotten at once, its tensors are freed without the cycle collector.
-            tape.backward(out, retain_graph=False)  # closed-over tensors get gradients too
+            # Closed-over tensors get gradients too, but not inside another backward (a
+            # Function's): there they lend their buffers (their sums and upstream gradients
+            # are that backward's), and this backward is one of its own.
+            own = list(leaves.values())
+            lend = lent_grads(tape, own) if active_scope() is not None else nullcontext()
+            with lend, separate_backward():
+                # Once only: forgotten at once, its tensors are freed without the cycle
+                # collector.
+                tape.backward(out, retain_graph=False)
         grads = tuple(_as_given(leaves[i].grad, args[i]) for i in nums)
         single = isinstance(argnums, numbers.Integral)
         return out, grads[0] if single else grads

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import finite_diff as fd
 from .arguments import map_tensors
+from .backward_scope import separate_backward
 from .errors import GradcheckError
 from .forward_program import lent_grads, prepare, refuse_inside_tape, traced
 from .function import Function
@@ -244,19 +245,24 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
     """J^T v for random upstream v, summed here over one backward per output, each on a
     tape of its own from the start values: an in-place input is also an output, and a
     second backward over one recording would start from the values the first one left.
-    Tensors the function reads that are not inputs (a model's parameters it closes over)
-    lend their gradient buffers for each backward, as the transforms' do: v is random, so
-    what it would add to their ``.grad`` is noise in the caller's training step."""
-    saved = {k: t.grad.numpy().copy() for k, t in checked}
+    Every tensor the backward adds into lends its gradient buffers for it, the checked
+    inputs and those the function closes over (a model's parameters) alike, as the
+    transforms' do: the caller's ``.grad`` stays as it was, values, STRICT's mark and what
+    the optimizers read (written since zeroed) included. Each backward is one of its own,
+    also inside another (a Function's backward): joined, that one's zeroing policy would
+    count these buffers as done."""
     analytic = {k: np.zeros(t.expected_numpy_shape()) for k, t in checked}
     vs: list[np.ndarray] = []
     own = [t if t.base is None else t.base for a in inputs for _, t in leaves(a, "")]
     j = 0
-    try:
-        with zero_policy("accumulate"):
-            while j == 0 or j < len(vs):
-                state.restore()
-                versions = state.versions()
+    with zero_policy("accumulate"):
+        while j == 0 or j < len(vs):
+            state.restore()
+            versions = state.versions()
+            # Lent before the recording: a tape's copy of an in-place input shares the
+            # gradient buffers its input has when the call is recorded.
+            lent = [t.lend_grads() for _, t in checked]
+            try:
                 with Tape(reads_other_tapes=True) as tape:
                     outs = _outputs(f(*inputs))
                 if not vs:
@@ -267,18 +273,15 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
                     # backward): d out/d in = identity
                     if source in analytic:
                         analytic[source] += vs[j].reshape(analytic[source].shape)
-                    j += 1
-                    continue
-                with lent_grads(tape, own):
-                    for _, t in checked:
-                        t.zero_grad()
-                    tape.backward(outs[j], grad=vs[j])
-                for k, t in checked:
-                    analytic[k] += t.grad.numpy().astype(np.float64)
-                j += 1
-    finally:
-        for k, t in checked:  # leave the caller's gradients as they were
-            t.grad.copy_from_numpy(saved[k])
+                else:
+                    with lent_grads(tape, own), separate_backward():
+                        tape.backward(outs[j], grad=vs[j])
+                    for k, t in checked:
+                        analytic[k] += t.grad.numpy().astype(np.float64)
+            finally:
+                for give_back in reversed(lent):
+                    give_back()
+            j += 1
     return analytic, np.concatenate([v.ravel() for v in vs]), [o.dtype for o in outs]
 
 

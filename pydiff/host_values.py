@@ -153,6 +153,9 @@ def _other_number(label: str, p: ParamInfo, v: Any) -> Any:
 
 
 def _where(label: str, p: ParamInfo) -> str:
+    param, dot, field = p.name.partition(".")  # 'p.a': field 'a' of a struct (struct_values)
+    if dot:
+        return f"{label}: parameter '{param}', field '{field}' ({p.type_name})"
     return f"{label}: parameter '{p.name}' ({p.type_name})"
 
 

@@ -19,6 +19,17 @@ _IO = {"inn": "in", "out": "out", "inout": "inout"}
 
 
 @dataclass(frozen=True)
+class FieldInfo:
+    """One field of a struct parameter: its name and Slang type, whether it is a tensor
+    (bound as given, never converted), and its own fields when it is a struct (else None)."""
+
+    name: str
+    type_name: str
+    tensor: bool = False
+    fields: tuple["FieldInfo", ...] | None = None
+
+
+@dataclass(frozen=True)
 class ParamInfo:
     """One parameter: its name, Slang type, direction and, for tensors, kind and access."""
 
@@ -39,6 +50,9 @@ class ParamInfo:
     #: the type is a generic parameter of the function (``T x`` in ``f<T : IFloat>``): its
     #: element type is the argument's (call_shape.result_type specialises the result too)
     generic: bool = False
+    #: the fields of a struct parameter, as reflected (None: not a struct); a dict argument
+    #: is checked and converted field by field against them (struct_values)
+    struct_fields: tuple[FieldInfo, ...] | None = None
 
     @property
     def is_diff_tensor(self) -> bool:
@@ -123,10 +137,39 @@ def describe_function(reflected: Any) -> list[ParamInfo]:
         generic = bool(getattr(t, "is_generic", False))
         out.append(
             ParamInfo(
-                p.name, t.full_name, io, no_diff, differentiable, kind, access, 0, fields, generic
+                p.name,
+                t.full_name,
+                io,
+                no_diff,
+                differentiable,
+                kind,
+                access,
+                0,
+                fields,
+                generic,
+                struct_fields(t) if kind is None else None,
             )
         )
     return out
+
+
+def struct_fields(t: Any, depth: int = 0) -> tuple[FieldInfo, ...] | None:
+    """The fields of a reflected struct type (nested structs' too), None for other types.
+
+    >>> [f.name for f in struct_fields(fn.module.native.layout.find_type_by_name("P"))]
+    ['a', 'b']
+    """
+    if not isinstance(t, spy.reflection.StructType) or depth > 8:
+        return None
+    return tuple(
+        FieldInfo(
+            name,
+            var.type.full_name,
+            getattr(var.type, "tensor_type", None) is not None,
+            struct_fields(var.type, depth + 1),
+        )
+        for name, var in (t.fields or {}).items()
+    )
 
 
 def _no_grad_paths(t: Any, differentiable: bool, depth: int = 0) -> tuple[str, ...]:

@@ -367,7 +367,9 @@ class Tape:
         # A captured backward is batched whatever PYDIFF_TAPE_BATCH says: its seed is then a
         # recorded upload, where unbatched it is a host write a replay cannot repeat.
         batch = _BATCH or capturing.recording() is not None
-        with backward_scope("tape.backward", output.device if batch else None) as scope:
+        # No recording while it runs (inside `with` too): a Function's backward is no call.
+        scope_device = output.device if batch else None
+        with suspend_recording(), backward_scope("tape.backward", scope_device) as scope:
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)

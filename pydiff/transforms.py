@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from . import forward_trace
+from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
@@ -149,7 +150,9 @@ def vjp(
     for o in outs:
         if not isinstance(o, Tensor):
             raise TypeError(f"vjp: fn returned a {type(o).__name__}; it must return pydiff Tensors")
-    with zero_policy("accumulate"), lent_grads(tape, [x for x in leaves if x is not None]):
+    # A backward of its own (inside another one too: a Function's backward), as grad's.
+    lend = lent_grads(tape, [x for x in leaves if x is not None])
+    with zero_policy("accumulate"), lend, separate_backward():
         for k, (o, c) in enumerate(zip(outs, cots)):
             if c is None:
                 continue  # a cotangent of zero
@@ -287,7 +290,7 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         r = d(*call_args, _result="tensor")
         if not isinstance(r, Tensor):
             r = make_tensor(np.asarray([r], np.float32), device=dev)
-        with zero_policy("accumulate"):
+        with zero_policy("accumulate"), separate_backward():
             d.bwds(*call_args, _result=r.with_grads(ones=True))
     out = []
     for item in leaves:
