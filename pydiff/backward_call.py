@@ -26,7 +26,6 @@ from .arguments import (
     check_device,
     deep_bind,
     fwd_tensor_struct,
-    nested_tensors,
     resolve_error,
     scratch,
 )
@@ -50,6 +49,7 @@ from .determinism import is_deterministic, warn_nondeterministic
 from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo, warn_struct_fields
+from .struct_grads import bind_struct
 from .tensor import Tensor
 from .written_mask import WrittenMask as Mask
 
@@ -76,18 +76,19 @@ class _Backward:
         self.masks: dict[str, Mask] = {}  # parameters bound through the masked wrapper
         self.passes: list[tuple[Mask, Tensor, Tensor]] = []  # (mask, upstream, grad)
 
-    def _scratch(self, t: Tensor, role: str) -> spy.Tensor:
+    def scratch_grads(self, t: Tensor, role: str) -> spy.Tensor:
         """Gradient buffers for a tensor whose gradient nobody asked for."""
         return scratch(self.device, t, role)
 
     def _desc(self, p: ParamInfo) -> str:
         return f"{self.label}: parameter '{p.name}'"
 
-    def _accumulating(self, t: Tensor, p: ParamInfo) -> None:
-        grad = t.grad_out
+    def accumulating(self, t: Tensor, p: ParamInfo, desc: str | None = None) -> None:
+        """The policy of ``t`` applied before this backward adds into its gradient."""
+        grad, desc = t.grad_out, desc or self._desc(p)
         if grad.shape != t.shape:
-            raise ValueError(f"{self._desc(p)}: gradient shape {grad.shape} != primal {t.shape}")
-        self.scope.before_accumulate(t, grad, self._desc(p))
+            raise ValueError(f"{desc}: gradient shape {grad.shape} != primal {t.shape}")
+        self.scope.before_accumulate(t, grad, desc)
 
     def _needs_upstream(self, t: Tensor, p: ParamInfo, what: str) -> None:
         if not t.requires_grad:
@@ -97,7 +98,7 @@ class _Backward:
                 f"t.with_grads(...) holding dL/d{p.name} (or ones: .with_grads(ones=True))"
             )
 
-    def _own_primal(self, t: Tensor, bound: spy.Tensor, keep: bool) -> spy.Tensor:
+    def own_primal(self, t: Tensor, bound: spy.Tensor, keep: bool) -> spy.Tensor:
         """``bound``'s gradient buffers on values of the backward's own. A backward kernel
         reruns the forward, which writes into written parameters: into ``t`` that would change
         the caller's values behind the version counters (a second backward over a recording
@@ -105,14 +106,16 @@ class _Backward:
         primal = t.copy_values().native if keep else primal_sink(self.device, t)
         return primal.with_grads(grad_in=bound.grad_in, grad_out=bound.grad_out, zero=False)
 
-    def _separate(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
+    def separate_grads(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
         """Bind a read-and-written tensor with distinct grad_in and grad_out buffers."""
         if not t.requires_grad:
             return t.native.with_grads(
-                grad_in=self._scratch(t, "zeros"), grad_out=self._scratch(t, "sink"), zero=False
+                grad_in=self.scratch_grads(t, "zeros"),
+                grad_out=self.scratch_grads(t, "sink"),
+                zero=False,
             )
         if t.grad_in is not t.grad_out:
-            self._accumulating(t, p)
+            self.accumulating(t, p)
             return t.bind(True)
         # One shared buffer: it holds the upstream gradient now and must hold the gradient
         # w.r.t. the value before the call afterwards.
@@ -136,11 +139,11 @@ class _Backward:
             )
         if p.io == "out" or p.access == "write":
             self._needs_upstream(t, p, "written")
-            bound = self._own_primal(t, t.bind(True), keep=False)
+            bound = self.own_primal(t, t.bind(True), keep=False)
             return written_mask.bind_written(self, p, t, bound, id(t.storage) in self.prior)
         if p.access == "read_write":
             masked = written_mask.needs_mask(p, t, self.label)
-            bound = self._own_primal(t, self._separate(t, p), keep=True)
+            bound = self.own_primal(t, self.separate_grads(t, p), keep=True)
             return written_mask.bind_in_place(self, p, t, bound, masked)
         if not t.requires_grad:
             if p.tensor_kind is None:
@@ -150,39 +153,12 @@ class _Backward:
                 self.no_grad.append(p.name)
                 return t.native
             # Interface diff tensors need a gradient buffer on Vulkan/D3D12: a throwaway one.
-            sink = self._scratch(t, "sink")
+            sink = self.scratch_grads(t, "sink")
             return t.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
-        self._accumulating(t, p)
+        self.accumulating(t, p)
         if p.tensor_kind is None and p.differentiable:
             return self._vectorised_grad(p, t)
         return t.bind(True)
-
-    def struct_arg(self, p: ParamInfo, value: Any, field: str | None = None) -> Any:
-        """A struct argument: each tensor in its fields bound as a parameter of its own (a
-        differentiable field always with gradient buffers, scratch ones where none is wanted,
-        as SlangPy's cached kernel may expect them; values of its own where the call writes)."""
-        if type(value) is not Tensor:
-            key = lambda k: k if field is None else field  # noqa: E731 (top-level field name)
-            if isinstance(value, dict):
-                return {k: self.struct_arg(p, v, key(k)) for k, v in value.items()}
-            if isinstance(value, (list, tuple)) and nested_tensors(value):
-                return type(value)(self.struct_arg(p, v, field) for v in value)
-            return value
-        check_device(self.fn, value, f"parameter '{p.name}'")
-        if not value.differentiable or field in p.no_grad_fields:
-            if p.writes_value:
-                if p.reads_value:
-                    return value.copy_values().native
-                return primal_sink(self.device, value)
-            return value.native
-        if p.writes_value:
-            if p.reads_value or not value.requires_grad:
-                return self._own_primal(value, self._separate(value, p), keep=p.reads_value)
-            return self._own_primal(value, value.bind(True), keep=False)
-        if not value.requires_grad:
-            return self._separate(value, p)  # zeros read, sink written
-        self._accumulating(value, p)
-        return value.bind(True)
 
     def _vectorised_grad(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
         """Bind a vectorised input's gradient: a full-shape buffer summed after the call when
@@ -233,7 +209,7 @@ class _Backward:
         if not isinstance(value, Tensor):
             return {f"{p.name}__in": deep_bind(value), f"{p.name}__out": deep_bind(value)}
         check_device(self.fn, value, f"parameter '{p.name}'")
-        both = self._separate(value, p)
+        both = self.separate_grads(value, p)
         return {
             f"{p.name}__in": value.native.with_grads(
                 grad_in=both.grad_out, grad_out=both.grad_out, zero=False
@@ -427,7 +403,7 @@ def backward_call(
                     "pydiff.Tensor (pydiff.tensor(...)) so pydiff can bind its gradient buffers"
                 )
             else:
-                native_kwargs[p.name] = b.struct_arg(p, value)
+                native_kwargs[p.name] = bind_struct(b, p, value)
         native_args = list(native_kwargs.values())
         native_result = b.result_arg(result, result_type(fn, bound))  # generic T: its type
         if native_result is not MISSING:

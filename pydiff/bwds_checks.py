@@ -12,18 +12,20 @@ the buffers a backward kernel writes forward values into.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import slangpy as spy
 
-from .arguments import nested_tensors
+from .arguments import PLAIN, map_tensors, nested_tensors
 from .call_shape import result_type
 from .errors import warn_once
 from .host_values import element_base
 from .unrecorded import made_off_tape
-from .signature import FunctionTarget, ParamInfo
+from .signature import FunctionTarget, ParamInfo, field_at
 from .storage import allocate
+from .struct_values import field_tensors
 from .tensor import Tensor
 
 
@@ -58,27 +60,49 @@ def values_read(fn: FunctionTarget, bound: list) -> list:
     """A parameter whose values this function's latest forward call read and then overwrote
     (in place, or through another parameter or ``_result``): ``.bwds`` differentiates at the
     values the call read, kept by the forward call (``Storage.before``); without that copy,
-    refused."""
+    refused. Tensors in a struct argument's fields (nested too) alike, each by its path."""
     out = []
     for p, value in bound:
         if type(value) is Tensor and p.reads_value:
-            st = value.storage
-            kept = st.before
-            if (
-                kept is not None
-                and kept[0] == st.version
-                and st.last_writer == fn.call_label
-                and p.name in st.read_by_writer  # not a later call's read at another one
-            ):
-                if st.reread:
-                    raise ValueError(_read_again(fn, p))
-                if kept[1] is None or kept[1].shape != value.shape:
-                    raise ValueError(_overwritten(fn, p, value))
-                value = with_values_of(value, kept[1])
-            elif fn.call_label in st.written_over and p.writes_value:
-                raise ValueError(_written_over(fn, p, st.last_writer))
+            value = _value_read(fn, p, value, p.name)
+        elif p.reads_value and type(value) not in PLAIN and not p.writes_value:
+            found = field_tensors(p, value)
+            read = [
+                _value_read(fn, field_param(p, path), t, f"{p.name}.{path}") for path, t in found
+            ]
+            if any(a is not b for a, (_, b) in zip(read, found)):
+                each = iter(read)
+                value = map_tensors(value, lambda t: next(each))
         out.append((p, value))
     return out
+
+
+def field_param(p: ParamInfo, path: str) -> ParamInfo:
+    """``p`` as the errors name the struct field at ``path``: 'p.inner.a' (its type)."""
+    field = field_at(p, path)
+    type_name = field.type_name if field is not None else p.type_name
+    return dataclasses.replace(p, name=f"{p.name}.{path}", type_name=type_name)
+
+
+def _value_read(fn: FunctionTarget, p: ParamInfo, value: Tensor, key: str) -> Tensor:
+    """``value``, or its gradient buffers on the values the forward call read (see
+    ``values_read``); ``key``: the parameter, or 'p.a' for a struct field."""
+    st = value.storage
+    kept = st.before
+    if (
+        kept is not None
+        and kept[0] == st.version
+        and st.last_writer == fn.call_label
+        and key in st.read_by_writer  # not a later call's read at another one
+    ):
+        if st.reread:
+            raise ValueError(_read_again(fn, p))
+        if kept[1] is None or kept[1].shape != value.shape:
+            raise ValueError(_overwritten(fn, p, value))
+        return with_values_of(value, kept[1])
+    if fn.call_label in st.written_over and p.writes_value:
+        raise ValueError(_written_over(fn, p, st.last_writer))
+    return value
 
 
 def _written_over(fn: FunctionTarget, p: ParamInfo, writer: str) -> str:
@@ -141,12 +165,15 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
         if type(w) is not Tensor or w.grad_in is None:
             continue
         for i, (p, value) in enumerate(bound):
-            if i == j or type(value) is not Tensor or value.grad_out is None:
+            if i == j or not p.reads_value or type(value) in PLAIN:
                 continue
-            if p.reads_value and value.grad_out.storage is w.grad_in.storage:
+            for field, t in [("", value)] if type(value) is Tensor else field_tensors(p, value):
+                if t.grad_out is None or t.grad_out.storage is not w.grad_in.storage:
+                    continue
+                at = f", field '{field}'" if field else ""
                 raise ValueError(
                     f"{fn.bwds_label}: {what}'s gradient buffer is also the gradient buffer of "
-                    f"parameter '{p.name}' (the call wrote its input through {what}?): the "
+                    f"parameter '{p.name}'{at} (the call wrote its input through {what}?): the "
                     "input's gradient would be added to the upstream gradient it is computed "
                     "from. Pass the written tensor and the input with gradient buffers of their "
                     "own (x.with_grads(...))"
@@ -210,6 +237,20 @@ def refuse_stale(scope: Any, fn: FunctionTarget, bound: list) -> None:
     for p, v in bound:
         if type(v) is Tensor and p.differentiable and p.io == "in" and v.grad_out is not None:
             scope.check_stale(v, v.grad_out, f"{fn.label}: parameter '{p.name}'")
+        elif type(v) not in PLAIN and p.io == "in":
+            for path, t in field_tensors(p, v):  # (those struct_grads adds gradients into)
+                field = field_at(p, path)
+                if t.grad_out is None or field is None:
+                    continue
+                flows = p.differentiable and path.split(".")[0] not in p.no_grad_fields
+                if field.tensor_kind is None and not flows:
+                    continue
+                if field.tensor_kind is not None and not (
+                    field.diff_tensor and field.access == "read"
+                ):
+                    continue
+                where = f"{fn.label}: parameter '{p.name}', field '{path}'"
+                scope.check_stale(t, t.grad_out, where)
 
 
 def refuse_written_twice(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:

@@ -91,6 +91,13 @@ def _reasons(fn: FunctionTarget) -> list[str]:
                 f"{'RW' if p.access == 'read_write' else ''}FwdDiffTensor<N> (import pydiff;), "
                 "whose gradients are summed in fixed point"
             )
+        for path, field in _diff_tensor_fields(p.struct_fields or ()):
+            reasons.append(
+                f"field '{p.name}.{path}' is a SlangPy {field.type_name}, whose gradient is "
+                "added with float atomics at indices pydiff cannot see; pass the tensor as a "
+                "FwdDiffTensor<N> parameter of its own (import pydiff;), whose gradients are "
+                "summed in fixed point"
+            )
     source = _module_source(fn.module)
     if source is not None:
         found = lint.float_atomic_functions(source).get(fn.name)
@@ -114,3 +121,14 @@ def warn_nondeterministic(fn: FunctionTarget, extra: list[str] = ()) -> None:
             NondeterminismWarning,
             stacklevel=4,
         )
+
+
+def _diff_tensor_fields(fields: tuple, depth: int = 0) -> list[tuple[str, Any]]:
+    """(dotted path, FieldInfo) of the DiffTensor fields of a struct's fields, nested too."""
+    out = []
+    for f in fields:
+        if f.diff_tensor and f.access in ("read", "read_write"):
+            out.append((f.name, f))
+        elif f.fields and depth < 8:
+            out += [(f"{f.name}.{sub}", g) for sub, g in _diff_tensor_fields(f.fields, depth + 1)]
+    return out

@@ -33,6 +33,7 @@ from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
+from .struct_values import read_tensors
 from . import foreign, generated_calls
 from .tape import Tape, active_tape
 from .tensor import Tensor
@@ -242,20 +243,25 @@ def _count_writes(
     if not storages:
         return
     for i, (p, value) in enumerate(bound):
-        if type(value) is Tensor and p.reads_value and id(value.storage) in storages:
-            st = value.storage
-            st.read_by_writer += (p.name,)
-            if st.before is None or snapshots.get(i) is not None:
-                st.before = (st.version, snapshots.get(i))
+        if not p.reads_value or type(value) in PLAIN:
+            continue
+        for key, t, kept in read_tensors(p, value, snapshots.get(i)):
+            if id(t.storage) in storages:
+                st = t.storage
+                st.read_by_writer += (key,)
+                if st.before is None or kept is not None:
+                    st.before = (st.version, kept)
 
 
 def _mark_reread(fn: FunctionTarget, bound: list) -> None:
     """Values this function overwrote after reading them at a parameter, read again at that
     parameter by this call: an explicit ``.bwds`` could mean either call (refused there)."""
     for p, value in bound:
-        if type(value) is Tensor and value.storage.last_writer == fn.call_label:
-            if p.name in value.storage.read_by_writer:
-                value.storage.reread = True  # reset if this call writes the values again
+        if type(value) in PLAIN:
+            continue
+        for key, t, _ in read_tensors(p, value, None):
+            if t.storage.last_writer == fn.call_label and key in t.storage.read_by_writer:
+                t.storage.reread = True  # reset if this call writes the values again
 
 
 def _record(

@@ -21,12 +21,22 @@ _IO = {"inn": "in", "out": "out", "inout": "inout"}
 @dataclass(frozen=True)
 class FieldInfo:
     """One field of a struct parameter: its name and Slang type, whether it is a tensor
-    (bound as given, never converted), and its own fields when it is a struct (else None)."""
+    (bound as given, never converted), and its own fields when it is a struct (else None).
+    A tensor field's ``tensor_kind`` and ``access`` are a tensor parameter's (``ParamInfo``):
+    a ``DiffTensor`` field ("diff") gets its gradient through its own buffers, whether or
+    not the struct is IDifferentiable."""
 
     name: str
     type_name: str
     tensor: bool = False
     fields: tuple["FieldInfo", ...] | None = None
+    tensor_kind: str | None = None
+    access: str | None = None
+
+    @property
+    def diff_tensor(self) -> bool:
+        """A differentiable tensor field (``DiffTensor``, ``RWDiffTensor``, ...)."""
+        return self.tensor_kind in ("diff", "idiff")
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,7 @@ def struct_fields(t: Any, depth: int = 0) -> tuple[FieldInfo, ...] | None:
             var.type.full_name,
             getattr(var.type, "tensor_type", None) is not None,
             struct_fields(var.type, depth + 1),
+            *_tensor_info(var.type),
         )
         for name, var in (t.fields or {}).items()
     )
@@ -188,25 +199,44 @@ def _no_grad_paths(t: Any, differentiable: bool, depth: int = 0) -> tuple[str, .
     return tuple(sorted(out))
 
 
-def _tensors_wanting_grad(value: Any, where: str) -> list[str]:
+def field_at(p: ParamInfo, path: str) -> FieldInfo | None:
+    """The reflected field at dotted ``path`` ('inner.t') of struct parameter ``p``; None
+    where ``p`` is no struct or has no such field."""
+    fields = p.struct_fields
+    found = None
+    for name in path.split("."):
+        found = next((f for f in fields or () if f.name == name), None)
+        if found is None:
+            return None
+        fields = found.fields
+    return found
+
+
+def _tensors_wanting_grad(p: ParamInfo, value: Any, rel: str) -> list[str]:
     if isinstance(value, dict):
-        return [w for k, v in value.items() for w in _tensors_wanting_grad(v, f"{where}.{k}")]
+        return [w for k, v in value.items() for w in _tensors_wanting_grad(p, v, f"{rel}.{k}")]
     if isinstance(value, (list, tuple)):
-        return [w for i, v in enumerate(value) for w in _tensors_wanting_grad(v, f"{where}[{i}]")]
-    return [where] if getattr(value, "requires_grad", False) else []
+        return [w for i, v in enumerate(value) for w in _tensors_wanting_grad(p, v, f"{rel}[{i}]")]
+    if not getattr(value, "requires_grad", False):
+        return []
+    found = field_at(p, rel)
+    if found is not None and found.diff_tensor:
+        return []  # a DiffTensor field adds into its own gradient buffers (struct_grads)
+    return [f"{p.name}.{rel}"]
 
 
 def fields_without_gradient(p: ParamInfo, value: Any, path: str = "") -> list[str]:
     """The paths ('p.b', 'q.inner.a') in a struct argument (a dict, nested for nested
     structs) of tensors that require a gradient but sit in fields that get none: their
-    gradient would silently stay zero. ``path`` is the field path inside the struct."""
+    gradient would silently stay zero. ``path`` is the field path inside the struct.
+    ``DiffTensor`` fields are not among them: their gradient flows whatever the struct."""
     if not isinstance(value, dict):
         return []
     out = []
     for key, v in value.items():
         rel = f"{path}.{key}" if path else str(key)
         if rel in p.no_grad_fields:
-            out += _tensors_wanting_grad(v, f"{p.name}.{rel}")
+            out += _tensors_wanting_grad(p, v, rel)
         elif isinstance(v, dict):
             out += fields_without_gradient(p, v, rel)
     return out
@@ -296,13 +326,19 @@ def warn_struct_fields(fn: FunctionTarget, bound: list) -> None:
     """Tensors requiring gradients in struct fields that get none: say so once per site."""
     for p, value in bound:
         for where in fields_without_gradient(p, value) if p.no_grad_fields else ():
-            why = (
-                "the field is no_diff, an integer or a struct that is not IDifferentiable"
-                if p.differentiable
-                else f"{p.type_name} is not IDifferentiable"
-            )
+            if p.differentiable:
+                why = "the field is no_diff, an integer or a struct that is not IDifferentiable"
+                fix = (
+                    "Make the field a float type without no_diff (every struct holding it "
+                    "declared ': IDifferentiable')"
+                )
+            else:
+                why = f"{p.type_name} is not IDifferentiable"
+                fix = (
+                    f"Declare 'struct {p.type_name} : IDifferentiable' (and every struct it "
+                    "nests) with float fields"
+                )
             warn_once(
                 f"{fn.label}: '{where}' requires a gradient but gets none ({why}): it stays "
-                f"unchanged. Declare 'struct {p.type_name} : IDifferentiable' (and every struct "
-                "it nests) with float fields, or pass the tensor detached"
+                f"unchanged. {fix}, or pass the tensor detached"
             )

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
+from .call_shape import check_tensor_type
 from .host_values import convert
 from .signature import FieldInfo, ParamInfo
 from .tensor import Tensor
@@ -34,7 +39,20 @@ def convert_value(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
     """
     if type(value) is dict and p.struct_fields is not None:
         return _fields(label, p, p.struct_fields, value, device, "")
+    if p.struct_fields is not None and (value is None or isinstance(value, _NUMBERS)):
+        raise TypeError(
+            f"{label}: parameter '{p.name}' ({p.type_name}) is a struct, but got "
+            f"{value!r}; {_give_dict(p.struct_fields)}"
+        )
     return convert(label, p, value, device)
+
+
+_NUMBERS = (bool, int, float, complex, np.generic)
+
+
+def _give_dict(fields: tuple[FieldInfo, ...]) -> str:
+    names = sorted(f.name for f in fields)
+    return f"give a dict of its fields, {{{', '.join(f'{n!r}: ...' for n in names)}}}"
 
 
 def _struct_name(p: ParamInfo, path: str, type_name: str) -> str:
@@ -78,19 +96,60 @@ def _fields(
 
 
 def _field(label: str, p: ParamInfo, field: FieldInfo, v: Any, device: Any, path: str) -> Any:
-    if field.tensor or type(v) is Tensor:
-        return v  # (a tensor field, or a tensor of the field's type: bound as given)
+    where = f"{label}: parameter '{p.name}', field '{path}' ({field.type_name})"
+    if v is None:
+        raise TypeError(f"{where} got None; give it a value of its type")
+    if field.tensor:
+        return _tensor_field(where, field, v)
     if field.fields is not None:
         if type(v) is dict:
             return _fields(label, p, field.fields, v, device, path)
-        return v  # (a struct field given otherwise: SlangPy says what it takes)
+        if type(v) is Tensor and _same_type(v.native.dtype.full_name, field.type_name):
+            return v  # a tensor of these structs, vectorised over
+        if type(v) is tuple and len(v) == 2:
+            return v  # .fwds's (value, tangent) pair of a struct: forward_args splits it
+        got = f"a {v.dtype} tensor" if type(v) is Tensor else f"a {type(v).__name__}"
+        raise TypeError(f"{where} is a struct, but got {got}; {_give_dict(field.fields)}")
     as_param = dataclasses.replace(
         p, name=f"{p.name}.{path}", type_name=field.type_name, struct_fields=None
     )
+    if type(v) is Tensor:
+        check_tensor_type(SimpleNamespace(label=label), as_param, v)
+        return v  # (a tensor of the field's type: bound as given)
     if type(v) is tuple and len(v) == 2:  # .fwds's (value, tangent) pair: both converted
         pair = tuple(u if type(u) is Tensor else convert(label, as_param, u, device) for u in v)
         return v if all(a is b for a, b in zip(pair, v)) else pair
     return convert(label, as_param, v, device)
+
+
+_TENSOR_TYPE = re.compile(r"Tensor<\s*([\w:]+)\s*,\s*(\d+)\s*>$")
+
+
+def _same_type(a: str, b: str) -> bool:
+    return a.replace(" ", "") == b.replace(" ", "")
+
+
+def _tensor_field(where: str, field: FieldInfo, v: Any) -> Any:
+    """A tensor field (``DiffTensor<float, 1>``...) takes a pydiff tensor of its element
+    type and number of dimensions; Slang's compiler would report anything else (E30047)."""
+    found = _TENSOR_TYPE.search(field.type_name)
+    if type(v) is not Tensor:
+        if type(v).__name__ == "Tensor" or found is None:
+            return v  # (a raw SlangPy tensor: .bwds names it; a type pydiff cannot read)
+        raise TypeError(
+            f"{where} is a tensor field, but got a {type(v).__name__}; give a pydiff tensor "
+            f"of {found.group(1)} with {found.group(2)} dimension(s) (pydiff.tensor(...))"
+        )
+    if found is None:
+        return v
+    element, dims = found.group(1), int(found.group(2))
+    if not _same_type(v.native.dtype.full_name, element) or len(v.shape) != dims:
+        raise TypeError(
+            f"{where} takes a tensor of {element} with {dims} dimension(s), but got dtype "
+            f"{v.dtype} and shape {v.shape}; convert it first (pydiff.tensor(x.numpy()"
+            f".astype(...)) or .astype({element!r})) or reshape it"
+        )
+    return v
 
 
 def _field_type(p: ParamInfo, path: str) -> str:
@@ -100,3 +159,41 @@ def _field_type(p: ParamInfo, path: str) -> str:
         found = next(f for f in fields or () if f.name == name)
         fields, type_name = found.fields, found.type_name
     return type_name
+
+
+def field_tensors(p: ParamInfo, value: Any, path: str = "") -> list[tuple[str, Tensor]]:
+    """The pydiff tensors in a struct argument (a dict, nested for nested structs) with the
+    dotted path of the field each sits in ('a', 'inner.t'; a list's elements share its
+    field's path), in the order ``arguments.nested_tensors`` finds them.
+
+    >>> field_tensors(p, {"a": a, "inner": {"t": t}, "s": 2.0})
+    [('a', a), ('inner.t', t)]
+    """
+    if type(value) is Tensor:
+        return [(path, value)] if path else []
+    if isinstance(value, dict):
+        return [
+            found
+            for key, v in value.items()
+            for found in field_tensors(p, v, f"{path}.{key}" if path else str(key))
+        ]
+    if isinstance(value, (list, tuple)) and path:
+        return [found for v in value for found in field_tensors(p, v, path)]
+    return []
+
+
+def read_tensors(p: ParamInfo, value: Any, kept: Any) -> list[tuple[str, Tensor, Any]]:
+    """The tensors an argument read gives: itself as ``(p.name, value, kept)``, or each one in
+    a struct's fields as ``('p.inner.a', tensor, its copy in kept)``; ``kept`` is the copy
+    the forward call took before it overwrote them (the argument's shape), or None.
+
+    >>> read_tensors(p, {"a": a, "b": 0.0}, None)
+    [('p.a', a, None)]
+    """
+    if type(value) is Tensor:
+        return [(p.name, value, kept)]
+    found = field_tensors(p, value)
+    copies = [t for _, t in field_tensors(p, kept)] if kept is not None else []
+    if len(copies) != len(found):
+        copies = [None] * len(found)
+    return [(f"{p.name}.{path}", t, c) for (path, t), c in zip(found, copies)]
