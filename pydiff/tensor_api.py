@@ -22,7 +22,7 @@ from . import capturing, numpy_functions, ops, tensor_methods
 from .creation import empty, ones, tensor as make_tensor
 from .function import Function
 from .lost_derivative import refuse_lost_copy
-from .storage import dtype_name, element_shape
+from .storage import UPLOAD_NUMPY, dtype_name, element_shape
 from .tape import active_tape
 from .tensor import Tensor
 
@@ -272,12 +272,42 @@ def clone(x: Tensor) -> Tensor:
     return x.copy_values()
 
 
+def _struct_dtype(layout: Any) -> np.dtype | None:
+    """The NumPy structured dtype of a Slang struct's buffer layout (scalar and struct
+    fields); None when a field has no NumPy scalar (vectors, arrays)."""
+    names, formats, offsets = [], [], []
+    for f in layout.fields:
+        t = f.type_layout
+        fmt = UPLOAD_NUMPY.get(t.type.full_name) or (_struct_dtype(t) if t.fields else None)
+        if fmt is None:
+            return None
+        names.append(f.name)
+        formats.append(fmt)
+        offsets.append(f.offset)
+    itemsize = max(int(layout.stride), int(layout.size))
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+
+
+def _struct_values(raw: np.ndarray, layout: Any, name: str) -> np.ndarray | str:
+    """A struct tensor's values (SlangPy reads them as bytes) as a NumPy record array, or,
+    where the struct has fields NumPy cannot name, what they are."""
+    dtype = _struct_dtype(layout)
+    if dtype is None or raw.shape[-1:] != (dtype.itemsize,):
+        return f"<{name} values: {raw.shape[-1] if raw.ndim else 0} bytes each>"
+    return np.ascontiguousarray(raw).view(dtype).reshape(raw.shape[:-1])
+
+
 def values_text(x: Tensor) -> str:
     """The values for ``repr`` (NumPy's summary of large arrays)."""
     if capturing.recording() is not None:
         return "<values: inside a capture>"
     try:
         values = x.numpy()
+        layout = x.native.dtype.buffer_layout.reflection if values.dtype == np.uint8 else None
+        if layout is not None and layout.fields and x.scalar_type != "uint8_t":
+            values = _struct_values(values, layout, x.dtype)  # (SlangPy gives raw bytes)
+            if type(values) is str:
+                return values
     except Exception as exc:  # a repr must not raise
         return f"<values unavailable: {type(exc).__name__}>"
     return np.array2string(
