@@ -347,6 +347,8 @@ def affected_functions(
         for fn in _differentiable_functions(_strip_comments(text)):
             bodies[fn.name] = bodies.get(fn.name, "") + fn.body  # overloads: merged
     result = {name: list(own.get(name, [])) for name in bodies}
+    for name, fs in own.items():  # not differentiable (a hand-written backward's): callers too
+        result.setdefault(name, list(fs))
     changed = True
     while changed:
         changed = False
@@ -359,8 +361,6 @@ def affected_functions(
                         if f not in result[name]:
                             result[name].append(f)
                             changed = True
-    for name, fs in own.items():  # not differentiable, but refused all the same
-        result.setdefault(name, fs)
     return {k: v for k, v in result.items() if v}
 
 

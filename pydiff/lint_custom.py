@@ -1,5 +1,8 @@
 """Trap scan of hand-written backward derivatives: a ``[BackwardDerivative(bw)]`` of a
-function with an ``inout`` parameter whose ``bw`` reads that parameter's primal (``v.p``).
+function with an ``inout`` parameter whose ``bw`` reads that parameter's primal (``v.p``),
+and a ``bw`` that never sets the derivative of one of its ``inout DifferentialPair``
+parameters (``UNSET_KIND``: that gradient is then undefined, NaN through SlangPy's kernels
+and 0 through pydiff's generated ones, so the function's ``.bwds`` is refused).
 
 Called directly (``f.bwds``), pydiff runs such a backward through a wrapper that calls it
 without Slang's autodiff (``custom_backward``), and it is right. Called from *another*
@@ -18,6 +21,7 @@ from .lint import Finding
 from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
+UNSET_KIND = "custom-bwd-unset-derivative"
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
@@ -77,10 +81,8 @@ def _name_after(src: str, end: int) -> str | None:
 def _crashing(src: str, defs: dict) -> dict[str, str]:
     """Functions whose hand-written backward reads an inout parameter's primal: name -> the
     parameter."""
-    pairs = [(_name_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
-    pairs += [(m.group(1), _name_after(src, m.end())) for m in _BWD_OF.finditer(src)]
     found: dict[str, str] = {}
-    for f, bw in pairs:
+    for f, bw in _pairs(src):
         if not f or not bw or f not in defs or bw not in defs:
             continue
         for _, params, _, _ in defs[f]:
@@ -99,6 +101,49 @@ def _crashing(src: str, defs: dict) -> dict[str, str]:
     return found
 
 
+def _pairs(src: str) -> list[tuple[str | None, str | None]]:
+    """(function, its hand-written backward) of every BackwardDerivative(Of) attribute."""
+    pairs = [(_name_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
+    return pairs + [(m.group(1), _name_after(src, m.end())) for m in _BWD_OF.finditer(src)]
+
+
+def _sets(body: str, name: str) -> bool:
+    """Whether ``body`` assigns the pair ``name`` (``name = diffPair(...)``, ``name.d = ``)
+    or hands it whole to a call that may (``helper(name, ...)``, ``bwd_diff(g)(name, d)``)."""
+    n = re.escape(name)
+    return bool(
+        re.search(rf"\b{n}\s*(\.\s*d\s*)?=(?!=)", body) or re.search(rf"[(,]\s*{n}\s*[,)]", body)
+    )
+
+
+def _unset_derivatives(src: str, defs: dict, file: str) -> list[Finding]:
+    """Hand-written backwards leaving an inout DifferentialPair's derivative unset."""
+    findings = []
+    for f, bw in _pairs(src):
+        if not f or not bw or bw not in defs:
+            continue
+        for at, params, body, _ in defs[bw]:
+            for p in params:
+                words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
+                if (
+                    "inout" not in words
+                    or "DifferentialPair" not in words
+                    or _sets(body, words[-1])
+                ):
+                    continue
+                name = words[-1]
+                message = (
+                    f"its hand-written backward {bw}() never sets the derivative of '{name}' "
+                    f"(no '{name} = diffPair({name}.p, ...)'): that gradient would be undefined "
+                    "(NaN through SlangPy's kernels, 0 through pydiff's generated ones); set it, "
+                    f"to diffPair({name}.p, 0.0) where {f}() does not depend on it, or mark the "
+                    "parameter no_diff"
+                )
+                line = src.count("\n", 0, at) + 1
+                findings.append(Finding(file, line, f, UNSET_KIND, message))
+    return findings
+
+
 def inout_primal_reads(source: str) -> dict[str, str]:
     """Functions whose hand-written backward reads an inout parameter's primal: name -> the
     parameter (``custom_backward`` must then not fall back to Slang's autodiff of a call)."""
@@ -108,13 +153,14 @@ def inout_primal_reads(source: str) -> dict[str, str]:
 
 def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     """Calls, from differentiable functions, of a function whose hand-written backward
-    reads an inout parameter's primal (the caller's ``.bwds`` would crash the process)."""
+    reads an inout parameter's primal (the caller's ``.bwds`` would crash the process), and
+    functions whose hand-written backward leaves a derivative unset."""
     src = _blank_comments(source)
     defs = _definitions(src)
+    findings = _unset_derivatives(src, defs, file)
     crashing = _crashing(src, defs)
     if not crashing:
-        return []
-    findings = []
+        return findings
     for m in _DIFF.finditer(src):
         caller = _name_after(src, m.end())
         if caller is None or caller not in defs:
