@@ -61,7 +61,14 @@ class ShaderTangent(Function):
     @staticmethod
     def backward(ctx: FunctionCtx, g: Tensor) -> tuple:
         fn, args, per_arg, y = ctx.fn, ctx.call, ctx.per_arg, ctx.y
-        d = dir_wrapper(fn, args)  # refuses what the compiler cannot differentiate twice
+        # a struct, array or number given no direction: a zero one of its own type in the
+        # wrapper (a struct's tangent type may lack its integer fields)
+        fixed = frozenset(
+            p.name
+            for p, a, u in zip(fn.params, args, per_arg)
+            if p.differentiable and u is None and not isinstance(a, Tensor)
+        )
+        d = dir_wrapper(fn, args, fixed)  # refuses what the compiler cannot differentiate twice
         call, leaves, plain, gx = [], [], [], []
         for p, a, u in zip(fn.params, args, per_arg):
             tensor = isinstance(a, Tensor)
@@ -72,7 +79,7 @@ class ShaderTangent(Function):
             call.append(leaves[-1])
             if tensor:
                 gx.append(leaves[-1] if wants else None)
-            if p.differentiable:
+            if p.differentiable and p.name not in fixed:
                 zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
                 call.append(u.detach() if u is not None else zero)
         with suspend_recording(), zero_policy("accumulate"):
