@@ -150,3 +150,31 @@ def test_hvp_with_other_constant_arguments(device, m, name, call, scale):
     f = lambda x: ops.sum(call(m, x))  # noqa: E731
     (hu,) = pydiff.hvp(f, (pydiff.tensor(X, device=device),), (U,))
     np.testing.assert_allclose(hu.numpy(), -scale * np.sin(X) * U, rtol=1e-5, atol=1e-6)
+
+
+# --- 4. a struct field that needs a gradient under second order ------------------------------
+
+
+def test_hvp_refuses_a_struct_field_needing_a_gradient_by_the_users_names(device, m):
+    w = pydiff.tensor([1.5, -0.5, 2.0], device=device, requires_grad=True)
+    f = lambda x: ops.sum(m.g({"a": w, "b": 0.3}, x, _result="tensor"))  # noqa: E731
+    x = pydiff.tensor(X, device=device)
+    with pytest.raises(NotImplementedError) as hvp_error:
+        pydiff.hvp(f, (x,), (U,))
+    text = str(hvp_error.value)
+    assert "s29_nestfix.g" in text and "parameter 'p'" in text and "p['a']" in text
+    assert "ShaderTangent" not in text and "forward(ctx" not in text
+    # nested: the path of the field; jvp on a tape refuses it the same way
+    q = {"p": {"a": w, "b": 0.0}, "v": spy.float3(1, 2, 3)}
+    with pytest.raises(NotImplementedError, match=r"parameter 'q' .*\(q\['p'\]\['a'\]\)"):
+        with pydiff.Tape():
+            pydiff.jvp(lambda x: ops.sum(m.g_nested(q, x, _result="tensor")), (x,), (U,))
+    assert w.grad is None or not np.any(w.grad.numpy())
+
+
+def test_the_detached_field_the_message_offers_gives_the_closed_form(device, m):
+    a64 = np.array([1.5, -0.5, 2.0])
+    w = pydiff.tensor(a64, device=device, requires_grad=True)
+    f = lambda x: ops.sum(m.g({"a": w.detach(), "b": 0.3}, x, _result="tensor"))  # noqa: E731
+    (hu,) = pydiff.hvp(f, (pydiff.tensor(X, device=device),), (U,))
+    np.testing.assert_allclose(hu.numpy(), _hu_const(a64, 0.3), rtol=1e-5, atol=1e-6)
