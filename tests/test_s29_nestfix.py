@@ -178,3 +178,59 @@ def test_the_detached_field_the_message_offers_gives_the_closed_form(device, m):
     f = lambda x: ops.sum(m.g({"a": w.detach(), "b": 0.3}, x, _result="tensor"))  # noqa: E731
     (hu,) = pydiff.hvp(f, (pydiff.tensor(X, device=device),), (U,))
     np.testing.assert_allclose(hu.numpy(), _hu_const(a64, 0.3), rtol=1e-5, atol=1e-6)
+
+
+# --- 3. `pydiff check` tests the forward derivative of struct functions ----------------------
+
+CHECK_SOURCE = """
+struct P : IDifferentiable { float a; float b; };
+struct Inner : IDifferentiable { float a; float2 v; };
+struct Held : IDifferentiable { Inner inner; no_diff float k; int n; };
+// wrong: d/dx is 2 a x; this says 3 a x
+[Differentiable] [ForwardDerivative(gf_fwd)] float gf(P q, float x) { return q.a * x * x + q.b; }
+DifferentialPair<float> gf_fwd(DifferentialPair<P> q, DifferentialPair<float> x) {
+  return diffPair(q.p.a * x.p * x.p + q.p.b, q.d.a * x.p * x.p + q.d.b + 3.0 * q.p.a * x.p * x.d);
+}
+[Differentiable] float good(P q, float x) { return q.a * x * x + q.b * q.b; }
+// a no_diff field and an int field are held fixed: no row, no false FAIL
+[Differentiable] float held(Held h, float x) {
+  return h.inner.a * x * x + h.inner.v.x * h.inner.v.y * x + h.k * float(h.n);
+}
+"""
+
+
+@pytest.fixture
+def check_rows(device, tmp_path):
+    from pydiff.modcheck import check_module
+
+    path = tmp_path / "s29_check_struct.slang"
+    path.write_text(CHECK_SOURCE)
+    rows = check_module(path, device=device)
+    return {(r.function, r.parameter, r.mode): r for r in rows}
+
+
+def test_check_fails_a_wrong_forward_derivative_of_a_struct_function(check_rows):
+    assert check_rows[("gf", "(all)", "forward")].status == "FAIL"
+    # the backward derivative (Slang's, from the primal) is right
+    assert check_rows[("gf", "q.a", "backward")].status == "PASS"
+    assert check_rows[("gf", "x", "backward")].status == "PASS"
+
+
+def test_check_passes_correct_struct_functions_forward_too(check_rows):
+    for fn in ("good", "held"):
+        status = {(p, mode): r.status for (f, p, mode), r in check_rows.items() if f == fn}
+        assert status[("(all)", "forward")] == "PASS", status
+        assert status[("(all)", "adjoint")] == "PASS", status
+        assert all(s == "PASS" for s in status.values()), status
+    held = {p for (f, p, mode) in check_rows if f == "held" and mode == "backward"}
+    assert held == {"h.inner.a", "h.inner.v", "x"}  # h.k (no_diff) and h.n (int) held fixed
+
+
+def test_the_cli_exits_nonzero_on_a_wrong_struct_forward_derivative(device, tmp_path):
+    from test_cli import pydiff_cli
+
+    path = tmp_path / "s29_check_struct.slang"
+    path.write_text(CHECK_SOURCE)
+    out = pydiff_cli("check", str(path), "--function", "gf", device=device)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "forward" in out.stdout and "FAIL" in out.stdout
