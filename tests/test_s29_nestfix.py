@@ -234,3 +234,25 @@ def test_the_cli_exits_nonzero_on_a_wrong_struct_forward_derivative(device, tmp_
     out = pydiff_cli("check", str(path), "--function", "gf", device=device)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "forward" in out.stdout and "FAIL" in out.stdout
+
+
+# --- 6. zero-size tensors: refused naming the function ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "what, make",
+    [
+        ("pydiff.tensor", lambda d: pydiff.tensor(np.zeros(0), device=d)),
+        ("pydiff.tensor", lambda d: pydiff.tensor([], device=d)),
+        ("pydiff.tensor", lambda d: pydiff.tensor(np.zeros((2, 0)), device=d)),
+        ("pydiff.tensor", lambda d: pydiff.tensor(np.zeros((0, 3)), dtype="float3", device=d)),
+        ("pydiff.zeros", lambda d: pydiff.zeros((0,), device=d)),
+        ("pydiff.empty", lambda d: pydiff.empty((3, 0), dtype="int", device=d)),
+    ],
+)
+def test_zero_size_tensors_are_refused_naming_the_function(device, what, make):
+    with pytest.raises(ValueError) as refused:
+        make(device)
+    text = str(refused.value)
+    assert text.startswith(what + ":") or text.startswith(what + " "), text
+    assert "0" in text and "no zero-size tensors" in text and "skip the call" in text
