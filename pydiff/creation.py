@@ -26,6 +26,13 @@ from .storage import (
 from .tensor import Tensor
 
 
+#: why a dimension of 0 is refused, and what to do instead
+ZERO_SIZE = (
+    "pydiff has no zero-size tensors (every dimension must be at least 1): skip the call "
+    "when there is nothing to compute"
+)
+
+
 def tensor(
     data: Any,
     dtype: Any = None,
@@ -75,6 +82,8 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
             f"dimension(s) must be {elem}"
         )
     shape = arr.shape[: arr.ndim - len(elem)] if elem else arr.shape  # () for a scalar: 0-d
+    if 0 in arr.shape:
+        raise ValueError(f"{where} has shape {arr.shape}, with no elements; {ZERO_SIZE}")
     out = empty(shape, dtype=name, device=dev)
     kind = out.scalar_type
     arr = host_cast(arr, upload_numpy_type(out.native, kind), where, kind == "bool")
@@ -104,7 +113,11 @@ def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) ->
         # The ops' fast path: the size is checked there (once per shape).
         out = Tensor(allocate(dev, shape, "float", what=f"{what}(dtype='float')"), dev)
     else:
-        shape, name = shape_tuple(shape), dtype_name(dtype)
+        try:
+            shape = shape_tuple(shape)
+        except ValueError as exc:  # a zero or negative dimension
+            raise ValueError(f"{what}: {exc}; {ZERO_SIZE}") from None
+        name = dtype_name(dtype)
         refl = dev.dtype(name)
         # Gradient buffers as well: as many bytes again per buffer, checked here up front.
         check_size(f"{what}(dtype={name!r})", dev.type, shape, int(refl.buffer_layout.stride))

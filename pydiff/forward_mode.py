@@ -343,10 +343,14 @@ class ForwardFunction:
         return f"<pydiff fwds of {self._fn!r}>"
 
 
-def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingFunction:
+def dir_wrapper(
+    fn: GeneratingFunction, args: Sequence[Any] = (), fixed: frozenset[str] = frozenset()
+) -> GeneratingFunction:
     """``[Differentiable] float f__pydiff_dir(x, no_diff v, ...) = fwd_diff(f)(x; v).d``:
     the directional derivative, whose reverse-mode gradient w.r.t. x is H v. ``args`` (the
-    call's arguments, by position) specialise a generic function, as ``fn.fwds`` does."""
+    call's arguments, by position) specialise a generic function, as ``fn.fwds`` does. The
+    differentiable parameters named in ``fixed`` take no direction (a zero one, ``dzero()``,
+    of their own type: a struct's tangent type need not be the struct)."""
     need_differentiable(fn, "hvp")
     types = generic_types(fn, list(zip(fn.params, args)), f"hvp of {fn.label}")
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
@@ -359,7 +363,7 @@ def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingF
         raise TypeError(
             f"hvp: {fn.label} returns {ret}{generic}; hvp needs a scalar (float) result"
         )
-    params, call_args = [], []
+    params, call_args, aliases = [], [], []
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
@@ -372,14 +376,24 @@ def dir_wrapper(fn: GeneratingFunction, args: Sequence[Any] = ()) -> GeneratingF
         if p.differentiable and p.io != "in":
             raise TypeError(f"hvp: parameter '{n}' of {fn.label} is {p.io}; hvp needs inputs only")
         if p.differentiable:
-            params += [f"{t} {n}", f"no_diff {t} {n}__v"]
-            call_args.append(f"diffPair({n}, {n}__v)")
+            named = t
+            if "[" in t:  # Slang parses no member of an array type written inline (float[3])
+                aliases.append(f"typealias {fn.name}__pydiff_{n}_type = {t};\n")
+                named = f"{fn.name}__pydiff_{n}_type"
+            params.append(f"{t} {n}")
+            if n in fixed:
+                call_args.append(f"diffPair({n}, {named}.dzero())")
+            else:
+                params.append(f"no_diff {named}.Differential {n}__v")
+                call_args.append(f"diffPair({n}, {n}__v)")
         else:
             params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
             call_args.append(n)
     kind = "dir" + "".join("_" + re.sub(r"\W+", "_", types[k]).strip("_") for k in sorted(types))
+    kind += "".join(f"_fixed_{n}" for n in sorted(fixed))
     source = (
         wrapper_header(fn)
+        + "".join(aliases)
         + f"[Differentiable]\n{ret} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n"
         f"    return fwd_diff({fn.name})({', '.join(call_args)}).d;\n}}\n"
     )

@@ -61,7 +61,14 @@ class ShaderTangent(Function):
     @staticmethod
     def backward(ctx: FunctionCtx, g: Tensor) -> tuple:
         fn, args, per_arg, y = ctx.fn, ctx.call, ctx.per_arg, ctx.y
-        d = dir_wrapper(fn, args)  # refuses what the compiler cannot differentiate twice
+        # a struct, array or number given no direction: a zero one of its own type in the
+        # wrapper (a struct's tangent type may lack its integer fields)
+        fixed = frozenset(
+            p.name
+            for p, a, u in zip(fn.params, args, per_arg)
+            if p.differentiable and u is None and not isinstance(a, Tensor)
+        )
+        d = dir_wrapper(fn, args, fixed)  # refuses what the compiler cannot differentiate twice
         call, leaves, plain, gx = [], [], [], []
         for p, a, u in zip(fn.params, args, per_arg):
             tensor = isinstance(a, Tensor)
@@ -72,7 +79,7 @@ class ShaderTangent(Function):
             call.append(leaves[-1])
             if tensor:
                 gx.append(leaves[-1] if wants else None)
-            if p.differentiable:
+            if p.differentiable and p.name not in fixed:
                 zero = zeros(a.shape, dtype=a.dtype, device=a.device) if tensor else 0.0
                 call.append(u.detach() if u is not None else zero)
         with suspend_recording(), zero_policy("accumulate"):
@@ -82,6 +89,34 @@ class ShaderTangent(Function):
             fn.bwds(*plain, _result=seed)  # d<g, J u>/du = J^T g
         gu = [x.grad for x, u in zip(plain, per_arg) if u is not None]
         return tuple(None if x is None else x.grad for x in gx) + tuple(gu)
+
+
+def _fields_needing_grad(value: Any, path: str = "") -> list[str]:
+    """Where tensors that require a gradient sit inside a struct (dict) or list argument
+    (``['a']['b']``, ``[1]``)."""
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return [path] if path and isinstance(value, Tensor) and value.requires_grad else []
+    return [found for at, v in items for found in _fields_needing_grad(v, at)]
+
+
+def _refuse_nested_grad(fn: Any, param: int | str, value: Any) -> None:
+    """Reverse over forward (hvp, hessian, jvp on a tape) gives gradients to the arguments of
+    a shader call, not to the tensors inside its struct or list arguments: refused by name."""
+    found = _fields_needing_grad(value)
+    if found:
+        name = fn.params[param].name if isinstance(param, int) else param
+        fields = ", ".join(f"{name}{at}" for at in found)
+        raise NotImplementedError(
+            f"{fn.label}: parameter '{name}' holds a tensor that requires a gradient inside a "
+            f"struct (dict) or list argument ({fields}) while a tape records (hvp, hessian, or "
+            "jvp inside a 'with pydiff.Tape()' block): reverse over forward through a shader "
+            "call cannot give it one. Make that value a parameter of its own (a float, vector "
+            "or array), or pass it detached (t.detach()) to hold it fixed"
+        )
 
 
 def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -133,6 +168,8 @@ def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
                     "call cannot follow it there. Make that value a parameter of its own (a "
                     "float, vector or array), or run jvp / jacfwd / jacrev outside the tape"
                 )
+        for k, v in enumerate(values):
+            _refuse_nested_grad(fn, names[k - len(args)] if k >= len(args) else k, v)
         if names:
             raise NotImplementedError(
                 f"{fn.label}: inside hvp/hessian (reverse over forward through a shader call) "

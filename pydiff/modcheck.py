@@ -215,13 +215,6 @@ def _forward_row(
     layout: Layout, device, values, u, d1, d2, valid, points, atol, rtol, finite
 ) -> CheckResult:
     fn = layout.fn
-    structs = [p.name for p in fn.params if any(leaf.path for leaf in layout.leaves[p.name])]
-    if structs:
-        why = (
-            f"forward mode: .fwds takes no struct arguments ({', '.join(structs)}; checked by "
-            "backward and adjoint)"
-        )
-        return CheckResult(fn.name, "(all)", "forward", "SKIPPED", why=why)
     args, made = layout.arguments(values, points, device)
     for key, direction in u.items():
         made[key].with_tangent(direction)

@@ -18,7 +18,7 @@ never leaks into the next.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -97,6 +97,11 @@ class Layout:
             got = _leaves(fn, p.type_name, p.name, (), diff, depth=0)
             if isinstance(got, str):
                 return f"parameter '{p.name}' ({p.type_name}): {got}"
+            # no_diff fields of an IDifferentiable struct get no derivative: held fixed
+            got = [
+                replace(leaf, differentiable=False) if _under(leaf.path, p.no_grad_fields) else leaf
+                for leaf in got
+            ]
             if p.io != "in" and any(leaf.path or leaf.is_int for leaf in got):
                 return (
                     f"{p.io} parameter '{p.name}' has type {p.type_name}: only float scalars, "
@@ -182,6 +187,12 @@ class Layout:
     def outputs(self) -> list[Leaf]:
         """What a call gives, besides its result: out and inout parameters, in order."""
         return [self.leaves[p.name][0] for p in self.fn.params if p.io != "in"]
+
+
+def _under(path: tuple[str, ...], fields: tuple[str, ...]) -> bool:
+    """Whether a field path lies in (or is) one of the dotted ``fields``."""
+    dotted = ".".join(path)
+    return bool(path) and any(dotted == f or dotted.startswith(f + ".") for f in fields)
 
 
 def _put(tree: dict, path: tuple[str, ...], value: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
-from . import forward_trace
+from . import foreign, forward_trace
 from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
@@ -118,7 +118,8 @@ def vjp(
     with its outputs (a tuple for several; None: zero). Gradients come back for tensor
     primals in fresh buffers (the primals' own are untouched), for floats and float arrays
     as numbers and arrays (of a module function: at differentiable parameters), None for the
-    rest (ints, int tensors, other values). No other tensor's ``.grad`` changes (a model's
+    rest (ints, int tensors, other values); a struct (dict) or torch tensor primal raises a
+    TypeError (its gradients would be lost). No other tensor's ``.grad`` changes (a model's
     parameters the function closes over keep theirs).
     >>> y, (gx, gs) = pydiff.vjp(m.f, (x, 2.0), np.ones(x.shape))
     """
@@ -131,6 +132,7 @@ def vjp(
     params = _shader_function(fn, "vjp", primals).params if shader else None
     inputs, leaves = [], []
     for k, x in enumerate(primals):
+        _refuse_vjp_primal(x, k, params, fn)
         leaf = None
         if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
             leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
@@ -170,6 +172,37 @@ def vjp(
         for x, leaf in zip(primals, leaves)
     )
     return out, grads
+
+
+def _refuse_vjp_primal(x: Any, k: int, params: Any, fn: Any) -> None:
+    """A struct (dict) or another framework's tensor as a vjp primal: refused (as ``grad``
+    refuses it), for the gradients of what it holds would be lost and None returned."""
+    kind = "struct (dict)" if _holds_dict(x) else None
+    if kind is None and foreign.framework(x) is not None:
+        kind = f"{foreign.framework(x)} tensor"
+    if kind is None:
+        return
+    label = getattr(fn, "label", "fn")
+    name = f" ('{params[k].name}' of {label})" if params and k < len(params) else ""
+    how = (
+        "pass the tensors and numbers inside as primals of their own (vjp(lambda a: "
+        "m.f({'a': a, 'b': 1.0}, x), (a,), ...)), or close over the dict to hold it fixed"
+        if kind.startswith("struct")
+        else foreign.advice(x) or "convert it to a pydiff tensor"
+    )
+    raise TypeError(
+        f"vjp: primal {k}{name} {'holds' if isinstance(x, (list, tuple)) else 'is'} a "
+        f"{kind}; vjp differentiates with respect to pydiff "
+        f"tensors, NumPy arrays, lists and numbers, so the gradient of what it holds would be "
+        f"lost: {how}"
+    )
+
+
+def _holds_dict(x: Any) -> bool:
+    """A dict, or a list/tuple with one inside (an array of structs)."""
+    if isinstance(x, (list, tuple)):
+        return any(_holds_dict(v) for v in x)
+    return isinstance(x, dict)
 
 
 def _single(cotangents: Any, out: Any) -> Any:
