@@ -90,6 +90,14 @@ def kernel_compile_error(label: str, file: str, text: str) -> SlangCompileError:
             "\nHint: a [ForceUnroll] loop must have a trip count Slang can tell at compile "
             "time (for (int k = 0; k < 4; k++)); drop [ForceUnroll] or bound the loop."
         )
+    elif "defaultConstruct" in text and "spirv-emit" in text:
+        text += (
+            "\nHint: Slang 0.43 cannot build the backward of a loop with [MaxIters(n)] above "
+            "about 4094 that loads from a FwdDiffTensor (measured: 3000 builds, 4095 does "
+            "not); split it into nested loops of at most 64 iterations each "
+            "([MaxIters(64)] for (c ...) { [MaxIters(64)] for (j ...) { k = c * 64 + j; "
+            "if (k < n) ... } }), see docs/traps.md."
+        )
     elif "internal compiler error" in text:
         text += (
             "\nHint: Slang cannot build the derivative of the expression marked (a float '%' "
