@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 _active_scope: contextvars.ContextVar["BackwardScope | None"] = contextvars.ContextVar(
     "pydiff_backward_scope", default=None
 )
+#: The buffers an outer pass already applied the policy to (``shared_pass``), if any.
+_pass_seen: contextvars.ContextVar["set[int] | None"] = contextvars.ContextVar(
+    "pydiff_pass_seen", default=None
+)
 
 
 def active_scope() -> "BackwardScope | None":
@@ -43,7 +47,8 @@ class BackwardScope:
     def __init__(self, label: str, device: "Device | None" = None):
         self.label = label
         self.device = device
-        self._seen: set[int] = set()
+        seen = _pass_seen.get()  # inside a shared pass: the buffers it already applied to
+        self._seen: set[int] = set() if seen is None else seen
         self._written: list["Tensor"] = []
         self._on_finish: list[Callable[[], None]] = []  # checks that read results back
 
@@ -140,13 +145,37 @@ class separate_backward:
             vjp_tape.backward(out, grad=lam)
     """
 
-    __slots__ = ("_token",)
+    __slots__ = ("_token", "_pass_token")
 
     def __enter__(self) -> None:
         self._token = _active_scope.set(None)
+        self._pass_token = _pass_seen.set(None)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _pass_seen.reset(self._pass_token)
         _active_scope.reset(self._token)
+
+
+class shared_pass:
+    """Run top-level backwards that belong to one larger pass (one torch ``backward()``
+    reaching several pydiff calls, each a tape backward of its own): the zeroing policy acts
+    once per gradient buffer for the whole pass, as inside one tape backward. ``seen`` is
+    the pass's set of buffers already reset or checked, the same object for each of them.
+
+        with shared_pass(seen):
+            tape.backward(out, grad=g)     # RESET zeroes w.grad only if no earlier one did
+    """
+
+    __slots__ = ("seen", "_token")
+
+    def __init__(self, seen: set[int]):
+        self.seen = seen
+
+    def __enter__(self) -> None:
+        self._token = _pass_seen.set(self.seen)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _pass_seen.reset(self._token)
 
 
 class backward_scope:

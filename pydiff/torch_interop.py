@@ -27,6 +27,7 @@ from .grad_transforms import on_tape
 from .host_values import to_float32
 from .tape import Tape, active_tape
 from .tensor import Tensor
+from .torch_passes import torch_pass
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
 FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
@@ -308,9 +309,11 @@ def _bridge() -> Any:
             ]
             for leaf in leaves:  # each backward hands torch this backward's gradient only
                 leaf.zero_grad()
-            for out, grad in zip(ctx.outputs, grads):
-                if grad is not None and out.requires_grad and out.producer is ctx.tape:
-                    ctx.tape.backward(out, grad=_seed(grad.detach(), out))
+            # The zeroing policy acts once per torch pass, not once per pydiff node in it.
+            with torch_pass():
+                for out, grad in zip(ctx.outputs, grads):
+                    if grad is not None and out.requires_grad and out.producer is ctx.tape:
+                        ctx.tape.backward(out, grad=_seed(grad.detach(), out))
             result = [None, None, None]  # (fn, kwargs, the anchor)
             for value, torch_made, where in zip(ctx.inputs, ctx.from_torch, ctx.torch_devices):
                 wanted = torch_made and isinstance(value, Tensor) and value.requires_grad
