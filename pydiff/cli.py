@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from .device_names import TYPES, normalise_type
 from .errors import DeviceUnavailableError, EnvironmentSettingError, SlangCompileError
+from .file_argument import existing_file
 from .modcheck import MAX_POINTS
 
 
@@ -68,6 +69,13 @@ def _device_type(text: str) -> str:
 def _check(args: argparse.Namespace) -> int:
     from .modcheck import check_module, format_table
 
+    try:  # a path to a file, read first: never a name found on the shader search path
+        existing_file(args.file, "pydiff check")
+    except OSError as exc:
+        print(exc, file=sys.stderr)
+        if args.json:
+            print(json.dumps(_check_error(str(exc), args.file), indent=2))
+        return 2
     progress = None
     if not args.json and sys.stderr.isatty():
 

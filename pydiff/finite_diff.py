@@ -10,6 +10,7 @@ test analytic derivatives (AD) against central differences (FD) with these piece
     excess / worst_excess / compare              # |AD - FD| against atol + rtol * |FD|
     adjoint_gap(ju_v, u_jtv, atol, rtol)         # <J u, v> against <u, J^T v>
     dot(a, b)                                    # sum of elementwise products
+    float32_step_hint(max_abs_x, eps, rtol)      # advice: eps too small for float32 at x
 
 Inputs are a ``values`` dict (name -> float64 array) and ``evaluate(values) -> outputs``;
 outputs are an array or number, or a list/tuple/dict of them.
@@ -230,6 +231,31 @@ def for_precision(eps: float, atol: float, rtol: float, half: bool = False) -> P
         return Precision(eps, eps / 4, atol, rtol)
     h = float(2.0 ** np.ceil(np.log2(max(eps, HALF_EPS))))  # a power of two: exact in half
     return Precision(h, 2 * h, max(atol, 2e-2), max(rtol, 3e-2))
+
+
+def float32_step_hint(magnitude: float, eps: float, rtol: float) -> str:
+    """Advice for a failed check through float32 inputs as large as ``magnitude``, when
+    rounding ``x +- eps`` to float32 alone moves the step ``2 eps`` by more than a quarter
+    of ``rtol`` (a correct derivative can then fail); "" otherwise.
+
+    Float32 values near x are ``spacing(x)`` apart (6.1e-5 near 1e3), so the step actually
+    taken is off by up to one spacing: a relative error ``spacing(x) / (2 eps)`` of the
+    difference quotient, 3% at x = 1e3 with eps = 1e-3 (the outputs' rounding adds to it).
+
+    >>> float32_step_hint(1.0, 1e-3, 1e-2)
+    ''
+    >>> float32_step_hint(1e3, 1e-3, 1e-2)[:40]
+    'inputs reach |x| = 1000, where float32 v'
+    """
+    spacing = float(np.spacing(np.float32(magnitude)))
+    if not math.isfinite(spacing) or spacing / (2 * eps) <= rtol / 4:
+        return ""
+    return (
+        f"inputs reach |x| = {magnitude:g}, where float32 values are {spacing:.2g} apart "
+        f"({spacing / (2 * eps):.1%} of the step 2*eps = {2 * eps:.2g}): rounding x +- eps "
+        "and f(x +- eps) to float32 can make a correct derivative fail; try eps near "
+        f"1e-3 * max|x| (eps={1e-3 * magnitude:.3g}), or check the function in double"
+    )
 
 
 def dot(a: Any, b: Any, axis: int | None = None) -> Any:

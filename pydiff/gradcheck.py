@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import finite_diff as fd
+from . import foreign
 from .arguments import map_tensors
 from .backward_scope import separate_backward
 from .errors import GradcheckError
@@ -67,9 +68,18 @@ def leaves(value: Any, label: str) -> list[tuple[str, Tensor]]:
 
 
 def _outputs(value: Any) -> list[Tensor]:
-    outs = [t for _, t in leaves(value, "output")]
-    if not outs:
+    """The outputs checked: every floating-point tensor ``fn`` returned. Integer ones (an
+    index) have no derivative and are left out, as torch's gradcheck leaves them out."""
+    found = leaves(value, "output")
+    if not found:
         raise TypeError("gradcheck: fn returned no pydiff.Tensor")
+    outs = [t for _, t in found if t.differentiable]
+    if not outs:
+        kinds = ", ".join(f"{label} ({t.dtype})" for label, t in found)
+        raise ValueError(
+            f"gradcheck: fn returned no floating-point tensor, only {kinds}: integer "
+            "outputs have no derivative, so there is nothing to check"
+        )
     return outs
 
 
@@ -135,6 +145,29 @@ class _Inputs:
                     t.requires_grad_(False)
 
 
+def _refuse_foreign_grads(inputs: Sequence[Any]) -> None:
+    """A torch tensor that requires a gradient, among the inputs (in dicts, lists and tuples
+    too): its gradient would go unchecked (only pydiff tensors are perturbed), so refused."""
+
+    def walk(value: Any, label: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{label}[{k!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{label}[{i}]")
+        elif foreign.framework(value) and getattr(value, "requires_grad", False) is True:
+            raise TypeError(
+                f"gradcheck: {label} is a {foreign.framework(value)} tensor with "
+                "requires_grad=True; gradcheck checks the gradients of pydiff tensors only, "
+                "so its gradient would not be checked. Pass "
+                "pydiff.from_torch(t, requires_grad=True) instead"
+            )
+
+    for k, value in enumerate(inputs):
+        walk(value, f"input {k}")
+
+
 def _nested(inputs: Sequence[Any]) -> bool:
     return any(isinstance(a, (dict, list, tuple)) for a in inputs)
 
@@ -181,8 +214,9 @@ def _check_forward(
             for a in inputs
         ]
         xs, ts = prepare("gradcheck", inputs, dirs, "directions")
-        _, out = traced(as_callable(fn), xs, ts, "gradcheck")
-        tangents = list(out) if isinstance(out, tuple) else [out]
+        primal, out = traced(as_callable(fn), xs, ts, "gradcheck")
+        pairs = zip(primal, out) if isinstance(out, tuple) else [(primal, out)]
+        tangents = [t for p, t in pairs if p.differentiable]  # as _outputs: integers left out
     else:
         tangents = _shader_tangents(fn, inputs, state, us)
     jvp = np.concatenate(
@@ -220,7 +254,8 @@ def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, 
     args = [map_tensors(a, with_direction) for a in inputs]  # struct (dict) fields too
     result = fn.fwds(*args)
     tangents = [] if result is None else [result[1]]
-    tangents += [args[i].tangent for i in fn.signature.written if isinstance(args[i], Tensor)]
+    written = [args[i] for i in fn.signature.written if isinstance(args[i], Tensor)]
+    tangents += [w.tangent for w in written if w.differentiable]  # as _outputs
     return tangents
 
 
@@ -273,6 +308,10 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
                     # backward): d out/d in = identity
                     if source in analytic:
                         analytic[source] += vs[j].reshape(analytic[source].shape)
+                elif not outs[j].requires_grad:
+                    # no checked input reaches it (a constant, a host computation): a zero
+                    # Jacobian, as pydiff.vjp has; the finite differences must agree
+                    pass
                 else:
                     with lent_grads(tape, own), separate_backward():
                         tape.backward(outs[j], grad=vs[j])
@@ -302,7 +341,10 @@ def gradcheck(
     subclass, or a Python callable of pydiff calls returning tensor(s); a module function's
     outputs are its result and the tensors it writes (out, inout, read-write). Tensors with
     ``requires_grad`` are checked, also inside dicts (structs), lists and tuples; others are
-    held fixed. Inputs written in place are put back before every evaluation. A NaN or
+    held fixed (a torch tensor with ``requires_grad`` is refused: pass
+    ``pydiff.from_torch(t, requires_grad=True)``). Integer outputs are left out; a float
+    output no checked input reaches has a zero Jacobian. Inputs written in place are put
+    back before every evaluation. A NaN or
     infinite gradient, or a finite difference that is not finite, fails. When a checked
     input or an output is half, ``eps``, ``atol`` and ``rtol`` are raised to what half can
     resolve (at least 2^-5, 2e-2 and 3e-2: ``pydiff.finite_diff.for_precision``).
@@ -327,6 +369,7 @@ def gradcheck(
     fd.check_settings("gradcheck", eps, atol, rtol)
     refuse_inside_tape("gradcheck")
     f = as_callable(fn)
+    _refuse_foreign_grads(inputs)
     state = _Inputs(inputs)
     checked = state.checked
     if not checked:
@@ -373,6 +416,10 @@ def gradcheck(
         return True
     name = getattr(fn, "label", getattr(fn, "__name__", repr(fn)))
     message = f"gradcheck failed for {name}: {worst[1]}"
+    singles = [np.abs(originals[k]).max() for k, t in checked if t.scalar_type == "float"]
+    hint = "" if half or not singles else fd.float32_step_hint(max(singles), eps, rtol)
+    if hint:
+        message += f" (hint: {hint})"
     if raise_exception:
         raise GradcheckError(message)
     return False

@@ -23,6 +23,7 @@ import numpy as np
 from . import finite_diff as fd
 from . import tensorcheck
 from .device import Device, resolve_device
+from .file_argument import existing_file
 from .module import OverloadedFunction, ShaderFunction, load_module
 from .creation import tensor as make_tensor
 from .sampling import Layout, value_shape
@@ -356,6 +357,7 @@ def check_module(
         raise ValueError(
             f"check_module: points={points!r} must be a whole number from 1 to {MAX_POINTS}"
         )
+    path = existing_file(path, "check_module")  # not a name on the search path
     dev = resolve_device(device)
     module = load_module(path, device=dev)
     found = differentiable_functions(module)
