@@ -24,6 +24,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 
 Values = Mapping[Any, np.ndarray]
+#: name -> how that input holds a float64 value (``f32``); None or a name missing: exactly
+Held = Mapping[Any, Callable[[np.ndarray], np.ndarray]] | None
 
 
 def _shifted(values: Values, direction: Values, h: float) -> dict[Any, np.ndarray]:
@@ -40,8 +42,15 @@ def _quotient(plus: Any, minus: Any, h: float) -> Any:
     return (plus - minus) / (2 * h)
 
 
-def central(evaluate: Callable[[Values], Any], values: Values, direction: Values, h: float) -> Any:
-    """Central difference ``(evaluate(x + h d) - evaluate(x - h d)) / (2 h)`` along ``direction``.
+def central(
+    evaluate: Callable[[Values], Any],
+    values: Values,
+    direction: Values,
+    h: float,
+    held: Held = None,
+) -> Any:
+    """Central difference ``(evaluate(x + h d) - evaluate(x - h d)) / (2 h)`` along ``direction``
+    (the points rounded as ``held`` says the inputs hold them: see ``realised_direction``).
 
     ``values`` maps names to arrays; names missing from ``direction`` are held fixed (passed
     through as the same array objects). ``evaluate`` is called at x + h d, then at x - h d;
@@ -54,9 +63,34 @@ def central(evaluate: Callable[[Values], Any], values: Values, direction: Values
     >>> np.round(d, 6).tolist()
     [6.0, 0.0]
     """
-    plus = evaluate(_shifted(values, direction, h))
-    minus = evaluate(_shifted(values, direction, -h))
-    return _quotient(plus, minus, h)
+    plus, minus = (_held(_shifted(values, direction, s * h), held) for s in (1, -1))
+    return _quotient(evaluate(plus), evaluate(minus), h)
+
+
+def _held(values: dict[Any, np.ndarray], held: Held) -> dict[Any, np.ndarray]:
+    """``values`` as the inputs will hold them (``held``: name -> rounding, e.g. to float32)."""
+    if not held:
+        return values
+    return {k: held[k](v) if k in held else v for k, v in values.items()}
+
+
+def realised_direction(values: Values, direction: Values, h: float, held: Held) -> dict:
+    """The direction a central difference along ``direction`` actually takes once its points
+    are rounded as the inputs hold them: ``(held(x + h d) - held(x - h d)) / (2 h)``. A
+    float32 input near 1e3 moves by a multiple of 6.1e-5, not by h = 1e-3: the quotient is a
+    derivative along this direction, not along ``direction``.
+
+    >>> x = {"x": np.array([1000.0])}
+    >>> realised_direction(x, {"x": np.array([1.0])}, 1e-3, {"x": f32})["x"].round(4).tolist()
+    [0.9766]
+    """
+    plus, minus = (_held(_shifted(values, direction, s * h), held) for s in (1, -1))
+    return {k: (plus[k] - minus[k]) / (2 * h) for k in direction}
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to float32 (as a float32 tensor holds it), in float64."""
+    return np.asarray(a, dtype=np.float32).astype(np.float64)
 
 
 def per_element(
@@ -67,8 +101,11 @@ def per_element(
     *,
     batch: int = 0,
     project: Callable[[Any], Any] | None = None,
+    held: Held = None,
 ) -> np.ndarray:
-    """Central differences along each element of ``values[name]``, one element at a time.
+    """Central differences along each element of ``values[name]``, one element at a time,
+    each divided by the step its rounded points really take (``held``: how the inputs hold
+    values, see ``realised_direction``); NaN where rounding leaves no step at all.
 
     ``evaluate`` (or ``project`` applied to its central difference) must give a number.
     With ``batch=1`` the leading axis holds independent sample points: element j of every
@@ -90,8 +127,14 @@ def per_element(
     for j in range(count):
         unit = np.zeros(lead + (count,))
         unit[..., j] = 1.0
-        d = central(evaluate, values, {name: unit.reshape(base.shape)}, h)
-        out[..., j] = d if project is None else project(d)
+        direction = {name: unit.reshape(base.shape)}
+        d = central(evaluate, values, direction, h, held)
+        d = d if project is None else project(d)
+        if held and name in held:  # per point: the step element j really takes, over h
+            real = realised_direction(values, direction, h, held)[name].reshape(lead + (count,))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                d = np.where(real[..., j] == 0, np.nan, np.asarray(d) / real[..., j])
+        out[..., j] = d
     return out
 
 

@@ -260,9 +260,14 @@ def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, 
 
 
 def _element_message(
-    label: str, index: tuple, ad: float, num: float, atol: float, rtol: float
+    label: str, index: tuple, ad: float, num: float, atol: float, rtol: float, stuck: str = ""
 ) -> str:
     where = f"{label}, element {index}"
+    if stuck:
+        return (
+            f"{where}: {stuck} rounds to one value as the input holds it (float32): there is "
+            "no step to take a difference over; raise eps (about 1e-3 * |x|)"
+        )
     if not np.isfinite(num):
         return (
             f"{where}: the finite difference is {num:.6g} (the function is not finite near "
@@ -322,6 +327,10 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
                     give_back()
             j += 1
     return analytic, np.concatenate([v.ravel() for v in vs]), [o.dtype for o in outs]
+
+
+#: How a checked input of each scalar type holds a float64 value (others: exactly).
+_HOLDS = {"float": fd.f32, "half": lambda a: np.asarray(a, np.float16).astype(np.float64)}
 
 
 def gradcheck(
@@ -390,18 +399,25 @@ def gradcheck(
         def project(values: dict[str, np.ndarray]) -> float:  # <v, f(values)>
             return float(v_flat @ evaluate(values))
 
+        # x +- eps as the inputs hold them: the quotients divide by the step really taken
+        held = {k: _HOLDS[t.scalar_type] for k, t in checked if t.scalar_type in _HOLDS}
         for k, _ in checked:
-            numeric = fd.per_element(project, originals, k, eps)
+            numeric = fd.per_element(project, originals, k, eps, held=held)
             ad = analytic[k].ravel()
             i, excess = fd.worst_excess(ad, numeric, atol, rtol)
             if excess > 0 and (worst is None or excess > worst[0]):
                 index = tuple(int(j) for j in np.unravel_index(i, originals[k].shape))
-                worst = (excess, _element_message(k, index, ad[i], numeric[i], atol, rtol))
+                x = float(originals[k].ravel()[i])
+                no_step = k in held and held[k](x + eps) == held[k](x - eps)
+                stuck = f"x = {x:g} +- eps = {eps:g}" if no_step else ""
+                message = _element_message(k, index, ad[i], numeric[i], atol, rtol, stuck)
+                worst = (excess, message)
         # Adjoint dot-product test along a random direction u.
         us = {k: rng.uniform(-1.0, 1.0, originals[k].shape) for k, _ in checked}
         if half:  # quarters: x + eps u stays on half's grid
             us = {k: np.round(u * 4) / 4 for k, u in us.items()}
-        fd_ju = fd.central(evaluate, originals, us, eps)
+        fd_ju = fd.central(evaluate, originals, us, eps, held)
+        us = fd.realised_direction(originals, us, eps, held)  # the direction really taken
         ju_v = float(v_flat @ fd_ju)
         u_jtv = float(fd.dot(us, analytic))
         gap = fd.adjoint_gap(ju_v, u_jtv, atol, rtol)
