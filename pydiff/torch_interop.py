@@ -27,7 +27,7 @@ from .grad_transforms import on_tape
 from .host_values import to_float32
 from .tape import Tape, active_tape
 from .tensor import Tensor
-from .torch_passes import torch_pass
+from .torch_passes import accumulates_leaves, pass_without_leaves, torch_pass
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
 FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
@@ -202,13 +202,23 @@ def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _anchor(args: tuple, kwargs: dict) -> Any:
-    """A torch leaf needing a gradient where a pydiff argument needs one and no torch one does:
-    torch records the call only for inputs of its own (else the pydiff one's would be lost)."""
-    values = (*args, *kwargs.values())
-    if not any(isinstance(v, Tensor) and v.requires_grad for v in values):
-        return None
+    """The torch leaf each recorded call takes as its first tensor input, where a pydiff or
+    a torch argument needs a gradient (torch records a call for inputs of its own only, else
+    a pydiff argument's gradient would be lost). Its gradient accumulator tells the backward
+    whether the pass writes every leaf's ``.grad`` (``accumulates_leaves``): no user names
+    it. One leaf for every call: torch never adds anything into it (its gradient is None)."""
     torch = torch_module()
-    return torch.ones((), requires_grad=torch.is_grad_enabled())
+    if not torch.is_grad_enabled():
+        return None
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (Tensor, torch.Tensor)) and v.requires_grad:
+            return _shared_anchor()
+    return None
+
+
+@functools.cache
+def _shared_anchor() -> Any:
+    return torch_module().ones((), requires_grad=True)
 
 
 def _describe(fn: Any, k: int) -> str:
@@ -285,6 +295,7 @@ def _bridge() -> Any:
             # retain_graph, as for its own functions.
             ctx.save_for_backward(*[a for a in args if is_torch_tensor(a)])
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
+            ctx.anchored = _anchor is not None
             ctx.from_torch = [is_torch_tensor(a) for a in args]
             ctx.torch_devices = [a.device if is_torch_tensor(a) else None for a in args]
             home = next((d for d in ctx.torch_devices if d is not None), None)
@@ -309,8 +320,14 @@ def _bridge() -> Any:
             ]
             for leaf in leaves:  # each backward hands torch this backward's gradient only
                 leaf.zero_grad()
-            # The zeroing policy acts once per torch pass, not once per pydiff node in it.
-            with torch_pass():
+            # torch.autograd.grad and backward(inputs=...) write no .grad but their named
+            # tensors': pydiff's leaves (on ctx.tape, never named) then get fresh buffers.
+            if not ctx.anchored or accumulates_leaves(ctx.next_functions[0][0]):
+                # The zeroing policy acts once per torch pass, not once per pydiff node in it.
+                scope: Any = torch_pass()
+            else:
+                scope = pass_without_leaves(ctx.tape, leaves)
+            with scope:
                 for out, grad in zip(ctx.outputs, grads):
                     if grad is not None and out.requires_grad and out.producer is ctx.tape:
                         ctx.tape.backward(out, grad=_seed(grad.detach(), out))

@@ -10,15 +10,21 @@ resets or checks it, later nodes of the pass add into it. A later pass starts af
 
     with torch_pass():                  # inside the torch node's backward
         tape.backward(out, grad=g)
+
+``accumulates_leaves`` says whether the running pass is one that writes every leaf's ``.grad``
+(``backward()`` without ``inputs=``): ``torch.autograd.grad`` and ``backward(inputs=...)``
+write none but the tensors they name, so pydiff's leaves (never named) keep theirs.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any
+from typing import Any, Sequence
 
-from .backward_scope import shared_pass
+from .backward_scope import separate_backward, shared_pass
+from .errors import warn_once
+from .forward_program import lent_grads
 from .policy import ZeroPolicy, get_zero_policy
 
 #: Passes whose end torch has not reported yet (graph task id -> buffers acted on). An
@@ -27,6 +33,7 @@ _MAX_OPEN = 64
 _open: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
 _lock = threading.Lock()
 _NATIVE, _TASK_ID, _ENGINE = "_C", "_current_graph_task_id", "_execution_engine"
+_WILL_EXECUTE = "_will_engine_execute_node"
 
 
 def torch_pass() -> Any:
@@ -69,3 +76,52 @@ def torch_pass() -> Any:
 def _close(task: int) -> None:
     with _lock:
         _open.pop(task, None)
+
+
+def accumulates_leaves(anchor_node: Any) -> bool:
+    """Whether the running torch pass runs ``anchor_node`` (the gradient accumulator of a
+    leaf that every pydiff node in a torch graph takes as an input, and that no user names):
+    True in ``backward()`` without ``inputs=``, False in ``torch.autograd.grad`` and
+    ``backward(inputs=...)``, which write no ``.grad`` but their named tensors'. A torch
+    without the means to ask (private, torch 2.0 and newer have it) gets True, with a warning.
+
+    >>> if accumulates_leaves(ctx.next_functions[0][0]): ...   # add into the pydiff leaves
+    """
+    import torch
+
+    will_execute = getattr(getattr(torch, _NATIVE), _WILL_EXECUTE, None)
+    if will_execute is None:
+        warn_once(
+            f"pydiff: torch {torch.__version__} cannot say which leaves a backward pass "
+            "writes (torch 2.0 or newer can): torch.autograd.grad and backward(inputs=...) "
+            "through pydiff calls add into pydiff tensors' .grad as backward() does"
+        )
+        return True
+    try:
+        return bool(will_execute(anchor_node))
+    except RuntimeError:  # not inside a torch pass (a node's backward called by hand)
+        return True
+
+
+class pass_without_leaves:
+    """A torch node's pydiff backward in a pass that writes no pydiff leaf's ``.grad``: the
+    tensors ``tape`` read other than ``leaves`` (the torch arguments' pydiff copies) hold
+    fresh gradient buffers meanwhile. A backward of its own: the policy of the pass's other
+    nodes acts on none of its buffers.
+
+    >>> with pass_without_leaves(ctx.tape, torch_made):
+    ...     ctx.tape.backward(out, grad=g)       # w.grad unchanged, torch_made[0].grad set
+    """
+
+    __slots__ = ("_lend", "_own")
+
+    def __init__(self, tape: Any, leaves: Sequence[Any]) -> None:
+        self._lend, self._own = lent_grads(tape, leaves), separate_backward()
+
+    def __enter__(self) -> None:
+        self._lend.__enter__()
+        self._own.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._own.__exit__(*exc)
+        self._lend.__exit__(*exc)
