@@ -202,18 +202,13 @@ def torch_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _anchor(args: tuple, kwargs: dict) -> Any:
-    """The torch leaf each recorded call takes as its first tensor input, where a pydiff or
-    a torch argument needs a gradient (torch records a call for inputs of its own only, else
-    a pydiff argument's gradient would be lost). Its gradient accumulator tells the backward
+    """The torch leaf each call takes as its first tensor input while torch records (torch
+    records a call for inputs of its own only: a pydiff argument's, or a pydiff tensor the
+    function closes over, gradient would be lost; outputs that need none are marked
+    non-differentiable after the forward). Its gradient accumulator tells the backward
     whether the pass writes every leaf's ``.grad`` (``accumulates_leaves``): no user names
     it. One leaf for every call: torch never adds anything into it (its gradient is None)."""
-    torch = torch_module()
-    if not torch.is_grad_enabled():
-        return None
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, (Tensor, torch.Tensor)) and v.requires_grad:
-            return _shared_anchor()
-    return None
+    return _shared_anchor() if torch_module().is_grad_enabled() else None
 
 
 @functools.cache
@@ -300,7 +295,14 @@ def _bridge() -> Any:
             ctx.torch_devices = [a.device if is_torch_tensor(a) else None for a in args]
             home = next((d for d in ctx.torch_devices if d is not None), None)
             torch_out = [_handed(out, home) for out in outputs]
-            ctx.mark_non_differentiable(*[t for t in torch_out if not t.is_floating_point()])
+            # (an output no gradient reaches: nothing the call read requires one)
+            ctx.mark_non_differentiable(
+                *[
+                    t
+                    for t, o in zip(torch_out, outputs)
+                    if not t.is_floating_point() or not o.requires_grad
+                ]
+            )
             return tuple(torch_out) if isinstance(result, (tuple, list)) else torch_out[0]
 
         @staticmethod
