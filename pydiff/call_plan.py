@@ -149,7 +149,7 @@ class ForwardPlan:
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide."""
-        generated.check_switch()  # (as the full path reads it)
+        generated.check_switch_planned()  # (the full path reads it at every call)
         if active_tape() is not None or self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
         dev = fn.module.device
@@ -236,7 +236,7 @@ class BackwardPlan:
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The backward, or DECLINED (nothing done) where the full path must decide."""
-        generated.check_switch()  # (as the full path reads it)
+        generated.check_switch_planned()  # (the full path reads it at every call)
         if active_scope() is not None or get_zero_policy() is not _ACCUMULATE:
             return DECLINED
         if is_deterministic() or self.numel >= generated.MIN_ELEMENTS:

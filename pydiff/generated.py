@@ -60,6 +60,7 @@ _stats: Counter = Counter()
 _lock = threading.Lock()
 SWITCH = "PYDIFF_GENERATED"
 _switch_read = ("", True)  # the switch's last raw value and what it means (unset: on)
+_environ_size = -1  # os.environ's size when a call plan last read the switch
 
 
 def enabled() -> bool:
@@ -83,6 +84,22 @@ def check_switch() -> None:
         generated.check_switch()     # PYDIFF_GENERATED=of: EnvironmentSettingError
     """
     enabled()
+
+
+def check_switch_planned() -> None:
+    """``check_switch`` for a call plan's repeated calls: reading ``os.environ`` cost about 5
+    us a call there (a sixth of a 16-element call: bench_core), so the switch is read again
+    only when the environment's size changed (setting or unsetting a variable) or its last
+    value was refused; a set value changed in place is read by the next call a plan does not
+    take (a new shape, a tape, a large call).
+
+        generated.check_switch_planned()   # PYDIFF_GENERATED=of set since: raises
+    """
+    global _environ_size
+    size = len(os.environ)
+    if size != _environ_size:
+        enabled()  # (raises on a refused value, leaving the size unseen: read again next call)
+        _environ_size = size
 
 
 def call_size(values: Any) -> int:
