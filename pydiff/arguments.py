@@ -135,7 +135,7 @@ def _shapes_key(bound: list, result: Any) -> tuple | None:
     for value in [v for _, v in bound] + [result]:
         kind = type(value)
         if kind is Tensor:
-            key.append((value.shape, value.native.dtype))  # reflection objects are cached
+            key.append((value.shape, value.element_type))  # reflection objects are cached
         elif kind in (float, int, bool) or value is MISSING:
             key.append(kind)
         elif kind is str:
@@ -180,14 +180,14 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     if type(result) is not Tensor:
         return
     returns = result_type(fn, bound)
-    want, got = element_base(returns), element_base(result.native.dtype.full_name)
+    want, got = element_base(returns), element_base(result.element_type.full_name)
     if want in _FLOATS and got is not None and got not in _FLOATS:
         raise TypeError(
             f"{fn.label}: _result has dtype {result.dtype} but the function returns "
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
         )
-    shapes = value_elements(returns), value_elements(result.native.dtype.full_name)
+    shapes = value_elements(returns), value_elements(result.element_type.full_name)
     if want is not None and None not in shapes and shapes[1][1] and not shapes[0][1]:
         # (a vector result's wrong element type: call_shape.check_written says it)
         raise ValueError(
@@ -274,7 +274,7 @@ def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
             continue
         shapes.append(own)
         if type(value) is Tensor:
-            element_bytes = max(element_bytes, int(value.native.dtype.buffer_layout.stride))
+            element_bytes = max(element_bytes, int(value.element_type.buffer_layout.stride))
     shape = broadcast(shapes)
     if shape is None:
         return  # SlangPy reports shapes that do not broadcast
@@ -337,7 +337,7 @@ def map_tensors(value: Any, f: Any) -> Any:
 def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
     """Device-wide scratch tensors shaped like ``t``: 'zeros' (read, never written) or 'sink'
     (written, never read). Shared per shape and dtype."""
-    key = (t.shape, t.native.dtype.full_name, role)
+    key = (t.shape, t.element_type.full_name, role)
     pool = device.scratch
     if key not in pool:
         pool[key] = allocate(device, t.native.shape, t.grad_dtype, zero=role == "zeros")

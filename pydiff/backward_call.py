@@ -302,7 +302,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             if value.device is not dev:
                 return False
             if p.tensor_kind is None:
-                if value.native.dtype.full_name != p.type_name:
+                if value.element_type.full_name != p.type_name:
                     return False  # a float tensor for a float3: maybe broadcast, summed apart
                 if shape is None:
                     shape = value.shape
@@ -353,6 +353,8 @@ def backward_call(
     if plan is not None and "_result" in kwargs:
         if plan.run(fn, args, kwargs["_result"]) is not DECLINED:
             return
+    # Deferred kernels go first (a batch this joins is ordered by its own scope).
+    fn.module.device.queue.flush_deferred()
     label = fn.label
     if not fn.signature.differentiable:
         raise TypeError(

@@ -76,7 +76,7 @@ def element_axes(p: Any, t: Tensor) -> int | None:
 
 
 def _element_axes(type_name: str, t: Tensor) -> int | None:
-    name = t.native.dtype.full_name
+    name = t.element_type.full_name
     if name == type_name:
         return 0
     found = _aggregate(type_name)

@@ -31,9 +31,9 @@ from .tensor import Tensor
 
 def primal_sink(device: Any, t: Tensor) -> spy.Tensor:
     """Where a backward kernel may write forward values nobody reads (per shape and dtype)."""
-    key = (t.shape, t.native.dtype.full_name, "primal sink")
+    key = (t.shape, t.element_type.full_name, "primal sink")
     if key not in device.scratch:
-        device.scratch[key] = allocate(device, t.native.shape, t.native.dtype)
+        device.scratch[key] = allocate(device, t.native.shape, t.element_type)
     return device.scratch[key]
 
 
@@ -218,7 +218,7 @@ def refuse_narrowed_result(fn: FunctionTarget, bound: list, result: Any, where: 
     if type(result) is not Tensor:
         return
     returns = result_type(fn, bound)
-    want, got = element_base(returns), element_base(result.native.dtype.full_name)
+    want, got = element_base(returns), element_base(result.element_type.full_name)
     if want not in _FLOAT_BITS or got not in _FLOAT_BITS or _FLOAT_BITS[got] >= _FLOAT_BITS[want]:
         return
     raise TypeError(

@@ -32,6 +32,7 @@ from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
 from .determinism import is_deterministic
 from .host_values import convert
+from .planned_kernels import BackwardLaunch, ForwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget
 from .tape import active_tape
@@ -119,6 +120,8 @@ class ForwardPlan:
         "result_tensor",
         "zero_d",
         "options",
+        "calls",
+        "launch",
     )
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -133,6 +136,8 @@ class ForwardPlan:
         self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
         self.options: dict = {}
         tensor_result(fn, bound, self.options)  # a whole float3 tensor at a float3: a tensor
+        self.calls = 0  # (counted while small: from PLANNED_AFTER on, generated kernels)
+        self.launch: Any = None  # its generated kernel; False: not covered (planned_kernels)
 
     @staticmethod
     def make(
@@ -147,18 +152,33 @@ class ForwardPlan:
                 return None
         return ForwardPlan(fn, key, bound, result)
 
+    def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
+        """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
+        large = self.numel >= generated.MIN_ELEMENTS
+        if not large:
+            self.calls += 1
+            if self.calls <= generated.PLANNED_AFTER:
+                generated.check_switch_planned()  # (the full path reads it at every call)
+                return None
+        if not generated.enabled() or self.zero_d or self.options or result is MISSING:
+            return DECLINED if large else None
+        if self.launch is None:
+            self.launch = ForwardLaunch.make(fn, args, result) or False
+        if self.launch is False or not self.launch.ready(args, result):
+            return DECLINED if large else None
+        return self.launch
+
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide."""
-        generated.check_switch_planned()  # (the full path reads it at every call)
-        if active_tape() is not None or self.numel >= generated.MIN_ELEMENTS:
+        if active_tape() is not None:
+            return DECLINED
+        launch = self._generated(fn, args, result)
+        if launch is DECLINED:
             return DECLINED
         dev = fn.module.device
-        native = list(args)
         for i in self.tensors:
-            t = args[i]
-            if t.device is not dev:
+            if args[i].device is not dev:
                 return DECLINED  # (the full path names the parameter)
-            native[i] = t.bind(True)
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:
             if result.device is not dev:
@@ -170,6 +190,7 @@ class ForwardPlan:
             st = args[i].storage
             if st in written:  # (Storage compares by identity)
                 return DECLINED  # aliased: the full path keeps the values read
+        native = list(args)
         for i, p in self.floats:
             v = args[i]
             if not -_MAX <= v <= _MAX:  # (NaN too)
@@ -181,6 +202,14 @@ class ForwardPlan:
             st = args[i].storage
             if st.last_writer == label and name in st.read_by_writer:
                 st.reread = True
+        if launch is not None:
+            out = launch.run(fn, args, result)
+            for st in written:
+                st.wrote(label)
+            return out
+        dev.queue.flush()  # kernels queued in a batched backward run first
+        for i in self.tensors:
+            native[i] = args[i].bind(True)
         try:
             if result is MISSING:
                 out = fn.native(*native, **self.options)
@@ -206,12 +235,14 @@ class BackwardPlan:
     case): every tensor an ``in`` parameter of its own element type and the result's shape,
     with a gradient buffer to add into; the result a tensor with gradient buffers."""
 
-    __slots__ = ("tensors", "floats", "numbers", "numel")
+    __slots__ = ("tensors", "floats", "numbers", "numel", "calls", "launch")
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
         self.floats, self.numbers = _numbers(key, bound)
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
+        self.calls = 0  # (as ForwardPlan's)
+        self.launch = BackwardLaunch(len(bound), result.numel)
 
     @staticmethod
     def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, prior: frozenset):
@@ -228,25 +259,39 @@ class BackwardPlan:
                 and p.io == "in"
                 and p.differentiable
                 and v.grad_out is not None
-                and v.native.dtype.full_name == p.type_name
+                and v.element_type.full_name == p.type_name
                 and v.shape == result.shape
             ):
                 return None
         return BackwardPlan(fn, key, bound, result)
 
+    def _generated(self) -> Any:
+        """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
+        large = self.numel >= generated.MIN_ELEMENTS
+        if not large:
+            self.calls += 1
+            if self.calls <= generated.PLANNED_AFTER:
+                generated.check_switch_planned()  # (the full path reads it at every call)
+                return None
+        if not generated.enabled() or not self.launch.covered:
+            return DECLINED if large else None
+        return self.launch
+
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The backward, or DECLINED (nothing done) where the full path must decide."""
-        generated.check_switch_planned()  # (the full path reads it at every call)
         if active_scope() is not None or get_zero_policy() is not _ACCUMULATE:
             return DECLINED
-        if is_deterministic() or self.numel >= generated.MIN_ELEMENTS:
+        if is_deterministic():
+            return DECLINED
+        launch = self._generated()
+        if launch is DECLINED:
             return DECLINED
         dev = fn.module.device
         if result.device is not dev:
             return DECLINED
         upstream = result.grad_in.storage
         native = list(args)
-        grads = []
+        grads = {}
         for i in self.tensors:
             t = args[i]
             if t.device is not dev or t.zero_policy is not None:
@@ -256,19 +301,27 @@ class BackwardPlan:
             g = t.grad_out
             if g.storage is upstream:
                 return DECLINED  # refused by the full path
-            grads.append(g.storage)
-            native[i] = t.bind(True)
+            grads[i] = g
         for i, p in self.floats:
             v = args[i]
             if not -_MAX <= v <= _MAX:  # (NaN too)
                 native[i] = convert(fn.label, p, v, dev)  # its range error
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
+        label = fn.bwds_label
+        if launch is not None and launch.run(fn, args, result.grad_in, grads):
+            for g in grads.values():
+                g.storage.holds_result_of = label
+            return None
+        if launch is not None and self.numel >= generated.MIN_ELEMENTS:
+            return DECLINED  # the full path counts why the kernel was declined
+        dev.queue.flush_deferred()  # (a batch this joins is ordered by its own scope)
+        for i in self.tensors:
+            native[i] = args[i].bind(True)
         try:
             fn.native_bwds(*native, _result=upstream_arg(dev, result))
         except Exception as exc:
             raise resolve_error(fn, exc) from None
-        label = fn.bwds_label
-        for st in grads:
-            st.holds_result_of = label
+        for g in grads.values():
+            g.storage.holds_result_of = label
         return None

@@ -117,7 +117,7 @@ def own_shape(
 def dtype_of(value: Any) -> str | None:
     """The Slang element type of a pydiff tensor or a NumPy array of numbers; else None."""
     if type(value) is Tensor:
-        return value.native.dtype.full_name
+        return value.element_type.full_name
     if type(value) is np.ndarray:
         for name, kind in SCALAR_NUMPY.items():
             if value.dtype == kind:
@@ -230,7 +230,7 @@ def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
     take: SlangPy converts no tensor (int to float, float to int, half to float, a float3
     for a float) and reports only "Argument 0 could not be resolved"."""
     found = None if p.tensor_kind is not None or p.generic else value_elements(p.type_name)
-    dtype = t.native.dtype.full_name
+    dtype = t.element_type.full_name
     got = _scalar_of(dtype)
     if found is None or got is None or dtype.replace(" ", "") == p.type_name.replace(" ", ""):
         return

@@ -74,6 +74,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         out = plan.run(fn, args, kwargs.get("_result", MISSING))
         if out is not DECLINED:
             return out
+    fn.module.device.queue.flush()  # kernels queued in a batched backward run first
     # Torch tensors (never in a plan's layout): torch tensors in, torch tensors out, autograd.
     if "torch" in sys.modules and (run := foreign.handler(args, kwargs)) is not None:
         return run(fn, args, kwargs)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -33,7 +32,11 @@ from . import broadcast_grad
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
-from .errors import env_flag, env_int
+from .errors import env_int
+from .generated_switch import SWITCH as SWITCH
+from .generated_switch import check_switch as check_switch
+from .generated_switch import check_switch_planned as check_switch_planned
+from .generated_switch import enabled
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget
@@ -50,56 +53,18 @@ MAX_GROUPS = 65535
 SMALL_COUNT = 64
 SMALL_GROUP = 32
 
-#: pydiff calls take this path from this many elements up: below it a generated dispatch,
-#: recorded from Python, costs more than SlangPy's (16 elements: ~105 against ~90 us).
+#: Calls the full path runs take this path from this many elements up: below it the full
+#: path's checks cost more than the dispatch saves (16 elements: ~105 against ~90 us).
 #: ``PYDIFF_GENERATED_MIN_ELEMENTS=1`` (or pytest's ``--pydiff-generated=force``) sends every
 #: covered call this way.
 MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
+#: A call plan (call_plan) of a smaller layout takes it once it has run this many times: its
+#: dispatch, deferred with the device's other work, is cheaper than SlangPy's call (16
+#: elements ~18 against ~25 us), which pays back the kernel's build (~40 ms) in a hot loop.
+PLANNED_AFTER = env_int("PYDIFF_GENERATED_PLANNED_AFTER", 1000)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 _stats: Counter = Counter()
 _lock = threading.Lock()
-SWITCH = "PYDIFF_GENERATED"
-_switch_read = ("", True)  # the switch's last raw value and what it means (unset: on)
-_environ_size = -1  # os.environ's size when a call plan last read the switch
-
-
-def enabled() -> bool:
-    """Whether generated kernels may be used (``PYDIFF_GENERATED=0`` turns them off). Read at
-    each call (tests switch it); a value it does not take raises ``EnvironmentSettingError``.
-
-        generated.enabled()          # True unless PYDIFF_GENERATED is 0, off, false or no
-    """
-    global _switch_read
-    raw = os.environ.get(SWITCH, "")
-    if raw != _switch_read[0]:  # parsed once per value: every call of a function reads it
-        _switch_read = (raw, env_flag(SWITCH, True))
-    return _switch_read[1]
-
-
-def check_switch() -> None:
-    """Raise ``EnvironmentSettingError`` if ``PYDIFF_GENERATED`` holds a value it does not take.
-    Every call of a user's function runs this, whatever its size: calls too small for the
-    generated kernels would otherwise never read the switch, and a typo would pass silently.
-
-        generated.check_switch()     # PYDIFF_GENERATED=of: EnvironmentSettingError
-    """
-    enabled()
-
-
-def check_switch_planned() -> None:
-    """``check_switch`` for a call plan's repeated calls: reading ``os.environ`` cost about 5
-    us a call there (a sixth of a 16-element call: bench_core), so the switch is read again
-    only when the environment's size changed (setting or unsetting a variable) or its last
-    value was refused; a set value changed in place is read by the next call a plan does not
-    take (a new shape, a tape, a large call).
-
-        generated.check_switch_planned()   # PYDIFF_GENERATED=of set since: raises
-    """
-    global _environ_size
-    size = len(os.environ)
-    if size != _environ_size:
-        enabled()  # (raises on a refused value, leaving the size unseen: read again next call)
-        _environ_size = size
 
 
 def call_size(values: Any) -> int:
@@ -114,7 +79,7 @@ def call_size(values: Any) -> int:
 
 def settings() -> dict[str, Any]:
     """What ``pydiff info`` reports: whether the path is on, and from how many elements."""
-    return {"enabled": enabled(), "min_elements": MIN_ELEMENTS}
+    return {"enabled": enabled(), "min_elements": MIN_ELEMENTS, "planned_after": PLANNED_AFTER}
 
 
 def stats() -> dict[str, int]:
@@ -236,10 +201,19 @@ def _compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str
     return kernel
 
 
-def _launch(fn: FunctionTarget, kernel: Any, numel: int, bindings: dict) -> None:
+def geometry(numel: int) -> tuple[int, dict]:
+    """The threads a generated kernel of ``numel`` elements runs, and the uniforms that say
+    how its threads share the float4s."""
     count, group = -(-numel // 4), _group(numel)
     threads = min(-(-count // (group * CHUNK)), MAX_GROUPS) * group
-    bindings.update(pydiff_count=count, pydiff_tail=numel - 4 * (count - 1), pydiff_stride=threads)
+    return threads, dict(
+        pydiff_count=count, pydiff_tail=numel - 4 * (count - 1), pydiff_stride=threads
+    )
+
+
+def _launch(fn: FunctionTarget, kernel: Any, numel: int, bindings: dict) -> None:
+    threads, fixed = geometry(numel)
+    bindings.update(fixed)
     fn.module.device.kernels.dispatch(kernel, threads, **bindings)
 
 
@@ -258,6 +232,18 @@ def forward(
     of ``shape`` (None: the tensor arguments' broadcast shape), or ``out`` written, or None
     when the call is not covered (nothing done)."""
     shape = call_shape(args) if shape is None else tuple(shape)
+    kernel = forward_kernel(fn, args, shape, out)
+    if kernel is None:
+        return None
+    if out is None:
+        out = empty(shape, device=fn.module.device)
+    dispatch_forward(fn, kernel, args, out)
+    return out
+
+
+def forward_kernel(fn: FunctionTarget, args: list, shape: Any, out: Tensor | None = None) -> Any:
+    """The compiled forward kernel of ``args``' layout over ``shape`` (writing ``out``, when
+    given), or None: not covered (the reason counted in ``stats()``)."""
     reason = "tensor shapes do not broadcast" if shape is None else _uncovered(fn, args, shape)
     if reason is None and out is not None:
         if not (type(out) is Tensor and out.shape == shape and float4_ready(out)):
@@ -278,14 +264,15 @@ def forward(
     )
     if kernel is None:
         decline("forward", "kernel failed to build")
-        return None
-    if out is None:
-        out = empty(shape, device=dev)
+    return kernel
+
+
+def dispatch_forward(fn: FunctionTarget, kernel: Any, args: list, out: Tensor) -> None:
+    """Dispatch ``forward_kernel``'s kernel of these arguments' layout, writing ``out``."""
     bindings = _arguments(args)
     bindings["pydiff_result"] = out.buffer
     _launch(fn, kernel, out.numel, bindings)
     _stats["forward"] += 1
-    return out
 
 
 def backward(
@@ -301,11 +288,29 @@ def backward(
     False, nothing done, when the call is not covered (a gradient wanted for a number, a
     gradient buffer shared with a value the kernel reads, ...). ``before()`` runs once the
     call is known to be covered, before anything is dispatched (zeroing policies)."""
+    found = backward_kernel(fn, args, upstream, grads)
+    if found is None:
+        return False
+    kernel, sums, scalars = found
+    full = [_partials(fn.module.device, upstream.shape, n) for n in range(len(scalars))]
+    if any(f is None for f in full):
+        decline("backward", "scratch layout")
+        return False
+    if before is not None:
+        before()
+    dispatch_backward(fn, kernel, args, upstream, grads, sums, dict(zip(scalars, full)))
+    return True
+
+
+def backward_kernel(fn: FunctionTarget, args: list, upstream: Tensor, grads: dict) -> Any:
+    """``(kernel, sums, scalars)`` for a backward of this layout (``sums``: the parameters
+    adding into each gradient buffer of the call's shape; ``scalars``: the broadcast ones),
+    or None: not covered (the reason counted in ``stats()``)."""
     shape = tuple(upstream.shape) if type(upstream) is Tensor else ()
     reason = _uncovered(fn, args, shape) or _uncovered_backward(fn, args, upstream, grads)
     if reason is not None:
         decline("backward", reason)
-        return False
+        return None
     dev = fn.module.device
     kinds = kinds_of(args, shape)
     buffers: dict[int, list[int]] = {}  # parameters adding into one gradient buffer
@@ -323,27 +328,38 @@ def backward(
         "pydiff_gen_bwd",
         lambda: backward_source(fn, kinds, sums, scalars, dev.typed_loads, group, paired),
     )
-    full = [_partials(dev, shape, n) for n in range(len(scalars))]
-    if kernel is None or any(f is None for f in full):
-        decline("backward", "kernel failed to build" if kernel is None else "scratch layout")
-        return False
-    if before is not None:
-        before()
+    if kernel is None:
+        decline("backward", "kernel failed to build")
+        return None
+    return kernel, sums, scalars
+
+
+def dispatch_backward(
+    fn: FunctionTarget,
+    kernel: Any,
+    args: list,
+    upstream: Tensor,
+    grads: dict,
+    sums: tuple,
+    partials: dict | None = None,
+) -> None:
+    """Dispatch ``backward_kernel``'s kernel; ``partials``: each broadcast parameter's
+    full-shape scratch buffer, summed into its gradient after the kernel."""
+    dev = fn.module.device
     bindings = _arguments(args)
     bindings.update(pydiff_up=upstream.buffer, pydiff_zero=0)
     for j, members in enumerate(sums):
         bindings[f"pydiff_g{j}"] = bindings[f"pydiff_g{j}_in"] = grads[members[0]].buffer
-    for i, f in zip(scalars, full):
+    for i, f in (partials or {}).items():
         bindings[f"pydiff_sg{i}"] = f.storage
     _launch(fn, kernel, upstream.numel, bindings)
-    if scalars:
+    if partials:
         # SlangPy's path sums its full-shape buffers with the same kernels, in parameter order.
         with backward_scope(fn.bwds_label) as scope:
-            for i, f in zip(scalars, full):
+            for i, f in partials.items():
                 broadcast_grad.reduce_into(scope, dev, f, args[i])
         _stats["backward: broadcast"] += 1
     _stats["backward"] += 1
-    return True
 
 
 def _partials(dev: Any, shape: tuple, ordinal: int) -> Any:

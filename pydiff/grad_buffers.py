@@ -131,7 +131,7 @@ class GradBuffers:
                 f"{self.shape}"
             )
         want = self.grad_dtype.full_name
-        if grad.native.dtype.full_name != want:
+        if grad.element_type.full_name != want:
             raise ValueError(
                 f"{name}: gradient dtype {grad.dtype!r} does not match the primal's "
                 f"derivative type {want!r}"

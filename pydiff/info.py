@@ -96,7 +96,8 @@ def format_info(data: dict[str, Any]) -> str:
     gen = data.get("generated_kernels")
     if gen is not None:
         lines.append(
-            f"generated kernels: on for covered calls of {gen['min_elements']}+ elements "
+            f"generated kernels: on for covered calls of {gen['min_elements']}+ elements, "
+            f"and smaller ones repeated {gen.get('planned_after', '?')} times "
             "(PYDIFF_GENERATED=0 turns them off; pydiff.generated.stats() counts each path)"
             if gen["enabled"]
             else "generated kernels: off (PYDIFF_GENERATED=0)"

@@ -261,8 +261,7 @@ class ShaderFunction:
         capturing.refuse(self._refusal)
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
             return forward_trace.shader_call(self, args, kwargs)
-        self.module.device.queue.flush()  # kernels queued in a batched backward run first
-        return forward_call(self, args, kwargs)
+        return forward_call(self, args, kwargs)  # (flushes before SlangPy's call)
 
     @property
     def bwds(self) -> "BackwardFunction":
@@ -413,9 +412,7 @@ class BackwardFunction:
                 "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
             )
         args, kwargs = foreign.as_data(self._fn, args, kwargs, self._fn.bwds_label)
-        # Deferred kernels go first (a batch this joins is ordered by its own scope).
-        self._fn.module.device.queue.flush_deferred()
-        return backward_call(self._fn, args, kwargs)
+        return backward_call(self._fn, args, kwargs)  # (flushes before SlangPy's call)
 
     def __repr__(self) -> str:
         return f"<pydiff bwds of {self._fn!r}>"

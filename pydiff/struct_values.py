@@ -104,7 +104,7 @@ def _field(label: str, p: ParamInfo, field: FieldInfo, v: Any, device: Any, path
     if field.fields is not None:
         if type(v) is dict:
             return _fields(label, p, field.fields, v, device, path)
-        if type(v) is Tensor and _same_type(v.native.dtype.full_name, field.type_name):
+        if type(v) is Tensor and _same_type(v.element_type.full_name, field.type_name):
             return v  # a tensor of these structs, vectorised over
         if type(v) is tuple and len(v) == 2:
             return v  # .fwds's (value, tangent) pair of a struct: forward_args splits it
@@ -143,7 +143,7 @@ def _tensor_field(where: str, field: FieldInfo, v: Any) -> Any:
     if found is None:
         return v
     element, dims = found.group(1), int(found.group(2))
-    if not _same_type(v.native.dtype.full_name, element) or len(v.shape) != dims:
+    if not _same_type(v.element_type.full_name, element) or len(v.shape) != dims:
         raise TypeError(
             f"{where} takes a tensor of {element} with {dims} dimension(s), but got dtype "
             f"{v.dtype} and shape {v.shape}; convert it first (pydiff.tensor(x.numpy()"

@@ -18,8 +18,8 @@ from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
-from .storage import ZEROED, shape_with_inferred_axis
-from .storage import copy_refusal, dims, float4_layout, has_c_strides, read_back
+from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
+from .storage import shape_with_inferred_axis
 from .tensor_operators import TensorOperators
 
 
@@ -30,9 +30,8 @@ class Tensor(GradBuffers, TensorOperators):
     ``grad_out`` receives gradients a backward adds for values the call read. By default one
     zeroed buffer serves as both, and ``.grad`` is ``grad_out`` (as in SlangPy).
 
-    Public fields for the layers above: ``native`` (the SlangPy tensor of the values),
-    ``device``, ``storage`` (the ``Storage`` every view of the buffer shares), and
-    ``producer`` (the Tape that recorded the call writing this tensor, or None).
+    Public fields for the layers above: ``native`` (the SlangPy tensor of the values), ``device``,
+    ``storage`` (what every view of the buffer shares), ``producer`` (the Tape that wrote it).
 
     A 0-d tensor (shape ``()``: ``x.sum()``, ``x[1]``) keeps a ``(1,)`` view as ``native`` (a
     SlangPy call given a 0-d tensor returns a number); a call of 0-d tensors gives a 0-d one.
@@ -87,17 +86,20 @@ class Tensor(GradBuffers, TensorOperators):
     def dtype(self) -> str:
         """Slang element type name: 'float', 'float3', 'half', 'int', ..."""
         if self._dtype is None:  # read from SlangPy once (~1 us; every op checks it)
-            t = self._native.dtype
-            if type(t).__name__ == "VectorType":
-                self._dtype = f"{t.element_type.full_name}{t.num_elements}"
-            else:
-                self._dtype = t.full_name
+            t = self._element
+            vector = type(t).__name__ == "VectorType"
+            self._dtype = f"{t.element_type.full_name}{t.num_elements}" if vector else t.full_name
         return self._dtype
+
+    @property
+    def element_type(self) -> Any:
+        """SlangPy's element type (``x.element_type.full_name``): no flush, unlike ``native``."""
+        return self._element
 
     @property
     def scalar_type(self) -> str:
         """The Slang scalar type of the elements ('float' for float3, 'half', 'int', ...)."""
-        t = self._native.dtype
+        t = self._element
         while hasattr(t, "element_type") and t.element_type is not None and t.element_type != t:
             t = t.element_type
         return t.full_name
@@ -145,8 +147,7 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def dense(self) -> bool:
-        """The values are contiguous from the start of their buffer (no flush, unlike
-        ``native``: a layout never changes).
+        """The values are contiguous from the start of their buffer (no flush, unlike ``native``).
 
         >>> labels.dense        # True for pydiff.tensor(array)
         """
@@ -166,7 +167,7 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def differentiable(self) -> bool:
-        return bool(getattr(self._native.dtype, "differentiable", False))
+        return bool(getattr(self._element, "differentiable", False))
 
     @property
     def zero_policy(self) -> ZeroPolicy | None:
@@ -191,10 +192,9 @@ class Tensor(GradBuffers, TensorOperators):
         self.storage.producer = tape
 
     def __repr__(self) -> str:
-        grads = ""
         self._sync_view()
-        if self._grad_out is not None:
-            grads = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
+        shared = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
+        grads = "" if self._grad_out is None else shared
         return (
             f"pydiff.Tensor({tensor_methods.call('values_text', self)}, shape={self.shape}, "
             f"dtype={self.dtype}, device={self._device.type}{grads})"
@@ -210,7 +210,7 @@ class Tensor(GradBuffers, TensorOperators):
         """The NumPy shape of this tensor's values (vector/matrix elements trailing)."""
         if self.dtype == "float":  # (the common case: no reflection read, ~2 us)
             return self._shape
-        return self._shape + element_shape(self._native.dtype)
+        return self._shape + element_shape(self._element)
 
     def copy_from_numpy(self, data: Any, *, caller: str = "copy_from_numpy") -> "Tensor":
         """Overwrite the values from host data of the same shape; returns self. ``caller``:
@@ -271,7 +271,7 @@ class Tensor(GradBuffers, TensorOperators):
             return forward_trace.replaced(self.copy_from_numpy(src.numpy()), src)
         capturing.refuse("a device copy (copy_/clone)")
         native = self._device.native
-        stride = src.native.dtype.buffer_layout.stride
+        stride = src.element_type.buffer_layout.stride
         with self._device.queue.lock:
             self._device.flush()
             encoder = native.create_command_encoder()
@@ -323,7 +323,7 @@ class Tensor(GradBuffers, TensorOperators):
             raise ValueError(
                 f"tangent has shape {arr.shape}; the tensor's values have shape {want}"
             )
-        native = allocate(self._device, self._shape, self._native.dtype)
+        native = allocate(self._device, self._shape, self._element)
         self._tangent = Tensor(native, self._device).copy_from_numpy(arr)
         return self
 
@@ -382,7 +382,7 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> before = x.copy_values()
         """
-        copy = Tensor(allocate(self._device, self._shape, self._native.dtype), self._device)
+        copy = Tensor(allocate(self._device, self._shape, self._element), self._device)
         copy.copy_(self).storage.last_writer = "a snapshot (copy_values)"  # a constant on purpose
         return forward_trace.view_of(self, copy, lambda t: t.copy_values())
 
