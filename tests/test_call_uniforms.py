@@ -14,6 +14,7 @@ from pydiff import call_uniforms, ops
 def test_sizes_match_the_linked_programs_and_stay_within_the_budget(device, monkeypatch, tmp_path):
     if device.type != "vulkan":
         pytest.skip("push constants are Vulkan's")
+    monkeypatch.setenv("PYDIFF_GENERATED", "0")  # SlangPy's calls, under --pydiff-generated too
     dev = pydiff.create_device("vulkan", include_paths=[str(tmp_path)], cache_dir=False)
     modelled: list[int] = []
     pairs: list[tuple[int, int]] = []  # (pydiff's size, the linked program's), per build
