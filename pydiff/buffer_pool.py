@@ -87,6 +87,7 @@ class BufferPool:
             )
         except RuntimeError as exc:
             raise allocation_failed(16 * float4s, exc) from None
+        self.queue.allocated(16 * float4s)
         if pooled and len(buffers) < POOL_MAX_PER_SIZE:
             if self.bytes + 16 * float4s > POOL_MAX_BYTES:
                 self.prune()

@@ -224,6 +224,7 @@ class ForwardPlan:
         if self.result_tensor:
             return result
         if isinstance(out, spy.Tensor):
+            dev.queue.allocated(out.storage.size)  # (SlangPy made it)
             return Tensor(out.view(()) if self.zero_d else out, dev)
         if self.zero_d and type(out) is np.ndarray and out is not result:  # (1,) + element
             return out.reshape(out.shape[1:])

@@ -44,6 +44,7 @@ def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
     if isinstance(given, Tensor):
         return given
     if isinstance(native_result, spy.Tensor):
+        fn.module.device.queue.allocated(native_result.storage.size)  # (SlangPy made it)
         return Tensor(native_result, fn.module.device)
     return native_result
 

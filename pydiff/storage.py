@@ -411,6 +411,7 @@ def _allocate_plain(
             native = make(dev.native, shape, dtype)
     except RuntimeError as exc:  # the device's own limit or out of memory: say how much
         raise allocation_failed(padded * stride, exc) from None
+    dev.queue.allocated(padded * stride)
     if zero and rec is not None:
         native.clear()
         rec.record_clear(dev.queue, native)
