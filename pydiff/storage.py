@@ -234,6 +234,19 @@ def dtype_name(dtype: Any) -> str:
     raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 
+def layout_element(element: Any, name: str) -> Any:
+    """What a call plan's layout keys a tensor's element type by: a scalar, vector or matrix
+    type by its ``name`` (the reflection objects of SlangPy's results and of pydiff's tensors
+    differ), any other type by its reflection object.
+
+    >>> layout_element(x.element_type, x.dtype)     # 'float'
+    """
+    return name if type(element).__name__ in _NAMED_TYPES else element
+
+
+_NAMED_TYPES = ("ScalarType", "VectorType", "MatrixType")  # SlangPy's reflection classes
+
+
 def element_shape(native_dtype: Any) -> tuple[int, ...]:
     """Trailing NumPy dimensions one element occupies (float3 -> (3,), float4x4 -> (4, 4))."""
     return tuple(int(s) for s in native_dtype.shape)

@@ -19,7 +19,7 @@ from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
-from .storage import shape_with_inferred_axis
+from .storage import layout_element, shape_with_inferred_axis
 from .tensor_operators import TensorOperators
 
 
@@ -110,8 +110,8 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def native(self) -> spy.Tensor:
-        """The SlangPy tensor holding the primal values (no gradient buffers attached). The
-        device's deferred kernels are submitted first: whatever reads it sees their results."""
+        """The SlangPy tensor of the values (no gradient buffers). Pending pydiff work is
+        submitted first; a handle kept across later pydiff calls is not: take it again."""
         if self._device.queue.deferred or self._device.queue.open_batches:
             self._device.queue.flush_deferred()
         return self._native
@@ -121,8 +121,7 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> pydiff.Tensor(x.native_view(), x.device)        # x's shape, () included
         """
-        native = self.native
-        return native if self._shape else native.view(())
+        return self.native if self._shape else self.native.view(())
 
     @property
     def buffer(self) -> spy.Buffer:
@@ -156,14 +155,15 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def layout(self) -> tuple:
-        """(shape, SlangPy element type, has grad_in, has grad_out): what a call plan of this
-        tensor's argument depends on (see call_plan).
+        """(shape, element type (``storage.layout_element``), has grad_in, has grad_out): what
+        a call plan of this tensor's argument depends on (see call_plan).
 
-        >>> x.layout      # ((4,), <slangpy ... float>, True, True)
+        >>> x.layout      # ((4,), 'float', True, True)
         """
         if self._base is not None:
             self._sync_view()
-        return (self._shape, self._element, self._grad_in is not None, self._grad_out is not None)
+        grads = (self._grad_in is not None, self._grad_out is not None)
+        return (self._shape, layout_element(self._element, self.dtype), *grads)
 
     @property
     def differentiable(self) -> bool:

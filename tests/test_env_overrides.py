@@ -15,6 +15,7 @@ CASES = [
     ("PYDIFF_DEFER", "maybe", "import pydiff"),
     ("PYDIFF_TAPE_BATCH", "2", "import pydiff"),
     ("PYDIFF_GENERATED_MIN_ELEMENTS", "4k", "import pydiff"),
+    ("PYDIFF_GENERATED_PLANNED_AFTER", "bogus", "import pydiff"),
     ("PYDIFF_SWEEP_BATCHES", "always", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_RHI_VALIDATION", "enable", "import pydiff; pydiff.create_device('vulkan')"),
     ("PYDIFF_RAISE_NOFILE", "max", "import pydiff; pydiff.create_device('vulkan')"),

@@ -175,3 +175,22 @@ def test_threads_each_with_their_own_tensors(device, mod, soon):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_a_fresh_result_keeps_its_backward_layout_when_the_forward_switches(device, mod, soon):
+    """SlangPy's results and pydiff's carry different reflection objects of ``float``: the
+    layout keys scalar types by name, so the ``.bwds`` of a fresh result keeps its plan (and
+    its count) when the forward call starts making its results itself (breaker G3)."""
+    xs = np.linspace(-1, 1, N).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    first = None
+    for k in range(12):
+        y = mod.s30_quad(0.5, x, _result="tensor")
+        before = _count("backward")
+        mod.s30_quad.bwds(0.5, x, _result=y.with_grads(ones=True))
+        if first is None and _count("backward") > before:
+            first = k + 1
+    assert first == 5  # the plan's fourth run (the first call made it)
+    np.testing.assert_allclose(x.grad.numpy(), 12 * _quad64(0.5, xs)[1], rtol=1e-5, atol=1e-5)
+    made = mod.s30_quad(0.5, pydiff.zeros((N,), device=device), _result="tensor")
+    assert made.layout == pydiff.zeros((N,), device=device).layout
