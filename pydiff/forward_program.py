@@ -23,6 +23,7 @@ from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import to_float32
+from .seeds import seed_values
 from .policy import zero_policy
 from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
@@ -208,7 +209,9 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
     """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
     want = x.expected_numpy_shape()
-    arr = u.numpy() if isinstance(u, Tensor) else np.asarray(u, dtype=np.float64)
+    arr = seed_values(
+        u.numpy() if isinstance(u, Tensor) else u, f"{what}: {name}[{k}]", x.scalar_type
+    )
     if arr.shape != want and not (arr.size == 1 and int(np.prod(want)) == 1):
         raise ValueError(f"{what}: {name}[{k}] has shape {arr.shape}; primal {k} has shape {want}")
     return make_tensor(arr.reshape(want).astype(np.float32), dtype=x.dtype, device=x.device)

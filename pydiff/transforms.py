@@ -24,6 +24,7 @@ from .forward_program import float_primal, lent_grads, program_hessian, program_
 from .forward_program import hessian_by_columns, refuse_copied, refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
+from .seeds import seed_values
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
@@ -98,6 +99,8 @@ def jvp(
             continue
         _refuse_struct("jvp", f, k, x)
         if isinstance(x, Tensor):
+            if not isinstance(t, Tensor):  # (refused naming jvp's argument, not with_tangent)
+                t = seed_values(t, f"jvp: tangents[{k}]", x.scalar_type)
             view = x.detach()
             args.append(view.with_tangent(t))
         else:
@@ -161,7 +164,8 @@ def vjp(
             refuse_copied(o, "vjp")
             if not o.requires_grad:
                 continue  # an output no primal reaches
-            seed = c.numpy() if isinstance(c, Tensor) else c
+            which = f"vjp: cotangents[{k}]" if isinstance(out, tuple) else "vjp: cotangents"
+            seed = seed_values(c.numpy() if isinstance(c, Tensor) else c, which, o.scalar_type)
             _check_cotangent(seed, o, k, isinstance(out, tuple))
             if o.producer is tape:
                 tape.backward(o, grad=seed)
@@ -300,10 +304,8 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         want = leaf.expected_numpy_shape()
         if u is None:
             u = np.zeros(want)
-        if isinstance(u, Tensor):
-            u_arr = u.numpy()
-        else:
-            u_arr = np.asarray(u, dtype=np.float64)
+        where = f"hvp: direction for '{p.name}' (v[{k}])"
+        u_arr = seed_values(u.numpy() if isinstance(u, Tensor) else u, where, leaf.scalar_type)
         if u_arr.shape != want:
             one = u_arr.size == 1 == int(np.prod(want))  # [v] for a number, v for a (1,)
             if not one and (u_arr.size != int(np.prod(want)) or want != (1,) + u_arr.shape):

@@ -1,0 +1,111 @@
+"""Arguments refused by name: gradient seeds and directions beyond float32 (tape.backward's
+grad=, jvp tangents, vjp cotangents, hvp directions), booleans and text as seeds."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+
+BIG = np.array([1e39, 1.0])
+
+
+def _recorded_square(device):
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = x * x
+    return x, y, tape
+
+
+@pytest.mark.parametrize("seed", [BIG, 1e39, [-1e39, 0.0]])
+def test_tape_backward_refuses_a_seed_beyond_float32(device, seed):
+    x = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = x * x
+        total = y.sum()
+    out = y if np.ndim(seed) else total
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy overflow warning either
+        with pytest.raises(ValueError, match=r"tape\.backward: grad: -?1e\+39 is beyond the larg"):
+            tape.backward(out, grad=seed)
+
+
+@pytest.mark.parametrize(
+    "seed, kind, words",
+    [(np.array([True, False]), TypeError, "booleans"), ("a", TypeError, "dtype <U1")],
+)
+def test_tape_backward_refuses_bool_and_text_seeds(device, seed, kind, words):
+    x, y, tape = _recorded_square(device)
+    with pytest.raises(kind, match=f"tape.backward: grad: got .*{words}"):
+        tape.backward(y, grad=seed)
+
+
+def test_tape_backward_still_takes_int_and_inf_seeds(device):
+    x, y, tape = _recorded_square(device)
+    tape.backward(y, grad=np.array([3, 1]))  # ints are numbers
+    np.testing.assert_allclose(x.grad.numpy(), [6.0, 4.0])  # 2 x * seed
+    x, y, tape = _recorded_square(device)
+    tape.backward(y, grad=[np.inf, 1.0])  # inf itself is not an overflow
+    assert np.isinf(x.grad.numpy()[0]) and x.grad.numpy()[1] == 4.0
+
+
+def test_half_output_refuses_a_seed_beyond_half(device):
+    m = pydiff.load_module_from_source(
+        "s30_argfix_half", "[Differentiable] half h(half x) { return x * x; }", device=device
+    )
+    x = pydiff.tensor([1.0, 2.0], dtype="half", device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = m.h(x, _result="tensor")  # a half result: its seed must fit half
+    with pytest.raises(ValueError, match=r"grad: 70000\.0 is beyond the largest half"):
+        tape.backward(y, grad=[70000.0, 1.0])
+
+
+def test_transforms_refuse_directions_beyond_float32(device):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"jvp: tangents\[0\]: 1e\+39 is beyond"):
+            pydiff.jvp(lambda a: a * a, (x,), (BIG,))
+        with pytest.raises(ValueError, match=r"vjp: cotangents: 1e\+39 is beyond"):
+            pydiff.vjp(lambda a: a * a, (x,), BIG)
+        with pytest.raises(ValueError, match=r"vjp: cotangents\[1\]: 1e\+39 is beyond"):
+            pydiff.vjp(lambda a: (a * a, a + a), (x,), (np.ones(2), BIG))
+        with pytest.raises(ValueError, match=r"hvp: directions\[0\]: 1e\+39 is beyond"):
+            pydiff.hvp(lambda a: (a * a).sum(), (x,), (BIG,))
+
+
+def test_transforms_of_a_module_function_refuse_directions_beyond_float32(device):
+    m = pydiff.load_module_from_source(
+        "s30_argfix_sq", "[Differentiable] float sq(float x) { return x * x; }", device=device
+    )
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    with pytest.raises(ValueError, match=r"jvp: tangents\[0\]: 1e\+39 is beyond"):
+        pydiff.jvp(m.sq, (x,), (BIG,))
+    with pytest.raises(TypeError, match=r"jvp: tangents\[0\]: got booleans"):
+        pydiff.jvp(m.sq, (x,), (np.array([True, False]),))
+    with pytest.raises(ValueError, match=r"hvp: direction for 'x' \(v\[0\]\): 1e\+39 is beyond"):
+        pydiff.hvp(m.sq, (x,), (BIG,))
+
+
+@pytest.mark.parametrize("bad", ["a", np.array([True, False])])
+def test_transforms_name_a_tangent_that_is_not_numbers(device, bad):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    with pytest.raises(TypeError, match=r"jvp: tangents\[0\]: got"):
+        pydiff.jvp(lambda a: a * a, (x,), (bad,))
+    with pytest.raises(TypeError, match=r"hvp: directions\[0\]: got"):
+        pydiff.hvp(lambda a: (a * a).sum(), (x,), (bad,))
+    with pytest.raises(TypeError, match=r"with_tangent: tangent: got"):
+        pydiff.tensor([1.0, 2.0], device=device).with_tangent(bad)
+
+
+def test_valid_directions_still_give_closed_forms(device):
+    xs = np.array([1.5, -2.0])
+    x = pydiff.tensor(xs, device=device)
+    u = np.array([0.25, 3.0])
+    _, dy = pydiff.jvp(lambda a: a * a * a, (x,), (u,))
+    np.testing.assert_allclose(dy.numpy(), 3 * xs**2 * u, rtol=1e-6)
+    _, (g,) = pydiff.vjp(lambda a: a * a * a, (x,), u)
+    np.testing.assert_allclose(g.numpy(), 3 * xs**2 * u, rtol=1e-6)
+    (hv,) = pydiff.hvp(lambda a: (a * a * a).sum(), (x,), (u,))
+    np.testing.assert_allclose(hv.numpy(), 6 * xs * u, rtol=1e-6)
