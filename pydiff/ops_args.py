@@ -113,6 +113,22 @@ def need_2d(name: str, **tensors: Tensor) -> None:
             raise ValueError(f"{name}: {arg} must be a 2-D float tensor, got {got}")
 
 
+def need_vector(name: str, arg: str, t: Any, n: int) -> None:
+    """TypeError naming the op and ``arg`` when ``t`` (a weight or bias) is not a pydiff
+    tensor, ValueError when it is not of shape (n,): ops read its buffer, which a NumPy
+    array or list has not.
+
+    >>> need_vector("linear", "bias", b, w.shape[0])   # TypeError: linear: bias must be ...
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{name}: {arg} must be a pydiff.Tensor of shape ({n},), got {type(t).__name__}: "
+            f"wrap it, pydiff.tensor({arg}) (made once, outside a training loop)"
+        )
+    if t.shape != (n,):
+        raise ValueError(f"{name}: {arg} must have shape ({n},), got {t.shape}")
+
+
 def rows_view(name: str, x: Tensor, arg: str = "x") -> Tensor:
     """``x`` as a 2-D (rows, last dim) view, for the ops that work along the last dimension."""
     need_float(name, **{arg: x})

@@ -109,3 +109,45 @@ def test_valid_directions_still_give_closed_forms(device):
     np.testing.assert_allclose(g.numpy(), 3 * xs**2 * u, rtol=1e-6)
     (hv,) = pydiff.hvp(lambda a: (a * a * a).sum(), (x,), (u,))
     np.testing.assert_allclose(hv.numpy(), 6 * xs * u, rtol=1e-6)
+
+
+# --- weights and biases that are not pydiff tensors -------------------------------------
+
+
+def _ones(device, *shape):
+    return pydiff.tensor(np.ones(shape, np.float32), device=device)
+
+
+@pytest.mark.parametrize("bias", [np.ones(2, np.float32), [1.0, 2.0], 1.0])
+def test_linear_names_a_bias_that_is_not_a_tensor(device, bias):
+    x, w = _ones(device, 3, 4), _ones(device, 2, 4)
+    with pytest.raises(TypeError, match=r"linear: bias must be a pydiff.Tensor of shape \(2,\)"):
+        pydiff.ops.linear(x, w, bias)
+
+
+def test_linear_bias_of_the_wrong_shape_and_a_right_one(device):
+    x, w = _ones(device, 3, 4), _ones(device, 2, 4)
+    with pytest.raises(ValueError, match=r"linear: bias must have shape \(2,\), got \(3,\)"):
+        pydiff.ops.linear(x, w, _ones(device, 3))
+    b = pydiff.tensor([0.5, -1.0], device=device)
+    np.testing.assert_allclose(pydiff.ops.linear(x, w, b).numpy(), np.full((3, 2), 4.0) + [0.5, -1])
+
+
+@pytest.mark.parametrize("bad", [np.ones(4), [1.0] * 4, 2.0, None])
+def test_norms_name_a_weight_or_bias_that_is_not_a_tensor(device, bad):
+    x = _ones(device, 3, 4)
+    with pytest.raises(TypeError, match=r"rms_norm: weight must be a pydiff.Tensor of shape"):
+        pydiff.ops.rms_norm(x, bad)
+    if bad is not None:  # (None: layer_norm's default weight and bias)
+        for arg in ("weight", "bias"):
+            with pytest.raises(TypeError, match=f"layer_norm: {arg} must be a pydiff.Tensor"):
+                pydiff.ops.layer_norm(x, **{arg: bad})
+
+
+def test_mse_loss_takes_a_list_target_and_names_a_wrong_shape(device):
+    p = pydiff.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+    t = [[0.0, 2.0], [1.0, 1.0]]
+    expected = np.mean((np.array([[1.0, 2.0], [3.0, 4.0]]) - np.array(t)) ** 2)
+    np.testing.assert_allclose(pydiff.ops.mse_loss(p, t).item(), expected, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"mse_loss: prediction \(2, 2\) and target \(1, 2\)"):
+        pydiff.ops.mse_loss(p, [[1.0, 2.0]])
