@@ -88,10 +88,16 @@ def _operand_shape(v: Any) -> tuple[int, ...] | None:
     return None
 
 
+#: The largest float32 and the smallest positive one: the ops' kernels compute in float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_SMALLEST = float(np.finfo(np.float32).smallest_subnormal)
+
+
 def finite_number(name: str, param: str, value: Any, *, positive: bool = False) -> float:
     """``value`` as a float: TypeError naming the op and the parameter for what is not a
-    number, ValueError for NaN, an infinity (and, with ``positive``, a value <= 0), which
-    would make every output NaN (or 0) without an error.
+    number, ValueError for NaN, an infinity or a value beyond float32 (inf in the kernels)
+    and, with ``positive``, a value that is not positive in float32 (<= 0, or so small it
+    rounds to 0), which would make every output NaN (or 0) without an error.
 
     >>> eps = finite_number("layer_norm", "eps", eps, positive=True)
     """
@@ -100,6 +106,11 @@ def finite_number(name: str, param: str, value: Any, *, positive: bool = False) 
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name}: {param}={value} must be a finite number")
+    if abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name}: {param}={value} is beyond the largest float32 ({FLOAT32_MAX:.8g}); "
+            f"{name} computes in float32, where it would be inf: give a smaller value"
+        )
     if positive and number <= 0:
         raise ValueError(f"{name}: {param}={value} must be positive")
     return number

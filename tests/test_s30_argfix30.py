@@ -151,3 +151,55 @@ def test_mse_loss_takes_a_list_target_and_names_a_wrong_shape(device):
     np.testing.assert_allclose(pydiff.ops.mse_loss(p, t).item(), expected, rtol=1e-6)
     with pytest.raises(ValueError, match=r"mse_loss: prediction \(2, 2\) and target \(1, 2\)"):
         pydiff.ops.mse_loss(p, [[1.0, 2.0]])
+
+
+# --- ops' and optimizers' numbers beyond float32, eps that is 0 in float32 ----------------
+
+
+@pytest.mark.parametrize(
+    "call, start",
+    [
+        (lambda x: pydiff.ops.attention(x, x, x, scale=1e39), "attention: scale=1e+39 is beyond"),
+        (lambda x: pydiff.ops.attention(x, x, x, scale=-1e39), "attention: scale=-1e+39 is bey"),
+        (lambda x: pydiff.ops.layer_norm(x, eps=1e39), "layer_norm: eps=1e+39 is beyond"),
+        (lambda x: pydiff.ops.rms_norm(x, x[0], eps=1e39), "rms_norm: eps=1e+39 is beyond"),
+    ],
+)
+def test_op_numbers_beyond_float32_are_named_by_the_op(device, call, start):
+    x = pydiff.tensor(np.ones((3, 4), np.float32), device=device)
+    with pytest.raises(ValueError) as info:
+        call(x)
+    assert str(info.value).startswith(start), str(info.value)
+
+
+def test_attention_with_a_scale_that_rounds_to_zero_averages_the_values(device):
+    rng = np.random.default_rng(1)
+    q, v = rng.standard_normal((3, 4)), rng.standard_normal((5, 2))
+    out = pydiff.ops.attention(
+        pydiff.tensor(q, device=device),
+        pydiff.tensor(rng.standard_normal((5, 4)), device=device),
+        pydiff.tensor(v, device=device),
+        scale=1e-50,  # (allowed: scale need not be positive; 0 gives uniform weights)
+    )
+    np.testing.assert_allclose(out.numpy(), np.tile(v.mean(axis=0), (3, 1)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, key",
+    [
+        (lambda p: pydiff.optim.SGD([p], lr=1e39), "lr"),
+        (lambda p: pydiff.optim.SGD([p], lr=0.1, momentum=1e39), "momentum"),
+        (lambda p: pydiff.optim.SGD([p], lr=0.1, weight_decay=1e39), "weight_decay"),
+        (lambda p: pydiff.optim.Adam([p], lr=1e39), "lr"),
+        (lambda p: pydiff.optim.Adam([p], lr=0.1, eps=1e39), "eps"),
+        (lambda p: pydiff.optim.AdamW([p], lr=0.1, weight_decay=1e39), "weight_decay"),
+    ],
+)
+def test_optimizer_numbers_beyond_float32_are_refused(device, make, key):
+    p = pydiff.tensor(np.ones(4, np.float32), device=device, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^\w+: {key}=1e\+39 is beyond the largest float32"):
+        make(p)
+    opt = pydiff.optim.SGD([p], lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD.defaults: lr=1e\+39 is beyond"):
+        opt.defaults["lr"] = 1e39
+    assert opt.defaults["lr"] == 0.1
