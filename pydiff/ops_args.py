@@ -113,6 +113,12 @@ def finite_number(name: str, param: str, value: Any, *, positive: bool = False) 
         )
     if positive and number <= 0:
         raise ValueError(f"{name}: {param}={value} must be positive")
+    if positive and np.float32(number) == 0:
+        raise ValueError(
+            f"{name}: {param}={value} is 0 in float32, where {name} computes, so it is not "
+            f"positive there: use at least {FLOAT32_SMALLEST:.8g} (the smallest positive "
+            "float32)"
+        )
     return number
 
 

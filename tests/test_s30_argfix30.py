@@ -172,6 +172,25 @@ def test_op_numbers_beyond_float32_are_named_by_the_op(device, call, start):
     assert str(info.value).startswith(start), str(info.value)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_an_eps_that_is_zero_in_float32_is_refused(device, op):
+    x = pydiff.zeros((1, 4), device=device)
+    w = pydiff.tensor(np.ones(4, np.float32), device=device)
+    args = (x, w) if op == "rms_norm" else (x,)
+    with pytest.raises(ValueError, match=rf"{op}: eps=1e-50 is 0 in float32.*1\.4012985e-45"):
+        getattr(pydiff.ops, op)(*args, eps=1e-50)
+
+
+def test_rms_norm_of_a_zero_row_with_the_smallest_eps_is_finite(device):
+    x = pydiff.zeros((1, 4), device=device, requires_grad=True)
+    w = pydiff.tensor(np.ones(4, np.float32), device=device)
+    with pydiff.Tape() as tape:
+        y = pydiff.ops.rms_norm(x, w, eps=1e-45)
+    tape.backward(y, grad=np.ones((1, 4)))
+    assert np.all(y.numpy() == 0)  # x r w with x = 0
+    assert np.all(np.isfinite(x.grad.numpy()))
+
+
 def test_attention_with_a_scale_that_rounds_to_zero_averages_the_values(device):
     rng = np.random.default_rng(1)
     q, v = rng.standard_normal((3, 4)), rng.standard_normal((5, 2))
