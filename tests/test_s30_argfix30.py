@@ -222,3 +222,82 @@ def test_optimizer_numbers_beyond_float32_are_refused(device, make, key):
     with pytest.raises(ValueError, match=r"SGD.defaults: lr=1e\+39 is beyond"):
         opt.defaults["lr"] = 1e39
     assert opt.defaults["lr"] == 0.1
+
+
+# --- integer primals: never differentiated, refused where named, held fixed elsewhere ------
+
+A_INT, B = np.array([1, 2]), np.array([0.5, 3.0])
+
+
+def _f(a, b):
+    return (a * a * b * b).sum()  # H_bb = diag(2 a^2), H_ab = diag(4 a b), H_aa = diag(2 b^2)
+
+
+def _hessian_closed_form(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.block(
+        [[np.diag(2 * b**2), np.diag(4 * a * b)], [np.diag(4 * a * b), np.diag(2 * a**2)]]
+    )
+
+
+def test_hvp_of_held_integers_matches_hessian_times_v():
+    H = pydiff.hessian(_f, (A_INT, B))
+    np.testing.assert_allclose(H, np.diag(2.0 * A_INT**2), rtol=1e-6)  # b's block only
+    v = np.array([0.25, -1.5])
+    none, hv = pydiff.hvp(_f, (A_INT, B), (None, v))
+    assert none is None
+    np.testing.assert_allclose(hv, H @ v, rtol=1e-6)
+
+
+def test_float_primals_hessian_and_hvp_agree_with_the_closed_form():
+    a = A_INT.astype(np.float64)
+    H = pydiff.hessian(_f, (a, B))
+    np.testing.assert_allclose(H, _hessian_closed_form(a, B), rtol=1e-6)
+    va, vb = np.array([1.0, -2.0]), np.array([0.5, 0.25])
+    ha, hb = pydiff.hvp(_f, (a, B), (va, vb))
+    np.testing.assert_allclose(np.concatenate([ha, hb]), H @ np.concatenate([va, vb]), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: pydiff.hvp(_f, (A_INT, B), (np.ones(2), None)), r"hvp: primal 0 holds integ"),
+        (lambda: pydiff.jvp(_f, (A_INT, B), (np.ones(2), None)), r"jvp: primal 0 holds integ"),
+        (lambda: pydiff.grad(_f)(A_INT, B), r"grad\(_f\): argument 0 holds integers"),
+        (lambda: pydiff.value_and_grad(_f)(2, 1.0), r"argument 0 holds integers.*\(2\.0\)"),
+        (lambda: pydiff.jacfwd(_f)(A_INT, B), r"jacfwd: primal 0 holds integers.*argnums"),
+        (lambda: pydiff.jacrev(_f)(A_INT, B), r"jacrev: primal 0 holds integers.*argnums"),
+        (lambda: pydiff.jvp(_f, ([1, 2], B), ([1.0, 1.0], None)), r"primal 0 holds integers"),
+    ],
+)
+def test_transforms_told_to_differentiate_integers_refuse_them(call, words):
+    with pytest.raises(TypeError, match=words):
+        call()
+
+
+def test_hessian_of_only_integer_primals_names_them():
+    with pytest.raises(ValueError, match=r"no float primal.*primals \[0\] hold integers"):
+        pydiff.hessian(lambda a: (a * a).sum(), (A_INT,))
+
+
+def test_vjp_holds_integer_primals_fixed_and_differentiates_floats():
+    a = pydiff.tensor(np.array([1, 2], np.int32))  # (a NumPy int array is passed as given)
+    out, (ga, gb) = pydiff.vjp(lambda a, b: (a * b * b).sum(), (a, B), 1.0)
+    assert ga is None
+    np.testing.assert_allclose(gb, 2 * A_INT * B, rtol=1e-6)
+    np.testing.assert_allclose(out.item(), np.sum(A_INT * B * B), rtol=1e-6)
+    # grad of the same with respect to b only: the same numbers
+    np.testing.assert_allclose(
+        pydiff.grad(lambda a, b: (a * b * b).sum(), argnums=1)(A_INT, B), 2 * A_INT * B
+    )
+
+
+def test_module_function_int_at_a_float_parameter_is_a_float_in_every_transform(device):
+    m = pydiff.load_module_from_source(
+        "s30_argfix_cube", "[Differentiable] float cube(float x) { return x * x * x; }", device
+    )
+    _, (g,) = pydiff.vjp(m.cube, (2,), 1.0)  # was None: ints held fixed at a float parameter
+    assert g == pytest.approx(12.0)  # 3 x^2
+    (hv,) = pydiff.hvp(m.cube, (2,), (1.0,))
+    assert float(hv) == pytest.approx(12.0)  # 6 x
+    np.testing.assert_allclose(pydiff.hessian(m.cube, (2,)), [[12.0]])
