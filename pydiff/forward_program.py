@@ -23,6 +23,8 @@ from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import to_float32
+from .integer_primals import holds_integers, refuse_integers
+from .seeds import seed_values
 from .policy import zero_policy
 from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
@@ -188,8 +190,15 @@ forward_trace.provide_shader_call(_shader_call)
 # --- pydiff.jvp / pydiff.hvp of a Python function ------------------------------------------
 
 
-def float_primal(value: Any, what: str, k: int) -> Tensor:
-    """A primal given a direction, as a float tensor (host numbers and arrays uploaded)."""
+def float_primal(
+    value: Any, what: str, k: int, integers: bool = False, hold: str = "give None as its direction"
+) -> Tensor:
+    """A primal given a direction, as a float tensor (host numbers and arrays uploaded);
+    integers refused (``refuse_integers``, ``hold`` saying how to hold one fixed) unless
+    ``integers`` (a module function's parameter type decides: an int given to a float
+    parameter is a float)."""
+    if not integers:
+        refuse_integers(value, f"{what}: primal {k}", hold)
     if isinstance(value, Tensor):
         if value.scalar_type not in ("float", "half"):
             raise TypeError(f"{what}: primal {k} has dtype {value.dtype!r}; it needs a float dtype")
@@ -208,7 +217,9 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
     """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
     want = x.expected_numpy_shape()
-    arr = u.numpy() if isinstance(u, Tensor) else np.asarray(u, dtype=np.float64)
+    arr = seed_values(
+        u.numpy() if isinstance(u, Tensor) else u, f"{what}: {name}[{k}]", x.scalar_type
+    )
     if arr.shape != want and not (arr.size == 1 and int(np.prod(want)) == 1):
         raise ValueError(f"{what}: {name}[{k}] has shape {arr.shape}; primal {k} has shape {want}")
     return make_tensor(arr.reshape(want).astype(np.float32), dtype=x.dtype, device=x.device)
@@ -362,7 +373,7 @@ def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
         if isinstance(x, Tensor):
             if x.scalar_type in ("float", "half"):
                 found.append((k, x.expected_numpy_shape()))
-        elif isinstance(x, float) or (
+        elif isinstance(x, (float, np.floating)) or (
             isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
         ):
             found.append((k, np.shape(x)))
@@ -378,8 +389,11 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     sizes = [int(np.prod(s)) for _, s in found]
     n = sum(sizes)
     if n == 0:
+        ints = [k for k, x in enumerate(primals) if holds_integers(x)]
+        held = f"; primals {ints} hold integers, held fixed: give floats" if ints else ""
         raise ValueError(
-            "hessian: no float primal to differentiate (pydiff tensors, float arrays, floats)"
+            f"hessian: no float primal to differentiate (pydiff tensors, float arrays, "
+            f"floats){held}"
         )
     if n > max_inputs:
         raise ValueError(

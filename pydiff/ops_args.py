@@ -88,10 +88,16 @@ def _operand_shape(v: Any) -> tuple[int, ...] | None:
     return None
 
 
+#: The largest float32 and the smallest positive one: the ops' kernels compute in float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_SMALLEST = float(np.finfo(np.float32).smallest_subnormal)
+
+
 def finite_number(name: str, param: str, value: Any, *, positive: bool = False) -> float:
     """``value`` as a float: TypeError naming the op and the parameter for what is not a
-    number, ValueError for NaN, an infinity (and, with ``positive``, a value <= 0), which
-    would make every output NaN (or 0) without an error.
+    number, ValueError for NaN, an infinity or a value beyond float32 (inf in the kernels)
+    and, with ``positive``, a value that is not positive in float32 (<= 0, or so small it
+    rounds to 0), which would make every output NaN (or 0) without an error.
 
     >>> eps = finite_number("layer_norm", "eps", eps, positive=True)
     """
@@ -100,8 +106,19 @@ def finite_number(name: str, param: str, value: Any, *, positive: bool = False) 
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name}: {param}={value} must be a finite number")
+    if abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name}: {param}={value} is beyond the largest float32 ({FLOAT32_MAX:.8g}); "
+            f"{name} computes in float32, where it would be inf: give a smaller value"
+        )
     if positive and number <= 0:
         raise ValueError(f"{name}: {param}={value} must be positive")
+    if positive and np.float32(number) == 0:
+        raise ValueError(
+            f"{name}: {param}={value} is 0 in float32, where {name} computes, so it is not "
+            f"positive there: use at least {FLOAT32_SMALLEST:.8g} (the smallest positive "
+            "float32)"
+        )
     return number
 
 
@@ -111,6 +128,22 @@ def need_2d(name: str, **tensors: Tensor) -> None:
         if not isinstance(t, Tensor) or len(t.shape) != 2:
             got = t.shape if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: {arg} must be a 2-D float tensor, got {got}")
+
+
+def need_vector(name: str, arg: str, t: Any, n: int) -> None:
+    """TypeError naming the op and ``arg`` when ``t`` (a weight or bias) is not a pydiff
+    tensor, ValueError when it is not of shape (n,): ops read its buffer, which a NumPy
+    array or list has not.
+
+    >>> need_vector("linear", "bias", b, w.shape[0])   # TypeError: linear: bias must be ...
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{name}: {arg} must be a pydiff.Tensor of shape ({n},), got {type(t).__name__}: "
+            f"wrap it, pydiff.tensor({arg}) (made once, outside a training loop)"
+        )
+    if t.shape != (n,):
+        raise ValueError(f"{name}: {arg} must have shape ({n},), got {t.shape}")
 
 
 def rows_view(name: str, x: Tensor, arg: str = "x") -> Tensor:

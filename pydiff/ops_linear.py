@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .function import Function
-from .ops_args import need_2d, need_float, same_device
+from .ops_args import need_2d, need_float, need_vector, same_device
 from .ops_elementwise import add_tangents, mul, relu_mask
 from .ops_reduce import CE_PRODUCER_FUSIONS, sum_mid
 from .products import (
@@ -211,6 +211,5 @@ def linear(
         )
     if bias is None:
         return _LinearNoBias.apply(x, weight, activation)
-    if bias.shape != (weight.shape[0],):
-        raise ValueError(f"linear: bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+    need_vector("linear", "bias", bias, weight.shape[0])
     return _Linear.apply(x, weight, bias, activation)

@@ -17,7 +17,8 @@ from .creation import empty, tensor, zeros
 from .device import Device
 from .function import Function
 from .module import library
-from .ops_args import check_axis, finite_number, need_2d, need_float, rows_view, same_device
+from .ops_args import check_axis, finite_number, need_2d, need_float, need_vector, rows_view
+from .ops_args import same_device
 from .ops_elementwise import add, add_tangents, div, dsilu, exp, mul, silu, sqrt, sub
 from .ops_reduce import mean, sum
 from .tensor import Tensor
@@ -199,9 +200,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     need_2d("rms_norm", x=x)
     need_float("rms_norm", weight=weight)
     same_device("rms_norm", x=x, weight=weight)
-    if not isinstance(weight, Tensor) or weight.shape != (x.shape[1],):
-        got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
-        raise ValueError(f"rms_norm: weight must have shape ({x.shape[1]},), got {got}")
+    need_vector("rms_norm", "weight", weight, x.shape[1])
     eps = finite_number("rms_norm", "eps", eps, positive=True)
     return _RMSNorm.apply(x, weight, eps)
 
@@ -284,8 +283,7 @@ def layer_norm(
     need_float("layer_norm", weight=weight, bias=bias)
     same_device("layer_norm", x=x, weight=weight, bias=bias)
     for arg, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (not isinstance(t, Tensor) or t.shape != (x2.shape[1],)):
-            got = t.shape if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"layer_norm: {arg} must have shape ({x2.shape[1]},), got {got}")
+        if t is not None:
+            need_vector("layer_norm", arg, t, x2.shape[1])
     eps = finite_number("layer_norm", "eps", eps, positive=True)
     return _LayerNorm.apply(x, weight, bias, eps)

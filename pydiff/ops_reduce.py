@@ -142,10 +142,9 @@ def mse_loss(prediction: Tensor, target: Tensor) -> Tensor:
     """
     need_float("mse_loss", prediction=prediction, target=target)
     same_device("mse_loss", prediction=prediction, target=target)
-    if prediction.shape != target.shape:
-        raise ValueError(
-            f"mse_loss: prediction {prediction.shape} and target {target.shape} differ"
-        )
+    shapes = [v.shape if isinstance(v, Tensor) else np.shape(v) for v in (prediction, target)]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"mse_loss: prediction {shapes[0]} and target {shapes[1]} differ")
     return _MseLoss.apply(prediction, target)
 
 

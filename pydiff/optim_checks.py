@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .ops_args import FLOAT32_MAX
 from .tensor import Tensor
 
 # Each hyper-parameter's rule, as torch.optim checks it (its NaN slips through `not 0 <= x`
@@ -81,6 +82,11 @@ def check_hyper(owner: str, key: str, value: Any) -> Any:
     number = _number(owner, key, value)
     if not (math.isfinite(number) and number >= 0.0):
         raise ValueError(f"{owner}: {key}={value!r}; expected {_RULES[key]}")
+    if number > FLOAT32_MAX:  # the step kernels take it as a float32: inf, and p with it
+        raise ValueError(
+            f"{owner}: {key}={value!r} is beyond the largest float32 ({FLOAT32_MAX:.8g}); the "
+            "step computes in float32, where it would be inf: give a smaller value"
+        )
     return number
 
 

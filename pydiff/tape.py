@@ -21,6 +21,7 @@ from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .errors import TapeReuseWarning, env_flag, warn_once
+from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 from .unrecorded import not_recorded
@@ -351,8 +352,7 @@ class Tape:
         else:
             if isinstance(grad, Tensor):
                 grad = grad.numpy()
-            with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
-                seed = np.asarray(grad, dtype=np.float64)
+            seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
         if seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
         if seed.shape != want:

@@ -17,6 +17,7 @@ from . import capturing, forward_trace, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
+from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
 from .storage import layout_element, shape_with_inferred_axis
@@ -316,8 +317,7 @@ class Tensor(GradBuffers, TensorOperators):
                 )
             self._tangent = tangent
             return self
-        with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
-            arr = np.asarray(tangent, dtype=np.float64)
+        arr = seed_values(tangent, "with_tangent: tangent", self.scalar_type)
         want = self.expected_numpy_shape()
         if arr.shape != want:
             raise ValueError(

@@ -12,6 +12,7 @@ to build, and writing ``bwd_diff(fwd_diff(f))`` in one expression crashes the co
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence, Union
 
 import numpy as np
@@ -21,9 +22,11 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import hessian_by_columns, refuse_copied, refuse_inside_tape
+from .forward_program import hessian_by_columns, holds_integers, refuse_copied
+from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
+from .seeds import seed_values
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
@@ -98,6 +101,8 @@ def jvp(
             continue
         _refuse_struct("jvp", f, k, x)
         if isinstance(x, Tensor):
+            if not isinstance(t, Tensor):  # (refused naming jvp's argument, not with_tangent)
+                t = seed_values(t, f"jvp: tangents[{k}]", x.scalar_type)
             view = x.detach()
             args.append(view.with_tangent(t))
         else:
@@ -136,8 +141,11 @@ def vjp(
         leaf = None
         if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
             leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
-        elif _float_value(x) and (params is None or (k < len(params) and params[k].differentiable)):
+        elif params is None and _float_value(x):  # (integers: held fixed)
             leaf = float_primal(x, "vjp", k).requires_grad_(True)
+        elif params is not None and k < len(params) and params[k].differentiable:
+            if _float_value(x) or holds_integers(x):  # the parameter's type decides
+                leaf = float_primal(x, "vjp", k, integers=True).requires_grad_(True)
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)
     taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
@@ -161,7 +169,8 @@ def vjp(
             refuse_copied(o, "vjp")
             if not o.requires_grad:
                 continue  # an output no primal reaches
-            seed = c.numpy() if isinstance(c, Tensor) else c
+            which = f"vjp: cotangents[{k}]" if isinstance(out, tuple) else "vjp: cotangents"
+            seed = seed_values(c.numpy() if isinstance(c, Tensor) else c, which, o.scalar_type)
             _check_cotangent(seed, o, k, isinstance(out, tuple))
             if o.producer is tape:
                 tape.backward(o, grad=seed)
@@ -233,7 +242,7 @@ def _check_cotangent(seed: Any, out: Tensor, k: int, many: bool) -> None:
 
 def _float_value(x: Any) -> bool:
     """A Python float or a float array (list): a primal vjp differentiates (ints: fixed)."""
-    if isinstance(x, float):
+    if isinstance(x, (float, np.floating)):
         return True
     return isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
 
@@ -243,7 +252,7 @@ def _as_given(leaf: Tensor, given: Any) -> Any:
     values = np.asarray(leaf.grad.numpy(), np.float64)
     return (
         float(values.reshape(-1)[0])
-        if isinstance(given, float)
+        if isinstance(given, numbers.Real)  # (an int given to a float parameter too)
         else values.reshape(np.shape(given))
     )
 
@@ -300,10 +309,8 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         want = leaf.expected_numpy_shape()
         if u is None:
             u = np.zeros(want)
-        if isinstance(u, Tensor):
-            u_arr = u.numpy()
-        else:
-            u_arr = np.asarray(u, dtype=np.float64)
+        where = f"hvp: direction for '{p.name}' (v[{k}])"
+        u_arr = seed_values(u.numpy() if isinstance(u, Tensor) else u, where, leaf.scalar_type)
         if u_arr.shape != want:
             one = u_arr.size == 1 == int(np.prod(want))  # [v] for a number, v for a (1,)
             if not one and (u_arr.size != int(np.prod(want)) or want != (1,) + u_arr.shape):

@@ -1,0 +1,68 @@
+"""Gradient seeds and directions given from the host: ``tape.backward``'s ``grad=``, a
+``jvp`` tangent, a ``vjp`` cotangent, an ``hvp`` direction. They are float values of the
+tensor they seed; NumPy would take booleans as 0/1, fail on text with a message naming
+nothing, and turn a finite value beyond the float type into inf with only a warning (so
+every gradient after it inf). Each is refused here, naming the argument:
+
+    seed_values(np.ones(3), "tape.backward: grad")        # float64 array([1., 1., 1.])
+    seed_values(1e39, "tape.backward: grad")              # ValueError: ... beyond the largest
+    seed_values([True, False], "jvp: tangents[0]")        # TypeError: ... booleans
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: The NumPy type whose range a seed of each tensor element type must fit.
+_LIMITS = {"float": np.float32, "half": np.float16, "double": np.float64}
+
+
+def seed_values(value: Any, what: str, scalar_type: str = "float") -> np.ndarray:
+    """``value`` (a NumPy array, list or number; tensors read to NumPy first) as float64
+    values that a tensor of ``scalar_type`` holds unchanged in range: TypeError naming
+    ``what`` for booleans, text, complex numbers or other non-numbers, ValueError for a finite
+    value beyond the type's largest (it would become inf there).
+
+    >>> seed_values(np.array([1e39, 1.0]), "vjp: cotangents")   # ValueError: vjp: cotangents
+    """
+    arr = np.asarray(value) if not isinstance(value, np.ndarray) else value
+    kind = arr.dtype.kind
+    if kind == "b":
+        raise TypeError(
+            f"{what}: got booleans (dtype bool); a gradient seed or direction holds float "
+            "values: pass numbers (e.g. np.asarray(v, dtype=float))"
+        )
+    if kind == "O" and not any(v is None for v in arr.flat):  # Decimals, huge Python ints
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except OverflowError:
+            raise ValueError(
+                f"{what}: {_short(value)} is beyond the largest {scalar_type} and would become "
+                "inf: scale it down"
+            ) from None
+        except (TypeError, ValueError):
+            pass
+    if arr.dtype.kind not in "fiu":
+        name = "complex numbers" if arr.dtype.kind == "c" else f"values of dtype {arr.dtype}"
+        raise TypeError(
+            f"{what}: got {name} ({_short(value)}); a gradient seed or direction holds float "
+            "values: pass a number or a NumPy array of numbers"
+        )
+    with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
+        wide = np.asarray(arr, dtype=np.float64)
+    top = float(np.finfo(_LIMITS.get(scalar_type, np.float32)).max)
+    beyond = np.isfinite(wide) & (np.abs(wide) > top)
+    if beyond.any():
+        raise ValueError(
+            f"{what}: {wide[beyond].flat[0].item()!r} is beyond the largest {scalar_type} "
+            f"({top:.8g}) and would become inf, and so would every derivative it carries: "
+            "scale it down (and what you read back up by the same factor)"
+        )
+    return wide
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
