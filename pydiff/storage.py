@@ -234,14 +234,14 @@ def dtype_name(dtype: Any) -> str:
     raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 
-def layout_element(element: Any, name: str) -> Any:
+def layout_element(element: Any) -> Any:
     """What a call plan's layout keys a tensor's element type by: a scalar, vector or matrix
-    type by its ``name`` (the reflection objects of SlangPy's results and of pydiff's tensors
+    type by its name (the reflection objects of SlangPy's results and of pydiff's tensors
     differ), any other type by its reflection object.
 
-    >>> layout_element(x.element_type, x.dtype)     # 'float'
+    >>> layout_element(x.element_type)     # 'float'
     """
-    return name if type(element).__name__ in _NAMED_TYPES else element
+    return element.full_name if type(element).__name__ in _NAMED_TYPES else element
 
 
 _NAMED_TYPES = ("ScalarType", "VectorType", "MatrixType")  # SlangPy's reflection classes

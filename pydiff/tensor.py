@@ -64,7 +64,8 @@ class Tensor(GradBuffers, TensorOperators):
             native = native.view((1,))
         self._native = native
         self._device = device
-        self._element = native.dtype  # SlangPy's element type (layout's; a native stays fixed)
+        self._element = native.dtype  # SlangPy's element type (a native stays fixed)
+        self._layout_el = layout_element(self._element)  # (fixed, as the native is)
         self._grad_in = grad_in
         self._grad_out = grad_out
         self.storage = storage if storage is not None else Storage(native.storage)
@@ -156,15 +157,14 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def layout(self) -> tuple:
-        """(shape, element type (``storage.layout_element``), has grad_in, has grad_out): what
-        a call plan of this tensor's argument depends on (see call_plan).
+        """(shape, ``storage.layout_element`` of the element type, has grad_in, has grad_out):
+        what a call plan of this tensor's argument depends on (see call_plan).
 
         >>> x.layout      # ((4,), 'float', True, True)
         """
         if self._base is not None:
             self._sync_view()
-        grads = (self._grad_in is not None, self._grad_out is not None)
-        return (self._shape, layout_element(self._element, self.dtype), *grads)
+        return (self._shape, self._layout_el, self._grad_in is not None, self._grad_out is not None)
 
     @property
     def differentiable(self) -> bool:
