@@ -105,6 +105,17 @@ def _plannable(fn: FunctionTarget) -> bool:
     return not fn.module.traps.get(fn.name) and not _overloaded(fn)
 
 
+def _may_generate(plan: Any, large: bool) -> bool:
+    """Whether a call of ``plan`` may take the generated kernel: a small one once its layout
+    has run ``PLANNED_AFTER`` times, any while ``PYDIFF_GENERATED`` is on (read each time)."""
+    if not large:
+        plan.calls += 1
+        if plan.calls <= generated.PLANNED_AFTER:
+            generated.check_switch_planned()  # (the full path reads it at every call)
+            return False
+    return generated.enabled()
+
+
 class ForwardPlan:
     """A forward call of one layout off a tape: no in-place parameter given a tensor, no
     tensor read that another argument or ``_result`` writes (checked per call)."""
@@ -155,12 +166,7 @@ class ForwardPlan:
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
         large = self.numel >= generated.MIN_ELEMENTS
-        if not large:
-            self.calls += 1
-            if self.calls <= generated.PLANNED_AFTER:
-                generated.check_switch_planned()  # (the full path reads it at every call)
-                return None
-        if not generated.enabled() or self.zero_d or self.options or result is MISSING:
+        if not _may_generate(self, large) or self.zero_d or self.options or result is MISSING:
             return DECLINED if large else None
         if self.launch is None:
             self.launch = ForwardLaunch.make(fn, args, result) or False
@@ -269,12 +275,7 @@ class BackwardPlan:
     def _generated(self) -> Any:
         """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
         large = self.numel >= generated.MIN_ELEMENTS
-        if not large:
-            self.calls += 1
-            if self.calls <= generated.PLANNED_AFTER:
-                generated.check_switch_planned()  # (the full path reads it at every call)
-                return None
-        if not generated.enabled() or not self.launch.covered:
+        if not _may_generate(self, large) or not self.launch.covered:
             return DECLINED if large else None
         return self.launch
 
