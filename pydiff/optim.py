@@ -16,6 +16,7 @@ from .grad_zeroing import ZERO_GRADIENT as ZERO_GRADIENT  # (its home before gra
 from .grad_zeroing import zero_grads
 from .module import library
 from .optim_checks import Hyperparameters, check_state_dict
+from .optim_params import check_unchanged, checked_params
 from .tensor import Tensor, float4_ready
 
 # The fused optimizer kernels' shape (shaders/optim/*.slang): float4s per thread, and threads
@@ -52,28 +53,9 @@ class Optimizer:
     _buffers: tuple[str, ...] = ()  # the names of each parameter's state tensors
 
     def __init__(self, params: Iterable[Tensor], defaults: dict[str, Any]):
-        self.params = list(params)
-        if not self.params:
-            raise ValueError(f"{type(self).__name__}: params is empty")
-        for k, p in enumerate(self.params):
-            if not isinstance(p, Tensor):
-                raise TypeError(
-                    f"{type(self).__name__}: params[{k}] is a {type(p).__name__}, not a "
-                    "pydiff.Tensor"
-                )
-            if not p.requires_grad or p.dtype != "float":
-                raise ValueError(
-                    f"{type(self).__name__}: params[{k}] must be a float tensor with "
-                    "requires_grad=True"
-                )
-        seen: dict[int, int] = {}  # storage -> index: one buffer twice would step twice
-        for k, p in enumerate(self.params):
-            j = seen.setdefault(id(p.storage), k)
-            if j != k:
-                raise ValueError(
-                    f"{type(self).__name__}: params[{j}] and params[{k}] are the same tensor "
-                    "(or views of one); list each parameter once"
-                )
+        self.params = checked_params(type(self).__name__, params)
+        # (the list it was created with: opt.params is public, and changing it is refused)
+        self._created_with = tuple(self.params)
         self._defaults = Hyperparameters(type(self).__name__, defaults)
         self.step_count = 0  # steps taken (step() calls and replays)
         # Each parameter's own count of the steps that updated it (torch's state['step']): a
@@ -104,7 +86,9 @@ class Optimizer:
     def _with_grads(self) -> list[int]:
         """The parameters this step updates: those whose gradient buffer was written (by a
         backward, the host, a copy) since it was allocated or last zeroed (``zero_grad``).
-        The others are skipped, as torch.optim skips a ``.grad`` of None."""
+        The others are skipped, as torch.optim skips a ``.grad`` of None. A changed
+        ``params`` list is refused first (``optim_params.check_unchanged``)."""
+        check_unchanged(type(self).__name__, self.params, self._created_with)
         return [
             k
             for k, p in enumerate(self.params)
@@ -172,6 +156,7 @@ class Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's class name, hyper-parameters, step count and per parameter its
         state buffers as NumPy arrays (a copy) and its own step count (``'step'``)."""
+        check_unchanged(type(self).__name__, self.params, self._created_with)
         return {
             "optimizer": type(self).__name__,
             "defaults": dict(self.defaults),
@@ -191,6 +176,7 @@ class Optimizer:
         >>> opt.load_state_dict(saved)          # saved = opt.state_dict(), earlier
         """
         owner = type(self).__name__
+        check_unchanged(owner, self.params, self._created_with)
         shapes = [p.expected_numpy_shape() for p in self.params]
         defaults, loaded = check_state_dict(owner, state, shapes, self.defaults, self._buffers)
         self.defaults.update(defaults)
