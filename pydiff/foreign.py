@@ -135,6 +135,10 @@ def as_array(value: Any, where: str) -> Any:
     except RuntimeError:
         _refuse_lost_grad(value, where)
         raise
+    except ValueError as e:  # NumPy's says nothing of which call or argument
+        ragged = "inhomogeneous" in str(e)
+        fix = "nested lists must be rectangular (every row of one length); " if ragged else ""
+        raise ValueError(f"{where}: cannot be made an array: {fix}NumPy says: {e}") from None
 
 
 def _refuse_lost_grad(value: Any, where: str) -> None:

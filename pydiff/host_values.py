@@ -71,11 +71,13 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
     kind = type(value)
     if kind is float and p.type_name == "float" and abs(value) <= _FLOAT_MAX:
         return value  # the common case, first
-    if p.tensor_kind is not None or value is None:
+    if p.tensor_kind is not None:
         return value
     found = value_elements(p.type_name)
     if found is None:
         return value
+    if value is None:  # (SlangPy's own error lists every overload it tried, not the cause)
+        raise TypeError(f"{_where(label, p)}: got None; pass a value of its type")
     base, axes, array = found
     if isinstance(value, np.generic):
         value = value.item()  # (a longdouble stays one)

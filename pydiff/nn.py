@@ -35,6 +35,11 @@ class Linear:
         seed: int | None = None,
         activation: str | None = None,
     ):
+        for name, n in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+                raise TypeError(
+                    f"Linear: {name}={n!r} is a {type(n).__name__}; pass a whole number (int)"
+                )
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
                 f"Linear: in_features={in_features}, out_features={out_features} must be positive"
@@ -45,7 +50,12 @@ class Linear:
             )
         self.activation = activation
         dev = resolve_device(device)
-        rng = np.random.default_rng(seed)
+        try:
+            rng = np.random.default_rng(seed)
+        except (TypeError, ValueError) as e:
+            raise type(e)(
+                f"Linear: seed={seed!r}: pass None (fresh randomness) or an int >= 0 ({e})"
+            ) from None
         bound = 1.0 / np.sqrt(in_features)
         self.weight = tensor(
             rng.uniform(-bound, bound, (out_features, in_features)), device=dev, requires_grad=True
