@@ -136,7 +136,8 @@ class Optimizer:
         for k, p in enumerate(self.params):
             named[f"params[{k}]"] = p
             named[f"params[{k}].grad"] = p.grad
-            for name, t in self.state[k].items():
+            # (a parameter appended to opt.params since has no state: the replay refuses it)
+            for name, t in (self.state[k] if k < len(self.state) else {}).items():
                 named[f"state[{k}][{name!r}]"] = t
         return named
 

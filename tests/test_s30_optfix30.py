@@ -124,3 +124,26 @@ def test_none_and_ragged_arguments_are_named(device):
         ops.add(x, None)
     with pytest.raises(ValueError, match=r"pydiff.tensor: data: .*rectangular"):
         pydiff.tensor([[1.0], [1.0, 2.0]], device=device)
+
+
+def test_a_captured_step_refuses_an_appended_param(device):
+    x = pydiff.tensor(np.ones((2, 4), np.float32), device=device)
+    labels = pydiff.tensor(np.array([0, 1], np.int32), dtype="int", device=device)
+    w = pydiff.tensor(np.eye(4, dtype=np.float32), device=device, requires_grad=True)
+    q = _param(device, A0)
+    opt = optim.SGD([w], lr=0.1)
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(ops.linear(x, w), labels)
+        tape.backward(loss, retain_graph=False)
+        opt.step()
+
+    step()
+    captured = pydiff.capture(step)
+    before = w.numpy().copy()
+    opt.params.append(q)
+    with pytest.raises(pydiff.CaptureError, match=r"params\[1\] was added"):
+        captured.replay()  # (was an IndexError from the replay's check of the state)
+    np.testing.assert_array_equal(w.numpy(), before)
