@@ -12,13 +12,13 @@ the adjoint and tangent solves are linear in their right-hand side, so they stop
 relative step ``|lam_k - lam_(k-1)| <= tol |lam_k|`` alone: the same iterations, to the same
 relative accuracy, whatever the scale of the upstream gradient or the direction. Each goes
 on until the error its last step leaves, step * rho / (1 - rho) for the contraction rho the
-steps show, is within that bound too (``implicit_stop``).
+steps show, is within that bound too, or until float rounding stops the iteration getting
+nearer: an iterate repeating exactly, or steps without a new low (``implicit_stop``).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable
 
 import numpy as np
@@ -27,7 +27,8 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .errors import ConvergenceError
 from . import forward_trace
-from .implicit_stop import StopRule, step_size
+from .implicit_args import check_numbers, host_start
+from .implicit_stop import StopRule, step_size, units_of
 from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
 from .module import OverloadedFunction, ShaderFunction
@@ -144,14 +145,42 @@ class _ParamsHidden(forward_trace.Trace):
         return self.outer.tangent(x)
 
 
-def _not_converged(which: str, steps: int, residual: float, bound: str, hint: str) -> None:
+def _not_converged(
+    which: str, steps: int, residual: float, bound: str, hint: str, stop: StopRule
+) -> None:
     if math.isfinite(residual):
         how = f"did not converge in max_iter={steps} iterations"
     else:  # overflow: stop at once rather than iterate on inf/nan
         how = f"diverged at iteration {steps} (the values overflowed or became NaN)"
+    stalled = stop.stalled_for()
+    if math.isfinite(residual) and stalled >= max(8, steps // 4) and stop.size > 0:
+        hint = (
+            f"The steps reached no new low in the last {stalled} iterations (lowest "
+            f"{stop.best:.3g}): float rounding of f's terms keeps x moving by that much; a "
+            f"tol above {stop.best / stop.size:.2g} accepts it. " + hint
+        )
     raise ConvergenceError(
         f"fixed_point: the {which} {how}: last residual max|change| = {residual:.3g} "
         f"(it stops at max|change| <= {bound}). {hint}"
+    )
+
+
+def _refuse_cycle(which: str, stop: StopRule) -> None:
+    """ConvergenceError where the iterate repeats with steps too large for rounding."""
+    if not stop.cycle_refused():
+        return
+    period, largest = stop.cycle
+    relative = largest / stop.size if stop.size > 0 else math.inf
+    tol = (
+        f" If it is float rounding, a tol above {relative:.2g} accepts it."
+        if relative < 0.01
+        else ""
+    )
+    raise ConvergenceError(
+        f"fixed_point: the {which} repeats itself every {period} iterations with steps up "
+        f"to {largest:.3g} (max|x| = {stop.size:.3g}): it oscillates around the solution "
+        "instead of reaching it (f is not a contraction there, |df/dx| >= 1); start x0 "
+        f"nearer the solution or change f.{tol}"
     )
 
 
@@ -247,7 +276,11 @@ class FixedPoint(Function):
         *tensors: Tensor,
     ) -> Tensor:
         fixed = params.build(t.detach() for t in tensors)
-        x, old, stop = x0, x0.numpy().astype(np.float64), StopRule(tol, atol)
+        start = x0.numpy()
+        if not np.all(np.isfinite(start)):
+            raise ValueError("fixed_point: x0 holds NaN or inf; start from finite values")
+        eps = units_of(start)
+        x, old, stop = x0, start.astype(np.float64), StopRule(tol, atol, eps)
         for steps in range(1, max_iter + 1):
             x = _call(f, x, fixed)
             new = x.numpy().astype(np.float64)
@@ -256,7 +289,9 @@ class FixedPoint(Function):
                 break
             done, old = stop(old, new, residual, size), new
             if done:
+                _refuse_cycle("forward solve x = f(x, *params)", stop)
                 ctx.f, ctx.tol, ctx.max_iter, ctx.params = f, tol, max_iter, params
+                ctx.eps = eps
                 ctx.save_for_backward(x)  # the backward linearises f here: overwrites refused
                 return x
         _not_converged(
@@ -267,6 +302,7 @@ class FixedPoint(Function):
             "The iteration converges where f is a contraction in x (|df/dx| < 1 near the "
             "solution); raise max_iter or tol, or start x0 nearer the solution. A solution "
             "near 0 needs an absolute floor: raise atol to the accuracy x* needs.",
+            stop,
         )
 
     @staticmethod
@@ -318,7 +354,7 @@ def _solve(
     arithmetic carries them through any other op."""
     bad = ~np.isfinite(rhs)
     finite = np.where(bad, 0.0, rhs)
-    v, stop = finite, StopRule(ctx.tol, 0.0)
+    v, stop = finite, StopRule(ctx.tol, 0.0, ctx.eps)
     for steps in range(1, ctx.max_iter + 1):
         new = finite + apply(v)
         residual, size = step_size(v, new)
@@ -326,9 +362,15 @@ def _solve(
             break
         done, v = stop(v, new, residual, size), new
         if done:
+            _refuse_cycle(which, stop)
             return _spread(rhs, bad, v, apply, ctx.max_iter) if bad.any() else v
     _not_converged(
-        which, steps, residual, f"tol * max|{name}| = {ctx.tol:g} * {size:.3g}", _LINEAR_HINT
+        which,
+        steps,
+        residual,
+        f"tol * max|{name}| = {ctx.tol:g} * {size:.3g}",
+        _LINEAR_HINT,
+        stop,
     )
 
 
@@ -367,7 +409,10 @@ def fixed_point(
     pydiff ops and shader calls, mapping x to a tensor of x's shape. The iteration stops when
     every element's step, and the error it leaves for the contraction rho the steps show
     (step * rho / (1 - rho)), is within ``atol + tol * |x_k|`` (as numpy.isclose: ``tol``
-    relative, ``atol`` an absolute floor for a solution at or near 0; see ``StopRule``).
+    relative, ``atol`` an absolute floor for a solution at or near 0), or it reaches the
+    float32 rounding floor: an iterate repeats exactly (a repeat with steps above 1024 units
+    of max|x| is an oscillation: ConvergenceError), or the steps, within the bound, reach no
+    new low for 4 halving times (see ``StopRule``).
     Gradients flow to the tensor ``params``, also those inside dicts (structs), lists and
     tuples (numbers are constants), never through the iterations: the backward solves
     ``(I - df/dx)^T lam = xbar`` by ``lam <- xbar + (df/dx)^T lam`` with one VJP of f at x*
@@ -387,25 +432,9 @@ def fixed_point(
     """
     if not callable(f):
         raise TypeError(f"fixed_point: f must be callable, not {type(f).__name__}")
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-        raise TypeError(f"fixed_point: tol must be a positive number, not {tol!r}")
-    if not (math.isfinite(tol) and tol > 0):
-        raise ValueError(f"fixed_point: tol must be a positive finite number, got {tol!r}")
-    if isinstance(atol, bool) or not isinstance(atol, numbers.Real):
-        raise TypeError(f"fixed_point: atol must be a number >= 0, not {atol!r}")
-    if not (math.isfinite(atol) and atol >= 0):
-        raise ValueError(f"fixed_point: atol must be a finite number >= 0, got {atol!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
-        raise TypeError(f"fixed_point: max_iter must be a positive int, not {max_iter!r}")
-    if max_iter < 1:
-        raise ValueError(f"fixed_point: max_iter must be at least 1, got {max_iter}")
+    check_numbers(tol, atol, max_iter)
     if not isinstance(x0, Tensor):
-        try:
-            arr = np.asarray(x0, dtype=np.float32)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"fixed_point: x0 is not an array of numbers: {exc}") from None
-        device = next((p.device for p in _Params(params).tensors), None)
-        x0 = make_tensor(arr, device=device)  # a number: 0-d, as np.asarray
+        x0 = host_start(x0, next((p.device for p in _Params(params).tensors), None))
     elif x0.scalar_type not in ("float", "half"):
         raise TypeError(f"fixed_point: x0 has dtype {x0.dtype!r}; it must be a float tensor")
     flat = _Params(params)

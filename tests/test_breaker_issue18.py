@@ -636,8 +636,11 @@ def test_ok_fixed_point_errors(device):
     b = T([1.0, 2.0, 3.0], device, requires_grad=True)
     with pytest.raises(pydiff.ConvergenceError, match="forward solve"):
         pydiff.fixed_point(lambda x, b: 2.0 * x + b, np.zeros(3), b)
-    with pytest.raises(pydiff.ConvergenceError, match="did not converge in max_iter=50"):
+    # an oscillation (0, b, 0, ...) is refused as soon as it repeats (was at max_iter)
+    with pytest.raises(pydiff.ConvergenceError, match="repeats itself every 2 iterations"):
         pydiff.fixed_point(lambda x, b: -x + b, np.zeros(3), b, max_iter=50)
+    with pytest.raises(pydiff.ConvergenceError, match="did not converge in max_iter=50"):
+        pydiff.fixed_point(lambda x, b: 0.999 * x + b, np.zeros(3), b, max_iter=50)
     a = T([2.0], device, requires_grad=True)
     with pydiff.Tape() as tape:
         x = pydiff.fixed_point(lambda x, a: a * x - 1.0, np.ones(1), a)
