@@ -23,7 +23,7 @@ from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import to_float32
-from .integer_primals import holds_integers, refuse_integers
+from .integer_primals import holds_integers
 from .seeds import seed_values
 from .policy import zero_policy
 from .storage import COPY_FROM_GRAPH
@@ -190,15 +190,9 @@ forward_trace.provide_shader_call(_shader_call)
 # --- pydiff.jvp / pydiff.hvp of a Python function ------------------------------------------
 
 
-def float_primal(
-    value: Any, what: str, k: int, integers: bool = False, hold: str = "give None as its direction"
-) -> Tensor:
-    """A primal given a direction, as a float tensor (host numbers and arrays uploaded);
-    integers refused (``refuse_integers``, ``hold`` saying how to hold one fixed) unless
-    ``integers`` (a module function's parameter type decides: an int given to a float
-    parameter is a float)."""
-    if not integers:
-        refuse_integers(value, f"{what}: primal {k}", hold)
+def float_primal(value: Any, what: str, k: int) -> Tensor:
+    """A primal given a direction, as a float tensor (host numbers and arrays uploaded, host
+    integers as floats: integer_primals)."""
     if isinstance(value, Tensor):
         if value.scalar_type not in ("float", "half"):
             raise TypeError(f"{what}: primal {k} has dtype {value.dtype!r}; it needs a float dtype")
@@ -366,15 +360,18 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
 
 
 def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
-    """(index, shape) of the primals a Hessian differentiates: float tensors, float arrays
-    and lists, Python floats (ints, int tensors and other values are held fixed)."""
+    """(index, shape) of the primals a Hessian differentiates: float tensors, host numbers,
+    arrays and lists of them, integers too (integer_primals); int tensors and other values
+    are held fixed."""
     found = []
     for k, x in enumerate(primals):
         if isinstance(x, Tensor):
             if x.scalar_type in ("float", "half"):
                 found.append((k, x.expected_numpy_shape()))
-        elif isinstance(x, (float, np.floating)) or (
-            isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
+        elif (
+            isinstance(x, (float, np.floating))
+            or holds_integers(x)
+            or (isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f")
         ):
             found.append((k, np.shape(x)))
     return found
@@ -389,11 +386,8 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     sizes = [int(np.prod(s)) for _, s in found]
     n = sum(sizes)
     if n == 0:
-        ints = [k for k, x in enumerate(primals) if holds_integers(x)]
-        held = f"; primals {ints} hold integers, held fixed: give floats" if ints else ""
         raise ValueError(
-            f"hessian: no float primal to differentiate (pydiff tensors, float arrays, "
-            f"floats){held}"
+            "hessian: no primal to differentiate (float tensors, numbers, arrays of numbers)"
         )
     if n > max_inputs:
         raise ValueError(

@@ -18,7 +18,7 @@ import numpy as np
 from . import forward_trace
 from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
-from .forward_program import lent_grads, refuse_copied, refuse_inside_tape, refuse_integers
+from .forward_program import lent_grads, refuse_copied, refuse_inside_tape
 from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor
@@ -84,7 +84,6 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             f"{what}: argument {index} is a {type(value).__name__}; differentiate with respect "
             "to pydiff tensors, NumPy arrays, lists or numbers"
         )
-    refuse_integers(value, f"{what}: argument {index}", "leave it out of argnums")
     try:
         wide = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:

@@ -51,9 +51,7 @@ def _inputs(args: tuple, nums: tuple, what: str) -> tuple[list, list]:
     """The arguments (those differentiated as float tensors, the rest as data) and the
     differentiated ones' shapes."""
     xs = [
-        float_primal(x, what, i, hold="leave it out of argnums")
-        if i in nums
-        else as_data(x, f"{what}: argument {i}")
+        float_primal(x, what, i) if i in nums else as_data(x, f"{what}: argument {i}")
         for i, x in enumerate(args)
     ]
     return xs, [xs[i].expected_numpy_shape() for i in nums]
