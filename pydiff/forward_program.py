@@ -360,18 +360,16 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
 
 
 def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
-    """(index, shape) of the primals a Hessian differentiates: float tensors, host numbers,
-    arrays and lists of them, integers too (integer_primals); int tensors and other values
-    are held fixed."""
+    """(index, shape) of the primals a Hessian differentiates: float tensors, float arrays
+    and lists, floats (integers, int tensors and other values are held fixed: labels,
+    indices; integer_primals)."""
     found = []
     for k, x in enumerate(primals):
         if isinstance(x, Tensor):
             if x.scalar_type in ("float", "half"):
                 found.append((k, x.expected_numpy_shape()))
-        elif (
-            isinstance(x, (float, np.floating))
-            or holds_integers(x)
-            or (isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f")
+        elif isinstance(x, (float, np.floating)) or (
+            isinstance(x, (np.ndarray, list, tuple)) and np.asarray(x).dtype.kind == "f"
         ):
             found.append((k, np.shape(x)))
     return found
@@ -386,8 +384,11 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     sizes = [int(np.prod(s)) for _, s in found]
     n = sum(sizes)
     if n == 0:
+        ints = [k for k, x in enumerate(primals) if holds_integers(x)]
+        held = f"; primals {ints} hold integers, held fixed: give floats" if ints else ""
         raise ValueError(
-            "hessian: no primal to differentiate (float tensors, numbers, arrays of numbers)"
+            f"hessian: no float primal to differentiate (pydiff tensors, float arrays, "
+            f"floats){held}"
         )
     if n > max_inputs:
         raise ValueError(

@@ -1,7 +1,9 @@
-"""Integer primals in the transforms: host integers (a Python or NumPy int, an integer
-array or list) are numbers, converted to float32 and differentiated by every transform
-alike (``grad(f)(2)`` as ``grad(f)(2.0)``; ``hvp``'s H v is ``hessian`` @ v); an integer
-*tensor* is data, never differentiated.
+"""Integer primals in the transforms of a Python function. Where you name a value to
+differentiate (``grad``/``jacfwd``/``jacrev`` argnums, a ``jvp`` tangent, an ``hvp``
+direction), host integers are numbers: converted to float32 and differentiated
+(``grad(f)(2)`` is ``grad(f)(2.0)``). Where the transform picks for itself (``vjp``,
+``hessian``), integers are held fixed, as labels and indices must be. Integer tensors are
+data everywhere.
 
     holds_integers(np.array([1, 2]))                  # True
     holds_integers(2.0)                               # False

