@@ -4,7 +4,9 @@ Vulkan's SPIR-V extended instructions (sin, exp, log, pow, ...) are defined for 
 floats only; Slang emits them on doubles anyway, and what a driver does then is undefined:
 Mesa's lavapipe returns 0 for sin, 1 for cos and denormal garbage for exp (sqrt and the
 arithmetic are right; asin/atan/exp2 come out at float precision or worse). A module calling
-one of them on a double is refused on such a device (``lint_double`` finds the calls).
+one of them on a double is refused on such a device (``lint_double`` finds the calls). CUDA's
+nvrtc computes them all in double but has no asinh, acosh or atanh of a double: a module
+calling those is refused there too, instead of failing to compile with nvrtc's message.
 
     broken = broken_intrinsics(dev)       # frozenset({'sin', 'exp', ...}) on lavapipe
 """
@@ -35,12 +37,19 @@ _EXPECTED = {
 TOLERANCE = 1e-12
 
 
-def _probe_source() -> str:
-    cases = [
-        f"case {i}: return {n}(x{' + 1.0l' if n == 'acosh' else ''});" for i, n in enumerate(UNARY)
-    ]
-    cases += [f"case {len(UNARY) + i}: return {n}({'y, x' if n == 'fmod' else 'x, y'});"
-              for i, n in enumerate(BINARY)]  # fmt: skip
+def _probe_source(names: list[str]) -> str:
+    cases = []
+    for i, n in enumerate(names):
+        args = (
+            "x + 1.0l"
+            if n == "acosh"
+            else "y, x"
+            if n == "fmod"
+            else "x, y"
+            if n in BINARY
+            else "x"
+        )
+        cases.append(f"case {i}: return {n}({args});")
     return (
         "double pydiff_double_probe(int k, double x, double y) {\n  switch (k) {\n  "
         + "\n  ".join(cases)
@@ -48,26 +57,42 @@ def _probe_source() -> str:
     )
 
 
-def measure(device: Any) -> dict[str, float]:
-    """Each intrinsic's result on ``device`` (one kernel, all of them)."""
-    names = [*UNARY, *BINARY]
-    native = device.native.load_module_from_source("pydiff_double_probe", _probe_source())
-    module = spy.Module(native)
-    n = len(names)
-    k = np.arange(n, dtype=np.int32)
-    got = module.pydiff_double_probe(k, np.full(n, _X), np.full(n, _Y), _result="numpy")
+def probe_intrinsics(device: Any, names: list[str]) -> dict[str, float | None]:
+    """``names``' results, each None where the device's compiler has no double version of
+    it (CUDA's nvrtc lacks asinh, acosh and atanh on doubles): a probe that fails to compile
+    is split in halves until each failing name stands alone."""
+    try:
+        native = device.native.load_module_from_source(
+            f"pydiff_double_probe_{'_'.join(names)}", _probe_source(names)
+        )
+        n = len(names)
+        got = spy.Module(native).pydiff_double_probe(
+            np.arange(n, dtype=np.int32), np.full(n, _X), np.full(n, _Y), _result="numpy"
+        )
+    except (spy.SlangCompileError, RuntimeError):  # (SlangPy compiles some at the first call)
+        if len(names) == 1:
+            return {names[0]: None}
+        half = len(names) // 2
+        return {**probe_intrinsics(device, names[:half]), **probe_intrinsics(device, names[half:])}
     return dict(zip(names, (float(v) for v in got)))
 
 
-def broken_intrinsics(device: Any) -> dict[str, float]:
-    """The intrinsics ``device`` computes wrong on doubles, with what it returned (cached)."""
+def measure(device: Any) -> dict[str, float | None]:
+    """Each intrinsic's result on ``device`` (one kernel for all of them where it compiles),
+    None for one the device cannot compile on doubles."""
+    return probe_intrinsics(device, [*UNARY, *BINARY])
 
-    def probe() -> dict[str, float]:
+
+def broken_intrinsics(device: Any) -> dict[str, float | None]:
+    """The intrinsics ``device`` computes wrong on doubles, with what it returned (None: it
+    does not compile them on doubles), measured once per device."""
+
+    def probe() -> dict[str, float | None]:
         got = measure(device)
         return {
             name: value
             for name, value in got.items()
-            if not abs(value - _EXPECTED[name]) <= TOLERANCE * abs(_EXPECTED[name])
+            if value is None or not abs(value - _EXPECTED[name]) <= TOLERANCE * abs(_EXPECTED[name])
         }
 
     return device.cached("pydiff.double_math.broken", probe)
@@ -111,10 +136,16 @@ def findings(device: Any, source: str, file: str) -> list[Finding]:
                     line,
                     function,
                     "double-intrinsic",
-                    f"{name}() of a double{via} returns wrong values on this device "
-                    f"({device.adapter_name}: {name}({argument(name)}) gave {broken[name]!r}, "
-                    f"not {expected(name)!r}; Vulkan defines it for 16/32-bit floats only). "
-                    f"Compute it in float (double({name}(float(x))), float precision) or with "
+                    (
+                        f"{name}() of a double{via} does not compile on this device "
+                        f"({device.adapter_name}: its compiler has no double {name}). "
+                        if broken[name] is None
+                        else f"{name}() of a double{via} returns wrong values on this device "
+                        f"({device.adapter_name}: {name}({argument(name)}) gave "
+                        f"{broken[name]!r}, not {expected(name)!r}; Vulkan defines it for "
+                        "16/32-bit floats only). "
+                    )
+                    + f"Compute it in float (double({name}(float(x))), float precision) or with "
                     f"a series of your own in double{guess}",
                 )  # fmt: skip
             )

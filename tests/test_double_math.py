@@ -175,3 +175,27 @@ def test_scan_infers_let_var_and_call_result_types():
         "e": [(9, "exp")],  # a generic's result beside doubles: refused, said to be a guess
     }
     assert guessed == {("e", 9)}
+
+
+def test_double_hyperbolic_inverses_are_right_or_refused_by_name(device):
+    # CUDA's nvrtc has no double asinh/acosh/atanh: the module is refused at load, naming the
+    # function, instead of failing to compile (found on an H200, 2026-11-27)
+    src = "double h(double x) { return asinh(x) + atanh(x * 0.5l); }"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = pydiff.load_module_from_source("dmath_hyp", src, device)
+        got = m.h(X, _result="numpy")
+    except ShaderTrapError as exc:
+        assert "of a double" in str(exc) and "float(x)" in str(exc), str(exc)
+        return
+    np.testing.assert_allclose(got, np.arcsinh(X) + np.arctanh(X * 0.5), rtol=1e-12)
+
+
+def test_probe_splits_around_what_does_not_compile(device):
+    from pydiff import double_math
+
+    got = double_math.probe_intrinsics(device, ["sqrt", "no_such_intrinsic", "fmod"])
+    assert got["no_such_intrinsic"] is None
+    np.testing.assert_allclose(got["sqrt"], np.sqrt(double_math._X), rtol=1e-12)
+    np.testing.assert_allclose(got["fmod"], np.fmod(double_math._Y, double_math._X), rtol=1e-12)
