@@ -202,7 +202,13 @@ def _check_with_tensors(
         return [CheckResult(fn.name, "-", "-", "SKIPPED", why=why)]
 
     def row(
-        parameter: str, mode: str, ad: np.ndarray, numeric: np.ndarray, valid: np.ndarray, n: int
+        parameter: str,
+        mode: str,
+        ad: np.ndarray,
+        numeric: np.ndarray,
+        valid: np.ndarray,
+        n: int,
+        atol: float = atol,
     ) -> CheckResult:
         cmp = fd.compare(ad, numeric, valid, atol, rtol)
         return _row(fn.name, parameter, mode, cmp, valid, unit="element")

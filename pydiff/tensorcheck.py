@@ -85,11 +85,59 @@ def skip_reason(fn: ShaderFunction) -> str | None:
     return None
 
 
+#: Elements past each tensor's end that the size probe fills (fitting_setup).
+SLACK = 1024
+#: The largest tensor the size probe tries, in elements (a shader that still reads past the
+#: end of that is refused).
+PROBE_MAX_ELEMENTS = 65536
+
+
+def _spacing(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """float32's spacing at each output's value (its rounding step)."""
+    with np.errstate(invalid="ignore"):
+        return {
+            k: np.nan_to_num(np.spacing(np.abs(v).astype(np.float32))) for k, v in outputs.items()
+        }
+
+
+def reads_past_the_end(setup: "_Setup") -> bool:
+    """Whether ``setup``'s call reads past the end of its tensors: its outputs change when
+    what lies past them does (0, then 7)."""
+    first, second = (setup.with_slack(v).run(setup.values) for v in (0.0, 7.0))
+    setup.with_slack(None)
+    return any(not np.array_equal(first[k], second[k], equal_nan=True) for k in first)
+
+
+def fitting_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> "_Setup":
+    """The arguments at ``size`` elements per axis, doubled until the function reads nothing
+    past its tensors' ends (a shader that loops over a fixed count, as samples/pinn_poisson's
+    32 units, gets tensors of that size). Checked at a size it overran, a function's
+    results held whatever memory followed its tensors: zeros on Vulkan, earlier tests'
+    leftovers on CUDA (a wrong check, found on an H200). ValueError if no size fits.
+
+        setup = fitting_setup(m.residual_sq, device, 4, seed=0)   # setup.size: 32
+    """
+    while True:
+        setup = _Setup(fn, device, size, np.random.default_rng(seed))
+        if not reads_past_the_end(setup):
+            return setup
+        dims = max((tensor_dims(p.type_name) or 1 for p in fn.params if p.tensor_kind), default=1)
+        if (2 * size) ** dims > PROBE_MAX_ELEMENTS:
+            raise ValueError(
+                f"{fn.name}: reads past the end of its tensor arguments at every size tried "
+                f"(up to {size} elements per axis): what lies past a tensor's end changes its "
+                "results. Check its loops and indices against the tensors' shapes"
+            )
+        size *= 2
+
+
 class _Setup:
     """Builds the arguments of one call and reads its outputs back."""
 
     def __init__(self, fn: ShaderFunction, device: Device, size: int, rng: np.random.Generator):
         self.fn, self.device, self.size = fn, device, size
+        self.slack: float | None = None  # what lies past each tensor's end, when set
+        self.rng = rng
         self.index = next(
             (p for p in fn.params if p.tensor_kind is None and index_dims(p.type_name) is not None),
             None,
@@ -112,6 +160,22 @@ class _Setup:
             sign = np.where(np.arange(int(np.prod(shape))).reshape(shape) % 2 == 0, 1.0, -1.0)
             self.values[p.name] = rng.uniform(0.2, 1.5, shape) * sign
 
+    def with_slack(self, value: float | None) -> "_Setup":
+        self.slack = value
+        return self
+
+    def tensor(self, values: np.ndarray) -> Tensor:
+        """A float32 tensor of ``values``; with ``slack`` set, a view of a buffer ``SLACK``
+        elements longer whose tail holds that value, so that what a function reads past a
+        tensor's end shows in its results (on every backend: past the buffer's own end,
+        Vulkan reads 0, CUDA whatever memory holds)."""
+        values = values.astype(np.float32)
+        if self.slack is None:
+            return make_tensor(values, device=self.device)
+        padded = np.concatenate([values.ravel(), np.full(SLACK, self.slack, np.float32)])
+        base = make_tensor(padded, device=self.device)
+        return Tensor(base.native.view(values.shape), self.device, storage=base.storage)
+
     def args(
         self,
         values: dict[str, np.ndarray],
@@ -125,7 +189,7 @@ class _Setup:
             elif p.name in self.numbers:
                 args.append(self.numbers[p.name])
             elif p in self.inputs:
-                t = make_tensor(values[p.name].astype(np.float32), device=self.device)
+                t = self.tensor(values[p.name])
                 if (grads and p.is_diff_tensor) or p.tensor_kind == "diff":
                     t.requires_grad_(True)
                 if grads and p in self.outputs and upstream is not None:
@@ -134,10 +198,7 @@ class _Setup:
                 made[p.name] = t
                 args.append(t)
             else:
-                t = make_tensor(
-                    np.zeros((self.size,) * tensor_dims(p.type_name), np.float32),
-                    device=self.device,
-                )
+                t = self.tensor(np.zeros((self.size,) * tensor_dims(p.type_name)))
                 if grads or p.tensor_kind == "diff":
                     t = t.with_grads()
                     if upstream is not None:
@@ -174,14 +235,21 @@ def check_tensor_function(
     row: Callable[..., Any],
 ) -> list[Any]:
     """Backward rows (one per differentiable input tensor) and the adjoint row, each made by
-    ``row(parameter, mode, ad, fd, valid, n)`` from AD, FD and the usable entries of n.
+    ``row(parameter, mode, ad, fd, valid, n, atol=...)`` from AD, FD and the usable entries
+    of n, atol raised to float32's rounding of the outputs over the step where that is more.
 
-        rows = check_tensor_function(m.dense, device, row=lambda *a: a[:2])
+        rows = check_tensor_function(m.dense, device, row=lambda *a, **kw: a[:2])
     """
-    rng = np.random.default_rng(seed)
-    setup = _Setup(fn, device, size, rng)
+    setup = fitting_setup(fn, device, size, seed)
+    rng = setup.rng
     base = setup.run(setup.values)
     upstream = {k: rng.uniform(-1.0, 1.0, v.shape) for k, v in base.items()}
+
+    # A float32 difference quotient is off by up to about (rounding of <v, outputs>) / step:
+    # where the outputs are large (a 32-unit network's second derivative: ~60), that is
+    # more than atol, and the check would FAIL right gradients on rounding alone.
+    rounding = float(fd.dot({k: np.abs(v) for k, v in upstream.items()}, _spacing(base)))
+    atol = max(atol, 4.0 * rounding / eps)
 
     def project(values: dict[str, np.ndarray]) -> float:  # <v, outputs at values>
         return float(fd.dot(setup.run(values), upstream))
@@ -210,7 +278,15 @@ def check_tensor_function(
         d1, d2 = (fd.per_element(project, setup.values, p.name, h) for h in (eps, eps / 4))
         valid = fd.smooth(d1, d2, atol, rtol)
         rows.append(
-            row(p.name, "backward", analytic[p.name].reshape(-1), d1, valid & finite[0], d1.size)
+            row(
+                p.name,
+                "backward",
+                analytic[p.name].reshape(-1),
+                d1,
+                valid & finite[0],
+                d1.size,
+                atol=atol,
+            )
         )
     # adjoint: <J u, v> along one random direction u over all differentiable inputs
     u = {
@@ -220,5 +296,5 @@ def check_tensor_function(
     }
     ju_v = fd.central(project, setup.values, u, eps)
     u_jtv = float(fd.dot(u, analytic))
-    rows.append(row("(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1))
+    rows.append(row("(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1, atol=atol))
     return rows

@@ -1,0 +1,115 @@
+"""`pydiff check` sizes tensor arguments so that the function reads nothing past their ends.
+
+Found on an H200 (2026-11-27): samples/pinn_poisson.slang loops over 32 units, the check gave
+it 4-element tensors, and on CUDA the reads past their ends returned earlier tests' leftover
+memory: every gradient of the check came out off by one common factor, only in whole-suite
+runs. On Vulkan the same reads returned 0, so the check silently checked a 4-unit network.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import pydiff
+from pydiff import tensorcheck
+from pydiff.modcheck import check_module
+
+FIXED_LOOP = """import slangpy;
+static const int H = 8;
+[Differentiable]
+float energy(float x, IDiffTensor<float, 1> a, IDiffTensor<float, 1> w)
+{
+    float s = 0.0;
+    [ForceUnroll]
+    for (int j = 0; j < H; j++) s += a[j] * sin(w[j] * x);
+    return s * s;
+}
+"""
+
+WRONG = """import slangpy;
+static const int H = 8;
+[BackwardDerivative(sq_bwd)]
+float sq(float v) { return v * v; }
+void sq_bwd(inout DifferentialPair<float> v, float dy) { v = diffPair(v.p, 3.0 * v.p * dy); }
+[Differentiable]
+float energy(float x, IDiffTensor<float, 1> a)
+{
+    float s = 0.0;
+    [ForceUnroll]
+    for (int j = 0; j < H; j++) s += sq(a[j]) * x;
+    return s;
+}
+"""
+
+RUNAWAY = """import slangpy;
+[Differentiable]
+float runaway(float x, IDiffTensor<float, 1> a)
+{
+    float s = 0.0;
+    for (int j = 0; j < 100000; j++) s += a[j];
+    return s * x;
+}
+"""
+
+
+def _write(tmp_path, name, source):
+    path = tmp_path / f"{name}.slang"
+    path.write_text(source)
+    return path
+
+
+def test_a_fixed_loop_is_checked_at_its_own_size(tmp_path, device):
+    m = pydiff.load_module(_write(tmp_path, "s31_fixed", FIXED_LOOP), device=device)
+    setup = tensorcheck.fitting_setup(m.energy, device, 4, seed=0)
+    assert setup.size == 8
+    assert not tensorcheck.reads_past_the_end(setup)
+    small = tensorcheck.fitting_setup(m.energy, device, 8, seed=0)
+    assert small.size == 8  # (a size that fits is kept)
+    rows = check_module(
+        m.path if hasattr(m, "path") else tmp_path / "s31_fixed.slang", device=device
+    )
+    bad = [r for r in rows if r.status != "PASS"]
+    assert not bad, bad
+    assert all(r.points == 8 for r in rows if r.mode == "backward")
+
+
+def test_the_overrun_is_seen_whatever_lies_past_the_end(tmp_path, device):
+    # at size 4 the function's value depends on the 4 elements past each tensor's end
+    m = pydiff.load_module(_write(tmp_path, "s31_overrun", FIXED_LOOP), device=device)
+    setup = tensorcheck._Setup(m.energy, device, 4, np.random.default_rng(0))
+    assert tensorcheck.reads_past_the_end(setup)
+    x = setup.numbers["x"]
+    a, w = setup.values["a"], setup.values["w"]
+    for slack in (0.0, 7.0):  # float64 reference of what the shader computes
+        full_a = np.concatenate([a, np.full(4, slack)])
+        full_w = np.concatenate([w, np.full(4, slack)])
+        want = np.sum(full_a * np.sin(full_w * x)) ** 2
+        got = setup.with_slack(slack).run(setup.values)["(result)"][0]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_wrong_derivative_still_fails_at_the_fitted_size(tmp_path, device):
+    rows = check_module(_write(tmp_path, "s31_wrong", WRONG), device=device)
+    a_row = next(r for r in rows if r.parameter == "a" and r.mode == "backward")
+    assert a_row.status == "FAIL", rows
+    assert a_row.points == 8
+    np.testing.assert_allclose(a_row.max_rel_error, 0.5, rtol=2e-2)  # 3 a x against 2 a x
+
+
+def test_a_function_reading_past_every_size_is_an_error_naming_it(tmp_path, device):
+    rows = check_module(_write(tmp_path, "s31_runaway", RUNAWAY), device=device)
+    (row,) = [r for r in rows if r.function == "runaway"]
+    assert row.status == "ERROR"
+    assert "runaway: reads past the end of its tensor arguments" in row.why
+
+
+def test_large_outputs_do_not_fail_right_gradients_on_rounding(device):
+    # pinn_poisson's net_xx at its 32 units: outputs near 60, float32 differences ~1e-2 off
+    rows = check_module("samples/pinn_poisson.slang", device=device)
+    bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
+    assert not bad, bad
+    assert all(
+        r.points + r.near_kinks == 32
+        for r in rows
+        if r.function == "residual_sq" and r.parameter in "awb"
+    )
