@@ -61,23 +61,24 @@ HOT_SHAPE_USES = 3
 FIXED_SHAPES_MAX = 8
 # Split-K A^T B (matmul.slang's mm_tn_split) on a GPU: a weight gradient's few output blocks
 # each walking the whole batch left an H200 latency-bound (a 256 x 64 x 64 mm_tn: 119 us, 85%
-# of a captured MLP step). Where K >= SPLIT_K_MIN_K and the output has at most
-# SPLIT_K_MAX_BLOCKS blocks (threads of the unsplit kernel), SPLIT_K_THREADS threads (a
-# workgroup, a power of two) share each block's sum and add their parts in a fixed order.
+# of a captured MLP step). Where the output has at most SPLIT_K_MAX_BLOCKS blocks (threads of
+# the unsplit kernel), SPLIT_K_THREADS threads (a workgroup, a power of two) share each
+# block's sum and add their parts in a fixed order. Whatever K (the batch): a rule on K would
+# compile a second kernel for a layer whose batch crosses it (one kernel serves every batch
+# size, tests/test_memory.py), and a short K costs a GPU little either way.
 SPLIT_K_THREADS = 32
-SPLIT_K_MIN_K = 64
-SPLIT_K_MAX_BLOCKS = 8192
+SPLIT_K_MAX_BLOCKS = 8192  # 0: never split
 
 
 def split_k(kind: str, m: int, n: int, k: int, gpu: bool) -> int:
     """Threads sharing each output block's sum over K in ``fast_product``'s kernel: 1 (one
     thread per block), or ``SPLIT_K_THREADS`` for mm_tn on a GPU's shapes where the output
-    has few blocks for a long K (``SPLIT_K_MIN_K``, ``SPLIT_K_MAX_BLOCKS``).
+    has few blocks (``SPLIT_K_MAX_BLOCKS``), whatever K.
 
     >>> split_k("mm_tn", 64, 64, 256, gpu=True), split_k("mm_tn", 64, 64, 256, gpu=False)
     (32, 1)
     """
-    if not gpu or kind != "mm_tn" or k < SPLIT_K_MIN_K:
+    if not gpu or kind != "mm_tn":
         return 1
     block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS)
     if block is None:
@@ -88,7 +89,7 @@ def split_k(kind: str, m: int, n: int, k: int, gpu: bool) -> int:
     if SPLIT_K_THREADS < 2 or SPLIT_K_THREADS & (SPLIT_K_THREADS - 1):
         raise ValueError(
             f"pydiff.products.SPLIT_K_THREADS={SPLIT_K_THREADS}: the split kernel's tree "
-            "reduction needs a power of two >= 2 (set SPLIT_K_MIN_K high to turn it off)"
+            "reduction needs a power of two >= 2 (SPLIT_K_MAX_BLOCKS = 0 turns it off)"
         )
     return SPLIT_K_THREADS
 

@@ -48,15 +48,14 @@ def _f32(shape) -> np.ndarray:
         (256, 10, 64),  # its head's dW (10 rows: blocks of 2)
         (257, 7, 12),  # K past a multiple of the split; odd rows
         (100, 5, 20),
-        (64, 3, 4),  # the smallest K split by default
-        (33, 9, 8),  # fewer steps than threads for some threads (split forced below)
+        (64, 3, 4),
+        (33, 9, 8),  # fewer steps than threads for some threads
         (1, 5, 4),  # one step: one thread of each group has a part
     ],
 )
 @pytest.mark.parametrize("masked, with_db, beta", [(False, False, 0.0), (True, True, 1.0)])
 def test_split_k_product_matches_float64(gpu_shapes, monkeypatch, k, m, n, masked, with_db, beta):
     device = gpu_shapes
-    monkeypatch.setattr(products, "SPLIT_K_MIN_K", 1)  # K = 1 and 33 split too
     A, B, mask = _f32((k, m)), _f32((k, n)), _f32((k, m))
     C0, D0 = _f32((m, n)), _f32(m)
     c, db = pydiff.tensor(C0, device=device), pydiff.tensor(D0, device=device)
@@ -75,20 +74,19 @@ def test_split_k_product_matches_float64(gpu_shapes, monkeypatch, k, m, n, maske
         assert db.numpy().tobytes() == D0.tobytes()  # not written
 
 
-def test_split_k_rule(gpu_shapes):
-    """Split on a GPU's shapes for long sums into few blocks; never on lavapipe's shapes."""
-    assert products.split_k("mm_tn", 64, 64, 256, gpu=True) == products.SPLIT_K_THREADS
+def test_split_k_rule(gpu_shapes, monkeypatch):
+    """Split on a GPU's shapes where the output has few blocks, whatever K (one kernel for
+    every batch size); never on lavapipe's shapes nor for the other products."""
+    for k in (1, 8, 256, 4096):
+        assert products.split_k("mm_tn", 64, 64, k, gpu=True) == products.SPLIT_K_THREADS
     assert products.split_k("mm_tn", 64, 64, 256, gpu=False) == 1
-    assert products.split_k("mm_tn", 64, 64, products.SPLIT_K_MIN_K - 1, gpu=True) == 1
     assert products.split_k("mm_nn", 64, 64, 256, gpu=True) == 1
     assert products.split_k("mm_tn", 1024, 1024, 256, gpu=True) == 1  # threads enough
-    a, b = (
-        pydiff.tensor(_f32((8, 4)), device=gpu_shapes),
-        pydiff.tensor(_f32((8, 4)), device=gpu_shapes),
-    )
+    monkeypatch.setattr(products, "SPLIT_K_MAX_BLOCKS", 0)  # (the benchmark's "no split")
+    a, b = (pydiff.tensor(_f32((80, 4)), device=gpu_shapes) for _ in range(2))
     out = pydiff.zeros((4, 4), device=gpu_shapes)
-    assert products.fast_product("mm_tn", a, b, out, 0.0)  # K = 8: the one-thread kernel
-    assert _entries(gpu_shapes, 4, 4, 8) == {"mm_tn"}
+    assert products.fast_product("mm_tn", a, b, out, 0.0)
+    assert _entries(gpu_shapes, 4, 4, 80) == {"mm_tn"}
 
 
 def test_split_k_is_bitwise_repeatable(gpu_shapes):
