@@ -61,8 +61,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return _MatMul.apply(a, b)
 
 
-# The bias gradient is summed inside the dW product (one sequential sum per column, like
-# dW's own) up to this many rows; above, by the pairwise column-sum kernel.
+# The bias gradient is summed inside the dW product (one sum per column, in dW's own order:
+# sequential, or split over K on a GPU) up to this many rows; above, by the pairwise
+# column-sum kernel.
 _FUSED_DB_MAX_ROWS = 4096
 
 

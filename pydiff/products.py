@@ -59,6 +59,39 @@ GPU_BLOCK_ACCUMULATORS = 8
 # (lavapipe; docs/benchmarks.md).
 HOT_SHAPE_USES = 3
 FIXED_SHAPES_MAX = 8
+# Split-K A^T B (matmul.slang's mm_tn_split) on a GPU: a weight gradient's few output blocks
+# each walking the whole batch left an H200 latency-bound (a 256 x 64 x 64 mm_tn: 119 us, 85%
+# of a captured MLP step). Where the output has at most SPLIT_K_MAX_BLOCKS blocks (threads of
+# the unsplit kernel), SPLIT_K_THREADS threads (a workgroup, a power of two) share each
+# block's sum and add their parts in a fixed order. Whatever K (the batch): a rule on K would
+# compile a second kernel for a layer whose batch crosses it (one kernel serves every batch
+# size, tests/test_memory.py), and a short K costs a GPU little either way.
+SPLIT_K_THREADS = 32
+SPLIT_K_MAX_BLOCKS = 8192  # 0: never split
+
+
+def split_k(kind: str, m: int, n: int, k: int, gpu: bool) -> int:
+    """Threads sharing each output block's sum over K in ``fast_product``'s kernel: 1 (one
+    thread per block), or ``SPLIT_K_THREADS`` for mm_tn on a GPU's shapes where the output
+    has few blocks (``SPLIT_K_MAX_BLOCKS``), whatever K.
+
+    >>> split_k("mm_tn", 64, 64, 256, gpu=True), split_k("mm_tn", 64, 64, 256, gpu=False)
+    (32, 1)
+    """
+    if not gpu or kind != "mm_tn":
+        return 1
+    block = blocking(kind, m, n, k, GPU_BLOCK_ACCUMULATORS)
+    if block is None:
+        return 1
+    blocks = (m // block[0]) * (n // block[1])
+    if blocks > SPLIT_K_MAX_BLOCKS:
+        return 1
+    if SPLIT_K_THREADS < 2 or SPLIT_K_THREADS & (SPLIT_K_THREADS - 1):
+        raise ValueError(
+            f"pydiff.products.SPLIT_K_THREADS={SPLIT_K_THREADS}: the split kernel's tree "
+            "reduction needs a power of two >= 2 (SPLIT_K_MAX_BLOCKS = 0 turns it off)"
+        )
+    return SPLIT_K_THREADS
 
 
 def sizes_fixed(kernels: Any, shape: tuple) -> bool:
@@ -163,6 +196,26 @@ def _plan(
         return ()
     rows, cols = block
     a_vec = kind == "mm_nt" or (k % 4 == 0 if kind == "mm_nn" else (m % 4 == 0 and rows % 4 == 0))
+    sizes = {"FIXED_M": m, "FIXED_K": k} if fixed else {}
+    split = split_k(kind, m, n, k, gpu)
+    if split > 1:  # one workgroup per block, C written as floats (no C_VEC)
+        key, kernel = kernels.get_keyed(
+            "ops/matmul.slang",
+            "mm_tn_split",
+            N=n,
+            KU=1,
+            RB=rows,
+            CB=cols,
+            SPLIT=split,
+            A_VEC=int(a_vec),
+            MASK=int(mask),
+            HAS_DB=int(db),
+            C_VEC=0,
+            SHUF=0,
+            SHUF_A=0,
+            **sizes,
+        )
+        return key, kernel, (m // rows) * (n // cols) * split, False
     # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
     # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
     # mm_nn and mm_tn reading A as floats share A instead (SHUF_A), in blocks of 16 (or all m
@@ -198,7 +251,7 @@ def _plan(
         C_VEC=int(c_vec),
         SHUF=int(shuf),
         SHUF_A=int(shuf_a),
-        **({"FIXED_M": m, "FIXED_K": k} if fixed else {}),
+        **sizes,
     )
     return key, kernel, (m // rows) * (n // cols), c_vec
 
