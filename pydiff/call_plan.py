@@ -107,10 +107,11 @@ def _plannable(fn: FunctionTarget) -> bool:
 
 def _may_generate(plan: Any, large: bool) -> bool:
     """Whether a call of ``plan`` may take the generated kernel: a small one once its layout
-    has run ``PLANNED_AFTER`` times, any while ``PYDIFF_GENERATED`` is on (read each time)."""
+    has run ``planned_after`` times (generated_switch.planned_after), any while
+    ``PYDIFF_GENERATED`` is on (read each time)."""
     if not large:
         plan.calls += 1
-        if plan.calls <= generated.PLANNED_AFTER:
+        if plan.calls <= plan.planned_after:
             generated.check_switch_planned()  # (the full path reads it at every call)
             return False
     return generated.enabled()
@@ -132,6 +133,7 @@ class ForwardPlan:
         "zero_d",
         "options",
         "calls",
+        "planned_after",
         "launch",
     )
 
@@ -147,7 +149,8 @@ class ForwardPlan:
         self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
         self.options: dict = {}
         tensor_result(fn, bound, self.options)  # a whole float3 tensor at a float3: a tensor
-        self.calls = 0  # (counted while small: from PLANNED_AFTER on, generated kernels)
+        self.calls = 0  # (counted while small: from planned_after on, generated kernels)
+        self.planned_after = generated.planned_after(fn.module.device)
         self.launch: Any = None  # its generated kernel; False: not covered (planned_kernels)
 
     @staticmethod
@@ -242,13 +245,14 @@ class BackwardPlan:
     case): every tensor an ``in`` parameter of its own element type and the result's shape,
     with a gradient buffer to add into; the result a tensor with gradient buffers."""
 
-    __slots__ = ("tensors", "floats", "numbers", "numel", "calls", "launch")
+    __slots__ = ("tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch")
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
         self.floats, self.numbers = _numbers(key, bound)
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
         self.calls = 0  # (as ForwardPlan's)
+        self.planned_after = generated.planned_after(fn.module.device)
         self.launch = BackwardLaunch(len(bound), result.numel)
 
     @staticmethod

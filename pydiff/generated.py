@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import broadcast_grad
+from . import broadcast_grad, generated_switch
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
@@ -37,6 +37,7 @@ from .generated_switch import SWITCH as SWITCH
 from .generated_switch import check_switch as check_switch
 from .generated_switch import check_switch_planned as check_switch_planned
 from .generated_switch import enabled
+from .generated_switch import planned_after as planned_after
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget
@@ -58,10 +59,6 @@ SMALL_GROUP = 32
 #: ``PYDIFF_GENERATED_MIN_ELEMENTS=1`` (or pytest's ``--pydiff-generated=force``) sends every
 #: covered call this way.
 MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
-#: A call plan (call_plan) of a smaller layout takes it once it has run this many times: its
-#: dispatch, deferred with the device's other work, is cheaper than SlangPy's call (16
-#: elements ~18 against ~25 us), which pays back the kernel's build (~40 ms) in a hot loop.
-PLANNED_AFTER = env_int("PYDIFF_GENERATED_PLANNED_AFTER", 1000)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 _stats: Counter = Counter()
 _lock = threading.Lock()
@@ -79,7 +76,13 @@ def call_size(values: Any) -> int:
 
 def settings() -> dict[str, Any]:
     """What ``pydiff info`` reports: whether the path is on, and from how many elements."""
-    return {"enabled": enabled(), "min_elements": MIN_ELEMENTS, "planned_after": PLANNED_AFTER}
+    after = generated_switch.PLANNED_AFTER
+    return {
+        "enabled": enabled(),
+        "min_elements": MIN_ELEMENTS,
+        "planned_after": after,
+        "planned_on_gpu": generated_switch.PLANNED_AFTER_ON_GPU == after,
+    }
 
 
 def stats() -> dict[str, int]:

@@ -9,8 +9,9 @@ mistyped whatever the call's size.
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from .errors import env_flag
+from .errors import env_flag, env_int
 
 SWITCH = "PYDIFF_GENERATED"
 _switch_read = ("", True)  # the switch's last raw value and what it means (unset: on)
@@ -54,3 +55,25 @@ def check_switch_planned() -> None:
     if size != _environ_size:
         enabled()  # (raises on a refused value, leaving the size unseen: read again next call)
         _environ_size = size
+
+
+#: A call plan (call_plan) of a smaller layout takes it once it has run this many times: its
+#: dispatch, deferred with the device's other work, is cheaper than SlangPy's call (16
+#: elements ~18 against ~25 us), which pays back the kernel's build (~40 ms) in a hot loop.
+#: On a GPU it was slower than SlangPy's call (an H200, CUDA, 16 elements: 17.4 against
+#: 12.2 us forward, 25.0 against 14.0 us ``.bwds``, 2026-11-27): there small calls keep
+#: SlangPy's unless ``PYDIFF_GENERATED_PLANNED_AFTER`` is set (``planned_after``).
+PLANNED_AFTER = env_int("PYDIFF_GENERATED_PLANNED_AFTER", 1000)
+NEVER = 1 << 62  # (a count no call plan reaches)
+_PLANNED_AFTER_SET = "PYDIFF_GENERATED_PLANNED_AFTER" in os.environ
+PLANNED_AFTER_ON_GPU = PLANNED_AFTER if _PLANNED_AFTER_SET else NEVER
+
+
+def planned_after(device: Any) -> int:
+    """After how many runs a call plan of a small layout on ``device`` takes the generated
+    kernel: ``PLANNED_AFTER`` on lavapipe, ``PLANNED_AFTER_ON_GPU`` elsewhere (never, unless
+    the variable is set).
+
+        generated_switch.planned_after(dev)   # 1000 on lavapipe, NEVER on a GPU
+    """
+    return PLANNED_AFTER if "llvmpipe" in device.adapter_name else PLANNED_AFTER_ON_GPU

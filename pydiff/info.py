@@ -97,7 +97,8 @@ def format_info(data: dict[str, Any]) -> str:
     if gen is not None:
         lines.append(
             f"generated kernels: on for covered calls of {gen['min_elements']}+ elements, "
-            f"and smaller ones repeated {gen.get('planned_after', '?')} times "
+            f"and smaller ones repeated {gen.get('planned_after', '?')} times"
+            f"{'' if gen.get('planned_on_gpu', True) else ' on lavapipe'} "
             "(PYDIFF_GENERATED=0 turns them off; pydiff.generated.stats() counts each path)"
             if gen["enabled"]
             else "generated kernels: off (PYDIFF_GENERATED=0)"
