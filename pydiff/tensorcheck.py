@@ -87,9 +87,9 @@ def skip_reason(fn: ShaderFunction) -> str | None:
 
 #: Elements past each tensor's end that the size probe fills (fitting_setup).
 SLACK = 1024
-#: The largest tensor the size probe tries, in elements (a shader that still reads past the
-#: end of that is refused).
-PROBE_MAX_ELEMENTS = 65536
+#: The largest tensor the size probe tries, in elements: a shader that still reads past the
+#: end of that is refused (the check perturbs one element at a time, four calls each).
+PROBE_MAX_ELEMENTS = 4096
 
 
 def _spacing(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -126,7 +126,8 @@ def fitting_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> "
             raise ValueError(
                 f"{fn.name}: reads past the end of its tensor arguments at every size tried "
                 f"(up to {size} elements per axis): what lies past a tensor's end changes its "
-                "results. Check its loops and indices against the tensors' shapes"
+                "results. Check its loops and indices against the tensors' shapes, or check it "
+                "with pydiff.gradcheck on tensors of the shapes it reads"
             )
         size *= 2
 

@@ -113,3 +113,21 @@ def test_large_outputs_do_not_fail_right_gradients_on_rounding(device):
         for r in rows
         if r.function == "residual_sq" and r.parameter in "awb"
     )
+
+
+TWO_D = """import slangpy;
+[Differentiable]
+float twod(float x, IDiffTensor<float, 2> a)
+{
+    float s = 0.0;
+    [ForceUnroll] for (int i = 0; i < 6; i++)
+        [ForceUnroll] for (int j = 0; j < 5; j++) s += a[i, j] * a[i, j] * x;
+    return s;
+}
+"""
+
+
+def test_a_two_dimensional_fixed_loop_grows_both_axes(tmp_path, device):
+    rows = check_module(_write(tmp_path, "s31_twod", TWO_D), device=device)
+    a_row = next(r for r in rows if r.parameter == "a" and r.mode == "backward")
+    assert a_row.status == "PASS" and a_row.points == 64, rows  # 6 x 5 read: 8 x 8 given
