@@ -192,9 +192,10 @@ class Comparison(NamedTuple):
 
 
 def compare(
-    ad: np.ndarray, fd: np.ndarray, valid: np.ndarray, atol: float, rtol: float
+    ad: np.ndarray, fd: np.ndarray, valid: np.ndarray, atol: Any, rtol: float
 ) -> Comparison | None:
-    """Max absolute and relative error and the verdict over entries where ``valid``;
+    """Max absolute and relative error and the verdict over entries where ``valid`` (``atol``
+    a number, or one per entry);
     None when no entry is valid. A NaN or infinite AD where FD is valid fails (and makes
     the maxima NaN/inf); ``nonfinite`` counts those entries.
 
@@ -207,7 +208,7 @@ def compare(
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.abs(ad - fd)[valid]
         ref = np.abs(fd)[valid]
-        rel = err / np.maximum(ref, atol)
+        rel = err / np.maximum(ref, np.broadcast_to(atol, np.shape(valid))[valid])
     failed = (excess(ad, fd, atol, rtol)[valid] > 0).any()
     bad = int((~np.isfinite(np.broadcast_to(ad, valid.shape)))[valid].sum())
     return Comparison(float(err.max()), float(rel.max()), bool(failed), bad)

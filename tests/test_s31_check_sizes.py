@@ -136,3 +136,85 @@ def test_a_two_dimensional_fixed_loop_grows_both_axes(tmp_path, device):
     rows = check_module(_write(tmp_path, "s31_twod", TWO_D), device=device)
     a_row = next(r for r in rows if r.parameter == "a" and r.mode == "backward")
     assert a_row.status == "PASS" and a_row.points == 64, rows  # 6 x 5 read: 8 x 8 given
+
+
+# --- a breaker's cases (helper, 2026-11-27): wrong gradients that must FAIL -------------
+
+_SQ10 = """[BackwardDerivative(sq10_bwd)]
+float sq10(float v) { return v * v; }
+void sq10_bwd(inout DifferentialPair<float> v, float d) { v = diffPair(v.p, 10.0 * v.p * d); }
+"""
+LARGE_BESIDE = (
+    "import slangpy;\n"
+    + _SQ10
+    + """[Differentiable]
+float mixed10(int i, IDiffTensor<float, 1> x)
+{ float s = sq10(x[i]); return select(i == 0, 1.0e7 + 0.0 * s, s); }
+[Differentiable]
+void two_out(int i, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> big,
+             IWDiffTensor<float, 1> small)
+{ float s = sq10(x[i]); big.store(i, 1.0e7); small.store(i, s); }
+"""
+)
+LARGE_MOVING = """import slangpy;
+[BackwardDerivative(s100_bwd)]
+float s100(float v) { return 0.01 * v; }
+void s100_bwd(inout DifferentialPair<float> v, float d) { v = diffPair(v.p, 100.0 * d); }
+[Differentiable]
+float big100(int i, IDiffTensor<float, 1> x) { return 1.0e6 + s100(x[i]); }
+"""
+FAR_READ = """import slangpy;
+[BackwardDerivative(sq3_bwd)]
+float sq3(float v) { return v * v; }
+void sq3_bwd(inout DifferentialPair<float> v, float d) { v = diffPair(v.p, 3.0 * v.p * d); }
+[Differentiable]
+float farw(int i, IDiffTensor<float, 1> x) { return sq3(x[i]) * x[600]; }
+[Differentiable]
+float before(int i, IDiffTensor<float, 1> x) { return sq3(x[i]) * x[i - 1]; }
+[Differentiable]
+float negative_only(float y, IDiffTensor<float, 1> x)
+{
+    float s = 0.0;
+    [ForceUnroll] for (int j = 0; j < 8; j++) s += max(-x[j], 0.0) * float(j + 1);
+    return s * y;
+}
+"""
+INT_LOOP = """import slangpy;
+[Differentiable]
+float nloop3(int i, int n, IDiffTensor<float, 1> x)
+{
+    float s = 0.0;
+    [MaxIters(16)] for (int j = 0; j < n * 3; j++) s += x[j] * x[j];
+    return s + x[i];
+}
+"""
+
+
+def _rows(tmp_path, device, name, source):
+    rows = check_module(_write(tmp_path, name, source), device=device)
+    return {(r.function, r.parameter, r.mode): r for r in rows}
+
+
+def test_a_large_output_beside_does_not_hide_a_wrong_gradient(tmp_path, device):
+    rows = _rows(tmp_path, device, "s31_beside", LARGE_BESIDE)
+    for fn in ("mixed10", "two_out"):
+        assert rows[(fn, "x", "backward")].status == "FAIL", rows  # 10 x against 2 x
+
+
+def test_a_large_moving_output_does_not_hide_a_wrong_gradient(tmp_path, device):
+    rows = _rows(tmp_path, device, "s31_moving", LARGE_MOVING)
+    assert rows[("big100", "x", "backward")].status == "FAIL", rows  # 100 against 0.01
+
+
+def test_reads_far_past_or_before_a_tensor_or_of_negatives_are_seen(tmp_path, device):
+    rows = _rows(tmp_path, device, "s31_far", FAR_READ)
+    # x[600]: sized to 1024, then the 3 x derivative FAILs (or an ERROR if it cannot fit)
+    assert all(r.status in ("FAIL", "ERROR") for k, r in rows.items() if k[0] == "farw"), rows
+    assert all(r.status != "PASS" for k, r in rows.items() if k[0] == "before"), rows
+    (neg,) = [r for k, r in rows.items() if k == ("negative_only", "x", "backward")]
+    assert neg.status == "PASS" and neg.points + neg.near_kinks == 8, neg
+
+
+def test_further_ints_stay_small_whatever_the_size(tmp_path, device):
+    rows = _rows(tmp_path, device, "s31_intloop", INT_LOOP)
+    assert rows[("nloop3", "x", "backward")].status == "PASS", rows
