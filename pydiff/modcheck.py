@@ -203,21 +203,11 @@ def _check_with_tensors(
 
     given_atol = atol
 
-    def row(
-        parameter: str,
-        mode: str,
-        ad: np.ndarray,
-        numeric: np.ndarray,
-        valid: np.ndarray,
-        n: int,
-        atol: Any = atol,
-    ) -> CheckResult:
+    def row(parameter, mode, ad, numeric, valid, n, atol=atol) -> CheckResult:  # noqa: ANN001
         cmp = fd.compare(ad, numeric, valid, atol, rtol)
         result = _row(fn.name, parameter, mode, cmp, valid, unit="element")
-        widest = float(np.max(np.broadcast_to(atol, np.shape(valid))[valid], initial=0.0))
-        if widest > 2 * given_atol:  # (said, so that a wide tolerance is never hidden)
-            note = f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved"
-            result.why = f"{result.why}; {note}" if result.why else note
+        note = tensorcheck.widened(atol, valid, given_atol)  # (a wide tolerance is said)
+        result.why = "; ".join(w for w in (result.why, note) if w)
         return result
 
     return tensorcheck.check_tensor_function(

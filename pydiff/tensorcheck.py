@@ -300,6 +300,18 @@ def check_tensor_function(
     return rows
 
 
+def widened(atol: Any, valid: np.ndarray, given: float) -> str:
+    """A row's note when its tolerance grew past twice ``given`` (float32 rounding of large
+    outputs, ``_difference``), else "".
+
+        widened(np.array([1e-3, 0.09]), np.array([True, True]), 1e-3)   # "atol up to 0.09: ..."
+    """
+    widest = float(np.max(np.broadcast_to(atol, np.shape(valid))[valid], initial=0.0))
+    if widest <= 2 * given:
+        return ""
+    return f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved"
+
+
 def _difference(setup: _Setup, upstream: dict, direction: dict, h: float) -> tuple[float, float]:
     """The central difference of <upstream, outputs> along ``direction`` with step ``h``,
     and how far float32 rounding of the outputs can move it. Only outputs the step changed
