@@ -92,9 +92,13 @@ HEAD, SLACK = 64, 8192
 #: that is refused (the check perturbs one element at a time, four calls each: a 1024-element
 #: tensor over a 1024-thread grid took 20 s on lavapipe, 4096 six minutes).
 PROBE_MAX_ELEMENTS = 1024
-#: The two fillings compared: a function reading outside its tensors sees them differ (a
-#: sign too, so that max(-x, 0) sees one).
-FILLS = (0.0, (7.0, -5.0))
+#: The two fillings compared: a function reading outside its tensors sees them differ
+#: (random values in the sampled range: a tent or max(-x, 0) that is 0 at chosen values
+#: reads a draw where it is not).
+FILLS = tuple(
+    np.random.default_rng(seed).uniform(-1.5, 1.5, HEAD + SLACK).astype(np.float32)
+    for seed in (101, 202)
+)
 #: Roundings at an output's scale that the function's own float32 arithmetic may add to the
 #: output's last one (samples/pinn_poisson's net_xx, 32 terms near 60: up to 3 seen).
 ROUNDINGS = 8
@@ -125,8 +129,9 @@ def fitting_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> "
         if (2 * size) ** dims > PROBE_MAX_ELEMENTS:
             raise ValueError(
                 f"{fn.name}: reads past the end of its tensor arguments at every size tried "
-                f"(up to {size} elements per axis, {size**dims} a tensor): what lies outside a "
-                "tensor changes its results. Check its loops and indices against the tensors' "
+                f"(up to {size} elements per axis, shared by every tensor argument: "
+                f"{size**dims} for a {dims}-D one): what lies outside a tensor changes its "
+                "results. Check its loops and indices against the tensors' "
                 "shapes, or check it with pydiff.gradcheck on tensors of the shapes it reads"
             )
         size *= 2
@@ -158,8 +163,11 @@ class _Setup:
         self.values = {}
         for p in self.inputs:
             shape = (size,) * tensor_dims(p.type_name)
-            sign = np.where(np.arange(int(np.prod(shape))).reshape(shape) % 2 == 0, 1.0, -1.0)
-            self.values[p.name] = rng.uniform(0.2, 1.5, shape) * sign
+            # half negative, shuffled: a sign by position left column 0 of an (n, 4) tensor,
+            # or every even element, always positive (a breaker's wrong leaky-relu passed)
+            sign = np.resize([1.0, -1.0], int(np.prod(shape)))
+            rng.shuffle(sign)
+            self.values[p.name] = rng.uniform(0.2, 1.5, shape) * sign.reshape(shape)
 
     def with_slack(self, value: Any) -> "_Setup":
         self.slack = value
@@ -167,14 +175,14 @@ class _Setup:
 
     def tensor(self, values: np.ndarray) -> Tensor:
         """A float32 tensor of ``values``; with ``slack`` set, a view into a buffer with
-        ``HEAD`` elements before and ``SLACK`` after it holding that filling (a number, or
-        a pair repeated), so that what a function reads outside a tensor shows in its
+        ``HEAD`` elements before and ``SLACK`` after it holding that filling (one of
+        ``FILLS``), so that what a function reads outside a tensor shows in its
         results (on every backend: outside the buffer, Vulkan reads 0, CUDA whatever memory
         holds)."""
         values = values.astype(np.float32)
         if self.slack is None:
             return make_tensor(values, device=self.device)
-        fill = np.resize(np.asarray(self.slack, np.float32), HEAD + SLACK)
+        fill = self.slack
         padded = np.concatenate([fill[:HEAD], values.ravel(), fill[HEAD:]])
         base = make_tensor(padded, device=self.device)
         view = base.native.view(values.shape, offset=HEAD)
@@ -250,7 +258,47 @@ def check_tensor_function(
     base = setup.run(setup.values)
     upstream = {k: rng.uniform(-1.0, 1.0, v.shape) for k, v in base.items()}
 
-    # analytic: .bwds with the upstream gradients on the outputs
+    # One output at a time: a large, right Jacobian entry of one output must not hide a small
+    # wrong one of another in <v, outputs> (a breaker's 1000 x beside a 50% wrong square).
+    outputs = list(base)
+    analytic = {o: _analytic(fn, setup, _only(upstream, o)) for o in outputs}
+
+    rows = []
+    finite = np.array([all(np.all(np.isfinite(v)) for v in base.values())])
+    for p in setup.inputs:
+        if not p.is_diff_tensor:
+            continue
+        (d1, r1), (d2, r2) = (_per_element(setup, upstream, p.name, h) for h in (eps, eps / 4))
+        joined = [np.concatenate([x[o] for o in outputs]) for x in (d1, r1, d2, r2)]
+        ad = np.concatenate([analytic[o][p.name].reshape(-1) for o in outputs])
+        valid = fd.smooth(joined[0], joined[2], atol + joined[1] + joined[3], rtol)
+        n = joined[0].size
+        rows.append(
+            row(p.name, "backward", ad, joined[0], valid & finite[0], n, atol=atol + joined[1])
+        )
+    # adjoint: <J u, v> along one random direction u over all differentiable inputs
+    u = {
+        p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape)
+        for p in setup.inputs
+        if p.is_diff_tensor
+    }
+    ju_v, rounding = (sum(x.values()) for x in _difference(setup, upstream, u, eps))
+    u_jtv = sum(float(fd.dot(u, analytic[o])) for o in outputs)
+    rows.append(
+        row(
+            "(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1, atol=atol + rounding
+        )
+    )
+    return rows
+
+
+def _only(upstream: dict, output: str) -> dict:
+    """``upstream`` on ``output`` alone (zeros elsewhere)."""
+    return {k: v if k == output else np.zeros_like(v) for k, v in upstream.items()}
+
+
+def _analytic(fn: ShaderFunction, setup: "_Setup", upstream: dict) -> dict[str, np.ndarray]:
+    """Each differentiable input's gradient from ``.bwds`` with ``upstream`` on the outputs."""
     args, made = setup.args(setup.values, grads=True, upstream=upstream)
     kwargs = {}
     if fn.signature.return_type != "void" and setup.grid_shape:
@@ -260,44 +308,11 @@ def check_tensor_function(
     elif fn.signature.return_type != "void":
         kwargs["_result"] = float(upstream["(result)"][0])  # one call: a number seeds it
     fn.bwds(*args, **kwargs)
-    analytic = {
+    return {
         p.name: made[p.name].grad.numpy().astype(np.float64)
         for p in setup.inputs
         if p.is_diff_tensor
     }
-
-    rows = []
-    finite = np.array([all(np.all(np.isfinite(v)) for v in base.values())])
-    for p in setup.inputs:
-        if not p.is_diff_tensor:
-            continue
-        (d1, r1), (d2, r2) = (_per_element(setup, upstream, p.name, h) for h in (eps, eps / 4))
-        valid = fd.smooth(d1, d2, atol + r1 + r2, rtol)
-        rows.append(
-            row(
-                p.name,
-                "backward",
-                analytic[p.name].reshape(-1),
-                d1,
-                valid & finite[0],
-                d1.size,
-                atol=atol + r1,
-            )
-        )
-    # adjoint: <J u, v> along one random direction u over all differentiable inputs
-    u = {
-        p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape)
-        for p in setup.inputs
-        if p.is_diff_tensor
-    }
-    ju_v, rounding = _difference(setup, upstream, u, eps)
-    u_jtv = float(fd.dot(u, analytic))
-    rows.append(
-        row(
-            "(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1, atol=atol + rounding
-        )
-    )
-    return rows
 
 
 def widened(atol: Any, valid: np.ndarray, given: float) -> str:
@@ -312,39 +327,42 @@ def widened(atol: Any, valid: np.ndarray, given: float) -> str:
     return f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved"
 
 
-def _difference(setup: _Setup, upstream: dict, direction: dict, h: float) -> tuple[float, float]:
-    """The central difference of <upstream, outputs> along ``direction`` with step ``h``,
-    and how far float32 rounding of the outputs can move it. Only outputs the step changed
-    count: one it leaves alone cancels exactly, however large (a constant 1e7 beside the
-    outputs that matter must not widen their tolerance). Where the outputs that move are
-    large (a 32-unit network's second derivative: ~60) this exceeds atol, and right
-    gradients would FAIL on rounding alone."""
+def _difference(setup: "_Setup", upstream: dict, direction: dict, h: float) -> tuple[dict, dict]:
+    """Per output: the central difference of <upstream, output> along ``direction`` with
+    step ``h``, and how far float32 rounding can move it. Only the outputs the step changed
+    count: one it leaves alone cancels exactly, however large (a constant 1e7 beside must
+    not widen the tolerance); their roundings add as independent errors (root of the sum of
+    squares: a sum over 1024 moved outputs let a dropped gradient pass), ``ROUNDINGS`` of
+    them at each output's scale. Where the outputs that move are large (a 32-unit network's
+    second derivative: ~60) this exceeds atol, and right gradients would FAIL otherwise."""
     values = setup.values
     plus = {k: v + h * direction[k] if k in direction else v for k, v in values.items()}
     minus = {k: v - h * direction[k] if k in direction else v for k, v in values.items()}
     high, low = setup.run(plus), setup.run(minus)
-    rounding = 0.0
+    differences, roundings = {}, {}
     with np.errstate(invalid="ignore"):
         for k in high:
+            differences[k] = float(np.sum((high[k] - low[k]) * upstream[k])) / (2 * h)
             moved = high[k] != low[k]
-            if moved.any():
-                steps = np.spacing(np.abs(high[k][moved]).astype(np.float32)) + np.spacing(
-                    np.abs(low[k][moved]).astype(np.float32)
-                )
-                rounding += float(np.nansum(np.abs(upstream[k][moved]) * steps)) / 2
-    difference = float(fd.dot(high, upstream) - fd.dot(low, upstream)) / (2 * h)
-    return difference, ROUNDINGS * rounding / (2 * h)
+            steps = np.spacing(np.abs(high[k][moved]).astype(np.float32)) + np.spacing(
+                np.abs(low[k][moved]).astype(np.float32)
+            )
+            spread = float(np.sqrt(np.nansum((upstream[k][moved] * steps / 2) ** 2)))
+            roundings[k] = ROUNDINGS * spread / (2 * h)
+    return differences, roundings
 
 
-def _per_element(
-    setup: _Setup, upstream: dict, name: str, h: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """``_difference`` along each element of input ``name`` in turn."""
+def _per_element(setup: "_Setup", upstream: dict, name: str, h: float) -> tuple[dict, dict]:
+    """``_difference`` along each element of input ``name`` in turn: per output, an array."""
     shape = setup.values[name].shape
     count = int(np.prod(shape))
-    out, rounding = np.zeros(count), np.zeros(count)
+    out: dict = {}
+    rounding: dict = {}
     for k in range(count):
         unit = np.zeros(count)
         unit[k] = 1.0
-        out[k], rounding[k] = _difference(setup, upstream, {name: unit.reshape(shape)}, h)
+        d, r = _difference(setup, upstream, {name: unit.reshape(shape)}, h)
+        for o in d:
+            out.setdefault(o, np.zeros(count))[k] = d[o]
+            rounding.setdefault(o, np.zeros(count))[k] = r[o]
     return out, rounding

@@ -9,6 +9,7 @@ runs. On Vulkan the same reads returned 0, so the check silently checked a 4-uni
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import pydiff
 from pydiff import tensorcheck
@@ -80,9 +81,10 @@ def test_the_overrun_is_seen_whatever_lies_past_the_end(tmp_path, device):
     assert tensorcheck.reads_past_the_end(setup)
     x = setup.numbers["x"]
     a, w = setup.values["a"], setup.values["w"]
-    for slack in (0.0, 7.0):  # float64 reference of what the shader computes
-        full_a = np.concatenate([a, np.full(4, slack)])
-        full_w = np.concatenate([w, np.full(4, slack)])
+    head = tensorcheck.HEAD
+    for slack in tensorcheck.FILLS:  # float64 reference of what the shader computes
+        full_a = np.concatenate([a, slack[head : head + 4]])
+        full_w = np.concatenate([w, slack[head : head + 4]])
         want = np.sum(full_a * np.sin(full_w * x)) ** 2
         got = setup.with_slack(slack).run(setup.values)["(result)"][0]
         np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -218,3 +220,52 @@ def test_reads_far_past_or_before_a_tensor_or_of_negatives_are_seen(tmp_path, de
 def test_further_ints_stay_small_whatever_the_size(tmp_path, device):
     rows = _rows(tmp_path, device, "s31_intloop", INT_LOOP)
     assert rows[("nloop3", "x", "backward")].status == "PASS", rows
+
+
+# --- a second breaker round (2026-11-27): each a wrong gradient that passed ---------------
+
+ROUND2 = {
+    "col0": (
+        "[Differentiable] float col0(int i, IDiffTensor<float, 2> p)"
+        " { return leaky(p[i, 0]) + p[i, 1] * p[i, 1]; }"
+    ),
+    "re_part": (
+        "[Differentiable] float re_part(int i, IDiffTensor<float, 1> x)"
+        " { return leaky(x[2 * (i % 2)]) * x[2 * (i % 2) + 1]; }"
+    ),
+    "two": (
+        "[Differentiable] void two(int i, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> big,"
+        " IWDiffTensor<float, 1> small) { big.store(i, 1000.0 * x[i]); small.store(i, sq3(x[i])); }"
+    ),
+    "biased": (
+        "[Differentiable] float biased(int i, IDiffTensor<float, 1> x, IDiffTensor<float, 1> b)"
+        " { return 100.0 + x[i] * x[i] + drop(b[0]) + 0.001 * x[1023]; }"
+    ),
+    "kde8": (
+        "[Differentiable] float kde8(IDiffTensor<float, 1> x)"
+        " { float s = 0.0; for (int j = 0; j < 8; j++) s += tentw(x[j], float(1 + j / 4));"
+        " return s; }"
+    ),
+}
+ROUND2_HELPERS = """import slangpy;
+[BackwardDerivative(leaky_bwd)] float leaky(float v) { return v > 0.0 ? v : 0.1 * v; }
+void leaky_bwd(inout DifferentialPair<float> v, float d)
+{ v = diffPair(v.p, (v.p > 0.0 ? 1.0 : 0.5) * d); }
+[BackwardDerivative(sq3_bwd)] float sq3(float v) { return v * v; }
+void sq3_bwd(inout DifferentialPair<float> v, float d) { v = diffPair(v.p, 3.0 * v.p * d); }
+[BackwardDerivative(drop_bwd)] float drop(float v) { return v; }
+void drop_bwd(inout DifferentialPair<float> v, float d) { v = diffPair(v.p, 0.0 * d); }
+[Differentiable] float tent(float v) { return max(0.0, 1.0 - abs(v - 1.0)); }
+[BackwardDerivative(tentw_bwd)] float tentw(float v, no_diff float w) { return w * tent(v); }
+void tentw_bwd(inout DifferentialPair<float> v, no_diff float w, float d)
+{ var p = diffPair(v.p); bwd_diff(tent)(p, d); v = diffPair(v.p, p.d); }
+"""
+
+
+@pytest.mark.parametrize("name", sorted(ROUND2))
+def test_round_two_wrong_gradients_do_not_pass(tmp_path, device, name):
+    rows = check_module(
+        _write(tmp_path, f"s31_r2_{name}", ROUND2_HELPERS + ROUND2[name] + "\n"), device=device
+    )
+    mine = [r for r in rows if r.function == name]
+    assert mine and any(r.status in ("FAIL", "ERROR") for r in mine), mine
