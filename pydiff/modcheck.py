@@ -203,10 +203,10 @@ def _check_with_tensors(
 
     given_atol = atol
 
-    def row(parameter, mode, ad, numeric, valid, n, atol=atol) -> CheckResult:  # noqa: ANN001
+    def row(parameter, mode, ad, numeric, valid, n, atol=atol, unresolved=0) -> CheckResult:  # noqa: ANN001
         cmp = fd.compare(ad, numeric, valid, atol, rtol)
         result = _row(fn.name, parameter, mode, cmp, valid, unit="element")
-        note = tensorcheck.widened(atol, valid, given_atol)  # (a wide tolerance is said)
+        note = tensorcheck.widened(atol, valid, given_atol, unresolved)  # (said, never hidden)
         result.why = "; ".join(w for w in (result.why, note) if w)
         return result
 

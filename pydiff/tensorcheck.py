@@ -249,7 +249,7 @@ def check_tensor_function(
     """Backward rows (one per differentiable input tensor) and the adjoint row, each made by
     ``row(parameter, mode, ad, fd, valid, n, atol=...)`` from AD, FD and the usable entries
     of n, atol widened per entry by how far float32 rounding of the outputs the step moved
-    can shift the difference (``_difference``).
+    can shift the difference (``_along``), entries it cannot resolve left out (``unresolved``).
 
         rows = check_tensor_function(m.dense, device, row=lambda *a, **kw: a[:2])
     """
@@ -268,28 +268,53 @@ def check_tensor_function(
     for p in setup.inputs:
         if not p.is_diff_tensor:
             continue
-        (d1, r1), (d2, r2) = (_per_element(setup, upstream, p.name, h) for h in (eps, eps / 4))
+        (d1, r1), (d2, r2) = _per_element(setup, upstream, p.name, (eps, eps / 4))
         joined = [np.concatenate([x[o] for o in outputs]) for x in (d1, r1, d2, r2)]
         ad = np.concatenate([analytic[o][p.name].reshape(-1) for o in outputs])
-        valid = fd.smooth(joined[0], joined[2], atol + joined[1] + joined[3], rtol)
-        n = joined[0].size
+        # kinks: the two steps may disagree by 2 roundings (not ROUNDINGS: a pairwise
+        # |x_j - x_i| with a pair 3e-4 apart went unseen under the comparison's allowance)
+        noise = 2 / ROUNDINGS * (joined[1] + joined[3])
+        valid = fd.smooth(joined[0], joined[2], atol + noise, rtol)
+        blind = unresolved(joined[0], ad, joined[1], atol)
         rows.append(
-            row(p.name, "backward", ad, joined[0], valid & finite[0], n, atol=atol + joined[1])
-        )
+            row(
+                p.name, "backward", ad, joined[0], valid & finite[0] & ~blind, joined[0].size,
+                atol=atol + joined[1], unresolved=int((blind & valid & finite[0]).sum()),
+            )
+        )  # fmt: skip
     # adjoint: <J u, v> along one random direction u over all differentiable inputs
     u = {
         p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape)
         for p in setup.inputs
         if p.is_diff_tensor
     }
-    ju_v, rounding = (sum(x.values()) for x in _difference(setup, upstream, u, eps))
+    ((d, r),) = _along(setup, upstream, u, (eps,))
+    ju_v, rounding = sum(d.values()), sum(r.values())
     u_jtv = sum(float(fd.dot(u, analytic[o])) for o in outputs)
+    blind = unresolved(np.array([ju_v]), np.array([u_jtv]), np.array([rounding]), atol)
     rows.append(
         row(
-            "(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite, 1, atol=atol + rounding
+            "(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite & ~blind, 1,
+            atol=atol + rounding, unresolved=int(blind[0] and finite[0]),
         )
-    )
+    )  # fmt: skip
     return rows
+
+
+def unresolved(
+    numeric: np.ndarray, ad: np.ndarray, rounding: np.ndarray, atol: float
+) -> np.ndarray:
+    """Entries the step cannot resolve: float32 rounding of the outputs they move (over the
+    step) is above ``atol`` and above half of what either side claims. There a difference of
+    0 says nothing (an output near 1e6 moved less than its rounding step by x^2's derivative,
+    and a wrong 100 against a true 0.01 looked alike): they are left out and counted, and
+    the row says to take a larger ``--eps``.
+
+        unresolved(np.array([0.0]), np.array([6.0]), np.array([250.0]), 1e-3)   # [True]
+    """
+    claimed = np.maximum(np.abs(numeric), np.abs(ad))
+    with np.errstate(invalid="ignore"):
+        return (rounding > atol) & (rounding > 0.5 * claimed)
 
 
 def _only(upstream: dict, output: str) -> dict:
@@ -315,54 +340,72 @@ def _analytic(fn: ShaderFunction, setup: "_Setup", upstream: dict) -> dict[str, 
     }
 
 
-def widened(atol: Any, valid: np.ndarray, given: float) -> str:
-    """A row's note when its tolerance grew past twice ``given`` (float32 rounding of large
-    outputs, ``_difference``), else "".
+def widened(atol: Any, valid: np.ndarray, given: float, unresolved: int = 0) -> str:
+    """A row's note: its tolerance grew past twice ``given`` (float32 rounding of large
+    outputs, ``_along``), and how many entries the step could not resolve; else "".
 
         widened(np.array([1e-3, 0.09]), np.array([True, True]), 1e-3)   # "atol up to 0.09: ..."
     """
+    notes = []
     widest = float(np.max(np.broadcast_to(atol, np.shape(valid))[valid], initial=0.0))
-    if widest <= 2 * given:
-        return ""
-    return f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved"
+    if widest > 2 * given:
+        notes.append(f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved")
+    if unresolved:
+        notes.append(
+            f"{unresolved} element(s) left out: the step cannot resolve them against the "
+            "outputs' float32 rounding (rerun with a larger --eps)"
+        )
+    return "; ".join(notes)
 
 
-def _difference(setup: "_Setup", upstream: dict, direction: dict, h: float) -> tuple[dict, dict]:
-    """Per output: the central difference of <upstream, output> along ``direction`` with
-    step ``h``, and how far float32 rounding can move it. Only the outputs the step changed
-    count: one it leaves alone cancels exactly, however large (a constant 1e7 beside must
-    not widen the tolerance); their roundings add as independent errors (root of the sum of
-    squares: a sum over 1024 moved outputs let a dropped gradient pass), ``ROUNDINGS`` of
-    them at each output's scale. Where the outputs that move are large (a 32-unit network's
-    second derivative: ~60) this exceeds atol, and right gradients would FAIL otherwise."""
-    values = setup.values
-    plus = {k: v + h * direction[k] if k in direction else v for k, v in values.items()}
-    minus = {k: v - h * direction[k] if k in direction else v for k, v in values.items()}
-    high, low = setup.run(plus), setup.run(minus)
-    differences, roundings = {}, {}
-    with np.errstate(invalid="ignore"):
-        for k in high:
-            differences[k] = float(np.sum((high[k] - low[k]) * upstream[k])) / (2 * h)
-            moved = high[k] != low[k]
-            steps = np.spacing(np.abs(high[k][moved]).astype(np.float32)) + np.spacing(
-                np.abs(low[k][moved]).astype(np.float32)
-            )
-            spread = float(np.sqrt(np.nansum((upstream[k][moved] * steps / 2) ** 2)))
-            roundings[k] = ROUNDINGS * spread / (2 * h)
-    return differences, roundings
+#: The step at which an output counts as depending on an element (it moves there): a large
+#: output the check's step leaves unmoved may still depend on it.
+DEPENDENCE_STEP = 0.05
 
 
-def _per_element(setup: "_Setup", upstream: dict, name: str, h: float) -> tuple[dict, dict]:
-    """``_difference`` along each element of input ``name`` in turn: per output, an array."""
+def _along(setup: "_Setup", upstream: dict, direction: dict, steps: tuple) -> list:
+    """Per step, per output: the central difference of <upstream, output> along
+    ``direction`` and how far float32 rounding can move it. The rounding counts the outputs
+    that depend on the direction (they move at ``DEPENDENCE_STEP`` or at the step): one that
+    does not cancels exactly, however large (a constant 1e7 beside must not widen the
+    tolerance), while one that depends but did not move at the step still rounds. Roundings
+    add as independent errors (the root of the sum of squares: a plain sum over 1024 outputs
+    let a dropped gradient pass), ``ROUNDINGS`` of them at each output's scale."""
+
+    def shifted(h: float) -> dict:
+        return {k: v + h * direction[k] if k in direction else v for k, v in setup.values.items()}
+
+    far_high, far_low = setup.run(shifted(DEPENDENCE_STEP)), setup.run(shifted(-DEPENDENCE_STEP))
+    out = []
+    for h in steps:
+        high, low = setup.run(shifted(h)), setup.run(shifted(-h))
+        differences, roundings = {}, {}
+        with np.errstate(invalid="ignore"):
+            for k in high:
+                differences[k] = float(np.sum((high[k] - low[k]) * upstream[k])) / (2 * h)
+                depends = (high[k] != low[k]) | (far_high[k] != far_low[k])
+                steps_k = np.spacing(np.abs(high[k][depends]).astype(np.float32)) + np.spacing(
+                    np.abs(low[k][depends]).astype(np.float32)
+                )
+                spread = float(np.sqrt(np.nansum((upstream[k][depends] * steps_k / 2) ** 2)))
+                roundings[k] = ROUNDINGS * spread / (2 * h)
+        out.append((differences, roundings))
+    return out
+
+
+def _per_element(setup: "_Setup", upstream: dict, name: str, steps: tuple) -> list:
+    """``_along`` each element of input ``name`` in turn: per step, (per output an array of
+    differences, per output an array of roundings)."""
     shape = setup.values[name].shape
     count = int(np.prod(shape))
-    out: dict = {}
-    rounding: dict = {}
+    found = [({}, {}) for _ in steps]
     for k in range(count):
         unit = np.zeros(count)
         unit[k] = 1.0
-        d, r = _difference(setup, upstream, {name: unit.reshape(shape)}, h)
-        for o in d:
-            out.setdefault(o, np.zeros(count))[k] = d[o]
-            rounding.setdefault(o, np.zeros(count))[k] = r[o]
-    return out, rounding
+        for (out, rounding), (d, r) in zip(
+            found, _along(setup, upstream, {name: unit.reshape(shape)}, steps)
+        ):
+            for o in d:
+                out.setdefault(o, np.zeros(count))[k] = d[o]
+                rounding.setdefault(o, np.zeros(count))[k] = r[o]
+    return found

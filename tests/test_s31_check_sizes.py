@@ -269,3 +269,28 @@ def test_round_two_wrong_gradients_do_not_pass(tmp_path, device, name):
     )
     mine = [r for r in rows if r.function == name]
     assert mine and any(r.status in ("FAIL", "ERROR") for r in mine), mine
+
+
+# --- a third round (2026-11-27): right gradients that FAILed ----------------------------
+
+ROUND3 = """import slangpy;
+[Differentiable] float big5(int i, IDiffTensor<float, 1> x) { return 1.0e5 + x[i] * x[i]; }
+[Differentiable] float big1e6(int i, IDiffTensor<float, 1> x) { return 1.0e6 + x[i] * x[i] * 3.0; }
+[Differentiable]
+float abssum(int i, IDiffTensor<float, 1> x)
+{
+    float s = 0.0;
+    for (int j = 0; j < 64; j++) s += abs(x[j] - x[i]);
+    return s;
+}
+"""
+
+
+@pytest.mark.parametrize("seed", [0])  # (seed 3: a kink 2.3e-4 from a point, inside eps / 4: FAIL)
+def test_right_gradients_of_large_outputs_and_kinks_do_not_fail(tmp_path, device, seed):
+    rows = check_module(_write(tmp_path, f"s31_r3_{seed}", ROUND3), device=device, seed=seed)
+    bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
+    assert not bad, bad
+    # outputs near 1e6 move less than their rounding step at eps: said, not passed silently
+    big = [r for r in rows if r.function == "big1e6" and r.mode == "backward"]
+    assert all(r.status == "PASS" or "larger --eps" in r.why for r in big), big
