@@ -20,18 +20,21 @@ import numpy as np
 import slangpy as spy
 
 from .lint import Finding
-from .lint_double import BINARY, UNARY, double_calls
+from .lint_macros import Defines
+from .lint_double import BINARY, OUT_PARAMS, UNARY, double_calls
 
 #: Arguments measured at: away from special values, inside every domain (acosh: x + 1).
 _X, _Y = 0.3741, 1.6180339887
 _EXPECTED = {
     "sin": math.sin(_X), "cos": math.cos(_X), "tan": math.tan(_X), "asin": math.asin(_X),
     "acos": math.acos(_X), "atan": math.atan(_X), "exp": math.exp(_X), "exp2": 2.0**_X,
+    "exp10": 10.0**_X, "sinpi": math.sin(math.pi * _X), "cospi": math.cos(math.pi * _X),
     "log": math.log(_X), "log2": math.log2(_X), "log10": math.log10(_X),
     "sinh": math.sinh(_X), "cosh": math.cosh(_X), "tanh": math.tanh(_X),
     "asinh": math.asinh(_X), "acosh": math.acosh(_X + 1.0), "atanh": math.atanh(_X),
     "sqrt": math.sqrt(_X), "rsqrt": 1.0 / math.sqrt(_X), "atan2": math.atan2(_X, _Y),
-    "pow": _X**_Y, "fmod": math.fmod(_Y, _X), "ldexp": _X * 2.0**_Y,
+    "pow": _X**_Y, "powr": _X**_Y, "fmod": math.fmod(_Y, _X), "ldexp": _X * 2.0**_Y,
+    "sincos": math.sin(_X) + 2.0 * math.cos(_X),  # both outs in one value: s + 2c
 }  # fmt: skip
 #: Relative error past which the result is not a double's: float precision is ~6e-8.
 TOLERANCE = 1e-12
@@ -49,7 +52,10 @@ def _probe_source(names: list[str]) -> str:
             if n in BINARY
             else "x"
         )
-        cases.append(f"case {i}: return {n}({args});")
+        if n == "sincos":
+            cases.append(f"case {i}: {{ double s, c; sincos(x, s, c); return s + 2.0l * c; }}")
+        else:
+            cases.append(f"case {i}: return {n}({args});")
     return (
         "double pydiff_double_probe(int k, double x, double y) {\n  switch (k) {\n  "
         + "\n  ".join(cases)
@@ -80,7 +86,7 @@ def probe_intrinsics(device: Any, names: list[str]) -> dict[str, float | None]:
 def measure(device: Any) -> dict[str, float | None]:
     """Each intrinsic's result on ``device`` (one kernel for all of them where it compiles),
     None for one the device cannot compile on doubles."""
-    return probe_intrinsics(device, [*UNARY, *BINARY])
+    return probe_intrinsics(device, [*UNARY, *BINARY, *OUT_PARAMS])
 
 
 def broken_intrinsics(device: Any) -> dict[str, float | None]:
@@ -103,16 +109,18 @@ def expected(name: str) -> float:
 
 
 def argument(name: str) -> str:
-    return {"acosh": f"{_X + 1.0}", "fmod": f"{_Y}, {_X}"}.get(
+    """The probe's call of ``name`` (its arguments; sincos: what is compared)."""
+    return {"acosh": f"{_X + 1.0}", "fmod": f"{_Y}, {_X}", "sincos": f"{_X}, s, c) -> (s + 2c"}.get(
         name, f"{_X}, {_Y}" if name in BINARY else f"{_X}"
     )
 
 
-def findings(device: Any, source: str, file: str) -> list[Finding]:
+def findings(device: Any, source: str, file: str, defines: Defines | None = None) -> list[Finding]:
     """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
-    computes wrong on doubles; the device is measured only when some function calls one."""
+    computes wrong on doubles; the device is measured only when some function calls one.
+    ``defines``: the device's macros (the source's ``#if`` branches follow them)."""
     guessed: set[tuple[str, int]] = set()
-    calls = double_calls(source, guessed)
+    calls = double_calls(source, guessed, defines)
     if not calls:
         return []
     broken = broken_intrinsics(device)

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import re
 
-from .lint_macros import blank_comments_and_strings
+from .lint_macros import Defines, blank_comments_and_strings, preprocess
 
-#: The intrinsics measured per device (one and two arguments).
+#: The intrinsics measured per device (one and two arguments; ``sincos`` writes two outs).
 UNARY = (
-    "sin cos tan asin acos atan exp exp2 log log2 log10 sinh cosh tanh asinh acosh atanh sqrt rsqrt"
+    "sin cos tan asin acos atan exp exp2 exp10 log log2 log10 sinh cosh tanh asinh acosh atanh "
+    "sqrt rsqrt sinpi cospi"
 ).split()
-BINARY = ("atan2", "pow", "fmod", "ldexp")
+BINARY = ("atan2", "pow", "powr", "fmod", "ldexp")
+OUT_PARAMS = ("sincos",)
 
 _FUNCTION = re.compile(
     r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(?:<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(([^(){};]*)\)"
@@ -93,6 +95,12 @@ _PASSTHROUGH = set(
     "determinant copysign rcp degrees radians".split()
 )
 _RETURN_TYPE = re.compile(r"(" + _TYPE + r")\s*$")
+_MEASURED = {*UNARY, *BINARY, *OUT_PARAMS}
+#: ``typedef T name;`` and ``typealias name = T;`` (not generic ones)
+_ALIAS = re.compile(
+    r"\btypedef\s+(" + _TYPE + r")\s+([A-Za-z_]\w*)\s*;|"
+    r"\btypealias\s+([A-Za-z_]\w*)\s*=\s*(" + _TYPE + r")\s*;"
+)
 
 
 def _type_kind(type_text: str) -> str:
@@ -121,6 +129,8 @@ def _return_kinds(text: str, functions: list) -> dict[str, str]:
     """Function name -> kind of its declared return type ('double' if any overload is)."""
     kinds: dict[str, str] = {}
     for name, _, start, _end, name_at in functions:
+        if name in _MEASURED or name in _PASSTHROUGH:
+            continue  # a method of the user's named like an intrinsic: calls of it are qualified
         m = _RETURN_TYPE.search(text[max(0, name_at - 200) : name_at])
         kind = _type_kind(m.group(1)) if m and m.group(1) not in _NOT_TYPES else "unknown"
         old = kinds.get(name)
@@ -135,7 +145,7 @@ class _Scope:
     def __init__(self, names: dict[str, str], returns: dict[str, str]) -> None:
         self.names = names
         self.returns = returns
-        self.intrinsics = set(UNARY) | set(BINARY) | _PASSTHROUGH
+        self.intrinsics = set(UNARY) | set(BINARY) | set(OUT_PARAMS) | _PASSTHROUGH
         self.uses_double = False
         self.guessed: set[str] = set()  # let/var locals counted as double for want of a type
 
@@ -182,22 +192,13 @@ class _Scope:
         return expr
 
 
-def _globals(text: str, functions: list, returns: dict[str, str]) -> dict[str, str]:
-    """Kinds of the names declared outside function definitions (globals, struct fields) and
-    of ``#define``d constants (by their body); function-like macros go into ``returns``
-    (their arguments are looked at, as an intrinsic's are)."""
+def _globals(text: str, functions: list) -> dict[str, str]:
+    """Kinds of the names declared outside function definitions (globals, struct fields);
+    macros are expanded before (``#define`` lines are blank)."""
     outside = list(text)
     for _, _, _, end, name_at in functions:
         outside[name_at : end + 1] = " " * (end + 1 - name_at)
-    kinds = _declared("".join(outside))
-    define = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)\b(\()?([^\n]*)", re.M)
-    for m in define.finditer(text):
-        double = _DOUBLE_LITERAL.search(m.group(3)) is not None
-        if m.group(2):
-            returns[m.group(1)] = "double" if double else "passthrough"
-        else:
-            kinds[m.group(1)] = "double" if double else "other"
-    return kinds
+    return _declared("".join(outside))
 
 
 def _scope(text: str, params: str, body: str, base: dict[str, str], returns: dict) -> _Scope:
@@ -236,22 +237,43 @@ def _guess(scope: _Scope, arg: str) -> bool:
         scope.names = known
 
 
+def _without_aliases(text: str) -> str:
+    """``text`` with each alias of a float, int or double type replaced by that type (through
+    chains of aliases) and the alias declarations blanked; lines stay on their lines."""
+    for _ in range(16):  # an alias of an alias is settled in the next round
+        aliases = {}
+        for m in _ALIAS.finditer(text):
+            target, name = (m.group(1), m.group(2)) if m.group(2) else (m.group(4), m.group(3))
+            if _type_kind(target) != "unknown" and name not in _NOT_TYPES:
+                aliases[name] = target
+        if not aliases:
+            return text
+        text = _ALIAS.sub(lambda m: " " * len(m[0]) if (m[2] or m[3]) in aliases else m[0], text)
+        used = re.compile(r"(?<![.\w])\b(" + "|".join(map(re.escape, aliases)) + r")\b")
+        text = used.sub(lambda m: aliases[m.group(1)], text)
+    return text
+
+
 def double_calls(
-    source: str, guessed: set[tuple[str, int]] | None = None
+    source: str, guessed: set[tuple[str, int]] | None = None, defines: Defines | None = None
 ) -> dict[str, list[tuple[int, str, str]]]:
     """Per function: (line, intrinsic, function calling it) of each intrinsic it calls with a
     double argument, or reaches through the functions it calls. ``guessed`` gets the
-    (function, line) of calls counted as double only because a type could not be inferred."""
-    text = blank_comments_and_strings(source)
+    (function, line) of calls counted as double only because a type could not be inferred;
+    ``defines``: the macros the device defines (``#if`` branches follow them)."""
+    text = blank_comments_and_strings(preprocess(source, defines).text)
+    text = _without_aliases(text)
     functions = _functions(text)
     returns = _return_kinds(text, functions)
-    base = _globals(text, functions, returns)
-    intrinsic = re.compile(r"\b(" + "|".join((*UNARY, *BINARY)) + r")\s*\(")
+    base = _globals(text, functions)
+    intrinsic = re.compile(r"\b(" + "|".join(sorted(_MEASURED)) + r")\s*\(")
     own: dict[str, list[tuple[int, str, str]]] = {}
     for name, params, start, end, _ in functions:
         body = text[start:end]
         scope = _scope(text, params, body, base, returns)
         for m in intrinsic.finditer(body):
+            if re.search(r"(?:\.|::)\s*$", body[max(0, m.start() - 40) : m.start()]):
+                continue  # a member of the user's (S.exp(x), obj.exp(x), S::exp(x))
             close = _closing(body, m.end() - 1)
             arg = body[m.end() : close]
             kind = scope.kind(arg)

@@ -72,7 +72,7 @@ class Module:
         if source is not None and lint_source:
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
-            doubles = double_math.findings(device, source, file)
+            doubles = double_math.findings(device, source, file, options.defines)
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
@@ -294,11 +294,14 @@ class ShaderFunction:
         found = [f for f in self.module.traps.get(self.name, ()) if f.crashes_call or not forward]
         if found:
             lines = "\n  ".join(str(f) for f in found)
+            device = all(f.kind == "double-intrinsic" for f in found)  # not SlangPy's doing
             raise ShaderTrapError(
                 f"{self.module.name}.{self.name}{'' if forward else '.bwds'} refused: "
-                "SlangPy 0.43 would return wrong values "
-                f"or gradients, or crash the process, on:\n  {lines}"
-            )
+                + ("this device computes wrong values (or cannot compile)"
+                   if device else "SlangPy 0.43 would return wrong values or gradients, "
+                   "or crash the process,")
+                + f" on:\n  {lines}"
+            )  # fmt: skip
 
     def generated(self, kind: str, source: str) -> "ShaderFunction":
         """Compile generated Slang ``source`` defining ``<name>__pydiff_<kind>`` (a wrapper of

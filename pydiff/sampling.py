@@ -121,6 +121,20 @@ class Layout:
         """Leaves whose gradient is checked: differentiable floats the call reads."""
         return [leaf for leaf in self.inputs() if leaf.differentiable and not leaf.is_int]
 
+    def no_gradients(self) -> str | None:
+        """Why .bwds cannot be checked: a checked leaf, an output or the result is a double
+        (no gradient buffer for it), or None."""
+        leaves = {leaf.key: leaf.dtype for leaf in self.checked() + self.outputs()}
+        doubles = [key for key, dtype in leaves.items() if "double" in dtype]
+        doubles += ["the result"] * ("double" in self.fn.signature.return_type)
+        return (
+            f"{', '.join(doubles)}: double values cannot get gradients (pydiff's gradients are "
+            "float or half: Slang has no double atomics), so .bwds cannot be checked; checked "
+            "in forward mode"
+            if doubles
+            else None
+        )
+
     def random_values(self, points: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         self.points = points
         values = {}
