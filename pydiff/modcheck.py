@@ -404,7 +404,8 @@ def check_module(
                 forward=_ONE_SIDED["backward"] if one_sided.get(fn.name) == "backward" else True,
             )
         except Exception as exc:  # report it with the others rather than stop the whole check
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            first = " ".join(x.strip() for x in lines[: 2 if lines[0].endswith(":") else 1])
             results.append(
                 CheckResult(fn.name, "-", "-", "ERROR", why=f"{type(exc).__name__}: {first}")
             )
