@@ -89,8 +89,8 @@ def skip_reason(fn: ShaderFunction) -> str | None:
 #: further out goes unseen (Vulkan reads 0 there, a GPU whatever memory holds).
 HEAD, SLACK = 64, 8192
 #: The largest tensor the size probe tries, in elements: a shader that still reads outside
-#: that is refused (the check perturbs one element at a time, four calls each: a 1024-element
-#: tensor over a 1024-thread grid took 20 s on lavapipe, 4096 six minutes).
+#: that is refused (the check perturbs one element at a time, six calls each: a 1024-element
+#: tensor over a 1024-thread grid took 20 s on lavapipe with four, 4096 six minutes).
 PROBE_MAX_ELEMENTS = 1024
 #: The two fillings compared: a function reading outside its tensors sees them differ
 #: (random values in the sampled range: a tent or max(-x, 0) that is 0 at chosen values
