@@ -66,7 +66,10 @@ def _probe_source(names: list[str]) -> str:
 def probe_intrinsics(device: Any, names: list[str]) -> dict[str, float | None]:
     """``names``' results, each None where the device's compiler has no double version of
     it (CUDA's nvrtc lacks asinh, acosh and atanh on doubles): a probe that fails to compile
-    is split in halves until each failing name stands alone."""
+    is split in halves until each failing name stands alone.
+
+        probe_intrinsics(dev, ["sqrt", "asinh"])   # CUDA: {'sqrt': 0.6116..., 'asinh': None}
+    """
     try:
         native = device.native.load_module_from_source(
             f"pydiff_double_probe_{'_'.join(names)}", _probe_source(names)

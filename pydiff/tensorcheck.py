@@ -106,7 +106,10 @@ ROUNDINGS = 8
 
 def reads_past_the_end(setup: "_Setup") -> bool:
     """Whether ``setup``'s call reads outside its tensors: its outputs change when what lies
-    before and past them does (``FILLS``)."""
+    before and past them does (``FILLS``).
+
+        reads_past_the_end(_Setup(m.residual_sq, dev, 4, rng))   # True: it reads 32
+    """
     first, second = (setup.with_slack(v).run(setup.values) for v in FILLS)
     setup.with_slack(None)
     return any(not np.array_equal(first[k], second[k], equal_nan=True) for k in first)
