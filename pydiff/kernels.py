@@ -213,39 +213,15 @@ class KernelCache:
             ) from None
         return self.native.create_compute_kernel(program)
 
-    def _bound_object(self, kernel: Any, buffers: list, scalars: list, held: Any) -> Any:
-        same = bool(held) and held[0][0] is kernel and _same_objects(held[2], buffers)
-        if same:
-            key = held[0]  # the very buffer objects of its last dispatch: no handles to read
+    def _bound_object(
+        self, kernel: Any, buffers: list, scalars: list, held: Any, held_max: int | None = None
+    ) -> Any:
+        if held and held[0][0] is kernel and _same_objects(held[2], buffers):
+            entry = held[1]  # the very buffer objects of its last dispatch: no handles to read
         else:
-            # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
-            key = (kernel, *(b.native_handle.value for _, b in buffers))
-        if held is not None:  # the caller's one object for this dispatch site
-            entry = held[1] if held and held[0] == key else None
-            if entry is not None and not same:  # (other wrappers of the same buffers)
-                held[2] = [b for _, b in buffers]
-        else:
-            entry = self._objects.get(key)
-        if entry is None:
-            if held is None and any(b.size > OBJECT_MAX_BUFFER for _, b in buffers):
+            entry = self._new_or_cached_object(kernel, buffers, held, held_max)
+            if entry is None:
                 return None
-            size = sum({id(b): b.size for _, b in buffers}.values())
-            root = self.native.create_root_shader_object(kernel.program)
-            cursor = spy.ShaderCursor(root).find_entry_point(0)
-            for name, buffer in buffers:
-                cursor[name] = buffer
-            entry = [root, cursor, size, None]
-            if held is not None:
-                # (the object of replaced buffers goes at once; the buffers themselves are
-                # kept to recognise them: the object holds them anyway)
-                held[:] = [key, entry, [b for _, b in buffers]]
-            else:
-                self._objects[key] = entry
-                self._objects_bytes += size
-                while self._objects_bytes > OBJECTS_MAX_BYTES or len(self._objects) > OBJECTS_MAX:
-                    self._objects_bytes -= self._objects.popitem(last=False)[1][2]
-        elif held is None:
-            self._objects.move_to_end(key)
         root, cursor, _, last = entry
         # Uniforms are copied when the dispatch is recorded; setting one costs 1.3-1.7 us, so
         # only those that changed since this object's last dispatch are set (an optimizer
@@ -254,11 +230,55 @@ class KernelCache:
             for name, value in scalars:
                 cursor[name] = value
         else:
-            for item, held in zip(scalars, last):
-                if item[0] != held[0] or not _same_value(item[1], held[1]):
-                    cursor[item[0]] = item[1]
+            for item, old in zip(scalars, last):
+                value = item[1]
+                if value is old[1] and item[0] == old[0]:
+                    continue  # (the same object: the same value, type and sign)
+                if item[0] != old[0] or not _same_value(value, old[1]):
+                    cursor[item[0]] = value
         entry[3] = scalars
         return root
+
+    def _new_or_cached_object(
+        self, kernel: Any, buffers: list, held: Any, held_max: int | None
+    ) -> Any:
+        """The object entry ``[root, cursor, bytes, last scalars]`` binding ``buffers``: the
+        held one or the cache's if it binds the same handles, else a new one (kept in ``held``
+        or the cache); None where it may not be kept (a buffer past ``OBJECT_MAX_BUFFER``
+        without ``held``, or past ``held_max`` with it)."""
+        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
+        key = (kernel, *(b.native_handle.value for _, b in buffers))
+        if held is not None:  # the caller's one object for this dispatch site
+            entry = held[1] if held and held[0] == key else None
+            if entry is not None:  # (other wrappers of the same buffers)
+                held[2] = [b for _, b in buffers]
+                return entry
+        else:
+            entry = self._objects.get(key)
+            if entry is not None:
+                self._objects.move_to_end(key)
+                return entry
+        limit = OBJECT_MAX_BUFFER if held is None else held_max
+        if limit is not None and any(b.size > limit for _, b in buffers):
+            if held:
+                held.clear()  # (its object would pin the buffers it binds)
+            return None
+        size = sum({id(b): b.size for _, b in buffers}.values())
+        root = self.native.create_root_shader_object(kernel.program)
+        cursor = spy.ShaderCursor(root).find_entry_point(0)
+        for name, buffer in buffers:
+            cursor[name] = buffer
+        entry = [root, cursor, size, None]
+        if held is not None:
+            # (the object of replaced buffers goes at once; the buffers themselves are kept
+            # to recognise them: the object holds them anyway)
+            held[:] = [key, entry, [b for _, b in buffers]]
+        else:
+            self._objects[key] = entry
+            self._objects_bytes += size
+            while self._objects_bytes > OBJECTS_MAX_BYTES or len(self._objects) > OBJECTS_MAX:
+                self._objects_bytes -= self._objects.popitem(last=False)[1][2]
+        return entry
 
     def _drop_objects_of(self, kernel: Any) -> None:
         """Forget the bound objects of an evicted kernel (they would keep it alive)."""
@@ -303,6 +323,29 @@ class KernelCache:
         buffers, scalars = [], []
         for item in bindings.items():
             (buffers if isinstance(item[1], spy.Buffer) else scalars).append(item)
+        self.dispatch_split(
+            kernel, threads, buffers, scalars, encoder=encoder, dynamic=dynamic, held=held
+        )
+
+    def dispatch_split(
+        self,
+        kernel: Any,
+        threads: int,
+        buffers: list,
+        scalars: list,
+        *,
+        encoder: Any = None,
+        dynamic: Callable[[], dict] | None = None,
+        held: list | None = None,
+        held_max: int | None = None,
+    ) -> None:
+        """``dispatch`` with its bindings given apart, in the same order at every call of a
+        site: ``buffers`` ``(name, spy.Buffer)`` and ``scalars`` ``(name, value)`` pairs.
+        ``held_max``: keep ``held``'s object only while no buffer is past that many bytes (a
+        site whose buffers may be large and short-lived: its object would pin them).
+
+        >>> kernels.dispatch_split(k, n, [("x", buf)], [("scale", 2.0)], held=site_list)
+        """
         rec = capturing.recording()
         if rec is not None:
             rec.record_dispatch(self.queue, kernel, threads, buffers, scalars, dynamic)
@@ -312,11 +355,11 @@ class KernelCache:
             if encoder is None:
                 encoder = self.queue.encoder()
             if encoder is not None:
-                self._record(kernel, threads, encoder, bindings, buffers, scalars, held)
+                self._record(kernel, threads, encoder, buffers, scalars, held, held_max)
                 return
         # outside a batch: deferred, holding its buffers until submitted
         self.queue.defer(
-            lambda enc: self._record(kernel, threads, enc, bindings, buffers, scalars, held),
+            lambda enc: self._record(kernel, threads, enc, buffers, scalars, held, held_max),
             [b for _, b in buffers],
         )
 
@@ -325,15 +368,15 @@ class KernelCache:
         kernel: Any,
         threads: int,
         encoder: Any,
-        bindings: dict,
         buffers: list,
         scalars: list,
         held: Any = None,
+        held_max: int | None = None,
     ) -> None:
         with self._lock:
-            root = self._bound_object(kernel, buffers, scalars, held)
+            root = self._bound_object(kernel, buffers, scalars, held, held_max)
             if root is None:
-                kernel.dispatch([threads, 1, 1], command_encoder=encoder, **bindings)
+                kernel.dispatch([threads, 1, 1], command_encoder=encoder, **dict(buffers + scalars))
                 return
             compute = encoder.begin_compute_pass()
             compute.bind_pipeline(kernel.pipeline, root)

@@ -21,6 +21,11 @@ from .creation import empty
 from .signature import FunctionTarget
 from .tensor import Tensor
 
+# A launch keeps the bound object of its last call (binding the same buffers again costs
+# nothing) while its buffers are this small: the object pins them, and a function keeps up
+# to call_plan.PLANS_MAX plans. Larger calls spend far longer computing than binding.
+HELD_MAX = 1 << 16
+
 
 def _float4_tensors(args: tuple, tensors: tuple) -> bool:
     for i in tensors:
@@ -32,13 +37,20 @@ def _float4_tensors(args: tuple, tensors: tuple) -> bool:
 class ForwardLaunch:
     """A forward plan's generated kernel: ``result`` is a tensor given or ``"tensor"``."""
 
-    __slots__ = ("kernel", "tensors", "shape", "names", "threads", "fixed")
+    __slots__ = ("kernel", "tensors", "shape", "buffer_names", "number_names", "threads", "fixed")
+    __slots__ += ("held",)
 
     def __init__(self, kernel: Any, args: tuple, shape: tuple):
         self.kernel, self.shape = kernel, shape
         self.tensors = tuple(i for i, v in enumerate(args) if type(v) is Tensor)
-        self.names = tuple((f"pydiff_a{i}", i) for i in range(len(args)))
-        self.threads, self.fixed = generated.geometry(math.prod(shape))
+        # (what generated.dispatch_forward binds: a tensor's buffer, else a float)
+        self.buffer_names = tuple((f"pydiff_a{i}", i) for i in self.tensors)
+        self.number_names = tuple(
+            (f"pydiff_a{i}", i) for i in range(len(args)) if i not in self.tensors
+        )
+        self.threads, fixed = generated.geometry(math.prod(shape))
+        self.fixed = list(fixed.items())
+        self.held: list = []  # the bound object of its last call (kernels.dispatch_split)
 
     @staticmethod
     def make(fn: FunctionTarget, args: tuple, result: Any) -> "ForwardLaunch | None":
@@ -60,13 +72,13 @@ class ForwardLaunch:
         ``generated.dispatch_forward`` binds, from names and sizes found once.)"""
         dev = fn.module.device
         out = result if type(result) is Tensor else empty(self.shape, device=dev)
-        bindings = {}
-        for name, i in self.names:
-            v = args[i]
-            bindings[name] = v.buffer if type(v) is Tensor else float(v)
-        bindings["pydiff_result"] = out.buffer
-        bindings.update(self.fixed)
-        dev.kernels.dispatch(self.kernel, self.threads, **bindings)
+        buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
+        buffers.append(("pydiff_result", out.buffer))
+        scalars = [(name, float(args[i])) for name, i in self.number_names]
+        scalars += self.fixed
+        dev.kernels.dispatch_split(
+            self.kernel, self.threads, buffers, scalars, held=self.held, held_max=HELD_MAX
+        )
         generated.count("forward")
         return out
 
@@ -75,13 +87,15 @@ class BackwardLaunch:
     """A backward plan's generated kernels (every tensor argument of the result's shape, its
     gradient added into its ``grad_out``), one per way the gradient buffers are shared."""
 
-    __slots__ = ("kernels", "covered", "names", "threads", "fixed")
+    __slots__ = ("kernels", "covered", "names", "threads", "fixed", "held")
 
     def __init__(self, count: int, numel: int) -> None:
         self.kernels: dict = {}  # sums (parameters per shared gradient buffer) -> kernel
         self.covered = True  # False once the layout proved not covered: SlangPy's path
         self.names = tuple((f"pydiff_a{i}", i) for i in range(count))
-        self.threads, self.fixed = generated.geometry(numel)
+        self.threads, fixed = generated.geometry(numel)
+        self.fixed = [*fixed.items(), ("pydiff_zero", 0)]
+        self.held: dict = {}  # per kernel, the bound object of its last call
 
     def run(self, fn: FunctionTarget, args: tuple, upstream: Tensor, grads: dict) -> bool:
         """Add the gradients (``grads``: parameter index -> its gradient tensor, in order);
@@ -89,23 +103,24 @@ class BackwardLaunch:
         if not upstream.float4:
             return False
         read = {id(upstream.storage)}
-        bindings: dict = {}
+        buffers: list = []
+        scalars: list = []
         for name, i in self.names:
             v = args[i]
             if type(v) is Tensor:
                 if not v.float4:
                     return False
                 read.add(id(v.storage))
-                bindings[name] = v.buffer
+                buffers.append((name, v.buffer))
             else:
-                bindings[name] = float(v)
-        buffers: dict[int, list[int]] = {}  # (as generated.backward_kernel groups them)
+                scalars.append((name, float(v)))
+        shared: dict[int, list[int]] = {}  # (as generated.backward_kernel groups them)
         for i, g in grads.items():
             key = id(g.storage)
             if key in read or not g.float4:
                 return False  # generated.backward declines these too
-            buffers.setdefault(key, []).append(i)
-        sums = tuple(tuple(g) for g in buffers.values())
+            shared.setdefault(key, []).append(i)
+        sums = tuple(tuple(g) for g in shared.values())
         kernel = self.kernels.get(sums)
         if kernel is None:
             found = generated.backward_kernel(fn, list(args), upstream, grads)
@@ -114,10 +129,15 @@ class BackwardLaunch:
                 return False
             kernel = self.kernels[sums] = found[0]
         for j, members in enumerate(sums):
-            bindings[f"pydiff_g{j}"] = bindings[f"pydiff_g{j}_in"] = grads[members[0]].buffer
-        bindings["pydiff_up"] = upstream.buffer
-        bindings["pydiff_zero"] = 0
-        bindings.update(self.fixed)
-        fn.module.device.kernels.dispatch(kernel, self.threads, **bindings)
+            grad = grads[members[0]].buffer
+            buffers += ((f"pydiff_g{j}", grad), (f"pydiff_g{j}_in", grad))
+        buffers.append(("pydiff_up", upstream.buffer))
+        scalars += self.fixed
+        held = self.held.get(sums)
+        if held is None:
+            held = self.held[sums] = []
+        fn.module.device.kernels.dispatch_split(
+            kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
+        )
         generated.count("backward")
         return True

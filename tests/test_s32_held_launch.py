@@ -1,0 +1,106 @@
+"""Planned generated calls keep the bound object of their last call (planned_kernels'
+``held``, kernels.dispatch_split): its uniforms and buffers must follow every change of the
+call's values (new tensors, new numbers, -0.0 against 0.0, a number repeated as another
+object), larger calls must not pin their buffers, and gradients stay right against float64
+closed forms while tensors alternate."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import generated, generated_switch, planned_kernels
+from pydiff.planned_kernels import BackwardLaunch, ForwardLaunch
+
+SOURCE = """
+[Differentiable] float s32_scale(float a, float x) { return a * x; }
+[Differentiable] float s32_affine(float a, float b, float x, float y) { return a * x * y + b * y; }
+"""
+N = 16
+
+
+@pytest.fixture
+def mod(device):
+    return pydiff.load_module_from_source("s32_held", SOURCE, device=device)
+
+
+@pytest.fixture
+def soon(monkeypatch):
+    """Plans switch to generated kernels at their second call."""
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    generated.reset_stats()
+
+
+def _launches(kind: type) -> list:
+    return [o for o in gc.get_objects() if type(o) is kind]
+
+
+def test_uniforms_follow_each_call_even_zero_signs(device, mod, soon):
+    xs = np.linspace(-1, 1, N).astype(np.float32)
+    xs[3] = 0.0
+    x = pydiff.tensor(xs, device=device)
+    y = pydiff.zeros((N,), device=device)
+    values = [2.0, 2.0, float("2.0"), -0.0, 0.0, -0.0, 3.5, 3, -1e-30, 7.25]
+    before = generated.stats().get("forward", 0)
+    for a in values * 2:
+        mod.s32_scale(a, x, _result=y)
+        got = y.numpy()
+        want = np.float32(a) * xs  # float32 product: its sign of zero too
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    # (the int 3 is a layout of its own: its plan's first two calls take SlangPy's path)
+    assert generated.stats().get("forward", 0) - before == len(values) * 2 - 4
+
+
+def test_buffers_follow_alternating_tensors_forward_and_backward(device, mod, soon):
+    rng = np.random.default_rng(32)
+    xs = [rng.standard_normal(N).astype(np.float32) for _ in range(3)]
+    ys = [rng.standard_normal(N).astype(np.float32) for _ in range(3)]
+    xt = [pydiff.tensor(v, device=device, requires_grad=True) for v in xs]
+    yt = [pydiff.tensor(v, device=device, requires_grad=True) for v in ys]
+    out = [pydiff.zeros((N,), device=device).with_grads(ones=True) for _ in range(2)]
+    expected_gx = [np.zeros(N) for _ in range(3)]
+    expected_gy = [np.zeros(N) for _ in range(3)]
+    for step in range(12):
+        i, j, k = step % 3, (step * 2 + 1) % 3, step % 2
+        a, b = 0.5 + step, -1.25 * step
+        r = mod.s32_affine(a, b, xt[i], yt[j], _result=out[k])
+        assert r is out[k]
+        x64, y64 = xs[i].astype(np.float64), ys[j].astype(np.float64)
+        np.testing.assert_allclose(out[k].numpy(), a * x64 * y64 + b * y64, rtol=2e-6, atol=1e-5)
+        mod.s32_affine.bwds(a, b, xt[i], yt[j], _result=out[k])
+        expected_gx[i] += a * y64  # upstream gradient 1
+        expected_gy[j] += a * x64 + b
+        for t, g in zip(xt + yt, expected_gx + expected_gy):
+            np.testing.assert_allclose(t.grad.numpy(), g, rtol=1e-5, atol=1e-4)
+    assert generated.stats().get("forward", 0) >= 8
+    assert generated.stats().get("backward", 0) >= 8
+    held = [launch.held for launch in _launches(ForwardLaunch) if launch.held]
+    assert held, "the planned forward keeps its last call's object"
+
+
+def test_large_calls_keep_no_object_pinning_their_buffers(device, mod, soon, monkeypatch):
+    monkeypatch.setattr(planned_kernels, "HELD_MAX", 256)  # bytes: 16 floats pass, 128 not
+    for n, kept in ((N, True), (128, False)):
+        gc.collect()
+        xs = np.arange(n, dtype=np.float32)
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        y = pydiff.zeros((n,), device=device).with_grads(ones=True)
+        for _ in range(4):
+            mod.s32_scale(1.5, x, _result=y)
+            mod.s32_scale.bwds(1.5, x, _result=y)
+        np.testing.assert_allclose(y.numpy(), 1.5 * xs.astype(np.float64), rtol=1e-6)
+        np.testing.assert_allclose(x.grad.numpy(), np.full(n, 4 * 1.5), rtol=1e-6)
+        fwd = [lnch for lnch in _launches(ForwardLaunch) if lnch.shape == (n,)]
+        assert fwd, "the call took the planned generated kernel"
+        assert bool(fwd[-1].held) is kept
+        held = [lnch.held for lnch in _launches(ForwardLaunch)]
+        held += [h for lnch in _launches(BackwardLaunch) for h in lnch.held.values()]
+        pinned = [b.size for h in held if h for b in h[2]]
+        assert pinned and max(pinned) <= 256  # the 16-float calls' only
