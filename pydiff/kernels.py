@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -121,6 +122,7 @@ class KernelCache:
         self._kernels: OrderedDict = OrderedDict()
         self._sorted: dict = {}
         self._objects: OrderedDict = OrderedDict()
+        self._held_sites: weakref.WeakSet = weakref.WeakSet()  # (new_held's)
         #: Callers' memos of which kernel a call takes (``products.fast_product``'s plans):
         #: they hold kernels, so they go whenever a kernel is evicted.
         self.plans: dict = {}
@@ -285,9 +287,23 @@ class KernelCache:
         for key in [k for k in self._objects if k[0] is kernel]:
             self._objects_bytes -= self._objects.pop(key)[2]
 
-    def release_objects(self) -> None:
-        """Drop the cached shader objects (and the device memory they keep alive)."""
+    def new_held(self) -> HeldObject:
+        """A list for ``dispatch(held=)`` that ``release_objects`` (``empty_cache``) empties,
+        releasing the buffers its object binds.
+
+        >>> launch.held = device.kernels.new_held()
+        """
+        held = HeldObject()
         with self._lock:
+            self._held_sites.add(held)
+        return held
+
+    def release_objects(self) -> None:
+        """Drop the cached shader objects and those of ``new_held``'s lists (and the device
+        memory they keep alive)."""
+        with self._lock:
+            for held in list(self._held_sites):
+                held.clear()
             self._objects.clear()
             self._objects_bytes = 0
 
@@ -382,6 +398,15 @@ class KernelCache:
             compute.bind_pipeline(kernel.pipeline, root)
             compute.dispatch([threads, 1, 1])
             compute.end()
+
+
+class HeldObject(list):
+    """A dispatch site's bound object, as ``dispatch(held=)`` keeps it (an empty list until the
+    first dispatch); ``KernelCache.release_objects`` empties those it handed out."""
+
+    __slots__ = ("__weakref__",)
+    __eq__ = object.__eq__  # (kept in a WeakSet: by identity, as two empty lists are equal)
+    __hash__ = object.__hash__
 
 
 def _same_objects(kept: list, buffers: list) -> bool:

@@ -24,7 +24,7 @@ from .tensor import Tensor
 # A launch keeps the bound object of its last call (binding the same buffers again costs
 # nothing) while its buffers are this small: the object pins them, and a function keeps up
 # to call_plan.PLANS_MAX plans. Larger calls spend far longer computing than binding.
-HELD_MAX = 1 << 16
+HELD_MAX = 1 << 12
 
 
 def _float4_tensors(args: tuple, tensors: tuple) -> bool:
@@ -40,7 +40,7 @@ class ForwardLaunch:
     __slots__ = ("kernel", "tensors", "shape", "buffer_names", "number_names", "threads", "fixed")
     __slots__ += ("held",)
 
-    def __init__(self, kernel: Any, args: tuple, shape: tuple):
+    def __init__(self, kernel: Any, args: tuple, shape: tuple, held: list):
         self.kernel, self.shape = kernel, shape
         self.tensors = tuple(i for i, v in enumerate(args) if type(v) is Tensor)
         # (what generated.dispatch_forward binds: a tensor's buffer, else a float)
@@ -50,7 +50,7 @@ class ForwardLaunch:
         )
         self.threads, fixed = generated.geometry(math.prod(shape))
         self.fixed = list(fixed.items())
-        self.held: list = []  # the bound object of its last call (kernels.dispatch_split)
+        self.held = held  # the bound object of its last call (kernels.dispatch_split)
 
     @staticmethod
     def make(fn: FunctionTarget, args: tuple, result: Any) -> "ForwardLaunch | None":
@@ -59,7 +59,9 @@ class ForwardLaunch:
         given = result if type(result) is Tensor else None
         shape = generated.call_shape(list(args))
         kernel = generated.forward_kernel(fn, list(args), shape, given)
-        return None if kernel is None else ForwardLaunch(kernel, args, shape)
+        if kernel is None:
+            return None
+        return ForwardLaunch(kernel, args, shape, fn.module.device.kernels.new_held())
 
     def ready(self, args: tuple, result: Any) -> bool:
         """These values fit the kernel: every tensor (and a given result) float4 storage."""
@@ -133,10 +135,11 @@ class BackwardLaunch:
             buffers += ((f"pydiff_g{j}", grad), (f"pydiff_g{j}_in", grad))
         buffers.append(("pydiff_up", upstream.buffer))
         scalars += self.fixed
+        kernels = fn.module.device.kernels
         held = self.held.get(sums)
         if held is None:
-            held = self.held[sums] = []
-        fn.module.device.kernels.dispatch_split(
+            held = self.held[sums] = kernels.new_held()
+        kernels.dispatch_split(
             kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
         )
         generated.count("backward")

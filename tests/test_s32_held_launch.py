@@ -6,8 +6,6 @@ closed forms while tensors alternate."""
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -37,8 +35,11 @@ def soon(monkeypatch):
     generated.reset_stats()
 
 
-def _launches(kind: type) -> list:
-    return [o for o in gc.get_objects() if type(o) is kind]
+def _launches(fn) -> tuple[list, list]:
+    """The generated launches of ``fn``'s call plans: forward ones, backward ones."""
+    forward = [p.launch for p in fn.plans.values() if isinstance(p.launch, ForwardLaunch)]
+    backward = [p.launch for p in fn.bwds_plans.values() if isinstance(p.launch, BackwardLaunch)]
+    return forward, backward
 
 
 def test_uniforms_follow_each_call_even_zero_signs(device, mod, soon):
@@ -81,14 +82,19 @@ def test_buffers_follow_alternating_tensors_forward_and_backward(device, mod, so
             np.testing.assert_allclose(t.grad.numpy(), g, rtol=1e-5, atol=1e-4)
     assert generated.stats().get("forward", 0) >= 8
     assert generated.stats().get("backward", 0) >= 8
-    held = [launch.held for launch in _launches(ForwardLaunch) if launch.held]
+    held = [launch.held for launch in _launches(mod.s32_affine)[0] if launch.held]
     assert held, "the planned forward keeps its last call's object"
+
+
+def test_held_max_keeps_large_calls_unpinned_by_default():
+    # calls of generated.MIN_ELEMENTS (4096) elements and more take the launch from their
+    # first call: they must not be held (a loop over such shapes would pin every plan's)
+    assert planned_kernels.HELD_MAX < 4 * generated.MIN_ELEMENTS
 
 
 def test_large_calls_keep_no_object_pinning_their_buffers(device, mod, soon, monkeypatch):
     monkeypatch.setattr(planned_kernels, "HELD_MAX", 256)  # bytes: 16 floats pass, 128 not
     for n, kept in ((N, True), (128, False)):
-        gc.collect()
         xs = np.arange(n, dtype=np.float32)
         x = pydiff.tensor(xs, device=device, requires_grad=True)
         y = pydiff.zeros((n,), device=device).with_grads(ones=True)
@@ -97,10 +103,11 @@ def test_large_calls_keep_no_object_pinning_their_buffers(device, mod, soon, mon
             mod.s32_scale.bwds(1.5, x, _result=y)
         np.testing.assert_allclose(y.numpy(), 1.5 * xs.astype(np.float64), rtol=1e-6)
         np.testing.assert_allclose(x.grad.numpy(), np.full(n, 4 * 1.5), rtol=1e-6)
-        fwd = [lnch for lnch in _launches(ForwardLaunch) if lnch.shape == (n,)]
+        forward, backward = _launches(mod.s32_scale)
+        fwd = [lnch for lnch in forward if lnch.shape == (n,)]
         assert fwd, "the call took the planned generated kernel"
         assert bool(fwd[-1].held) is kept
-        held = [lnch.held for lnch in _launches(ForwardLaunch)]
-        held += [h for lnch in _launches(BackwardLaunch) for h in lnch.held.values()]
+        held = [lnch.held for lnch in forward]
+        held += [h for lnch in backward for h in lnch.held.values()]
         pinned = [b.size for h in held if h for b in h[2]]
         assert pinned and max(pinned) <= 256  # the 16-float calls' only
