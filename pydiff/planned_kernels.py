@@ -139,8 +139,6 @@ class BackwardLaunch:
         held = self.held.get(sums)
         if held is None:
             held = self.held[sums] = kernels.new_held()
-        kernels.dispatch_split(
-            kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
-        )
+        kernels.dispatch_split(kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX)
         generated.count("backward")
         return True
