@@ -1,0 +1,129 @@
+"""Where a 16-element call's time goes on the host: pydiff's layers against SlangPy's call.
+
+    python benchmarks/bench_call_layers.py            # or --device cuda
+
+Runs bench_core's per-call case (the polynomial on 16 floats, forward and ``.bwds``) past
+the point where its call plans dispatch pydiff's generated kernels, and times the calling
+thread's CPU (``time.thread_time``) per call with pydiff's layers replaced one at a time by
+no-ops: the whole call; without the dispatch (pydiff's Python above it); without recording
+(pydiff's Python up to the native calls). Then raw SlangPy's call, and a raw dispatch of an
+empty kernel against one binding one buffer (the binding cost every dispatch pays: on
+lavapipe a descriptor set, mapped and unmapped per dispatch). Timings only; medians of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import slangpy as spy
+
+import pydiff
+
+SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
+EMPTY = """
+[shader("compute")][numthreads(64, 1, 1)]
+void bench_empty(uint3 t: SV_DispatchThreadID) {}
+[shader("compute")][numthreads(64, 1, 1)]
+void bench_one(uint3 t: SV_DispatchThreadID, RWStructuredBuffer<float> a) { a[t.x] = 1; }
+"""
+
+
+def per_call(dev: pydiff.Device, fn, calls: int) -> float:
+    """Median over 5 rounds of the calling thread's CPU time per call, in us."""
+    rounds = []
+    for _ in range(5):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.thread_time() - start) / calls * 1e6)
+        dev.native.wait_for_idle()
+    return statistics.median(rounds)
+
+
+def record_cost(dev: pydiff.Device, entry: str, calls: int) -> float:
+    """CPU time per dispatch of a raw SlangPy kernel recorded into one pass, in us."""
+    native = dev.native
+    module = native.load_module_from_source("bench_call_layers", EMPTY)
+    program = native.link_program([module], [module.entry_point(entry)])
+    kernel = native.create_compute_kernel(program)
+    root = native.create_root_shader_object(program)
+    if entry == "bench_one":
+        usage = spy.BufferUsage.unordered_access | spy.BufferUsage.shader_resource
+        buffer = native.create_buffer(size=4096, usage=usage)
+        spy.ShaderCursor(root).find_entry_point(0)["a"] = buffer
+    rounds = []
+    for _ in range(5):
+        encoder = native.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        compute.bind_pipeline(kernel.pipeline, root)
+        start = time.thread_time()
+        for _ in range(calls):
+            compute.dispatch([64, 1, 1])
+        rounds.append((time.thread_time() - start) / calls * 1e6)
+        compute.end()
+        native.submit_command_buffer(encoder.finish())
+        native.wait_for_idle()
+    return statistics.median(rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--calls", type=int, default=5000, help="calls per round")
+    args = ap.parse_args()
+    dev = pydiff.create_device(args.device)
+    m = pydiff.load_module(SOURCE, device=dev)
+    raw = spy.Module.load_from_file(dev.native, str(SOURCE))
+    xs = np.linspace(-1, 1, 16).astype(np.float32)
+    px = pydiff.tensor(xs, device=dev, requires_grad=True)
+    py = pydiff.zeros((16,), device=dev).with_grads(ones=True)
+    rx = spy.Tensor.from_numpy(dev.native, xs).with_grads(zero=True)
+    ry = spy.Tensor.zeros(dev.native, (16,), "float").with_grads(zero=True)
+    cases = {
+        "forward": (
+            lambda: m.polynomial(2.0, 8.0, -1.0, px, _result=py),
+            lambda: raw.polynomial(2.0, 8.0, -1.0, rx, _result=ry),
+        ),
+        ".bwds": (
+            lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py),
+            lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry),
+        ),
+    }
+    for ours, theirs in cases.values():
+        for _ in range(1200):  # past generated_switch.PLANNED_AFTER (lavapipe's 1000)
+            ours()
+            theirs()
+    before = dict(pydiff.generated.stats())
+    kernels = dev.kernels
+    rows = {name: {} for name in cases}
+    for name, (ours, theirs) in cases.items():
+        rows[name]["pydiff, whole call"] = per_call(dev, ours, args.calls)
+        rows[name]["raw SlangPy call"] = per_call(dev, theirs, args.calls)
+    took = {k: v - before.get(k, 0) for k, v in pydiff.generated.stats().items()}
+    kernels.dispatch_split = lambda *a, **k: None  # (an instance attribute: the method hidden)
+    for name, (ours, _) in cases.items():
+        rows[name]["pydiff, no dispatch (Python above it)"] = per_call(dev, ours, args.calls)
+    del kernels.dispatch_split
+    kernels._record = lambda *a, **k: None
+    for name, (ours, _) in cases.items():
+        rows[name]["pydiff, nothing recorded (Python only)"] = per_call(dev, ours, args.calls)
+    del kernels._record
+    print(f"device: {dev.native.info.adapter_name}")
+    print(f"generated kernels dispatched while timing the whole calls: {took or 'none'}")
+    print("calling thread's CPU time per call (median of 5 rounds):")
+    for name, row in rows.items():
+        for label, us in row.items():
+            print(f"  {name:8s} {label:42s} {us:6.1f} us")
+        native = row["pydiff, whole call"] - row["pydiff, nothing recorded (Python only)"]
+        print(f"  {name:8s} {'-> native recording and submission':42s} {native:6.1f} us")
+    empty = record_cost(dev, "bench_empty", args.calls)
+    one = record_cost(dev, "bench_one", args.calls)
+    print(f"raw dispatch, empty kernel: {empty:.1f} us; binding one buffer: {one:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
