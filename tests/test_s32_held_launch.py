@@ -6,6 +6,9 @@ closed forms while tensors alternate."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import numpy as np
 import pytest
 
@@ -111,3 +114,28 @@ def test_large_calls_keep_no_object_pinning_their_buffers(device, mod, soon, mon
         held += [h for lnch in backward for h in lnch.held.values()]
         pinned = [b.size for h in held if h for b in h[2]]
         assert pinned and max(pinned) <= 256  # the 16-float calls' only
+
+
+# (found by the breaker of this change: plans' held objects pinned freed tensors' buffers)
+@pytest.mark.parametrize("n", [16, 8192])  # a call held, and one past HELD_MAX
+def test_empty_cache_releases_buffers_of_freed_tensors_after_planned_calls(device, mod, soon, n):
+    x = pydiff.tensor(np.linspace(-1, 1, n).astype(np.float32), device=device, requires_grad=True)
+    y = pydiff.tensor(np.full(n, 2.0, np.float32), device=device, requires_grad=True)
+    for _ in range(4):
+        out = mod.s32_affine(1.5, 0.5, x, y, _result="tensor").with_grads(ones=True)
+        mod.s32_affine.bwds(1.5, 0.5, x, y, _result=out)
+    np.testing.assert_allclose(x.grad.numpy(), np.full(n, 4 * 1.5 * 2.0), rtol=1e-6)
+    assert generated.stats().get("forward", 0) >= 2, "the planned generated kernel ran"
+    assert generated.stats().get("backward", 0) >= 2
+    control = pydiff.tensor(np.zeros(n, np.float32), device=device)  # never in a call
+    kept = [x.buffer, y.buffer, out.buffer, x.grad.buffer, y.grad.buffer]
+    unused = control.buffer
+    del x, y, out, control
+    gc.collect()
+    pydiff.empty_cache(device)
+    gc.collect()
+    # A freed tensor's buffer we still refer to is referred to as an unused one is (ours,
+    # the pool's); more references mean something pydiff keeps (a call plan's held object)
+    # still pins its device memory past empty_cache.
+    refs = [sys.getrefcount(b) for b in [*kept, unused]]
+    assert refs[:-1] == refs[-1:] * len(kept), f"references (the unused one last): {refs}"
