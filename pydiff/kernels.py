@@ -246,8 +246,12 @@ class KernelCache:
     ) -> Any:
         """The object entry ``[root, cursor, bytes, last scalars]`` binding ``buffers``: the
         held one or the cache's if it binds the same handles, else a new one (kept in ``held``
-        or the cache); None where it may not be kept (a buffer past ``OBJECT_MAX_BUFFER``
-        without ``held``, or past ``held_max`` with it)."""
+        or the cache); a buffer past ``held_max`` makes it the cache's; None where it may not
+        be kept (a buffer past ``OBJECT_MAX_BUFFER``, outside ``held``)."""
+        if held is not None and held_max is not None:
+            if any(b.size > held_max for _, b in buffers):
+                held.clear()  # (its object would pin the buffers it binds)
+                held = None  # too large for the site to keep: the shared cache's rules
         # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
         key = (kernel, *(b.native_handle.value for _, b in buffers))
         if held is not None:  # the caller's one object for this dispatch site
@@ -260,10 +264,7 @@ class KernelCache:
             if entry is not None:
                 self._objects.move_to_end(key)
                 return entry
-        limit = OBJECT_MAX_BUFFER if held is None else held_max
-        if limit is not None and any(b.size > limit for _, b in buffers):
-            if held:
-                held.clear()  # (its object would pin the buffers it binds)
+        if held is None and any(b.size > OBJECT_MAX_BUFFER for _, b in buffers):
             return None
         size = sum({id(b): b.size for _, b in buffers}.values())
         root = self.native.create_root_shader_object(kernel.program)
@@ -358,7 +359,8 @@ class KernelCache:
         """``dispatch`` with its bindings given apart, in the same order at every call of a
         site: ``buffers`` ``(name, spy.Buffer)`` and ``scalars`` ``(name, value)`` pairs.
         ``held_max``: keep ``held``'s object only while no buffer is past that many bytes (a
-        site whose buffers may be large and short-lived: its object would pin them).
+        site whose buffers may be large and short-lived: its object would pin them); larger
+        ones take the shared cache, as without ``held``.
 
         >>> kernels.dispatch_split(k, n, [("x", buf)], [("scale", 2.0)], held=site_list)
         """

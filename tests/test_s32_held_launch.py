@@ -139,3 +139,24 @@ def test_empty_cache_releases_buffers_of_freed_tensors_after_planned_calls(devic
     # still pins its device memory past empty_cache.
     refs = [sys.getrefcount(b) for b in [*kept, unused]]
     assert refs[:-1] == refs[-1:] * len(kept), f"references (the unused one last): {refs}"
+
+
+def test_calls_past_held_max_reuse_the_shared_object_cache(device, mod, soon):
+    """A launch whose buffers are too large to hold binds through the kernel cache's shared
+    objects (as before objects were held), not a new object per call: 8192 floats (32 KiB,
+    past HELD_MAX) called again and again adds one object, and the values stay right."""
+    n = 8192
+    xs = np.linspace(-3, 3, n).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    device.kernels.release_objects()
+    for _ in range(3):  # the plan, then its launch
+        mod.s32_scale(0.75, x, _result=y)
+    assert device.kernels.sizes()["objects"] == 1  # the launch's, shared (not bound anew)
+    before = device.kernels.sizes()["objects"]
+    for k in range(6):
+        mod.s32_scale(0.75 + k, x, _result=y)
+        np.testing.assert_allclose(y.numpy(), (0.75 + k) * xs.astype(np.float64), rtol=1e-6)
+    assert generated.stats().get("forward", 0) >= 6
+    assert device.kernels.sizes()["objects"] == before  # the same shared object each call
+    assert not _launches(mod.s32_scale)[0][-1].held
