@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import finite_diff as fd
-from . import tensorcheck
+from . import tensorcheck, tensorcheck_entries
 from .device import Device, resolve_device
 from .file_argument import existing_file
 from .module import OverloadedFunction, ShaderFunction, load_module
@@ -205,10 +205,10 @@ def _check_with_tensors(
 
     given_atol = atol
 
-    def row(parameter, mode, ad, numeric, valid, n, atol=atol, unresolved=0) -> CheckResult:  # noqa: ANN001
+    def row(parameter, mode, ad, numeric, valid, finite, atol=atol, **notes) -> CheckResult:  # noqa: ANN001
         cmp = fd.compare(ad, numeric, valid, atol, rtol)
-        result = _row(fn.name, parameter, mode, cmp, valid, unit="element")
-        note = tensorcheck.widened(atol, valid, given_atol, unresolved)  # (said, never hidden)
+        result = _row(fn.name, parameter, mode, cmp, valid, finite, unit="element")
+        note = tensorcheck_entries.widened(atol, valid, given_atol, **notes)  # (said, not hidden)
         result.why = "; ".join(w for w in (result.why, note) if w)
         return result
 

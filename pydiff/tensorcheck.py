@@ -12,7 +12,9 @@ the result are outputs. A function with
 no index parameter is called once. The gradient of each differentiable input tensor comes
 from ``.bwds`` for a random upstream gradient and is compared, element by element, with
 central differences of <v, outputs> (pydiff.finite_diff, steps eps and eps/4 to leave out
-kinks): one element perturbed at a time, so this suits small tensors.
+kinks): one element perturbed at a time, so this suits small tensors. A second probe at
+16 per axis (8 for 3-D) perturbs a sample of the elements past the first 4 per axis, and
+output elements that are NaN or infinite are left out (pydiff.tensorcheck_entries).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .creation import tensor as make_tensor
 from .device import Device
 from .module import ShaderFunction
 from .tensor import Tensor
+from .tensorcheck_entries import ROUNDINGS, Entries, along, larger_size, per_element
+from .tensorcheck_entries import sampled_elements, unresolved
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
 _FIXED = ("float", "int", "uint")  # held fixed beside tensors (ints after the first: 1..size-1)
@@ -99,9 +103,6 @@ FILLS = tuple(
     np.random.default_rng(seed).uniform(-1.5, 1.5, HEAD + SLACK).astype(np.float32)
     for seed in (101, 202)
 )
-#: Roundings at an output's scale that the function's own float32 arithmetic may add to the
-#: output's last one (samples/pinn_poisson's net_xx, 32 terms near 60: up to 3 seen).
-ROUNDINGS = 8
 
 
 def reads_past_the_end(setup: "_Setup") -> bool:
@@ -128,7 +129,7 @@ def fitting_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> "
         setup = _Setup(fn, device, size, np.random.default_rng(seed))
         if not reads_past_the_end(setup):
             return setup
-        dims = max((tensor_dims(p.type_name) or 1 for p in fn.params if p.tensor_kind), default=1)
+        dims = _shared_dims(fn)
         if (2 * size) ** dims > PROBE_MAX_ELEMENTS:
             raise ValueError(
                 f"{fn.name}: reads past the end of its tensor arguments at every size tried "
@@ -138,6 +139,12 @@ def fitting_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> "
                 "shapes, or check it with pydiff.gradcheck on tensors of the shapes it reads"
             )
         size *= 2
+
+
+def _shared_dims(fn: ShaderFunction) -> int:
+    """The most axes of a tensor argument: the size per axis, shared by every tensor
+    argument, is bounded by that one's element count."""
+    return max((tensor_dims(p.type_name) or 1 for p in fn.params if p.tensor_kind), default=1)
 
 
 class _Setup:
@@ -250,74 +257,128 @@ def check_tensor_function(
     row: Callable[..., Any],
 ) -> list[Any]:
     """Backward rows (one per differentiable input tensor) and the adjoint row, each made by
-    ``row(parameter, mode, ad, fd, valid, n, atol=...)`` from AD, FD and the usable entries
-    of n, atol widened per entry by how far float32 rounding of the outputs the step moved
-    can shift the difference (``_along``), entries it cannot resolve left out (``unresolved``).
+    ``row(parameter, mode, ad, fd, valid, finite, atol=..., unresolved=..., note=...)`` from
+    AD, FD, the entries compared and those left out as outside the domain, atol widened per
+    entry by how far float32 rounding of the outputs the step moved can shift the difference
+    (``along``), entries it cannot resolve left out (``unresolved``). When every row passes
+    at ``size`` (or the size the function needs), a second probe at a larger size
+    (``larger_size``: 16 per axis, 8 for 3-D tensors) perturbs a sample of the elements
+    the first left out (``sampled_elements``); its entries join the rows.
 
         rows = check_tensor_function(m.dense, device, row=lambda *a, **kw: a[:2])
     """
     setup = fitting_setup(fn, device, size, seed)
+    probes, why_not = [_measure(setup, eps, atol, rtol)], ""
+    if not any(e.worst(rtol) for e in probes[0].values()):  # (a failing row is said already)
+        larger, why_not = _larger_setup(fn, device, setup.size, seed)
+        if larger is not None:
+            elements = {
+                p.name: sampled_elements(larger.values[p.name].shape, setup.size, larger.rng)
+                for p in larger.inputs
+                if p.is_diff_tensor
+            }
+            probes.append(_measure(larger, eps, atol, rtol, elements))
+    rows = []
+    for name in probes[0]:
+        e = Entries.join([probe[name] for probe in probes])
+        note = "; ".join(n for n in (e.notes(), e.worst(rtol), why_not) if n)
+        parameter, mode = (name, "backward") if name != "(all)" else (name, "adjoint")
+        rows.append(
+            row(
+                parameter, mode, e.ad, e.numeric, e.valid, e.finite, atol=e.atol,
+                unresolved=e.unresolved, note=note,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _larger_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> tuple:
+    """The second probe's arguments (None where no larger size fits the bounds) and why it
+    was not run, when that is worth saying: a function reading past its tensors' ends at
+    the larger size is not checked there (its results would hold what lies outside)."""
+    larger = larger_size(size, _shared_dims(fn), PROBE_MAX_ELEMENTS)
+    if larger is None:
+        return None, ""
+    setup = _Setup(fn, device, larger, np.random.default_rng([seed, larger]))
+    if reads_past_the_end(setup):
+        return None, f"not checked at {larger} per axis: it reads past its tensors' ends there"
+    return setup, ""
+
+
+def _measure(
+    setup: "_Setup", eps: float, atol: float, rtol: float, elements: dict | None = None
+) -> dict[str, Entries]:
+    """Per differentiable input (and "(all)": the adjoint test) the entries at ``setup``'s
+    size, perturbing the flat ``elements`` of each input (all by default). Output elements
+    that are NaN or infinite are left out of <v, outputs> (v is 0 there), and the entries
+    still not finite on either side then (a NaN thread's backward times 0) as outside the
+    domain: the rest is checked, as the scalar path checks the finite points."""
     rng = setup.rng
     base = setup.run(setup.values)
     upstream = {k: rng.uniform(-1.0, 1.0, v.shape) for k, v in base.items()}
+    kept = {k: np.isfinite(v) for k, v in base.items()}
+    dropped = sum(int((~m).sum()) for m in kept.values())
+    total = sum(m.size for m in kept.values())
+    upstream = {k: np.where(kept[k], v, 0.0) for k, v in upstream.items()}
+    where = f"{setup.size} per axis"
+    dropped_note = [f"{dropped} of {total} at {where}"] * bool(dropped)
 
     # One output at a time: a large, right Jacobian entry of one output must not hide a small
     # wrong one of another in <v, outputs> (a breaker's 1000 x beside a 50% wrong square).
     outputs = list(base)
-    analytic = {o: _analytic(fn, setup, _only(upstream, o)) for o in outputs}
+    analytic = {o: _analytic(setup.fn, setup, _only(upstream, o)) for o in outputs}
 
-    rows = []
-    finite = np.array([all(np.all(np.isfinite(v)) for v in base.values())])
-    for p in setup.inputs:
-        if not p.is_diff_tensor:
-            continue
-        (d1, r1), (d2, r2) = _per_element(setup, upstream, p.name, (eps, eps / 4))
+    found: dict[str, Entries] = {}
+    diff_inputs = [p for p in setup.inputs if p.is_diff_tensor]
+    for p in diff_inputs:
+        shape = setup.values[p.name].shape
+        chosen = elements_of(p.name, elements, setup.values)
+        (d1, r1), (d2, r2) = per_element(setup, upstream, p.name, (eps, eps / 4), chosen)
         joined = [np.concatenate([x[o] for o in outputs]) for x in (d1, r1, d2, r2)]
-        ad = np.concatenate([analytic[o][p.name].reshape(-1) for o in outputs])
+        ad = np.concatenate([analytic[o][p.name].reshape(-1)[chosen] for o in outputs])
         # kinks: the two steps may disagree by 2 roundings (not ROUNDINGS: a pairwise
         # |x_j - x_i| with a pair 3e-4 apart went unseen under the comparison's allowance)
         noise = 2 / ROUNDINGS * (joined[1] + joined[3])
-        valid = fd.smooth(joined[0], joined[2], atol + noise, rtol)
+        smooth = fd.smooth(joined[0], joined[2], atol + noise, rtol)
+        finite = np.ones(ad.size, bool)
+        if dropped:
+            any_kept = np.repeat([kept[o].any() for o in outputs], chosen.size)
+            finite = any_kept & np.isfinite(joined[0]) & np.isfinite(joined[2]) & np.isfinite(ad)
         blind = unresolved(joined[0], ad, joined[1], atol)
-        rows.append(
-            row(
-                p.name, "backward", ad, joined[0], valid & finite[0] & ~blind, joined[0].size,
-                atol=atol + joined[1], unresolved=int((blind & valid & finite[0]).sum()),
-            )
+        labels = [
+            f"{p.name}[{', '.join(str(int(i)) for i in np.unravel_index(k, shape))}] "
+            f"(output {o}, {where})"
+            for o in outputs
+            for k in chosen
+        ]
+        found[p.name] = Entries(
+            ad, joined[0], smooth & finite & ~blind, finite, atol + joined[1], labels,
+            int((blind & smooth & finite).sum()), dropped_note,
         )  # fmt: skip
-    # adjoint: <J u, v> along one random direction u over all differentiable inputs
-    u = {
-        p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape)
-        for p in setup.inputs
-        if p.is_diff_tensor
-    }
-    ((d, r),) = _along(setup, upstream, u, (eps,))
+    # adjoint: <J u, v> along one random direction u over all differentiable inputs, less
+    # the elements whose entries were left out (not finite)
+    u = {p.name: rng.uniform(-1.0, 1.0, setup.values[p.name].shape) for p in diff_inputs}
+    for p in diff_inputs if dropped else ():
+        left_out = ~found[p.name].finite.reshape(len(outputs), -1).all(axis=0)
+        u[p.name].reshape(-1)[elements_of(p.name, elements, u)[left_out]] = 0.0
+    ((d, r),) = along(setup, upstream, u, (eps,))
     ju_v, rounding = sum(d.values()), sum(r.values())
-    u_jtv = sum(float(fd.dot(u, analytic[o])) for o in outputs)
+    u_jtv = sum(
+        float(fd.dot(u, {k: np.where(u[k] != 0, g[k], 0.0) for k in u})) for g in analytic.values()
+    )
     blind = unresolved(np.array([ju_v]), np.array([u_jtv]), np.array([rounding]), atol)
-    rows.append(
-        row(
-            "(all)", "adjoint", np.array([u_jtv]), np.array([ju_v]), finite & ~blind, 1,
-            atol=atol + rounding, unresolved=int(blind[0] and finite[0]),
-        )
+    finite = np.array([not dropped or bool(np.isfinite(ju_v + u_jtv) and dropped < total)])
+    found["(all)"] = Entries(
+        np.array([u_jtv]), np.array([ju_v]), finite & ~blind, finite,
+        np.array([atol + rounding]), [f"the {setup.size}-per-axis probe"],
+        int(blind[0] and finite[0]), dropped_note,
     )  # fmt: skip
-    return rows
+    return found
 
 
-def unresolved(
-    numeric: np.ndarray, ad: np.ndarray, rounding: np.ndarray, atol: float
-) -> np.ndarray:
-    """Entries the step cannot resolve: float32 rounding of the outputs they move (over the
-    step) is above ``atol`` and above half of what either side claims. There a difference of
-    0 says nothing (an output near 1e6 moved less than its rounding step by x^2's derivative,
-    and a wrong 100 against a true 0.01 looked alike): they are left out and counted, and
-    the row says to take a larger ``--eps``.
-
-        unresolved(np.array([0.0]), np.array([6.0]), np.array([250.0]), 1e-3)   # [True]
-    """
-    claimed = np.maximum(np.abs(numeric), np.abs(ad))
-    with np.errstate(invalid="ignore"):
-        return (rounding > atol) & (rounding > 0.5 * claimed)
+def elements_of(name: str, elements: dict | None, values: dict) -> np.ndarray:
+    """The flat indices of input ``name`` a probe perturbs: ``elements[name]``, else all."""
+    return np.arange(values[name].size) if elements is None else elements[name]
 
 
 def _only(upstream: dict, output: str) -> dict:
@@ -341,74 +402,3 @@ def _analytic(fn: ShaderFunction, setup: "_Setup", upstream: dict) -> dict[str, 
         for p in setup.inputs
         if p.is_diff_tensor
     }
-
-
-def widened(atol: Any, valid: np.ndarray, given: float, unresolved: int = 0) -> str:
-    """A row's note: its tolerance grew past twice ``given`` (float32 rounding of large
-    outputs, ``_along``), and how many entries the step could not resolve; else "".
-
-        widened(np.array([1e-3, 0.09]), np.array([True, True]), 1e-3)   # "atol up to 0.09: ..."
-    """
-    notes = []
-    widest = float(np.max(np.broadcast_to(atol, np.shape(valid))[valid], initial=0.0))
-    if widest > 2 * given:
-        notes.append(f"atol up to {widest:.3g}: float32 rounding of the outputs the step moved")
-    if unresolved:
-        notes.append(
-            f"{unresolved} element(s) left out: the step cannot resolve them against the "
-            "outputs' float32 rounding (rerun with a larger --eps)"
-        )
-    return "; ".join(notes)
-
-
-#: The step at which an output counts as depending on an element (it moves there): a large
-#: output the check's step leaves unmoved may still depend on it.
-DEPENDENCE_STEP = 0.05
-
-
-def _along(setup: "_Setup", upstream: dict, direction: dict, steps: tuple) -> list:
-    """Per step, per output: the central difference of <upstream, output> along
-    ``direction`` and how far float32 rounding can move it. The rounding counts the outputs
-    that depend on the direction (they move at ``DEPENDENCE_STEP`` or at the step): one that
-    does not cancels exactly, however large (a constant 1e7 beside must not widen the
-    tolerance), while one that depends but did not move at the step still rounds. Roundings
-    add as independent errors (the root of the sum of squares: a plain sum over 1024 outputs
-    let a dropped gradient pass), ``ROUNDINGS`` of them at each output's scale."""
-
-    def shifted(h: float) -> dict:
-        return {k: v + h * direction[k] if k in direction else v for k, v in setup.values.items()}
-
-    far_high, far_low = setup.run(shifted(DEPENDENCE_STEP)), setup.run(shifted(-DEPENDENCE_STEP))
-    out = []
-    for h in steps:
-        high, low = setup.run(shifted(h)), setup.run(shifted(-h))
-        differences, roundings = {}, {}
-        with np.errstate(invalid="ignore"):
-            for k in high:
-                differences[k] = float(np.sum((high[k] - low[k]) * upstream[k])) / (2 * h)
-                depends = (high[k] != low[k]) | (far_high[k] != far_low[k])
-                steps_k = np.spacing(np.abs(high[k][depends]).astype(np.float32)) + np.spacing(
-                    np.abs(low[k][depends]).astype(np.float32)
-                )
-                spread = float(np.sqrt(np.nansum((upstream[k][depends] * steps_k / 2) ** 2)))
-                roundings[k] = ROUNDINGS * spread / (2 * h)
-        out.append((differences, roundings))
-    return out
-
-
-def _per_element(setup: "_Setup", upstream: dict, name: str, steps: tuple) -> list:
-    """``_along`` each element of input ``name`` in turn: per step, (per output an array of
-    differences, per output an array of roundings)."""
-    shape = setup.values[name].shape
-    count = int(np.prod(shape))
-    found = [({}, {}) for _ in steps]
-    for k in range(count):
-        unit = np.zeros(count)
-        unit[k] = 1.0
-        for (out, rounding), (d, r) in zip(
-            found, _along(setup, upstream, {name: unit.reshape(shape)}, steps)
-        ):
-            for o in d:
-                out.setdefault(o, np.zeros(count))[k] = d[o]
-                rounding.setdefault(o, np.zeros(count))[k] = r[o]
-    return found

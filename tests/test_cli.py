@@ -41,7 +41,8 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
     assert (
         rows[("dense", "w", "backward")]["status"] == "PASS"
     )  # tensors of 4 elements per dimension
-    assert rows[("dense", "x", "backward")]["points"] == 4
+    # 4 elements, then the 12 past them in the second probe at 16 per dimension
+    assert rows[("dense", "x", "backward")]["points"] == 4 + 12
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
     assert (
         rows[("logarithm", "x", "backward")]["points"] == 8
