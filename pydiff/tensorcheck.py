@@ -30,10 +30,12 @@ from .creation import tensor as make_tensor
 from .device import Device
 from .module import ShaderFunction
 from .tensor import Tensor
-from .tensorcheck_entries import ROUNDINGS, Entries, along, larger_size, per_element
+from .tensorcheck_entries import LARGER_SIZES, ROUNDINGS, Entries, along, larger_size, per_element
 from .tensorcheck_entries import sampled_elements, unresolved
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
+#: modcheck's reason for a row with no entry compared (rewritten where the step was at fault)
+SMOOTH_NOWHERE = "no element where the function is finite and smooth"
 _FIXED = ("float", "int", "uint")  # held fixed beside tensors (ints after the first: 1..size-1)
 _INDEX = re.compile(
     r"^(?:int|uint)(?:\[(\d)\]|(\d))?$|^(?:int|uint)\[(\d)\]$|^vector<(?:int|uint),\s*(\d)>$"
@@ -278,17 +280,27 @@ def check_tensor_function(
                 if p.is_diff_tensor
             }
             probes.append(_measure(larger, eps, atol, rtol, elements))
+    numbers = [k for k, v in setup.numbers.items() if isinstance(v, float)]
+    held = f"float parameter(s) {', '.join(map(repr, numbers))} held fixed: not checked" * bool(
+        numbers
+    )
     rows = []
     for name in probes[0]:
         e = Entries.join([probe[name] for probe in probes])
         note = "; ".join(n for n in (e.notes(), e.worst(rtol), why_not) if n)
         parameter, mode = (name, "backward") if name != "(all)" else (name, "adjoint")
-        rows.append(
-            row(
-                parameter, mode, e.ad, e.numeric, e.valid, e.finite, atol=e.atol,
-                unresolved=e.unresolved, note=note,
-            )
+        result = row(
+            parameter, mode, e.ad, e.numeric, e.valid, e.finite, atol=e.atol,
+            unresolved=e.unresolved, note=note,
         )  # fmt: skip
+        if e.excused and result.status == "PASS":
+            result.status = "SKIPPED"
+            result.why = "; ".join(w for w in (e.excused_note(), result.why) if w)
+        if e.unresolved and not e.valid.any():  # (not the domain's doing, nor kinks')
+            result.why = result.why.replace(SMOOTH_NOWHERE, "no element the step can resolve")
+        if held:
+            result.why = "; ".join(w for w in (result.why, held) if w)
+        rows.append(result)
     return rows
 
 
@@ -297,8 +309,10 @@ def _larger_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> t
     was not run, when that is worth saying: a function reading past its tensors' ends at
     the larger size is not checked there (its results would hold what lies outside)."""
     larger = larger_size(size, _shared_dims(fn), PROBE_MAX_ELEMENTS)
-    if larger is None:
-        return None, ""
+    if larger is None:  # (said where a larger probe was due: a 4-D tensor's 4 per axis)
+        return None, f"not checked past {size} per axis (a larger size exceeds the bounds)" * (
+            size < LARGER_SIZES[0]
+        )
     setup = _Setup(fn, device, larger, np.random.default_rng([seed, larger]))
     if reads_past_the_end(setup):
         return None, f"not checked at {larger} per axis: it reads past its tensors' ends there"
@@ -341,9 +355,14 @@ def _measure(
         noise = 2 / ROUNDINGS * (joined[1] + joined[3])
         smooth = fd.smooth(joined[0], joined[2], atol + noise, rtol)
         finite = np.ones(ad.size, bool)
+        excused = 0
         if dropped:
             any_kept = np.repeat([kept[o].any() for o in outputs], chosen.size)
             finite = any_kept & np.isfinite(joined[0]) & np.isfinite(joined[2]) & np.isfinite(ad)
+            # a derivative not finite where the differences are: a NaN thread's backward times
+            # 0, or a wrong derivative beside an unrelated NaN output (a breaker's x * x): the
+            # row cannot PASS (check_tensor_function makes it SKIPPED, saying why)
+            excused = int((any_kept & np.isfinite(joined[0]) & ~np.isfinite(ad)).sum())
         blind = unresolved(joined[0], ad, joined[1], atol)
         labels = [
             f"{p.name}[{', '.join(str(int(i)) for i in np.unravel_index(k, shape))}] "
@@ -353,7 +372,7 @@ def _measure(
         ]
         found[p.name] = Entries(
             ad, joined[0], smooth & finite & ~blind, finite, atol + joined[1], labels,
-            int((blind & smooth & finite).sum()), dropped_note,
+            int((blind & smooth & finite).sum()), dropped_note, excused,
         )  # fmt: skip
     # adjoint: <J u, v> along one random direction u over all differentiable inputs, less
     # the elements whose entries were left out (not finite)
@@ -367,7 +386,10 @@ def _measure(
         float(fd.dot(u, {k: np.where(u[k] != 0, g[k], 0.0) for k in u})) for g in analytic.values()
     )
     blind = unresolved(np.array([ju_v]), np.array([u_jtv]), np.array([rounding]), atol)
-    finite = np.array([not dropped or bool(np.isfinite(ju_v + u_jtv) and dropped < total)])
+    directions = any(np.any(v != 0) for v in u.values())  # (all left out: nothing to compare)
+    finite = np.array(
+        [not dropped or bool(np.isfinite(ju_v + u_jtv) and dropped < total and directions)]
+    )
     found["(all)"] = Entries(
         np.array([u_jtv]), np.array([ju_v]), finite & ~blind, finite,
         np.array([atol + rounding]), [f"the {setup.size}-per-axis probe"],

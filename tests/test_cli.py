@@ -42,7 +42,7 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
         rows[("dense", "w", "backward")]["status"] == "PASS"
     )  # tensors of 4 elements per dimension
     # 4 elements, then the 12 past them in the second probe at 16 per dimension
-    assert rows[("dense", "x", "backward")]["points"] == 4 + 12
+    assert rows[("dense", "x", "backward")]["points"] == 4 + 1 + 12  # (+ element 0 at 16)
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
     assert (
         rows[("logarithm", "x", "backward")]["points"] == 8

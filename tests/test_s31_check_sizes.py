@@ -72,7 +72,7 @@ def test_a_fixed_loop_is_checked_at_its_own_size(tmp_path, device):
     bad = [r for r in rows if r.status != "PASS"]
     assert not bad, bad
     # 8 elements, then the 8 past them in the second probe at 16 (pydiff.tensorcheck_entries)
-    assert all(r.points == 8 + 8 for r in rows if r.mode == "backward")
+    assert all(r.points == 8 + 1 + 8 for r in rows if r.mode == "backward")  # (+ element 0)
 
 
 def test_the_overrun_is_seen_whatever_lies_past_the_end(tmp_path, device):
@@ -139,7 +139,7 @@ def test_a_two_dimensional_fixed_loop_grows_both_axes(tmp_path, device):
     rows = check_module(_write(tmp_path, "s31_twod", TWO_D), device=device)
     a_row = next(r for r in rows if r.parameter == "a" and r.mode == "backward")
     # 6 x 5 read: 8 x 8 given, then 32 of the elements past them at 16 x 16
-    assert a_row.status == "PASS" and a_row.points == 64 + 32, rows
+    assert a_row.status == "PASS" and a_row.points == 64 + 1 + 32, rows  # (+ element 0)
 
 
 # --- a breaker's cases (helper, 2026-11-27): wrong gradients that must FAIL -------------
@@ -216,7 +216,9 @@ def test_reads_far_past_or_before_a_tensor_or_of_negatives_are_seen(tmp_path, de
     assert all(r.status in ("FAIL", "ERROR") for k, r in rows.items() if k[0] == "farw"), rows
     assert all(r.status != "PASS" for k, r in rows.items() if k[0] == "before"), rows
     (neg,) = [r for k, r in rows.items() if k == ("negative_only", "x", "backward")]
-    assert neg.status == "PASS" and neg.points + neg.near_kinks == 8 + 8, neg  # sizes 8, 16
+    assert neg.status == "PASS" and neg.points + neg.near_kinks == 8 + 1 + 8, (
+        neg
+    )  # sizes 8, 16 (+ element 0)
 
 
 def test_further_ints_stay_small_whatever_the_size(tmp_path, device):

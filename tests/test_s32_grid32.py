@@ -115,11 +115,12 @@ def test_the_larger_probe_follows_the_size_rules():
     assert larger_size(4, 4, 1024) is None and larger_size(16, 1, 1024) is None
     assert larger_size(8, 3, 1024) is None  # nothing above 8 fits a 3-D tensor
     rng = np.random.default_rng(0)
-    assert sampled_elements((16,), 4, rng).tolist() == list(range(4, 16))
+    # the first element (other threads may add into it at the larger size), then the rest
+    assert sampled_elements((16,), 4, rng).tolist() == [0, *range(4, 16)]
     picked = sampled_elements((16, 16), 4, rng)
-    assert len(picked) == 32 and picked[-1] == 255  # the last element, always
-    i, j = np.unravel_index(picked, (16, 16))
-    assert np.all((i >= 4) | (j >= 4))  # none the first probe perturbed
+    assert len(picked) == 33 and picked[0] == 0 and picked[-1] == 255  # first and last
+    i, j = np.unravel_index(picked[1:], (16, 16))
+    assert np.all((i >= 4) | (j >= 4))  # else none the first probe perturbed
 
 
 def test_a_wrong_backward_reported_through_the_cli(tmp_path, capsys, device):
@@ -164,8 +165,12 @@ def test_nan_outputs_leave_out_only_their_entries(tmp_path, device):
     for name in ("logs", "cube"):
         for mode in ("backward", "adjoint"):
             r = by[name, mode]
-            assert r.status == "PASS", r
+            # cube's NaN thread gives its own element a NaN derivative (NaN times 0): not
+            # told from a wrong one, so that row is not passed (SKIPPED, saying why)
+            skipped = (name, mode) == ("cube", "backward")
+            assert r.status == ("SKIPPED" if skipped else "PASS"), r
             assert "NaN or infinite" in r.why and "left out" in r.why, r.why
+            assert ("not passed" in r.why) is skipped, r.why
         assert by[name, "backward"].points > 0
     # NaN at index 2 only: 1 of 4 outputs at the first size, its entry left out there
     assert "1 of 4 at 4 per axis" in by["cube", "backward"].why
