@@ -14,6 +14,7 @@ import pytest
 
 import pydiff
 from pydiff.modcheck import check_module
+from test_s32_grid32 import ROWS  # (the same row sums, wrong at another element)
 
 
 def _check(tmp_path, device, name, source, **kw):
@@ -237,27 +238,7 @@ def test_an_unresolved_row_does_not_blame_kinks_or_the_domain(tmp_path, device):
 #: y[i] = sum_j w[i, j]^2 over a 2-D tensor; the backward is 30% off at one element only
 #: (neither in the first 4 per axis nor the last), which the 16-per-axis probe's 32 sampled
 #: elements miss: only its adjoint test can see it.
-ONE_ELEMENT_2D = """import slangpy;
-[BackwardDerivative(rows_bwd)]
-float rows(int i, DiffTensor<float, 2> w)
-{
-    int n = w.shape[1];
-    float s = 0.0;
-    [MaxIters(64)]
-    for (int j = 0; j < n; j++) { float v = w.load(int2(i, j)); s += v * v; }
-    return s;
-}
-void rows_bwd(int i, DiffTensor<float, 2> w, float dOut)
-{
-    int n = w._primal.shape[1];
-    [MaxIters(64)]
-    for (int j = 0; j < n; j++)
-    {
-        float v = w._primal.load(int2(i, j));
-        w._grad_out.add(int2(i, j), ((i == 10 && j == 7) ? 2.6 : 2.0) * v * dOut);
-    }
-}
-"""
+ONE_ELEMENT_2D = ROWS.replace("WRONG_WHERE", "i == 10 && j == 7").replace("3.0", "2.6")
 
 
 def test_a_disagreement_larger_than_the_rounding_is_not_left_out():
