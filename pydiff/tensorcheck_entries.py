@@ -45,10 +45,10 @@ def sampled_elements(
 ) -> np.ndarray:
     """Flat indices of up to ``count`` elements of a tensor of ``shape`` lying outside the
     block ``[0, covered)`` per axis (what a smaller probe perturbed): the last element, then
-    a seeded random draw of the others, in increasing order.
+    a seeded random draw of the others, in increasing order; and first, element 0.
 
     >>> sampled_elements((16,), 4, np.random.default_rng(0)).tolist()[:3]
-    [4, 5, 6]
+    [0, 4, 5]
     """
     grid = np.indices(shape).reshape(len(shape), -1)
     outside = np.flatnonzero(np.any(grid >= covered, axis=0))
