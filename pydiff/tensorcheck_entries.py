@@ -27,7 +27,8 @@ ROUNDINGS = 8
 LARGER_SIZES = (16, 8)
 #: Elements of each input tensor perturbed in the second probe (each costs six calls): the
 #: last one and a seeded random draw of the rest, all outside the block the first probe
-#: covered (a 1-D tensor of 16 has 12 there, so all of them are taken; a 2-D one 240).
+#: covered (a 1-D tensor of 16 has 12 there, so all of them are taken; a 2-D one 240), and
+#: element 0 besides.
 SAMPLED_ELEMENTS = 32
 
 
