@@ -13,8 +13,9 @@ no index parameter is called once. The gradient of each differentiable input ten
 from ``.bwds`` for a random upstream gradient and is compared, element by element, with
 central differences of <v, outputs> (pydiff.finite_diff, steps eps and eps/4 to leave out
 kinks): one element perturbed at a time, so this suits small tensors. A second probe at
-16 per axis (8 for 3-D) perturbs a sample of the elements past the first 4 per axis, and
-output elements that are NaN or infinite are left out (pydiff.tensorcheck_entries).
+15 per axis (7 for 3-D: not a multiple of 4, as every first size is) perturbs a sample of
+the elements past the first 4 per axis, and output elements that are NaN or infinite are
+left out (pydiff.tensorcheck_entries).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .creation import tensor as make_tensor
 from .device import Device
 from .module import ShaderFunction
 from .tensor import Tensor
-from .tensorcheck_entries import LARGER_SIZES, ROUNDINGS, Entries, along, larger_size, per_element
-from .tensorcheck_entries import sampled_elements, unresolved
+from .tensorcheck_entries import ROUNDINGS, Entries, along, larger_size, per_element
+from .tensorcheck_entries import element_label, sampled_elements, unresolved
 
 _DIMS = re.compile(r"<\s*float\s*,\s*(\d+)\s*>$|^(?:RW)?FwdDiffTensor<\s*(\d+)\s*>$")
 #: modcheck's reason for a row with no entry compared (rewritten where the step was at fault)
@@ -264,7 +265,7 @@ def check_tensor_function(
     entry by how far float32 rounding of the outputs the step moved can shift the difference
     (``along``), entries it cannot resolve left out (``unresolved``). When every row passes
     at ``size`` (or the size the function needs), a second probe at a larger size
-    (``larger_size``: 16 per axis, 8 for 3-D tensors) perturbs a sample of the elements
+    (``larger_size``: 15 per axis, 7 for 3-D tensors) perturbs a sample of the elements
     the first left out (``sampled_elements``); its entries join the rows.
 
         rows = check_tensor_function(m.dense, device, row=lambda *a, **kw: a[:2])
@@ -309,10 +310,8 @@ def _larger_setup(fn: ShaderFunction, device: Device, size: int, seed: int) -> t
     was not run, when that is worth saying: a function reading past its tensors' ends at
     the larger size is not checked there (its results would hold what lies outside)."""
     larger = larger_size(size, _shared_dims(fn), PROBE_MAX_ELEMENTS)
-    if larger is None:  # (said where a larger probe was due: a 4-D tensor's 4 per axis)
-        return None, f"not checked past {size} per axis (a larger size exceeds the bounds)" * (
-            size < LARGER_SIZES[0]
-        )
+    if larger is None:  # (every first size is a multiple of 4: a larger probe was due)
+        return None, f"not checked past {size} per axis (a larger size exceeds the bounds)"
     setup = _Setup(fn, device, larger, np.random.default_rng([seed, larger]))
     if reads_past_the_end(setup):
         return None, f"not checked at {larger} per axis: it reads past its tensors' ends there"
@@ -365,8 +364,7 @@ def _measure(
             excused = int((any_kept & np.isfinite(joined[0]) & ~np.isfinite(ad)).sum())
         blind = unresolved(joined[0], ad, joined[1], atol)
         labels = [
-            f"{p.name}[{', '.join(str(int(i)) for i in np.unravel_index(k, shape))}] "
-            f"(output {o}, {where})"
+            element_label(p.name, np.unravel_index(k, shape), o, where)
             for o in outputs
             for k in chosen
         ]

@@ -41,8 +41,8 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
     assert (
         rows[("dense", "w", "backward")]["status"] == "PASS"
     )  # tensors of 4 elements per dimension
-    # 4 elements, then the 12 past them in the second probe at 16 per dimension
-    assert rows[("dense", "x", "backward")]["points"] == 4 + 1 + 12  # (+ element 0 at 16)
+    # 4 elements, then the 11 past them in the second probe at 15 per dimension
+    assert rows[("dense", "x", "backward")]["points"] == 4 + 1 + 11  # (+ element 0 at 15)
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
     assert (
         rows[("logarithm", "x", "backward")]["points"] == 8

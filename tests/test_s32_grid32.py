@@ -92,16 +92,16 @@ def _rows(rows, mode):
     "source, wrong_where, element",
     [
         (BY_INDEX, "i >= 4", "x["),  # the second tile
-        (BY_INDEX, "i == 15", "x[15]"),  # the last element of a 16-element tensor
+        (BY_INDEX, "i == 14", "x[14]"),  # the last element of a 15-element tensor
         (WHOLE, "j >= 4", "x["),  # no index: a loop over the whole tensor
-        (ROWS, "i == 15 && j == 15", "w[15, 15]"),  # 2-D: the last element only
+        (ROWS, "i == 14 && j == 14", "w[14, 14]"),  # 2-D: the last element only
     ],
 )
 def test_a_backward_wrong_past_the_first_four_fails(tmp_path, device, source, wrong_where, element):
     rows = _check(tmp_path, device, "s32_past4", source, wrong_where)
     (backward,) = _rows(rows, "backward")
     assert backward.status == "FAIL", rows
-    assert f"worst at {element}" in backward.why and "16 per axis" in backward.why, backward.why
+    assert f"worst at {element}" in backward.why and "15 per axis" in backward.why, backward.why
     # the same source, right everywhere, passes at both sizes (its entries: both probes)
     right = _check(tmp_path, device, "s32_right", source)
     assert all(r.status == "PASS" for r in right), right
@@ -110,16 +110,16 @@ def test_a_backward_wrong_past_the_first_four_fails(tmp_path, device, source, wr
 
 
 def test_the_larger_probe_follows_the_size_rules():
-    assert larger_size(4, 1, 1024) == 16 and larger_size(4, 2, 1024) == 16
-    assert larger_size(4, 3, 1024) == 8  # 16^3 is past 1024 elements a tensor
-    assert larger_size(4, 4, 1024) is None and larger_size(16, 1, 1024) is None
+    assert larger_size(4, 1, 1024) == 15 and larger_size(4, 2, 1024) == 15
+    assert larger_size(4, 3, 1024) == 7  # 15^3 is past 1024 elements a tensor
+    assert larger_size(4, 4, 1024) is None  # 7^4 too
     assert larger_size(8, 3, 1024) is None  # nothing above 8 fits a 3-D tensor
     rng = np.random.default_rng(0)
     # the first element (other threads may add into it at the larger size), then the rest
-    assert sampled_elements((16,), 4, rng).tolist() == [0, *range(4, 16)]
-    picked = sampled_elements((16, 16), 4, rng)
-    assert len(picked) == 33 and picked[0] == 0 and picked[-1] == 255  # first and last
-    i, j = np.unravel_index(picked[1:], (16, 16))
+    assert sampled_elements((15,), 4, rng).tolist() == [0, *range(4, 15)]
+    picked = sampled_elements((15, 15), 4, rng)
+    assert len(picked) == 33 and picked[0] == 0 and picked[-1] == 224  # first and last
+    i, j = np.unravel_index(picked[1:], (15, 15))
     assert np.all((i >= 4) | (j >= 4))  # else none the first probe perturbed
 
 
@@ -129,7 +129,7 @@ def test_a_wrong_backward_reported_through_the_cli(tmp_path, capsys, device):
     assert cli.main(["check", str(path), "--json", "--device", device.type]) == 1
     report = json.loads(capsys.readouterr().out)
     (backward,) = [r for r in report["results"] if r["mode"] == "backward"]
-    assert backward["status"] == "FAIL" and "16 per axis" in backward["why"], backward
+    assert backward["status"] == "FAIL" and "15 per axis" in backward["why"], backward
 
 
 #: log(x) is NaN at the negative half of the inputs; cube is NaN at index 2 only (the
