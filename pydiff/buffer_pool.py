@@ -10,7 +10,8 @@ Python's reference count, so tensors and views built on a buffer count too.
 Every cache pydiff keeps per device is bounded (docs/ops-and-optimizers.md, "Memory"): the
 pool by ``POOL_MAX_PER_SIZE`` buffers of one size and ``POOL_MAX_BYTES`` in all up to
 ``POOL_MAX_FLOAT4S`` (4 MiB), and by ``LARGE_POOL_MAX_PER_SIZE`` and ``LARGE_POOL_MAX_BYTES``
-above it (a large buffer costs far more to create than to reuse); the per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
+above it (a large buffer costs far more to create than to reuse); the per-device memos
+(``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 """
 
 from __future__ import annotations
