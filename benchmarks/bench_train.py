@@ -39,7 +39,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", str(planned_threads()))
 import numpy as np  # noqa: E402
 
 import pydiff  # noqa: E402
-from pydiff import ops_reduce, optim  # noqa: E402
+from pydiff import ops, ops_reduce, optim  # noqa: E402
 from pydiff.module import library  # noqa: E402
 from pydiff.products import elementwise_kernel  # noqa: E402
 
@@ -245,6 +245,10 @@ def main() -> None:
             synced(lambda: elementwise_kernel("relu4", xa, x=xa, y=out)),
             8,
         ),
+        # Each call a new result, as `y = ops.relu(x)` in user code: the buffer pool's reuse
+        # of large buffers counts here (NumPy allocating its result alongside).
+        "relu, y = ops.relu(x) (a new result each call)": (synced(lambda: ops.relu(xa)), 8),
+        "NumPy relu, np.maximum(x, 0) (a new result each call)": (lambda: np.maximum(src, 0), 8),
         "copy on the device (copy4 kernel)": (
             synced(lambda: elementwise_kernel("copy4", xa, x=xa, y=out)),
             8,

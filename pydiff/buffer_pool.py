@@ -8,8 +8,10 @@ Python's reference count, so tensors and views built on a buffer count too.
     device.pool.prune()                          # release the unused ones
 
 Every cache pydiff keeps per device is bounded (docs/ops-and-optimizers.md, "Memory"): the
-pool by ``POOL_MAX_PER_SIZE`` buffers of one size and ``POOL_MAX_BYTES`` in all; the
-per-device memos (``device.cached``, ``device.scratch``) are ``BoundedDict``s.
+pool by ``POOL_MAX_PER_SIZE`` buffers of one size and ``POOL_MAX_BYTES`` in all up to
+``POOL_MAX_FLOAT4S`` (4 MiB), and by ``LARGE_POOL_MAX_PER_SIZE`` and ``LARGE_POOL_MAX_BYTES``
+above it (a large buffer costs far more to create than to reuse); the per-device memos
+(``device.cached``, ``device.scratch``) are ``BoundedDict``s.
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ MAX_ELEMENTS = 2**31 - 1
 # an H200); requests just under the bound fail at allocation, with TensorTooLargeError.
 MAX_BUFFER_BYTES = {"vulkan": 2**32 - 1, "cuda": 2**32 - 1}
 
-POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: bigger buffers are rare enough to allocate each time
+POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: the largest of the small buffers
 POOL_MAX_PER_SIZE = 32
-POOL_MAX_BYTES = 256 << 20  # all sizes together; beyond, free buffers are released first
+POOL_MAX_BYTES = 256 << 20  # small sizes together; beyond, free buffers are released first
+# Larger buffers are kept too, fewer of them and under a budget of their own (so that large
+# tensors never crowd the small ones a training step reuses out of the pool): a new large
+# buffer costs far more than its kernel. On lavapipe its memory is mapped on first touch
+# (4 KiB pages: no transparent huge pages as NumPy's madvise gets) and unmapped when freed:
+# relu over 10M floats took 14 ms into a used buffer and 44 ms into a new one, plus 16 ms to
+# free it (2026-11-27). GPUs' allocators are costly too (PyTorch keeps a caching allocator).
+LARGE_POOL_MAX_PER_SIZE = 4
+LARGE_POOL_MAX_BYTES = 256 << 20  # large sizes together, free or not
 STORAGE_USAGE = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
 
 
@@ -66,12 +76,13 @@ class BufferPool:
         self._format = spy.Format.rgba32_float if typed_loads else spy.Format.undefined
         self._buffers: dict[int, list] = {}
         self.bytes = 0  # of the buffers in the pool, free or not
+        self.large_bytes = 0  # of those larger than POOL_MAX_FLOAT4S (counted in bytes too)
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
         # While kernels are appended but not submitted, a buffer freed since may still be
         # written by them: it must not be handed out again before they run.
-        pooled = float4s <= POOL_MAX_FLOAT4S and not self.queue.pending
+        pooled = not self.queue.pending
         if pooled:
             buffers = self._buffers.setdefault(float4s, [])
             for buffer in buffers:
@@ -88,21 +99,42 @@ class BufferPool:
         except RuntimeError as exc:
             raise allocation_failed(16 * float4s, exc) from None
         self.queue.allocated(16 * float4s)
-        if pooled and len(buffers) < POOL_MAX_PER_SIZE:
-            if self.bytes + 16 * float4s > POOL_MAX_BYTES:
-                self.prune()
-                buffers = self._buffers.setdefault(float4s, [])
-            if self.bytes + 16 * float4s <= POOL_MAX_BYTES:
-                buffers.append(buffer)
-                self.bytes += 16 * float4s
+        if pooled:
+            self._keep(buffer, float4s)
         return buffer
 
-    def prune(self) -> None:
-        """Release the buffers nothing else refers to."""
+    def _keep(self, buffer: Any, float4s: int) -> None:
+        """Add a new buffer to the pool where its size's count and its class's budget allow
+        (releasing that class's free buffers first when the budget is reached)."""
+        nbytes, large = 16 * float4s, float4s > POOL_MAX_FLOAT4S
+        per_size, budget = (
+            (LARGE_POOL_MAX_PER_SIZE, LARGE_POOL_MAX_BYTES)
+            if large
+            else (POOL_MAX_PER_SIZE, POOL_MAX_BYTES)
+        )
+        if len(self._buffers.get(float4s, ())) >= per_size:
+            return
+        if self._class_bytes(large) + nbytes > budget:
+            self.prune(large=large)
+        if self._class_bytes(large) + nbytes <= budget:
+            self._buffers.setdefault(float4s, []).append(buffer)
+            self.bytes += nbytes
+            self.large_bytes += nbytes * large
+
+    def _class_bytes(self, large: bool) -> int:
+        return self.large_bytes if large else self.bytes - self.large_bytes
+
+    def prune(self, large: bool | None = None) -> None:
+        """Release the buffers nothing else refers to (with ``large``: only the large ones, or
+        only the small ones)."""
         for size, buffers in list(self._buffers.items()):
+            if large is not None and (size > POOL_MAX_FLOAT4S) != large:
+                continue
             # References: the list, the comprehension's variable and getrefcount's argument.
             kept = [b for b in buffers if sys.getrefcount(b) > 3]
-            self.bytes -= 16 * size * (len(buffers) - len(kept))
+            released = 16 * size * (len(buffers) - len(kept))
+            self.bytes -= released
+            self.large_bytes -= released * (size > POOL_MAX_FLOAT4S)
             if kept:
                 self._buffers[size] = kept
             else:

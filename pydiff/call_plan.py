@@ -169,7 +169,9 @@ class ForwardPlan:
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
         large = self.numel >= generated.MIN_ELEMENTS
-        if not _may_generate(self, large) or self.zero_d or self.options or result is MISSING:
+        if not _may_generate(self, large) or self.zero_d or self.options:
+            return DECLINED if large else None
+        if result is MISSING and not self.tensors:  # (numbers only: SlangPy returns a number)
             return DECLINED if large else None
         if self.launch is None:
             self.launch = ForwardLaunch.make(fn, args, result) or False

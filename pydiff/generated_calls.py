@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import capturing, generated
+from .arguments import MISSING
 from .bwds_checks import warn_no_gradient
+from .call_shape import zero_d_call
 from .determinism import is_deterministic
 from .signature import FunctionTarget
 from .tensor import Tensor
@@ -27,10 +29,15 @@ def _large(values: list) -> bool:
 
 def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Tensor | None:
     """A forward call (``(param, value)`` pairs) as a generated kernel when it is large and
-    covered: a tensor result (new or given), no SlangPy options; None: SlangPy's path."""
+    covered: a tensor result (given, ``_result="tensor"``, or none given where SlangPy's
+    would be a new tensor), no SlangPy options; None: SlangPy's path."""
     generated.check_switch()
     if options.keys() > {"_result"} or not (
-        type(result) is Tensor or type(result) is str and result == "tensor"
+        type(result) is Tensor
+        or type(result) is str
+        and result == "tensor"
+        or result is MISSING
+        and _new_tensor_by_default(bound)
     ):
         return None
     args = [v for _, v in bound]
@@ -38,6 +45,13 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
         return None
     given = result if type(result) is Tensor else None
     return generated.forward(fn, args, None if given is None else given.shape, out=given)
+
+
+def _new_tensor_by_default(bound: list) -> bool:
+    """Whether SlangPy's call without ``_result`` returns a new tensor of the call's shape
+    (what ``_result="tensor"`` asks for): some argument is a tensor and the call shape is not
+    the () of 0-d tensors (a 0-d result there: forward_call's)."""
+    return any(type(v) is Tensor for _, v in bound) and not zero_d_call(bound)
 
 
 def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:

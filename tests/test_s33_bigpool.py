@@ -1,0 +1,112 @@
+"""The buffer pool keeps large buffers too (over 4 MiB), under a budget of their own.
+
+A new large buffer cost lavapipe far more than the kernel writing it (relu over 10M floats:
+14 ms into a used buffer, 44 ms into a new one and 16 ms to free it), so `y = ops.relu(x)`
+on large tensors now reuses the buffer of a freed result. Values are checked against NumPy,
+including a buffer handed out again while the kernel that read it may still be running.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import buffer_pool, ops
+
+LARGE = (1 << 21) + 12  # floats: 8 MiB, past POOL_MAX_FLOAT4S (4 MiB), not a power of two
+
+
+class _CountingDevice:
+    """The SlangPy device, counting the buffers created through it."""
+
+    def __init__(self, native):
+        self._native, self.created = native, 0
+
+    def create_buffer(self, **kwargs):
+        self.created += 1
+        return self._native.create_buffer(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+
+def test_a_large_result_reuses_a_freed_buffer(device, monkeypatch):
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal(LARGE).astype(np.float32)
+    x = pydiff.tensor(xs, device=device)
+    y = ops.relu(x)
+    np.testing.assert_array_equal(y.numpy(), np.maximum(xs, 0))
+    del y
+    counting = _CountingDevice(device.pool.native)
+    monkeypatch.setattr(device.pool, "native", counting)
+    for _ in range(3):
+        y = ops.relu(x)
+        np.testing.assert_array_equal(y.numpy(), np.maximum(xs, 0))
+        del y
+    assert counting.created == 0  # (3 before: large buffers were never kept)
+
+
+def test_values_stay_right_when_large_buffers_change_hands(device):
+    rng = np.random.default_rng(1)
+    for k in range(4):
+        xs = rng.standard_normal(LARGE).astype(np.float32)
+        a = pydiff.tensor(xs, device=device)
+        y = ops.relu(a)
+        device.flush()  # submitted: lavapipe may not have run it yet when `a` goes
+        del a
+        # Likely `a`'s buffer: the upload must land after the relu that reads it has run.
+        b = pydiff.tensor(np.full(LARGE, float(k) - 9.0, np.float32), device=device)
+        z = y * 2.0
+        np.testing.assert_array_equal(y.numpy(), np.maximum(xs, 0))
+        np.testing.assert_array_equal(z.numpy(), 2 * np.maximum(xs, 0))
+        np.testing.assert_array_equal(b.numpy(), float(k) - 9.0)
+
+
+@pytest.fixture
+def small_classes(monkeypatch):
+    """Sizes of a few float4s: above 64 float4s a buffer counts as large."""
+    monkeypatch.setattr(buffer_pool, "POOL_MAX_FLOAT4S", 64)
+    monkeypatch.setattr(buffer_pool, "POOL_MAX_BYTES", 16 * 256)
+    monkeypatch.setattr(buffer_pool, "LARGE_POOL_MAX_BYTES", 16 * 1000)
+    monkeypatch.setattr(buffer_pool, "LARGE_POOL_MAX_PER_SIZE", 4)
+
+
+def test_large_buffers_are_bounded_per_size_and_in_all(device, small_classes):
+    pool = buffer_pool.BufferPool(device.native, device.queue)
+    held = [pool.float4_buffer(100) for _ in range(6)]
+    assert len({id(b) for b in held}) == 6
+    assert pool.large_bytes == 16 * 100 * 4  # four of one size kept, the other two not
+    held += [pool.float4_buffer(n) for n in range(200, 700, 100)]
+    assert pool.large_bytes <= 16 * 1000
+    del held
+    for n in (300, 500, 900):  # the free ones are released to make room
+        pool.float4_buffer(n)
+        assert pool.large_bytes <= 16 * 1000
+    pool.prune()
+    assert pool.sizes() == {"buffers": 0, "bytes": 0} and pool.large_bytes == 0
+
+
+def test_large_buffers_never_crowd_the_small_ones(device, small_classes):
+    pool = buffer_pool.BufferPool(device.native, device.queue)
+    large = [pool.float4_buffer(n) for n in (400, 500)]  # 14,400 bytes kept, in use
+    small = pool.float4_buffer(32)
+    kept = id(small)
+    del small
+    assert id(pool.float4_buffer(32)) == kept  # still pooled and reused
+    # and a large budget reached prunes only large buffers: the free small one stays
+    free_small = pool.float4_buffer(16)
+    del free_small
+    before = pool.bytes - pool.large_bytes
+    del large
+    pool.float4_buffer(900)
+    assert pool.bytes - pool.large_bytes == before
+
+
+def test_empty_cache_releases_large_buffers(device):
+    x = pydiff.tensor(np.ones(LARGE, np.float32), device=device)
+    y = x * 3.0
+    assert y.numpy()[-1] == 3.0 and device.pool.large_bytes >= 4 * LARGE
+    del x, y
+    device.empty_cache()
+    assert device.pool.large_bytes == 0
