@@ -80,9 +80,10 @@ class BufferPool:
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
-        # While kernels are appended but not submitted, a buffer freed since may still be
-        # written by them: it must not be handed out again before they run.
-        pooled = not self.queue.pending
+        # While kernels are appended to a batch but not submitted, a buffer freed since may
+        # still be read or written by them: it must not be handed out again before they run.
+        # Any thread's batch: a flush here does not submit another thread's on Vulkan.
+        pooled = not self.queue.recording
         if pooled:
             buffers = self._buffers.setdefault(float4s, [])
             for buffer in buffers:

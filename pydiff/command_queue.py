@@ -110,6 +110,10 @@ class CommandQueue:
         #: Batches with recorded, unsubmitted commands, where submissions take them along
         #: (every backend but Vulkan: see the module docstring); empty elsewhere.
         self.open_batches: set = set()
+        #: Every thread's batches with recorded, unsubmitted commands (every backend): their
+        #: kernels do not hold the buffers they bind, so the buffer pool hands out none while
+        #: one is open (another thread's backward may still read a buffer freed meanwhile).
+        self.recording: set = set()
         #: Whether submissions take other threads' open batches along (PYDIFF_SWEEP_BATCHES=1
         #: or 0 forces it on or off, e.g. to test it on Vulkan).
         sweep = env_choice("PYDIFF_SWEEP_BATCHES", ("auto", *ENV_ON, *ENV_OFF))
@@ -179,6 +183,7 @@ class CommandQueue:
             self.deferred = True
             batch.encoder = None
             self.open_batches.discard(batch)
+            self.recording.discard(batch)
 
     def encoder(self) -> Any:
         """The open batch's command encoder (created on first use), or None outside a batch:
@@ -190,6 +195,7 @@ class CommandQueue:
         if batch.encoder is None:
             with self._lock:
                 batch.encoder = self.native.create_command_encoder()
+                self.recording.add(batch)
                 if self.sweep_batches:
                     self.open_batches.add(batch)
         return batch.encoder
@@ -235,6 +241,7 @@ class CommandQueue:
             with self._lock:
                 encoder, batch.encoder = batch.encoder, None
                 self.open_batches.discard(batch)
+                self.recording.discard(batch)
                 self._submit([encoder] if encoder is not None else [])
         elif self.deferred or self.open_batches:  # (nothing pending: no lock)
             with self._lock:
@@ -257,6 +264,7 @@ class CommandQueue:
                     buffers.append(batch.encoder.finish())
                     batch.encoder = None
                     self.open_batches.discard(batch)
+                    self.recording.discard(batch)
         buffers.extend(e.finish() for e in after)
         if buffers:
             if len(buffers) == 1:
