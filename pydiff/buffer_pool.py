@@ -47,7 +47,8 @@ POOL_MAX_BYTES = 256 << 20  # small sizes together; beyond, free buffers are rel
 # relu over 10M floats took 14 ms into a used buffer and 44 ms into a new one, plus 16 ms to
 # free it (2026-11-27). GPUs' allocators are costly too (PyTorch keeps a caching allocator).
 LARGE_POOL_MAX_PER_SIZE = 4
-LARGE_POOL_MAX_BYTES = 256 << 20  # large sizes together, free or not
+LARGE_POOL_MAX_BYTES = 512 << 20  # large sizes together, free or not (long-lived tensors too)
+LARGE_POOL_MAX_FREE_BYTES = 256 << 20  # free ones left after a new large buffer is made
 STORAGE_USAGE = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
 
 
@@ -102,6 +103,8 @@ class BufferPool:
         self.queue.allocated(16 * float4s)
         if pooled:
             self._keep(buffer, float4s)
+            if float4s > POOL_MAX_FLOAT4S:
+                self._trim_free_large()
         return buffer
 
     def _keep(self, buffer: Any, float4s: int) -> None:
@@ -121,6 +124,27 @@ class BufferPool:
             self._buffers.setdefault(float4s, []).append(buffer)
             self.bytes += nbytes
             self.large_bytes += nbytes * large
+
+    def _trim_free_large(self) -> None:
+        """Release free large buffers past ``LARGE_POOL_MAX_FREE_BYTES`` (a large size that
+        came back would find one; sizes no longer used give their memory back)."""
+        free = 0
+        for size, buffers in list(self._buffers.items()):
+            if size <= POOL_MAX_FLOAT4S:
+                continue
+            kept = []
+            for buffer in buffers:
+                # References: the list, this loop's variable and getrefcount's argument.
+                if sys.getrefcount(buffer) == 3 and free + 16 * size > LARGE_POOL_MAX_FREE_BYTES:
+                    self.bytes -= 16 * size
+                    self.large_bytes -= 16 * size
+                    continue
+                free += 16 * size * (sys.getrefcount(buffer) == 3)
+                kept.append(buffer)
+            if kept:
+                self._buffers[size] = kept
+            else:
+                del self._buffers[size]
 
     def _class_bytes(self, large: bool) -> int:
         return self.large_bytes if large else self.bytes - self.large_bytes
