@@ -46,9 +46,10 @@ POOL_MAX_BYTES = 256 << 20  # small sizes together; beyond, free buffers are rel
 # (4 KiB pages: no transparent huge pages as NumPy's madvise gets) and unmapped when freed:
 # relu over 10M floats took 14 ms into a used buffer and 44 ms into a new one, plus 16 ms to
 # free it (2026-11-27). GPUs' allocators are costly too (PyTorch keeps a caching allocator).
-LARGE_POOL_MAX_PER_SIZE = 4
 LARGE_POOL_MAX_BYTES = 512 << 20  # large sizes together, free or not (long-lived tensors too)
-LARGE_POOL_MAX_FREE_BYTES = 256 << 20  # free ones left after a new large buffer is made
+# Free ones left after a new large buffer is made, per size and in all:
+LARGE_POOL_MAX_PER_SIZE = 4
+LARGE_POOL_MAX_FREE_BYTES = 256 << 20
 STORAGE_USAGE = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
 
 
@@ -111,12 +112,10 @@ class BufferPool:
         """Add a new buffer to the pool where its size's count and its class's budget allow
         (releasing that class's free buffers first when the budget is reached)."""
         nbytes, large = 16 * float4s, float4s > POOL_MAX_FLOAT4S
-        per_size, budget = (
-            (LARGE_POOL_MAX_PER_SIZE, LARGE_POOL_MAX_BYTES)
-            if large
-            else (POOL_MAX_PER_SIZE, POOL_MAX_BYTES)
-        )
-        if len(self._buffers.get(float4s, ())) >= per_size:
+        # (large ones: any number of a size in use, e.g. an optimizer's state; free ones are
+        # trimmed per size by _trim_free_large)
+        budget = LARGE_POOL_MAX_BYTES if large else POOL_MAX_BYTES
+        if not large and len(self._buffers.get(float4s, ())) >= POOL_MAX_PER_SIZE:
             return
         if self._class_bytes(large) + nbytes > budget:
             self.prune(large=large)
@@ -126,20 +125,25 @@ class BufferPool:
             self.large_bytes += nbytes * large
 
     def _trim_free_large(self) -> None:
-        """Release free large buffers past ``LARGE_POOL_MAX_FREE_BYTES`` (a large size that
-        came back would find one; sizes no longer used give their memory back)."""
+        """Release free large buffers past ``LARGE_POOL_MAX_PER_SIZE`` of a size and
+        ``LARGE_POOL_MAX_FREE_BYTES`` in all (a large size that comes back finds one; sizes
+        no longer used give their memory back)."""
         free = 0
         for size, buffers in list(self._buffers.items()):
             if size <= POOL_MAX_FLOAT4S:
                 continue
-            kept = []
+            kept, free_here = [], 0
             for buffer in buffers:
                 # References: the list, this loop's variable and getrefcount's argument.
-                if sys.getrefcount(buffer) == 3 and free + 16 * size > LARGE_POOL_MAX_FREE_BYTES:
-                    self.bytes -= 16 * size
-                    self.large_bytes -= 16 * size
-                    continue
-                free += 16 * size * (sys.getrefcount(buffer) == 3)
+                if sys.getrefcount(buffer) == 3:
+                    if free_here == LARGE_POOL_MAX_PER_SIZE or (
+                        free + 16 * size > LARGE_POOL_MAX_FREE_BYTES
+                    ):
+                        self.bytes -= 16 * size
+                        self.large_bytes -= 16 * size
+                        continue
+                    free += 16 * size
+                    free_here += 1
                 kept.append(buffer)
             if kept:
                 self._buffers[size] = kept

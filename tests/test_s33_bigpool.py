@@ -76,9 +76,9 @@ def small_classes(monkeypatch):
 
 def test_large_buffers_are_bounded_per_size_and_in_all(device, small_classes):
     pool = buffer_pool.BufferPool(device.native, device.queue)
-    held = [pool.float4_buffer(100) for _ in range(6)]
-    assert len({id(b) for b in held}) == 6
-    assert pool.large_bytes == 16 * 100 * 4  # four of one size kept, the other two not
+    held = [pool.float4_buffer(100) for _ in range(6)]  # in use: all six kept (an optimizer's
+    assert len({id(b) for b in held}) == 6  # state is many tensors of one size)
+    assert pool.large_bytes == 16 * 600
     held += [pool.float4_buffer(n) for n in range(200, 700, 100)]
     assert pool.large_bytes <= 16 * 1000
     del held
@@ -87,6 +87,14 @@ def test_large_buffers_are_bounded_per_size_and_in_all(device, small_classes):
         assert pool.large_bytes <= 16 * 1000
     pool.prune()
     assert pool.sizes() == {"buffers": 0, "bytes": 0} and pool.large_bytes == 0
+
+
+def test_free_large_buffers_of_one_size_are_trimmed_to_four(device, small_classes):
+    pool = buffer_pool.BufferPool(device.native, device.queue)
+    held = [pool.float4_buffer(70) for _ in range(6)]
+    del held
+    pool.float4_buffer(71)  # a new large buffer: the free ones are trimmed
+    assert pool.large_bytes == 16 * (4 * 70 + 71)
 
 
 def test_large_buffers_never_crowd_the_small_ones(device, small_classes):
