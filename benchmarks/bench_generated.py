@@ -5,9 +5,10 @@ polynomial of samples/polynomial.slang, forward + backward (gradient added into 
 
 Each size times, in interleaved rounds (medians and minima; the machine is shared), the
 generated forward and backward kernels, the same call through SlangPy (``m.polynomial(...)``
-then ``.bwds``), and NumPy computing the values and the closed-form gradient in place
-(preallocated outputs, one core). Also the host cost per call at 16 elements. Prints ratios;
-the tests never assert on speed.
+then ``.bwds``), the plain call users write (``y = m.polynomial(...)``: a new result each
+call) then ``.bwds``, and NumPy computing the values and the closed-form gradient in place
+(preallocated outputs, one core) and with new arrays. Also the host cost per call at 16
+elements. Prints ratios; the tests never assert on speed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def contenders(dev, m, n: int) -> dict:
                 os.environ["PYDIFF_GENERATED"] = saved
         sync()
 
+    def plain():  # how users call it: a new result each call (pooled), then .bwds
+        fn(2.0, 8.0, -1.0, x)
+        fn.bwds(2.0, 8.0, -1.0, x, _result=ys)
+        sync()
+
     out, tmp, grad = np.empty_like(xs), np.empty_like(xs), np.zeros_like(xs)
 
     def numpy_in_place():
@@ -68,7 +74,18 @@ def contenders(dev, m, n: int) -> dict:
         np.multiply(tmp, ups, out=tmp)
         np.add(grad, tmp, out=grad)
 
-    return {"generated": gen, "pydiff SlangPy path": slangpy, "NumPy in place": numpy_in_place}
+    def numpy_new():  # the same with new arrays, as NumPy code is usually written
+        nonlocal grad
+        _ = (2.0 * xs + 8.0) * xs - 1.0
+        grad = grad + ups * (4.0 * xs + 8.0)
+
+    return {
+        "generated": gen,
+        "pydiff y = f(..)": plain,
+        "pydiff SlangPy path": slangpy,
+        "NumPy in place": numpy_in_place,
+        "NumPy new arrays": numpy_new,
+    }
 
 
 def main() -> None:
