@@ -20,6 +20,8 @@ from pathlib import Path
 VARIANTS = {
     "default": {},
     "planned off": {"PYDIFF_GENERATED_PLANNED_AFTER": "1000000000"},
+    # on a GPU small calls keep SlangPy's call unless the variable is set (generated_switch)
+    "planned after 1000": {"PYDIFF_GENERATED_PLANNED_AFTER": "1000"},
     "generated off": {"PYDIFF_GENERATED": "0"},
     "defer off": {"PYDIFF_DEFER": "0"},
 }
