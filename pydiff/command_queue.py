@@ -131,6 +131,8 @@ class CommandQueue:
         #: Submissions made (for tests and measurements).
         self.submissions = 0
         self.unwaited_bytes = 0  # new buffers' bytes since the host last waited (allocated)
+        #: Buffers of large host transfers (pydiff.staging), used under the lock.
+        self.staging: dict = {}
         _queues.add(self)
 
     def allocated(self, nbytes: int) -> None:

@@ -219,6 +219,7 @@ class Device:
             self._cache.release_buffers()
         self.kernels.release()
         self.pool.prune()
+        self.queue.staging.clear()
         self.wait()  # slang-rhi frees a released buffer once the work before it has finished
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import capturing, forward_trace, tensor_methods
+from . import capturing, forward_trace, staging, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
@@ -234,7 +234,7 @@ class Tensor(GradBuffers, TensorOperators):
         with self._device.queue.lock:
             self._device.queue.enter()
             self._device.flush()
-            self._native.copy_from_numpy(arr if self._shape else arr.reshape((1,) + arr.shape))
+            staging.write(self._device.queue, self._native, arr if self._shape else arr[None])
         return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:
