@@ -13,9 +13,9 @@ no index parameter is called once. The gradient of each differentiable input ten
 from ``.bwds`` for a random upstream gradient and is compared, element by element, with
 central differences of <v, outputs> (pydiff.finite_diff, steps eps and eps/4 to leave out
 kinks): one element perturbed at a time, so this suits small tensors. A second probe at
-15 per axis (7 for 3-D: not a multiple of 4, as every first size is) perturbs a sample of
-the elements past the first 4 per axis, and output elements that are NaN or infinite are
-left out (pydiff.tensorcheck_entries).
+31 elements for 1-D tensors, 15 per axis for 2-D, 7 for 3-D (not a multiple of 4, as every
+first size is) perturbs a sample of the elements past the first 4 per axis, and output
+elements that are NaN or infinite are left out (pydiff.tensorcheck_entries).
 """
 
 from __future__ import annotations
@@ -265,8 +265,8 @@ def check_tensor_function(
     entry by how far float32 rounding of the outputs the step moved can shift the difference
     (``along``), entries it cannot resolve left out (``unresolved``). When every row passes
     at ``size`` (or the size the function needs), a second probe at a larger size
-    (``larger_size``: 15 per axis, 7 for 3-D tensors) perturbs a sample of the elements
-    the first left out (``sampled_elements``); its entries join the rows.
+    (``larger_size``: 31 per axis for 1-D tensors, 15 for 2-D, 7 for 3-D) perturbs a sample
+    of the elements the first left out (``sampled_elements``); its entries join the rows.
 
         rows = check_tensor_function(m.dense, device, row=lambda *a, **kw: a[:2])
     """

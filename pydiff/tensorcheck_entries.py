@@ -2,7 +2,7 @@
 entries of both probe sizes joined, the entries left out and why, and the notes a row says.
 
     entries = Entries.join([first, second])   # the 4-per-axis probe, then the larger one
-    note = entries.worst(rtol=1e-2)           # "worst at x[5] (output y, 15 per axis): ..."
+    note = entries.worst(rtol=1e-2)           # "worst at x[5] (output y, 31 per axis): ..."
 
 An entry is one (output, input element) pair: the derivative of <v, output> with respect to
 that element, from ``.bwds`` (``ad``) and from central differences (``numeric``, by
@@ -21,32 +21,34 @@ from . import finite_diff as fd
 #: Roundings at an output's scale that the function's own float32 arithmetic may add to the
 #: output's last one (samples/pinn_poisson's net_xx, 32 terms near 60: up to 3 seen).
 ROUNDINGS = 8
-#: Sizes per axis of the second probe, largest first: the first that keeps a tensor within
-#: ``tensorcheck.PROBE_MAX_ELEMENTS`` and exceeds the first probe's size (15 for 1-D and 2-D
-#: tensors, 7 for 3-D). Every first probe's size is a multiple of 4 (4 and its doublings):
-#: these are 7 more than a multiple of 8, so a backward that handles 2, 4 or 8 elements a
-#: step and drops the tail (``n % 4`` of them) is wrong at the last element, always checked.
-LARGER_SIZES = (15, 7)
+#: Sizes per axis of the second probe, by the tensors' axes: 31 for 1-D tensors, 15 for 2-D,
+#: 7 for 3-D (none for 4-D: 7^4 exceeds ``tensorcheck.PROBE_MAX_ELEMENTS``). Every first
+#: probe's size is a multiple of 4 (4 and its doublings): these are 7 more than a multiple of
+#: 8, so a backward that handles 2, 4 or 8 elements a step and drops the tail (``n % 4`` of
+#: them) is wrong at the last element, always checked; and 1-D tensors reach past a second
+#: tile of 16 (larger sizes for 2-D took twice as long over the samples: 10 -> 19 s).
+LARGER_SIZES = {1: 31, 2: 15, 3: 7}
 
 
 def larger_size(size: int, dims: int, max_elements: int) -> int | None:
     """The second probe's size per axis after a first one at ``size``, or None where none
-    fits: one of ``LARGER_SIZES``, or past them (a function that needed 16 or more) the
+    fits: ``LARGER_SIZES[dims]``, or past it (a function that needed as many or more) the
     smallest size above ``size`` that is 7 more than a multiple of 8.
 
-    >>> [larger_size(4, 1, 1024), larger_size(4, 3, 1024), larger_size(16, 1, 1024)]
-    [15, 7, 23]
-    >>> larger_size(32, 2, 1024), larger_size(4, 4, 1024)   # 39^2, 7^4: past the bound
-    (None, None)
+    >>> [larger_size(4, 1, 1024), larger_size(4, 2, 1024), larger_size(4, 3, 1024)]
+    [31, 15, 7]
+    >>> larger_size(16, 2, 1024), larger_size(32, 1, 1024), larger_size(32, 2, 1024)
+    (23, 39, None)
     """
     above = size + 8 - (size + 1) % 8  # the smallest n > size with n % 8 == 7
-    return next((n for n in (*LARGER_SIZES, above) if n > size and n**dims <= max_elements), None)
+    sizes = (LARGER_SIZES[dims], above) if dims in LARGER_SIZES else (above,)
+    return next((n for n in sizes if n > size and n**dims <= max_elements), None)
 
 
 #: Elements of each input tensor perturbed in the second probe (each costs six calls): the
 #: last one and a seeded random draw of the rest, all outside the block the first probe
-#: covered (a 1-D tensor of 15 has 11 there, so all of them are taken; a 2-D one 209), and
-#: element 0 besides.
+#: covered (a 1-D tensor of 31 has 27 there, so all of them are taken; a 2-D one of 15 has
+#: 209), and element 0 besides.
 SAMPLED_ELEMENTS = 32
 
 
@@ -57,7 +59,7 @@ def sampled_elements(
     block ``[0, covered)`` per axis (what a smaller probe perturbed): the last element, then
     a seeded random draw of the others, in increasing order; and first, element 0.
 
-    >>> sampled_elements((15,), 4, np.random.default_rng(0)).tolist()[:3]
+    >>> sampled_elements((31,), 4, np.random.default_rng(0)).tolist()[:3]
     [0, 4, 5]
     """
     grid = np.indices(shape).reshape(len(shape), -1)
@@ -93,7 +95,7 @@ class Entries:
     valid: np.ndarray  # compared: finite, smooth and resolved
     finite: np.ndarray  # False: left out as outside the domain (a non-finite output's doing)
     atol: np.ndarray  # per entry, widened by the outputs' float32 rounding
-    labels: list[str]  # per entry: "x[5] (output y, 15 per axis)" (element_label)
+    labels: list[str]  # per entry: "x[5] (output y, 31 per axis)" (element_label)
     unresolved: int = 0  # entries left out: the step cannot resolve them (``unresolved``)
     dropped: list[str] = field(default_factory=list)  # "2 of 4 at 4 per axis", per probe
     excused: int = 0  # of those not finite, entries whose differences were finite

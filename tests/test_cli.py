@@ -41,7 +41,8 @@ def test_check_passes_correct_functions_with_kinks_and_domains(device):
     assert (
         rows[("dense", "w", "backward")]["status"] == "PASS"
     )  # tensors of 4 elements per dimension
-    # 4 elements, then the 11 past them in the second probe at 15 per dimension
+    # 4 elements, then the 11 past them in the second probe at 15 per dimension (w is 2-D:
+    # the size is shared, so the 1-D x gets 15 too, not 31)
     assert rows[("dense", "x", "backward")]["points"] == 4 + 1 + 11  # (+ element 0 at 15)
     assert ("field", "k", "backward") not in rows  # no_diff: held fixed
     assert (

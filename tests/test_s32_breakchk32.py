@@ -55,20 +55,20 @@ def test_a_nan_derivative_beside_an_unrelated_nan_output_fails(tmp_path, device)
     assert backward.status == "FAIL" or "not passed" in backward.why, backward
 
 
-#: x^2, NaN only at the last element of the 15-element probe; the backward is NaN at
-#: 4 <= i < 14, where outputs are finite: one NaN output hides ten NaN derivatives.
+#: x^2, NaN only at the last element of the 31-element probe (15 when written); the backward
+#: is NaN at 4 <= i < 30, where outputs are finite: one NaN output hides 26 NaN derivatives.
 NAN_LAST_HIDES = """import slangpy;
 [BackwardDerivative(sq_bwd)]
 float sq16(int i, DiffTensor<float, 1> x)
 {
     float v = x.load(i);
-    return (i == 14) ? sqrt(-1.0 - abs(v)) : v * v;
+    return (i == 30) ? sqrt(-1.0 - abs(v)) : v * v;
 }
 void sq_bwd(int i, DiffTensor<float, 1> x, float dOut)
 {
     float v = x._primal.load(i);
-    float g = (i == 14) ? sqrt(-1.0 - abs(v)) : 2.0 * v;
-    if (i >= 4 && i < 14) g = sqrt(-1.0 - abs(v));
+    float g = (i == 30) ? sqrt(-1.0 - abs(v)) : 2.0 * v;
+    if (i >= 4 && i < 30) g = sqrt(-1.0 - abs(v));
     x._grad_out.add(i, g * dOut);
 }
 """
@@ -109,8 +109,8 @@ def test_an_all_nan_backward_is_not_passed_by_the_adjoint(tmp_path, device):
     assert not any(r.status == "PASS" for r in rows), rows
 
 
-#: y[i] = x[i % 4]^2: at 4 threads each element is read once, at 15 three or four times.
-#: The backward stores (=) where it must add: x[0..3]'s gradient is wrong at 15 per axis.
+#: y[i] = x[i % 4]^2: at 4 threads each element is read once, at 31 seven or eight times.
+#: The backward stores (=) where it must add: x[0..3]'s gradient is wrong at 31 per axis.
 MOD4_STORE = """import slangpy;
 [BackwardDerivative(m_bwd)]
 float m4(int i, DiffTensor<float, 1> x) { float v = x.load(i % 4); return v * v; }
@@ -131,7 +131,7 @@ def test_the_backward_row_sees_a_first_block_element_wrong_at_the_larger_size(tm
 
 #: sum of squares; the backward handles 4 elements a step and drops the tail when the size
 #: is not a multiple of 4. Every size the check used (4, 16, doublings) was one; the second
-#: probe's 15 is not.
+#: probe's 31 (1-D) is not.
 TAIL = """import slangpy;
 [BackwardDerivative(tot_bwd)]
 float tot(DiffTensor<float, 1> x)

@@ -88,35 +88,43 @@ def _rows(rows, mode):
     return [r for r in rows if r.mode == mode]
 
 
+#: the second probe's size: 31 elements for a 1-D tensor, 15 per axis for a 2-D one
+#: (pydiff.tensorcheck_entries.LARGER_SIZES)
 @pytest.mark.parametrize(
-    "source, wrong_where, element",
+    "source, wrong_where, element, larger",
     [
-        (BY_INDEX, "i >= 4", "x["),  # the second tile
-        (BY_INDEX, "i == 14", "x[14]"),  # the last element of a 15-element tensor
-        (WHOLE, "j >= 4", "x["),  # no index: a loop over the whole tensor
-        (ROWS, "i == 14 && j == 14", "w[14, 14]"),  # 2-D: the last element only
+        (BY_INDEX, "i >= 4", "x[", 31),  # the second tile
+        (BY_INDEX, "i == 30", "x[30]", 31),  # the last element of a 31-element tensor
+        (BY_INDEX, "i == 14", "x[14]", 31),  # one element inside the larger probe, not last
+        (WHOLE, "j >= 4", "x[", 31),  # no index: a loop over the whole tensor
+        (ROWS, "i == 14 && j == 14", "w[14, 14]", 15),  # 2-D: the last element only
     ],
 )
-def test_a_backward_wrong_past_the_first_four_fails(tmp_path, device, source, wrong_where, element):
+def test_a_backward_wrong_past_the_first_four_fails(
+    tmp_path, device, source, wrong_where, element, larger
+):
     rows = _check(tmp_path, device, "s32_past4", source, wrong_where)
     (backward,) = _rows(rows, "backward")
     assert backward.status == "FAIL", rows
-    assert f"worst at {element}" in backward.why and "15 per axis" in backward.why, backward.why
+    assert f"worst at {element}" in backward.why, backward.why
+    assert f"{larger} per axis" in backward.why, backward.why
     # the same source, right everywhere, passes at both sizes (its entries: both probes)
     right = _check(tmp_path, device, "s32_right", source)
     assert all(r.status == "PASS" for r in right), right
     assert _rows(right, "backward")[0].points > 4 ** (2 if source is ROWS else 1)
+    if source is not ROWS:  # 1-D: 4, then all 27 past them at 31 (32 sampled at most), x[0]
+        assert _rows(right, "backward")[0].points == 4 + 27 + 1
     assert _rows(right, "adjoint")[0].points == 2
 
 
 def test_the_larger_probe_follows_the_size_rules():
-    assert larger_size(4, 1, 1024) == 15 and larger_size(4, 2, 1024) == 15
+    assert larger_size(4, 1, 1024) == 31 and larger_size(4, 2, 1024) == 15  # 31^2 > 1024
     assert larger_size(4, 3, 1024) == 7  # 15^3 is past 1024 elements a tensor
     assert larger_size(4, 4, 1024) is None  # 7^4 too
     assert larger_size(8, 3, 1024) is None  # nothing above 8 fits a 3-D tensor
     rng = np.random.default_rng(0)
     # the first element (other threads may add into it at the larger size), then the rest
-    assert sampled_elements((15,), 4, rng).tolist() == [0, *range(4, 15)]
+    assert sampled_elements((31,), 4, rng).tolist() == [0, *range(4, 31)]  # 27 <= 32: all
     picked = sampled_elements((15, 15), 4, rng)
     assert len(picked) == 33 and picked[0] == 0 and picked[-1] == 224  # first and last
     i, j = np.unravel_index(picked[1:], (15, 15))
@@ -129,7 +137,7 @@ def test_a_wrong_backward_reported_through_the_cli(tmp_path, capsys, device):
     assert cli.main(["check", str(path), "--json", "--device", device.type]) == 1
     report = json.loads(capsys.readouterr().out)
     (backward,) = [r for r in report["results"] if r["mode"] == "backward"]
-    assert backward["status"] == "FAIL" and "15 per axis" in backward["why"], backward
+    assert backward["status"] == "FAIL" and "31 per axis" in backward["why"], backward  # 1-D
 
 
 #: log(x) is NaN at the negative half of the inputs; cube is NaN at index 2 only (the

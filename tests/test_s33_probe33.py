@@ -5,6 +5,8 @@ Before: every probe size was a multiple of 4 (4, 16 and the doublings), so a bac
 drops the tail of a 4-wide loop passed; labels were in NumPy order only (`w[6, 9]` for a
 shader wrong at `int2(9, 6)`); and each ShaderTrapWarning printed twice in `pydiff check`
 (at the load, then again when the forward-mode wrapper, which imports the module, loaded).
+And a 1-D tensor's second probe was 15 elements, so a backward wrong only at index >= 16
+(a second tile of 16) passed: it is 31 now (2-D stays 15, 3-D 7).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pydiff
 from pydiff.modcheck import check_module
 from pydiff import tensorcheck_entries
 from pydiff.tensorcheck_entries import larger_size
+from test_s32_grid32 import BY_INDEX, WHOLE  # (x^2 by thread and summed, wrong by index)
 
 
 def _check(tmp_path, device, name, source, **kw):
@@ -32,7 +35,11 @@ def _by_mode(rows):
 
 @pytest.mark.parametrize(
     "size, dims, expected",
-    [(4, 1, 15), (4, 2, 15), (4, 3, 7), (8, 1, 15), (8, 2, 15), (16, 1, 23), (16, 2, 23)],
+    [
+        *[(4, 1, 31), (8, 1, 31), (16, 1, 31)],  # 1-D: past a second tile of 16
+        *[(4, 2, 15), (8, 2, 15), (4, 3, 7)],  # 15^2 and 7^3 within 1024, 31^2 and 15^3 not
+        *[(32, 1, 39), (64, 1, 71), (16, 2, 23)],  # past LARGER_SIZES: the next 8k + 7
+    ],
 )
 def test_the_larger_size_is_not_a_multiple_of_2_4_or_8(size, dims, expected):
     larger = larger_size(size, dims, 1024)
@@ -43,19 +50,21 @@ def test_the_larger_size_is_not_a_multiple_of_2_4_or_8(size, dims, expected):
 def test_no_larger_size_past_the_element_bound():
     assert larger_size(32, 2, 1024) is None  # 39^2 > 1024
     assert larger_size(4, 4, 1024) is None and larger_size(8, 3, 1024) is None
+    assert larger_size(1024, 1, 1024) is None  # 1031 > 1024
 
 
-#: sum of squares over the whole tensor plus x[15]^2, so that it needs 16 elements (it reads
-#: past the end of 4 and 8); the backward adds 4 elements a step and drops the tail.
-NEEDS_16_TAIL = """import slangpy;
+#: sum of squares over the whole tensor plus x[LAST]^2, so that it needs LAST + 1 elements
+#: (it reads past the end of any smaller size); the backward adds 4 elements a step and drops
+#: the tail.
+NEEDS_TAIL = """import slangpy;
 [BackwardDerivative(tot_bwd)]
-float tot16(DiffTensor<float, 1> x)
+float tot_n(DiffTensor<float, 1> x)
 {
     int n = x.shape[0];
     float s = 0.0;
     [MaxIters(1024)]
     for (int j = 0; j < n; j++) { float v = x.load(j); s += v * v; }
-    float u = x.load(15);
+    float u = x.load(LAST);
     return s + u * u;
 }
 void tot_bwd(DiffTensor<float, 1> x, float dOut)
@@ -64,25 +73,68 @@ void tot_bwd(DiffTensor<float, 1> x, float dOut)
     int m = n & ~3;
     [MaxIters(1024)]
     for (int j = 0; j < m; j++) { float v = x._primal.load(j); x._grad_out.add(j, 2.0 * v * dOut); }
-    float u = x._primal.load(15);
-    x._grad_out.add(15, 2.0 * u * dOut);
+    float u = x._primal.load(LAST);
+    x._grad_out.add(LAST, 2.0 * u * dOut);
 }
 """
 
 
-def test_a_function_that_needs_16_still_gets_a_probe_past_multiples_of_4(tmp_path, device):
+@pytest.mark.parametrize(
+    "needed, larger",
+    [
+        (16, 31),  # 1-D: LARGER_SIZES[1] is above 16, and 31 % 4 == 3
+        (32, 39),  # past LARGER_SIZES[1]: the smallest size above 32 that is 8k + 7
+    ],
+)
+def test_a_function_that_needs_16_still_gets_a_probe_past_multiples_of_4(
+    tmp_path, device, needed, larger
+):
     """Got: PASS (the first probe took 16, and no second probe ran)."""
-    x = np.linspace(-1.0, 1.0, 23).astype(np.float32)
+    source = NEEDS_TAIL.replace("LAST", str(needed - 1))
+    x = np.linspace(-1.0, 1.0, larger).astype(np.float32)
     t = pydiff.tensor(x, device=device).requires_grad_(True)
-    pydiff.load_module_from_source("s33_tail16_truth", NEEDS_16_TAIL, device=device).tot16.bwds(
-        t, _result=1.0
-    )
+    module = pydiff.load_module_from_source(f"s33_tail{needed}_truth", source, device=device)
+    module.tot_n.bwds(t, _result=1.0)
     truth = 2 * x.astype(np.float64)
-    truth[15] *= 2
-    assert not np.allclose(t.grad.numpy(), truth)  # the bug is real at 23 elements
-    backward = _by_mode(_check(tmp_path, device, "tail16", NEEDS_16_TAIL))["tot16", "x", "backward"]
+    truth[needed - 1] *= 2
+    assert not np.allclose(t.grad.numpy(), truth)  # the bug is real at the larger size
+    backward = _by_mode(_check(tmp_path, device, f"tail{needed}", source))["tot_n", "x", "backward"]
     assert backward.status == "FAIL", backward
-    assert "23 per axis" in backward.why, backward.why
+    assert f"{larger} per axis" in backward.why, backward.why
+
+
+@pytest.mark.parametrize(
+    "source, wrong_where, name",
+    [(BY_INDEX, "i >= 16", "sq"), (WHOLE, "j >= 16", "total")],  # by thread; one loop
+)
+def test_a_1d_backward_wrong_only_in_a_second_tile_of_16_fails(
+    tmp_path, device, source, wrong_where, name
+):
+    """Got: PASS at 15 per axis. A 1-D tensor's probes were 4 and 15 elements, so no index
+    >= 16 existed in either: x[0..14] were all right, and so was every entry and the adjoint
+    test. At 31 the 27 elements past the first 4 are all perturbed (``SAMPLED_ELEMENTS`` is
+    32), x[16..30] among them."""
+    x = np.linspace(0.5, 1.5, 31).astype(np.float32)
+    module = pydiff.load_module_from_source(
+        f"s33_tile16_{name}_truth", source.replace("WRONG_WHERE", wrong_where), device=device
+    )
+    t = pydiff.tensor(x, device=device).requires_grad_(True)
+    if name == "sq":
+        import slangpy as spy
+
+        y = module.sq(spy.grid((31,)), t, _result="tensor")
+        module.sq.bwds(spy.grid((31,)), t, _result=y.with_grads(ones=True))
+    else:
+        module.total.bwds(t, _result=1.0)
+    wrong = np.flatnonzero(~np.isclose(t.grad.numpy(), 2 * x, rtol=1e-5))
+    assert wrong.tolist() == list(range(16, 31))  # right below 16, wrong from 16 on
+    path = tmp_path / f"tile16_{name}.slang"
+    path.write_text(source.replace("WRONG_WHERE", wrong_where))
+    backward = _by_mode(check_module(path, device=device))[name, "x", "backward"]
+    assert backward.status == "FAIL", backward
+    assert "31 per axis" in backward.why and "worst at x[" in backward.why, backward.why
+    worst = int(backward.why.split("worst at x[")[1].split("]")[0])
+    assert worst >= 16, backward.why
 
 
 #: w[i]^2 over a 3-D grid; the backward handles the last axis 4 elements a step (vector x
