@@ -113,6 +113,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
             out = _wrap_result(fn, fn.native(*native_args, **options), result)
         except Exception as exc:
             raise resolve_error(fn, exc) from None
+    elif out is generated_calls.RAN:
+        out = None  # (a function over a grid returning nothing: SlangPy's call gives None)
     out = out.reshape(()) if zero_d else out
     if out is not result and type(out) in (Tensor, np.ndarray) and zero_d_call(bound):
         out = as_zero_d(out)  # the (1,) views of 0-d tensors gave a (1,) result: NumPy's ()

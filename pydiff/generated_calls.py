@@ -14,13 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capturing, generated
+from . import capturing, generated, generated_grid
 from .arguments import MISSING
 from .bwds_checks import warn_no_gradient
 from .call_shape import zero_d_call
 from .determinism import is_deterministic
 from .signature import FunctionTarget
+from .tape import active_tape
 from .tensor import Tensor
+
+#: ``call_forward``'s answer where the generated kernel ran a function returning nothing (a
+#: call over a grid, writing its tensors): SlangPy's call returns None there.
+RAN = object()
 
 
 def _large(values: list) -> bool:
@@ -32,6 +37,8 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
     covered: a tensor result (given, ``_result="tensor"``, or none given where SlangPy's
     would be a new tensor), no SlangPy options; None: SlangPy's path."""
     generated.check_switch()
+    if result is MISSING and not options and any(generated_grid.is_grid(v) for _, v in bound):
+        return _grid_forward(fn, bound)
     if options.keys() > {"_result"} or not (
         type(result) is Tensor
         or type(result) is str
@@ -45,6 +52,19 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
         return None
     given = result if type(result) is Tensor else None
     return generated.forward(fn, args, None if given is None else given.shape, out=given)
+
+
+def _grid_forward(fn: FunctionTarget, bound: list) -> Any:
+    """A call over a grid (``generated_grid``), large, off a tape: RAN, or None."""
+    if active_tape() is not None or not generated.enabled():
+        return None
+    if generated_grid.call_size(bound) < generated.MIN_ELEMENTS:
+        return None
+    if not generated_grid.forward(fn, bound):
+        generated.decline("forward", "a grid call the generator does not cover")
+        return None
+    generated.count("forward: grid")
+    return RAN
 
 
 def _new_tensor_by_default(bound: list) -> bool:
