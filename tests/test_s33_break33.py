@@ -11,7 +11,9 @@ Failing (bugs, left for a fix):
 - the large pool's trim keeps the free buffers of the *oldest* sizes and releases the ones
   just used: a large size used every step is made anew every step while sizes never used
   again hold their memory until ``empty_cache()`` (its docstring: "a large size that comes
-  back finds one; sizes no longer used give their memory back").
+  back finds one; sizes no longer used give their memory back");
+- ``large_bytes`` keeps the bytes of released buffers for good when ``POOL_MAX_FLOAT4S``
+  changes while the pool holds buffers (sizes are classed by the bound at release time).
 
 Passing (regressions worth keeping): zeros, ``zeros_like`` and new gradient buffers on a
 reused large buffer that held NaN; sums over a tensor whose reused buffer's padding holds NaN;
@@ -103,7 +105,7 @@ def small_classes(monkeypatch):
 def test_a_large_size_used_every_step_keeps_its_buffer_over_sizes_gone(device, small_classes):
     """Two sizes used once (390 of the 400 free float4s), then a step that uses size 100 and
     one new size (a last batch of another length, a shape seen once). _trim_free_large keeps
-    free buffers in the dict's insertion order (buffer_pool.py:120-142): the stale sizes
+    free buffers in the dict's insertion order (buffer_pool.py:127-154): the stale sizes
     stay, size 100 is released at every step and made again."""
     counting = _CountingDevice(device.native)
     pool = buffer_pool.BufferPool(counting, device.queue)
@@ -120,6 +122,23 @@ def test_a_large_size_used_every_step_keeps_its_buffer_over_sizes_gone(device, s
     remade = counting.created - made - 4  # (the 4 sizes seen once are new, rightly)
     assert remade == 0, f"size 100 was made again at {remade} of 4 steps"
     assert 190 not in pool._buffers and 200 not in pool._buffers  # sizes gone, memory back
+
+
+def test_large_bytes_return_to_zero_after_the_small_class_bound_changes(device, monkeypatch):
+    """docs/ops-and-optimizers.md names POOL_MAX_FLOAT4S as the small class's bound (and the
+    brief for this pool's tests lowers it on a live device). prune and _trim_free_large
+    classify each size by the bound *now* (buffer_pool.py:133, 160, 166), not by the class it
+    was counted in when kept: a buffer kept as large and released as small leaves its bytes
+    in large_bytes for good (phantom bytes eat the large budget; bytes - large_bytes, the
+    small class's, goes negative)."""
+    pool = buffer_pool.BufferPool(device.native, device.queue)
+    kept = pool.float4_buffer(buffer_pool.POOL_MAX_FLOAT4S + 4096)  # large when kept
+    assert pool.large_bytes == kept.size
+    del kept
+    monkeypatch.setattr(buffer_pool, "POOL_MAX_FLOAT4S", 1 << 20)  # raised at run time
+    pool.prune()
+    assert pool.sizes() == {"buffers": 0, "bytes": 0}
+    assert pool.large_bytes == 0  # got: the released buffer's 4,259,840 bytes
 
 
 # --------------------------------------------------------------------------------------------
