@@ -79,6 +79,10 @@ class BufferPool:
         self._buffers: dict[int, list] = {}
         self.bytes = 0  # of the buffers in the pool, free or not
         self.large_bytes = 0  # of those larger than POOL_MAX_FLOAT4S (counted in bytes too)
+        # Sizes counted as large when first kept (the bound may change at run time), and when
+        # each was last asked for: a trim keeps the free buffers of the sizes used last.
+        self._large: dict[int, int] = {}
+        self._asked = 0
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
@@ -86,6 +90,9 @@ class BufferPool:
         # still be read or written by them: it must not be handed out again before they run.
         # Any thread's batch: a flush here does not submit another thread's on Vulkan.
         pooled = not self.queue.recording
+        if float4s in self._large or float4s > POOL_MAX_FLOAT4S and float4s not in self._buffers:
+            self._asked += 1
+            self._large[float4s] = self._asked
         if pooled:
             buffers = self._buffers.setdefault(float4s, [])
             for buffer in buffers:
@@ -104,14 +111,14 @@ class BufferPool:
         self.queue.allocated(16 * float4s)
         if pooled:
             self._keep(buffer, float4s)
-            if float4s > POOL_MAX_FLOAT4S:
+            if float4s in self._large:
                 self._trim_free_large()
         return buffer
 
     def _keep(self, buffer: Any, float4s: int) -> None:
         """Add a new buffer to the pool where its size's count and its class's budget allow
         (releasing that class's free buffers first when the budget is reached)."""
-        nbytes, large = 16 * float4s, float4s > POOL_MAX_FLOAT4S
+        nbytes, large = 16 * float4s, float4s in self._large
         # (large ones: any number of a size in use, e.g. an optimizer's state; free ones are
         # trimmed per size by _trim_free_large)
         budget = LARGE_POOL_MAX_BYTES if large else POOL_MAX_BYTES
@@ -122,16 +129,17 @@ class BufferPool:
         if self._class_bytes(large) + nbytes <= budget:
             self._buffers.setdefault(float4s, []).append(buffer)
             self.bytes += nbytes
-            self.large_bytes += nbytes * large
+            if large:  # (its class again: the prune may have dropped the size's empty list)
+                self.large_bytes += nbytes
+                self._large.setdefault(float4s, self._asked)
 
     def _trim_free_large(self) -> None:
         """Release free large buffers past ``LARGE_POOL_MAX_PER_SIZE`` of a size and
         ``LARGE_POOL_MAX_FREE_BYTES`` in all (a large size that comes back finds one; sizes
         no longer used give their memory back)."""
         free = 0
-        for size, buffers in list(self._buffers.items()):
-            if size <= POOL_MAX_FLOAT4S:
-                continue
+        for size in sorted(self._large, key=self._large.__getitem__, reverse=True):
+            buffers = self._buffers.get(size, [])
             kept, free_here = [], 0
             for buffer in buffers:
                 # References: the list, this loop's variable and getrefcount's argument.
@@ -148,7 +156,8 @@ class BufferPool:
             if kept:
                 self._buffers[size] = kept
             else:
-                del self._buffers[size]
+                self._buffers.pop(size, None)
+                del self._large[size]
 
     def _class_bytes(self, large: bool) -> int:
         return self.large_bytes if large else self.bytes - self.large_bytes
@@ -157,17 +166,18 @@ class BufferPool:
         """Release the buffers nothing else refers to (with ``large``: only the large ones, or
         only the small ones)."""
         for size, buffers in list(self._buffers.items()):
-            if large is not None and (size > POOL_MAX_FLOAT4S) != large:
+            if large is not None and (size in self._large) != large:
                 continue
             # References: the list, the comprehension's variable and getrefcount's argument.
             kept = [b for b in buffers if sys.getrefcount(b) > 3]
             released = 16 * size * (len(buffers) - len(kept))
             self.bytes -= released
-            self.large_bytes -= released * (size > POOL_MAX_FLOAT4S)
+            self.large_bytes -= released * (size in self._large)
             if kept:
                 self._buffers[size] = kept
             else:
                 del self._buffers[size]
+                self._large.pop(size, None)
 
     def sizes(self) -> dict[str, int]:
         """How many buffers the pool holds and their bytes."""

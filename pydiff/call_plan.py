@@ -34,7 +34,7 @@ from .determinism import is_deterministic
 from .host_values import convert
 from .planned_kernels import BackwardLaunch, ForwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
-from .signature import FunctionTarget
+from .signature import FunctionTarget, overloaded
 from .tape import active_tape
 from .tensor import Tensor
 
@@ -80,14 +80,6 @@ def remember(plans: dict, key: tuple | None, plan: Any) -> None:
     plans[key] = plan
 
 
-def _overloaded(fn: FunctionTarget) -> bool:
-    try:
-        reflected = fn.module.native.layout.find_function_by_name(fn.name)
-        return reflected is None or bool(reflected.is_overloaded)
-    except Exception:  # no reflection to tell: no plan
-        return True
-
-
 def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
     """Number arguments (position, parameter) needing checks per call: floats for float
     parameters, passed as they are when in float32's range (checked inline), and the others,
@@ -102,7 +94,7 @@ _MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed a
 
 
 def _plannable(fn: FunctionTarget) -> bool:
-    return not fn.module.traps.get(fn.name) and not _overloaded(fn)
+    return not fn.module.traps.get(fn.name) and not overloaded(fn)
 
 
 def _may_generate(plan: Any, large: bool) -> bool:

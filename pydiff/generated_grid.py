@@ -23,7 +23,7 @@ from typing import Any
 
 from .buffer_pool import BoundedDict
 from .kernels import KERNELS_MAX
-from .signature import FunctionTarget
+from .signature import FunctionTarget, overloaded
 from .tensor import Tensor
 
 GROUP = 256
@@ -57,7 +57,7 @@ def _layout(fn: FunctionTarget, bound: list) -> tuple | None:
     type, innermost stride is 1) a tensor; None where this generator does not cover the
     call."""
     sig = fn.signature
-    if sig.return_type != "void" or fn.module.traps.get(fn.name):
+    if sig.return_type != "void" or fn.module.traps.get(fn.name) or overloaded(fn):
         return None
     layout, grids, storages = [], 0, set()
     for p, value in bound:

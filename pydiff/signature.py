@@ -289,6 +289,20 @@ class Signature:
         return f"{self.return_type} {self.name}({params})"
 
 
+def overloaded(fn: "FunctionTarget") -> bool:
+    """Whether ``fn``'s name has several overloads in its module (or no reflection says):
+    a call that binds arguments itself (a call plan, a generated kernel) would pick by the
+    converted values, not as SlangPy picks, so those leave such functions to SlangPy.
+
+    >>> overloaded(m.h)     # True for float h(int a, float x) beside float h(float a, ...)
+    """
+    try:
+        reflected = fn.module.native.layout.find_function_by_name(fn.name)
+        return reflected is None or bool(reflected.is_overloaded)
+    except Exception:  # no reflection to tell
+        return True
+
+
 class ModuleTarget(Protocol):
     """What the call layer reads of a loaded module (pydiff.Module provides it)."""
 

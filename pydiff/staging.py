@@ -54,12 +54,14 @@ def _copy(queue: CommandQueue, dst: Any, dst_at: int, src: Any, src_at: int, n: 
     queue.native.wait_for_idle()  # before the staging buffer is written or read again
 
 
-def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray) -> None:
-    """Write ``arr`` (C-contiguous, already of the tensor's NumPy type and shape) into
-    ``native``'s elements: staged where it pays, else SlangPy's ``copy_from_numpy``.
+def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, zero_d: bool = False) -> None:
+    """Write ``arr`` (C-contiguous, already of the tensor's NumPy type and shape; ``zero_d``:
+    a 0-d tensor's value, its storage a (1,) view) into ``native``'s elements: staged where
+    it pays, else SlangPy's ``copy_from_numpy``.
 
     >>> staging.write(dev.queue, x.native, np.ones(x.shape, np.float32))
     """
+    arr = arr.reshape((1,) + arr.shape) if zero_d else arr
     flat = arr.reshape(-1).view(np.uint8) if arr.flags.c_contiguous else None
     if flat is None or not _staged(queue, native, flat.nbytes) or arr.dtype != np.float32:
         native.copy_from_numpy(arr)

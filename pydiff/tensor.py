@@ -234,7 +234,7 @@ class Tensor(GradBuffers, TensorOperators):
         with self._device.queue.lock:
             self._device.queue.enter()
             self._device.flush()
-            staging.write(self._device.queue, self._native, arr if self._shape else arr[None])
+            staging.write(self._device.queue, self._native, arr, zero_d=not self._shape)
         return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:

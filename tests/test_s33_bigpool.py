@@ -8,6 +8,8 @@ including a buffer handed out again while the kernel that read it may still be r
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -114,12 +116,15 @@ def test_large_buffers_never_crowd_the_small_ones(device, small_classes):
 
 
 def test_empty_cache_releases_large_buffers(device):
+    gc.collect()
+    device.empty_cache()
+    in_use = device.pool.large_bytes  # (large tensors earlier tests of the session keep)
     x = pydiff.tensor(np.ones(LARGE, np.float32), device=device)
     y = x * 3.0
-    assert y.numpy()[-1] == 3.0 and device.pool.large_bytes >= 4 * LARGE
+    assert y.numpy()[-1] == 3.0 and device.pool.large_bytes >= in_use + 8 * LARGE
     del x, y
     device.empty_cache()
-    assert device.pool.large_bytes == 0
+    assert device.pool.large_bytes <= in_use
 
 
 def test_long_lived_large_tensors_leave_room_for_temporaries(device, small_classes):

@@ -24,6 +24,7 @@ Values are checked against float64 NumPy / closed forms.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -239,9 +240,12 @@ def test_empty_cache_after_large_work_in_another_thread_tracks_no_large_buffer(d
         x64 = xs.astype(np.float64)
         np.testing.assert_allclose(a.grad.numpy(), [np.sum(x64**2)], rtol=1e-4)
 
+    gc.collect()
+    device.empty_cache()
+    in_use = device.pool.large_bytes  # (what earlier tests of the session keep)
     t = threading.Thread(target=work)
     t.start()
     t.join()
     assert not errors, errors
     device.empty_cache()
-    assert device.pool.large_bytes == 0
+    assert device.pool.large_bytes <= in_use
