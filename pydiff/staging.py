@@ -1,8 +1,8 @@
 """Large host transfers through staging buffers each device keeps (Vulkan).
 
 SlangPy's ``copy_from_numpy`` and ``to_numpy`` stage every transfer through new host memory,
-which lavapipe maps on first touch, 4 KiB a page: 40 MB took 24 ms up and 40-46 ms back,
-against 8.7 and 17.7 ms through two kept 16 MiB buffers, chunk by chunk (2026-11-27). Float
+which lavapipe maps on first touch, 4 KiB a page: 34 MB took 18.8 ms up and 36.3 ms back,
+against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-27). Float
 tensors of at least ``STAGING_MIN_BYTES`` take this path; smaller ones, other dtypes and
 strided views keep SlangPy's. Callers hold the queue's lock with its work flushed.
 
@@ -20,7 +20,7 @@ import slangpy as spy
 from .command_queue import CommandQueue
 
 STAGING_MIN_BYTES = 1 << 20
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20  # (16 MiB chunks read back slower: to_numpy copies the whole buffer)
 
 
 def _staged(queue: CommandQueue, native: Any, nbytes: int) -> bool:

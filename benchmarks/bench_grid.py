@@ -1,0 +1,111 @@
+"""The pattern of SlangPy's differentiable-tensor docs, a function indexing its own tensors
+called over a grid, through pydiff (generated forward kernel), pydiff's SlangPy path
+(``PYDIFF_GENERATED=0``), raw SlangPy and NumPy; and large host transfers (staged in
+pydiff, SlangPy's own in raw SlangPy) against NumPy's copy.
+
+    python benchmarks/bench_grid.py [--log2 22] [--rounds 5]
+
+Medians and minima of interleaved rounds; prints ratios. Timings only: the tests never
+assert on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import slangpy as spy
+
+import pydiff
+from timing import describe, interleaved
+
+SOURCE = """import slangpy;
+[Differentiable]
+void polynomial(int idx, float a, float b, float c, IDiffTensor<float, 1> x,
+                IWDiffTensor<float, 1> result)
+{
+    float xval = x[idx];
+    result[idx] = a * xval * xval + b * xval + c;
+}
+"""
+
+
+def grid_contenders(dev, n: int) -> dict:
+    m = pydiff.load_module_from_source("bench_grid", SOURCE, device=dev)
+    raw = spy.Module.load_from_source(dev.native, "bench_grid_raw", SOURCE)
+    xs = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    x, y = pydiff.tensor(xs, device=dev), pydiff.zeros((n,), device=dev)
+    rx = spy.Tensor.from_numpy(dev.native, xs)
+    ry = spy.Tensor.zeros(dev.native, (n,), "float")
+    out = np.empty_like(xs)
+
+    def pydiff_generated():
+        m.polynomial(spy.grid((n,)), 2.0, 8.0, -1.0, x, y)
+        dev.native.wait_for_idle()
+
+    def pydiff_slangpy_path():
+        os.environ["PYDIFF_GENERATED"] = "0"
+        try:
+            m.polynomial(spy.grid((n,)), 2.0, 8.0, -1.0, x, y)
+        finally:
+            del os.environ["PYDIFF_GENERATED"]
+        dev.native.wait_for_idle()
+
+    def raw_slangpy():
+        raw.polynomial(spy.grid((n,)), 2.0, 8.0, -1.0, rx, ry)
+        dev.native.wait_for_idle()
+
+    def numpy_in_place():  # (2x + 8) x - 1
+        np.multiply(xs, 2.0, out=out)
+        np.add(out, 8.0, out=out)
+        np.multiply(out, xs, out=out)
+        np.subtract(out, 1.0, out=out)
+
+    return {
+        "pydiff (generated)": pydiff_generated,
+        "pydiff, SlangPy path": pydiff_slangpy_path,
+        "raw SlangPy": raw_slangpy,
+        "NumPy in place": numpy_in_place,
+    }
+
+
+def transfer_contenders(dev, n: int) -> dict:
+    values = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    x = pydiff.tensor(values, device=dev)
+    rx = spy.Tensor.from_numpy(dev.native, values)
+    return {
+        "pydiff x.copy_from_numpy(a)": lambda: x.copy_from_numpy(values),
+        "raw SlangPy copy_from_numpy": lambda: (
+            rx.copy_from_numpy(values),
+            dev.native.wait_for_idle(),
+        ),
+        "pydiff x.numpy()": lambda: x.numpy(),
+        "raw SlangPy to_numpy()": lambda: rx.to_numpy(),
+        "NumPy a.copy()": lambda: values.copy(),
+    }
+
+
+def report(title: str, times: dict, base: str) -> None:
+    print(title)
+    for name, (med, low) in times.items():
+        print(f"  {name:<30}{med * 1e3:>9.2f} ms{low * 1e3:>9.2f} ms{med / times[base][0]:>8.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2", type=int, default=22, help="log2 of the elements")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    dev = pydiff.default_device()
+    n = 1 << args.log2
+    print(f"device: {describe(dev)}; 2^{args.log2} floats; median, min, / the first")
+    grid = interleaved(grid_contenders(dev, n), rounds=args.rounds, inner=2, warmup=2)
+    report("forward over spy.grid (IDiffTensor in, IWDiffTensor out):", grid, "pydiff (generated)")
+    moves = interleaved(transfer_contenders(dev, n), rounds=args.rounds, inner=2, warmup=2)
+    report(f"host transfers of {4 * n / 1e6:.0f} MB:", moves, "NumPy a.copy()")
+    print(f"paths taken: {pydiff.generated.stats()}")
+
+
+if __name__ == "__main__":
+    main()
