@@ -411,7 +411,11 @@ def backward_call(
         if native_result is not MISSING:
             options["_result"] = native_result
         try:
-            if b.masks:
+            if not use_wrapper and generated_calls.grid_backward(
+                fn, bound, native_args, options, b
+            ):
+                pass  # (a call over a grid: the generated kernel, the same arguments)
+            elif b.masks:
                 node = written_mask.masked_wrapper(fn, set(b.masks)).bwds_kernel(tuple(b.no_grad))
                 scope.dispatch(node, **native_kwargs, **options)
             elif use_wrapper:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capturing, generated, generated_grid
+from . import capturing, generated, generated_grid, written_mask
 from .arguments import MISSING
 from .bwds_checks import warn_no_gradient
 from .call_shape import zero_d_call
@@ -65,6 +65,26 @@ def _grid_forward(fn: FunctionTarget, bound: list) -> Any:
         return None
     generated.count("forward: grid")
     return RAN
+
+
+def grid_backward(fn: FunctionTarget, bound: list, natives: list, options: dict, call: Any) -> bool:
+    """A ``.bwds`` over a grid (``generated_grid``), large, binding ``natives`` (what the
+    backward chose for each parameter) where ``call.scope`` dispatches, through the masked
+    wrapper where ``call.masks`` counts stores; False: SlangPy's kernel."""
+    if options or call.no_grad or not any(generated_grid.is_grid(v) for _, v in bound):
+        return False
+    if not generated.enabled() or is_deterministic() or capturing.recording() is not None:
+        return False
+    if generated_grid.call_size(bound) < generated.MIN_ELEMENTS:
+        return False
+    target = written_mask.masked_wrapper(fn, set(call.masks)) if call.masks else fn
+    if not generated_grid.backward(fn, bound, natives, target):
+        generated.decline("backward", "a grid call the generator does not cover")
+        return False
+    if call.scope.device is None:  # (a scope that runs SlangPy's kernels at once: in order)
+        fn.module.device.queue.flush()
+    generated.count("backward: grid")
+    return True
 
 
 def _new_tensor_by_default(bound: list) -> bool:

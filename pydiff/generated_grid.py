@@ -1,16 +1,21 @@
-"""Generated kernels for forward calls over a grid: a function that indexes its own tensors
+"""Generated kernels for calls over a grid: a function that indexes its own tensors
 (``void f(int idx, float a, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)``, called as
-``m.f(spy.grid(shape), 2.0, x, y)``, the pattern of SlangPy's differentiable-tensor docs).
+``m.f(spy.grid(shape), 2.0, x, y)`` and ``m.f.bwds(...)``, the pattern of SlangPy's
+differentiable-tensor docs).
 
-SlangPy's generic kernel for such a call costs about ten times what the function does (2^22
-floats on lavapipe: 59 ms where the same function called from a plain kernel took 18 ms). The
-kernel generated here gives each thread its grid index and SlangPy's own tensor types
-(``PrimalTensor``, ``WPrimalTensor``, ``Tensor``, ...: what SlangPy binds for the forward
-pass), built from the buffers, shapes, strides and offsets of the tensors passed. Off a tape,
-a one-dimensional grid (stride 1, offset 0) at an ``int``/``uint`` parameter, float numbers,
-and float tensors at interface tensor parameters; the rest keeps SlangPy's path.
+SlangPy's generic kernel for such a call costs about three times what the function does
+(2^22 floats on lavapipe: forward 59 ms where the same function called from a plain kernel
+took 18 ms, ``.bwds`` 93 against 28). The kernel generated here gives each thread its grid
+index and SlangPy's own tensor types, the ones SlangPy binds (``PrimalTensor``,
+``WPrimalTensor``, ``Tensor``, ... forward; ``DiffTensor``, ``WDiffTensor`` backward), built
+from the buffers, shapes, strides and offsets of the SlangPy tensors the call would bind, so
+the function runs the same code on the same memory. Covered: a one-dimensional grid (stride
+1, offset 0) at an ``int``/``uint`` parameter, float numbers, float tensors at interface
+tensor parameters, on Vulkan and D3D12 (CUDA's buffers are pointers); the rest keeps
+SlangPy's path.
 
-    ran = generated_grid.forward(fn, bound)     # False: SlangPy's path
+    ran = generated_grid.forward(fn, bound)                  # False: SlangPy's path
+    ran = generated_grid.backward(fn, bound, native_args)    # inside the backward's scope
 """
 
 from __future__ import annotations
@@ -28,17 +33,35 @@ from .tensor import Tensor
 
 GROUP = 256
 _FLOAT_MAX = 3.4028234663852886e38
-# Interface tensor types of float elements, by (access, pydiff's tensor kind): the concrete
-# type SlangPy binds for a forward call, and its buffer's type.
-_TYPES = {
-    ("read", "idiff"): ("PrimalTensor", "StructuredBuffer<float>"),
-    ("write", "idiff"): ("WPrimalTensor", "RWStructuredBuffer<float>"),
-    ("read_write", "idiff"): ("RWPrimalTensor", "RWStructuredBuffer<float>"),
-    ("read", "plain"): ("Tensor", "StructuredBuffer<float>"),
-    ("write", "plain"): ("WTensor", "RWStructuredBuffer<float>"),
-    ("read_write", "plain"): ("RWTensor", "RWStructuredBuffer<float>"),
-}
 _INTERFACE = re.compile(r"I(RW|W)?(Diff)?Tensor<float, ([1-4])>")
+_READ, _WRITE = "StructuredBuffer<float>", "RWStructuredBuffer<float>"
+_ATOMIC = "RWByteAddressBuffer"
+# The concrete types SlangPy binds at an interface tensor parameter, by (access, pydiff's
+# tensor kind): forward, and backward (None: not covered), each as (type, its tensor fields:
+# (field, buffer type, which SlangPy tensor: the value, its grad_in or its grad_out)).
+_FORWARD = {
+    ("read", "idiff"): ("PrimalTensor", (("", _READ, ""),)),
+    ("write", "idiff"): ("WPrimalTensor", (("", _WRITE, ""),)),
+    ("read_write", "idiff"): ("RWPrimalTensor", (("", _WRITE, ""),)),
+    ("read", "plain"): ("Tensor", (("", _READ, ""),)),
+    ("write", "plain"): ("WTensor", (("", _WRITE, ""),)),
+    ("read_write", "plain"): ("RWTensor", (("", _WRITE, ""),)),
+}
+_BACKWARD = {
+    ("read", "idiff"): ("DiffTensor", (("._primal", _READ, ""), ("._grad_out", _ATOMIC, "out"))),
+    ("write", "idiff"): ("WDiffTensor", (("._primal", _WRITE, ""), ("._grad_in", _READ, "in"))),
+    ("read", "plain"): _FORWARD[("read", "plain")],
+    ("write", "plain"): _FORWARD[("write", "plain")],
+    ("read_write", "plain"): _FORWARD[("read_write", "plain")],
+}
+# A tensor the backward counts stores into (pydiff.written_mask): its wrapper's type, with the
+# WDiffTensor SlangPy would bind (``inner``) and the counts (``written``).
+_MASKED = re.compile(r"PydiffMaskedWDiffTensor<float, ([1-4])>")
+_MASKED_FIELDS = (
+    (".inner._primal", _WRITE, "inner"),
+    (".inner._grad_in", _READ, "inner.in"),
+    (".written", _ATOMIC, "written"),
+)
 _lock = threading.Lock()
 
 
@@ -52,17 +75,35 @@ def call_size(bound: list) -> int:
     return next((math.prod(v.shape) for _, v in bound if is_grid(v)), 0)
 
 
-def _layout(fn: FunctionTarget, bound: list) -> tuple | None:
-    """Per parameter: ("g",) the grid, ("n",) a number, ("t", D, concrete type, buffer
-    type, innermost stride is 1) a tensor; None where this generator does not cover the
-    call."""
-    sig = fn.signature
-    if sig.return_type != "void" or fn.module.traps.get(fn.name) or overloaded(fn):
+def _part(native: Any, which: str) -> Any:
+    if type(native) is dict:  # a masked tensor's fields (WrittenMask.bind)
+        base, _, rest = which.partition(".")
+        return _part(native[base], rest)
+    return native if which == "" else native.grad_in if which == "in" else native.grad_out
+
+
+def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) -> tuple | None:
+    """Per parameter: ("g",) the grid, ("n", differentiable) a number, ("t", D, type,
+    fields, innermost strides are 1) a tensor; None where the call is not covered.
+    ``natives``: the SlangPy values a backward binds (None: a forward call); ``target``:
+    the function the kernel calls (``fn``, or its masked wrapper, of the same parameters)."""
+    if fn.signature.return_type != "void" or fn.module.traps.get(fn.name) or overloaded(fn):
         return None
+    if fn.module.device.type == "cuda":
+        return None
+    types = _FORWARD if natives is None else _BACKWARD
     layout, grids, storages = [], 0, set()
-    for p, value in bound:
+    for i, (p, value) in enumerate(bound):
         if p.io != "in" or p.generic:
             return None
+        wrapped = target.signature.params[i].type_name
+        if natives is not None and type(natives[i]) is dict:
+            masked = _MASKED.fullmatch(wrapped)
+            if masked is None or type(value) is not Tensor or value.dtype != "float":
+                return None
+            layout.append(("t", int(masked.group(1)), "PydiffMaskedWDiffTensor", _MASKED_FIELDS))
+            storages.add(id(value.storage))
+            continue
         if is_grid(value):
             if p.type_name not in ("int", "uint") or not _plain_1d_grid(value):
                 return None
@@ -71,77 +112,97 @@ def _layout(fn: FunctionTarget, bound: list) -> tuple | None:
         elif type(value) in (float, int) and p.type_name == "float":
             if not -_FLOAT_MAX <= float(value) <= _FLOAT_MAX:
                 return None  # (SlangPy's path names it)
-            layout.append(("n",))
+            layout.append(("n", natives is not None and p.differentiable))
         elif type(value) is Tensor and (m := _INTERFACE.fullmatch(p.type_name)):
-            kind = _TYPES.get((p.access, p.tensor_kind))
-            dims = int(m.group(3))
+            kind, dims = types.get((p.access, p.tensor_kind)), int(m.group(3))
             if kind is None or value.dtype != "float" or len(value.shape) != dims:
                 return None
             if value.device is not fn.module.device or id(value.storage) in storages:
                 return None  # (another device, or one storage twice: SlangPy's path decides)
             storages.add(id(value.storage))
-            unit = int(value.bind(True).strides[-1] == 1)
-            layout.append(("t", dims, *kind, unit))
+            layout.append(("t", dims, kind[0], kind[1]))
         else:
             return None
-    return tuple(layout) if grids == 1 else None
+    if grids != 1:
+        return None
+    out = []  # each tensor's parts' innermost strides: 1 (a constant in the kernel) or not
+    for i, kind in enumerate(layout):
+        if kind[0] == "t":
+            native = bound[i][1].bind(True) if natives is None else natives[i]
+            parts = [_part(native, which) for _, _, which in kind[3]]
+            if any(n is None or len(n.shape) != kind[1] or min(n.strides) < 0 for n in parts):
+                return None  # (negative strides: SlangPy's path)
+            kind = (*kind, tuple(int(n.strides[-1] == 1) for n in parts))
+        out.append(kind)
+    return tuple(out)
 
 
 def _plain_1d_grid(grid: Any) -> bool:
     return len(grid.shape) == 1 and list(grid.stride) == [1] and list(grid.offset) == [0]
 
 
-def _source(fn: FunctionTarget, layout: tuple) -> str:
+def _leaf(var: str, name: str, buffer: str, dims: int, unit: int) -> tuple[list, str]:
+    """A SlangPy tensor's uniforms and the statements that fill ``var`` from them (the
+    innermost stride a constant where it is 1: its index arithmetic folds, 2^22 elements
+    27 -> 19 ms on lavapipe)."""
+    params = [f"uniform {buffer} {name}"] + [f"uniform uint {name}_s{k}" for k in range(dims)]
+    params += [f"uniform uint {name}_d{k}" for k in range(dims - unit)]
+    params.append(f"uniform uint {name}_o")
+    shape = ", ".join(f"{name}_s{k}" for k in range(dims))
+    strides = ", ".join([f"{name}_d{k}" for k in range(dims - unit)] + ["1"] * unit)
+    return params, (
+        f"    {var}._data = {name};\n    {var}._shape = {{{shape}}};\n"
+        f"    {var}._strides = {{{strides}}};\n    {var}._offset = {name}_o;\n"
+    )
+
+
+def _source(fn: FunctionTarget, layout: tuple, backward: bool) -> str:
+    """The kernel calling ``fn`` (or ``bwd_diff(fn)``) with each thread's grid index."""
     params, build, args = ["uint3 pydiff_tid: SV_DispatchThreadID", "uniform uint pydiff_n"], [], []
     for i, kind in enumerate(layout):
         if kind[0] == "g":
             args.append(f"{fn.signature.params[i].type_name}(pydiff_tid.x)")
         elif kind[0] == "n":
             params.append(f"uniform float pydiff_a{i}")
-            args.append(f"pydiff_a{i}")
+            if kind[1]:  # a differentiable number: its gradient is not wanted
+                build.append(f"    var pydiff_p{i} = diffPair(pydiff_a{i}, 0.0);\n")
+            args.append(f"pydiff_p{i}" if kind[1] else f"pydiff_a{i}")
         else:
-            _, dims, concrete, buffer = kind[:4]
-            params.append(f"uniform {buffer} pydiff_b{i}")
-            params += [f"uniform uint pydiff_s{i}_{k}" for k in range(dims)]
-            # the innermost stride as a constant where it is 1 (its index arithmetic folds:
-            # 2^22 elements 27 -> 19 ms on lavapipe), else a uniform as the others
-            unit = kind[4]
-            params += [f"uniform uint pydiff_d{i}_{k}" for k in range(dims - unit)]
-            params.append(f"uniform uint pydiff_o{i}")
-            shape = ", ".join(f"pydiff_s{i}_{k}" for k in range(dims))
-            strides = ", ".join([f"pydiff_d{i}_{k}" for k in range(dims - unit)] + ["1"] * unit)
-            build.append(
-                f"    {concrete}<float, {dims}> pydiff_t{i};\n"
-                f"    pydiff_t{i}._data = pydiff_b{i};\n"
-                f"    pydiff_t{i}._shape = {{{shape}}};\n"
-                f"    pydiff_t{i}._strides = {{{strides}}};\n"
-                f"    pydiff_t{i}._offset = pydiff_o{i};\n"
-            )
+            _, dims, concrete, fields, units = kind
+            build.append(f"    {concrete}<float, {dims}> pydiff_t{i};\n")
+            for j, ((field, buffer, _), unit) in enumerate(zip(fields, units)):
+                leaf_params, fill = _leaf(
+                    f"pydiff_t{i}{field}", f"pydiff_b{i}_{j}", buffer, dims, unit
+                )
+                params += leaf_params
+                build.append(fill)
             args.append(f"pydiff_t{i}")
+    call = f"bwd_diff({fn.name})" if backward else fn.name
     joined = ",\n    ".join(params)
     return (
         f"import slangpy;\nimport {fn.module.import_spec};\n\n"
         f'[shader("compute")][numthreads({GROUP}, 1, 1)]\n'
-        f"void pydiff_grid_fwd(\n    {joined})\n{{\n"
+        f"void pydiff_grid(\n    {joined})\n{{\n"
         "    if (pydiff_tid.x >= pydiff_n)\n        return;\n"
         + "".join(build)
-        + f"    {fn.name}({', '.join(args)});\n}}\n"
+        + f"    {call}({', '.join(args)});\n}}\n"
     )
 
 
-def _kernel(fn: FunctionTarget, layout: tuple) -> Any:
-    """The compiled kernel of ``layout`` (None, remembered, where it fails to build)."""
+def _kernel(fn: FunctionTarget, layout: tuple, backward: bool) -> Any:
+    """The compiled kernel calling ``fn`` (the user's function or its masked wrapper) for
+    ``layout`` (None, remembered, where it fails to build)."""
     dev = fn.module.device
     cache = dev.cached("pydiff.generated_grid", lambda: BoundedDict(KERNELS_MAX))
-    key = (fn.module.import_spec, fn.name, layout)
+    key = (fn.module.import_spec, fn.name, layout, backward)
     with _lock:
         if key in cache:
             return cache[key]
-    source = _source(fn, layout)
+    source = _source(fn, layout, backward)
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
     try:
         module = dev.native.load_module_from_source(f"pydiff_grid_{fn.name}_{digest}", source)
-        program = dev.native.link_program([module], [module.entry_point("pydiff_grid_fwd")])
+        program = dev.native.link_program([module], [module.entry_point("pydiff_grid")])
         kernel = dev.native.create_compute_kernel(program)
     except Exception:  # an overload or a type the kernel cannot pass: SlangPy's path
         kernel = None
@@ -150,32 +211,41 @@ def _kernel(fn: FunctionTarget, layout: tuple) -> Any:
     return kernel
 
 
+def _run(fn: FunctionTarget, bound: list, natives: list | None, target: Any) -> bool:
+    layout = _layout(fn, bound, natives, target)
+    kernel = None if layout is None else _kernel(target, layout, natives is not None)
+    if kernel is None:
+        return False
+    bindings: dict = {"pydiff_n": call_size(bound)}
+    for i, ((_, value), kind) in enumerate(zip(bound, layout)):
+        if kind[0] == "n":
+            bindings[f"pydiff_a{i}"] = float(value)
+        elif kind[0] == "t":
+            native = value.bind(True) if natives is None else natives[i]
+            for j, ((_, _, which), unit) in enumerate(zip(kind[3], kind[4])):
+                part, name = _part(native, which), f"pydiff_b{i}_{j}"
+                bindings[name] = part.storage
+                for k, (size, stride) in enumerate(zip(part.shape, part.strides)):
+                    bindings[f"{name}_s{k}"] = int(size)
+                    if k < kind[1] - unit:
+                        bindings[f"{name}_d{k}"] = int(stride)
+                bindings[f"{name}_o"] = int(part.offset)
+    if bindings["pydiff_n"] == 0:
+        return False
+    fn.module.device.kernels.dispatch(kernel, bindings["pydiff_n"], **bindings)
+    return True
+
+
 def forward(fn: FunctionTarget, bound: list) -> bool:
     """Run the forward call (``(param, value)`` pairs) as a generated kernel; False, nothing
     done, where it is not covered."""
-    layout = _layout(fn, bound)
-    if layout is None:
-        return False
-    kernel = _kernel(fn, layout)
-    if kernel is None:
-        return False
-    bindings: dict = {}
-    threads = 0
-    for i, ((_, value), kind) in enumerate(zip(bound, layout)):
-        if kind[0] == "g":
-            threads = math.prod(value.shape)
-        elif kind[0] == "n":
-            bindings[f"pydiff_a{i}"] = float(value)
-        else:
-            native = value.bind(True)
-            bindings[f"pydiff_b{i}"] = native.storage
-            for k, (size, stride) in enumerate(zip(native.shape, native.strides)):
-                bindings[f"pydiff_s{i}_{k}"] = int(size)
-                if k < kind[1] - kind[4]:
-                    bindings[f"pydiff_d{i}_{k}"] = int(stride)
-            bindings[f"pydiff_o{i}"] = int(native.offset)
-    if threads == 0:
-        return False
-    bindings["pydiff_n"] = threads
-    fn.module.device.kernels.dispatch(kernel, threads, **bindings)
-    return True
+    return _run(fn, bound, None, fn)
+
+
+def backward(fn: FunctionTarget, bound: list, natives: list, target: Any) -> bool:
+    """Run ``.bwds`` as a generated kernel binding ``natives`` (per parameter, the SlangPy
+    value the backward binds: tensors with the gradient buffers it chose, a masked tensor's
+    fields) and calling ``bwd_diff(target)`` (``fn``, or the masked wrapper the backward
+    would run), appended where the backward's scope dispatches; False, nothing done, where
+    it is not covered."""
+    return _run(fn, bound, natives, target)

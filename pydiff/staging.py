@@ -2,17 +2,19 @@
 
 SlangPy's ``copy_from_numpy`` and ``to_numpy`` stage every transfer through new host memory,
 which lavapipe maps on first touch, 4 KiB a page: 34 MB took 18.8 ms up and 36.3 ms back,
-against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-27). Float
-tensors of at least ``STAGING_MIN_BYTES`` take this path; smaller ones, other dtypes and
-strided views keep SlangPy's. Callers hold the queue's lock with its work flushed.
+against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-27).
+Contiguous tensors of 4-byte scalars (``SCALARS``: float, int, uint: labels, the store
+counts a backward over a grid reads back) of at least ``STAGING_MIN_BYTES`` take this path;
+smaller ones, other dtypes and strided views keep SlangPy's. Callers hold the queue's lock
+with its work flushed.
 
     staging.write(queue, native, arr)           # staged, or SlangPy's copy_from_numpy
-    values = staging.read(queue, native)        # None: SlangPy's to_numpy must read them
+    values = staging.read(queue, native, reader)    # None: SlangPy's to_numpy reads them
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import slangpy as spy
@@ -20,6 +22,8 @@ import slangpy as spy
 from .command_queue import CommandQueue
 
 STAGING_MIN_BYTES = 1 << 20
+#: The element types staged: 4-byte scalars, by Slang name (their NumPy type).
+SCALARS = {"float": np.float32, "int": np.int32, "uint": np.uint32}
 CHUNK_BYTES = 4 << 20  # (16 MiB chunks read back slower: to_numpy copies the whole buffer)
 
 
@@ -27,7 +31,7 @@ def _staged(queue: CommandQueue, native: Any, nbytes: int) -> bool:
     return (
         nbytes >= STAGING_MIN_BYTES
         and queue.native.info.type == spy.DeviceType.vulkan
-        and native.dtype.full_name == "float"
+        and native.dtype.full_name in SCALARS
         and native.is_contiguous()
     )
 
@@ -36,7 +40,7 @@ def _buffer(queue: CommandQueue, kind: str) -> Any:
     """The queue's staging buffer of ``kind`` ("upload" or "read_back"), made on first use
     (``empty_cache`` releases them: ``queue.staging``)."""
     buffer = queue.staging.get(kind)
-    if buffer is None:
+    if buffer is None or buffer.size != CHUNK_BYTES:  # (CHUNK_BYTES changed since: remade)
         usage, memory = (
             (spy.BufferUsage.copy_source, spy.MemoryType.upload)
             if kind == "upload"
@@ -63,7 +67,8 @@ def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, zero_d: bool
     """
     arr = arr.reshape((1,) + arr.shape) if zero_d else arr
     flat = arr.reshape(-1).view(np.uint8) if arr.flags.c_contiguous else None
-    if flat is None or not _staged(queue, native, flat.nbytes) or arr.dtype != np.float32:
+    staged = flat is not None and _staged(queue, native, flat.nbytes)
+    if not staged or arr.dtype != SCALARS[native.dtype.full_name]:
         native.copy_from_numpy(arr)
         return
     if flat.nbytes != 4 * _numel(native):
@@ -76,22 +81,45 @@ def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, zero_d: bool
         _copy(queue, native.storage, at + start, staging, 0, part.nbytes)
 
 
-def read(queue: CommandQueue, native: spy.Tensor) -> np.ndarray | None:
-    """``native``'s values as a new float32 array of its shape, or None where SlangPy's path
-    must read them.
+def read(queue: CommandQueue, native: spy.Tensor, reader: Callable) -> np.ndarray | None:
+    """``native``'s values as a new array of its shape (float32, int32 or uint32), or None
+    where SlangPy's path must read them. A view with negative strides is read through
+    ``reader`` (storage's read of a SlangPy view), as ``read_reversed`` says.
 
-    >>> staging.read(dev.queue, x.native)       # array of x.shape, float32
+    >>> staging.read(dev.queue, x.native, reader)       # array of x.shape, float32
     """
+    if native.shape and min(native.shape) > 0 and min(native.strides) < 0:
+        return read_reversed(native, reader)
     nbytes = 4 * _numel(native)
-    if not _staged(queue, native, nbytes):
-        return None
+    if nbytes < CHUNK_BYTES or not _staged(queue, native, nbytes):
+        return None  # (below a chunk, to_numpy of the whole staging buffer costs more)
     staging, at = _buffer(queue, "read_back"), 4 * native.offset
     out = np.empty(nbytes, np.uint8)
     for start in range(0, nbytes, CHUNK_BYTES):
         n = min(CHUNK_BYTES, nbytes - start)
         _copy(queue, staging, 0, native.storage, at + start, n)
         out[start : start + n] = staging.to_numpy()[:n]
-    return out.view(np.float32).reshape(tuple(native.shape))
+    return out.view(SCALARS[native.dtype.full_name]).reshape(tuple(native.shape))
+
+
+def read_reversed(native: spy.Tensor, read: Callable[[spy.Tensor], np.ndarray]) -> Any:
+    """The values of a view with negative strides (SlangPy's ``to_numpy`` reads others'
+    memory there): the elements it spans, read as a contiguous view by ``read``, viewed with
+    its strides in NumPy and copied. None for elements of several components.
+
+    >>> staging.read_reversed(x.native, lambda v: read_back(dev, v))   # x[::-1]'s values
+    """
+    shape, strides = list(native.shape), list(native.strides)
+    low = native.offset + sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
+    high = native.offset + sum((d - 1) * s for d, s in zip(shape, strides) if s > 0)
+    span = spy.Tensor(native.storage, native.dtype, [high - low + 1], [1], low)
+    flat = read(span)
+    if flat.ndim != 1:
+        return None
+    step = flat.itemsize
+    start = flat[native.offset - low :]
+    picked = np.lib.stride_tricks.as_strided(start, shape, [s * step for s in strides])
+    return picked.copy()
 
 
 def _numel(native: spy.Tensor) -> int:

@@ -334,8 +334,8 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 
 
 def _read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
-    if (values := staging.read(dev.queue, native)) is not None:
-        return values  # (a large float view: through the queue's staging buffers)
+    if (values := staging.read(dev.queue, native, lambda v: _read_back(dev, v))) is not None:
+        return values  # (a large view, or negative strides: pydiff.staging)
     shape, strides = list(native.shape), list(native.strides)
     if not shape or min(shape) <= 0:
         return native.to_numpy()

@@ -126,3 +126,107 @@ def test_calls_it_does_not_cover_keep_slangpys_path(mod, device):
         mod.polynomial(spy.grid((N,)), 1.0, 1.0, 1.0, big, out)  # on a tape
     np.testing.assert_array_equal(out.numpy(), 3.0)
     assert _grid_calls() == before
+
+
+# --- .bwds over a grid (the generated backward, through the store-counting wrapper) -------
+
+BACKWARD = """import slangpy;
+[Differentiable]
+void poly(int idx, float a, float b, float c, IDiffTensor<float, 1> x,
+          IWDiffTensor<float, 1> result)
+{
+    float xval = x[idx];
+    result[idx] = a * xval * xval + b * xval + c;
+}
+[Differentiable]
+void collide(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> result)
+{
+    result[idx / 2] = x[idx];
+}
+[Differentiable]
+void row_dot(int idx, IDiffTensor<float, 2> x, IDiffTensor<float, 1> w,
+             IWDiffTensor<float, 1> y)
+{
+    float s = 0.0;
+    int n = x.shape[1];
+    [MaxIters(8)]
+    for (int j = 0; j < n; j++)
+        s += x[idx, j] * w[j];
+    y[idx] = s;
+}
+"""
+
+
+@pytest.fixture
+def bmod(device):
+    return pydiff.load_module_from_source("s33_grid_backward", BACKWARD, device=device)
+
+
+def _grid_backwards() -> int:
+    return generated.stats().get("backward: grid", 0)
+
+
+def test_a_bwds_over_a_grid_takes_the_generated_kernel(bmod, device, monkeypatch):
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal(N).astype(np.float32)
+    up = rng.standard_normal(N).astype(np.float32)
+    grads = []
+    for generated_on in ("1", "0"):
+        monkeypatch.setenv("PYDIFF_GENERATED", generated_on)
+        x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+        y = pydiff.zeros((N,), device=device).with_grads(grad_in=pydiff.tensor(up, device=device))
+        before = _grid_backwards()
+        bmod.poly.bwds(spy.grid((N,)), 2.0, 8.0, -1.0, x, y)
+        assert _grid_backwards() == before + (generated_on == "1")
+        grads.append(x.grad.numpy())
+    want = (4.0 * xs.astype(np.float64) + 8.0) * up
+    np.testing.assert_allclose(grads[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(grads[0], grads[1])  # SlangPy's kernel, the same bits
+
+
+def test_gradients_accumulate_and_a_reset_policy_holds(bmod, device):
+    xs = np.linspace(-1.0, 1.0, N, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    for _ in range(2):
+        bmod.poly.bwds(spy.grid((N,)), 1.0, 0.0, 0.0, x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 4.0 * xs, rtol=1e-6, atol=1e-6)
+    pydiff.set_zero_policy("reset")
+    bmod.poly.bwds(spy.grid((N,)), 1.0, 0.0, 0.0, x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs, rtol=1e-6, atol=1e-6)
+
+
+def test_two_threads_storing_one_element_are_still_refused(bmod, device):
+    x = pydiff.tensor(np.ones(N, np.float32), device=device).with_grads(zero=True)
+    y = pydiff.zeros((N // 2,), device=device).with_grads(ones=True)
+    before = _grid_backwards()
+    with pytest.raises(ValueError, match="stored 2 times"):
+        bmod.collide.bwds(spy.grid((N,)), x, y)
+    assert _grid_backwards() == before + 1  # (the generated kernel counted the stores)
+
+
+def test_a_tape_over_grid_calls(bmod, device):
+    rng = np.random.default_rng(4)
+    rows = N
+    xs = rng.standard_normal((rows, 4)).astype(np.float32)
+    ws = rng.standard_normal(4).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    w = pydiff.tensor(ws, device=device, requires_grad=True)
+    y = pydiff.zeros((rows,), device=device)
+    before = _grid_backwards()
+    with pydiff.Tape() as tape:
+        bmod.row_dot(spy.grid((rows,)), x, w, y)
+    tape.backward(y, grad=pydiff.tensor(np.ones(rows, np.float32), device=device))
+    assert _grid_backwards() == before + 1  # (tape.backward ran the generated kernel)
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) @ ws, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), np.tile(ws, (rows, 1)), rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), xs.astype(np.float64).sum(0), rtol=1e-4)
+
+
+def test_a_tensor_without_gradients_in_a_grid_bwds(bmod, device):
+    xs = np.linspace(-1.0, 1.0, N, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device)  # no gradient wanted: a throwaway buffer
+    w = pydiff.tensor(np.ones(1, np.float32), device=device)
+    y = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    bmod.poly.bwds(spy.grid((N,)), 1.0, 1.0, 1.0, x, y)
+    assert x.grad is None and w.grad is None

@@ -86,11 +86,18 @@ def test_kernels_before_and_after_a_staged_transfer(device, small_chunks):
     np.testing.assert_array_equal(ops.relu(y).numpy(), np.maximum(-xs, 0))
 
 
-def test_other_dtypes_keep_slangpys_path(device, small_chunks):
+def test_ints_are_staged_and_other_dtypes_keep_slangpys_path(device, small_chunks):
     _vulkan(device)
-    labels = np.arange(5000, dtype=np.int32) % 7
+    labels = (np.arange(5000, dtype=np.int64) * 7919 % 10007 - 5000).astype(np.int32)
     t = pydiff.tensor(labels, device=device)
     np.testing.assert_array_equal(t.numpy(), labels)
+    words = np.arange(3000, dtype=np.uint32) * np.uint32(2654435761)
+    u = pydiff.tensor(words, device=device, dtype="uint")
+    got = u.numpy()
+    assert got.dtype == np.uint32
+    np.testing.assert_array_equal(got, words)
+    halves = np.linspace(-2, 2, 5000).astype(np.float16)  # 2 bytes: SlangPy's path
+    np.testing.assert_array_equal(pydiff.tensor(halves, device=device).numpy(), halves)
     x = pydiff.tensor(np.ones(5000, np.float64), device=device)  # cast to float32, staged
     np.testing.assert_array_equal(x.numpy(), np.ones(5000, np.float32))
 
