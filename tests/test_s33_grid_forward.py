@@ -109,7 +109,8 @@ def test_read_write_tensors_in_place(mod, device):
     np.testing.assert_array_equal(z.numpy(), zs + 2.0)
 
 
-def test_calls_it_does_not_cover_keep_slangpys_path(mod, device):
+def test_calls_it_does_not_cover_keep_slangpys_path(mod, device, monkeypatch):
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)  # (--pydiff-generated=force: 1)
     before = _grid_calls()
     xs = np.random.default_rng(2).standard_normal(64).astype(np.float32)
     x = pydiff.tensor(xs, device=device)
