@@ -145,7 +145,9 @@ class _Backward:
             masked = written_mask.needs_mask(p, t, self.label)
             bound = self.own_primal(t, self.separate_grads(t, p), keep=True)
             return written_mask.bind_in_place(self, p, t, bound, masked)
-        if not t.requires_grad:
+        if not t.requires_grad or p.no_diff_tensor and p.access == "read":
+            if p.no_diff_tensor:
+                warn_no_gradient(self.fn, p, t)  # (no_diff: the loads' adds go to a sink)
             if p.tensor_kind is None:
                 # A vectorised value with no gradient wanted: bind the primal alone, and
                 # make that part of the kernel's identity (SlangPy's call cache is blind to

@@ -47,7 +47,7 @@ def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
     """A tensor that wants a gradient, bound where none flows: say so once per call site."""
     if not t.requires_grad:
         return
-    why = "no_diff" if p.no_diff else f"a {p.type_name} (not differentiable)"
+    why = "no_diff" if p.no_diff or p.no_diff_tensor else f"a {p.type_name} (not differentiable)"
     warn_once(
         f"{fn.label}: parameter '{p.name}' is {why}, so .bwds gives it no gradient, but the "
         "tensor passed requires one: its gradient stays unchanged. Pass t.detach() to say no "

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lint, lint_custom
-from .signature import FunctionTarget
+from .signature import FunctionTarget, stem
 
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
@@ -121,7 +121,7 @@ def _source(fn: FunctionTarget, bwd: str) -> str | None:
         else [*pre, f"{ret} __r = {call};", *post, "return __r;"]
     )
     bbody = [*bpre, f"{bwd}({', '.join(bwd_args)});", *bpost]
-    name = f"{fn.name}__pydiff_inout"
+    name = f"{stem(fn.name)}__pydiff_inout"
     return (
         f"import {fn.module.import_spec};\n"
         f"[Differentiable][BackwardDerivative({name}_bwd)]\n"
@@ -165,7 +165,7 @@ def inout_wrapper_source(fn: FunctionTarget) -> str:
         body += [f"{ret_name} __r = {call};", *post, "return __r;"]
     return (
         f"import {fn.module.import_spec};\n"
-        f"[Differentiable]\n{ret_name} {fn.name}__pydiff_inout{generics}({', '.join(params)})"
+        f"[Differentiable]\n{ret_name} {stem(fn.name)}__pydiff_inout{generics}({', '.join(params)})"
         f"{where}\n{{\n    " + "\n    ".join(body) + "\n}\n"
     )
 

@@ -25,7 +25,7 @@ from .forward_args import refuse_listed_tangents, tangent_tensor, warn_dropped
 from .call_shape import param_type
 from .errors import ShaderTrapError
 from .forward_call import forward_call
-from .signature import FunctionTarget
+from .signature import FunctionTarget, stem
 from .tape import suspend_recording
 from .tensor import Tensor
 
@@ -142,8 +142,8 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         if p.differentiable:
             dt = f"{t}.Differential"
             if "[" in t:  # Slang parses no member of an array type written inline (float[3])
-                aliases.append(f"typealias {fn.name}__pydiff_{n}_type = {t};\n")
-                dt = f"{fn.name}__pydiff_{n}_type.Differential"
+                aliases.append(f"typealias {stem(fn.name)}__pydiff_{n}_type = {t};\n")
+                dt = f"{stem(fn.name)}__pydiff_{n}_type.Differential"
             if p.io == "in":
                 params += [f"{t} {n}", f"{dt} {n}__t"]
                 args.append(f"diffPair({n}, {n}__t)")
@@ -186,7 +186,7 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     source = (
         wrapper_header(fn)
         + "".join(aliases)
-        + f"{rtype} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n    "
+        + f"{rtype} {stem(fn.name)}__pydiff_{kind}({', '.join(params)})\n{{\n    "
         + "\n    ".join(body)
         + "\n}\n"
     )
@@ -378,8 +378,8 @@ def dir_wrapper(
         if p.differentiable:
             named = t
             if "[" in t:  # Slang parses no member of an array type written inline (float[3])
-                aliases.append(f"typealias {fn.name}__pydiff_{n}_type = {t};\n")
-                named = f"{fn.name}__pydiff_{n}_type"
+                aliases.append(f"typealias {stem(fn.name)}__pydiff_{n}_type = {t};\n")
+                named = f"{stem(fn.name)}__pydiff_{n}_type"
             params.append(f"{t} {n}")
             if n in fixed:
                 call_args.append(f"diffPair({n}, {named}.dzero())")
@@ -394,7 +394,7 @@ def dir_wrapper(
     source = (
         wrapper_header(fn)
         + "".join(aliases)
-        + f"[Differentiable]\n{ret} {fn.name}__pydiff_{kind}({', '.join(params)})\n{{\n"
+        + f"[Differentiable]\n{ret} {stem(fn.name)}__pydiff_{kind}({', '.join(params)})\n{{\n"
         f"    return fwd_diff({fn.name})({', '.join(call_args)}).d;\n}}\n"
     )
     return fn.generated(kind, source)

@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .signature import ParamInfo, Signature
+from .lint_nodiff import no_diff_tensors
+from .signature import ParamInfo, Signature, stem
 
 
 class Module:
@@ -61,6 +63,8 @@ class Module:
         self.source_files: list[str] = []
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps: dict[str, list[lint.Finding]] = {}
+        #: Interface tensor parameters marked no_diff, per function (lint_nodiff).
+        self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
         self._function_names: list[str] | None = None
         if decl_module is not None:  # a file compiled again: its path gives the first version
             self._decl_loader = lambda: decl_module
@@ -231,6 +235,10 @@ class ShaderFunction:
         self.native = native
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
+        if name.split("::")[-1] in module.no_diff_tensors:  # (reflection cannot tell them)
+            marked = module.no_diff_tensors[name.split("::")[-1]]
+            params = [replace(p, no_diff_tensor=p.name in marked) for p in self.signature.params]
+            self.signature = replace(self.signature, params=params)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"
@@ -312,7 +320,9 @@ class ShaderFunction:
                 with warnings.catch_warnings():  # (its scan finds this module's traps again:
                     warnings.simplefilter("ignore", ShaderTrapWarning)  # said when it loaded)
                     module = load_module_from_source(
-                        f"pydiff_{kind}_{self.name}_{digest}", source, device=self.module.device
+                        f"pydiff_{kind}_{stem(self.name)}_{digest}",
+                        source,
+                        device=self.module.device,
                     )
             except SlangCompileError as exc:
                 if kind.startswith("dir") and "E41022" in str(exc):  # hvp: reverse of forward
@@ -324,7 +334,7 @@ class ShaderFunction:
                         line=exc.line,
                     ) from None
                 raise
-            self._generated[kind] = getattr(module, f"{self.name}__pydiff_{kind}")
+            self._generated[kind] = getattr(module, f"{stem(self.name)}__pydiff_{kind}")
         return self._generated[kind]
 
     def _inout(self) -> Any:
@@ -338,7 +348,7 @@ class ShaderFunction:
                 raise slang_compile.compile_error(
                     exc, f"<inout wrapper of {self.name}>", name
                 ) from None
-            self._inout_wrapper = getattr(native, f"{self.name}__pydiff_inout")
+            self._inout_wrapper = getattr(native, f"{stem(self.name)}__pydiff_inout")
         return self._inout_wrapper
 
 

@@ -63,6 +63,10 @@ class ParamInfo:
     #: the fields of a struct parameter, as reflected (None: not a struct); a dict argument
     #: is checked and converted field by field against them (struct_values)
     struct_fields: tuple[FieldInfo, ...] | None = None
+    #: an interface tensor parameter marked ``no_diff``: its loads still add gradients into
+    #: whatever gradient buffer is bound, so the backward binds a throwaway one (``no_diff``
+    #: itself stays False for tensors: it means a value's differential elsewhere)
+    no_diff_tensor: bool = False
 
     @property
     def is_diff_tensor(self) -> bool:
@@ -287,6 +291,16 @@ class Signature:
     def __str__(self) -> str:
         params = ", ".join(f"{p.type_name} {p.name}" for p in self.params)
         return f"{self.return_type} {self.name}({params})"
+
+
+def stem(name: str) -> str:
+    """A Slang identifier for the names pydiff derives from a function's (its generated
+    wrappers and their modules): a namespaced or static function's ``A::f`` gives ``A_f``.
+
+    >>> stem("A::f"), stem("f")
+    ('A_f', 'f')
+    """
+    return re.sub(r"\W", "_", name)
 
 
 def overloaded(fn: "FunctionTarget") -> bool:

@@ -25,7 +25,7 @@ import slangpy as spy
 
 from .creation import zeros
 from .device import Device
-from .signature import ParamInfo, Signature
+from .signature import ParamInfo, Signature, stem
 from .tensor import Tensor
 
 MODULE = "pydiff_written_mask"
@@ -97,7 +97,8 @@ def wrapper_source(fn: GeneratingFunction, masked: set[str]) -> str:
     return (
         f"import slangpy;\n__exported import {fn.module.import_spec};\n"
         f"__exported import {MODULE};\n"
-        f"[Differentiable]\n{ret} {fn.name}__pydiff_{_kind(masked)}({', '.join(params)})\n{{\n"
+        f"[Differentiable]\n{ret} {stem(fn.name)}__pydiff_{_kind(masked)}"
+        f"({', '.join(params)})\n{{\n"
         f"    {body}\n}}\n"
     )
 
