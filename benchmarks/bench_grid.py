@@ -1,5 +1,5 @@
 """The pattern of SlangPy's differentiable-tensor docs, a function indexing its own tensors
-called over a grid, through pydiff (generated forward kernel), pydiff's SlangPy path
+called over a grid, forward and ``.bwds``, through pydiff (generated kernels), pydiff's SlangPy path
 (``PYDIFF_GENERATED=0``), raw SlangPy and NumPy; and large host transfers (staged in
 pydiff, SlangPy's own in raw SlangPy) against NumPy's copy.
 
@@ -70,6 +70,48 @@ def grid_contenders(dev, n: int) -> dict:
     }
 
 
+def backward_contenders(dev, n: int) -> dict:
+    """``.bwds`` of the same call: x's gradient (4x + 8) times the upstream ones."""
+    m = pydiff.load_module_from_source("bench_grid_bwd", SOURCE, device=dev)
+    raw = spy.Module.load_from_source(dev.native, "bench_grid_bwd_raw", SOURCE)
+    xs = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    x = pydiff.tensor(xs, device=dev).with_grads(zero=True)
+    y = pydiff.zeros((n,), device=dev).with_grads(ones=True)
+    rx = spy.Tensor.from_numpy(dev.native, xs).with_grads(zero=True)
+    ry = spy.Tensor.zeros(dev.native, (n,), "float").with_grads()
+    ry.grad.copy_from_numpy(np.ones(n, np.float32))
+    grad, up = np.zeros_like(xs), np.ones_like(xs)
+
+    def pydiff_bwds(generated_on: bool):
+        def run():
+            if not generated_on:
+                os.environ["PYDIFF_GENERATED"] = "0"
+            try:
+                m.polynomial.bwds(spy.grid((n,)), 2.0, 8.0, -1.0, x, y)
+            finally:
+                os.environ.pop("PYDIFF_GENERATED", None)
+            dev.native.wait_for_idle()
+
+        return run
+
+    def raw_bwds():
+        raw.polynomial.bwds(spy.grid((n,)), 2.0, 8.0, -1.0, rx, ry)
+        dev.native.wait_for_idle()
+
+    def numpy_in_place():  # grad += up (4x + 8)
+        tmp = np.multiply(xs, 4.0)
+        np.add(tmp, 8.0, out=tmp)
+        np.multiply(tmp, up, out=tmp)
+        np.add(grad, tmp, out=grad)
+
+    return {
+        "pydiff (generated)": pydiff_bwds(True),
+        "pydiff, SlangPy path": pydiff_bwds(False),
+        "raw SlangPy": raw_bwds,
+        "NumPy in place": numpy_in_place,
+    }
+
+
 def transfer_contenders(dev, n: int) -> dict:
     values = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     x = pydiff.tensor(values, device=dev)
@@ -102,6 +144,8 @@ def main() -> None:
     print(f"device: {describe(dev)}; 2^{args.log2} floats; median, min, / the first")
     grid = interleaved(grid_contenders(dev, n), rounds=args.rounds, inner=2, warmup=2)
     report("forward over spy.grid (IDiffTensor in, IWDiffTensor out):", grid, "pydiff (generated)")
+    bwds = interleaved(backward_contenders(dev, n), rounds=args.rounds, inner=2, warmup=2)
+    report(".bwds over spy.grid (DiffTensor, store counts checked):", bwds, "pydiff (generated)")
     moves = interleaved(transfer_contenders(dev, n), rounds=args.rounds, inner=2, warmup=2)
     report(f"host transfers of {4 * n / 1e6:.0f} MB:", moves, "NumPy a.copy()")
     print(f"paths taken: {pydiff.generated.stats()}")
