@@ -32,6 +32,7 @@ from .signature import FunctionTarget, overloaded
 from .tensor import Tensor
 
 GROUP = 256
+MAX_GROUPS = 65535  # (Vulkan's and D3D12's least maxComputeWorkGroupCount)
 _FLOAT_MAX = 3.4028234663852886e38
 _INTERFACE = re.compile(r"I(RW|W)?(Diff)?Tensor<float, ([1-4])>")
 _READ, _WRITE = "StructuredBuffer<float>", "RWStructuredBuffer<float>"
@@ -158,10 +159,12 @@ def _leaf(var: str, name: str, buffer: str, dims: int, unit: int) -> tuple[list,
 
 def _source(fn: FunctionTarget, layout: tuple, backward: bool) -> str:
     """The kernel calling ``fn`` (or ``bwd_diff(fn)``) with each thread's grid index."""
-    params, build, args = ["uint3 pydiff_tid: SV_DispatchThreadID", "uniform uint pydiff_n"], [], []
+    params = ["uint3 pydiff_tid: SV_DispatchThreadID", "uniform uint pydiff_n"]
+    params.append("uniform uint pydiff_stride")
+    build, args = [], []
     for i, kind in enumerate(layout):
         if kind[0] == "g":
-            args.append(f"{fn.signature.params[i].type_name}(pydiff_tid.x)")
+            args.append(f"{fn.signature.params[i].type_name}(pydiff_i)")
         elif kind[0] == "n":
             params.append(f"uniform float pydiff_a{i}")
             if kind[1]:  # a differentiable number: its gradient is not wanted
@@ -183,9 +186,10 @@ def _source(fn: FunctionTarget, layout: tuple, backward: bool) -> str:
         f"import slangpy;\nimport {fn.module.import_spec};\n\n"
         f'[shader("compute")][numthreads({GROUP}, 1, 1)]\n'
         f"void pydiff_grid(\n    {joined})\n{{\n"
-        "    if (pydiff_tid.x >= pydiff_n)\n        return;\n"
         + "".join(build)
-        + f"    {call}({', '.join(args)});\n}}\n"
+        # a grid-stride loop: at most MAX_GROUPS groups (a GPU's dispatch limit)
+        + "    for (uint pydiff_i = pydiff_tid.x; pydiff_i < pydiff_n; pydiff_i += pydiff_stride)\n"
+        + f"        {call}({', '.join(args)});\n}}\n"
     )
 
 
@@ -232,7 +236,9 @@ def _run(fn: FunctionTarget, bound: list, natives: list | None, target: Any) -> 
                 bindings[f"{name}_o"] = int(part.offset)
     if bindings["pydiff_n"] == 0:
         return False
-    fn.module.device.kernels.dispatch(kernel, bindings["pydiff_n"], **bindings)
+    threads = min(-(-bindings["pydiff_n"] // GROUP), MAX_GROUPS) * GROUP
+    bindings["pydiff_stride"] = threads
+    fn.module.device.kernels.dispatch(kernel, threads, **bindings)
     return True
 
 

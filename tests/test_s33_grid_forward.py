@@ -231,3 +231,20 @@ def test_a_tensor_without_gradients_in_a_grid_bwds(bmod, device):
     y = pydiff.zeros((N,), device=device).with_grads(ones=True)
     bmod.poly.bwds(spy.grid((N,)), 1.0, 1.0, 1.0, x, y)
     assert x.grad is None and w.grad is None
+
+
+def test_more_elements_than_the_dispatch_limit_loop_over_the_grid(bmod, device, monkeypatch):
+    """A GPU dispatches at most 65,535 groups: past that the threads walk the grid (here
+    the limit lowered to two groups, 512 threads, for 4,140 elements)."""
+    from pydiff import generated_grid
+
+    monkeypatch.setattr(generated_grid, "MAX_GROUPS", 2)
+    xs = np.linspace(-2.0, 2.0, N, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    before = _grid_calls(), _grid_backwards()
+    bmod.poly(spy.grid((N,)), 2.0, 8.0, -1.0, x, y)
+    bmod.poly.bwds(spy.grid((N,)), 2.0, 8.0, -1.0, x, y)
+    assert (_grid_calls(), _grid_backwards()) == (before[0] + 1, before[1] + 1)
+    np.testing.assert_allclose(y.numpy(), _poly64(xs), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), 4.0 * xs + 8.0, rtol=1e-6, atol=1e-5)
