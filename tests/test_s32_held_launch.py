@@ -92,6 +92,8 @@ def test_buffers_follow_alternating_tensors_forward_and_backward(device, mod, so
 def test_held_max_keeps_large_calls_unpinned_by_default():
     # calls of generated.MIN_ELEMENTS (4096) elements and more take the launch from their
     # first call: they must not be held (a loop over such shapes would pin every plan's)
+    if generated.MIN_ELEMENTS == 1:
+        pytest.skip("--pydiff-generated=force sends every call from its first: no default")
     assert planned_kernels.HELD_MAX < 4 * generated.MIN_ELEMENTS
 
 
