@@ -137,6 +137,14 @@ class _Backward:
                 f"buffers (requires_grad=True / .with_grads()); SlangPy would bind a null "
                 f"descriptor. For data that needs no gradient use I{p.type_name}"
             )
+        if p.no_diff_tensor and p.access in ("write", "read_write"):
+            # no_diff: its stores' backward reads a zero upstream (the caller's would flow to
+            # what was stored), its loads' adds go to a sink; its gradient stays as it was
+            warn_no_gradient(self.fn, p, t)
+            keep = p.access == "read_write"
+            primal = t.copy_values().native if keep else primal_sink(self.device, t)
+            zeros, sink = self.scratch_grads(t, "zeros"), self.scratch_grads(t, "sink")
+            return primal.with_grads(grad_in=zeros, grad_out=sink, zero=False)
         if p.io == "out" or p.access == "write":
             self._needs_upstream(t, p, "written")
             bound = self.own_primal(t, t.bind(True), keep=False)
