@@ -9,10 +9,13 @@ took 18 ms, ``.bwds`` 93 against 28). The kernel generated here gives each threa
 index and SlangPy's own tensor types, the ones SlangPy binds (``PrimalTensor``,
 ``WPrimalTensor``, ``Tensor``, ... forward; ``DiffTensor``, ``WDiffTensor`` backward), built
 from the buffers, shapes, strides and offsets of the SlangPy tensors the call would bind, so
-the function runs the same code on the same memory. Covered: a one-dimensional grid (stride
-1, offset 0) at an ``int``/``uint`` parameter, float numbers, float tensors at interface
-tensor parameters, on Vulkan and D3D12 (CUDA's buffers are pointers); the rest keeps
-SlangPy's path.
+the function runs the same code on the same memory. Covered: a grid of one, two or three
+dimensions (stride 1, offset 0 on each axis) at an ``int``/``uint``, ``int2``/``uint2`` or
+``int3``/``uint3`` parameter, float numbers, float tensors at interface tensor parameters,
+on Vulkan and D3D12 (CUDA's buffers are pointers); the rest keeps SlangPy's path. A grid of
+shape (H, W) gives the thread of row i, column j ``int2(j, i)``, as SlangPy does (a vector's
+``.x`` is the last axis): the threads run the grid's elements in row-major order, each
+decomposing its flat index.
 
     ran = generated_grid.forward(fn, bound)                  # False: SlangPy's path
     ran = generated_grid.backward(fn, bound, native_args)    # inside the backward's scope
@@ -63,6 +66,9 @@ _MASKED_FIELDS = (
     (".inner._grad_in", _READ, "inner.in"),
     (".written", _ATOMIC, "written"),
 )
+# An index parameter a grid of its dimensions fills (SlangPy's VectorizeGridArgTo): int or
+# uint, or their vectors of 2 or 3, as written or as reflection names them (vector<int,2>).
+_GRID_INDEX = re.compile(r"(u?int)([23])?|vector<\s*(u?int)\s*,\s*([23])\s*>")
 _lock = threading.Lock()
 
 
@@ -84,7 +90,7 @@ def _part(native: Any, which: str) -> Any:
 
 
 def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) -> tuple | None:
-    """Per parameter: ("g",) the grid, ("n", differentiable) a number, ("t", D, type,
+    """Per parameter: ("g", dims) the grid, ("n", differentiable) a number, ("t", D, type,
     fields, innermost strides are 1) a tensor; None where the call is not covered.
     ``natives``: the SlangPy values a backward binds (None: a forward call); ``target``:
     the function the kernel calls (``fn``, or its masked wrapper, of the same parameters)."""
@@ -106,10 +112,10 @@ def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) 
             storages.add(id(value.storage))
             continue
         if is_grid(value):
-            if p.type_name not in ("int", "uint") or not _plain_1d_grid(value):
+            if not _plain_grid(value, p.type_name):
                 return None
             grids += 1
-            layout.append(("g",))
+            layout.append(("g", len(value.shape)))
         elif type(value) in (float, int) and p.type_name == "float":
             if not -_FLOAT_MAX <= float(value) <= _FLOAT_MAX:
                 return None  # (SlangPy's path names it)
@@ -138,8 +144,49 @@ def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) 
     return tuple(out)
 
 
-def _plain_1d_grid(grid: Any) -> bool:
-    return len(grid.shape) == 1 and list(grid.stride) == [1] and list(grid.offset) == [0]
+def _plain_grid(grid: Any, type_name: str) -> bool:
+    """A grid of known shape, stride 1 and offset 0 on each axis, at a parameter of its
+    dimensions (``int2`` for two: a strided or offset grid keeps SlangPy's path)."""
+    dims = len(grid.shape)
+    return (
+        _index_type(type_name)[1] == dims
+        and all(int(size) >= 0 for size in grid.shape)  # (-1: a size the call decides)
+        and list(grid.stride) == [1] * dims
+        and list(grid.offset) == [0] * dims
+    )
+
+
+def _index_type(type_name: str) -> tuple[str, int]:
+    """An index parameter's integer type and dimensions (``("int", 2)`` for ``int2``);
+    ``("", 0)``: not one a grid fills."""
+    m = _GRID_INDEX.fullmatch(type_name.strip())
+    if m is None:
+        return "", 0
+    scalar, dims = m.group(1) or m.group(3), m.group(2) or m.group(4) or "1"
+    return scalar, int(dims)
+
+
+def _grid_index(type_name: str, dims: int) -> str:
+    """The grid index of the thread at flat index ``pydiff_i`` (row-major, the last axis the
+    fastest, as SlangPy's call ids): a vector's ``.x`` is the last axis, as SlangPy's grid
+    gives it. ``pydiff_gs{a}``: axis a's row-major stride; ``pydiff_gd{a}``: its size."""
+    scalar, parts = _index_type(type_name)[0], []
+    if dims == 1:
+        return f"{scalar}(pydiff_i)"
+    for axis in reversed(range(dims)):
+        at = "pydiff_i" if axis == dims - 1 else f"pydiff_i / pydiff_gs{axis}"
+        if axis > 0:  # (axis 0 needs no modulo: the flat index is below the grid's size)
+            at = f"({at}) % pydiff_gd{axis}"
+        parts.append(f"{scalar}({at})")
+    return f"{scalar}{dims}({', '.join(parts)})"
+
+
+def _grid_uniforms(shape: Any) -> dict:
+    """The values of the uniforms ``_grid_index`` reads, for a grid of ``shape``."""
+    sizes = [int(size) for size in shape]
+    out = {f"pydiff_gd{a}": sizes[a] for a in range(1, len(sizes))}
+    out.update({f"pydiff_gs{a}": math.prod(sizes[a + 1 :]) for a in range(len(sizes) - 1)})
+    return out
 
 
 def _leaf(var: str, name: str, buffer: str, dims: int, unit: int) -> tuple[list, str]:
@@ -164,7 +211,10 @@ def _source(fn: FunctionTarget, layout: tuple, backward: bool, looped: bool) -> 
     build, args = [], []
     for i, kind in enumerate(layout):
         if kind[0] == "g":
-            args.append(f"{fn.signature.params[i].type_name}(pydiff_i)")
+            dims = kind[1]
+            params += [f"uniform uint pydiff_gd{a}" for a in range(1, dims)]
+            params += [f"uniform uint pydiff_gs{a}" for a in range(dims - 1)]
+            args.append(_grid_index(fn.signature.params[i].type_name, dims))
         elif kind[0] == "n":
             params.append(f"uniform float pydiff_a{i}")
             if kind[1]:  # a differentiable number: its gradient is not wanted
@@ -229,7 +279,9 @@ def _run(fn: FunctionTarget, bound: list, natives: list | None, target: Any) -> 
         return False
     bindings: dict = {"pydiff_n": call_size(bound)}
     for i, ((_, value), kind) in enumerate(zip(bound, layout)):
-        if kind[0] == "n":
+        if kind[0] == "g":
+            bindings.update(_grid_uniforms(value.shape))
+        elif kind[0] == "n":
             bindings[f"pydiff_a{i}"] = float(value)
         elif kind[0] == "t":
             native = value.bind(True) if natives is None else natives[i]

@@ -117,10 +117,11 @@ def test_calls_it_does_not_cover_keep_slangpys_path(mod, device, monkeypatch):
     y = pydiff.zeros((64,), device=device)
     mod.polynomial(spy.grid((64,)), 2.0, 8.0, -1.0, x, y)  # small
     np.testing.assert_allclose(y.numpy(), _poly64(xs), rtol=1e-6, atol=1e-5)
-    x2 = pydiff.tensor(np.ones((64, 64), np.float32), device=device)
-    y2 = pydiff.zeros((64, 64), device=device)
-    mod.pair(spy.grid((64, 64)), x2, y2)  # a 2-D grid
-    np.testing.assert_array_equal(y2.numpy(), 2.0)
+    x2 = pydiff.tensor(np.ones((128, 64), np.float32), device=device)
+    y2 = pydiff.zeros((128, 64), device=device)
+    mod.pair(spy.grid((64, 64), stride=(2, 1)), x2, y2)  # a strided grid (2-D: covered)
+    np.testing.assert_array_equal(y2.numpy()[::2], 2.0)
+    np.testing.assert_array_equal(y2.numpy()[1::2], 0.0)
     big = pydiff.tensor(np.ones(N, np.float32), device=device, requires_grad=True)
     out = pydiff.zeros((N,), device=device)
     with pydiff.Tape():
