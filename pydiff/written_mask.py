@@ -8,7 +8,8 @@ dL/d before is the upstream plus those reads, and SlangPy has no way to know whi
 those are. pydiff calls such a function through a generated wrapper whose tensor parameter
 is a ``PydiffMaskedRWDiffTensor`` (shaders/pydiff_written_mask.slang): its store backward
 marks each element it reads the upstream of, and pydiff adds the upstream wherever nothing
-was marked.
+was marked. An element marked twice (threads raced on it in the forward) is recorded on the
+device too, so the check reads back 8 bytes rather than the marks.
 
     mask = WrittenMask(device, t.shape)
     native = mask.bind(p, bound)              # the wrapper's argument for parameter p
@@ -17,15 +18,16 @@ was marked.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Protocol
 
 import numpy as np
 import slangpy as spy
 
-from .creation import zeros
 from .device import Device
 from .signature import ParamInfo, Signature, stem
+from .storage import allocate
 from .tensor import Tensor
 
 MODULE = "pydiff_written_mask"
@@ -155,38 +157,54 @@ def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
 
 
 class WrittenMask:
-    """One uint per element of a tensor a call writes: how many stores its backward saw."""
+    """One uint per element of a tensor a call writes: how many stores its backward saw;
+    after them, how many elements were stored more than once and the lowest flat index of
+    one (complemented), which the store backward records (shaders/pydiff_written_mask.slang)."""
 
     def __init__(self, device: Device, shape: tuple[int, ...]):
         self.device = device
-        self.flags = zeros(shape, dtype="uint", device=device)
+        self.shape = tuple(shape)
+        numel = math.prod(self.shape)
+        # In a pooled buffer of float4s: a new one of 2^22 uints took lavapipe 9 ms to zero
+        # (its pages touched for the first time), a reused one 0.5 ms.
+        whole = allocate(device, (numel + 2,), "float", what="a written mask")
+        uint = device.dtype("uint")
+        whole = spy.Tensor(whole.storage, uint, [numel + 2], [1], 0)
+        # The SlangPy tensors are kept here and bound without the flush of Tensor.native: the
+        # zeroing stays queued, in order, with the call.
+        Tensor(whole, device).zero_()
+        self.counts = spy.Tensor(whole.storage, uint, [numel], [1], 0).view(self.shape)
+        self.races = Tensor(spy.Tensor(whole.storage, uint, [2], [1], numel), device)
 
     def check_single_writes(self, scope: Any, label: str, name: str) -> None:
         """Raise if two threads stored one element: the forward raced on it, and its upstream
-        was read once per store (a gradient counted twice)."""
+        was read once per store (a gradient counted twice). Reads back 8 bytes (the whole
+        counts only to name the element of a refused call)."""
         scope.flush()
-        counts = self.flags.numpy()
-        if counts.size and counts.max() > 1:
-            at = tuple(int(i) for i in np.argwhere(counts > 1)[0])
-            raise ValueError(
-                f"{label}: parameter '{name}': element {at} was stored {int(counts[at])} times "
-                f"by one call ({int((counts > 1).sum())} element(s) stored more than once): "
-                "threads raced on it in the forward and its upstream gradient was counted "
-                "once per store. Give each thread elements of its own (distinct indices)"
-            )
+        raced, complement = (int(v) for v in self.races.numpy())
+        if raced == 0:
+            return
+        at = tuple(int(i) for i in np.unravel_index(~complement & 0xFFFFFFFF, self.shape))
+        stored = int(Tensor(self.counts, self.device).numpy()[at])
+        raise ValueError(
+            f"{label}: parameter '{name}': element {at} was stored {stored} times "
+            f"by one call ({raced} element(s) stored more than once): "
+            "threads raced on it in the forward and its upstream gradient was counted "
+            "once per store. Give each thread elements of its own (distinct indices)"
+        )
 
     def bind(self, p: ParamInfo, bound: spy.Tensor) -> dict:
         """The wrapper's argument for ``p``: the tensor SlangPy would have bound, plus the mask."""
-        return {"_type": _masked_type(p), "inner": bound, "written": self.flags.native}
+        return {"_type": _masked_type(p), "inner": bound, "written": self.counts}
 
     def pass_unwritten(self, scope: Any, upstream: Tensor, grad: Tensor) -> None:
         """grad += upstream wherever the call wrote nothing (in order with the call)."""
         lib = _library(self.device)
-        scope.dispatch(lib.pydiff_pass_unwritten, self.flags.native, upstream.native, grad.native)
+        scope.dispatch(lib.pydiff_pass_unwritten, self.counts, upstream.native, grad.native)
 
     def clear_written(self, scope: Any, grad: Tensor) -> None:
         """grad = 0 wherever the call wrote (in order with the call)."""
-        scope.dispatch(_library(self.device).pydiff_clear_written, self.flags.native, grad.native)
+        scope.dispatch(_library(self.device).pydiff_clear_written, self.counts, grad.native)
 
 
 def clear_overwritten(scope: Any, device: Device, cleared: list) -> None:
