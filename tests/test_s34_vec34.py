@@ -393,3 +393,28 @@ def test_negative_zero_gradients_keep_slangpy_bits(device, m, forced, layout):
     gen, ref, counts = _paths(forced, run)
     assert counts["backward: vector"] == 1
     _same(gen, ref)
+
+
+def test_threads_walk_the_call_past_the_dispatch_limit(device, m, forced):
+    """Past MAX_GROUPS groups each thread loops over several elements (here 2 groups of 256
+    threads for 1000 elements, as 2^24 elements would on a GPU's 65535 groups)."""
+    forced.setattr(pydiff.generated_vector, "MAX_GROUPS", 2)
+    rng = np.random.default_rng(15)
+    ns, ls, us = (rng.standard_normal((1000, 3)).astype(np.float32) for _ in range(3))
+
+    def run():
+        N = _vec(device, ns, "float3", requires_grad=True)
+        L = _vec(device, ls, "float", requires_grad=True)
+        y = m.shade(N, L, 2.0)
+        m.shade.bwds(N, L, 2.0, _result=y.with_grads(grad_in=_vec(device, us, "float3")))
+        v, dv = m.shade.fwds(N.detach().with_tangent(_vec(device, us, "float3")), L, 2.0)
+        return [y.numpy(), N.grad.numpy(), L.grad.numpy(), v.numpy(), dv.numpy()]
+
+    gen, ref, counts = _paths(forced, run)
+    assert counts["forward: vector"] == 1 and counts["backward: vector"] == 1
+    assert counts["fwds: vector"] == 1
+    _same(gen, ref)
+    y, gn, gl, _ = _shade64(*(a.astype(np.float64) for a in (ns, ls)), 2.0, us.astype(np.float64))
+    np.testing.assert_allclose(gen[0], y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gen[1], gn, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gen[2], gl, rtol=1e-5, atol=1e-5)
