@@ -1,5 +1,6 @@
 """Generated kernels (pydiff.generated) against pydiff's SlangPy path and NumPy in place: the
-polynomial of samples/polynomial.slang, forward + backward (gradient added into x's buffer).
+polynomial of samples/polynomial.slang, forward + backward (gradient added into x's buffer),
+and a float3 shading function (pydiff.generated_vector) called as users write it.
 
     python benchmarks/bench_generated.py [--sizes 20 24] [--rounds 7]
 
@@ -8,7 +9,9 @@ generated forward and backward kernels, the same call through SlangPy (``m.polyn
 then ``.bwds``), the plain call users write (``y = m.polynomial(...)``: a new result each
 call) then ``.bwds``, and NumPy computing the values and the closed-form gradient in place
 (preallocated outputs, one core) and with new arrays. Also the host cost per call at 16
-elements. Prints ratios; the tests never assert on speed.
+elements. The ``shade`` rows: ``y = m.shade(N, L, 2.0)`` then ``.bwds`` over N, L float
+tensors of shape (n, 3) (float3 elements), generated against ``PYDIFF_GENERATED=0``, and
+NumPy's forward. Prints ratios; the tests never assert on speed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,39 @@ from pydiff import generated
 from timing import describe, interleaved
 
 SOURCE = Path(__file__).resolve().parent.parent / "samples" / "polynomial.slang"
+SHADE = """
+[Differentiable] float3 shade(float3 n, float3 l, float k)
+{ return k * max(dot(n, l), 0.0) * n + 0.1 * l; }
+"""
+
+
+def shade_contenders(dev, m, n: int) -> dict:
+    rng = np.random.default_rng(0)
+    ns, ls = (rng.standard_normal((n, 3)).astype(np.float32) for _ in range(2))
+    N = pydiff.tensor(ns, device=dev, requires_grad=True)
+    L = pydiff.tensor(ls, device=dev, requires_grad=True)
+    up = pydiff.tensor(np.ones((n, 3), np.float32), device=dev, dtype="float3")
+
+    def call():
+        y = m.shade(N, L, 2.0)
+        m.shade.bwds(N, L, 2.0, _result=y.with_grads(grad_in=up))
+        dev.native.wait_for_idle()
+
+    def slangpy():
+        saved = os.environ.get("PYDIFF_GENERATED")
+        os.environ["PYDIFF_GENERATED"] = "0"
+        try:
+            call()
+        finally:
+            os.environ.pop("PYDIFF_GENERATED")
+            if saved is not None:
+                os.environ["PYDIFF_GENERATED"] = saved
+
+    def numpy_forward():
+        d = np.einsum("ij,ij->i", ns, ls)
+        _ = 2.0 * np.maximum(d, 0.0)[:, None] * ns + 0.1 * ls
+
+    return {"generated": call, "pydiff SlangPy path": slangpy, "NumPy forward only": numpy_forward}
 
 
 def contenders(dev, m, n: int) -> dict:
@@ -95,6 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = pydiff.default_device()
     m = pydiff.load_module(SOURCE, device=dev)
+    shade = pydiff.load_module_from_source("bench_shade", SHADE, device=dev)
     print(f"device: {describe(dev)}")
     print(f"{'case':<14}{'contender':<22}{'median':>10}{'min':>10}{'/ generated':>13}")
     for log2 in [4, *args.sizes]:
@@ -117,6 +154,17 @@ def main() -> None:
             )
         gen, np_t = base, times["NumPy in place"][0]
         print(f"{'':<14}generated / NumPy in place = {gen / np_t:.2f}x")
+        if small:
+            continue
+        times = interleaved(
+            shade_contenders(dev, shade, n), rounds=args.rounds, inner=1, warmup=2, pause=0.25
+        )
+        base = times["generated"][0]
+        for name, (med, low) in times.items():
+            print(
+                f"{'shade 2^' + str(log2):<14}{name:<22}{med * 1e3:>8.1f}ms{low * 1e3:>8.1f}"
+                f"ms{med / base:>12.2f}x"
+            )
     print(f"paths taken: {generated.stats()}")
 
 

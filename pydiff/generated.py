@@ -182,7 +182,7 @@ def _group(numel: int) -> int:
     return SMALL_GROUP if -(-numel // 4) <= SMALL_COUNT else GROUP
 
 
-def _compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]) -> Any:
+def compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]) -> Any:
     """The kernel for ``key``, built from the source ``make()`` returns once per device (the
     ``KERNELS_MAX`` most recently used are kept); None, remembered, if it fails to build:
     the call falls back."""
@@ -259,7 +259,7 @@ def forward_kernel(fn: FunctionTarget, args: list, shape: Any, out: Tensor | Non
     group = _group(math.prod(shape))
     paired = dev.kernels.paired_stores
     key = (fn, "fwd", kinds, dev.typed_loads, group, paired)
-    kernel = _compiled(
+    kernel = compiled(
         fn,
         key,
         "pydiff_gen_fwd",
@@ -325,7 +325,7 @@ def backward_kernel(fn: FunctionTarget, args: list, upstream: Tensor, grads: dic
     group = _group(upstream.numel)
     paired = dev.kernels.paired_stores
     key = (fn, "bwd", kinds, sums, scalars, dev.typed_loads, group, paired)
-    kernel = _compiled(
+    kernel = compiled(
         fn,
         key,
         "pydiff_gen_bwd",
@@ -433,7 +433,7 @@ def fwds(
     group = _group(math.prod(shape))
     paired = dev.kernels.paired_stores
     key = (fn, "fwds", kinds, tkinds, dev.typed_loads, group, paired)
-    kernel = _compiled(
+    kernel = compiled(
         fn,
         key,
         "pydiff_gen_fwds",

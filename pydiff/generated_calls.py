@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capturing, generated, generated_grid, written_mask
+from . import capturing, generated, generated_grid, generated_vector, written_mask
 from .arguments import MISSING
 from .bwds_checks import warn_no_gradient
 from .call_shape import zero_d_call
@@ -51,6 +51,8 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
     if not _large(args):
         return None
     given = result if type(result) is Tensor else None
+    if generated_vector.involves(fn):
+        return generated_vector.forward(fn, args, out=given)
     return generated.forward(fn, args, None if given is None else given.shape, out=given)
 
 
@@ -105,7 +107,8 @@ def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -
     grads = {
         i: v.grad_out for i, (p, v) in enumerate(bound) if type(v) is Tensor and p.differentiable
     }
-    return generated.backward(fn, [v for _, v in bound], result.grad_in, grads)
+    backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward
+    return backward(fn, [v for _, v in bound], result.grad_in, grads)
 
 
 def call_backward_in_scope(
@@ -151,7 +154,8 @@ def call_backward_in_scope(
             else:
                 scope.before_accumulate(v, grad, f"{fn.label}: parameter '{p.name}'")
 
-    if not generated.backward(fn, [v for _, v in bound], result.grad_in, grads, before):
+    backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward
+    if not backward(fn, [v for _, v in bound], result.grad_in, grads, before):
         return False
     if id(result.storage) in prior:  # overwritten: the value before gets no gradient
         scope.clear(dev, result.grad_in.native)
@@ -176,7 +180,10 @@ def call_fwds(fn: FunctionTarget, bound: list, call_args: list, want: str) -> An
         tangents.append(tangent)
     if not _large(args):
         return None
-    out = generated.fwds(fn, args, tangents)
+    if generated_vector.involves(fn):
+        out = generated_vector.fwds(fn, args, tangents)
+    else:
+        out = generated.fwds(fn, args, tangents)
     if out is None or want != "numpy":
         return out
     return out[0].numpy(), out[1].numpy()

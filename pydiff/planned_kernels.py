@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import generated
+from . import generated, generated_vector
 from .creation import empty
 from .signature import FunctionTarget
 from .tensor import Tensor
@@ -56,6 +56,8 @@ class ForwardLaunch:
     def make(fn: FunctionTarget, args: tuple, result: Any) -> "ForwardLaunch | None":
         """The launch of this layout, or None when the generator does not cover it (a
         parameter not a float, a tensor not float4 storage, ...: the reason in ``stats()``)."""
+        if generated_vector.involves(fn):
+            return None  # the full path's (generated_vector), for large calls
         given = result if type(result) is Tensor else None
         shape = generated.call_shape(list(args))
         kernel = generated.forward_kernel(fn, list(args), shape, given)
@@ -102,6 +104,9 @@ class BackwardLaunch:
     def run(self, fn: FunctionTarget, args: tuple, upstream: Tensor, grads: dict) -> bool:
         """Add the gradients (``grads``: parameter index -> its gradient tensor, in order);
         False, nothing done, where these values or the layout rule the kernel out."""
+        if generated_vector.involves(fn):
+            self.covered = False  # float vectors: the full path's (generated_vector), if large
+            return False
         if not upstream.float4:
             return False
         read = {id(upstream.storage)}
