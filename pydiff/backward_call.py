@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import broadcast_grad, generated_calls, written_mask
+from . import backward_failures, broadcast_grad, generated_calls, written_mask
 from .arguments import (
     MISSING,
     PLAIN,
@@ -346,7 +346,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     try:
         fn.native_bwds(*native_args, **options)
     except Exception as exc:
-        raise resolve_error(fn, exc) from None
+        raise backward_failures.kept(fn, resolve_error(fn, exc)) from None
     for grad in written:
         grad.storage.holds_result_of = fn.bwds_label
     return True
@@ -373,6 +373,7 @@ def backward_call(
         )
     if fn.module.traps:
         fn.check_traps()
+    backward_failures.check(fn)  # (SlangPy crashes building a failed backward again)
     args, kwargs = positional_result(fn, args, kwargs)
     bound, options = bind_arguments(fn, args, kwargs)
     bwds_arguments_checked(fn, bound, kwargs.get("_result"))
@@ -435,7 +436,7 @@ def backward_call(
                 node = fn.bwds_kernel(tuple(b.no_grad)) if b.no_grad else fn.native_bwds
                 scope.dispatch(node, *native_args, **options)
         except Exception as exc:
-            raise resolve_error(fn, exc) from None
+            raise backward_failures.kept(fn, resolve_error(fn, exc)) from None
         b.after_call()
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
