@@ -131,7 +131,7 @@ class _Backward:
             if p.writes_value:  # the backward reruns the forward: not into the caller's values
                 return t.copy_values().native if p.reads_value else primal_sink(self.device, t)
             return t.native
-        if p.tensor_kind == "diff" and not t.requires_grad:
+        if p.tensor_kind == "diff" and not t.requires_grad and not p.no_diff_tensor:
             raise ValueError(
                 f"{self._desc(p)} is a concrete {p.type_name}: it needs a tensor with gradient "
                 f"buffers (requires_grad=True / .with_grads()); SlangPy would bind a null "

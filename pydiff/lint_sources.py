@@ -40,8 +40,10 @@ class ModuleScan:
     imported: list[Finding] = field(default_factory=list)
     #: function name -> the refusing findings its backward reaches (see lint.affected_functions)
     traps: dict[str, list[Finding]] = field(default_factory=dict)
-    #: every file read besides the module's own, in the order found
+    #: every file read besides the module's own, in the order found, and their texts
+    #: (preprocessed)
     files: list[str] = field(default_factory=list)
+    imported_texts: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ def scan_module(
         every.append((blank_comments_and_strings(scan.text), name, own))
         if not own:
             texts.append(scan.text)
+            result.imported_texts.append(scan.text)
         for path, inc_text, inc_macros in scan.included:
             if path not in seen:
                 seen.add(path)

@@ -8,7 +8,7 @@ sig.return_type, sig.differentiable            # 'float', True
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import slangpy as spy
@@ -63,9 +63,10 @@ class ParamInfo:
     #: the fields of a struct parameter, as reflected (None: not a struct); a dict argument
     #: is checked and converted field by field against them (struct_values)
     struct_fields: tuple[FieldInfo, ...] | None = None
-    #: an interface tensor parameter marked ``no_diff``: its loads still add gradients into
-    #: whatever gradient buffer is bound, so the backward binds a throwaway one (``no_diff``
-    #: itself stays False for tensors: it means a value's differential elsewhere)
+    #: a diff tensor parameter (interface or concrete) marked ``no_diff``: its loads still
+    #: add gradients into whatever gradient buffer is bound, so the backward binds a
+    #: throwaway one (``no_diff`` itself stays False for tensors: it means a value's
+    #: differential elsewhere)
     no_diff_tensor: bool = False
 
     @property
@@ -287,6 +288,21 @@ class Signature:
             ret.full_name if ret is not None else "void",
             bool(reflected.differentiable),
         )
+
+    def with_no_diff_tensors(self, marked: set[str]) -> "Signature":
+        """This signature with ``no_diff_tensor`` set on the diff tensor parameters named in
+        ``marked`` (the parameters the source marks ``no_diff``: lint_nodiff).
+
+        >>> sig.with_no_diff_tensors({"y"}).params[2].no_diff_tensor   # IWDiffTensor y
+        True
+        """
+        if not marked:
+            return self
+        params = [
+            replace(p, no_diff_tensor=p.name in marked and p.tensor_kind in ("diff", "idiff"))
+            for p in self.params
+        ]
+        return replace(self, params=params)
 
     def __str__(self) -> str:
         params = ", ".join(f"{p.type_name} {p.name}" for p in self.params)

@@ -1,0 +1,138 @@
+"""Breaker break34: grid calls of two and three dimensions, and ``no_diff`` written tensors.
+
+``no_diff`` on tensor parameters is read from the source (reflection reports ``no_diff`` for
+every tensor parameter). The scan keyed functions by their plain name and knew only the
+interface spellings, so a gradient flowed through, or was dropped from, the wrong parameters:
+
+- a global ``f`` beside a namespaced ``A::f`` with a ``no_diff`` parameter of the same name
+  lost its gradient (and warned);
+- ``no_diff`` on a ``typealias`` of an interface tensor, on a concrete ``DiffTensor`` /
+  ``WDiffTensor``, and in a function of an imported module was ignored: the gradient flowed
+  through, silently.
+
+Expected gradients are closed forms (z = 3 x is the only path a no_diff y leaves).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import slangpy as spy
+
+import pydiff
+from pydiff.errors import GradientFlowWarning
+from pydiff.lint_nodiff import no_diff_tensors
+
+SOURCE = """import slangpy;
+namespace A {
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+}
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+typealias Out = IWDiffTensor<float, 1>;
+[Differentiable]
+void aliased(int idx, IDiffTensor<float, 1> x, no_diff Out y, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+[Differentiable]
+void concrete(int idx, IDiffTensor<float, 1> x, no_diff WDiffTensor<float, 1> y,
+              IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+[Differentiable]
+void concrete_read(int idx, no_diff DiffTensor<float, 1> s, IDiffTensor<float, 1> x,
+                   IWDiffTensor<float, 1> z)
+{ float v = x[idx]; z[idx] = s[idx] * 3.0 * v; }
+"""
+LIBRARY = """import slangpy;
+[Differentiable]
+public void stores(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y,
+                   IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+"""
+# 64 elements: SlangPy's kernel; 8192: the generated grid kernel (past MIN_ELEMENTS)
+SIZES = [64, 8192]
+
+_loaded = 0
+
+
+@pytest.fixture
+def module(device):
+    global _loaded  # a module name of its own per test: the warnings are once per line
+    _loaded += 1
+    return pydiff.load_module_from_source(f"s34_break34_{_loaded}", SOURCE, device=device)
+
+
+def _bwds(device, fn, n, concrete_y=False):
+    """``fn(grid, x, y, z)`` then its ``.bwds`` with ones upstream; returns x's gradient."""
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    z = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    fn(spy.grid((n,)), x, y, z)
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(z.numpy(), 3.0 * xs.astype(np.float64), rtol=1e-6)
+    fn.bwds(spy.grid((n,)), x, y, z)
+    np.testing.assert_array_equal(y.grad.numpy(), 1.0)  # no_diff: left as it was
+    return xs.astype(np.float64), x.grad.numpy()
+
+
+def test_the_scan_names_functions_by_their_namespaces():
+    source = """
+    namespace A { namespace B.C { void f(no_diff IDiffTensor<float, 1> a) { if (true) { } } } }
+    struct S<T> : IFoo { static void g(int i, no_diff Out b, float c = float(1)) { } }
+    void f(IDiffTensor<float, 1> a, no_diff DiffTensor<float, 2> d[2]) { { } }
+    """
+    assert no_diff_tensors(source) == {"A::B::C::f": {"a"}, "S::g": {"b"}, "f": {"d"}}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_global_function_beside_a_namespaced_one_keeps_its_gradient(device, module, n):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFlowWarning)  # y is not no_diff here
+        xs, gx = _bwds(device, module.f, n)
+    np.testing.assert_allclose(gx, 3.0 + 2.0 * xs, rtol=1e-6, atol=1e-6)
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+        _, gx = _bwds(device, getattr(module, "A::f"), n)
+    np.testing.assert_allclose(gx, 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["aliased", "concrete"])
+def test_no_diff_through_an_alias_or_a_concrete_tensor(device, module, n, name):
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+        _, gx = _bwds(device, getattr(module, name), n)
+    np.testing.assert_allclose(gx, 3.0, rtol=1e-6)  # not 3 + 2 x
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_no_diff_concrete_diff_tensor_read(device, module, detached):
+    n = 64
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    ss = np.linspace(1.0, 2.0, n, dtype=np.float32)
+    s = pydiff.tensor(ss, device=device)
+    s = s if detached else s.with_grads(zero=True)  # detached: no buffer wanted (no_diff)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    z = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module.concrete_read.bwds(spy.grid((n,)), s, x, z)
+    flow = [w for w in seen if issubclass(w.category, GradientFlowWarning)]
+    assert len(flow) == (0 if detached else 1)
+    np.testing.assert_allclose(x.grad.numpy(), 3.0 * ss.astype(np.float64), rtol=1e-6)
+    if not detached:
+        np.testing.assert_array_equal(s.grad.numpy(), 0.0)  # not 3 x
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_no_diff_in_an_imported_modules_function(device, tmp_path, n):
+    (tmp_path / "b34lib.slang").write_text(LIBRARY)
+    main = tmp_path / f"b34main{n}.slang"  # (a name per test: the warning is once per line)
+    main.write_text("import slangpy;\n__exported import b34lib;\n")
+    m = pydiff.load_module(str(main), device=device)
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+        _, gx = _bwds(device, m.stores, n)
+    np.testing.assert_allclose(gx, 3.0, rtol=1e-6)  # not 3 + 2 x
