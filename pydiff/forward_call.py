@@ -273,6 +273,7 @@ def _record(
 ) -> None:
     """Put a forward call on the tape, giving its outputs gradient buffers when needed."""
     reads, writes, values, plain, views = [], [], [], [], []
+    kept_in_place: list[Tensor] = []  # no_diff in-place: its gradient is cleared where written
     needs_grad = False
     for i, (p, value) in enumerate(bound):
         tensors = nested_tensors(value)  # the tensor itself, or those in a struct's fields
@@ -287,6 +288,7 @@ def _record(
             copies = nested_tensors(snapshots[i])
             pairs = [(with_values_of(t, c), t) for t, c in zip(tensors, copies)]
             views += pairs
+            kept_in_place += [v for v, _ in pairs] if p.no_diff_tensor else []
             reads += [(desc, c) for c in copies]
             writes += tensors
             it = iter(v for v, _ in pairs)
@@ -297,7 +299,7 @@ def _record(
             if p.writes_value:
                 writes += tensors
             values.append(value)
-        if p.writes_value and not (p.differentiable or p.is_diff_tensor):
+        if p.writes_value and (not (p.differentiable or p.is_diff_tensor) or p.no_diff_tensor):
             plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
     if type(out) is Tensor:
         writes.append(out)
@@ -311,7 +313,7 @@ def _record(
     overwritten += [out] if type(out) is Tensor else []
     prior = frozenset(
         id(t.storage)
-        for t in overwritten
+        for t in overwritten + kept_in_place
         if type(t) is Tensor and (t.requires_grad or t.producer is tape)
     )
     # Leaves (gradients of their own) this call overwrites, in place or as outputs.

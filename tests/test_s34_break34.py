@@ -11,6 +11,11 @@ interface spellings, so a gradient flowed through, or was dropped from, the wron
   through, silently.
 
 Expected gradients are closed forms (z = 3 x is the only path a no_diff y leaves).
+
+On a tape, a ``no_diff`` written tensor kept the gradient of its value after the call as the
+gradient of its value before: ``y = b * x`` overwritten by a no_diff store still gave b and x
+gradients through y. And a fresh output written there was given a gradient buffer, so the
+backward warned that "the tensor passed requires one" when nobody asked for one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
+from pydiff import ops
 from pydiff.errors import GradientFlowWarning
 from pydiff.lint_nodiff import no_diff_tensors
 
@@ -46,6 +52,15 @@ void concrete(int idx, IDiffTensor<float, 1> x, no_diff WDiffTensor<float, 1> y,
 void concrete_read(int idx, no_diff DiffTensor<float, 1> s, IDiffTensor<float, 1> x,
                    IWDiffTensor<float, 1> z)
 { float v = x[idx]; z[idx] = s[idx] * 3.0 * v; }
+// Stores the even elements of y only (a grid of half the size).
+[Differentiable]
+void evens(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y,
+           IWDiffTensor<float, 1> z)
+{ float v = x[2 * idx]; y[2 * idx] = v * v; z[2 * idx] = 3.0 * v; }
+[Differentiable]
+void scales(int idx, IDiffTensor<float, 1> x, no_diff IRWDiffTensor<float, 1> t,
+            IWDiffTensor<float, 1> z)
+{ float v = x[idx]; float w = t[idx]; t[idx] = w * v; z[idx] = 3.0 * v + w; }
 """
 LIBRARY = """import slangpy;
 [Differentiable]
@@ -136,3 +151,61 @@ def test_no_diff_in_an_imported_modules_function(device, tmp_path, n):
     with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
         _, gx = _bwds(device, m.stores, n)
     np.testing.assert_allclose(gx, 3.0, rtol=1e-6)  # not 3 + 2 x
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_tape_value_overwritten_through_no_diff_gets_no_gradient(device, module, n):
+    """``y = b x``, then a no_diff store overwrites the even elements of y: only the odd
+    ones still carry b x, so b's gradient is x there and 0 at the even ones."""
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    b = pydiff.tensor(np.full(n, 2.0, np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = ops.mul(b, x)
+        z = pydiff.zeros((n,), device=device)
+        module.evens(spy.grid((n // 2,)), x, y, z)
+        loss = ops.add(ops.sum(y), ops.sum(z))
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+        tape.backward(loss)
+    even = np.arange(n) % 2 == 0
+    np.testing.assert_allclose(y.numpy(), np.where(even, xs.astype(np.float64) ** 2, 2 * xs))
+    np.testing.assert_allclose(b.grad.numpy(), np.where(even, 0.0, xs), atol=1e-7)
+    np.testing.assert_allclose(x.grad.numpy(), np.where(even, 3.0, 2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_fresh_output_of_a_no_diff_parameter_is_quiet_on_a_tape(device, module, n):
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((n,), device=device)  # nobody wants its gradient: no_diff
+        z = pydiff.zeros((n,), device=device)
+        module.evens(spy.grid((n // 2,)), ops.mul(x, 1.0), y, z)
+        loss = ops.add(ops.sum(ops.mul(y, z)), ops.sum(z))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFlowWarning)
+        tape.backward(loss)
+    assert not y.requires_grad
+    # loss = sum over even i of (y z + z), y = x^2 held constant: d/dx = 3 (y + 1)
+    even = np.arange(n) % 2 == 0
+    want = np.where(even, 3.0 * (xs.astype(np.float64) ** 2 + 1.0), 0.0)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_no_diff_in_place_tensor_on_a_tape(device, module, n):
+    """t = 2 s; scales(x, t, z): z = 3 x + t, t := t x, both through the no_diff t, so s
+    gets nothing (neither the load nor the store of t carries a gradient)."""
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    s = pydiff.tensor(np.full(n, 1.5, np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        t = ops.mul(s, 2.0)
+        z = pydiff.zeros((n,), device=device)
+        module.scales(spy.grid((n,)), x, t, z)
+        loss = ops.add(ops.sum(t), ops.sum(z))
+    with pytest.warns(GradientFlowWarning, match="'t' is no_diff"):
+        tape.backward(loss)
+    np.testing.assert_allclose(t.numpy(), 3.0 * xs, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 3.0, rtol=1e-6)
+    np.testing.assert_array_equal(s.grad.numpy(), 0.0)  # not 2 (the upstream of t after)
