@@ -33,6 +33,7 @@ from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
+from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
 from . import foreign, generated_calls
 from .tape import Tape, active_tape
@@ -64,6 +65,8 @@ def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
         return value.bind(True)
     if type(value) in PLAIN:
         return value
+    if p.struct_fields is not None:
+        return bind_struct_forward(fn.module.device, p, value)
     return deep_bind(value)
 
 

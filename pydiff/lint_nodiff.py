@@ -9,6 +9,7 @@ as (a ``typealias`` too): the caller keeps those whose reflected type is a diff 
 Functions are named as pydiff names them, inside their namespaces and structs (``A::f``).
 
     no_diff_tensors("void f(int i, no_diff IDiffTensor<float, 1> x, ...) {...}")  # {'f': {'x'}}
+    no_diff_fields("struct S { no_diff DiffTensor<float, 1> t; };")             # {'S': {'t'}}
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 _NAME_BEFORE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^<>(){};]*>\s*)?$")
 _RETURN_TYPE = re.compile(r"\)\s*->[^(){};]*$")
 # A scope that names the functions inside it: ``namespace A.B {``, ``struct S<T> : I {``.
-_SCOPE = re.compile(r"\b(?:namespace|struct|class|extension|interface)\s+([A-Za-z_][\w.:]*)")
+_SCOPE = re.compile(r"\b(namespace|struct|class|extension|interface)\s+([A-Za-z_][\w.:]*)")
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*(?::\s*\w+\s*)?(?:=.*)?$", re.S)
 
@@ -66,25 +67,28 @@ def _marked(params: str) -> set[str]:
     return names
 
 
-def _scan(text: str, found: dict[str, set[str]]) -> None:
+def _scan(text: str, found: dict[str, set[str]], fields: dict[str, set[str]]) -> None:
     text = _COMMENTS.sub(" ", text)
-    scopes: list[str | None] = []  # a name per open brace: a namespace or struct, else None
+    # a (name, kind) per open brace: a namespace's or a struct's, else None
+    scopes: list[tuple[str, str] | None] = []
     in_body = 0  # braces open inside a function's body
     start = 0  # where the text before the next brace begins
     for brace in re.finditer(r"[{};]", text):
         c = brace.group()
+        head = text[start : brace.start()]
+        start = brace.end()
         if c == ";":
-            start = brace.end()
+            inner = scopes[-1] if scopes else None
+            field = _NAME.search(head.strip()) if "no_diff" in head.split() else None
+            if not in_body and inner and inner[1] != "namespace" and "(" not in head and field:
+                fields.setdefault(_qualified(scopes, None), set()).add(field.group(1))
             continue
         if c == "}":
             if in_body:
                 in_body -= 1
             elif scopes:
                 scopes.pop()
-            start = brace.end()
             continue
-        head = text[start : brace.start()]
-        start = brace.end()
         if in_body:
             in_body += 1
             continue
@@ -93,11 +97,15 @@ def _scan(text: str, found: dict[str, set[str]]) -> None:
         if header is not None and scope is None:
             names = _marked(header[1])
             if names:
-                outer = [s for s in scopes if s]
-                found.setdefault("::".join([*outer, header[0]]), set()).update(names)
+                found.setdefault(_qualified(scopes, header[0]), set()).update(names)
             in_body = 1
             continue
-        scopes.append(scope.group(1).replace(".", "::") if scope is not None else None)
+        named = (scope.group(2).replace(".", "::"), scope.group(1)) if scope else None
+        scopes.append(named)
+
+
+def _qualified(scopes: list, name: str | None) -> str:
+    return "::".join([s[0] for s in scopes if s] + ([name] if name else []))
 
 
 def no_diff_tensors(source: str, imported: Iterable[str] = ()) -> dict[str, set[str]]:
@@ -108,7 +116,22 @@ def no_diff_tensors(source: str, imported: Iterable[str] = ()) -> dict[str, set[
     >>> no_diff_tensors("namespace A { void f(int i, no_diff IDiffTensor<float, 1> x) { } }")
     {'A::f': {'x'}}
     """
+    return _scan_all(source, imported)[0]
+
+
+def no_diff_fields(source: str, imported: Iterable[str] = ()) -> dict[str, set[str]]:
+    """Per struct (its name with its namespaces: ``A::S``), the names of its fields marked
+    ``no_diff``, in ``source`` and the ``imported`` files' texts.
+
+    >>> no_diff_fields("struct S { no_diff DiffTensor<float, 1> t; float a; };")
+    {'S': {'t'}}
+    """
+    return _scan_all(source, imported)[1]
+
+
+def _scan_all(source: str, imported: Iterable[str]) -> tuple[dict, dict]:
     found: dict[str, set[str]] = {}
+    fields: dict[str, set[str]] = {}
     for text in (source, *imported):
-        _scan(text, found)
-    return found
+        _scan(text, found, fields)
+    return found, fields

@@ -26,7 +26,7 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .lint_nodiff import no_diff_tensors
+from .lint_nodiff import no_diff_fields, no_diff_tensors
 from .signature import ParamInfo, Signature, stem
 
 
@@ -64,6 +64,7 @@ class Module:
         self.traps: dict[str, list[lint.Finding]] = {}
         #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
         self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
+        self.no_diff_fields = no_diff_fields(source) if source is not None else {}
         self._function_names: list[str] | None = None
         if decl_module is not None:  # a file compiled again: its path gives the first version
             self._decl_loader = lambda: decl_module
@@ -82,6 +83,7 @@ class Module:
             self.traps = double_math.with_findings(scan.traps, doubles)
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(source, scan.imported_texts)
+            self.no_diff_fields = no_diff_fields(source, scan.imported_texts)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""
@@ -236,7 +238,7 @@ class ShaderFunction:
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
         marked = module.no_diff_tensors.get(name, set())  # (reflection cannot tell them)
-        self.signature = self.signature.with_no_diff_tensors(marked)
+        self.signature = self.signature.with_no_diff_tensors(marked, module.no_diff_fields)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"

@@ -32,6 +32,8 @@ class FieldInfo:
     fields: tuple["FieldInfo", ...] | None = None
     tensor_kind: str | None = None
     access: str | None = None
+    #: marked ``no_diff`` in the source (lint_nodiff): a diff tensor field gets no gradient
+    no_diff: bool = False
 
     @property
     def diff_tensor(self) -> bool:
@@ -204,6 +206,24 @@ def _no_grad_paths(t: Any, differentiable: bool, depth: int = 0) -> tuple[str, .
     return tuple(sorted(out))
 
 
+def _marked_fields(
+    type_name: str, fields: tuple[FieldInfo, ...] | None, marked: dict[str, set[str]]
+) -> tuple[FieldInfo, ...] | None:
+    """``fields`` (of the struct ``type_name``) with ``no_diff`` set on those ``marked``
+    names for it, nested structs' too."""
+    if not fields or not marked:
+        return fields
+    names = marked.get(re.sub(r"<.*", "", type_name).strip(), set())
+    return tuple(
+        replace(
+            f,
+            no_diff=f.name in names,
+            fields=_marked_fields(f.type_name, f.fields, marked),
+        )
+        for f in fields
+    )
+
+
 def field_at(p: ParamInfo, path: str) -> FieldInfo | None:
     """The reflected field at dotted ``path`` ('inner.t') of struct parameter ``p``; None
     where ``p`` is no struct or has no such field."""
@@ -289,17 +309,22 @@ class Signature:
             bool(reflected.differentiable),
         )
 
-    def with_no_diff_tensors(self, marked: set[str]) -> "Signature":
+    def with_no_diff_tensors(
+        self, marked: set[str], fields: dict[str, set[str]] | None = None
+    ) -> "Signature":
         """This signature with ``no_diff_tensor`` set on the diff tensor parameters named in
-        ``marked`` (the parameters the source marks ``no_diff``: lint_nodiff).
+        ``marked`` and ``no_diff`` on the struct fields ``fields`` names per struct (what the
+        source marks ``no_diff``: lint_nodiff; reflection cannot tell).
 
         >>> sig.with_no_diff_tensors({"y"}).params[2].no_diff_tensor   # IWDiffTensor y
         True
         """
-        if not marked:
-            return self
         params = [
-            replace(p, no_diff_tensor=p.name in marked and p.tensor_kind in ("diff", "idiff"))
+            replace(
+                p,
+                no_diff_tensor=p.name in marked and p.tensor_kind in ("diff", "idiff"),
+                struct_fields=_marked_fields(p.type_name, p.struct_fields, fields or {}),
+            )
             for p in self.params
         ]
         return replace(self, params=params)

@@ -12,6 +12,11 @@ interface spellings, so a gradient flowed through, or was dropped from, the wron
 
 Expected gradients are closed forms (z = 3 x is the only path a no_diff y leaves).
 
+A ``no_diff DiffTensor`` field of a struct got its gradient anyway, silently; and a forward
+call given a struct whose concrete ``WDiffTensor`` field held a tensor without gradient
+buffers, after one whose field held buffers, failed in SlangPy ("Missing required input
+gradients": its cached kernel expected them).
+
 On a tape, a ``no_diff`` written tensor kept the gradient of its value after the call as the
 gradient of its value before: ``y = b * x`` overwritten by a no_diff store still gave b and x
 gradients through y. And a fresh output written there was given a gradient buffer, so the
@@ -29,7 +34,7 @@ import slangpy as spy
 import pydiff
 from pydiff import ops
 from pydiff.errors import GradientFlowWarning
-from pydiff.lint_nodiff import no_diff_tensors
+from pydiff.lint_nodiff import no_diff_fields, no_diff_tensors
 
 SOURCE = """import slangpy;
 namespace A {
@@ -61,6 +66,14 @@ void evens(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y,
 void scales(int idx, IDiffTensor<float, 1> x, no_diff IRWDiffTensor<float, 1> t,
             IWDiffTensor<float, 1> z)
 { float v = x[idx]; float w = t[idx]; t[idx] = w * v; z[idx] = 3.0 * v + w; }
+struct Scale { no_diff DiffTensor<float, 1> s; float k; };
+[Differentiable]
+void scaled(int idx, Scale c, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; z[idx] = c.s[idx] * c.k * v; }
+struct Outs { no_diff WDiffTensor<float, 1> y; WDiffTensor<float, 1> z; };
+[Differentiable]
+void to_struct(int idx, IDiffTensor<float, 1> x, Outs o)
+{ float v = x[idx]; o.y[idx] = v * v; o.z[idx] = 3.0 * v; }
 """
 LIBRARY = """import slangpy;
 [Differentiable]
@@ -102,6 +115,8 @@ def test_the_scan_names_functions_by_their_namespaces():
     void f(IDiffTensor<float, 1> a, no_diff DiffTensor<float, 2> d[2]) { { } }
     """
     assert no_diff_tensors(source) == {"A::B::C::f": {"a"}, "S::g": {"b"}, "f": {"d"}}
+    fields = "namespace A { struct P { no_diff DiffTensor<float, 1> t; float u; void m(); } }"
+    assert no_diff_fields(fields + source) == {"A::P": {"t"}}
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -209,3 +224,33 @@ def test_a_no_diff_in_place_tensor_on_a_tape(device, module, n):
     np.testing.assert_allclose(t.numpy(), 3.0 * xs, rtol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), 3.0, rtol=1e-6)
     np.testing.assert_array_equal(s.grad.numpy(), 0.0)  # not 2 (the upstream of t after)
+
+
+def test_a_no_diff_diff_tensor_field_gets_no_gradient(device, module):
+    n = 64
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    ss = np.linspace(1.0, 2.0, n, dtype=np.float32)
+    s = pydiff.tensor(ss, device=device).with_grads(zero=True)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    z = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    with pytest.warns(GradientFlowWarning, match="field 's' is no_diff"):
+        module.scaled.bwds(spy.grid((n,)), {"s": s, "k": 3.0}, x, z)
+    np.testing.assert_allclose(x.grad.numpy(), 3.0 * ss.astype(np.float64), rtol=1e-6)
+    np.testing.assert_array_equal(s.grad.numpy(), 0.0)  # not 3 x
+
+
+def test_a_struct_of_written_tensors_without_gradient_buffers(device, module):
+    n = 64
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device)
+    z = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    y = pydiff.zeros((n,), device=device).with_grads()
+    module.to_struct(spy.grid((n,)), x, {"y": y, "z": z})
+    # Then without gradient buffers (the no_diff field): SlangPy's cached kernel of the call
+    # above expected them ("Missing required input gradients")
+    y = pydiff.zeros((n,), device=device)
+    module.to_struct(spy.grid((n,)), x, {"y": y, "z": z})
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(z.numpy(), 3.0 * xs.astype(np.float64), rtol=1e-6)
+    assert not y.requires_grad
+    np.testing.assert_array_equal(z.grad.numpy(), 1.0)
