@@ -44,6 +44,8 @@ class ModuleScan:
     #: (preprocessed)
     files: list[str] = field(default_factory=list)
     imported_texts: list[str] = field(default_factory=list)
+    #: the module's own text, preprocessed (macros expanded, decidable #if branches dropped)
+    own_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ def scan_module(
         if not own:
             texts.append(scan.text)
             result.imported_texts.append(scan.text)
+        else:
+            result.own_text = scan.text
         for path, inc_text, inc_macros in scan.included:
             if path not in seen:
                 seen.add(path)

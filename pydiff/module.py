@@ -82,8 +82,8 @@ class Module:
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
             self.traps = double_math.with_findings(scan.traps, doubles)
             self.source_files = list(scan.files)
-            self.no_diff_tensors = no_diff_tensors(source, scan.imported_texts)
-            self.no_diff_fields = no_diff_fields(source, scan.imported_texts)
+            self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
+            self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""

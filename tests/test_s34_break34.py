@@ -7,8 +7,8 @@ interface spellings, so a gradient flowed through, or was dropped from, the wron
 - a global ``f`` beside a namespaced ``A::f`` with a ``no_diff`` parameter of the same name
   lost its gradient (and warned);
 - ``no_diff`` on a ``typealias`` of an interface tensor, on a concrete ``DiffTensor`` /
-  ``WDiffTensor``, and in a function of an imported module was ignored: the gradient flowed
-  through, silently.
+  ``WDiffTensor``, spelt through a macro, and in a function of an imported module was
+  ignored: the gradient flowed through, silently.
 
 Expected gradients are closed forms (z = 3 x is the only path a no_diff y leaves).
 
@@ -46,6 +46,11 @@ void f(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y, IWDif
 void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
 { float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
 typealias Out = IWDiffTensor<float, 1>;
+#define CONSTANT no_diff
+[Differentiable]
+void by_macro(int idx, IDiffTensor<float, 1> x, CONSTANT IWDiffTensor<float, 1> y,
+              IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
 [Differentiable]
 void aliased(int idx, IDiffTensor<float, 1> x, no_diff Out y, IWDiffTensor<float, 1> z)
 { float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
@@ -131,8 +136,8 @@ def test_a_global_function_beside_a_namespaced_one_keeps_its_gradient(device, mo
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("name", ["aliased", "concrete"])
-def test_no_diff_through_an_alias_or_a_concrete_tensor(device, module, n, name):
+@pytest.mark.parametrize("name", ["aliased", "concrete", "by_macro"])
+def test_no_diff_through_an_alias_a_concrete_tensor_or_a_macro(device, module, n, name):
     with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
         _, gx = _bwds(device, getattr(module, name), n)
     np.testing.assert_allclose(gx, 3.0, rtol=1e-6)  # not 3 + 2 x
