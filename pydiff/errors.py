@@ -258,3 +258,25 @@ class OpDtypeError(TypeError, ValueError):
     ) -> None:
         super().__init__(message)
         self.op, self.argument, self.dtype = op, argument, dtype
+
+
+_GRID_CONVERSION = re.compile(r"conversion from GridArg<(\d+)> to ([^\n.]+?)\.?\n")
+
+
+def grid_dims_error(label: str, params: list, text: str) -> Exception | None:
+    """SlangPy's report of a ``spy.grid`` whose dimensions its index parameter cannot take
+    (a grid of three at an ``int2``) as an error naming the parameter; None for others.
+
+    >>> grid_dims_error("m.f", fn.signature.params, str(exc))  # ValueError: ... 'px' (int2)
+    """
+    found = _GRID_CONVERSION.search(text + "\n")
+    if found is None:
+        return None
+    dims, target = found.group(1), found.group(2).strip()
+    names = [p.name for p in params if p.type_name.replace(" ", "") == target.replace(" ", "")]
+    which = f"parameter '{names[0]}' ({target})" if len(names) == 1 else f"a {target} parameter"
+    return ValueError(
+        f"{label}: a spy.grid of {dims} dimension(s) was passed to {which}, which it cannot "
+        "fill: give the grid as many dimensions as the index has components (int: one, "
+        "int2: spy.grid((H, W)), int3: three), or declare the index of the grid's dimensions"
+    )

@@ -71,6 +71,9 @@ void evens(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y,
 void scales(int idx, IDiffTensor<float, 1> x, no_diff IRWDiffTensor<float, 1> t,
             IWDiffTensor<float, 1> z)
 { float v = x[idx]; float w = t[idx]; t[idx] = w * v; z[idx] = 3.0 * v + w; }
+[Differentiable]
+void pixel(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
+{ y[px.y, px.x] = 2.0 * x[px.y, px.x]; }
 struct Scale { no_diff DiffTensor<float, 1> s; float k; };
 [Differentiable]
 void scaled(int idx, Scale c, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> z)
@@ -259,3 +262,16 @@ def test_a_struct_of_written_tensors_without_gradient_buffers(device, module):
     np.testing.assert_allclose(z.numpy(), 3.0 * xs.astype(np.float64), rtol=1e-6)
     assert not y.requires_grad
     np.testing.assert_array_equal(z.grad.numpy(), 1.0)
+
+
+@pytest.mark.parametrize("grid", [(4,), (2, 4, 5)])
+def test_a_grid_of_other_dimensions_than_its_index_names_the_parameter(device, module, grid):
+    x = pydiff.tensor(np.ones((4, 5), np.float32), device=device).with_grads(zero=True)
+    y = pydiff.zeros((4, 5), device=device).with_grads(ones=True)
+    want = rf"parameter 'px' \(vector<int,2>\).*{len(grid)} dimension|{len(grid)} dimension.*'px'"
+    with pytest.raises(ValueError, match=want):
+        module.pixel(spy.grid(grid), x, y)
+    with pytest.raises(ValueError, match=want):
+        module.pixel.bwds(spy.grid(grid), x, y)
+    module.pixel(spy.grid((4, 5)), x, y)  # (the right grid runs)
+    np.testing.assert_array_equal(y.numpy(), 2.0)
