@@ -275,3 +275,12 @@ def test_a_grid_of_other_dimensions_than_its_index_names_the_parameter(device, m
         module.pixel.bwds(spy.grid(grid), x, y)
     module.pixel(spy.grid((4, 5)), x, y)  # (the right grid runs)
     np.testing.assert_array_equal(y.numpy(), 2.0)
+
+
+def test_a_numpy_array_at_a_tensor_parameter_of_a_grid_call_says_what_to_do(device, module):
+    y = pydiff.zeros((3, 4), device=device)
+    xs = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with pytest.raises(TypeError, match=r"NumPy array.*'x'.*pydiff\.tensor\(array\)"):
+        module.pixel(spy.grid((3, 4)), xs, y)
+    module.pixel(spy.grid((3, 4)), pydiff.tensor(xs, device=device), y)
+    np.testing.assert_array_equal(y.numpy(), 2.0 * xs)
