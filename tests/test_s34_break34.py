@@ -284,3 +284,32 @@ def test_a_numpy_array_at_a_tensor_parameter_of_a_grid_call_says_what_to_do(devi
         module.pixel(spy.grid((3, 4)), xs, y)
     module.pixel(spy.grid((3, 4)), pydiff.tensor(xs, device=device), y)
     np.testing.assert_array_equal(y.numpy(), 2.0 * xs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lint_nodiff reads no_diff from the text the trap scanner's preprocessor keeps, "
+    "which keeps both branches of an #ifdef it cannot decide (a name neither the source nor "
+    "the device defines): a no_diff in the branch Slang drops marks the parameter of the "
+    "function Slang keeps, whose gradient is then dropped",
+)
+def test_a_no_diff_in_an_undecided_ifdef_branch(device):
+    source = """import slangpy;
+#ifdef B34_UNDEFINED_FLAG
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+#else
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+#endif
+"""
+    m = pydiff.load_module_from_source("s34_break34_ifdef", source, device=device)
+    xs = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((64,), device=device).with_grads(ones=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientFlowWarning)
+        m.f.bwds(spy.grid((64,)), x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs, rtol=1e-6, atol=1e-7)
