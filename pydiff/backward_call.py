@@ -131,7 +131,7 @@ class _Backward:
             if p.writes_value:  # the backward reruns the forward: not into the caller's values
                 return t.copy_values().native if p.reads_value else primal_sink(self.device, t)
             return t.native
-        if p.tensor_kind == "diff" and not t.requires_grad:
+        if p.tensor_kind == "diff" and not t.requires_grad and not p.no_diff_tensor:
             raise ValueError(
                 f"{self._desc(p)} is a concrete {p.type_name}: it needs a tensor with gradient "
                 f"buffers (requires_grad=True / .with_grads()); SlangPy would bind a null "
@@ -144,7 +144,10 @@ class _Backward:
             keep = p.access == "read_write"
             primal = t.copy_values().native if keep else primal_sink(self.device, t)
             zeros, sink = self.scratch_grads(t, "zeros"), self.scratch_grads(t, "sink")
-            return primal.with_grads(grad_in=zeros, grad_out=sink, zero=False)
+            bound = primal.with_grads(grad_in=zeros, grad_out=sink, zero=False)
+            if t.requires_grad and id(t.storage) in self.prior:  # (a tape: the value before
+                return written_mask.bind_written(self, p, t, bound, True)  # gets none there)
+            return bound
         if p.io == "out" or p.access == "write":
             self._needs_upstream(t, p, "written")
             bound = self.own_primal(t, t.bind(True), keep=False)

@@ -258,3 +258,38 @@ class OpDtypeError(TypeError, ValueError):
     ) -> None:
         super().__init__(message)
         self.op, self.argument, self.dtype = op, argument, dtype
+
+
+_GRID_CONVERSION = re.compile(r"conversion from GridArg<(\d+)> to ([^\n.]+?)\.?\n")
+
+
+_NUMPY_SHAPE = re.compile(r"numpy array shape dim \d+ does not match the expected shape \(-1 ")
+
+
+def grid_call_error(label: str, params: list, text: str) -> Exception | None:
+    """SlangPy's reports on calls over a grid as errors that name the parameter and say what
+    to do: a ``spy.grid`` whose dimensions its index parameter cannot take (a grid of three
+    at an ``int2``), a NumPy array at a tensor parameter (SlangPy reads its shape as -1 where
+    another argument gives the call's shape, and refuses it); None for other errors.
+
+    >>> grid_call_error("m.f", fn.signature.params, str(exc))  # ValueError: ... 'px' (int2)
+    """
+    if _NUMPY_SHAPE.search(text):
+        tensors = [f"'{p.name}'" for p in params if p.tensor_kind is not None]
+        return TypeError(
+            f"{label}: SlangPy 0.43 cannot bind a NumPy array given for a tensor parameter "
+            f"(of {', '.join(tensors)}) in this call: it takes the array's shape for -1 (the "
+            "call's shape comes from another argument, such as a spy.grid). Pass a tensor "
+            "instead: pydiff.tensor(array)"
+        )
+    found = _GRID_CONVERSION.search(text + "\n")
+    if found is None:
+        return None
+    dims, target = found.group(1), found.group(2).strip()
+    names = [p.name for p in params if p.type_name.replace(" ", "") == target.replace(" ", "")]
+    which = f"parameter '{names[0]}' ({target})" if len(names) == 1 else f"a {target} parameter"
+    return ValueError(
+        f"{label}: a spy.grid of {dims} dimension(s) was passed to {which}, which it cannot "
+        "fill: give the grid as many dimensions as the index has components (int: one, "
+        "int2: spy.grid((H, W)), int3: three), or declare the index of the grid's dimensions"
+    )

@@ -33,6 +33,7 @@ from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
+from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
 from . import foreign, generated_calls
 from .tape import Tape, active_tape
@@ -64,6 +65,8 @@ def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
         return value.bind(True)
     if type(value) in PLAIN:
         return value
+    if p.struct_fields is not None:
+        return bind_struct_forward(fn.module.device, p, value)
     return deep_bind(value)
 
 
@@ -273,6 +276,7 @@ def _record(
 ) -> None:
     """Put a forward call on the tape, giving its outputs gradient buffers when needed."""
     reads, writes, values, plain, views = [], [], [], [], []
+    kept_in_place: list[Tensor] = []  # no_diff in-place: its gradient is cleared where written
     needs_grad = False
     for i, (p, value) in enumerate(bound):
         tensors = nested_tensors(value)  # the tensor itself, or those in a struct's fields
@@ -287,6 +291,7 @@ def _record(
             copies = nested_tensors(snapshots[i])
             pairs = [(with_values_of(t, c), t) for t, c in zip(tensors, copies)]
             views += pairs
+            kept_in_place += [v for v, _ in pairs] if p.no_diff_tensor else []
             reads += [(desc, c) for c in copies]
             writes += tensors
             it = iter(v for v, _ in pairs)
@@ -297,7 +302,7 @@ def _record(
             if p.writes_value:
                 writes += tensors
             values.append(value)
-        if p.writes_value and not (p.differentiable or p.is_diff_tensor):
+        if p.writes_value and (not (p.differentiable or p.is_diff_tensor) or p.no_diff_tensor):
             plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
     if type(out) is Tensor:
         writes.append(out)
@@ -311,7 +316,7 @@ def _record(
     overwritten += [out] if type(out) is Tensor else []
     prior = frozenset(
         id(t.storage)
-        for t in overwritten
+        for t in overwritten + kept_in_place
         if type(t) is Tensor and (t.requires_grad or t.producer is tape)
     )
     # Leaves (gradients of their own) this call overwrites, in place or as outputs.

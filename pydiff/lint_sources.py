@@ -40,8 +40,12 @@ class ModuleScan:
     imported: list[Finding] = field(default_factory=list)
     #: function name -> the refusing findings its backward reaches (see lint.affected_functions)
     traps: dict[str, list[Finding]] = field(default_factory=dict)
-    #: every file read besides the module's own, in the order found
+    #: every file read besides the module's own, in the order found, and their texts
+    #: (preprocessed)
     files: list[str] = field(default_factory=list)
+    imported_texts: list[str] = field(default_factory=list)
+    #: the module's own text, preprocessed (macros expanded, decidable #if branches dropped)
+    own_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,9 @@ def scan_module(
         every.append((blank_comments_and_strings(scan.text), name, own))
         if not own:
             texts.append(scan.text)
+            result.imported_texts.append(scan.text)
+        else:
+            result.own_text = scan.text
         for path, inc_text, inc_macros in scan.included:
             if path not in seen:
                 seen.add(path)

@@ -11,7 +11,6 @@ import difflib
 import hashlib
 import re
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .lint_nodiff import no_diff_tensors
+from .lint_nodiff import no_diff_fields, no_diff_tensors
 from .signature import ParamInfo, Signature, stem
 
 
@@ -63,8 +62,9 @@ class Module:
         self.source_files: list[str] = []
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps: dict[str, list[lint.Finding]] = {}
-        #: Interface tensor parameters marked no_diff, per function (lint_nodiff).
+        #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
         self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
+        self.no_diff_fields = no_diff_fields(source) if source is not None else {}
         self._function_names: list[str] | None = None
         if decl_module is not None:  # a file compiled again: its path gives the first version
             self._decl_loader = lambda: decl_module
@@ -82,6 +82,8 @@ class Module:
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
             self.traps = double_math.with_findings(scan.traps, doubles)
             self.source_files = list(scan.files)
+            self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
+            self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""
@@ -235,10 +237,8 @@ class ShaderFunction:
         self.native = native
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
-        if name.split("::")[-1] in module.no_diff_tensors:  # (reflection cannot tell them)
-            marked = module.no_diff_tensors[name.split("::")[-1]]
-            params = [replace(p, no_diff_tensor=p.name in marked) for p in self.signature.params]
-            self.signature = replace(self.signature, params=params)
+        marked = module.no_diff_tensors.get(name, set())  # (reflection cannot tell them)
+        self.signature = self.signature.with_no_diff_tensors(marked, module.no_diff_fields)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"

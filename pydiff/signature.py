@@ -8,7 +8,7 @@ sig.return_type, sig.differentiable            # 'float', True
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import slangpy as spy
@@ -32,6 +32,8 @@ class FieldInfo:
     fields: tuple["FieldInfo", ...] | None = None
     tensor_kind: str | None = None
     access: str | None = None
+    #: marked ``no_diff`` in the source (lint_nodiff): a diff tensor field gets no gradient
+    no_diff: bool = False
 
     @property
     def diff_tensor(self) -> bool:
@@ -63,9 +65,10 @@ class ParamInfo:
     #: the fields of a struct parameter, as reflected (None: not a struct); a dict argument
     #: is checked and converted field by field against them (struct_values)
     struct_fields: tuple[FieldInfo, ...] | None = None
-    #: an interface tensor parameter marked ``no_diff``: its loads still add gradients into
-    #: whatever gradient buffer is bound, so the backward binds a throwaway one (``no_diff``
-    #: itself stays False for tensors: it means a value's differential elsewhere)
+    #: a diff tensor parameter (interface or concrete) marked ``no_diff``: its loads still
+    #: add gradients into whatever gradient buffer is bound, so the backward binds a
+    #: throwaway one (``no_diff`` itself stays False for tensors: it means a value's
+    #: differential elsewhere)
     no_diff_tensor: bool = False
 
     @property
@@ -203,6 +206,24 @@ def _no_grad_paths(t: Any, differentiable: bool, depth: int = 0) -> tuple[str, .
     return tuple(sorted(out))
 
 
+def _marked_fields(
+    type_name: str, fields: tuple[FieldInfo, ...] | None, marked: dict[str, set[str]]
+) -> tuple[FieldInfo, ...] | None:
+    """``fields`` (of the struct ``type_name``) with ``no_diff`` set on those ``marked``
+    names for it, nested structs' too."""
+    if not fields or not marked:
+        return fields
+    names = marked.get(re.sub(r"<.*", "", type_name).strip(), set())
+    return tuple(
+        replace(
+            f,
+            no_diff=f.name in names,
+            fields=_marked_fields(f.type_name, f.fields, marked),
+        )
+        for f in fields
+    )
+
+
 def field_at(p: ParamInfo, path: str) -> FieldInfo | None:
     """The reflected field at dotted ``path`` ('inner.t') of struct parameter ``p``; None
     where ``p`` is no struct or has no such field."""
@@ -287,6 +308,26 @@ class Signature:
             ret.full_name if ret is not None else "void",
             bool(reflected.differentiable),
         )
+
+    def with_no_diff_tensors(
+        self, marked: set[str], fields: dict[str, set[str]] | None = None
+    ) -> "Signature":
+        """This signature with ``no_diff_tensor`` set on the diff tensor parameters named in
+        ``marked`` and ``no_diff`` on the struct fields ``fields`` names per struct (what the
+        source marks ``no_diff``: lint_nodiff; reflection cannot tell).
+
+        >>> sig.with_no_diff_tensors({"y"}).params[2].no_diff_tensor   # IWDiffTensor y
+        True
+        """
+        params = [
+            replace(
+                p,
+                no_diff_tensor=p.name in marked and p.tensor_kind in ("diff", "idiff"),
+                struct_fields=_marked_fields(p.type_name, p.struct_fields, fields or {}),
+            )
+            for p in self.params
+        ]
+        return replace(self, params=params)
 
     def __str__(self) -> str:
         params = ", ".join(f"{p.type_name} {p.name}" for p in self.params)

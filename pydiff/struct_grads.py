@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arguments import check_device, nested_tensors
+from .arguments import check_device, deep_bind, nested_tensors, scratch
 from .bwds_checks import primal_sink
+from .errors import warn_once
 from .signature import FieldInfo, ParamInfo, field_at
 from .tensor import Tensor
 
@@ -66,6 +67,8 @@ def bind_tensor_field(b: Any, p: ParamInfo, field: FieldInfo, t: Tensor, path: s
         if writes:
             return t.copy_values().native if reads else primal_sink(b.device, t)
         return t.native
+    if field.no_diff:
+        return _no_diff_field(b, p, t, path, writes, reads)
     if writes:
         if t.requires_grad:
             raise ValueError(
@@ -82,3 +85,41 @@ def bind_tensor_field(b: Any, p: ParamInfo, field: FieldInfo, t: Tensor, path: s
         return t.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
     b.accumulating(t, p, f"{b.label}: parameter '{p.name}', field '{path}'")
     return t.bind(True)
+
+
+def bind_struct_forward(device: Any, p: ParamInfo, value: Any, path: str = "") -> Any:
+    """A struct argument of a forward call, bound for SlangPy: a concrete ``DiffTensor`` /
+    ``WDiffTensor`` field given a tensor without gradient buffers (a ``no_diff`` field, say)
+    gets scratch ones, which the forward never touches (SlangPy raised "Missing required
+    input gradients"); the rest as given.
+
+    >>> m.f(spy.grid((n,)), x, {"y": pydiff.zeros((n,)), "z": z})   # WDiffTensor y, z
+    """
+    if isinstance(value, dict):
+        return {
+            k: bind_struct_forward(device, p, v, f"{path}.{k}" if path else str(k))
+            for k, v in value.items()
+        }
+    if type(value) is not Tensor or value.requires_grad:
+        return deep_bind(value)
+    field = field_at(p, path) if path else None
+    if field is None or field.tensor_kind != "diff":
+        return value.bind(True)
+    sink = scratch(device, value, "sink")
+    return value.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
+
+
+def _no_diff_field(b: Any, p: ParamInfo, t: Tensor, path: str, writes: bool, reads: bool) -> Any:
+    """A diff tensor field marked ``no_diff``: its loads add into a sink, its stores' backward
+    reads zeros (as a ``no_diff`` tensor parameter); the tensor's gradient stays as it was."""
+    if t.requires_grad:
+        warn_once(
+            f"{b.label}: parameter '{p.name}', field '{path}' is no_diff, so .bwds gives it no "
+            "gradient, but the tensor passed requires one: its gradient stays unchanged. Pass "
+            "t.detach() to say no gradient is wanted, or drop the field's no_diff"
+        )
+    sink = b.scratch_grads(t, "sink")
+    if not writes:
+        return t.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
+    primal = t.copy_values().native if reads else primal_sink(b.device, t)
+    return primal.with_grads(grad_in=b.scratch_grads(t, "zeros"), grad_out=sink, zero=False)
