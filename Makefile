@@ -21,7 +21,8 @@ test: setup
 GENERATED_TESTS ?= tests/test_generated.py tests/test_generated_paths.py tests/test_bwds.py \
 	tests/test_tape.py tests/test_forward.py tests/test_broadcast_coverage.py \
 	tests/test_determinism.py tests/test_policy.py tests/test_repeated_backward.py \
-	tests/test_s33_plain_call.py tests/test_s33_grid_forward.py tests/test_seeds.py
+	tests/test_s33_plain_call.py tests/test_s33_grid_forward.py tests/test_seeds.py \
+	tests/test_s34_grid2d.py tests/test_s34_vec34.py
 test-generated: setup
 	$(PY) -m pytest -q --pydiff-generated=force $(GENERATED_TESTS) $(PYTEST_ARGS)
 
