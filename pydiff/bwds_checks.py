@@ -48,11 +48,15 @@ def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
     if not t.requires_grad:
         return
     why = "no_diff" if p.no_diff or p.no_diff_tensor else f"a {p.type_name} (not differentiable)"
+    what = (
+        "no gradient flows back through what the call stores there (its upstream is not read)"
+        if p.no_diff_tensor and p.access in ("write", "read_write")
+        else "its gradient stays unchanged"
+    )
     warn_once(
         f"{fn.label}: parameter '{p.name}' is {why}, so .bwds gives it no gradient, but the "
-        "tensor passed requires one: its gradient stays unchanged. Pass t.detach() to say no "
-        "gradient is wanted, or make the parameter differentiable (drop no_diff; a float type; "
-        "a DiffTensor)"
+        f"tensor passed requires one: {what}. Pass t.detach() to say no gradient is wanted, "
+        "or make the parameter differentiable (drop no_diff; a float type; a DiffTensor)"
     )
 
 

@@ -50,7 +50,7 @@ def test_bwds_of_a_no_diff_written_tensor(device, module, n):
     module.stores(spy.grid((n,)), x, y, z)
     np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
     y_grad = y.grad.numpy().copy()
-    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff.*what the call stores there"):
         module.stores.bwds(spy.grid((n,)), x, y, z)
     np.testing.assert_allclose(x.grad.numpy(), 3.0, rtol=1e-6)  # not 3 + 2 x
     np.testing.assert_array_equal(y.grad.numpy(), y_grad)
