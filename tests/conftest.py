@@ -55,3 +55,12 @@ def pytest_configure(config):
         generated.MIN_ELEMENTS = 1
     elif mode == "off":
         os.environ["PYDIFF_GENERATED"] = "0"
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Every covered call through a generated kernel, whatever its size (the monkeypatch that
+    did it, for ``generated_paths.run_both_paths``). Test files may define their own."""
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    generated.reset_stats()
+    return monkeypatch

@@ -12,6 +12,7 @@ import pytest
 
 import pydiff
 from pydiff import generated
+from generated_paths import run_both_paths
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 SOURCE = """
@@ -29,24 +30,6 @@ def poly(device):
 @pytest.fixture
 def mix(device):
     return pydiff.load_module_from_source("gen_paths", SOURCE, device=device)
-
-
-@pytest.fixture
-def forced(monkeypatch):
-    """Every covered call through a generated kernel, whatever its size."""
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
-    generated.reset_stats()
-    return monkeypatch
-
-
-def _paths(forced, run):
-    """``run()`` on the generated path (with the stats it left), then on SlangPy's."""
-    forced.setenv("PYDIFF_GENERATED", "1")
-    generated.reset_stats()
-    gen = run()
-    counts = generated.stats()
-    forced.setenv("PYDIFF_GENERATED", "0")
-    return gen, run(), counts
 
 
 def _same(a: list, b: list) -> None:
@@ -85,7 +68,7 @@ def test_broadcast_gradients_match_slangpy_bitwise_and_finite_differences(
         poly.polynomial.bwds(a, b, -1.0, x, _result=y.with_grads(grad_in=up))
         return [y.numpy(), a.grad.numpy(), b.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward"] == 1 and counts["backward: broadcast"] == 1
     _same(gen, ref)
     x64, u64 = xs.astype(np.float64), ups.astype(np.float64)
@@ -110,7 +93,7 @@ def test_broadcast_negative_zero_partials_keep_slangpy_bits(device, poly, forced
         poly.polynomial.bwds(a, 8.0, -1.0, x, _result=y.with_grads(grad_in=up))
         return [a.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: broadcast"] == 1
     _same(gen, ref)
 
@@ -129,7 +112,7 @@ def test_broadcast_in_deterministic_mode_and_shared_buffers(device, mix, forced)
             mix.g_mix.bwds(x, x, 0.5, _result=y.with_grads(grad_in=up))  # x twice: declined
         return [a.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: broadcast"] == 1
     assert counts["declined: deterministic mode: a shared gradient buffer"] == 1
     _same(gen, ref)
@@ -175,7 +158,7 @@ def test_tape_backward_takes_generated_kernels_bitwise(device, poly, mix, forced
         _, y, a, x = _chain(device, poly, mix, xs, ups)
         return [y.numpy(), a.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: in tape.backward"] == 2 and counts.get("backward_fallback", 0) == 0
     _same(gen, ref)
     x64, u64 = xs.astype(np.float64), ups.astype(np.float64)
@@ -206,7 +189,7 @@ def test_tape_zeroing_policies_on_both_paths(device, poly, mix, forced, policy):
             tape.backward(y, grad=ups)
             return first + [a.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: in tape.backward"] >= 2
     _same(gen, ref)
     if policy == "accumulate":
@@ -231,7 +214,7 @@ def test_tape_overwritten_result_and_read_values(device, poly, mix, forced):
         tape.backward(out, grad=np.ones(40))
         return [out.numpy(), x.grad.numpy(), y.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: in tape.backward"] == 3
     _same(gen, ref)
     np.testing.assert_array_equal(gen[2], 0.0)  # y's old value fed nothing of `out`
@@ -255,7 +238,7 @@ def test_fwds_matches_closed_form_and_slangpy_bitwise(device, poly, mix, forced,
         s, ds = mix.g_scaled.fwds(3.0, x, _result="numpy")  # no_diff parameter
         return [y.numpy(), dy.numpy(), v.numpy(), dv.numpy(), s, ds]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["fwds"] == 3 and counts.get("fwds_fallback", 0) == 0
     _same(gen, ref)
     x64, u64 = xs.astype(np.float64), us.astype(np.float64)
@@ -290,7 +273,7 @@ def test_hand_written_infinite_derivative_keeps_its_nan(device, forced):
         m.inf_grad.bwds(x, _result=y.with_grads(grad_in=pydiff.tensor(ups, device=device)))
         return [x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward"] == 1
     _same(gen, ref)
     assert not np.isfinite(gen[0]).any()
@@ -316,7 +299,7 @@ def test_half_conversions_in_the_users_function_round_to_nearest(device, forced)
         s = pydiff.tensor(np.float32([1.1]), device=device)
         return [m.hmul(v, x, _result="tensor").numpy() for v in (1.1, s)]
 
-    gen, slang, counts = _paths(forced, run)
+    gen, slang, counts = run_both_paths(forced, run)
     assert counts.get("forward") == 2, counts
     for got in gen + slang:
         np.testing.assert_array_equal(got, want)

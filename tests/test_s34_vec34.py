@@ -12,6 +12,7 @@ import pytest
 
 import pydiff
 from pydiff import generated
+from generated_paths import run_both_paths
 
 SOURCE = """
 [Differentiable] float3 shade(float3 n, float3 l, float k)
@@ -26,24 +27,6 @@ SOURCE = """
 @pytest.fixture
 def m(device):
     return pydiff.load_module_from_source("s34_vec34", SOURCE, device=device)
-
-
-@pytest.fixture
-def forced(monkeypatch):
-    """Every covered call through a generated kernel, whatever its size."""
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
-    generated.reset_stats()
-    return monkeypatch
-
-
-def _paths(forced, run):
-    """``run()`` on the generated path (with the stats it left), then on SlangPy's."""
-    forced.setenv("PYDIFF_GENERATED", "1")
-    generated.reset_stats()
-    gen = run()
-    counts = generated.stats()
-    forced.setenv("PYDIFF_GENERATED", "0")
-    return gen, run(), counts
 
 
 def _same(a: list, b: list) -> None:
@@ -89,7 +72,7 @@ def test_shade_float3_matches_closed_form_and_slangpy_bitwise(device, m, forced,
         assert N.grad.dtype == N.dtype and N.grad.shape == N.shape
         return [y.numpy(), N.grad.numpy(), L.grad.numpy(), k.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward: vector"] == 1 and counts["backward: vector"] == 1
     assert counts.get("backward: broadcast", 0) == (n > 1)  # (n = 1: k is of the call)
     assert not counts.get("backward_fallback")
@@ -115,7 +98,7 @@ def test_float2_rotation_with_a_float_tensor_of_the_call(device, m, forced, layo
         m.rot.bwds(v, a, _result=y.with_grads(grad_in=_vec(device, us, "float2")))
         return [y.numpy(), v.grad.numpy(), a.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward: vector"] == 1 and counts["backward: vector"] == 1
     _same(gen, ref)
     c, s = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
@@ -144,7 +127,7 @@ def test_float4_parameter_float_result_no_diff_number(device, m, forced):
         assert y.shape == (5, 2) and y.dtype == "float"
         return [y.numpy(), v.grad.numpy(), z.numpy(), w.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward: vector"] == 2 and counts["backward: vector"] == 2
     _same(gen, ref)
     v64 = vs.astype(np.float64)
@@ -172,7 +155,7 @@ def test_float4_result_from_floats_and_result_given(device, m, forced):
         assert y.dtype == "float4" and y.shape == (33,)
         return [into4.numpy(), into.numpy(), y.numpy(), a.grad.numpy(), x.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward: vector"] == 3 and counts["backward: broadcast"] == 1
     _same(gen, ref)
     x64, u = xs.astype(np.float64), us.astype(np.float64)
@@ -211,7 +194,7 @@ def test_policies_on_earlier_gradients(device, m, forced, policy):
             m.shade.bwds(N, L, 2.0, _result=yg)
         return first + [N.grad.numpy(), L.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: vector"] >= 1 and not counts.get("backward_fallback")
     _same(gen, ref)
     _, gn, gl, _ = _shade64(*(a.astype(np.float64) for a in (ns, ls)), 2.0, us.astype(np.float64))
@@ -240,7 +223,7 @@ def test_deterministic_mode_and_shared_buffers(device, m, forced):
             m.shade.bwds(N.detach(), N, k, _result=y)
         return [N.grad.numpy(), k.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["declined: deterministic mode: a shared gradient buffer"] == 1
     assert counts["backward: vector"] == 1 and counts["backward: broadcast"] == 1
     _same(gen, ref)
@@ -277,7 +260,7 @@ def test_tape_backward_takes_the_vector_kernels_bitwise(device, m, forced):
         tape.backward(y, grad=ups)
         return [r.numpy(), y.numpy(), z.numpy(), a.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: in tape.backward"] == 2 and counts["backward: vector"] == 2
     _same(gen, ref)
     a64, u64 = angles.astype(np.float64), ups.astype(np.float64)
@@ -308,7 +291,7 @@ def test_fwds_matches_finite_differences_and_slangpy_bitwise(device, m, forced):
         assert y.dtype == "float3" and y.shape == (300,)
         return [y.numpy(), dy.numpy(), w.numpy(), dw.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["fwds: vector"] == 2 and not counts.get("fwds_fallback")
     _same(gen, ref)
     n64, l64, un64, ul64 = (a.astype(np.float64) for a in (ns, ls, un, ul))
@@ -339,7 +322,7 @@ def test_fwds_float4_parameter_and_result(device, m, forced):
         assert y.dtype == "float" and s.shape == (65, 4)
         return [y.numpy(), dy.numpy(), s, ds]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["fwds: vector"] == 2 and not counts.get("fwds_fallback")
     _same(gen, ref)
     v64, uv64, x64, ux64 = (a.astype(np.float64) for a in (vs, uv, xs, ux))
@@ -390,7 +373,7 @@ def test_negative_zero_gradients_keep_slangpy_bits(device, m, forced, layout):
         m.len4.bwds(v, 1.5, _result=y.with_grads(grad_in=pydiff.tensor(ups, device=device)))
         return [v.grad.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["backward: vector"] == 1
     _same(gen, ref)
 
@@ -410,7 +393,7 @@ def test_threads_walk_the_call_past_the_dispatch_limit(device, m, forced):
         v, dv = m.shade.fwds(N.detach().with_tangent(_vec(device, us, "float3")), L, 2.0)
         return [y.numpy(), N.grad.numpy(), L.grad.numpy(), v.numpy(), dv.numpy()]
 
-    gen, ref, counts = _paths(forced, run)
+    gen, ref, counts = run_both_paths(forced, run)
     assert counts["forward: vector"] == 1 and counts["backward: vector"] == 1
     assert counts["fwds: vector"] == 1
     _same(gen, ref)
