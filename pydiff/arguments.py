@@ -18,7 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
-from .errors import grid_call_error, kernel_compile_error
+from .errors import kernel_compile_error, known_call_error
 from .fixed_point_grad import dummy_fields
 from .call_shape import (
     ElementAxesError,
@@ -378,8 +378,8 @@ def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     text = str(exc)
     if "RHI messages" in text and re.search(r"\b(?:internal )?error\[E\d+\]", text):
         return kernel_compile_error(fn.label, fn.module.file, text)
-    if (grid := grid_call_error(fn.label, fn.signature.params, text)) is not None:
-        return grid
+    if (known := known_call_error(fn.label, fn.signature.params, text)) is not None:
+        return known
     if type(exc).__name__ != "ResolveException":
         return exc
     lines = str(exc).splitlines()

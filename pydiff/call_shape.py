@@ -197,8 +197,15 @@ def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
             continue  # not written
         args = broadcast([s for w, _, _, s in parts if w != what])
         whole = broadcast([args, own]) if args is not None else None
+        if whole is None and args is not None:
+            raise ValueError(
+                f"{fn.label}: {what} has shape {tuple(value.shape)}, which the call writes, but "
+                f"the {'arguments' if what == '_result' else 'other arguments'} broadcast to "
+                f"shape {args}, which it does not broadcast with. Pass one of shape "
+                f"{args + tuple(value.shape)[len(own) :]}"
+            )
         if whole is None:
-            return  # shapes that do not broadcast: SlangPy reports them
+            return  # the other arguments do not broadcast: SlangPy names them
         if whole == own:
             continue
         kind = "has shape" if type(value) is Tensor else "is a NumPy array of shape"

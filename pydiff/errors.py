@@ -293,3 +293,42 @@ def grid_call_error(label: str, params: list, text: str) -> Exception | None:
         "fill: give the grid as many dimensions as the index has components (int: one, "
         "int2: spy.grid((H, W)), int3: three), or declare the index of the grid's dimensions"
     )
+
+
+_SHAPE_MISMATCH = re.compile(
+    r"Shape mismatch for (\S+) between value \(([^)]*)\) and call \(([^)]*)\)"
+)
+
+
+def shape_mismatch_error(label: str, text: str) -> Exception | None:
+    """SlangPy's "Shape mismatch for x between value (3) and call (4)" (followed by its table
+    of every argument) as one sentence naming the argument, both shapes and what to do; None
+    for other errors.
+
+    >>> shape_mismatch_error("m.f", str(exc))   # ValueError: m.f: parameter 'y' does not ...
+    """
+    found = _SHAPE_MISMATCH.search(text)
+    if found is None:
+        return None
+    name, value, call = found.groups()
+    sizes = f"one of its axes has size {value} where the call's has {call}"
+    if name == "_result":
+        return ValueError(
+            f"{label}: _result does not fit the call's shape ({sizes}): pass a _result of the "
+            "shape the arguments broadcast to (followed by the result type's element axes, "
+            "if any), or none"
+        )
+    return ValueError(
+        f"{label}: parameter '{name}' does not broadcast with the other arguments ({sizes}; "
+        "from the last axis, each size must equal the call's or be 1). Pass arguments whose "
+        "shapes broadcast to one call shape"
+    )
+
+
+def known_call_error(label: str, params: list, text: str) -> Exception | None:
+    """The SlangPy call errors pydiff words itself (``grid_call_error``,
+    ``shape_mismatch_error``); None for others.
+
+    >>> known_call_error("m.f", fn.signature.params, str(exc))   # ValueError or None
+    """
+    return grid_call_error(label, params, text) or shape_mismatch_error(label, text)
