@@ -37,10 +37,11 @@ def primal_sink(device: Any, t: Tensor) -> spy.Tensor:
     return device.scratch[key]
 
 
-def upstream_arg(device: Any, t: Tensor) -> spy.Tensor:
+def upstream_arg(device: Any, t: Tensor, flush: bool = True) -> spy.Tensor:
     """A result tensor with gradient buffers as ``.bwds`` binds it: its buffers on a primal
-    sink (the upstream gradient is read from ``grad_in``, nothing reads the values)."""
-    return t.bind_upstream(lambda: primal_sink(device, t))
+    sink (the upstream gradient is read from ``grad_in``, nothing reads the values);
+    ``flush=False`` for a call deferred after pending work (``Tensor.bind``)."""
+    return t.bind_upstream(lambda: primal_sink(device, t), flush)
 
 
 def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:

@@ -30,6 +30,7 @@ from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
 from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
+from .command_queue import DEFER
 from .determinism import is_deterministic
 from .host_values import convert
 from .planned_kernels import BackwardLaunch, ForwardLaunch
@@ -93,6 +94,13 @@ def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
 _MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
 
 
+def _deferrable(queue: Any) -> bool:
+    """Whether a SlangPy call may join the deferred list (``append_to``) instead of being
+    submitted on its own: nothing recorded in this context's batch, no other thread's batch
+    open (those are submitted before a SlangPy call: command_queue), deferral on."""
+    return DEFER and not queue.open_batches and queue.pending_encoder() is None
+
+
 def _plannable(fn: FunctionTarget) -> bool:
     return not fn.module.traps.get(fn.name) and not overloaded(fn)
 
@@ -100,12 +108,14 @@ def _plannable(fn: FunctionTarget) -> bool:
 def _may_generate(plan: Any, large: bool) -> bool:
     """Whether a call of ``plan`` may take the generated kernel: a small one once its layout
     has run ``planned_after`` times (generated_switch.planned_after), any while
-    ``PYDIFF_GENERATED`` is on (read each time)."""
+    ``PYDIFF_GENERATED`` is on (read each time for a large call, for a small one when the
+    environment changed size: generated_switch.enabled_planned)."""
     if not large:
         plan.calls += 1
         if plan.calls <= plan.planned_after:
             generated.check_switch_planned()  # (the full path reads it at every call)
             return False
+        return generated.enabled_planned()
     return generated.enabled()
 
 
@@ -127,6 +137,7 @@ class ForwardPlan:
         "calls",
         "planned_after",
         "launch",
+        "defers",
     )
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -144,6 +155,10 @@ class ForwardPlan:
         self.calls = 0  # (counted while small: from planned_after on, generated kernels)
         self.planned_after = generated.planned_after(fn.module.device)
         self.launch: Any = None  # its generated kernel; False: not covered (planned_kernels)
+        # SlangPy's call may be deferred (append_to) where it returns nothing pydiff needs:
+        # a tensor given as _result, or a void function (its outputs tensors it writes).
+        void = fn.signature.return_type == "void" and result is MISSING
+        self.defers = (self.result_tensor or void) and not self.options and not self.zero_d
 
     @staticmethod
     def make(
@@ -210,6 +225,8 @@ class ForwardPlan:
             for st in written:
                 st.wrote(label)
             return out
+        if self.defers and _deferrable(dev.queue):
+            return self._deferred(fn, args, result, native, written)
         dev.queue.flush()  # kernels queued in a batched backward run first
         for i in self.tensors:
             native[i] = args[i].bind(True)
@@ -232,6 +249,25 @@ class ForwardPlan:
         if self.zero_d and type(out) is np.ndarray and out is not result:  # (1,) + element
             return out.reshape(out.shape[1:])
         return out
+
+    def _deferred(
+        self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list
+    ) -> Any:
+        """SlangPy's call appended to the deferred list: submitted with the next flush (a
+        read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
+        for i in self.tensors:
+            native[i] = args[i].bind(True, False)
+        options = {"_result": result.bind(True, False)} if self.result_tensor else {}
+        held = [native[i] for i in self.tensors] + list(options.values())
+        append = fn.native.append_to
+        try:
+            fn.module.device.queue.defer(lambda enc: append(enc, *native, **options), held)
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
+        label = fn.call_label
+        for st in written:
+            st.wrote(label)
+        return result if self.result_tensor else None
 
 
 class BackwardPlan:
@@ -315,13 +351,25 @@ class BackwardPlan:
             return None
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
-        dev.queue.flush_deferred()  # (a batch this joins is ordered by its own scope)
-        for i in self.tensors:
-            native[i] = args[i].bind(True)
-        try:
-            fn.native_bwds(*native, _result=upstream_arg(dev, result))
-        except Exception as exc:
-            raise resolve_error(fn, exc) from None
+        queue = dev.queue
+        if _deferrable(queue):  # (as ForwardPlan._deferred)
+            for i in self.tensors:
+                native[i] = args[i].bind(True, False)
+            upstream = upstream_arg(dev, result, False)
+            append = fn.native_bwds.append_to
+            held = [native[i] for i in self.tensors] + [upstream]
+            try:
+                queue.defer(lambda enc: append(enc, *native, _result=upstream), held)
+            except Exception as exc:
+                raise resolve_error(fn, exc) from None
+        else:
+            queue.flush_deferred()  # (a batch this joins is ordered by its own scope)
+            for i in self.tensors:
+                native[i] = args[i].bind(True)
+            try:
+                fn.native_bwds(*native, _result=upstream_arg(dev, result))
+            except Exception as exc:
+                raise resolve_error(fn, exc) from None
         for g in grads.values():
             g.storage.holds_result_of = label
         return None

@@ -104,7 +104,7 @@ class BackwardLaunch:
     def run(self, fn: FunctionTarget, args: tuple, upstream: Tensor, grads: dict) -> bool:
         """Add the gradients (``grads``: parameter index -> its gradient tensor, in order);
         False, nothing done, where these values or the layout rule the kernel out."""
-        if generated_vector.involves(fn):
+        if not self.kernels and generated_vector.involves(fn):  # (until a kernel is found)
             self.covered = False  # float vectors: the full path's (generated_vector), if large
             return False
         if not upstream.float4:

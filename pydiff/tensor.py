@@ -399,9 +399,9 @@ class Tensor(GradBuffers, TensorOperators):
         self.producer.backward(self, grad, retain_graph=retain_graph)
 
     # --- binding to SlangPy calls ----------------------------------------------------------
-    def bind(self, with_grads: bool = True) -> spy.Tensor:
+    def bind(self, with_grads: bool = True, flush: bool = True) -> spy.Tensor:
         """The SlangPy tensor to pass to a call: the primal plus its gradient buffers when
-        attached (and ``with_grads``).
+        attached (and ``with_grads``); ``flush=False``: for a call deferred after pending work.
 
         >>> m.native.f(x.bind(), _result="tensor")        # raw SlangPy, with x's gradients
         """
@@ -412,7 +412,7 @@ class Tensor(GradBuffers, TensorOperators):
         queue = self._device.queue
         if queue.cuda:  # a thread's first use of a CUDA device (cuda_context)
             queue.enter()
-        if queue.deferred or queue.open_batches:  # a SlangPy call reads it: deferred work first
+        if flush and (queue.deferred or queue.open_batches):  # a SlangPy call reads it: flush
             queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
@@ -422,14 +422,14 @@ class Tensor(GradBuffers, TensorOperators):
             self._bound = self._native.with_grads(grad_in=gi, grad_out=go, zero=False)
         return self._bound
 
-    def bind_upstream(self, sink: Callable[[], spy.Tensor]) -> spy.Tensor:
+    def bind_upstream(self, sink: Callable[[], spy.Tensor], flush: bool = True) -> spy.Tensor:
         """This tensor's gradient buffers on the values of ``sink()`` (a buffer of its shape
         that a backward kernel may write forward values into): how ``.bwds`` passes a result
         whose upstream gradient it reads. Kept while the gradient buffers stay the same.
 
         >>> fn.native_bwds(x.bind(), _result=y.bind_upstream(lambda: sink))
         """
-        bound = self.bind(True)  # a new object whenever the gradient buffers change
+        bound = self.bind(True, flush)  # a new object whenever the gradient buffers change
         if self._upstream[0] is not bound:
             gi, go = self._grad_in, self._grad_out
             gi = gi.native if gi is not None else None
