@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import generated
+from . import generated, generated_switch
 from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
 from .backward_scope import active_scope
@@ -115,7 +115,7 @@ def _may_generate(plan: Any, large: bool) -> bool:
         if plan.calls <= plan.planned_after:
             generated.check_switch_planned()  # (the full path reads it at every call)
             return False
-        return generated.enabled_planned()
+        return generated_switch.enabled_planned()
     return generated.enabled()
 
 

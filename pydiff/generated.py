@@ -37,7 +37,6 @@ from .generated_switch import SWITCH as SWITCH
 from .generated_switch import check_switch as check_switch
 from .generated_switch import check_switch_planned as check_switch_planned
 from .generated_switch import enabled
-from .generated_switch import enabled_planned as enabled_planned
 from .generated_switch import planned_after as planned_after
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
