@@ -31,6 +31,7 @@ from .call_shape import tensor_result, zero_d_call
 from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
 from .command_queue import DEFER
+from .creation import empty
 from .determinism import is_deterministic
 from .host_values import convert
 from .planned_kernels import BackwardLaunch, ForwardLaunch
@@ -138,6 +139,7 @@ class ForwardPlan:
         "planned_after",
         "launch",
         "defers",
+        "new_shape",
     )
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -159,19 +161,32 @@ class ForwardPlan:
         # a tensor given as _result, or a void function (its outputs tensors it writes).
         void = fn.signature.return_type == "void" and result is MISSING
         self.defers = (self.result_tensor or void) and not self.options and not self.zero_d
+        self.new_shape: tuple | None = None  # a new float result's (ForwardPlan.make)
 
     @staticmethod
     def make(
-        fn: FunctionTarget, key: tuple, bound: list, result: Any, snapshots: dict, aliased: dict
+        fn: FunctionTarget,
+        key: tuple,
+        bound: list,
+        result: Any,
+        snapshots: dict,
+        aliased: dict,
+        out: Any = None,
     ):
-        """The plan for the call of layout ``key`` that just ran through the full path, or
-        None."""
+        """The plan for the call of layout ``key`` that just ran through the full path (and
+        returned ``out``), or None."""
         if snapshots or aliased or not _plannable(fn):
             return None
         for p, v in bound:
             if type(v) is Tensor and (p.tensor_kind == "fwd" or p.in_place):
                 return None
-        return ForwardPlan(fn, key, bound, result)
+        plan = ForwardPlan(fn, key, bound, result)
+        new = result is MISSING or (type(result) is str and result == "tensor")
+        if new and type(out) is Tensor and out.dtype == "float" and out.shape and plan.tensors:
+            # SlangPy's call would make the result: pydiff makes it (pooled) and defers
+            plan.new_shape = out.shape
+            plan.defers = not plan.options and not plan.zero_d
+        return plan
 
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
@@ -257,7 +272,9 @@ class ForwardPlan:
         read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
         for i in self.tensors:
             native[i] = args[i].bind(True, False)
-        options = {"_result": result.bind(True, False)} if self.result_tensor else {}
+        if self.new_shape is not None:
+            result = empty(self.new_shape, device=fn.module.device)
+        options = {"_result": result.bind(True, False)} if type(result) is Tensor else {}
         held = [native[i] for i in self.tensors] + list(options.values())
         append = fn.native.append_to
         try:
@@ -267,7 +284,7 @@ class ForwardPlan:
         label = fn.call_label
         for st in written:
             st.wrote(label)
-        return result if self.result_tensor else None
+        return result if type(result) is Tensor else None
 
 
 class BackwardPlan:

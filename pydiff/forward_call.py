@@ -125,7 +125,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
     elif key is not None and not zero_d:
-        remember(fn.plans, key, ForwardPlan.make(fn, key, bound, result, snapshots, aliased))
+        plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
+        remember(fn.plans, key, plan)
     return out
 
 

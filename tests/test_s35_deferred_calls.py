@@ -152,3 +152,29 @@ def test_switch_set_while_unset_stops_small_generated_calls_at_once(device, monk
     monkeypatch.setenv("PYDIFF_GENERATED", "of")
     with pytest.raises(pydiff.EnvironmentSettingError, match="PYDIFF_GENERATED"):
         m.s35_poly(2.0, x, _result=y)
+
+
+@pytest.mark.parametrize("given", ["missing", "tensor"])
+def test_new_results_each_keep_their_values(mod, device, given):
+    """A planned call making its float result (pooled, then deferred): results held at once
+    never share a buffer, and results dropped at once are not handed out again while their
+    commands are pending."""
+    x, xv = _x(device)
+    kw = {} if given == "missing" else {"_result": "tensor"}
+    held = [mod.s35_poly(float(a), x, **kw) for a in range(6)]
+    assert device.queue.deferred
+    for _ in range(300):  # dropped at once: their buffers go back to the pool
+        mod.s35_poly(9.0, x, **kw)
+    last = mod.s35_poly(0.5, x, **kw)
+    for a, y in enumerate(held):
+        assert type(y) is pydiff.Tensor and y.shape == (16,) and y.dtype == "float"
+        np.testing.assert_allclose(y.numpy(), a * xv * xv + xv, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(last.numpy(), 0.5 * xv * xv + xv, rtol=1e-6, atol=1e-5)
+
+
+def test_new_result_then_bwds(mod, device):
+    x, xv = _x(device, grads=True)
+    for _ in range(3):
+        y = mod.s35_poly(2.0, x).with_grads(ones=True)
+        mod.s35_poly.bwds(2.0, x, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), 3 * (4.0 * xv + 1.0), rtol=1e-5, atol=1e-4)
