@@ -62,8 +62,13 @@ def _element(kinds: tuple[str, ...], i: int, name: str = "a") -> str:
 
 
 def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
+    """Each tensor's float4; in the last one, lanes past the call's end repeat its first
+    element: the function runs on every lane, and on the padding's stale values a loop that
+    ends only for real inputs spun forever (a call of 4097 elements hung)."""
     return "".join(
         f"        float4 pydiff_v{name}{i} = load4(pydiff_{name}{i}, pydiff_q);\n"
+        f"        if (pydiff_q + 1 == pydiff_count) pydiff_v{name}{i} = select(uint4(0, 1, 2, 3)"
+        f" < pydiff_tail, pydiff_v{name}{i}, pydiff_v{name}{i}.xxxx);\n"
         for i, kind in enumerate(kinds)
         if kind == "t"
     )
