@@ -15,6 +15,7 @@ import numpy as np
 import slangpy as spy
 
 from .arguments import check_device, nested_tensors, scratch
+from .creation import zeros as new_zeros
 from .errors import warn_once
 from .signature import FunctionTarget, ParamInfo
 from .tensor import Tensor
@@ -92,6 +93,8 @@ def primal_and_tangent(fn: FunctionTarget, p: ParamInfo, value: Any) -> tuple[An
         check_device(fn, value, f"parameter '{p.name}'")
         if value.tangent is not None:
             return value, value.tangent
+        if str(value.dtype).startswith("double"):  # (no gradient dtype: a double tangent)
+            return value, new_zeros(value.shape, dtype=value.dtype, device=value.device)
         zeros = scratch(fn.module.device, value, "zeros")  # (1,) for a 0-d value: viewed as ()
         return value, Tensor(zeros if value.shape else zeros.view(()), value.device)
     return value, zero_like(value)

@@ -184,7 +184,15 @@ class WrittenMask:
         raced, complement = (int(v) for v in self.races.numpy())
         if raced == 0:
             return
-        at = tuple(int(i) for i in np.unravel_index(~complement & 0xFFFFFFFF, self.shape))
+        flat = ~complement & 0xFFFFFFFF
+        if flat >= math.prod(self.shape):
+            raise ValueError(
+                f"{label}: parameter '{name}' (shape {tuple(self.shape)}): the call stored "
+                f"at an index outside the tensor (flat index {flat}): the forward wrote "
+                "outside it (lost, or into other memory), and no gradient can be right there. "
+                "Check the indices the function stores at (spy.grid gives the last axis as .x)"
+            )
+        at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
         stored = int(Tensor(self.counts, self.device).numpy()[at])
         raise ValueError(
             f"{label}: parameter '{name}': element {at} was stored {stored} times "
