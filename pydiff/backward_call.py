@@ -30,7 +30,7 @@ from .arguments import (
     scratch,
 )
 from .call_plan import DECLINED, BackwardPlan, layout_key, remember
-from .call_shape import result_type
+from .call_shape import refuse_struct_grads, result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (
     bwds_arguments_checked,
@@ -126,6 +126,7 @@ class _Backward:
 
     def tensor_arg(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
         check_device(self.fn, t, f"parameter '{p.name}'")
+        refuse_struct_grads(self.fn.label, p, t)
         if p.tensor_kind == "plain" or (p.tensor_kind is None and not p.differentiable):
             warn_no_gradient(self.fn, p, t)
             if p.writes_value:  # the backward reruns the forward: not into the caller's values

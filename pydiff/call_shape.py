@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 import numpy as np
+import slangpy as spy
 
 from .signature import FunctionTarget, ParamInfo
 from .storage import SCALAR_NUMPY
@@ -323,3 +324,21 @@ def as_zero_d(out: Any) -> Any:
     if type(out) is np.ndarray and out.shape[:1] == (1,):  # _result='numpy': (1,) + element
         return out.reshape(out.shape[1:])
     return out
+
+
+def refuse_struct_grads(label: str, p: ParamInfo, t: Tensor) -> None:
+    """Refuse a tensor of structs with gradient buffers (a struct result made on a tape, or
+    ``.with_grads()``): SlangPy 0.43 has no differentiable tensor of structs and failed
+    binding it with its raw "Type 'RWDiffTensor<P, 1>' not found" and the tensor's bytes.
+
+    >>> refuse_struct_grads("m.f", p, struct_tensor_with_grads)   # TypeError naming 'p'
+    """
+    if t.grad_in is None and t.grad_out is None:
+        return
+    if isinstance(t.element_type, spy.reflection.StructType):
+        raise TypeError(
+            f"{label}: parameter '{p.name}' got a tensor of struct {t.dtype} with gradient "
+            "buffers: SlangPy 0.43 has no differentiable tensors of structs, so no gradient "
+            "can flow through it. Pass it .detach() (no gradient through these values), or "
+            "return the struct's fields as separate results (one float tensor each)"
+        )

@@ -25,7 +25,7 @@ from .arguments import (
     resolve_error,
     scalar_numpy_result,
 )
-from .call_shape import as_zero_d, tensor_result, zero_d_call
+from .call_shape import as_zero_d, refuse_struct_grads, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
 from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
@@ -53,6 +53,7 @@ def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
 def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
     if isinstance(value, Tensor):
         check_device(fn, value, f"parameter '{p.name}'")
+        refuse_struct_grads(fn.label, p, value)
         if p.tensor_kind == "diff" and not value.requires_grad:
             raise ValueError(
                 f"{fn.module.name}.{fn.name}: parameter '{p.name}' is a concrete "

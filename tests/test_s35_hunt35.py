@@ -1,6 +1,9 @@
 """Cases found by the fifteenth session's adversarial hunt (hunt35), each against an
 independent expectation.
 
+- A tensor of structs with gradient buffers (a struct result made on a tape) passed to the
+  next call failed with SlangPy's raw "Type 'RWDiffTensor<P, 1>' not found" and the tensor's
+  bytes; now a TypeError names the parameter and says what to do.
 - An interface tensor store at an index outside the tensor (reversed grid indices) made the
   backward's race check fail with NumPy's raw "index 4294967294 is out of bounds"; now a
   ValueError names the parameter, its shape, and says what to check.
@@ -50,3 +53,26 @@ def test_fwds_double_argument_without_a_tangent(device):
     y, dy = m.fd.fwds(ta, pydiff.tensor(b, dtype="double", device=device))
     np.testing.assert_allclose(y.numpy(), a * a * b, rtol=1e-12)
     np.testing.assert_allclose(dy.numpy(), 2 * a * b, rtol=1e-12)
+
+
+STRUCTS = r"""
+struct P : IDifferentiable { float a; float b; };
+[Differentiable] P sr(float a) { P p; p.a = a * a; p.b = 2.0 * a; return p; }
+[Differentiable] float sf(P p, float x) { return p.a * x + p.b; }
+"""
+
+
+def test_struct_tensor_with_gradients_is_refused_by_name(device):
+    m = pydiff.load_module_from_source("s35_structs", STRUCTS, device=device)
+    a = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    x = pydiff.tensor([3.0, 4.0], device=device)
+    off = m.sf(m.sr(a, _result="tensor"), x, _result="tensor")  # off a tape: no gradients
+    np.testing.assert_allclose(off.numpy(), [1.0 * 3 + 2, 4.0 * 4 + 4])
+    with pydiff.Tape():
+        p = m.sr(a, _result="tensor")
+        with pytest.raises(TypeError, match=r"parameter 'p' got a tensor of struct P"):
+            m.sf(p, x, _result="tensor")
+        z = m.sf(p.detach(), x, _result="tensor")  # what the message offers
+    np.testing.assert_allclose(z.numpy(), [1.0 * 3 + 2, 4.0 * 4 + 4])
+    with pytest.raises(TypeError, match=r"parameter 'p' got a tensor of struct P"):
+        m.sf.bwds(p, x, _result=z.with_grads(ones=True))
