@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import backward_failures, broadcast_grad, generated_calls, written_mask
+from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
 from .arguments import (
     MISSING,
     PLAIN,
@@ -380,6 +380,7 @@ def backward_call(
     backward_failures.check(fn)  # (SlangPy crashes building a failed backward again)
     args, kwargs = positional_result(fn, args, kwargs)
     bound, options = bind_arguments(fn, args, kwargs)
+    loop_bounds.check(fn, bound)
     bwds_arguments_checked(fn, bound, kwargs.get("_result"))
     bound = values_read(fn, bound)
     warn_struct_fields(fn, bound)
