@@ -2,7 +2,8 @@
 
     python benchmarks/bench_call_layers.py            # or --device cuda
 
-Runs bench_core's per-call case (the polynomial on 16 floats, forward and ``.bwds``) past
+Runs bench_core's per-call case (the polynomial on 16 floats, forward into a given result,
+a new result each call, and ``.bwds``) past
 the point where its call plans dispatch pydiff's generated kernels, and times the calling
 thread's CPU (``time.thread_time``) per call with pydiff's layers replaced one at a time by
 no-ops: the whole call; without the dispatch (pydiff's Python above it); without recording
@@ -91,6 +92,10 @@ def main() -> None:
         ".bwds": (
             lambda: m.polynomial.bwds(2.0, 8.0, -1.0, px, _result=py),
             lambda: raw.polynomial.bwds(2.0, 8.0, -1.0, rx, _result=ry),
+        ),
+        "new y": (  # y = m.f(...): a new result each call
+            lambda: m.polynomial(2.0, 8.0, -1.0, px),
+            lambda: raw.polynomial(2.0, 8.0, -1.0, rx),
         ),
     }
     for ours, theirs in cases.values():
