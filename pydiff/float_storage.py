@@ -24,14 +24,6 @@ from .buffer_pool import check_size
 if TYPE_CHECKING:
     from .device import Device
 
-#: Float-vector tensors of at least this many elements are pooled (smaller ones get a buffer
-#: of their own, as before): SlangPy's call binding a pooled float3 tensor cost about 20 us
-#: more (lavapipe, 16 elements: a forward 45 against 25 us, a .bwds 50 against 29 us), which
-#: a small call repeated pays each time; from the size generated kernels take a call (4096)
-#: creating a buffer costs far more. Results of generated kernels are pooled at any size
-#: (``pooled_tensor``: pydiff's kernels bind them as plain buffers).
-VECTOR_POOL_MIN_ELEMENTS = 4096
-
 #: Element types kept in pooled float4 buffers, by name and by SlangPy's full name: floats
 #: per element.
 FLOAT_WIDTHS = {"float": 1}

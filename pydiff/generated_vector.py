@@ -37,7 +37,6 @@ from .generated_source import GROUP
 from .generated_switch import enabled
 from .generated_vector_source import backward_source, forward_source, fwds_source
 from .signature import FunctionTarget, overloaded
-from .float_storage import pooled_tensor
 from .storage import allocate
 from .tensor import Tensor
 
@@ -177,8 +176,7 @@ def new_result(shape: tuple, width: int, dev: Any) -> Tensor:
 
     y = generated_vector.new_result((1024,), 3, dev)      # a float3 tensor
     """
-    name = "float" if width == 1 else f"float{width}"
-    return Tensor(pooled_tensor(dev, shape, dev.dtype(name), width, what=f"a {name} result"), dev)
+    return Tensor(allocate(dev, shape, "float" if width == 1 else f"float{width}"), dev)
 
 
 def forward(fn: FunctionTarget, args: list, out: Tensor | None = None) -> Tensor | None:

@@ -18,7 +18,7 @@ import slangpy as spy
 
 from . import capturing, staging
 from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
-from .float_storage import FLOAT_WIDTHS, VECTOR_POOL_MIN_ELEMENTS, pooled_tensor
+from .float_storage import FLOAT_WIDTHS, pooled_tensor
 
 if TYPE_CHECKING:
     from .device import Device
@@ -356,19 +356,16 @@ def allocate(
 ) -> spy.Tensor:
     """A SlangPy tensor for new values of ``shape`` and ``dtype`` (a name or reflection).
 
-    Float tensors, and float-vector (float2/3/4) ones of 4096 elements or more, live in a
-    buffer of float4s (padded to whole float4s, reused from ``dev.pool``: float_storage) on
-    every backend: SlangPy binds it as usual and pydiff's fast kernels read float ones as
-    float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe). ``what`` names the
-    tensor in a size error (default: "a <dtype> tensor"). Shape ``()`` gives a 0-d view of
-    one element.
+    Float and float-vector (float2/3/4) tensors live in a buffer of float4s (padded to whole
+    float4s, reused from ``dev.pool``: float_storage) on every backend: SlangPy binds it as
+    usual and pydiff's fast kernels read float ones as float4s (on Vulkan through typed loads,
+    about 3x cheaper on lavapipe). ``what`` names the tensor in a size error (default: "a
+    <dtype> tensor"). Shape ``()`` gives a 0-d view of one element.
     """
     if len(shape) == 0:
         return allocate(dev, (1,), dtype, zero, what).view(())
     name = dtype if isinstance(dtype, str) else dtype.full_name
     width = FLOAT_WIDTHS.get(name)
-    if width is not None and width > 1 and math.prod(shape) < VECTOR_POOL_MIN_ELEMENTS:
-        width = None  # a small float-vector tensor: a buffer of its own (float_storage)
     if width is None:
         shape = dims(shape)
         refl = dev.dtype(name) if isinstance(dtype, str) else dtype
