@@ -4,7 +4,7 @@ layout is found once per plan, and per call only what the values decide is check
 tensor, and a given result, contiguous from the start of its buffer). The dispatch joins the
 device's deferred list, and a new result comes from the buffer pool: a loop of small calls
 pays no submission and no buffer creation of its own (lavapipe, 16 float3 elements, a new
-result each call: 64 us wall a call against 97-100 us through SlangPy's call). A ``.bwds``
+result each call: 62-67 us of CPU a call against 99-114 us through SlangPy's call). A ``.bwds``
 of float vectors keeps SlangPy's call at small sizes (planned_kernels.BackwardLaunch).
 
     launch = VectorForwardLaunch.make(fn, args, result)    # None: not covered
