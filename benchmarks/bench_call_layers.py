@@ -3,7 +3,8 @@
     python benchmarks/bench_call_layers.py            # or --device cuda
 
 Runs bench_core's per-call case (the polynomial on 16 floats, forward into a given result,
-a new result each call, and ``.bwds``) past
+a new result each call, and ``.bwds``), and the float3 ``shade`` of bench_generated on 16
+elements (pydiff.planned_vector's kernels), past
 the point where its call plans dispatch pydiff's generated kernels, and times the calling
 thread's CPU (``time.thread_time``) per call with pydiff's layers replaced one at a time by
 no-ops: the whole call; without the dispatch (pydiff's Python above it); without recording
@@ -31,6 +32,38 @@ void bench_empty(uint3 t: SV_DispatchThreadID) {}
 [shader("compute")][numthreads(64, 1, 1)]
 void bench_one(uint3 t: SV_DispatchThreadID, RWStructuredBuffer<float> a) { a[t.x] = 1; }
 """
+SHADE = """
+[Differentiable] float3 shade(float3 n, float3 l, float k)
+{ return k * max(dot(n, l), 0.0) * n + 0.1 * l; }
+"""
+
+
+def shade_cases(dev: pydiff.Device) -> dict:
+    """The float3 function of bench_generated (planned_vector's kernels) on 16 elements:
+    forward into a result given, and ``.bwds``, against raw SlangPy's."""
+    m = pydiff.load_module_from_source("bench_layers_shade", SHADE, device=dev)
+    raw = spy.Module.load_from_source(dev.native, "bench_layers_shade_raw", SHADE)
+    rng = np.random.default_rng(0)
+    ns, ls = (rng.standard_normal((16, 3)).astype(np.float32) for _ in range(2))
+    pn, pl = (pydiff.tensor(a, device=dev, dtype="float3", requires_grad=True) for a in (ns, ls))
+    py = pydiff.zeros((16,), device=dev, dtype="float3").with_grads(ones=True)
+    natives = []
+    for a in (ns, ls, np.zeros((16, 3), np.float32)):
+        t = spy.Tensor.empty(dev.native, (16,), dev.dtype("float3"))
+        t.copy_from_numpy(a)
+        natives.append(t.with_grads(zero=True))
+    rn, rl, ry = natives
+    ry.grad_in.copy_from_numpy(np.ones((16, 3), np.float32))
+    return {
+        "shade forward": (
+            lambda: m.shade(pn, pl, 0.5, _result=py),
+            lambda: raw.shade(rn, rl, 0.5, _result=ry),
+        ),
+        "shade .bwds": (
+            lambda: m.shade.bwds(pn, pl, 0.5, _result=py),
+            lambda: raw.shade.bwds(rn, rl, 0.5, _result=ry),
+        ),
+    }
 
 
 def per_call(dev: pydiff.Device, fn, calls: int) -> float:
@@ -97,6 +130,7 @@ def main() -> None:
             lambda: m.polynomial(2.0, 8.0, -1.0, px),
             lambda: raw.polynomial(2.0, 8.0, -1.0, rx),
         ),
+        **shade_cases(dev),
     }
     for ours, theirs in cases.values():
         for _ in range(1200):  # past generated_switch.PLANNED_AFTER (lavapipe's 1000)
@@ -122,9 +156,9 @@ def main() -> None:
     print("calling thread's CPU time per call (median of 5 rounds):")
     for name, row in rows.items():
         for label, us in row.items():
-            print(f"  {name:8s} {label:42s} {us:6.1f} us")
+            print(f"  {name:14s} {label:42s} {us:6.1f} us")
         native = row["pydiff, whole call"] - row["pydiff, nothing recorded (Python only)"]
-        print(f"  {name:8s} {'-> native recording and submission':42s} {native:6.1f} us")
+        print(f"  {name:14s} {'-> native recording and submission':42s} {native:6.1f} us")
     empty = record_cost(dev, "bench_empty", args.calls)
     one = record_cost(dev, "bench_one", args.calls)
     print(f"raw dispatch, empty kernel: {empty:.1f} us; binding one buffer: {one:.1f} us")

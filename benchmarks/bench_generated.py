@@ -10,8 +10,10 @@ then ``.bwds``), the plain call users write (``y = m.polynomial(...)``: a new re
 call) then ``.bwds``, and NumPy computing the values and the closed-form gradient in place
 (preallocated outputs, one core) and with new arrays. Also the host cost per call at 16
 elements. The ``shade`` rows: ``y = m.shade(N, L, 2.0)`` then ``.bwds`` over N, L float
-tensors of shape (n, 3) (float3 elements), generated against ``PYDIFF_GENERATED=0``, and
-NumPy's forward. Prints ratios; the tests never assert on speed.
+tensors of shape (n, 3) (float3 elements; a new float3 result and gradient buffer each call,
+from the buffer pool), the same into a result made once (``_result=Y``), the forward alone
+with a new result, against ``PYDIFF_GENERATED=0``, and NumPy's forward. Prints ratios; the
+tests never assert on speed.
 """
 
 from __future__ import annotations
@@ -41,9 +43,20 @@ def shade_contenders(dev, m, n: int) -> dict:
     L = pydiff.tensor(ls, device=dev, requires_grad=True)
     up = pydiff.tensor(np.ones((n, 3), np.float32), device=dev, dtype="float3")
 
-    def call():
+    Y = pydiff.zeros((n,), device=dev, dtype="float3").with_grads(grad_in=up)
+
+    def call():  # a new result (and gradient buffer) each call: pooled float4 storage
         y = m.shade(N, L, 2.0)
         m.shade.bwds(N, L, 2.0, _result=y.with_grads(grad_in=up))
+        dev.native.wait_for_idle()
+
+    def given():  # the result and its gradient buffers made once
+        m.shade(N, L, 2.0, _result=Y)
+        m.shade.bwds(N, L, 2.0, _result=Y)
+        dev.native.wait_for_idle()
+
+    def forward_new():
+        m.shade(N, L, 2.0)
         dev.native.wait_for_idle()
 
     def slangpy():
@@ -60,7 +73,13 @@ def shade_contenders(dev, m, n: int) -> dict:
         d = np.einsum("ij,ij->i", ns, ls)
         _ = 2.0 * np.maximum(d, 0.0)[:, None] * ns + 0.1 * ls
 
-    return {"generated": call, "pydiff SlangPy path": slangpy, "NumPy forward only": numpy_forward}
+    return {
+        "generated": call,
+        "generated, _result=Y": given,
+        "forward only, new y": forward_new,
+        "pydiff SlangPy path": slangpy,
+        "NumPy forward only": numpy_forward,
+    }
 
 
 def contenders(dev, m, n: int) -> dict:

@@ -31,7 +31,6 @@ import numpy as np
 
 from . import broadcast_grad
 from .backward_scope import backward_scope
-from .creation import empty
 from .determinism import is_deterministic
 from .generated import MAX_GROUPS, SMALL_COUNT, SMALL_GROUP, compiled, count, decline
 from .generated_source import GROUP
@@ -171,13 +170,38 @@ def _dispatch(fn: FunctionTarget, kernel: Any, threads: int, numel: int, binding
     fn.module.device.kernels.dispatch(kernel, threads, **bindings)
 
 
-def _new(shape: tuple, width: int, dev: Any) -> Tensor:
-    return empty(shape, dtype="float" if width == 1 else f"float{width}", device=dev)
+def new_result(shape: tuple, width: int, dev: Any) -> Tensor:
+    """A new result of ``width`` floats per element (a ``floatN`` tensor for a vector): pooled
+    float4 storage (pydiff.float_storage), as the float kernels' results are.
+
+    y = generated_vector.new_result((1024,), 3, dev)      # a float3 tensor
+    """
+    return Tensor(allocate(dev, shape, "float" if width == 1 else f"float{width}"), dev)
 
 
 def forward(fn: FunctionTarget, args: list, out: Tensor | None = None) -> Tensor | None:
     """``fn`` over ``args`` (one per parameter): a new tensor of the call's shape (a
     ``floatN`` one for a vector result), or ``out`` written; None when not covered."""
+    found = forward_kernel(fn, args, out)
+    if found is None:
+        return None
+    kernel, threads, shape, width = found
+    out = new_result(shape, width, fn.module.device) if out is None else out
+    _dispatch(
+        fn, kernel, threads, math.prod(shape), _bindings(args) | {"pydiff_result": out.buffer}
+    )
+    count("forward")
+    count("forward: vector")
+    return out
+
+
+def forward_kernel(fn: FunctionTarget, args: list, out: Tensor | None = None) -> tuple | None:
+    """``(kernel, threads, shape, width)`` of ``forward``'s call (``width``: the result's
+    floats per element), or None when not covered (the reason counted). A call plan
+    (planned_vector) dispatches it for later calls of the layout.
+
+    kernel, threads, shape, width = generated_vector.forward_kernel(m.shade, [N, L, 2.0])
+    """
     reason = _checked(fn, args)
     width = WIDTHS.get(fn.signature.return_type, 0)
     shape = None
@@ -192,18 +216,11 @@ def forward(fn: FunctionTarget, args: list, out: Tensor | None = None) -> Tensor
         decline("forward", found)
         return None
     layout, shape = found
-    numel = math.prod(shape)
     kernel, threads = _kernel(
-        fn, "fwd", (layout, width), numel,
+        fn, "fwd", (layout, width), math.prod(shape),
         lambda group, looped: forward_source(fn, layout, width, group, looped),
     )  # fmt: skip
-    if kernel is None:
-        return None
-    out = _new(shape, width, fn.module.device) if out is None else out
-    _dispatch(fn, kernel, threads, numel, _bindings(args) | {"pydiff_result": out.buffer})
-    count("forward")
-    count("forward: vector")
-    return out
+    return None if kernel is None else (kernel, threads, shape, width)
 
 
 def backward(
@@ -217,19 +234,11 @@ def backward(
     result's ``upstream`` gradient (as ``generated.backward`` does for float functions);
     False, nothing done, when not covered. ``before()`` runs once the call is known to be
     covered, before anything is dispatched (zeroing policies)."""
-    found = _backward_plan(fn, args, upstream, grads)
-    if type(found) is str:
-        decline("backward", found)
+    found = backward_kernel(fn, args, upstream, grads)
+    if found is None:
         return False
-    layout, shape, sums, scalars = found
+    kernel, threads, shape, sums, scalars = found
     dev, numel = fn.module.device, math.prod(shape)
-    width = WIDTHS[fn.signature.return_type]
-    kernel, threads = _kernel(
-        fn, "bwd", (layout, width, sums, scalars), numel,
-        lambda group, looped: backward_source(fn, layout, width, sums, scalars, group, looped),
-    )  # fmt: skip
-    if kernel is None:
-        return False
     partials = {i: _partials(dev, shape, n) for n, i in enumerate(scalars)}
     if before is not None:
         before()
@@ -248,6 +257,27 @@ def backward(
     count("backward")
     count("backward: vector")
     return True
+
+
+def backward_kernel(fn: FunctionTarget, args: list, upstream: Any, grads: dict) -> tuple | None:
+    """``(kernel, threads, shape, sums, scalars)`` of ``backward``'s call: ``sums`` the
+    parameters adding into each gradient buffer (one binding ``pydiff_g<j>`` each),
+    ``scalars`` the broadcast ones (partials summed after); None when not covered (the
+    reason counted).
+
+    kernel, threads, shape, sums, scalars = backward_kernel(m.shade, [N, L, 2.0], up, grads)
+    """
+    found = _backward_plan(fn, args, upstream, grads)
+    if type(found) is str:
+        decline("backward", found)
+        return None
+    layout, shape, sums, scalars = found
+    width = WIDTHS[fn.signature.return_type]
+    kernel, threads = _kernel(
+        fn, "bwd", (layout, width, sums, scalars), math.prod(shape),
+        lambda group, looped: backward_source(fn, layout, width, sums, scalars, group, looped),
+    )  # fmt: skip
+    return None if kernel is None else (kernel, threads, shape, sums, scalars)
 
 
 def _backward_plan(fn: FunctionTarget, args: list, upstream: Any, grads: dict) -> Any:
@@ -332,7 +362,7 @@ def fwds(fn: FunctionTarget, args: list, tangents: list) -> tuple[Tensor, Tensor
     if kernel is None:
         return None
     dev = fn.module.device
-    value, tangent = _new(shape, width, dev), _new(shape, width, dev)
+    value, tangent = new_result(shape, width, dev), new_result(shape, width, dev)
     bindings = _bindings(args) | _bindings(tangents, "t")
     bindings.update(pydiff_result=value.buffer, pydiff_tangent=tangent.buffer)
     _dispatch(fn, kernel, threads, numel, bindings)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import generated, generated_vector
+from . import generated, generated_vector, planned_vector
 from .creation import empty
 from .signature import FunctionTarget
 from .tensor import Tensor
@@ -53,11 +53,12 @@ class ForwardLaunch:
         self.held = held  # the bound object of its last call (kernels.dispatch_split)
 
     @staticmethod
-    def make(fn: FunctionTarget, args: tuple, result: Any) -> "ForwardLaunch | None":
-        """The launch of this layout, or None when the generator does not cover it (a
-        parameter not a float, a tensor not float4 storage, ...: the reason in ``stats()``)."""
+    def make(fn: FunctionTarget, args: tuple, result: Any) -> Any:
+        """The launch of this layout (for a function of float vectors, planned_vector's), or
+        None when the generator does not cover it (a parameter not a float, a tensor not
+        float4 storage, ...: the reason in ``stats()``)."""
         if generated_vector.involves(fn):
-            return None  # the full path's (generated_vector), for large calls
+            return planned_vector.VectorForwardLaunch.make(fn, args, result)
         given = result if type(result) is Tensor else None
         shape = generated.call_shape(list(args))
         kernel = generated.forward_kernel(fn, list(args), shape, given)

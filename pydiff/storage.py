@@ -18,6 +18,7 @@ import slangpy as spy
 
 from . import capturing, staging
 from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
+from .float_storage import FLOAT_WIDTHS, pooled_tensor
 
 if TYPE_CHECKING:
     from .device import Device
@@ -355,56 +356,26 @@ def allocate(
 ) -> spy.Tensor:
     """A SlangPy tensor for new values of ``shape`` and ``dtype`` (a name or reflection).
 
-    Float tensors live in a buffer of float4s (padded to whole float4s, reused from
-    ``dev.pool``) on every backend: SlangPy binds it as usual and pydiff's fast kernels read
-    it as float4s (on Vulkan through typed loads, about 3x cheaper on lavapipe). ``what``
-    names the tensor in a size error (default: "a <dtype> tensor"). Shape ``()`` gives a 0-d
-    view of one element.
+    Float and float-vector (float2/3/4) tensors live in a buffer of float4s (padded to whole
+    float4s, reused from ``dev.pool``: float_storage) on every backend: SlangPy binds it as
+    usual and pydiff's fast kernels read float ones as float4s (on Vulkan through typed loads,
+    about 3x cheaper on lavapipe). ``what`` names the tensor in a size error (default: "a
+    <dtype> tensor"). Shape ``()`` gives a 0-d view of one element.
     """
     if len(shape) == 0:
         return allocate(dev, (1,), dtype, zero, what).view(())
     name = dtype if isinstance(dtype, str) else dtype.full_name
-    if name != "float":
+    width = FLOAT_WIDTHS.get(name)
+    if width is None:
         shape = dims(shape)
         refl = dev.dtype(name) if isinstance(dtype, str) else dtype
         check_size(what or f"a {name} tensor", dev.type, shape, int(refl.buffer_layout.stride))
         return _allocate_plain(dev, shape, dtype, name, zero, capturing.recording())
-    float4s, shape_list, strides = _float_layout(dev.type, shape, what or "a float tensor")
-    buffer = dev.pool.float4_buffer(float4s)
-    native = spy.Tensor(buffer, dev.dtype("float"), shape_list, strides, 0)
-    if zero:
-        # In order with the pending work (a pooled buffer may be read by unsubmitted commands
-        # of an ended batch); nothing pending reads its new contents, so even inside a batch
-        # (whose work runs after the deferred list) the zeroing is early enough.
-        dev.queue.defer(native.clear, (buffer,))
-        rec = capturing.recording()
-        if rec is not None:
-            rec.record_clear(dev.queue, native)
-    return native
-
-
-# Float layouts by (device type, shape): (float4s, shape, C strides), the size checked once.
-# A few microseconds of Python per tensor otherwise; bounded (shapes of a loop that varies
-# them are dropped wholesale, then found again).
-_FLOAT_LAYOUTS: dict[tuple, tuple] = {}
-_FLOAT_LAYOUTS_MAX = 4096
-
-
-def _float_layout(device_type: str, shape: Any, what: str) -> tuple[int, list[int], list[int]]:
-    key = (device_type, shape if type(shape) is tuple else dims(shape))
-    layout = _FLOAT_LAYOUTS.get(key)
-    if layout is None:
-        dims_ = dims(key[1])
-        check_size(what, device_type, dims_, 4)
-        strides, step = [], 1
-        for d in reversed(dims_):
-            strides.append(step)
-            step *= d
-        layout = (max(1, -(-math.prod(dims_) // 4)), list(dims_), strides[::-1])
-        if len(_FLOAT_LAYOUTS) >= _FLOAT_LAYOUTS_MAX:
-            _FLOAT_LAYOUTS.clear()
-        _FLOAT_LAYOUTS[key] = layout
-    return layout
+    refl = dev.dtype(name) if isinstance(dtype, str) else dtype
+    what = what or ("a float tensor" if width == 1 else f"a float{width} tensor")
+    return pooled_tensor(
+        dev, shape if type(shape) is tuple else dims(shape), refl, width, zero, what
+    )
 
 
 def _allocate_plain(
