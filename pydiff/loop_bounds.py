@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .signature import FunctionTarget
 
 _LOOP = re.compile(r"\[\s*MaxIters\s*\(\s*(\d+)\s*\)\s*\]\s*(?:\[[^\]]*\]\s*)*(for|while)\s*\(")
 _LENGTH = re.compile(
@@ -95,9 +94,10 @@ def scan(source: str) -> dict[str, list[tuple[str, int, int, int, int]]]:
     return found
 
 
-def check(fn: FunctionTarget, bound: list) -> None:
+def check(fn: Any, bound: list) -> None:
     """Refuse a ``.bwds`` whose tensor makes one of ``fn``'s length-bounded loops run past
-    its ``[MaxIters(n)]`` (scanned once per module source)."""
+    its ``[MaxIters(n)]`` (scanned once per module source). ``fn``: a shader function (its
+    ``name``, ``label``, ``module.source``/``file``); ``bound``: its (ParamInfo, value) pairs."""
     source = fn.module.source
     if source is None or "MaxIters" not in source:
         return
