@@ -248,7 +248,7 @@ class ForwardPlan:
             out.storage.made_by = made  # (stale_reads.mark_made)
             return out
         if self.defers and _deferrable(dev.queue):
-            return self._deferred(fn, args, result, native, written)
+            return self._deferred(fn, args, result, native, written, made)
         dev.queue.flush()  # kernels queued in a batched backward run first
         for i in self.tensors:
             native[i] = args[i].bind(True)
@@ -276,7 +276,7 @@ class ForwardPlan:
         return out
 
     def _deferred(
-        self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list
+        self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list, made: tuple
     ) -> Any:
         """SlangPy's call appended to the deferred list: submitted with the next flush (a
         read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
@@ -294,6 +294,9 @@ class ForwardPlan:
         label = fn.call_label
         for st in written:
             st.wrote(label)
+            st.made_by = made
+        if self.new_shape is not None:
+            result.storage.made_by = made
         return result if type(result) is Tensor else None
 
 
