@@ -24,6 +24,7 @@ from .errors import warn_once
 from .host_values import element_base
 from .unrecorded import made_off_tape
 from .signature import FunctionTarget, ParamInfo, field_at
+from .stale_reads import refuse_stale_reads
 from .storage import allocate
 from .struct_values import field_tensors
 from .tensor import Tensor
@@ -192,6 +193,7 @@ def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None
     refuse_written_struct(fn, bound, fn.bwds_label)
     refuse_written_twice(fn, bound, result, fn.bwds_label)
     refuse_narrowed_result(fn, bound, result, fn.bwds_label)
+    refuse_stale_reads(fn, bound, result)  # inputs written since the call that made result
     for p, value in bound:
         if type(value) is not Tensor or value.grad_out is not None or not p.differentiable:
             continue

@@ -128,7 +128,7 @@ class ForwardPlan:
         "tensors",
         "reads",
         "writes",
-        "names",
+        "read_names",
         "floats",
         "numbers",
         "numel",
@@ -146,7 +146,7 @@ class ForwardPlan:
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
         self.reads = tuple(i for i in self.tensors if bound[i][0].reads_value)
         self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
-        self.names = tuple((i, bound[i][0].name) for i in self.tensors)
+        self.read_names = tuple((i, bound[i][0].name) for i in self.reads)
         self.floats, self.numbers = _numbers(key, bound)
         # as generated_calls.call_forward decides (the layout fixes every tensor's size)
         self.numel = generated.call_size(v for _, v in bound)
@@ -231,17 +231,24 @@ class ForwardPlan:
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
         label = fn.call_label
-        for i, name in self.names:  # forward_call._mark_reread
+        # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
+        # parameter only written never is in read_by_writer; none is read and written here)
+        reads = []
+        for i, name in self.read_names:
             st = args[i].storage
             if st.last_writer == label and name in st.read_by_writer:
                 st.reread = True
+            reads.append((i, name, st.serial, st.version))
+        made = (fn, reads)
         if launch is not None:
             out = launch.run(fn, args, result)
             for st in written:
                 st.wrote(label)
+                st.made_by = made
+            out.storage.made_by = made  # (stale_reads.mark_made)
             return out
         if self.defers and _deferrable(dev.queue):
-            return self._deferred(fn, args, result, native, written)
+            return self._deferred(fn, args, result, native, written, made)
         dev.queue.flush()  # kernels queued in a batched backward run first
         for i in self.tensors:
             native[i] = args[i].bind(True)
@@ -256,17 +263,20 @@ class ForwardPlan:
             raise resolve_error(fn, exc) from None
         for st in written:
             st.wrote(label)
+            st.made_by = made
         if self.result_tensor:
             return result
         if isinstance(out, spy.Tensor):
             dev.queue.allocated(out.storage.size)  # (SlangPy made it)
-            return Tensor(out.view(()) if self.zero_d else out, dev)
+            out = Tensor(out.view(()) if self.zero_d else out, dev)
+            out.storage.made_by = made
+            return out
         if self.zero_d and type(out) is np.ndarray and out is not result:  # (1,) + element
             return out.reshape(out.shape[1:])
         return out
 
     def _deferred(
-        self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list
+        self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list, made: tuple
     ) -> Any:
         """SlangPy's call appended to the deferred list: submitted with the next flush (a
         read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
@@ -284,6 +294,9 @@ class ForwardPlan:
         label = fn.call_label
         for st in written:
             st.wrote(label)
+            st.made_by = made
+        if self.new_shape is not None:
+            result.storage.made_by = made
         return result if type(result) is Tensor else None
 
 
@@ -342,6 +355,12 @@ class BackwardPlan:
         dev = fn.module.device
         if result.device is not dev:
             return DECLINED
+        made = result.storage.made_by
+        if made is not None and made[0] is fn:
+            for i, _, serial, version in made[1]:  # stale_reads: an input written since?
+                st = args[i].storage if type(args[i]) is Tensor else None
+                if st is not None and st.serial == serial and st.version != version:
+                    return DECLINED  # (the full path refuses it, or uses a copy kept)
         upstream = result.grad_in.storage
         native = list(args)
         grads = {}

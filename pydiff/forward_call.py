@@ -33,6 +33,7 @@ from .bwds_checks import with_values_of
 from .errors import warn_once
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
+from .stale_reads import mark_made
 from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
 from . import foreign, generated_calls
@@ -123,6 +124,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if out is not result and type(out) in (Tensor, np.ndarray) and zero_d_call(bound):
         out = as_zero_d(out)  # the (1,) views of 0-d tensors gave a (1,) result: NumPy's ()
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
+    mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
     elif key is not None and not zero_d:

@@ -9,6 +9,7 @@ dtype names.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import TYPE_CHECKING, Any, Sequence
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 COPY_FROM_GRAPH = "copy_ of values with a gradient path (copy_ is not recorded on a tape)"
 #: ``Storage.last_writer`` of a zeroing (``Tensor.zero_``, ``zero_grad``).
 ZEROED = "a host write (zeroing)"
+_SERIALS = itertools.count(1)  # Storage.serial (next() on a count is atomic under the GIL)
 
 NUMPY_TO_SLANG = {
     np.dtype(np.float32): "float",
@@ -148,24 +150,18 @@ class Storage:
       were written from outside a call (host, copy, zeroing): a tape's gradient stops there;
       ``replaced``: ``(count, writer)`` of those writes from outside (a tape compares the
       count with the one at its call's record; ``COPY_FROM_GRAPH``: ``copy_`` of values that
-      have a gradient path, which no tape records).
+      have a gradient path, which no tape records); ``serial``: a number no other storage
+      of this process has (what a record names a storage by without holding it);
+      ``made_by``: the latest forward call that wrote the values, as
+      ``stale_reads.mark_made`` records it (None: none), kept across other writes.
 
     Gradient buffers are not here: they belong to a ``Tensor`` (two tensors on the same
     storage may carry different gradient buffers, see ``Tensor.with_grads``).
     """
 
-    __slots__ = (
-        "buffer",
-        "holds_result_of",
-        "version",
-        "last_writer",
-        "checked",
-        "before",
-        "read_by_writer",
-        "reread",
-        "written_over",
-        "producer",
-        "replaced",
+    __slots__ = tuple(
+        "buffer holds_result_of version last_writer checked before read_by_writer reread "
+        "written_over producer replaced serial made_by".split()
     )
 
     def __init__(self, buffer: Any = None) -> None:
@@ -180,6 +176,8 @@ class Storage:
         self.written_over: frozenset[str] = frozenset()
         self.producer: Any = None
         self.replaced: tuple[int, str] = (0, "nothing")
+        self.serial = next(_SERIALS)
+        self.made_by: tuple | None = None
 
     def wrote(self, writer: str, everything: bool = False) -> None:
         """Count a write of the values by ``writer`` (``everything``: all of them, from the
