@@ -61,8 +61,10 @@ def _linux_vulkan(device) -> None:
 
 def test_allocation_at_the_open_file_limit_says_so(device):
     _linux_vulkan(device)
-    # (SlangPy's path: --pydiff-generated=force's pooled results would not reach the limit)
-    out = _run(ALLOCATE, PYDIFF_RAISE_NOFILE="off", PYDIFF_GENERATED="0")
+    # (SlangPy's path making each result: --pydiff-generated=force's pooled results, and a
+    # call plan's deferred calls, which allocate their results from pydiff's pool, would not
+    # reach the limit; PYDIFF_DEFER=0 keeps SlangPy's own call)
+    out = _run(ALLOCATE, PYDIFF_RAISE_NOFILE="off", PYDIFF_GENERATED="0", PYDIFF_DEFER="0")
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2, out.stdout + out.stderr[-2000:]
     count, message = lines[0].split(" ", 1)
