@@ -71,6 +71,52 @@ def test_past_the_bound_on_a_tape_is_refused(device):
         tape.backward(y, grad=np.ones(4))
 
 
+def test_scan_follows_macros_casts_offsets_and_batched_axes():
+    """break35's misses and false refusals: a macro bound, a C cast, `<= n - 1`, `#if 0`, a
+    step of 2, a bound computed from the length, a local set again, an overloaded name."""
+    found = loop_bounds.scan(
+        """
+        #define NMAX 8
+        float f(float a, IDiffTensor<float, 1> x) {
+            int n = (int)x.shape[0];
+            uint last = x.shape[0] - 1;
+            [MaxIters(NMAX)] for (int i = 0; i < n; i++) {}
+            [MaxIters(8)] for (int i = 0; i <= last; ++i) {}
+            [MaxIters(8)] for (int i = 0; i < n; i += 2) {}
+            [MaxIters(8)] for (int i = 0; i < n / 2; i++) {}
+            int m = x.shape[0];
+            m = min(m, 8);
+            [MaxIters(8)] for (int i = 0; i < m; i++) {}
+        #if 0
+            [MaxIters(2)] for (int i = 0; i < n; i++) {}
+        #endif
+        }
+        float g(IDiffTensor<float, 1> x) { [MaxIters(2)] for (int i = 0; i < x.dim(0); i++) {} }
+        float g(IDiffTensor<float, 1> x, float b) { return b; }
+        """
+    )
+    assert found == {"f": [("x", 0, 1, 8, 0, 6), ("x", 0, 1, 8, 0, 7)]}
+
+
+def test_batched_tensor_checks_its_own_axis(device):
+    """A (B, L) tensor at an IDiffTensor<float, 1> parameter: the call vectorises over B and
+    the loop runs L times (break35: B = 3, L = 12 was let through with wrong gradients; B =
+    12, L = 4 refused)."""
+    m = pydiff.load_module_from_source("s35_loops_batched", SOURCE, device=device)
+    a = pydiff.tensor(np.ones(3, np.float32), device=device)
+    x = pydiff.tensor(np.ones((3, 40), np.float32), device=device, requires_grad=True)
+    y = m.wsum(a, x, _result="tensor")
+    with pytest.raises(ValueError, match=r"runs 40 times"):
+        m.wsum.bwds(a, x, _result=y.with_grads(ones=True))
+    a = pydiff.tensor(np.linspace(0.5, 2.0, 40).astype(np.float32), device=device)
+    xs = np.linspace(-1.0, 1.0, 40 * 4).reshape(40, 4)
+    x = pydiff.tensor(xs.astype(np.float32), device=device, requires_grad=True)
+    y = m.wsum(a, x, _result="tensor")
+    m.wsum.bwds(a, x, _result=y.with_grads(ones=True))  # 4 iterations: within the bound
+    want = 2.0 * np.linspace(0.5, 2.0, 40)[:, None] * xs
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_scan_finds_the_pattern_only_on_own_parameters():
     found = loop_bounds.scan(
         """
@@ -85,4 +131,4 @@ def test_scan_finds_the_pattern_only_on_own_parameters():
         }
         """
     )
-    assert found == {"f": [("w", 1, 8, 0, 3), ("w", 0, 4, 0, 4), ("w", 0, 16, 1, 8)]}
+    assert found == {"f": [("w", 1, 2, 8, 0, 3), ("w", 0, 2, 4, 0, 4), ("w", 0, 2, 16, 1, 8)]}
