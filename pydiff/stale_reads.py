@@ -32,20 +32,20 @@ def _written(fn: FunctionTarget, bound: list, out: Any) -> list[Tensor]:
 
 def mark_made(fn: FunctionTarget, bound: list, out: Any) -> None:
     """Record on each storage the forward call of ``fn`` with ``bound`` wrote (``out``: the
-    result tensor, or None) the tensors it read at which versions (after the call's writes:
-    a storage read and written in place is recorded as the call left it, its values read
-    being ``Storage.before``'s copy or refused by ``bwds_checks.values_read``; a write since
-    leaves neither, and is refused here)."""
+    result tensor, or None) the tensors it read at which versions (after the call's writes;
+    a read storage the call also wrote is left to ``Storage.before``)."""
     written = _written(fn, bound, out)
     if not written:
         return
+    ids = {id(t.storage) for t in written}
     entries = []
     for i, (p, value) in enumerate(bound):
         if not p.reads_value or type(value) in PLAIN:
             continue
         for key, t, _ in read_tensors(p, value, None):
-            st = t.storage  # (one the call also wrote: its version after the call, so that
-            entries.append((i, key, st.serial, st.version))  # any write since is caught)
+            st = t.storage
+            if id(st) not in ids:
+                entries.append((i, key, st.serial, st.version))
     made = (fn, tuple(entries))
     for t in written:
         t.storage.made_by = made
