@@ -32,21 +32,25 @@ def _written(fn: FunctionTarget, bound: list, out: Any) -> list[Tensor]:
 
 def mark_made(fn: FunctionTarget, bound: list, out: Any) -> None:
     """Record on each storage the forward call of ``fn`` with ``bound`` wrote (``out``: the
-    result tensor, or None) the tensors it read at which versions (after the call's writes;
-    a read storage the call also wrote is left to ``Storage.before``)."""
+    result tensor, or None) the tensors it read at which versions (after the call's writes).
+    A storage read and written in place is recorded as the call left it, with the copy of
+    the values it read where pydiff kept one (``Storage.before``): a write since is refused,
+    unless it restored exactly those values (the SlangPy idiom: put the primal back, then
+    ``.bwds``)."""
     written = _written(fn, bound, out)
     if not written:
         return
     ids = {id(t.storage) for t in written}
-    entries = []
+    entries, kept = [], {}
     for i, (p, value) in enumerate(bound):
         if not p.reads_value or type(value) in PLAIN:
             continue
         for key, t, _ in read_tensors(p, value, None):
             st = t.storage
-            if id(st) not in ids:
-                entries.append((i, key, st.serial, st.version))
-    made = (fn, tuple(entries))
+            entries.append((i, key, st.serial, st.version))
+            if id(st) in ids and st.before is not None and st.before[1] is not None:
+                kept[(i, key)] = st.before[1]  # (held while this record is the storage's)
+    made = (fn, tuple(entries), kept) if kept else (fn, tuple(entries))
     for t in written:
         t.storage.made_by = made
 
@@ -63,12 +67,26 @@ def refuse_stale_reads(fn: FunctionTarget, bound: list, result: Any) -> None:
                 continue
             seen = made
             what = "_result" if j < 0 else f"parameter '{bound[j][0].name}'"
+            restored = made[2] if len(made) > 2 else {}
             for i, key, serial, version in made[1]:
-                _check(fn, bound, i, key, serial, version, what)
+                _check(fn, bound, i, key, serial, version, what, restored.get((i, key)))
+
+
+def _same_values(t: Tensor, copy: Any) -> bool:
+    """Whether ``t`` holds exactly ``copy``'s values (bit for bit: NaNs alike)."""
+    a, b = t.numpy(), copy.numpy()
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _check(
-    fn: FunctionTarget, bound: list, i: int, key: str, serial: int, version: int, what: str
+    fn: FunctionTarget,
+    bound: list,
+    i: int,
+    key: str,
+    serial: int,
+    version: int,
+    what: str,
+    copy: Any = None,
 ) -> None:
     if i >= len(bound):
         return
@@ -79,6 +97,8 @@ def _check(
         st = t.storage
         if k != key or st.serial != serial or st.version == version or _kept(fn, st, key, version):
             continue
+        if copy is not None and _same_values(t, copy):
+            continue  # (an in-place call's tensor put back to the values it read)
         name = key if "." not in key else f"(the tensor in field {key})"
         raise ValueError(
             f"{fn.bwds_label}: parameter '{key}' is the tensor (or a view of the storage) that "

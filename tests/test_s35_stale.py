@@ -287,3 +287,43 @@ def test_tensor_in_a_struct_field(device):
     with pytest.raises(ValueError, match=r"ps\.bwds: parameter 'p\.a'.*field p\.a"):
         m.ps.bwds({"a": a, "b": 1.0}, x, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), 2 * a64 * x64, rtol=1e-6)  # unchanged
+
+
+INOUT = """
+[Differentiable] void s35_sqio(inout float y) { y = y * y; }
+[Differentiable] void s35_scale_inout(float s, inout float v) { v = v * s; }
+"""
+
+
+@pytest.mark.parametrize("grads", ["requires_grad", "with_grads", "none"])
+def test_inout_written_since_the_call_is_refused_unless_restored(device, grads):
+    """break35: an in-place call, then a host write of its tensor: .bwds differentiated at the
+    new values (2 * 3 for every element, not 2 * [1, 2, 3, 4]), silently. Refused now; a
+    write that puts back exactly the values the call read (SlangPy's idiom) is allowed where
+    pydiff kept a copy to compare with (the tensor had gradient buffers at the call)."""
+    m = pydiff.load_module_from_source("s35_stale_inout", INOUT, device=device)
+    xs = np.arange(1, 5, dtype=np.float32)
+    v = pydiff.tensor(xs, device=device, requires_grad=grads == "requires_grad")
+    v = v.with_grads() if grads == "with_grads" else v
+    m.s35_sqio(v)
+    np.testing.assert_allclose(v.numpy(), xs.astype(np.float64) ** 2)
+    v.fill(3.0)
+    v = v if v.grad is not None else v.with_grads()
+    v.grad.fill(1.0)
+    with pytest.raises(ValueError, match=r"parameter 'y' .*wrote it since"):
+        m.s35_sqio.bwds(v)
+    v.copy_from_numpy(xs)  # the values the call read, put back
+    if grads == "none":  # (no copy kept at the call: nothing to compare with)
+        with pytest.raises(ValueError, match=r"parameter 'y' .*wrote it since"):
+            m.s35_sqio.bwds(v)
+        return
+    m.s35_sqio.bwds(v)
+    np.testing.assert_allclose(v.grad.numpy(), 2.0 * xs)
+    s = pydiff.tensor(np.full(4, 2.0, np.float32), device=device, requires_grad=True)
+    w = pydiff.tensor(xs, device=device, requires_grad=True)
+    m.s35_scale_inout(s, w)
+    w.fill(10.0)
+    w.grad.fill(1.0)
+    with pytest.raises(ValueError, match=r"parameter 'v' .*wrote it since"):
+        m.s35_scale_inout.bwds(s, w)
+    assert not np.any(s.grad.numpy())
