@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .lint_flow import matching
 from .lint_macros import preprocess
 
 _LOOP = re.compile(r"\[\s*MaxIters\s*\(\s*(\d+)\s*\)\s*\]\s*(?:\[[^\]]*\]\s*)*(for|while)\s*\(")
@@ -37,15 +38,9 @@ _CACHE_MAX = 64
 
 
 def _matching(src: str, start: int, open_ch: str, close_ch: str) -> int:
-    depth = 0
-    for i in range(start, len(src)):
-        if src[i] == open_ch:
-            depth += 1
-        elif src[i] == close_ch:
-            depth -= 1
-            if depth == 0:
-                return i
-    return len(src)
+    """The offset of the bracket closing the one at ``start`` (the text's end if none)."""
+    end = matching(src, start, open_ch, close_ch)
+    return len(src) if end < 0 else end
 
 
 def _blank_comments(src: str) -> str:
