@@ -64,3 +64,18 @@ def forced(monkeypatch):
     monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
     generated.reset_stats()
     return monkeypatch
+
+
+@pytest.fixture
+def soon(monkeypatch):
+    """Call plans of small layouts switch to generated kernels at their fourth call (1000 by
+    default on lavapipe, never on a GPU); calls of 4096 elements and more are large. Returns
+    ``pydiff.generated`` (its stats reset). Test files may define their own."""
+    from pydiff import generated_switch
+
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 3)
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 3)
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    generated.reset_stats()
+    return generated

@@ -30,16 +30,6 @@ def mod(device):
     return pydiff.load_module_from_source("s30_planned", SOURCE, device=device)
 
 
-@pytest.fixture
-def soon(monkeypatch):
-    """Plans switch to generated kernels at their fourth call (1000 by default)."""
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 3)
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 3)
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
-    generated.reset_stats()
-
-
 def _count(kind: str) -> int:
     return generated.stats().get(kind, 0)
 

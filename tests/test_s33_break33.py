@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import buffer_pool, generated, generated_switch, ops
+from pydiff import buffer_pool, ops
 
 OVERLOADED = """
 float h(int a, float x) { return 100.0 + x; }
@@ -187,15 +187,6 @@ def test_sums_ignore_the_padding_of_a_reused_large_buffer(device):
 SMALL = """
 [Differentiable] float s33_poly(float a, float b, float x) { return a * x * x + b * x - 1.0; }
 """
-
-
-@pytest.fixture
-def soon(monkeypatch):
-    """Plans of small layouts switch to generated kernels at their fourth call."""
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 3)
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 3)
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
 
 
 def test_small_plain_calls_keep_their_result_kind_once_planned(device, soon):

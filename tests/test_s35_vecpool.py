@@ -180,19 +180,6 @@ def test_other_widths_views_and_torch(device, m, forced):
 # small repeated calls: forward call plans dispatch generated_vector's kernel (planned_vector)
 
 
-@pytest.fixture
-def soon(monkeypatch):
-    """Plans switch to generated kernels at their fourth call (1000 by default on lavapipe)."""
-    from pydiff import generated, generated_switch
-
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 3)
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 3)
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
-    generated.reset_stats()
-    return generated
-
-
 def test_small_vector_calls_switch_to_planned_kernels_with_the_same_bits(device, m, soon):
     n = 16
     ns, ls, us = _inputs(n, 7)
