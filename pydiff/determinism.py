@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import lint
+from . import lint, lint_atomics
 from .errors import NondeterminismWarning
 from .signature import FunctionTarget
 
@@ -100,7 +100,7 @@ def _reasons(fn: FunctionTarget) -> list[str]:
             )
     source = _module_source(fn.module)
     if source is not None:
-        found = lint.float_atomic_functions(source).get(fn.name)
+        found = lint_atomics.float_atomic_functions(source).get(fn.name)
         if found:
             reasons.append(found)
     _reasons_of[fn] = reasons

@@ -21,8 +21,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .lint_atomics import ANY_FUNCTION as _ANY_FUNCTION
+from .lint_atomics import KEYWORDS as _KEYWORDS
 from .lint_flow import matching as _matching
 from .lint_flow import call_at, conditional_spans, do_while_break, promotions, while_break
+from .lint_generic import KIND as GENERIC_FOR
+from .lint_generic import generic_for_access
 from .lint_reach import interface_holders, reached_kinds
 from .lint_math import FMOD_KIND, POW_KIND, POW_WARN_KIND, math_traps
 from .lint_readback import KIND as READBACK
@@ -82,6 +86,7 @@ class _Function:
     params: list[str]
     body: str
     body_offset: int
+    generic: bool = False  # name<...>(...): a generic's backward compiles differently
 
 
 def _differentiable_functions(src: str) -> list[_Function]:
@@ -100,9 +105,8 @@ def _differentiable_functions(src: str) -> list[_Function]:
         end = _matching(src, brace, "{", "}") if brace >= 0 else -1
         if end < 0 or src[close + 1 : brace].strip().startswith(";"):
             continue
-        found.append(
-            _Function(head.group(1), split_top(src[paren + 1 : close]), src[brace:end], brace)
-        )
+        params = split_top(src[paren + 1 : close])
+        found.append(_Function(head.group(1), params, src[brace:end], brace, bool(head.group(2))))
     return found
 
 
@@ -191,6 +195,9 @@ def scan_source(
                 f"once, as the last use of '{a.tensor}', or declare the parameter as a "
                 "concrete DiffTensor/WDiffTensor",
             )
+        hit = generic_for_access(fn.body, indexed) if fn.generic else None
+        if hit:
+            add(hit[0], GENERIC_FOR, hit[1])
         back = None if twice else store_then_read(fn.body, read_write, effects)
         if back:
             add(back[0], READBACK, readback_message(*back[1:]))
@@ -327,6 +334,16 @@ def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
     return found
 
 
+class TrapMap(dict):
+    """Function name -> the refusing findings of its backward; a generic's specialisation
+    (``f<4>``, as SlangPy names it) finds those of ``f``."""
+
+    def get(self, name: str, default: list[Finding] | None = None) -> list[Finding] | None:
+        if name in self:
+            return self[name]
+        return dict.get(self, name.split("<", 1)[0].strip(), default)
+
+
 def affected_functions(
     source: str,
     findings: list[Finding],
@@ -364,87 +381,9 @@ def affected_functions(
     return {k: v for k, v in result.items() if v}
 
 
-# --------------------------------------------------------------------------------------------
-# Deterministic mode: atomics whose order depends on thread scheduling
-
 _scanned: dict[str, str] = {}  # file label -> source text, for modules compiled from a string
-_ATOMIC = re.compile(
-    r"\b(Interlocked(?:Add|AddF32|AddF16|AddF64|CompareExchange\w*)|atomicAdd|AtomicTensor|"
-    r"InterlockedAddF32|_NvInterlockedAdd\w*)\b"
-)
-_ANY_FUNCTION = re.compile(
-    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(([^(){};]*)\)\s*\{"
-)
-_DERIVATIVE_ATTR = re.compile(
-    r"\[\s*(BackwardDerivative|BackwardDerivativeOf)\s*\(\s*([A-Za-z_]\w*)"
-)
-_KEYWORDS = {"if", "for", "while", "switch", "return", "else", "do"}
 
 
 def scanned_source(file: str) -> str | None:
     """The source text last scanned under ``file`` (modules compiled from a string)."""
     return _scanned.get(file)
-
-
-def _all_functions(src: str) -> dict[str, tuple[str, str]]:
-    """Every function definition: name -> (the text of the attributes before it, body)."""
-    out: dict[str, tuple[str, str]] = {}
-    prev_end = 0
-    for m in _ANY_FUNCTION.finditer(src):
-        name = m.group(1)
-        if name in _KEYWORDS:
-            continue
-        brace = m.end() - 1
-        end = _matching(src, brace, "{", "}")
-        if end < 0:
-            continue
-        head_start = max(
-            src.rfind(";", prev_end, m.start()), src.rfind("}", prev_end, m.start()), prev_end
-        )
-        attrs = src[head_start : m.start() + 1]
-        body = src[brace:end]
-        attrs_old, body_old = out.get(name, ("", ""))
-        out[name] = (attrs_old + attrs, body_old + body)  # overloads: merged
-        prev_end = end
-    return out
-
-
-def float_atomic_functions(source: str) -> dict[str, str]:
-    """Functions whose backward may add with atomics in a scheduling-dependent order.
-
-    A function qualifies if its body (or a function it calls, or its hand-written backward
-    derivative) uses InterlockedAdd/atomicAdd/AtomicTensor. Returns name -> reason.
-
-    >>> float_atomic_functions(src).get("splat")
-    "'InterlockedAdd' in splat_bwd() (line 12): ..."
-    """
-    src = _strip_comments(source)
-    fns = _all_functions(src)
-    reason: dict[str, str] = {}
-    for name, (_, body) in fns.items():
-        m = _ATOMIC.search(body)
-        if m:
-            line = _line_of(src, src.find(body) + m.start())
-            reason[name] = (
-                f"'{m.group(1)}' in {name}() (line {line}) adds in whatever order threads arrive; "
-                "on floats that order changes the rounding. Accumulate in fixed point "
-                "(int64 InterlockedAdd of round(g * 2^32)) or use pydiff's FwdDiffTensor"
-            )
-    changed = True
-    while changed:
-        changed = False
-        for name, (attrs, body) in fns.items():
-            if name in reason:
-                for kind, target in _DERIVATIVE_ATTR.findall(attrs):
-                    if kind == "BackwardDerivativeOf" and target not in reason:
-                        reason[target] = reason[name]  # name is target's backward
-                        changed = True
-                continue
-            for kind, target in _DERIVATIVE_ATTR.findall(attrs):
-                if kind == "BackwardDerivative" and target in reason:
-                    reason[name] = reason[target]
-            for callee, why in list(reason.items()):
-                if name not in reason and callee != name and call_at(body, callee) >= 0:
-                    reason[name] = why
-            changed = changed or name in reason
-    return reason

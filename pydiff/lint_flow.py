@@ -264,7 +264,7 @@ def fold_identities(body: str) -> str:
     return body
 
 
-def _statement_end(body: str, i: int) -> int:
+def statement_end(body: str, i: int) -> int:
     """The offset just past the statement starting at ``i`` (a block, an ``if`` with its
     ``else``, a loop, or a simple statement up to its ``;``)."""
     i += len(body[i:]) - len(body[i:].lstrip())
@@ -276,9 +276,9 @@ def _statement_end(body: str, i: int) -> int:
         close = matching(body, i + head.end() - 1, "(", ")")
         if close < 0:
             return len(body)
-        end = _statement_end(body, close + 1)
+        end = statement_end(body, close + 1)
         if head.group(1) == "if" and re.match(r"\s*else\b", body[end:]):
-            end = _statement_end(body, end + re.match(r"\s*else\b", body[end:]).end())
+            end = statement_end(body, end + re.match(r"\s*else\b", body[end:]).end())
         return end
     depth = 0
     for k in range(i, len(body)):
@@ -302,7 +302,7 @@ def conditional_spans(body: str) -> list[tuple[int, int, str]]:
         cond = body[m.end() : close].strip() if close > 0 else ""
         if close < 0 or cond in ("true", "1"):
             continue
-        end = _statement_end(body, m.start())
+        end = statement_end(body, m.start())
         spans.append((close + 1, end, f"'{m.group(1)} ({cond})'"))
         if m.group(1) == "if" and re.search(r"\breturn\b", body[close + 1 : end]):
             spans.append((end, len(body), f"the 'return' under 'if ({cond})'"))
@@ -329,7 +329,7 @@ def _loop_bodies(body: str) -> list[tuple[int, int]]:
         close = matching(body, m.end() - 1, "(", ")")
         if m.group(1) == "while" and body[close + 1 :].lstrip().startswith(";"):
             continue  # the 'while' closing a do-loop: counted with its 'do'
-        out.append((m.start(), _statement_end(body, m.start())))
+        out.append((m.start(), statement_end(body, m.start())))
     for m in re.finditer(r"\bdo\s*\{", body):
         end = matching(body, m.end() - 1, "{", "}")
         out.append((m.start(), end + 1 if end >= 0 else len(body)))

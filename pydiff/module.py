@@ -61,7 +61,7 @@ class Module:
         self.source = source
         self.source_files: list[str] = []
         #: Trap findings per function name (``.bwds`` of these is refused).
-        self.traps: dict[str, list[lint.Finding]] = {}
+        self.traps = lint.TrapMap()
         #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
         self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
         self.no_diff_fields = no_diff_fields(source) if source is not None else {}
@@ -80,7 +80,7 @@ class Module:
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = double_math.with_findings(scan.traps, doubles)
+            self.traps = lint.TrapMap(double_math.with_findings(scan.traps, doubles))
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)

@@ -15,7 +15,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
-from pydiff import lint
+from pydiff import lint_atomics
 
 RNG = np.random.default_rng(6)
 
@@ -300,7 +300,7 @@ def test_lint_finds_float_atomics_through_calls_and_derivatives():
     [Differentiable] float g(float x) { return f(x) + 1.0; }
     [Differentiable] float clean(float x) { return x * x; }
     """
-    found = lint.float_atomic_functions(src)
+    found = lint_atomics.float_atomic_functions(src)
     assert set(found) == {"f_bwd", "f", "g"}
     assert "f_bwd()" in found["g"]
 
