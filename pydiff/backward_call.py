@@ -29,7 +29,7 @@ from .arguments import (
     resolve_error,
     scratch,
 )
-from .call_plan import DECLINED, BackwardPlan, layout_key, remember
+from .call_plan import DECLINED, layout_key, remember_backward
 from .call_shape import refuse_struct_grads, result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (
@@ -388,16 +388,14 @@ def backward_call(
     prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
     if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
-        if key is not None and len(args) == len(fn.params):
-            remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))
-        return
+        return remember_backward(fn, key, args, bound, result, prior)
     deterministic = is_deterministic()
     if deterministic:
         warn_nondeterministic(fn)
     with backward_scope(fn.bwds_label) as scope:
         refuse_stale(scope, fn, bound)
         if generated_calls.call_backward_in_scope(fn, bound, options, result, scope, prior):
-            return
+            return remember_backward(fn, key, args, bound, result, prior)
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         if deterministic:
@@ -446,3 +444,4 @@ def backward_call(
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
         b.finish()
+    remember_backward(fn, key, args, bound, result, prior)

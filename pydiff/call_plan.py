@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import generated, generated_switch
+from . import capturing, generated, generated_switch
 from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
 from .backward_scope import active_scope
@@ -305,10 +305,14 @@ class BackwardPlan:
     case): every tensor an ``in`` parameter of its own element type and the result's shape,
     with a gradient buffer to add into; the result a tensor with gradient buffers."""
 
-    __slots__ = ("tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch")
+    __slots__ = (
+        "tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch", "descs"
+    )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
+        # (as the full path names them to the zeroing policy's errors)
+        self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.tensors}
         self.floats, self.numbers = _numbers(key, bound)
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
         self.calls = 0  # (as ForwardPlan's)
@@ -344,10 +348,11 @@ class BackwardPlan:
         return self.launch
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
-        """The backward, or DECLINED (nothing done) where the full path must decide."""
-        if active_scope() is not None or get_zero_policy() is not _ACCUMULATE:
-            return DECLINED
-        if is_deterministic():
+        """The backward, or DECLINED (nothing done) where the full path must decide. Inside
+        a larger backward (a tape's) the kernel joins its batch, the zeroing policy acting
+        once per gradient buffer through the scope, as on the full path."""
+        scope = active_scope()
+        if scope is None and get_zero_policy() is not _ACCUMULATE or is_deterministic():
             return DECLINED
         launch = self._generated()
         if launch is DECLINED:
@@ -355,6 +360,8 @@ class BackwardPlan:
         dev = fn.module.device
         if result.device is not dev:
             return DECLINED
+        if scope is not None and (scope.device is not dev or capturing.recording() is not None):
+            return DECLINED  # (a scope running SlangPy's kernels at once; a capture's refusals)
         made = result.storage.made_by
         if made is not None and made[0] is fn:
             for i, _, serial, version in made[1]:  # stale_reads: an input written since?
@@ -366,7 +373,7 @@ class BackwardPlan:
         grads = {}
         for i in self.tensors:
             t = args[i]
-            if t.device is not dev or t.zero_policy is not None:
+            if t.device is not dev or t.zero_policy is not None and scope is None:
                 return DECLINED
             if t.storage.before is not None:
                 return DECLINED  # maybe values an in-place call overwrote: bwds_checks decides
@@ -380,6 +387,8 @@ class BackwardPlan:
                 native[i] = convert(fn.label, p, v, dev)  # its range error
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
+        if scope is not None:
+            return self._in_scope(fn, args, result, scope, native, grads, launch)
         label = fn.bwds_label
         if launch is not None and launch.run(fn, args, result.grad_in, grads):
             for g in grads.values():
@@ -409,3 +418,32 @@ class BackwardPlan:
         for g in grads.values():
             g.storage.holds_result_of = label
         return None
+
+    def _in_scope(
+        self, fn: Any, args: tuple, result: Any, scope: Any, native: list, grads: dict, launch: Any
+    ) -> Any:
+        """``run`` inside ``scope`` (with a device): the policy first (STRICT's refusal before
+        any buffer changes), then the kernel into the scope's batch."""
+        if launch is not None and self.numel >= generated.MIN_ELEMENTS:
+            return DECLINED  # (a large one: the full path's generated kernel, in scope)
+        for i, g in grads.items():
+            scope.check_stale(args[i], g, self.descs[i])
+        for i, g in grads.items():
+            scope.before_accumulate(args[i], g, self.descs[i])
+        if launch is not None and launch.run(fn, args, result.grad_in, grads):
+            return None
+        for i in self.tensors:
+            native[i] = args[i].bind(True)
+        try:
+            scope.dispatch(fn.native_bwds, *native, _result=upstream_arg(fn.module.device, result))
+        except Exception as exc:
+            raise resolve_error(fn, exc) from None
+        return None
+
+
+def remember_backward(
+    fn: FunctionTarget, key: Any, args: tuple, bound: list, result: Any, prior: frozenset
+) -> None:
+    """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran."""
+    if key is not None and len(args) == len(fn.params):
+        remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))

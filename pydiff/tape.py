@@ -8,9 +8,8 @@ tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
 
 from __future__ import annotations
 
-import math
-
 import contextvars
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -334,12 +333,11 @@ class Tape:
                 "function given to jvp/jacfwd): the gradient would carry no tangent. For second "
                 "derivatives use pydiff.hvp or pydiff.hessian (reverse over forward)"
             )
-        if grad is None:
-            if output.numel != 1:
-                raise ValueError(
-                    f"tape.backward: grad= is required for an output of shape {output.shape} "
-                    "(only a single-element output defaults to 1)"
-                )
+        if grad is None and output.numel != 1:
+            raise ValueError(
+                f"tape.backward: grad= is required for an output of shape {output.shape} "
+                "(only a single-element output defaults to 1)"
+            )
         if not output.requires_grad:
             raise RuntimeError(
                 "tape.backward: the output has no gradient buffer, so nothing it depends on "
@@ -401,9 +399,13 @@ class Tape:
 
     def _keep_leaf_gradients(self, entries: list[_Entry], scope: Any) -> list:
         """The gradients that overwritten leaves hold now, under their zeroing policy (STRICT
-        raises on a stale one, RESET drops it), to add back after the backward."""
+        raises on a stale one, RESET drops it), to add back after the backward. STRICT's
+        refusal of any leaf comes first, before a node changes a gradient."""
         kept = []
         written = {id(t.storage) for entry in entries for t in entry.writes}
+        for desc, t, _ in (r for entry in entries for r in entry.reads):
+            if t.requires_grad and id(t.storage) not in written:
+                scope.check_stale(t, t.grad_out, desc)
         for key, t in self._leaves.items():
             if key in written and t.requires_grad:
                 scope.before_accumulate(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")

@@ -1,0 +1,123 @@
+"""A tape's backward takes each node's ``.bwds`` call plan (``call_plan.BackwardPlan`` run
+inside the tape's backward scope), joining the tape's batch, with the zeroing policy acting
+once per gradient buffer through the scope as on the full path. Before, every node took the
+full path (~40 us of Python a node on lavapipe: a tape's backward cost 2.0x the same
+``.bwds`` calls by hand; now 1.1x, benchmarks/bench_tape.py). Gradients are checked against
+closed forms; the policy's refusals against the full path's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+SOURCE = """import slangpy;
+[Differentiable] float sq(float x) { return x * x; }
+[Differentiable] float sn(float x) { return sin(x); }
+[Differentiable] float mix(float a, float b, float k) { return a * b + k * a; }
+"""
+XS = np.array([0.5, -1.0, 2.0, 0.25, 1.5, -0.75], np.float64)
+
+
+def _module(device, tag):
+    return pydiff.load_module_from_source(f"s36_tape_plans_{tag}", SOURCE, device=device)
+
+
+def _step(m, x, w, k=0.5):
+    """loss = sum(mix(sq(x), sn(w), k)); x and w leaves."""
+    with pydiff.Tape() as tape:
+        a = m.sq(x, _result="tensor")
+        b = m.sn(w, _result="tensor")
+        c = m.mix(a, b, k, _result="tensor")
+    tape.backward(c, grad=np.ones(len(XS)), retain_graph=False)
+
+
+def _want(xs, ws, k=0.5):
+    a, b = xs * xs, np.sin(ws)
+    return (b + k) * 2 * xs, a * np.cos(ws)
+
+
+def test_training_loop_of_fresh_tapes_matches_the_closed_form(device):
+    m = _module(device, "loop")
+    x = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    ws = XS[::-1] * 0.7
+    w = pydiff.tensor(ws.astype(np.float32), device=device, requires_grad=True)
+    dx, dw = _want(XS, ws)
+    for step in range(4):
+        _step(m, x, w)
+        np.testing.assert_allclose(x.grad.numpy(), (step + 1) * dx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(w.grad.numpy(), (step + 1) * dw, rtol=1e-5, atol=1e-6)
+    assert m.sq.bwds_plans and m.mix.bwds_plans  # (the nodes' plans were made and taken)
+    with pydiff.zero_policy("reset"):
+        for _ in range(2):
+            _step(m, x, w)
+            np.testing.assert_allclose(x.grad.numpy(), dx, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(w.grad.numpy(), dw, rtol=1e-5, atol=1e-6)
+
+
+def test_strict_refuses_before_any_gradient_changes(device):
+    """Before, the nodes ahead of the refused one (sn's, into w.grad) had already added."""
+    m = _module(device, "strict")
+    x = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    w = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    for _ in range(2):  # plans made, and taken
+        x.zero_grad()
+        w.zero_grad()
+        _step(m, x, w)
+    w.zero_grad()  # w is fresh, x still holds the last backward's result
+    before = x.grad.numpy().copy()
+    with pydiff.zero_policy("strict"), pytest.raises(pydiff.StaleGradientError, match="'x'"):
+        _step(m, x, w)
+    np.testing.assert_array_equal(x.grad.numpy(), before)
+    np.testing.assert_array_equal(w.grad.numpy(), np.zeros(len(XS)))
+
+
+def test_a_tensors_own_policy_acts_once_per_backward(device):
+    """x feeds two nodes under its own RESET: zeroed before the first adds, not the second."""
+    m = _module(device, "own")
+    x = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    x.zero_policy = "reset"
+    for _ in range(3):
+        with pydiff.Tape() as tape:
+            a = m.sq(x, _result="tensor")
+            b = m.sn(x, _result="tensor")
+            c = m.mix(a, b, 2.0, _result="tensor")
+        tape.backward(c, grad=np.ones(len(XS)), retain_graph=False)
+        # d/dx [x^2 sin x + 2 x^2] = 2x sin x + x^2 cos x + 4x
+        want = 2 * XS * np.sin(XS) + XS**2 * np.cos(XS) + 4 * XS
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_large_nodes_and_mixed_sizes(device):
+    """Past the generated kernels' threshold the node declines to the full path's kernel."""
+    m = _module(device, "large")
+    rng = np.random.default_rng(3)
+    for n in (5000, 16, 5000):
+        xs = rng.uniform(-2, 2, n)
+        x = pydiff.tensor(xs.astype(np.float32), device=device, requires_grad=True)
+        w = pydiff.tensor(xs[::-1].astype(np.float32), device=device, requires_grad=True)
+        for _ in range(2):
+            x.zero_grad()
+            w.zero_grad()
+            with pydiff.Tape() as tape:
+                c = m.mix(m.sq(x, _result="tensor"), m.sn(w, _result="tensor"), 0.5,
+                          _result="tensor")  # fmt: skip
+            tape.backward(c, grad=np.ones(n), retain_graph=False)
+            dx, dw = _want(xs, xs[::-1])
+            np.testing.assert_allclose(x.grad.numpy(), dx, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(w.grad.numpy(), dw, rtol=2e-5, atol=2e-5)
+
+
+def test_a_stale_input_is_still_refused_on_the_planned_node(device):
+    m = _module(device, "stale")
+    x = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    w = pydiff.tensor(XS.astype(np.float32), device=device, requires_grad=True)
+    _step(m, x, w)
+    _step(m, x, w)
+    with pydiff.Tape() as tape:
+        a = m.sq(x, _result="tensor")
+    x.copy_from_numpy(np.zeros(len(XS)))  # the value sq read is gone
+    with pytest.raises((RuntimeError, ValueError), match="overwr|written|changed"):
+        tape.backward(a, grad=np.ones(len(XS)))
