@@ -125,22 +125,10 @@ class ForwardPlan:
     tensor read that another argument or ``_result`` writes (checked per call)."""
 
     __slots__ = (
-        "tensors",
-        "reads",
-        "writes",
-        "read_names",
-        "floats",
-        "numbers",
-        "numel",
-        "result_tensor",
-        "zero_d",
-        "options",
-        "calls",
-        "planned_after",
-        "launch",
-        "defers",
-        "new_shape",
-    )
+        "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
+        "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
+        "new_shape", "params", "on_tape",
+    )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
@@ -162,6 +150,8 @@ class ForwardPlan:
         void = fn.signature.return_type == "void" and result is MISSING
         self.defers = (self.result_tensor or void) and not self.options and not self.zero_d
         self.new_shape: tuple | None = None  # a new float result's (ForwardPlan.make)
+        self.params = tuple(p for p, _ in bound)
+        self.on_tape = False  # whether a call on a tape may take it (forward_call records it)
 
     @staticmethod
     def make(
@@ -186,6 +176,8 @@ class ForwardPlan:
             # SlangPy's call would make the result: pydiff makes it (pooled) and defers
             plan.new_shape = out.shape
             plan.defers = not plan.options and not plan.zero_d
+            # on a tape: a new result (never a narrowed one), every parameter given
+            plan.on_tape = plan.defers and len(bound) == len(key) - 2 * ("_result" in key)
         return plan
 
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
@@ -202,8 +194,9 @@ class ForwardPlan:
         return self.launch
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
-        """The call, or DECLINED (nothing done) where the full path must decide."""
-        if active_tape() is not None:
+        """The call, or DECLINED (nothing done) where the full path must decide. On a tape
+        (``on_tape`` plans only) the caller records it."""
+        if not self.on_tape and active_tape() is not None:
             return DECLINED
         launch = self._generated(fn, args, result)
         if launch is DECLINED:

@@ -25,6 +25,7 @@ from .arguments import (
     resolve_error,
     scalar_numpy_result,
 )
+from .creation import empty
 from .call_shape import as_zero_d, refuse_struct_grads, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
@@ -49,6 +50,30 @@ def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
         fn.module.device.queue.allocated(native_result.storage.size)  # (SlangPy made it)
         return Tensor(native_result, fn.module.device)
     return native_result
+
+
+def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Any:
+    """A new float result from pydiff's pool, as the layout's plan makes it from the second
+    call on, or None (SlangPy makes it). SlangPy's own buffer has another layout, on which
+    later ops take other kernels: other roundings than every later call's (the determinism
+    of docs/determinism.md). Only for float elementwise calls whose shape is the arguments'
+    broadcast (float tensors at float parameters, numbers)."""
+    new = result is MISSING or type(result) is str and result == "tensor"
+    if not new or options or fn.signature.return_type != "float":
+        return None
+    shapes = []
+    for p, v in bound:
+        if type(v) is Tensor:
+            if p.tensor_kind is not None or p.type_name != "float" or v.dtype != "float":
+                return None
+            shapes.append(v.shape)
+        elif type(v) not in PLAIN:
+            return None
+    try:
+        shape = np.broadcast_shapes(*shapes) if shapes else ()
+    except ValueError:
+        return None  # (SlangPy's call names the parameter that does not broadcast)
+    return empty(shape, device=fn.module.device) if shape else None
 
 
 def _native_argument(fn: FunctionTarget, p: ParamInfo, value: Any) -> Any:
@@ -79,6 +104,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if plan is not None:
         out = plan.run(fn, args, kwargs.get("_result", MISSING))
         if out is not DECLINED:
+            if plan.on_tape and (tape := active_tape()) is not None:
+                _record(tape, fn, list(zip(plan.params, args)), {}, out, {})
             return out
     fn.module.device.queue.flush()  # kernels queued in a batched backward run first
     # Torch tensors (never in a plan's layout): torch tensors in, torch tensors out, autograd.
@@ -113,9 +140,14 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     _mark_reread(fn, bound)
     out = generated_calls.call_forward(fn, bound, options, result)
     if out is None:
+        made = _pooled_result(fn, bound, options, result)
+        if made is not None:  # (a call that writes a given tensor: as it writes _result)
+            options["_result"] = made.bind(True)
         # Positional: SlangPy's keyword path costs ~10 us more per call.
         try:
-            out = _wrap_result(fn, fn.native(*native_args, **options), result)
+            out = _wrap_result(
+                fn, fn.native(*native_args, **options), result if made is None else made
+            )
         except Exception as exc:
             raise resolve_error(fn, exc) from None
     elif out is generated_calls.RAN:
@@ -127,7 +159,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
-    elif key is not None and not zero_d:
+    if key is not None and not zero_d:
         plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
         remember(fn.plans, key, plan)
     return out
