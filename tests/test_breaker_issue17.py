@@ -741,7 +741,9 @@ def test_r2_rss_plateaus_over_repeated_transform_calls(device):
     f = pydiff.torch_function(lambda a: ops.sum(ops.tanh(ops.mul(a, a))))
     vg = pydiff.value_and_grad(lambda w: ((w[1:] * 2.0 - 1.0) ** 2).mean())
     w = np.random.rand(256).astype(np.float32)
-    for _ in range(600):
+    # (past 1000 runs of a layout a call plan switches to pydiff's generated kernel on
+    # lavapipe: built once, ~25 MB; the plateau is measured after it)
+    for _ in range(1050):
         f(x).backward()
         vg(w)
     r0 = rss()
