@@ -111,6 +111,11 @@ class StaleGradientError(PydiffError, RuntimeError):
     """A STRICT-policy backward would add into a gradient that already holds a result."""
 
 
+class StaleInputError(PydiffError, ValueError, RuntimeError):
+    """A backward would differentiate at values written after the call read them (an
+    explicit ``.bwds`` or a tape's): a ``ValueError`` and a ``RuntimeError`` alike."""
+
+
 class ShaderTrapError(PydiffError, RuntimeError):
     """A shader uses a pattern SlangPy 0.43 mis-differentiates or crashes on."""
 

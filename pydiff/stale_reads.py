@@ -10,7 +10,7 @@ is the storage the call read there, written since, unless the copy pydiff kept f
 in-place call holds the very values the call read (``bwds_checks.values_read`` uses it).
 
     mark_made(fn, bound, out)                   # after a forward call's writes
-    refuse_stale_reads(fn, bound, result)       # ValueError before a .bwds runs
+    refuse_stale_reads(fn, bound, result)       # StaleInputError (a ValueError) before .bwds
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import PLAIN, nested_tensors
+from .errors import StaleInputError
 from .signature import FunctionTarget
 from .struct_values import read_tensors
 from .tensor import Tensor
@@ -100,7 +101,7 @@ def _check(
         if copy is not None and _same_values(t, copy):
             continue  # (an in-place call's tensor put back to the values it read)
         name = key if "." not in key else f"(the tensor in field {key})"
-        raise ValueError(
+        raise StaleInputError(
             f"{fn.bwds_label}: parameter '{key}' is the tensor (or a view of the storage) that "
             f"{fn.call_label} read when it made the tensor passed as {what}, but "
             f"{st.last_writer} wrote it since (version {version}, now {st.version}): .bwds "

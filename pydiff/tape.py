@@ -19,7 +19,7 @@ import numpy as np
 from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
-from .errors import TapeReuseWarning, env_flag, warn_once
+from .errors import StaleInputError, TapeReuseWarning, env_flag, warn_once
 from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
@@ -289,7 +289,7 @@ class Tape:
                         )
             for desc, t, version in entry.reads:
                 if t.storage.version != version:
-                    raise RuntimeError(
+                    raise StaleInputError(
                         f"tape.backward: {desc} was read by call #{entry.index} "
                         f"({entry.label}) and later overwritten by {t.storage.last_writer}; "
                         "its backward needs the value it read. Write the new values to "

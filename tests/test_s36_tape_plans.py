@@ -119,8 +119,14 @@ def test_a_stale_input_is_still_refused_on_the_planned_node(device):
     with pydiff.Tape() as tape:
         a = m.sq(x, _result="tensor")
     x.copy_from_numpy(np.zeros(len(XS)))  # the value sq read is gone
-    with pytest.raises((RuntimeError, ValueError), match="overwr|written|changed"):
+    with pytest.raises(pydiff.StaleInputError, match="overwritten by"):
         tape.backward(a, grad=np.ones(len(XS)))
+    # the same class as an explicit .bwds raises (before: RuntimeError here, ValueError there)
+    b = m.sq(w)
+    w.fill(3.0)
+    with pytest.raises(pydiff.StaleInputError, match="wrote it since") as caught:
+        m.sq.bwds(w, _result=b.with_grads(ones=True))
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
 
 
 def test_forward_calls_on_a_tape_take_their_plan(device):
