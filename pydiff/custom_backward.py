@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lint, lint_custom
-from .signature import FunctionTarget, stem
+from .signature import FunctionTarget, generic_base, own_name, stem
 
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
@@ -49,14 +49,18 @@ def backward_of(fn: FunctionTarget) -> str | None:
     if src is None:
         return None
     src = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
-    found = {m.group(1) for m in _BWD.finditer(src) if _name_after(src, m.end()) == fn.name}
+    base = own_name(fn.name)  # f<2>, A::f: the backward written on f (names as written)
+    found = {m.group(1) for m in _BWD.finditer(src) if _name_after(src, m.end()) == base}
     found |= {
         name
         for m in _BWD_OF.finditer(src)
-        if m.group(1) == fn.name and (name := _name_after(src, m.end())) is not None
+        if m.group(1) == base and (name := _name_after(src, m.end())) is not None
     }
-    defined = len(re.findall(rf"\b{re.escape(fn.name)}\s*(<[^<>()]*>)?\s*\([^;{{]*\)\s*\{{", src))
-    return found.pop() if len(found) == 1 and defined <= 1 else None
+    defined = len(re.findall(rf"\b{re.escape(base)}\s*(<[^<>()]*>)?\s*\([^;{{]*\)\s*\{{", src))
+    if len(found) != 1 or defined > 1:
+        return None
+    scope = generic_base(fn.name).rpartition("::")[0]  # A::f's backward is A's, as written
+    return f"{scope}::{found.pop()}" if scope else found.pop()
 
 
 def direct_inout_source(fn: FunctionTarget) -> str | None:
@@ -69,7 +73,7 @@ def direct_inout_source(fn: FunctionTarget) -> str | None:
     source = _source(fn, bwd)
     if source is None:
         src = lint.scanned_source(fn.module.file) or ""
-        param = lint_custom.inout_primal_reads(src).get(fn.name)
+        param = lint_custom.inout_primal_reads(src).get(own_name(fn.name))
         if param is not None:  # the plain wrapper would crash the process
             raise TypeError(
                 f"{fn.label}.bwds refused: its hand-written backward {bwd}() reads the primal "

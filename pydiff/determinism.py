@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from . import lint, lint_atomics
 from .errors import NondeterminismWarning
-from .signature import FunctionTarget
+from .signature import FunctionTarget, own_name
 
 _global = False
 _context: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
@@ -100,7 +100,7 @@ def _reasons(fn: FunctionTarget) -> list[str]:
             )
     source = _module_source(fn.module)
     if source is not None:
-        found = lint_atomics.float_atomic_functions(source).get(fn.name)
+        found = lint_atomics.float_atomic_functions(source).get(own_name(fn.name))
         if found:
             reasons.append(found)
     _reasons_of[fn] = reasons

@@ -336,12 +336,16 @@ def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
 
 class TrapMap(dict):
     """Function name -> the refusing findings of its backward; a generic's specialisation
-    (``f<4>``, as SlangPy names it) finds those of ``f``."""
+    (``f<4>``, as SlangPy names it) finds those of ``f``, and a function in a namespace or
+    struct (``A::f``, ``A::f<4>``) those of ``f`` (the scan keys functions by their own
+    names, overloads and same-named functions of other namespaces merged)."""
 
     def get(self, name: str, default: list[Finding] | None = None) -> list[Finding] | None:
-        if name in self:
-            return self[name]
-        return dict.get(self, name.split("<", 1)[0].strip(), default)
+        base = name.split("<", 1)[0].strip()
+        for key in (name, base, base.rsplit("::", 1)[-1].strip()):
+            if key in self:
+                return self[key]
+        return default
 
 
 def affected_functions(

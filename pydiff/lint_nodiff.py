@@ -18,8 +18,10 @@ import re
 from collections.abc import Iterable
 
 # What stands before a function's parameter list: its name and generic parameters.
-_NAME_BEFORE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^<>(){};]*>\s*)?$")
-_RETURN_TYPE = re.compile(r"\)\s*->[^(){};]*$")
+# (generic parameters may nest one level: ``f<T : IArray<float>>``)
+_NAME_BEFORE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<(?:[^<>(){};]|<[^<>(){};]*>)*>\s*)?$")
+# what may follow the parameter list: a result type (``-> float``), a generic's ``where``
+_RETURN_TYPE = re.compile(r"\)\s*(?:->|\bwhere\b)[^(){};]*$")
 # A scope that names the functions inside it: ``namespace A.B {``, ``struct S<T> : I {``.
 _SCOPE = re.compile(r"\b(namespace|struct|class|extension|interface)\s+([A-Za-z_][\w.:]*)")
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)

@@ -27,7 +27,7 @@ from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import no_diff_fields, no_diff_tensors
-from .signature import ParamInfo, Signature, stem
+from .signature import ParamInfo, Signature, generic_base, stem
 
 
 class Module:
@@ -237,7 +237,8 @@ class ShaderFunction:
         self.native = native
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
-        marked = module.no_diff_tensors.get(name, set())  # (reflection cannot tell them)
+        # (reflection cannot tell them; a specialisation f<2> has the parameters of f)
+        marked = module.no_diff_tensors.get(generic_base(name), set())
         self.signature = self.signature.with_no_diff_tensors(marked, module.no_diff_fields)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
