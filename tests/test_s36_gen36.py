@@ -33,7 +33,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
-from pydiff import generated, lint, lint_atomics, loop_bounds
+from pydiff import generated, lint, lint_atomics, lint_calls, lint_custom, loop_bounds
 from pydiff.errors import GradientFlowWarning
 from pydiff.lint_flow import promotions
 from pydiff.lint_nodiff import no_diff_tensors
@@ -393,3 +393,85 @@ def test_jvp_and_hvp_of_specialisations(device):
     np.testing.assert_allclose(tan.numpy(), 2 * (2 * xs * ys * ux + xs * xs * uy), rtol=1e-5)
     np.testing.assert_allclose(h[0].numpy(), 2 * (2 * ys * ux + 2 * xs * uy), rtol=1e-5)
     np.testing.assert_allclose(h[1].numpy(), 2 * 2 * xs * ux, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# `where` clauses in the scans of hand-written backwards and non-differentiable helpers
+
+WHERE = """
+void gsw_bwd<T>(inout DifferentialPair<T> s, inout DifferentialPair<T> y)
+    where T : __BuiltinFloatingPointType
+{
+    T yv = y.p; T g = reinterpret<T>(y.d);
+    s = diffPair(s.p, reinterpret<T.Differential>(g * yv * yv));
+    y = diffPair(yv, reinterpret<T.Differential>(g * T(2.0) * yv * s.p));
+}
+[BackwardDerivative(gsw_bwd)]
+void gsw<T>(T s, inout T y) where T : __BuiltinFloatingPointType { y = y * y * s; }
+[Differentiable]
+float callsw(float s, float y0) { float y = y0; gsw<float>(s, y); return y; }
+
+void stp<T>(inout T t, T a) where T : __BuiltinFloatingPointType { t = t * a; }
+[Differentiable]
+float callstp(float a, float x) { float t = x; stp<float>(t, a); return t; }
+[Differentiable]
+void dstp<T>(inout T t, T a) where T : __BuiltinFloatingPointType { t = t * a; }
+[Differentiable]
+float calldstp(float a, float x) { float t = x; dstp<float>(t, a); return t; }
+"""
+
+
+def test_where_clauses_in_the_custom_and_helper_scans():
+    assert lint_custom.inout_primal_reads(WHERE) == {"gsw": "y"}
+    assert [(f.function, f.kind) for f in lint_custom.scan_source(WHERE, "w")] == [
+        ("callsw", "custom-bwd-inout-primal")
+    ]
+    writers = lint_calls.non_differentiable_writers(WHERE)
+    assert list(writers) == ["stp"]
+    found = lint_calls.scan_source(WHERE, "w", writers)
+    assert [(f.function, f.kind) for f in found] == [("callstp", "non-differentiable-helper")]
+
+
+@pytest.mark.parametrize(
+    "name, outcome",
+    [("callsw", "REFUSED"), ("callstp", "REFUSED"), ("calldstp", "GRADS"), ("gsw<float>", "GRADS")],
+)
+def test_where_generics_are_refused_or_right(device, name, outcome, tmp_path):
+    """Before: callsw.bwds and gsw<float>.bwds segfaulted (rc -11); callstp gave
+    da = 0, dx = 1 (closed form: da = x, dx = a), silently."""
+    path = tmp_path / "w.slang"
+    path.write_text(WHERE)
+    done = _run_child(
+        f"""
+        import json, warnings, numpy as np, pydiff
+        warnings.simplefilter("ignore")
+        dev = pydiff.create_device({device.type!r})
+        m = pydiff.load_module({str(path)!r}, device=dev)
+        f = getattr(m, {name!r})
+        a = pydiff.tensor(np.array([0.5, 2.0], np.float32), device=dev, requires_grad=True)
+        x = pydiff.tensor(np.array([1.5, -1.0], np.float32), device=dev, requires_grad=True)
+        try:
+            if {name!r} == "gsw<float>":
+                f(a, x)
+                x.grad.copy_from_numpy(np.ones(2, np.float32))
+                f.bwds(a, x)
+            else:
+                y = f(a, x, _result="tensor")
+                f.bwds(a, x, _result=y.with_grads(ones=True))
+            print("GRADS" + json.dumps([a.grad.numpy().tolist(), x.grad.numpy().tolist()]))
+        except pydiff.ShaderTrapError as e:
+            print("REFUSED", e)
+        """
+    )
+    assert done.returncode == 0, f"process died ({done.returncode}): {done.stderr[-1500:]}"
+    assert outcome in done.stdout, done.stdout[-1500:]
+    if outcome == "GRADS":
+        a0, x0 = np.array([0.5, 2.0]), np.array([1.5, -1.0])
+        grads = np.array(eval(done.stdout.split("GRADS", 1)[1].strip()))  # noqa: S307
+        if name == "gsw<float>":  # y = x^2 a (x is the inout): da = x^2, dx = 2 x a
+            want = [x0 * x0, 2 * x0 * a0]
+        else:  # t = x a: da = x, dx = a
+            want = [x0, a0]
+        np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert "w.slang:" in done.stdout
