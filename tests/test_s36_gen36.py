@@ -475,3 +475,27 @@ def test_where_generics_are_refused_or_right(device, name, outcome, tmp_path):
         np.testing.assert_allclose(grads, want, rtol=1e-5, atol=1e-6)
     else:
         assert "w.slang:" in done.stdout
+
+
+UNSET = """
+void u_bwd<T>(inout DifferentialPair<T> a, inout DifferentialPair<T> b, T.Differential d)
+    where T : __BuiltinFloatingPointType
+{ a = diffPair(a.p, d); }
+[BackwardDerivative(u_bwd)]
+T u<T>(T a, T b) where T : __BuiltinFloatingPointType { return a + b; }
+"""
+
+
+@pytest.mark.parametrize("name", ["u<float>", "u"])
+@pytest.mark.filterwarnings("ignore::pydiff.ShaderTrapWarning")
+def test_unset_derivative_of_a_where_generic_is_refused(device, name):
+    """Before: b.grad came out NaN (u_bwd never sets it), no error."""
+    found = lint_custom.scan_source(UNSET, "u")
+    assert [(f.function, f.kind) for f in found] == [("u", "custom-bwd-unset-derivative")]
+    m = pydiff.load_module_from_source("s36_gen36_unset", UNSET, device=device)
+    f = getattr(m, name)
+    a = pydiff.tensor(np.array([1.0, 2.0], np.float32), device=device, requires_grad=True)
+    b = pydiff.tensor(np.array([1.0, 2.0], np.float32), device=device, requires_grad=True)
+    y = f(a, b, _result="tensor")
+    with pytest.raises(pydiff.ShaderTrapError, match="never sets the derivative of 'b'"):
+        f.bwds(a, b, _result=y.with_grads(ones=True))
