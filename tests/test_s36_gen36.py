@@ -37,6 +37,7 @@ from pydiff import generated, lint, lint_atomics, lint_calls, lint_custom, loop_
 from pydiff.errors import GradientFlowWarning
 from pydiff.lint_flow import promotions
 from pydiff.lint_nodiff import no_diff_tensors
+from pydiff.modcheck import check_module
 from pydiff.signature import generic_base, own_name
 
 
@@ -499,3 +500,20 @@ def test_unset_derivative_of_a_where_generic_is_refused(device, name):
     y = f(a, b, _result="tensor")
     with pytest.raises(pydiff.ShaderTrapError, match="never sets the derivative of 'b'"):
         f.bwds(a, b, _result=y.with_grads(ones=True))
+
+
+CHECKED = """
+[Differentiable] float plain(float x) { return x * x; }
+[Differentiable] float gm<let M : int>(float x) { return M * x; }
+[Differentiable] float gnest<T : IArray<float>>(T x) { return x[0] * x[0]; }
+"""
+
+
+def test_pydiff_check_names_every_generic_it_skips(device, tmp_path):
+    """Before: gnest (a constraint with generic arguments) was left out of the report, as if
+    the file had no such function."""
+    path = tmp_path / "checked.slang"
+    path.write_text(CHECKED)
+    rows = {(r.function, r.status) for r in check_module(path, device=device, points=2)}
+    assert {("gm", "SKIPPED"), ("gnest", "SKIPPED")} <= rows
+    assert ("plain", "PASS") in rows
