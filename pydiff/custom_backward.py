@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from . import lint, lint_custom
-from .signature import FunctionTarget, generic_base, own_name, stem
+from .lint_nodiff import generic_base, own_name
+from .signature import FunctionTarget, stem
 
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")

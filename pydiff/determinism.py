@@ -21,7 +21,8 @@ from typing import Any, Iterator
 
 from . import lint, lint_atomics
 from .errors import NondeterminismWarning
-from .signature import FunctionTarget, own_name
+from .lint_nodiff import own_name
+from .signature import FunctionTarget
 
 _global = False
 _context: contextvars.ContextVar[bool | None] = contextvars.ContextVar(

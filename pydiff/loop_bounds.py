@@ -18,6 +18,7 @@ from typing import Any
 
 from .lint_flow import matching
 from .lint_macros import preprocess
+from .lint_nodiff import own_name
 
 _LOOP = re.compile(r"\[\s*MaxIters\s*\(\s*(\d+)\s*\)\s*\]\s*(?:\[[^\]]*\]\s*)*(for|while)\s*\(")
 _CAST = r"(?:\(\s*(?:int|uint)\s*\)\s*|(?:int|uint)\s*\(\s*)?"
@@ -138,8 +139,7 @@ def check(fn: Any, bound: list) -> None:
         loops = _CACHE[source] = scan(source)
     # the scan keys loops by the function's own name (f<2>, A::f: f; a name defined twice,
     # in two namespaces too, has none)
-    own = fn.name.split("<", 1)[0].rsplit("::", 1)[-1].strip()
-    for param, axis, dims, n, extra, line in loops.get(own, ()):
+    for param, axis, dims, n, extra, line in loops.get(own_name(fn.name), ()):
         for p, value in bound:
             shape: Any = getattr(value, "shape", None)
             if p.name != param or not isinstance(shape, tuple) or not axis < dims <= len(shape):

@@ -26,8 +26,8 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .lint_nodiff import no_diff_fields, no_diff_tensors
-from .signature import ParamInfo, Signature, generic_base, stem
+from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
+from .signature import ParamInfo, Signature, stem
 
 
 class Module:

@@ -344,28 +344,6 @@ def stem(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
-def generic_base(name: str) -> str:
-    """The name a function is defined under in its source, for a generic's specialisation
-    as SlangPy names the call (``f<2>``, ``A::f<float>``): what per-function findings read
-    from the source (traps, no_diff parameters, hand-written derivatives, atomics) are keyed by.
-
-    >>> generic_base("A::f<vector<float, 3>>"), generic_base("f")
-    ('A::f', 'f')
-    """
-    return name.split("<", 1)[0].strip()
-
-
-def own_name(name: str) -> str:
-    """A function's name without its generic arguments, namespaces and struct (``A::f<2>``
-    gives ``f``): the key of the source scans that do not track namespaces (float atomics,
-    hand-written derivatives).
-
-    >>> own_name("A::f<vector<float, 3>>")
-    'f'
-    """
-    return generic_base(name).rsplit("::", 1)[-1].strip()
-
-
 def overloaded(fn: "FunctionTarget") -> bool:
     """Whether ``fn``'s name has several overloads in its module (or no reflection says):
     a call that binds arguments itself (a call plan, a generated kernel) would pick by the

@@ -38,7 +38,7 @@ from pydiff.errors import GradientFlowWarning
 from pydiff.lint_flow import promotions
 from pydiff.lint_nodiff import no_diff_tensors
 from pydiff.modcheck import check_module
-from pydiff.signature import generic_base, own_name
+from pydiff.lint_nodiff import generic_base, own_name
 
 
 def _run_child(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -53,9 +53,11 @@ def _run_child(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 def test_names():
     assert generic_base("A::f<vector<float, 3>>") == "A::f" and generic_base("f") == "f"
+    assert generic_base("S<2>::f") == "S::f" and generic_base("S<vector<float, 2>>.f<1>") == "S::f"
     assert own_name("A::B::f<2>") == "f" and own_name("f<A::T>") == "f"
     traps = lint.TrapMap({"f": ["finding"]})
     assert traps.get("A::f<2>") == ["finding"] and traps.get("A::f") == ["finding"]
+    assert traps.get("S<2>::f") == ["finding"] and traps.get("S<2>.f") == ["finding"]
     assert traps.get("A::g") is None and traps.get("g<2>", []) == []
 
 
@@ -77,6 +79,49 @@ void gnested<T : IArray<float>>(int idx, no_diff IDiffTensor<float, 1> s,
                                 IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
 { y[idx] = s[idx] * x[idx] * x[idx]; }
 """
+
+
+STRUCT = """import slangpy;
+struct S<let M : int> {
+    [Differentiable]
+    static void sc(int idx, no_diff IDiffTensor<float, 1> s, IDiffTensor<float, 1> x,
+                   IWDiffTensor<float, 1> y)
+    { y[idx] = M * s[idx] * x[idx] * x[idx]; }
+    [Differentiable] static float3 pf(float s, float3 v) { return s * v; }
+}
+"""
+
+
+@pytest.mark.parametrize("name", ["S<2>::sc", "S<2>.sc"])
+@pytest.mark.filterwarnings("ignore::pydiff.ShaderTrapWarning")
+def test_a_no_diff_tensor_of_a_generic_struct_method(device, name):
+    """Before: s.grad = 2 x^2, no warning (the method was looked up as 'S<2>::sc')."""
+    m = pydiff.load_module_from_source("s36_gen36_struct", STRUCT, device=device)
+    f = getattr(m, name)
+    n = 8
+    ss = np.linspace(1.0, 2.0, n, dtype=np.float32)
+    xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    s = pydiff.tensor(ss, device=device, requires_grad=True)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((n,), device=device)
+    with pytest.warns(GradientFlowWarning, match="'s' is no_diff"):
+        f(spy.grid((n,)), s, x, y)
+        f.bwds(spy.grid((n,)), s, x, y.with_grads(ones=True))
+    np.testing.assert_allclose(x.grad.numpy(), 4.0 * ss * xs, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(s.grad.numpy(), 0.0)
+
+
+@pytest.mark.parametrize("name", ["S<2>::pf", "S<2>.pf"])
+@pytest.mark.filterwarnings("ignore::pydiff.ShaderTrapWarning")
+def test_a_trap_in_a_generic_struct_method_is_refused(device, name):
+    """Before: ran, ds = 0 (closed form: 3 per element)."""
+    m = pydiff.load_module_from_source("s36_gen36_struct", STRUCT, device=device)
+    f = getattr(m, name)
+    s = pydiff.tensor(np.array([0.5, 2.0], np.float32), device=device, requires_grad=True)
+    v = pydiff.tensor(np.ones((2, 3), np.float32), device=device, requires_grad=True)
+    y = f(s, v, _result="tensor")
+    with pytest.raises(pydiff.ShaderTrapError, match="promoted"):
+        f.bwds(s, v, _result=y.with_grads(ones=True))
 
 
 def test_no_diff_scan_reads_where_clauses_and_nested_generics():
