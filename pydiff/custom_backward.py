@@ -68,8 +68,21 @@ def direct_inout_source(fn: FunctionTarget) -> str | None:
     """The inout wrapper whose backward calls ``fn``'s hand-written backward directly, or
     None where that does not apply (no hand-written backward, tensors, structs,
     an ``out``/``inout`` value without a derivative): the plain wrapper serves then."""
+    if not any(p.io == "inout" for p in fn.params):
+        return None
     bwd = backward_of(fn)
-    if bwd is None or not any(p.io == "inout" for p in fn.params):
+    if bwd is None:
+        src = lint.scanned_source(fn.module.file) or ""
+        param = lint_custom.inout_primal_reads(src).get(own_name(fn.name))
+        if param is not None:  # (the plain wrapper would crash the process, were it this one)
+            raise TypeError(
+                f"{fn.label}.bwds refused: a function named '{own_name(fn.name)}' in module "
+                f"'{fn.module.name}' has a hand-written backward that reads the primal of inout "
+                f"parameter '{param}', and the name is defined more than once (overloads, or "
+                "functions of other namespaces or structs), so pydiff cannot tell whether it "
+                "is this one: were it, Slang's autodiff of the call would crash the process "
+                "(SlangPy 0.43). Give the function a name of its own"
+            )
         return None
     source = _source(fn, bwd)
     if source is None:

@@ -562,3 +562,35 @@ def test_pydiff_check_names_every_generic_it_skips(device, tmp_path):
     rows = {(r.function, r.status) for r in check_module(path, device=device, points=2)}
     assert {("gm", "SKIPPED"), ("gnest", "SKIPPED")} <= rows
     assert ("plain", "PASS") in rows
+
+
+DUPLICATE = CUSTOM + "[Differentiable] void sc(float s, inout float y) { y = y * s; }\n"
+
+
+@pytest.mark.parametrize("name", ["ns::sc", "sc"])
+def test_an_inout_primal_backward_behind_a_duplicated_name_is_refused(device, name, tmp_path):
+    """Before: ns::sc.bwds segfaulted when a global sc was defined beside it (the name
+    defined twice, pydiff could not tell which had the backward and used the plain wrapper).
+    Now both are refused (the global one too: pydiff cannot tell them apart)."""
+    path = tmp_path / "dup.slang"
+    path.write_text(DUPLICATE)
+    done = _run_child(
+        f"""
+        import warnings, numpy as np, pydiff
+        warnings.simplefilter("ignore")
+        dev = pydiff.create_device({device.type!r})
+        m = pydiff.load_module({str(path)!r}, device=dev)
+        f = getattr(m, {name!r})
+        s = pydiff.tensor(np.array([0.5, 0.2], np.float32), device=dev, requires_grad=True)
+        y = pydiff.tensor(np.array([0.3, -1.1], np.float32), device=dev, requires_grad=True)
+        f(s, y)
+        y.grad.copy_from_numpy(np.ones(2, np.float32))
+        try:
+            f.bwds(s, y)
+            print("RAN")
+        except TypeError as e:
+            print("REFUSED", e)
+        """
+    )
+    assert done.returncode == 0, f"process died ({done.returncode}): {done.stderr[-1500:]}"
+    assert "REFUSED" in done.stdout and "defined more than once" in done.stdout, done.stdout
