@@ -80,7 +80,8 @@ class Module:
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = lint.TrapMap(double_math.with_findings(scan.traps, doubles))
+            merged = double_math.with_findings(scan.traps, doubles)
+            self.traps = double_math.DoubleTraps(merged, device, source, file, options.defines)
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)

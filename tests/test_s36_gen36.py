@@ -33,7 +33,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
-from pydiff import generated, lint, lint_atomics, lint_calls, lint_custom, loop_bounds
+from pydiff import double_math, generated, lint, lint_atomics, lint_calls, lint_custom, loop_bounds
 from pydiff.errors import GradientFlowWarning
 from pydiff.lint_flow import promotions
 from pydiff.lint_nodiff import no_diff_tensors
@@ -594,3 +594,34 @@ def test_an_inout_primal_backward_behind_a_duplicated_name_is_refused(device, na
     )
     assert done.returncode == 0, f"process died ({done.returncode}): {done.stderr[-1500:]}"
     assert "REFUSED" in done.stdout and "defined more than once" in done.stdout, done.stdout
+
+
+DOUBLES = """
+[Differentiable] T tsin<T : __BuiltinFloatingPointType>(T x) { return sin(x) * T(2.0); }
+[Differentiable]
+vector<T, N> vsin<T : __BuiltinFloatingPointType, let N : int>(vector<T, N> x) { return sin(x); }
+"""
+
+
+@pytest.mark.parametrize(
+    "name, dtype, scale",
+    [
+        ("tsin<double>", "double", 2.0),
+        ("vsin<double, 2>", "double2", 1.0),
+        ("tsin<float>", "float", 2.0),
+    ],
+)
+def test_a_generic_specialised_to_double_is_checked_for_the_device(device, name, dtype, scale):
+    """Before, on lavapipe: tsin<double> gave 8.5e-315 where 2 sin(x) is right, silently (the
+    double scan saw only 'sin(x)' of a 'T x'); now refused where the device computes the
+    intrinsic wrong on doubles, and right (against NumPy) where it does not."""
+    m = pydiff.load_module_from_source("s36_gen36_doubles", DOUBLES, device=device)
+    f = getattr(m, name)
+    xs = np.array([[0.3, 1.2]]) if dtype.endswith("2") else np.array([0.3, 1.2])
+    x = pydiff.tensor(xs, dtype=dtype, device=device)
+    if dtype.startswith("double") and "sin" in double_math.broken_intrinsics(device):
+        with pytest.raises(pydiff.ShaderTrapError, match=r"sin\(\) of a double"):
+            f(x, _result="tensor")
+    else:
+        y = f(x, _result="tensor")
+        np.testing.assert_allclose(y.numpy().ravel(), scale * np.sin(xs).ravel(), rtol=1e-6)
