@@ -24,6 +24,7 @@ from .lint import Finding, TrapMap
 from .lint_macros import Defines
 from .lint_double import BINARY, OUT_PARAMS, UNARY, double_calls
 from .lint_flow import matching
+from .lint_atomics import ANY_FUNCTION, KEYWORDS
 from .lint_index import split_top
 from .lint_nodiff import own_name
 
@@ -125,7 +126,45 @@ def argument(name: str) -> str:
 def findings(device: Any, source: str, file: str, defines: Defines | None = None) -> list[Finding]:
     """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
     computes wrong on doubles; the device is measured only when some function calls one.
-    ``defines``: the device's macros (the source's ``#if`` branches follow them)."""
+    ``defines``: the device's macros (the source's ``#if`` branches follow them). A call of
+    a generic with double arguments (``f<double>(x)``) counts as the calls of its definition
+    written out for them."""
+    return _own_findings(device, source, file, defines) + _specialised_calls(
+        device, source, file, defines
+    )
+
+
+_SPECIALISED_CALL = re.compile(
+    r"\b([A-Za-z_]\w*)\s*<([^<>;(){}]*\b(?:double[234]?(?:x[234])?|float64_t)\b[^<>;(){}]*)>\s*\("
+)
+
+
+def _specialised_calls(device: Any, source: str, file: str, defines: Any) -> list[Finding]:
+    """Findings of the functions of ``source`` that call a generic with double arguments
+    whose definition, written out for them, calls a broken intrinsic (direct callers)."""
+    if not _SPECIALISED_CALL.search(source):
+        return []
+    found: list[Finding] = []
+    seen: dict[str, list[Finding]] = {}
+    for m in ANY_FUNCTION.finditer(source):
+        if m.group(1) in KEYWORDS:
+            continue
+        brace = m.end() - 1
+        end = matching(source, brace, "{", "}")
+        for call in _SPECIALISED_CALL.finditer(source, brace, end if end > 0 else len(source)):
+            name = f"{call.group(1)}<{call.group(2)}>"
+            if name not in seen:
+                text = _instantiated(source, name)
+                own = _own_findings(device, text, file, defines) if text else []
+                seen[name] = [f for f in own if f.function == call.group(1)]
+            if seen[name]:
+                line = source.count("\n", 0, call.start()) + 1
+                message = f"calls {name}(), where {seen[name][0].message}"
+                found.append(Finding(file, line, m.group(1), "double-intrinsic", message))
+    return found
+
+
+def _own_findings(device: Any, source: str, file: str, defines: Any) -> list[Finding]:
     guessed: set[tuple[str, int]] = set()
     calls = double_calls(source, guessed, defines)
     if not calls:
@@ -237,7 +276,7 @@ class DoubleTraps(TrapMap):
         if name not in self.specialised:
             text = _instantiated(self.source, name)
             own = own_name(name)
-            extra = findings(self.device, text, self.file, self.defines) if text else []
+            extra = _own_findings(self.device, text, self.file, self.defines) if text else []
             known = {(f.line, f.message) for f in found or ()}
             self.specialised[name] = [
                 f for f in extra if f.function == own and (f.line, f.message) not in known

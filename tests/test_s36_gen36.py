@@ -598,6 +598,8 @@ def test_an_inout_primal_backward_behind_a_duplicated_name_is_refused(device, na
 
 DOUBLES = """
 [Differentiable] T tsin<T : __BuiltinFloatingPointType>(T x) { return sin(x) * T(2.0); }
+[Differentiable] double gcall(double x) { return tsin<double>(x); }
+[Differentiable] float fcall(float x) { return tsin<float>(x); }
 [Differentiable]
 vector<T, N> vsin<T : __BuiltinFloatingPointType, let N : int>(vector<T, N> x) { return sin(x); }
 """
@@ -608,11 +610,15 @@ vector<T, N> vsin<T : __BuiltinFloatingPointType, let N : int>(vector<T, N> x) {
     [
         ("tsin<double>", "double", 2.0),
         ("vsin<double, 2>", "double2", 1.0),
+        ("gcall", "double", 2.0),
         ("tsin<float>", "float", 2.0),
+        ("fcall", "float", 2.0),
     ],
 )
+@pytest.mark.filterwarnings("ignore::pydiff.ShaderTrapWarning")
 def test_a_generic_specialised_to_double_is_checked_for_the_device(device, name, dtype, scale):
-    """Before, on lavapipe: tsin<double> gave 8.5e-315 where 2 sin(x) is right, silently (the
+    """Before, on lavapipe: tsin<double>, and gcall calling it, gave 8.5e-315 where 2 sin(x)
+    is right, silently (the
     double scan saw only 'sin(x)' of a 'T x'); now refused where the device computes the
     intrinsic wrong on doubles, and right (against NumPy) where it does not."""
     m = pydiff.load_module_from_source("s36_gen36_doubles", DOUBLES, device=device)
