@@ -79,9 +79,10 @@ def direct_inout_source(fn: FunctionTarget) -> str | None:
                 f"{fn.label}.bwds refused: a function named '{own_name(fn.name)}' in module "
                 f"'{fn.module.name}' has a hand-written backward that reads the primal of inout "
                 f"parameter '{param}', and the name is defined more than once (overloads, or "
-                "functions of other namespaces or structs), so pydiff cannot tell whether it "
-                "is this one: were it, Slang's autodiff of the call would crash the process "
-                "(SlangPy 0.43). Give the function a name of its own"
+                "functions of other namespaces or structs) or declared in a way pydiff does "
+                "not read, so pydiff cannot tell whether it is this one: were it, Slang's "
+                "autodiff of the call would crash the process (SlangPy 0.43). Give the "
+                "function a name of its own"
             )
         return None
     source = _source(fn, bwd)
