@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lint, lint_custom
+from .lint_nodiff import generic_base, own_name
 from .signature import FunctionTarget, stem
 
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
@@ -49,27 +50,45 @@ def backward_of(fn: FunctionTarget) -> str | None:
     if src is None:
         return None
     src = re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
-    found = {m.group(1) for m in _BWD.finditer(src) if _name_after(src, m.end()) == fn.name}
+    base = own_name(fn.name)  # f<2>, A::f: the backward written on f (names as written)
+    found = {m.group(1) for m in _BWD.finditer(src) if _name_after(src, m.end()) == base}
     found |= {
         name
         for m in _BWD_OF.finditer(src)
-        if m.group(1) == fn.name and (name := _name_after(src, m.end())) is not None
+        if m.group(1) == base and (name := _name_after(src, m.end())) is not None
     }
-    defined = len(re.findall(rf"\b{re.escape(fn.name)}\s*(<[^<>()]*>)?\s*\([^;{{]*\)\s*\{{", src))
-    return found.pop() if len(found) == 1 and defined <= 1 else None
+    defined = len(re.findall(rf"\b{re.escape(base)}\s*(<[^<>()]*>)?\s*\([^;{{]*\)\s*\{{", src))
+    if len(found) != 1 or defined > 1:
+        return None
+    scope = generic_base(fn.name).rpartition("::")[0]  # A::f's backward is A's, as written
+    return f"{scope}::{found.pop()}" if scope else found.pop()
 
 
 def direct_inout_source(fn: FunctionTarget) -> str | None:
     """The inout wrapper whose backward calls ``fn``'s hand-written backward directly, or
     None where that does not apply (no hand-written backward, tensors, structs,
     an ``out``/``inout`` value without a derivative): the plain wrapper serves then."""
+    if not any(p.io == "inout" for p in fn.params):
+        return None
     bwd = backward_of(fn)
-    if bwd is None or not any(p.io == "inout" for p in fn.params):
+    if bwd is None:
+        src = lint.scanned_source(fn.module.file) or ""
+        param = lint_custom.inout_primal_reads(src).get(own_name(fn.name))
+        if param is not None:  # (the plain wrapper would crash the process, were it this one)
+            raise TypeError(
+                f"{fn.label}.bwds refused: a function named '{own_name(fn.name)}' in module "
+                f"'{fn.module.name}' has a hand-written backward that reads the primal of inout "
+                f"parameter '{param}', and the name is defined more than once (overloads, or "
+                "functions of other namespaces or structs) or declared in a way pydiff does "
+                "not read, so pydiff cannot tell whether it is this one: were it, Slang's "
+                "autodiff of the call would crash the process (SlangPy 0.43). Give the "
+                "function a name of its own"
+            )
         return None
     source = _source(fn, bwd)
     if source is None:
         src = lint.scanned_source(fn.module.file) or ""
-        param = lint_custom.inout_primal_reads(src).get(fn.name)
+        param = lint_custom.inout_primal_reads(src).get(own_name(fn.name))
         if param is not None:  # the plain wrapper would crash the process
             raise TypeError(
                 f"{fn.label}.bwds refused: its hand-written backward {bwd}() reads the primal "

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from . import lint, lint_atomics
 from .errors import NondeterminismWarning
+from .lint_nodiff import own_name
 from .signature import FunctionTarget
 
 _global = False
@@ -100,7 +101,7 @@ def _reasons(fn: FunctionTarget) -> list[str]:
             )
     source = _module_source(fn.module)
     if source is not None:
-        found = lint_atomics.float_atomic_functions(source).get(fn.name)
+        found = lint_atomics.float_atomic_functions(source).get(own_name(fn.name))
         if found:
             reasons.append(found)
     _reasons_of[fn] = reasons

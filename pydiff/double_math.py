@@ -14,14 +14,19 @@ calling those is refused there too, instead of failing to compile with nvrtc's m
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
 import slangpy as spy
 
-from .lint import Finding
+from .lint import Finding, TrapMap
 from .lint_macros import Defines
 from .lint_double import BINARY, OUT_PARAMS, UNARY, double_calls
+from .lint_flow import matching
+from .lint_atomics import ANY_FUNCTION, KEYWORDS
+from .lint_index import split_top
+from .lint_nodiff import own_name
 
 #: Arguments measured at: away from special values, inside every domain (acosh: x + 1).
 _X, _Y = 0.3741, 1.6180339887
@@ -121,7 +126,45 @@ def argument(name: str) -> str:
 def findings(device: Any, source: str, file: str, defines: Defines | None = None) -> list[Finding]:
     """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
     computes wrong on doubles; the device is measured only when some function calls one.
-    ``defines``: the device's macros (the source's ``#if`` branches follow them)."""
+    ``defines``: the device's macros (the source's ``#if`` branches follow them). A call of
+    a generic with double arguments (``f<double>(x)``) counts as the calls of its definition
+    written out for them."""
+    return _own_findings(device, source, file, defines) + _specialised_calls(
+        device, source, file, defines
+    )
+
+
+_SPECIALISED_CALL = re.compile(
+    r"\b([A-Za-z_]\w*)\s*<([^<>;(){}]*\b(?:double[234]?(?:x[234])?|float64_t)\b[^<>;(){}]*)>\s*\("
+)
+
+
+def _specialised_calls(device: Any, source: str, file: str, defines: Any) -> list[Finding]:
+    """Findings of the functions of ``source`` that call a generic with double arguments
+    whose definition, written out for them, calls a broken intrinsic (direct callers)."""
+    if not _SPECIALISED_CALL.search(source):
+        return []
+    found: list[Finding] = []
+    seen: dict[str, list[Finding]] = {}
+    for m in ANY_FUNCTION.finditer(source):
+        if m.group(1) in KEYWORDS:
+            continue
+        brace = m.end() - 1
+        end = matching(source, brace, "{", "}")
+        for call in _SPECIALISED_CALL.finditer(source, brace, end if end > 0 else len(source)):
+            name = f"{call.group(1)}<{call.group(2)}>"
+            if name not in seen:
+                text = _instantiated(source, name)
+                own = _own_findings(device, text, file, defines) if text else []
+                seen[name] = [f for f in own if f.function == call.group(1)]
+            if seen[name]:
+                line = source.count("\n", 0, call.start()) + 1
+                message = f"calls {name}(), where {seen[name][0].message}"
+                found.append(Finding(file, line, m.group(1), "double-intrinsic", message))
+    return found
+
+
+def _own_findings(device: Any, source: str, file: str, defines: Any) -> list[Finding]:
     guessed: set[tuple[str, int]] = set()
     calls = double_calls(source, guessed, defines)
     if not calls:
@@ -169,3 +212,74 @@ def with_findings(traps: dict[str, list], found: list[Finding]) -> dict[str, lis
     for f in found:
         merged.setdefault(f.function, []).append(f)
     return merged
+
+
+_DOUBLE_ARGUMENT = re.compile(r"\b(?:double[234]?(?:x[234])?|float64_t)\b")
+
+
+def _instantiated(source: str, name: str) -> str | None:
+    """``source`` with the definition of the generic function a specialisation ``name``
+    (``f<double>``, ``f<double, 3>``) calls written out for its arguments (each generic
+    parameter's name replaced by its argument, in the definition's text): what the double
+    scan reads to see the specialisation's double calls. None where it is not found once."""
+    call = re.fullmatch(r"(?:.*::)?\s*([A-Za-z_]\w*)\s*<(.*)>\s*", name, re.S)
+    if call is None:
+        return None
+    args = [a.strip() for a in split_top(call.group(2))]
+    spans = []
+    for m in re.finditer(rf"\b{re.escape(call.group(1))}\s*<", source):
+        close = matching(source, m.end() - 1, "<", ">")
+        paren = re.match(r"\s*\(", source[close + 1 :]) if close > 0 else None
+        if paren is None:
+            continue
+        end = matching(source, close + paren.end(), "(", ")")
+        body = re.match(r"\s*(?:where\b[^{};()]*)?\{", source[end + 1 :]) if end > 0 else None
+        if body is None:
+            continue  # a call, or a declaration without a body
+        stop = matching(source, end + body.end(), "{", "}")
+        start = max(source.rfind(c, 0, m.start()) for c in ";}]") + 1
+        spans.append((start, m.end() - 1, close, stop))
+    if len(spans) != 1 or spans[0][3] < 0:
+        return None
+    start, open_at, close, stop = spans[0]
+    params = [
+        re.match(r"\s*(?:let\s+)?([A-Za-z_]\w*)", p) for p in split_top(source[open_at + 1 : close])
+    ]
+    if len(params) != len(args) or None in params:
+        return None
+    text = source[start:open_at] + source[close + 1 : stop + 1]
+    for p, a in zip(params, args):
+        text = re.sub(rf"\b{p.group(1)}\b", a, text)
+    return source[:start] + text + source[stop + 1 :]
+
+
+class DoubleTraps(TrapMap):
+    """The trap map of a module on ``device``, that also answers for a specialisation whose
+    generic arguments are doubles (``f<double>``): the double scan cannot see, in the generic
+    text, that ``sin(x)`` of a ``T x`` computes on a double there; here it reads the
+    definition written out for the arguments (``_instantiated``), once per name."""
+
+    def __init__(self, traps: dict, device: Any, source: str, file: str, defines: Any) -> None:
+        super().__init__(traps)
+        self.device, self.source, self.file, self.defines = device, source, file, defines
+        self.specialised: dict[str, list[Finding]] = {}
+        # (calls check ``if traps:`` first: a generic calling an intrinsic may have findings)
+        self.generic = "<" in source and re.search(rf"\b({'|'.join(_EXPECTED)})\s*\(", source)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 or self.generic is not None
+
+    def get(self, name: str, default: list[Finding] | None = None) -> list[Finding] | None:
+        found = super().get(name, default)
+        if "<" not in name or not _DOUBLE_ARGUMENT.search(name):
+            return found
+        if name not in self.specialised:
+            text = _instantiated(self.source, name)
+            own = own_name(name)
+            extra = _own_findings(self.device, text, self.file, self.defines) if text else []
+            known = {(f.line, f.message) for f in found or ()}
+            self.specialised[name] = [
+                f for f in extra if f.function == own and (f.line, f.message) not in known
+            ]
+        extra = self.specialised[name]
+        return [*(found or []), *extra] if extra else found

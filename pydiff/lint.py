@@ -29,6 +29,7 @@ from .lint_generic import KIND as GENERIC_FOR
 from .lint_generic import generic_for_access
 from .lint_reach import interface_holders, reached_kinds
 from .lint_math import FMOD_KIND, POW_KIND, POW_WARN_KIND, math_traps
+from .lint_nodiff import generic_base, own_name
 from .lint_readback import KIND as READBACK
 from .lint_readback import helper_effects, readback_message, store_then_read
 from .lint_macros import Defines, IncludeMacros, preprocess, unexpanded_message
@@ -336,12 +337,15 @@ def _struct_interface_tensors(src: str, file: str) -> list[Finding]:
 
 class TrapMap(dict):
     """Function name -> the refusing findings of its backward; a generic's specialisation
-    (``f<4>``, as SlangPy names it) finds those of ``f``."""
+    (``f<4>``, as SlangPy names it) finds those of ``f``, and a function in a namespace or
+    struct (``A::f``, ``A::f<4>``, ``S<2>.f``) those of ``f`` (the scan keys functions by their own
+    names, overloads and same-named functions of other namespaces merged)."""
 
     def get(self, name: str, default: list[Finding] | None = None) -> list[Finding] | None:
-        if name in self:
-            return self[name]
-        return dict.get(self, name.split("<", 1)[0].strip(), default)
+        for key in (name, generic_base(name), own_name(name)):
+            if key in self:
+                return self[key]
+        return default
 
 
 def affected_functions(

@@ -18,8 +18,10 @@ _ATOMIC = re.compile(
     r"\b(Interlocked(?:Add|AddF32|AddF16|AddF64|CompareExchange\w*)|atomicAdd|AtomicTensor|"
     r"InterlockedAddF32|_NvInterlockedAdd\w*)\b"
 )
+# (a generic's ``where`` clause may stand between the parameters and the body)
 ANY_FUNCTION = re.compile(
-    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(([^(){};]*)\)\s*\{"
+    r"(?:^|[;}\]\s])([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(([^(){};]*)\)"
+    r"\s*(?:where\b[^(){};]*)?\{"
 )
 _DERIVATIVE_ATTR = re.compile(
     r"\[\s*(BackwardDerivative|BackwardDerivativeOf)\s*\(\s*([A-Za-z_]\w*)"

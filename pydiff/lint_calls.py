@@ -27,7 +27,7 @@ _DIFF = re.compile(
 )
 _DERIVATIVE_OF = re.compile(r"\[\s*(BackwardDerivativeOf|ForwardDerivativeOf)\b")
 _DEF = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(")
-_BRACE = re.compile(r"\s*\{")
+_BRACE = re.compile(r"\s*(?:where\b[^{};()]*)?\{")  # (a generic's where clause)
 _STRUCT = re.compile(r"\bstruct\s+([A-Za-z_]\w*)([^{;]*)\{")
 # an extension's methods are methods of the extended type ('extension float { ... }')
 _EXTENSION = re.compile(r"\bextension\s+([A-Za-z_]\w*(?:\s*<[^{;]*>)?)([^{;]*)\{")
@@ -54,7 +54,7 @@ class _Def:
     struct: str
     attrs: str
     params: tuple[str, ...]
-    generics: str
+    generics: str  # the generic parameters `<T : IFloat>`, then any `where T : IFloat`
     body: str
     body_at: int
     name_at: int
@@ -88,7 +88,7 @@ def _definitions(src: str) -> tuple[_Def, ...]:
                 struct,
                 attrs,
                 params,
-                m.group(2) or "",
+                (m.group(2) or "") + src[close + 1 : brace],  # (and a `where` clause's)
                 src[brace:end],
                 brace,
                 m.start(),

@@ -25,7 +25,7 @@ UNSET_KIND = "custom-bwd-unset-derivative"
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
-_BRACE = re.compile(r"\s*\{")
+_BRACE = re.compile(r"\s*(?:where\b[^{};()]*)?\{")  # (a generic's where clause)
 _HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
 
 

@@ -153,9 +153,11 @@ def promotions(params: list[str], body: str) -> list[tuple[int, str]]:
     out = []
     for m in _LEFT.finditer(body):
         opened, s, closed, op, v = m.groups()
-        if s not in scalars or v not in vectors or bool(opened) != bool(closed):
-            continue  # g(s) * v, (s + t) * v: not s alone
-        before = body[: m.start()].rstrip()[-1:]
+        if s not in scalars or v not in vectors or (closed and not opened):
+            continue  # g(t, s) * v: not s alone
+        # '(s * v)' (a parenthesis opened before s, not closed after it): s alone is promoted,
+        # whatever stands before the parenthesis (2.0 * (s * v): ds = 0, measured)
+        before = "(" if opened and not closed else body[: m.start()].rstrip()[-1:]
         if before and (
             before in "*/" or (before in "+-" and (op in "+-" or _unary(body, m.start())))
         ):

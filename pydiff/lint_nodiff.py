@@ -18,12 +18,41 @@ import re
 from collections.abc import Iterable
 
 # What stands before a function's parameter list: its name and generic parameters.
-_NAME_BEFORE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^<>(){};]*>\s*)?$")
-_RETURN_TYPE = re.compile(r"\)\s*->[^(){};]*$")
+# (generic parameters may nest one level: ``f<T : IArray<float>>``)
+_NAME_BEFORE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<(?:[^<>(){};]|<[^<>(){};]*>)*>\s*)?$")
+# what may follow the parameter list: a result type (``-> float``), a generic's ``where``
+_RETURN_TYPE = re.compile(r"\)\s*(?:->|\bwhere\b)[^(){};]*$")
 # A scope that names the functions inside it: ``namespace A.B {``, ``struct S<T> : I {``.
 _SCOPE = re.compile(r"\b(namespace|struct|class|extension|interface)\s+([A-Za-z_][\w.:]*)")
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*(?::\s*\w+\s*)?(?:=.*)?$", re.S)
+
+
+def generic_base(name: str) -> str:
+    """The name a function is written under in its source, from the name of a call SlangPy
+    takes: a generic's specialisation (``f<2>``, ``A::f<float>``) or a method of a generic
+    struct's (``S<2>::f``, ``S<2>.f``) has the source's ``f``, ``A::f``, ``S::f``: what the
+    per-function scans (traps, no_diff parameters, loops, hand-written derivatives, atomics)
+    are keyed by.
+
+    >>> generic_base("A::f<vector<float, 3>>"), generic_base("S<2>.f"), generic_base("f")
+    ('A::f', 'S::f', 'f')
+    """
+    while True:
+        bare = re.sub(r"<[^<>]*>", "", name)
+        if bare == name:
+            return re.sub(r"\s*(?:::|\.)\s*", "::", bare).strip()
+        name = bare
+
+
+def own_name(name: str) -> str:
+    """A function's own name, without generic arguments, namespaces or struct (``A::f<2>``,
+    ``S<2>.f``: ``f``): the key of the scans that merge same-named functions.
+
+    >>> own_name("A::f<vector<float, 3>>")
+    'f'
+    """
+    return generic_base(name).rsplit("::", 1)[-1]
 
 
 def _header(head: str) -> tuple[str, str] | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .lint_flow import matching
 from .lint_macros import preprocess
+from .lint_nodiff import own_name
 
 _LOOP = re.compile(r"\[\s*MaxIters\s*\(\s*(\d+)\s*\)\s*\]\s*(?:\[[^\]]*\]\s*)*(for|while)\s*\(")
 _CAST = r"(?:\(\s*(?:int|uint)\s*\)\s*|(?:int|uint)\s*\(\s*)?"
@@ -31,7 +32,9 @@ _LENGTH_LOCAL = re.compile(
     r"\b(?:const\s+)?(?:int|uint|let|var)\s+([A-Za-z_]\w*)\s*=\s*" + _CAST + _OF + r"\s*;"
 )
 _STEP_ONE = re.compile(r"^\s*(?:\+\+\s*\w+|\w+\s*\+\+|\w+\s*\+=\s*1)\s*$")
-_FUNCTION = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^(){};]*>\s*)?\(([^(){};]*)\)\s*\{")
+_FUNCTION = re.compile(  # (a generic's `where` clause before the body too)
+    r"\b([A-Za-z_]\w*)\s*(?:<[^(){};]*>\s*)?\(([^(){};]*)\)\s*(?:where\b[^(){};]*)?\{"
+)
 _NOT_FUNCTIONS = ("for", "while", "if", "switch", "return")
 _CACHE: dict[str, dict] = {}
 _CACHE_MAX = 64
@@ -134,7 +137,9 @@ def check(fn: Any, bound: list) -> None:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
         loops = _CACHE[source] = scan(source)
-    for param, axis, dims, n, extra, line in loops.get(fn.name.split("<", 1)[0].strip(), ()):
+    # the scan keys loops by the function's own name (f<2>, A::f: f; a name defined twice,
+    # in two namespaces too, has none)
+    for param, axis, dims, n, extra, line in loops.get(own_name(fn.name), ()):
         for p, value in bound:
             shape: Any = getattr(value, "shape", None)
             if p.name != param or not isinstance(shape, tuple) or not axis < dims <= len(shape):

@@ -290,7 +290,8 @@ def differentiable_functions(module: Any) -> list[ShaderFunction]:
 
 
 _GENERIC = re.compile(
-    r"\[\s*Differentiable\s*\](?:\s*\[[^\]]*\])*\s*(?:public\s+)?[\w<>,\s]+?\s+(\w+)\s*<[^>()]*>\s*\("
+    r"\[\s*Differentiable\s*\](?:\s*\[[^\]]*\])*\s*(?:public\s+)?[\w<>,\s]+?\s+(\w+)\s*"
+    r"<(?:[^<>()]|<[^<>()]*>)*>\s*\("  # (a constraint may be generic: T : IArray<float>)
 )
 
 

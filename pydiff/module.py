@@ -26,7 +26,7 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .lint_nodiff import no_diff_fields, no_diff_tensors
+from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
 from .signature import ParamInfo, Signature, stem
 
 
@@ -80,7 +80,8 @@ class Module:
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
-            self.traps = lint.TrapMap(double_math.with_findings(scan.traps, doubles))
+            merged = double_math.with_findings(scan.traps, doubles)
+            self.traps = double_math.DoubleTraps(merged, device, source, file, options.defines)
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
@@ -237,7 +238,8 @@ class ShaderFunction:
         self.native = native
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
-        marked = module.no_diff_tensors.get(name, set())  # (reflection cannot tell them)
+        # (reflection cannot tell them; a specialisation f<2> has the parameters of f)
+        marked = module.no_diff_tensors.get(generic_base(name), set())
         self.signature = self.signature.with_no_diff_tensors(marked, module.no_diff_fields)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
