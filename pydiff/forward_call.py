@@ -59,7 +59,7 @@ def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     of docs/determinism.md). Only for float elementwise calls whose shape is the arguments'
     broadcast (float tensors at float parameters, numbers)."""
     new = result is MISSING or type(result) is str and result == "tensor"
-    if not new or options or fn.signature.return_type != "float":
+    if not new or any(k != "_result" for k in options) or fn.signature.return_type != "float":
         return None
     shapes = []
     for p, v in bound:

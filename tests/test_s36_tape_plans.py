@@ -174,7 +174,8 @@ def test_a_narrowed_result_is_refused_on_a_tape_after_plain_calls(device):
         m.sq(x, _result=y)
 
 
-def test_first_call_of_a_layout_has_the_bits_of_later_ones(device):
+@pytest.mark.parametrize("form", [{}, {"_result": "tensor"}])
+def test_first_call_of_a_layout_has_the_bits_of_later_ones(device, form):
     """Deterministic mode promises the same bits run to run: the first call of a layout made
     its new result in SlangPy's own buffer, the later (planned) ones from pydiff's pool, on
     which a linear layer takes another kernel: the first step's values and gradients differed
@@ -182,7 +183,7 @@ def test_first_call_of_a_layout_has_the_bits_of_later_ones(device):
     plans)."""
     from pydiff import nn, ops
 
-    m = _module(device, "bits")
+    m = _module(device, f"bits{len(form)}")
     rng = np.random.default_rng(7)
     X = pydiff.tensor(rng.standard_normal((32, 16)).astype(np.float32), device=device,
                       requires_grad=True)  # fmt: skip
@@ -191,12 +192,12 @@ def test_first_call_of_a_layout_has_the_bits_of_later_ones(device):
     values, grads = [], []
     with pydiff.deterministic():
         for _ in range(3):
-            values.append(layer(m.sn(X)).numpy())  # off a tape
+            values.append(layer(m.sn(X, **form)).numpy())  # off a tape
             X.zero_grad()
             for p in layer.parameters():
                 p.zero_grad()
             with pydiff.Tape() as tape:
-                loss = ops.cross_entropy(layer(m.sn(X)), Y)
+                loss = ops.cross_entropy(layer(m.sn(X, **form)), Y)
             tape.backward(loss, retain_graph=False)
             grads.append((X.grad.numpy(), layer.parameters()[0].grad.numpy()))
     for v, (gx, gw) in zip(values[1:], grads[1:]):
