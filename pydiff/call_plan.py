@@ -127,7 +127,7 @@ class ForwardPlan:
     __slots__ = (
         "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
         "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
-        "new_shape", "params", "on_tape",
+        "new_shape", "params", "on_tape", "pools",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -150,6 +150,7 @@ class ForwardPlan:
         void = fn.signature.return_type == "void" and result is MISSING
         self.defers = (self.result_tensor or void) and not self.options and not self.zero_d
         self.new_shape: tuple | None = None  # a new float result's (ForwardPlan.make)
+        self.pools = False  # whether it makes that result from the pool
         self.params = tuple(p for p, _ in bound)
         self.on_tape = False  # whether a call on a tape may take it (forward_call records it)
 
@@ -175,7 +176,7 @@ class ForwardPlan:
         if new and type(out) is Tensor and out.dtype == "float" and out.shape and plan.tensors:
             # SlangPy's call would make the result: pydiff makes it (pooled) and defers
             plan.new_shape = out.shape
-            plan.defers = not plan.options and not plan.zero_d
+            plan.defers = plan.pools = not plan.options and not plan.zero_d
             # on a tape: a new result (never a narrowed one), every parameter given
             plan.on_tape = plan.defers and len(bound) == len(key) - 2 * ("_result" in key)
         return plan
@@ -245,18 +246,22 @@ class ForwardPlan:
         dev.queue.flush()  # kernels queued in a batched backward run first
         for i in self.tensors:
             native[i] = args[i].bind(True)
+        pooled = empty(self.new_shape, device=dev) if self.pools else None  # (as deferred)
         try:
-            if result is MISSING:
+            if pooled is not None or self.result_tensor:
+                out = fn.native(*native, _result=(result if pooled is None else pooled).bind(True))
+            elif result is MISSING:
                 out = fn.native(*native, **self.options)
             else:
-                out = fn.native(
-                    *native, _result=result.bind(True) if self.result_tensor else result
-                )
+                out = fn.native(*native, _result=result)
         except Exception as exc:
             raise resolve_error(fn, exc) from None
         for st in written:
             st.wrote(label)
             st.made_by = made
+        if pooled is not None:
+            pooled.storage.made_by = made
+            return pooled
         if self.result_tensor:
             return result
         if isinstance(out, spy.Tensor):

@@ -52,6 +52,9 @@ def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
     return native_result
 
 
+_SCALARS = ("float", "int", "uint")  # (element types broadcast as NumPy's)
+
+
 def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Any:
     """A new float result from pydiff's pool, as the layout's plan makes it from the second
     call on, or None (SlangPy makes it). SlangPy's own buffer has another layout, on which
@@ -64,7 +67,8 @@ def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     shapes = []
     for p, v in bound:
         if type(v) is Tensor:
-            if p.tensor_kind is not None or p.type_name != "float" or v.dtype != "float":
+            # an element parameter of the tensor's own scalar type: elementwise, broadcast
+            if p.tensor_kind is not None or p.type_name not in _SCALARS or v.dtype != p.type_name:
                 return None
             shapes.append(v.shape)
         elif type(v) not in PLAIN:
@@ -139,6 +143,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
     _mark_reread(fn, bound)
     out = generated_calls.call_forward(fn, bound, options, result)
+    made = None
     if out is None:
         made = _pooled_result(fn, bound, options, result)
         if made is not None:  # (a call that writes a given tensor: as it writes _result)
@@ -155,13 +160,18 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     out = out.reshape(()) if zero_d else out
     if out is not result and type(out) in (Tensor, np.ndarray) and zero_d_call(bound):
         out = as_zero_d(out)  # the (1,) views of 0-d tensors gave a (1,) result: NumPy's ()
+    plan = None
+    if key is not None and not zero_d:
+        plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
+    if made is None and plan is not None and plan.pools and type(out) is Tensor:
+        # SlangPy made it, the plan's calls make it pooled (an argument _pooled_result does
+        # not cover): the same values in the pool's buffer, for the same bits downstream
+        out = empty(out.shape, device=fn.module.device).copy_(out)
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
-    if key is not None and not zero_d:
-        plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
-        remember(fn.plans, key, plan)
+    remember(fn.plans, key, plan)
     return out
 
 
