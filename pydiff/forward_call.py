@@ -60,7 +60,8 @@ def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     call on, or None (SlangPy makes it). SlangPy's own buffer has another layout, on which
     later ops take other kernels: other roundings than every later call's (the determinism
     of docs/determinism.md). Only for float elementwise calls whose shape is the arguments'
-    broadcast (float tensors at float parameters, numbers)."""
+    broadcast (float, int or uint tensors at parameters of their type, numbers). Other
+    results are copied into the pool once (forward_call), as the plan makes them."""
     new = result is MISSING or type(result) is str and result == "tensor"
     if not new or any(k != "_result" for k in options) or fn.signature.return_type != "float":
         return None
@@ -143,9 +144,10 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     snapshots = _snapshot_read_values(fn, bound, aliased, tape is not None and needs_grad)
     _mark_reread(fn, bound)
     out = generated_calls.call_forward(fn, bound, options, result)
-    made = None
-    if out is None:
+    by_slangpy = out is None  # (its result: pydiff's pool, or SlangPy's own buffer)
+    if by_slangpy:
         made = _pooled_result(fn, bound, options, result)
+        by_slangpy = made is None
         if made is not None:  # (a call that writes a given tensor: as it writes _result)
             options["_result"] = made.bind(True)
         # Positional: SlangPy's keyword path costs ~10 us more per call.
@@ -163,7 +165,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     plan = None
     if key is not None and not zero_d:
         plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
-    if made is None and plan is not None and plan.pools and type(out) is Tensor:
+    if by_slangpy and plan is not None and plan.pools and type(out) is Tensor:
         # SlangPy made it, the plan's calls make it pooled (an argument _pooled_result does
         # not cover): the same values in the pool's buffer, for the same bits downstream
         out = empty(out.shape, device=fn.module.device).copy_(out)
