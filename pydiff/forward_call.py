@@ -386,7 +386,8 @@ def _record(
     def run_backward(entry: Any) -> None:
         backward_call(fn, bwd_values, dict(extra), prior)
 
-    tape.record(fn.label, reads, writes, run_backward, overwritten=leaves)
+    had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
+    tape.record(fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had)
 
 
 def _record_cut(

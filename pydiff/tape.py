@@ -277,16 +277,16 @@ class Tape:
         return chosen[::-1], needed
 
     def _check_versions(self, entries: list[_Entry], path: set[int]) -> None:
-        for entry in entries:
-            if "ctx" in entry.payload:  # a Function's outputs all get gradient buffers
-                for k, t in enumerate(entry.writes):
-                    if not t.requires_grad and id(t.storage) in path:
-                        raise RuntimeError(
-                            f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
-                            "lost its gradient buffers (requires_grad_(False)) after the call "
-                            "was recorded, so no gradient can pass through it; to mean a "
-                            "constant, record the calls that read it on t.detach()"
-                        )
+        for entry in entries:  # a Function's outputs all get gradient buffers; a call's:
+            had = range(len(entry.writes)) if "ctx" in entry.payload else ()  # (with_grads)
+            for k in entry.payload.get("with_grads", had):
+                if not (t := entry.writes[k]).requires_grad and id(t.storage) in path:
+                    raise RuntimeError(
+                        f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
+                        "lost its gradient buffers (requires_grad_(False)) after the call "
+                        "was recorded, so no gradient can pass through it; to mean a "
+                        "constant, record the calls that read it on t.detach()"
+                    )
             for desc, t, version in entry.reads:
                 if t.storage.version != version:
                     raise StaleInputError(

@@ -59,3 +59,27 @@ def test_planned_call_not_deferred_is_pooled(device, monkeypatch):
     monkeypatch.setattr(call_plan, "DEFER", False)
     m, xs, x, layer = _setup(device, "nodefer")
     _first_equals_later(layer, lambda: m.sn(x), np.sin(xs.astype(np.float64)))
+
+
+def test_recorded_result_that_lost_its_gradient_buffers_is_refused_before_any_kernel(device):
+    """docs/tape.md: a recorded call's result whose gradient buffers were dropped afterwards
+    makes the backward raise RuntimeError before any kernel runs. Only a Function's outputs
+    were checked: for a shader call the backward raised f.bwds's ValueError ('_result has no
+    gradient buffer') after the later node had already added into w.grad."""
+    m = pydiff.load_module_from_source("s36_brk36_lost", SOURCE, device=device)
+    xs = np.linspace(-1, 1, 8).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    w = pydiff.tensor(xs, device=device, requires_grad=True)
+    for _ in range(3):  # first run, and planned ones
+        with pydiff.Tape() as tape:
+            y = m.gi(x, 3)
+            z = m.gi(y, 2)  # (an int parameter: a number)
+            v = m.sn(w)
+            q = m.gi(v, 1)
+        y.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="lost its gradient buffers"):
+            tape.backward(z, grad=np.ones(8))
+        tape.backward(q, grad=np.ones(8))  # the untouched branch still works
+    xd = xs.astype(np.float64)  # q = sin(sin(w))
+    np.testing.assert_allclose(w.grad.numpy(), 3 * np.cos(xd) * np.cos(np.sin(xd)), rtol=1e-5)
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(8))
