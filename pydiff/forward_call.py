@@ -26,6 +26,7 @@ from .arguments import (
     scalar_numpy_result,
 )
 from .creation import empty
+from .determinism import is_deterministic
 from .call_shape import as_zero_d, refuse_struct_grads, tensor_result, zero_d_call
 from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan, layout_key, remember
@@ -61,7 +62,7 @@ def _pooled_result(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     later ops take other kernels: other roundings than every later call's (the determinism
     of docs/determinism.md). Only for float elementwise calls whose shape is the arguments'
     broadcast (float, int or uint tensors at parameters of their type, numbers). Other
-    results are copied into the pool once (forward_call), as the plan makes them."""
+    results are copied into the pool in deterministic mode (forward_call), as plans make them."""
     new = result is MISSING or type(result) is str and result == "tensor"
     if not new or any(k != "_result" for k in options) or fn.signature.return_type != "float":
         return None
@@ -165,9 +166,16 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     plan = None
     if key is not None and not zero_d:
         plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
-    if by_slangpy and plan is not None and plan.pools and type(out) is Tensor:
+    if (
+        by_slangpy
+        and plan is not None
+        and plan.pools
+        and type(out) is Tensor
+        and is_deterministic()
+    ):
         # SlangPy made it, the plan's calls make it pooled (an argument _pooled_result does
-        # not cover): the same values in the pool's buffer, for the same bits downstream
+        # not cover): the same values in the pool's buffer, for the same bits downstream (a
+        # copy; a large call a plan declines takes it on every call: deterministic mode only)
         out = empty(out.shape, device=fn.module.device).copy_(out)
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
