@@ -20,11 +20,12 @@ import errno
 import math
 import sys
 from collections import OrderedDict
+from itertools import islice
 from typing import Any, Sequence
 
 import slangpy as spy
 
-from .command_queue import CommandQueue
+from .command_queue import DEFER_MAX, CommandQueue
 from .errors import OpenFileLimitError, PydiffError, TensorTooLargeError, env_choice
 from .lavapipe import near_open_file_limit
 
@@ -39,6 +40,11 @@ MAX_BUFFER_BYTES = {"vulkan": 2**32 - 1, "cuda": 2**32 - 1}
 
 POOL_MAX_FLOAT4S = 1 << 18  # 4 MiB: the largest of the small buffers
 POOL_MAX_PER_SIZE = 32
+# A loop making a new small result per call (``y = f(x)``) pins up to DEFER_MAX of them in the
+# deferred list until it is submitted: a size whose buffers are small keeps that many more, or
+# the loop would create (and drop) a buffer on nearly every call (~5 us on lavapipe, more on
+# CUDA, and a new shader object for each).
+POOL_SMALL_SIZE_BYTES = 16 << 20  # per size, for the extra buffers
 POOL_MAX_BYTES = 256 << 20  # small sizes together; beyond, free buffers are released first
 # Larger buffers are kept too, fewer of them and under a budget of their own (so that large
 # tensors never crowd the small ones a training step reuses out of the pool): a new large
@@ -83,6 +89,9 @@ class BufferPool:
         # each was last asked for: a trim keeps the free buffers of the sizes used last.
         self._large: dict[int, int] = {}
         self._asked = 0
+        # Per size, where the last free buffer was found: buffers come free in the order they
+        # were handed out (a submission releases a run of them), so the scan starts there.
+        self._cursor: dict[int, int] = {}
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
@@ -95,9 +104,20 @@ class BufferPool:
             self._large[float4s] = self._asked
         if pooled:
             buffers = self._buffers.setdefault(float4s, [])
-            for buffer in buffers:
+            start = self._cursor.get(float4s, 0)
+            # (islice: a slice would add a reference to each buffer, as enumerate's tuple does)
+            j = start
+            for buffer in islice(buffers, start, None):
+                j += 1
                 # References: the list, this loop's variable and getrefcount's argument.
                 if sys.getrefcount(buffer) == 3:
+                    self._cursor[float4s] = j
+                    return buffer
+            j = 0
+            for buffer in islice(buffers, start):
+                j += 1
+                if sys.getrefcount(buffer) == 3:
+                    self._cursor[float4s] = j
                     return buffer
         try:
             buffer = self.native.create_buffer(
@@ -122,7 +142,7 @@ class BufferPool:
         # (large ones: any number of a size in use, e.g. an optimizer's state; free ones are
         # trimmed per size by _trim_free_large)
         budget = LARGE_POOL_MAX_BYTES if large else POOL_MAX_BYTES
-        if not large and len(self._buffers.get(float4s, ())) >= POOL_MAX_PER_SIZE:
+        if not large and len(self._buffers.get(float4s, ())) >= _per_size(nbytes):
             return
         if self._class_bytes(large) + nbytes > budget:
             self.prune(large=large)
@@ -182,6 +202,12 @@ class BufferPool:
     def sizes(self) -> dict[str, int]:
         """How many buffers the pool holds and their bytes."""
         return {"buffers": sum(map(len, self._buffers.values())), "bytes": self.bytes}
+
+
+def _per_size(nbytes: int) -> int:
+    """How many small buffers of ``nbytes`` each the pool keeps."""
+    extra = min(DEFER_MAX, POOL_SMALL_SIZE_BYTES // nbytes)
+    return POOL_MAX_PER_SIZE + max(0, extra)
 
 
 def format_bytes(n: int) -> str:

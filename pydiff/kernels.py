@@ -254,11 +254,17 @@ class KernelCache:
                 held = None  # too large for the site to keep: the shared cache's rules
         # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
         key = (kernel, *(b.native_handle.value for _, b in buffers))
-        if held is not None:  # the caller's one object for this dispatch site
-            entry = held[1] if held and held[0] == key else None
-            if entry is not None:  # (other wrappers of the same buffers)
-                held[2] = [b for _, b in buffers]
-                return entry
+        if held is not None and held and held[0][0] is kernel and len(held[2]) == len(buffers):
+            # The site's object, its changed buffers bound again (a new result per call):
+            # bindings are copied when a dispatch is recorded, as its uniforms are, and this
+            # costs a fraction of a new object.
+            entry = held[1]
+            cursor = entry[1]
+            for (name, buffer), old in zip(buffers, held[2]):
+                if buffer is not old and buffer.native_handle.value != old.native_handle.value:
+                    cursor[name] = buffer
+            held[0], held[2] = key, [b for _, b in buffers]
+            return entry
         else:
             entry = self._objects.get(key)
             if entry is not None:

@@ -6,10 +6,12 @@ them (sqrt, fma, floor, ... are right). Which intrinsics a device gets wrong is 
 per device (``pydiff.double_math``); this scan finds where a function calls one of them on a
 double: an argument naming a ``double`` parameter, local or global, a ``double(...)`` cast, a
 double literal (``1.0l``) or a call of a module function declared to return a double, outside
-``float(...)``/``int(...)`` conversions and calls of functions returning float. ``let``/``var``
-locals take their initialiser's type; in a function that uses doubles, a value whose type the
-scan cannot infer (a generic's or an imported function's result) counts as a double: a false
-refusal says so, a wrong value would not. Callers inherit it.
+``float(...)``/``int(...)`` conversions and calls of functions returning float. A generic
+function calling one on a value of its generic type (``T tsin<T>(T x) { return sin(x); }``)
+counts as calling it wherever it is called with a double there (``tsin(d)``: T inferred).
+``let``/``var`` locals take their initialiser's type; in a function that uses doubles, a value
+whose type the scan cannot infer (a generic's or an imported function's result) counts as a
+double: a false refusal says so, a wrong value would not. Callers inherit it.
 
     calls = double_calls(source)     # {function: [(line, "sin", function calling it), ...]}
 """
@@ -17,7 +19,9 @@ refusal says so, a wrong value would not. Callers inherit it.
 from __future__ import annotations
 
 import re
+from typing import Any
 
+from .lint_index import split_top
 from .lint_macros import Defines, blank_comments_and_strings, preprocess
 
 #: The intrinsics measured per device (one and two arguments; ``sincos`` writes two outs).
@@ -282,6 +286,7 @@ def double_calls(
                 if guessed is not None and (kind == "unknown" or _guess(scope, arg)):
                     guessed.add((name, line))
                 own.setdefault(name, []).append((line, m.group(1), name))
+    _inferred_generic_calls(text, functions, own, base, returns, guessed)
     result = {name: list(calls) for name, calls in own.items()}
     called = [
         (name, set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text[start:end])) - {name})
@@ -298,3 +303,106 @@ def double_calls(
                         result[name].append(call)
                         changed = True
     return result
+
+
+_GENERIC_HEAD = re.compile(r"[A-Za-z_]\w*\s*<((?:[^<>(){};]|<[^<>(){};]*>)*)>\s*\(")
+
+
+def _generic_intrinsics(text: str, functions: list) -> dict[str, tuple[set, list]]:
+    """Per generic function of ``text``: the positions of its parameters of a generic type,
+    and (line, intrinsic, function) of each measured intrinsic it calls on a value of such a
+    type, directly or through another generic called with one (T inferred there too)."""
+    intrinsic = re.compile(r"\b(" + "|".join(sorted(_MEASURED)) + r")\s*\(")
+    found: dict[str, tuple[set, list]] = {}
+    bodies: dict[str, tuple[str, int, set]] = {}
+    for name, params, start, end, name_at in functions:
+        head = _GENERIC_HEAD.match(text, name_at)
+        if head is None or head.end() > start:
+            continue
+        types = {
+            m.group(1)
+            for p in split_top(head.group(1))
+            if (m := re.match(r"\s*([A-Za-z_]\w*)", p)) and m.group(1) != "let"
+        }
+        if not types:
+            continue
+        typed = re.compile(r"\b(?:" + "|".join(map(re.escape, types)) + r")\b")
+        positions, names = set(), set()
+        for i, p in enumerate(split_top(params)):
+            decl = re.match(r"\s*(.*?)\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?\s*(?:=.*)?$", p, re.S)
+            if decl and typed.search(decl.group(1)):
+                positions.add(i)
+                names.add(decl.group(2))
+        body = text[start:end]
+        for m in _DECL.finditer(body):
+            if typed.search(m.group(1)):
+                names.add(m.group(2))
+        for _ in range(8):  # let/var locals set from generic values, through chains
+            more = {m.group(1) for m in _LET.finditer(body) if _mentions(m.group(3), names, typed)}
+            if more <= names:
+                break
+            names |= more
+        calls = []
+        for m in intrinsic.finditer(body):
+            if re.search(r"(?:\.|::)\s*$", body[max(0, m.start() - 40) : m.start()]):
+                continue
+            if _mentions(body[m.end() : _closing(body, m.end() - 1)], names, typed):
+                calls.append((text.count("\n", 0, start + m.start()) + 1, m.group(1), name))
+        found[name] = (positions, calls)
+        bodies[name] = (body, start, names, typed)
+    for _ in range(len(found)):  # a generic passing its generic values to another inherits
+        changed = False
+        for name, (body, _, names, typed) in bodies.items():
+            for callee, arg in _generic_call_args(body, found):
+                if callee != name and _mentions(arg, names, typed):
+                    for call in found[callee][1]:
+                        if call not in found[name][1]:
+                            found[name][1].append(call)
+                            changed = True
+        if not changed:
+            break
+    return {name: v for name, v in found.items() if v[1]}
+
+
+def _mentions(expr: str, names: set, typed: Any) -> bool:
+    return bool(typed.search(expr)) or any(re.search(rf"\b{re.escape(n)}\b", expr) for n in names)
+
+
+def _generic_call_args(body: str, generics: dict) -> list[tuple[str, str]]:
+    """(generic, argument) of each argument at a generic position of each call in ``body`` of
+    a function of ``generics`` without explicit generic arguments (T inferred)."""
+    if not generics:
+        return []
+    names = "|".join(map(re.escape, generics))
+    call = re.compile(r"(?<![.\w])(?:\w+\s*::\s*)*\b(" + names + r")\s*\(")
+    out = []
+    for m in call.finditer(body):
+        args = split_top(body[m.end() : _closing(body, m.end() - 1)])
+        positions = generics[m.group(1)][0]
+        out += [(m.group(1), a) for i, a in enumerate(args) if i in positions]
+    return out
+
+
+def _inferred_generic_calls(
+    text: str, functions: list, own: dict, base: dict, returns: dict, guessed: Any
+) -> None:
+    """Add to ``own`` the intrinsic calls of generics (``_generic_intrinsics``) each function
+    reaches by calling one with a double where its generic type is inferred."""
+    generics = _generic_intrinsics(text, functions)
+    if not generics:
+        return
+    for name, params, start, end, _ in functions:
+        body = text[start:end]
+        pairs = _generic_call_args(body, generics)
+        if not pairs:
+            continue
+        scope = _scope(text, params, body, base, returns)
+        for callee, arg in pairs:
+            kind = scope.kind(arg)
+            if kind != "double" and not (kind == "unknown" and scope.uses_double):
+                continue
+            for line, intrinsic, origin in generics[callee][1]:
+                if guessed is not None and (kind == "unknown" or _guess(scope, arg)):
+                    guessed.add((origin, line))
+                if (line, intrinsic, origin) not in own.setdefault(name, []):
+                    own[name].append((line, intrinsic, origin))
