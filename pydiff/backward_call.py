@@ -75,6 +75,7 @@ class _Backward:
         self.untracked: list[str] = []  # deterministic mode: gradients left to float atomics
         self.masks: dict[str, Mask] = {}  # parameters bound through the masked wrapper
         self.passes: list[tuple[Mask, Tensor, Tensor]] = []  # (mask, upstream, grad)
+        self.stored_once: frozenset = frozenset()  # written tensors needing no store counts
 
     def scratch_grads(self, t: Tensor, role: str) -> spy.Tensor:
         """Gradient buffers for a tensor whose gradient nobody asked for."""
@@ -398,6 +399,7 @@ def backward_call(
             return remember_backward(fn, key, args, bound, result, prior)
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
+        b.stored_once = written_mask.stored_once(fn, bound)
         if deterministic:
             b.separate = shared_grads(bound)
             if b.shape is None:

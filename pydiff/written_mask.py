@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import slangpy as spy
 
+from . import single_store
 from .device import Device
 from .signature import ParamInfo, Signature, stem
 from .storage import allocate
@@ -121,6 +122,8 @@ def bind_written(call: Any, p: ParamInfo, t: Tensor, bound: Any, prior: bool) ->
         return bound
     if not prior and not (p.tensor_kind == "idiff" and can_wrap(call.fn.signature)):
         return bound
+    if not prior and p.name in call.stored_once:
+        return bound  # one store per thread at its own grid element: nothing to count
     mask = call.masks[p.name] = WrittenMask(call.device, t.shape)
     if prior:
         call.cleared.append((mask, t.grad_out))
@@ -139,6 +142,43 @@ def bind_in_place(call: Any, p: ParamInfo, t: Tensor, bound: Any, masked: bool) 
         grad, upstream = call.after[-1]
         call.passes.append((mask, upstream, grad))
     return mask.bind(p, bound)
+
+
+_INDEX = re.compile(r"u?int[23]?|vector\s*<\s*u?int\s*,\s*[23]\s*>")
+
+
+def _dims(type_name: str) -> int:
+    """The axes of a grid index parameter's type (``int``: 1, ``int2``/``vector<int,2>``: 2)."""
+    found = re.search(r"([23])\s*>?\s*$", type_name.strip())
+    return int(found.group(1)) if found else 1
+
+
+def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
+    """The interface tensors a call over a grid stores once per thread at its own element
+    (single_store), where the grid has the tensor's shape: their stores need no counting."""
+    grids = [(p, v) for p, v in bound if type(v).__name__ == "GridArg"]
+    source = fn.module.source
+    if len(grids) != 1 or source is None:
+        return frozenset()
+    p, grid = grids[0]
+    shape = tuple(int(n) for n in grid.shape)
+    if list(grid.stride) != [1] * len(shape) or list(grid.offset) != [0] * len(shape):
+        return frozenset()
+    if _INDEX.fullmatch(p.type_name.strip()) is None or _dims(p.type_name) != len(shape):
+        return frozenset()
+    tensors = [
+        q.name
+        for q, v in bound
+        if type(v) is Tensor
+        and q.access == "write"
+        and q.tensor_kind == "idiff"
+        and v.shape == shape
+    ]
+    return (
+        single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
+        if tensors
+        else frozenset()
+    )
 
 
 def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
