@@ -25,7 +25,8 @@ void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
     int w = int(img.shape[1]);
     int r = px.y;
     int c = px.x;
-    result[r, c] = 0.5 * img[r, c] + 0.25 * img[r, max(c - 1, 0)] + 0.25 * img[min(r + 1, h - 1), c];
+    result[r, c] = 0.5 * img[r, c] + 0.25 * img[r, max(c - 1, 0)]
+        + 0.25 * img[min(r + 1, h - 1), c];
 }
 [Differentiable]
 void halved(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
