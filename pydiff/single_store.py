@@ -16,7 +16,6 @@ passed to a function that might change it.
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 from .lint_atomics import ANY_FUNCTION, KEYWORDS
@@ -38,7 +37,8 @@ _AXES = "xyz"
 def stores_once(source: str, function: str, grid: str, dims: int, tensors: list) -> frozenset:
     """The names among ``tensors`` (parameters of ``function``) that it stores into exactly
     once per thread, at the element of the grid index parameter ``grid`` of ``dims`` axes."""
-    key = (hashlib.sha1(source.encode()).hexdigest(), function, grid, dims, tuple(tensors))
+    # (a str caches its hash, and compares by identity first: the module's one source object)
+    key = (source, function, grid, dims, tuple(tensors))
     found = _CACHE.get(key)
     if found is None:
         found = frozenset(_scan(source, function, grid, dims, tensors))
