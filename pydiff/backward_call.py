@@ -29,7 +29,8 @@ from .arguments import (
     resolve_error,
     scratch,
 )
-from .call_plan import DECLINED, layout_key, remember_backward
+from .call_plan import DECLINED, remember_backward
+from .plan_layout import layout_key
 from .call_shape import refuse_struct_grads, result_type
 from .creation import tensor as make_tensor
 from .bwds_checks import (

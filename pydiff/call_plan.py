@@ -5,7 +5,8 @@ SlangPy call) instead of a dozen passes over its arguments.
 
 A layout is what every check of the full path reads apart from values and storages: each
 argument's kind (a Python number's type; a tensor's shape, element type and which gradient
-buffers it has) and the ``_result`` given (a tensor's layout, ``'tensor'``, or none). A plan
+buffers it has; a grid's shape, stride and offset) and the ``_result`` given (a tensor's
+layout, ``'tensor'``, or none). A plan
 is made only after the full path ran the layout without error, and only for calls without
 the cases it handles apart (tapes, in-place and aliased tensors, struct and host-array
 arguments, overloads, traps, generated kernels, zeroing policies other than ACCUMULATE,
@@ -13,13 +14,14 @@ deterministic mode, an open backward). Whatever a plan cannot decide from the la
 checks per call; where a check would take the full path's other branch it declines
 (``DECLINED``) before changing anything, and the caller runs the full path.
 
-    plan = fn.plans.get(call_plan.layout_key(args, kwargs))   # None: not run before
+    plan = fn.plans.get(plan_layout.layout_key(args, kwargs))   # None: not run before
     out = plan.run(fn, args, kwargs.get("_result", MISSING)) if plan else DECLINED
-    call_plan.remember(fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
+    plan_layout.remember(fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from .command_queue import DEFER
 from .creation import empty
 from .determinism import is_deterministic
 from .host_values import convert
+from .plan_layout import GRID, remember
 from .planned_kernels import BackwardLaunch, ForwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, overloaded
@@ -41,45 +44,7 @@ from .tape import active_tape
 from .tensor import Tensor
 
 DECLINED = object()  # a plan's answer when the call must take the full path
-PLANS_MAX = 64  # layouts remembered per function and direction (the oldest dropped first)
 _ACCUMULATE = ZeroPolicy.ACCUMULATE
-
-
-def layout_key(args: tuple, kwargs: dict) -> tuple | None:
-    """The layout of an all-positional call (see the module docstring); None for a call no
-    plan covers (keywords, other options, struct, array or other arguments)."""
-    key = []
-    for v in args:  # (one pass, no comprehension: this runs on every call)
-        t = type(v)
-        if t is Tensor:
-            key.append(v.layout)
-        elif t is float or t is int or t is bool:  # PLAIN
-            key.append(t)
-        else:
-            return None
-    if kwargs:
-        if len(kwargs) != 1:
-            return None
-        r = kwargs.get("_result")
-        if type(r) is Tensor:
-            key += ("_result", r.layout)  # (marked: f(x, y) is not f(x, _result=y))
-        elif type(r) is str and r == "tensor":
-            key += ("_result", r)
-        else:
-            return None
-    return tuple(key)
-
-
-def remember(plans: dict, key: tuple | None, plan: Any) -> None:
-    """Keep ``plan`` for ``key`` (a layout the full path just ran), dropping the oldest."""
-    if key is None or plan is None:
-        return
-    if len(plans) >= PLANS_MAX:
-        try:
-            plans.pop(next(iter(plans)), None)
-        except (RuntimeError, StopIteration):  # another thread changed it meanwhile
-            pass
-    plans[key] = plan
 
 
 def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
@@ -127,7 +92,7 @@ class ForwardPlan:
     __slots__ = (
         "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
         "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
-        "new_shape", "params", "on_tape", "pools",
+        "new_shape", "params", "on_tape", "pools", "grid",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -136,8 +101,11 @@ class ForwardPlan:
         self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
         self.read_names = tuple((i, bound[i][0].name) for i in self.reads)
         self.floats, self.numbers = _numbers(key, bound)
-        # as generated_calls.call_forward decides (the layout fixes every tensor's size)
-        self.numel = generated.call_size(v for _, v in bound)
+        # as generated_calls.call_forward decides (the layout fixes every tensor's size; a
+        # grid's shape: large ones take the full path, which may generate their kernel)
+        grids = [math.prod(v.shape.as_tuple()) for _, v in bound if type(v) is GRID]
+        self.grid = bool(grids)
+        self.numel = grids[0] if grids else generated.call_size(v for _, v in bound)
         self.result_tensor = type(result) is Tensor
         self.zero_d = zero_d_call(bound)  # all tensors 0-d: a (1,) result viewed as ()
         self.options: dict = {}
@@ -184,6 +152,8 @@ class ForwardPlan:
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
         large = self.numel >= generated.MIN_ELEMENTS
+        if self.grid:
+            return DECLINED if large else None
         if not _may_generate(self, large) or self.zero_d or self.options:
             return DECLINED if large else None
         if result is MISSING and not self.tensors:  # (numbers only: SlangPy returns a number)

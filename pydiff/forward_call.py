@@ -29,7 +29,8 @@ from .creation import empty
 from .determinism import is_deterministic
 from .call_shape import as_zero_d, refuse_struct_grads, tensor_result, zero_d_call
 from .backward_call import backward_call
-from .call_plan import DECLINED, ForwardPlan, layout_key, remember
+from .call_plan import DECLINED, ForwardPlan
+from .plan_layout import layout_key, remember
 from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
 from .bwds_checks import with_values_of
 from .errors import warn_once

@@ -23,7 +23,7 @@ from .tensor import Tensor
 
 # A launch keeps the bound object of its last call (binding the same buffers again costs
 # nothing) while its buffers are this small: the object pins them, and a function keeps up
-# to call_plan.PLANS_MAX plans. Larger calls spend far longer computing than binding.
+# to plan_layout.PLANS_MAX plans. Larger calls spend far longer computing than binding.
 HELD_MAX = 1 << 12
 
 

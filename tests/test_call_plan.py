@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import call_plan
+from pydiff import plan_layout
 
 SOURCE = """
 [Differentiable] float poly(float a, float x) { return a * x * x; }
@@ -135,16 +135,16 @@ def test_calls_on_a_tape_are_recorded_after_a_plan(device, m):
 
 
 def test_plans_per_function_are_bounded(device, m):
-    for n in range(1, call_plan.PLANS_MAX + 6):
+    for n in range(1, plan_layout.PLANS_MAX + 6):
         m.poly(1.0, _x(device, np.ones(n)), _result="tensor")
         m.poly(1.0, _x(device, np.ones(n)), _result="tensor")
-    assert len(m.poly.plans) <= call_plan.PLANS_MAX
+    assert len(m.poly.plans) <= plan_layout.PLANS_MAX
 
 
 def test_layout_key_covers_what_the_checks_read(device):
     x = _x(device, [1.0, 2.0])
     xg = _x(device, [1.0, 2.0], requires_grad=True)
-    key = call_plan.layout_key
+    key = plan_layout.layout_key
     assert key((2.0, x), {}) != key((2.0, xg), {})  # gradient buffers
     assert key((2.0, x), {}) != key((2, x), {})  # a number's type
     assert key((2.0, x), {}) != key((2.0, x.reshape((2, 1))), {})  # shapes
