@@ -1,0 +1,104 @@
+"""Breaker round 37 (brk37): sources the double-intrinsic scan missed, each a silent wrong
+value on lavapipe (sin of a double gave 0) — a generic struct named with ``double``, a struct's
+generic static method called with ``.``, a ``double`` struct field and a method returning a
+double (an associated type aliasing ``double``) passed to an inferred generic — and generics
+that compute in float (``x.toFloat()``, ``__realCast<float>``), refused wrongly. Each call either
+is refused with ShaderTrapError (on a device computing the intrinsic wrong on doubles) or
+matches NumPy's float64 values."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import double_math
+from pydiff.errors import ShaderTrapError
+from pydiff.lint_double import double_calls
+
+X = np.array([0.5, 1.0, 2.0], np.float32)
+SIN = np.sin(X.astype(np.float64))
+TSIN = "T tsin<T : __BuiltinFloatingPointType>(T x) { return sin(x); }\n"
+GENERIC_STRUCT = "struct S<T : __BuiltinFloatingPointType> { T v; T s() { return sin(v); } };\n"
+STATIC = "struct S2 { static T s<T : __BuiltinFloatingPointType>(T v) { return sin(v); } };\n"
+DOUBLES = {  # sources whose f(x) computes sin on a double: refused, or sin(x) in float64
+    "generic_struct": GENERIC_STRUCT
+    + "float f(float x) { S<double> s; s.v = x; return float(s.s()); }",
+    "generic_struct_alias": GENERIC_STRUCT
+    + "typealias SD = S<double>;\nfloat f(float x) { SD s; s.v = x; return float(s.s()); }",
+    "static_dot": STATIC + "float f(float x) { double d = x; return float(S2.s(d)); }",
+    "double_field": TSIN
+    + "struct P { double v; };\nfloat f(float x) { P p; p.v = x; return float(tsin(p.v)); }",
+    "double_field_direct": "struct P { double v; };\n"
+    "float f(float x) { P p; p.v = x; return float(sin(p.v)); }",
+    "associated_type": "interface IS { associatedtype V; V get(); }\n"
+    "struct D : IS { typealias V = double; double v; V get() { return v; } };\n"
+    + TSIN
+    + "float f(float x) { D dd; dd.v = x; return float(tsin(dd.get())); }",
+}
+FLOATS = {  # sources computing sin in float: never refused, sin(x) within float precision
+    "generic_struct_float": GENERIC_STRUCT
+    + "float f(float x) { S<float> s; s.v = x; return s.s(); }",
+    "static_float": STATIC + "float f(float x) { return S2.s(x); }",
+    "float_field": TSIN + "struct P { float v; };\n"
+    "float f(float x) { P p; p.v = x; return 0.5 * (tsin(p.v) + sin(p.v)); }",
+    "to_float": "T g<T : __BuiltinFloatingPointType>(T x) { return T(sin(x.toFloat())); }\n"
+    "float f(float x) { double d = x; return float(g(d)); }",
+    "real_cast": "T g<T : __BuiltinFloatingPointType>(T x) "
+    "{ return __realCast<T>(sin(__realCast<float>(x))); }\n"
+    "float f(float x) { double d = x; return float(g(d)); }",
+    "ifloat_to_float": "T g<T : IFloat>(T x) { let y = x.toFloat(); return T(sin(y)); }\n"
+    "float f(float x) { double d = x; return float(g(d)); }",
+    "swizzle_not_a_field": "struct P { double x; };\n"
+    "float f(float x) { float3 v = float3(x, x, x); return sin(v.x); }",
+}
+
+
+def _load(device, name: str, source: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pydiff.load_module_from_source(f"s37_brk_{name}", source, device)
+
+
+@pytest.mark.parametrize("name", list(DOUBLES))
+def test_double_sources_are_refused_or_right(device, name):
+    m = _load(device, name, DOUBLES[name])
+    x = pydiff.tensor(X, device=device)
+    if "sin" in double_math.broken_intrinsics(device):
+        with pytest.raises(ShaderTrapError, match="sin\\(\\) of a double"):
+            m.f(x)
+        return
+    np.testing.assert_allclose(m.f(x).numpy(), SIN, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(FLOATS))
+def test_float_sources_run_and_are_right(device, name):
+    assert "f" not in double_calls(FLOATS[name])
+    m = _load(device, name, FLOATS[name])
+    got = m.f(pydiff.tensor(X, device=device)).numpy()
+    np.testing.assert_allclose(got, SIN, rtol=1e-6, atol=1e-6)
+
+
+def test_double_sources_are_seen_by_the_scan():
+    for name, source in DOUBLES.items():
+        calls = double_calls(source).get("f", [])
+        assert any(c[1] == "sin" for c in calls), name
+
+
+def test_differentiable_generic_struct_bwds_refused_or_right(device):
+    source = (
+        "struct Q<T : __BuiltinFloatingPointType> { [Differentiable] static T e(T v) "
+        "{ return exp(v); } };\n"
+        "[Differentiable] float f(float x) { return float(Q<double>.e(double(x))); }"
+    )
+    m = _load(device, "bwds_struct", source)
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    y = pydiff.zeros((3,), device=device).with_grads(ones=True)
+    if "exp" in double_math.broken_intrinsics(device):
+        with pytest.raises(ShaderTrapError, match="exp\\(\\) of a double"):
+            m.f.bwds(x, _result=y)
+        return
+    m.f.bwds(x, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), np.exp(X.astype(np.float64)), rtol=1e-5)
