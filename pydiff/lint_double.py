@@ -25,6 +25,7 @@ from .lint_index import split_top
 from .lint_double_text import closing as _closing
 from .lint_double_text import mentions as _mentions
 from .lint_double_text import narrowed as _narrowed
+from .lint_double_text import plain_generics
 from .lint_macros import Defines, blank_comments_and_strings, preprocess
 
 #: The intrinsics measured per device (one and two arguments; ``sincos`` writes two outs).
@@ -262,7 +263,7 @@ def double_calls(
     (function, line) of calls counted as double only because a type could not be inferred;
     ``defines``: the macros the device defines (``#if`` branches follow them)."""
     text = blank_comments_and_strings(preprocess(source, defines).text)
-    text = _without_aliases(text)
+    text = plain_generics(_without_aliases(text))
     functions = _functions(text)
     returns = _return_kinds(text, functions)
     base = _globals(text, functions)

@@ -44,3 +44,25 @@ def mentions(expr: str, names: set, typed: Any) -> bool:
     ``typed`` matches."""
     expr = narrowed(expr)
     return bool(typed.search(expr)) or any(re.search(rf"\b{re.escape(n)}\b", expr) for n in names)
+
+
+_OLD_GENERIC = re.compile(
+    r"\b__generic\s*<((?:[^<>(){};]|<[^<>(){};]*>)*)>(\s*(?:\[[^\]]*\]\s*)*[^(){};=]*?)"
+    r"\b([A-Za-z_]\w*)\s*\("
+)
+_DOUBLE_EXTENSION = re.compile(
+    r"\bextension\s+(?:double[234]?(?:x[234])?|float64_t|vector\s*<\s*double[^>]*>)\s*"
+    r"(?::[^{;]*)?\{"
+)
+
+
+def plain_generics(text: str) -> str:
+    """``text`` with Slang's older generic syntax written as the newer one the scan reads
+    (``__generic<T : I> T f(T x)`` as ``T f<T : I>(T x)``), and ``this`` in an extension of a
+    double type written ``double(this)``; the lines stay on their lines."""
+    text = _OLD_GENERIC.sub(lambda m: f"{m[2]}{m[3]}<{m[1]}>(", text)
+    for m in reversed(list(_DOUBLE_EXTENSION.finditer(text))):
+        end = closing(text, m.end() - 1)
+        body = re.sub(r"\bthis\b", "double(this)", text[m.end() : end])
+        text = text[: m.end()] + body + text[end:]
+    return text

@@ -1,7 +1,8 @@
 """Breaker round 37 (brk37): sources the double-intrinsic scan missed, each a silent wrong
 value on lavapipe (sin of a double gave 0) — a generic struct named with ``double``, a struct's
 generic static method called with ``.``, a ``double`` struct field and a method returning a
-double (an associated type aliasing ``double``) passed to an inferred generic — and generics
+double (an associated type aliasing ``double``) passed to an inferred generic, Slang's older
+``__generic<T>`` syntax, ``this`` in an ``extension double`` — and generics
 that compute in float (``x.toFloat()``, ``__realCast<float>``), refused wrongly. Each call either
 is refused with ShaderTrapError (on a device computing the intrinsic wrong on doubles) or
 matches NumPy's float64 values."""
@@ -37,6 +38,10 @@ DOUBLES = {  # sources whose f(x) computes sin on a double: refused, or sin(x) i
     "struct D : IS { typealias V = double; double v; V get() { return v; } };\n"
     + TSIN
     + "float f(float x) { D dd; dd.v = x; return float(tsin(dd.get())); }",
+    "old_generic_syntax": "__generic<T : __BuiltinFloatingPointType> T osin(T x) "
+    "{ return sin(x); }\nfloat f(float x) { double d = x; return float(osin(d)); }",
+    "double_extension": "extension double { double mysin() { return sin(this); } }\n"
+    "float f(float x) { double d = x; return float(d.mysin()); }",
 }
 FLOATS = {  # sources computing sin in float: never refused, sin(x) within float precision
     "generic_struct_float": GENERIC_STRUCT
@@ -51,6 +56,10 @@ FLOATS = {  # sources computing sin in float: never refused, sin(x) within float
     "float f(float x) { double d = x; return float(g(d)); }",
     "ifloat_to_float": "T g<T : IFloat>(T x) { let y = x.toFloat(); return T(sin(y)); }\n"
     "float f(float x) { double d = x; return float(g(d)); }",
+    "old_generic_float": "__generic<T : __BuiltinFloatingPointType> T osin(T x) "
+    "{ return sin(x); }\nfloat f(float x) { return osin(x); }",
+    "float_extension": "extension float { float mysin() { return sin(this); } }\n"
+    "float f(float x) { return x.mysin(); }",
     "swizzle_not_a_field": "struct P { double x; };\n"
     "float f(float x) { float3 v = float3(x, x, x); return sin(v.x); }",
 }
