@@ -177,6 +177,7 @@ class BufferPool:
                 self._buffers[size] = kept
             else:
                 self._buffers.pop(size, None)
+                self._cursor.pop(size, None)
                 del self._large[size]
 
     def _class_bytes(self, large: bool) -> int:
@@ -198,6 +199,10 @@ class BufferPool:
             else:
                 del self._buffers[size]
                 self._large.pop(size, None)
+
+        # the cursors of the sizes kept, in a new dict (one that shrank keeps its memory): a
+        # cursor per size ever reused would pile up (32k sizes: 1.3 MB past empty_cache)
+        self._cursor = {k: v for k, v in self._cursor.items() if k in self._buffers}
 
     def sizes(self) -> dict[str, int]:
         """How many buffers the pool holds and their bytes."""

@@ -9,6 +9,8 @@ matches NumPy's float64 values."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 import warnings
 
 import numpy as np
@@ -111,3 +113,49 @@ def test_differentiable_generic_struct_bwds_refused_or_right(device):
         return
     m.f.bwds(x, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), np.exp(X.astype(np.float64)), rtol=1e-5)
+
+
+# --- the pool's per-size cursor (buffer_pool) ------------------------------------------------
+
+
+def _pool_bytes() -> int:
+    """Python memory allocated in buffer_pool.py and still alive."""
+    gc.collect()
+    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*buffer_pool.py")])
+    return sum(s.size for s in snap.statistics("filename"))
+
+
+def test_cursors_of_released_sizes_do_not_pile_up(device):
+    # A size reused once gets a cursor; empty_cache (the pool's prune) releases its buffers:
+    # the cursors must go with them, or tensors of ever new sizes (varying batch sizes,
+    # point clouds) grow the pool's memory without bound (1.3 MB over 24k sizes, before).
+    tracemalloc.start()
+    try:
+        for rnd in range(3):
+            for n in range(1 + rnd * 8000, 8001 + rnd * 8000):
+                pydiff.empty((4 * n,), device=device)  # freed at once
+                pydiff.empty((4 * n,), device=device)  # reusing its buffer
+            pydiff.empty_cache(device)
+        assert _pool_bytes() < 200_000
+    finally:
+        tracemalloc.stop()
+
+
+def test_results_right_across_prunes_in_a_loop(device):
+    # the cursor past the list's end after a prune shrank it; results kept and dropped
+    m = _load(
+        device, "pool_loop", "[Differentiable] float f(float a, float x) { return a * x * x; }"
+    )
+    xs = np.linspace(-2, 2, 37).astype(np.float32)
+    x = pydiff.tensor(xs, device=device)
+    kept = []
+    for i in range(700):
+        y = m.f(float(i % 11), x)
+        if i % 13 == 0:
+            kept.append((y, i % 11))
+        if i % 97 == 50:
+            pydiff.empty_cache(device)
+    want = xs.astype(np.float64) ** 2
+    for y, a in kept:
+        np.testing.assert_allclose(y.numpy(), a * want, rtol=1e-6, atol=1e-6)
+    assert device.pool.sizes()["buffers"] <= 32 + 256 + 4
