@@ -386,8 +386,15 @@ def _inferred_generic_calls(
     generics = _generic_intrinsics(text, functions)
     if not generics:
         return
+    names = "|".join(map(re.escape, generics))
+    explicit = re.compile(r"(?<!\w)(" + names + r")\s*<((?:[^<>(){};]|<[^<>(){};]*>)*)>\s*\(")
     for name, params, start, end, _ in functions:
         body = text[start:end]
+        for m in explicit.finditer(body):  # f<double>(x): its callers inherit too
+            if _type_kind(m.group(2)) == "double":
+                own.setdefault(name, []).extend(
+                    c for c in generics[m.group(1)][1] if c not in own[name]
+                )
         pairs = _generic_call_args(body, generics)
         if not pairs:
             continue

@@ -44,6 +44,12 @@ DOUBLES = {  # sources whose f(x) computes sin on a double: refused, or sin(x) i
     "{ return sin(x); }\nfloat f(float x) { double d = x; return float(osin(d)); }",
     "double_extension": "extension double { double mysin() { return sin(this); } }\n"
     "float f(float x) { double d = x; return float(d.mysin()); }",
+    # an explicit specialisation's callers: g was refused, f (calling g) gave 0
+    "explicit_callers": TSIN + "double g(double x) { return tsin<double>(x); }\n"
+    "float f(float x) { return float(g(double(x))); }",
+    "explicit_in_float_helper": TSIN
+    + "float g(float x) { return float(tsin<double>(double(x))); }\n"
+    "float f(float x) { return g(x); }",
 }
 FLOATS = {  # sources computing sin in float: never refused, sin(x) within float precision
     "generic_struct_float": GENERIC_STRUCT
@@ -62,6 +68,8 @@ FLOATS = {  # sources computing sin in float: never refused, sin(x) within float
     "{ return sin(x); }\nfloat f(float x) { return osin(x); }",
     "float_extension": "extension float { float mysin() { return sin(this); } }\n"
     "float f(float x) { return x.mysin(); }",
+    "explicit_float": TSIN + "float g(float x) { return tsin<float>(x); }\n"
+    "float f(float x) { return g(x); }",
     "swizzle_not_a_field": "struct P { double x; };\n"
     "float f(float x) { float3 v = float3(x, x, x); return sin(v.x); }",
 }
