@@ -197,3 +197,29 @@ def test_released_steps_reuse_bound_objects_with_free_buffers_left_in_the_pool(d
     for _ in range(40):
         step()
     assert device.kernels.sizes()["objects"] - before == 0
+
+
+def test_imported_double_helpers_are_refused_or_right(device, tmp_path):
+    # the double scan read the module's own text only: a helper of an imported file calling
+    # sin on a double (or a generic of it called with one) gave 0 on lavapipe, unseen
+    (tmp_path / "h37brk.slang").write_text(
+        "T tsin<T : __BuiltinFloatingPointType>(T x) { return sin(x); }\n"
+        "double dsin(double x) { return sin(x); }\n"
+    )
+    (tmp_path / "m37brk.slang").write_text(
+        "import h37brk;\n"
+        "float f(float x) { double d = x; return float(tsin(d)); }\n"
+        "float g(float x) { return float(dsin(double(x))); }\n"
+        "float k(float x) { return tsin(x); }\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = pydiff.load_module(tmp_path / "m37brk.slang", device=device)
+    x = pydiff.tensor(X, device=device)
+    np.testing.assert_allclose(m.k(x).numpy(), SIN, rtol=1e-6, atol=1e-6)  # floats: right
+    for name, line in (("f", 1), ("g", 2)):
+        if "sin" in double_math.broken_intrinsics(device):
+            with pytest.raises(ShaderTrapError, match=rf"h37brk\.slang:{line}: in {name}\(\)"):
+                getattr(m, name)(x)
+        else:
+            np.testing.assert_allclose(getattr(m, name)(x).numpy(), SIN, rtol=1e-6, atol=1e-7)
