@@ -123,13 +123,20 @@ def argument(name: str) -> str:
     )
 
 
-def findings(device: Any, source: str, file: str, defines: Defines | None = None) -> list[Finding]:
+def findings(
+    device: Any, source: str, file: str, defines: Defines | None = None, scan: Any = None
+) -> list[Finding]:
     """A finding per function of ``source`` that calls (or reaches) an intrinsic ``device``
     computes wrong on doubles; the device is measured only when some function calls one.
     ``defines``: the device's macros (the source's ``#if`` branches follow them). A call of
     a generic with double arguments (``f<double>(x)``) counts as the calls of its definition
-    written out for them."""
-    return _own_findings(device, source, file, defines) + _specialised_calls(
+    written out for them. ``scan``: the module's ``lint_sources.ModuleScan``, whose imported
+    files are read with it (a function of theirs it calls, a generic of theirs it calls with
+    a double: ``import helpers; ... dsin(d)`` gave 0 on lavapipe, unseen)."""
+    imported = list(zip(scan.files, scan.imported_texts)) if scan is not None else []
+    if not any(_DOUBLE_ARGUMENT.search(text) for _, text in imported):
+        imported = []  # (no double there: the module's own text decides, as fast as before)
+    return _own_findings(device, source, file, defines, imported) + _specialised_calls(
         device, source, file, defines
     )
 
@@ -164,9 +171,15 @@ def _specialised_calls(device: Any, source: str, file: str, defines: Any) -> lis
     return found
 
 
-def _own_findings(device: Any, source: str, file: str, defines: Any) -> list[Finding]:
+def _own_findings(
+    device: Any, source: str, file: str, defines: Any, imported: list = ()
+) -> list[Finding]:
     guessed: set[tuple[str, int]] = set()
-    calls = double_calls(source, guessed, defines)
+    text, starts = source, [(1, file)]  # the files read together, from their first lines
+    for name, other in imported:
+        starts.append((text.count("\n") + 2, name))
+        text += "\n" + other
+    calls = double_calls(text, guessed, defines)
     if not calls:
         return []
     broken = broken_intrinsics(device)
@@ -175,6 +188,7 @@ def _own_findings(device: Any, source: str, file: str, defines: Any) -> list[Fin
         for line, name, origin in sites:
             if name not in broken:
                 continue
+            first, where = max(s for s in starts if s[0] <= line)
             via = "" if origin == function else f" (in {origin}(), which it calls)"
             guess = (
                 "; the argument's type could not be inferred (a call of a generic or imported "
@@ -186,8 +200,8 @@ def _own_findings(device: Any, source: str, file: str, defines: Any) -> list[Fin
             )
             found.append(
                 Finding(
-                    file,
-                    line,
+                    where,
+                    line - first + 1,
                     function,
                     "double-intrinsic",
                     (

@@ -22,6 +22,10 @@ import re
 from typing import Any
 
 from .lint_index import split_top
+from .lint_double_text import closing as _closing
+from .lint_double_text import mentions as _mentions
+from .lint_double_text import narrowed as _narrowed
+from .lint_double_text import plain_generics
 from .lint_macros import Defines, blank_comments_and_strings, preprocess
 
 #: The intrinsics measured per device (one and two arguments; ``sincos`` writes two outs).
@@ -43,18 +47,6 @@ _DOUBLE_DECL = re.compile(
 _DOUBLE_LITERAL = re.compile(r"\b\d+(?:\.\d*)?(?:[eE][-+]?\d+)?[lL]\b|\bdouble[234]?\s*\(")
 _NARROWING = re.compile(r"\b(?:float|half)[234]?\s*\(")
 _KEYWORDS = {"if", "for", "while", "switch", "return", "else", "do"}
-
-
-def _closing(text: str, open_at: int) -> int:
-    depth = 0
-    for i in range(open_at, len(text)):
-        if text[i] in "({":
-            depth += 1
-        elif text[i] in ")}":
-            depth -= 1
-            if depth == 0:
-                return i
-    return len(text)
 
 
 def _functions(text: str) -> list[tuple[str, str, int, int, int]]:
@@ -152,17 +144,21 @@ class _Scope:
         self.intrinsics = set(UNARY) | set(BINARY) | set(OUT_PARAMS) | _PASSTHROUGH
         self.uses_double = False
         self.guessed: set[str] = set()  # let/var locals counted as double for want of a type
+        self.fields: dict[str, str] = {}  # struct fields (globals' kinds), not swizzles
 
     def kind(self, expr: str) -> str:
         """'double' if ``expr`` may hold a double, 'other' if it cannot, 'unknown'."""
-        expr = self._without_narrowing(expr)
+        expr = self._without_narrowing(_narrowed(expr))
         if _DOUBLE_LITERAL.search(expr):
             return "double"
         unknown = False
         for m in re.finditer(r"(\.\s*)?\b([A-Za-z_]\w*)\s*(\(|<[^<>;]*>\s*\()?", expr):
             word, call = m.group(2), m.group(3)
+            if m.group(1) and (self.returns if call else self.fields).get(word) == "double":
+                return "double"  # a method of the module's declared to return a double,
+                # or a struct's double field (p.v): whatever the object's type
             if m.group(1) or word in _IGNORED or word in _KEYWORDS:
-                continue  # a member (its object is seen) or a keyword
+                continue  # another member (its object is seen) or a keyword
             if _type_kind(word) != "unknown":  # a type: a conversion or a template argument
                 if _type_kind(word) == "double":
                     return "double"
@@ -210,6 +206,7 @@ def _scope(text: str, params: str, body: str, base: dict[str, str], returns: dic
     kind, through chains of them. In a function that uses doubles, a local whose type the
     scan cannot infer counts as a double: a false refusal says so, a wrong value would not."""
     scope = _Scope({**base, **_declared(params + ";" + body)}, returns)
+    scope.fields = {k: v for k, v in base.items() if not re.fullmatch("[xyzw]{1,4}|[rgba]{1,4}", k)}
     uses_double = scope.kind(params + ";" + body) == "double"
     lets = list(_LET.finditer(body))
     for _ in range(len(lets) + 1):  # each round settles at least one more link of a chain
@@ -266,7 +263,7 @@ def double_calls(
     (function, line) of calls counted as double only because a type could not be inferred;
     ``defines``: the macros the device defines (``#if`` branches follow them)."""
     text = blank_comments_and_strings(preprocess(source, defines).text)
-    text = _without_aliases(text)
+    text = plain_generics(_without_aliases(text))
     functions = _functions(text)
     returns = _return_kinds(text, functions)
     base = _globals(text, functions)
@@ -287,6 +284,7 @@ def double_calls(
                     guessed.add((name, line))
                 own.setdefault(name, []).append((line, m.group(1), name))
     _inferred_generic_calls(text, functions, own, base, returns, guessed)
+    _generic_struct_calls(text, functions, own)
     result = {name: list(calls) for name, calls in own.items()}
     called = [
         (name, set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text[start:end])) - {name})
@@ -364,17 +362,14 @@ def _generic_intrinsics(text: str, functions: list) -> dict[str, tuple[set, list
     return {name: v for name, v in found.items() if v[1]}
 
 
-def _mentions(expr: str, names: set, typed: Any) -> bool:
-    return bool(typed.search(expr)) or any(re.search(rf"\b{re.escape(n)}\b", expr) for n in names)
-
-
 def _generic_call_args(body: str, generics: dict) -> list[tuple[str, str]]:
     """(generic, argument) of each argument at a generic position of each call in ``body`` of
     a function of ``generics`` without explicit generic arguments (T inferred)."""
     if not generics:
         return []
     names = "|".join(map(re.escape, generics))
-    call = re.compile(r"(?<![.\w])(?:\w+\s*::\s*)*\b(" + names + r")\s*\(")
+    # (qualified: ns::f(d), S::f(d), S.f(d) or s.f(d), a struct's generic method)
+    call = re.compile(r"(?<!\w)(?:\w+\s*(?:::|\.)\s*)*\b(" + names + r")\s*\(")
     out = []
     for m in call.finditer(body):
         args = split_top(body[m.end() : _closing(body, m.end() - 1)])
@@ -391,8 +386,15 @@ def _inferred_generic_calls(
     generics = _generic_intrinsics(text, functions)
     if not generics:
         return
+    names = "|".join(map(re.escape, generics))
+    explicit = re.compile(r"(?<!\w)(" + names + r")\s*<((?:[^<>(){};]|<[^<>(){};]*>)*)>\s*\(")
     for name, params, start, end, _ in functions:
         body = text[start:end]
+        for m in explicit.finditer(body):  # f<double>(x): its callers inherit too
+            if _type_kind(m.group(2)) == "double":
+                own.setdefault(name, []).extend(
+                    c for c in generics[m.group(1)][1] if c not in own[name]
+                )
         pairs = _generic_call_args(body, generics)
         if not pairs:
             continue
@@ -406,3 +408,38 @@ def _inferred_generic_calls(
                     guessed.add((origin, line))
                 if (line, intrinsic, origin) not in own.setdefault(name, []):
                     own[name].append((line, intrinsic, origin))
+
+
+_GENERIC_STRUCT = re.compile(
+    r"\bstruct\s+([A-Za-z_]\w*)\s*<((?:[^<>(){};]|<[^<>(){};]*>)*)>[^{;]*\{"
+)
+
+
+def _generic_struct_calls(text: str, functions: list, own: dict) -> None:
+    """Add to ``own`` the measured intrinsics the methods of a generic struct call on values of
+    its generic types (fields, parameters, locals), for each function naming the struct with
+    a double argument (``S<double> s; s.run()``: S<double>'s methods compute on doubles)."""
+    intrinsic = re.compile(r"\b(" + "|".join(sorted(_MEASURED)) + r")\s*\(")
+    for m in _GENERIC_STRUCT.finditer(text):
+        params = [re.match(r"\s*([A-Za-z_]\w*)", p) for p in split_top(m.group(2))]
+        types = {p.group(1) for p in params if p and p.group(1) != "let"}
+        if not types:
+            continue
+        typed = re.compile(r"\b(?:" + "|".join(map(re.escape, types)) + r")\b")
+        at, end = m.end() - 1, _closing(text, m.end() - 1)
+        body = text[at:end]
+        names = {d.group(2) for d in _DECL.finditer(body) if typed.search(d.group(1))}
+        names |= {v.group(1) for v in _LET.finditer(body) if _mentions(v.group(3), names, typed)}
+        calls = []
+        for c in intrinsic.finditer(body):
+            if re.search(r"(?:\.|::)\s*$", body[max(0, c.start() - 40) : c.start()]):
+                continue
+            if _mentions(body[c.end() : _closing(body, c.end() - 1)], names, typed):
+                pos = at + c.start()
+                inner = [f for f in functions if f[4] <= pos <= f[3]]
+                origin = inner[-1][0] if inner else m.group(1)
+                calls.append((text.count("\n", 0, pos) + 1, c.group(1), origin))
+        use = re.compile(rf"\b{m.group(1)}\s*<[^;{{}}()]*?" + _DOUBLE_TYPE.pattern)
+        for name, _, _, fend, name_at in functions if calls else ():
+            if not at <= name_at <= end and use.search(text, name_at, fend):
+                own.setdefault(name, []).extend(c for c in calls if c not in own[name])

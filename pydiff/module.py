@@ -76,7 +76,7 @@ class Module:
         if source is not None and lint_source:
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
-            doubles = double_math.findings(device, source, file, options.defines)
+            doubles = double_math.findings(device, source, file, options.defines, scan)
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
