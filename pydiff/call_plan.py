@@ -139,6 +139,9 @@ class ForwardPlan:
         for p, v in bound:
             if type(v) is Tensor and (p.tensor_kind == "fwd" or p.in_place):
                 return None
+        grids = [math.prod(v.shape.as_tuple()) for _, v in bound if type(v) is GRID]
+        if grids and grids[0] >= generated.MIN_ELEMENTS:
+            return None  # (it would decline every call: the full path's generated kernel)
         plan = ForwardPlan(fn, key, bound, result)
         new = result is MISSING or (type(result) is str and result == "tensor")
         if new and type(out) is Tensor and out.dtype == "float" and out.shape and plan.tensors:

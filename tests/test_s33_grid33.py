@@ -76,6 +76,15 @@ def forced(monkeypatch):
     monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
 
 
+GENERATES = True  # (False on CUDA, which keeps SlangPy's kernel for grid calls)
+
+
+@pytest.fixture(autouse=True)
+def _grid_generation(device):
+    global GENERATES
+    GENERATES = device.type != "cuda"
+
+
 def _grid_calls() -> int:
     return generated.stats().get("forward: grid", 0)
 
@@ -87,6 +96,7 @@ def _both(monkeypatch, call, taken: bool = True):
     monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
     before = _grid_calls()
     gen = call()
+    taken = taken and GENERATES
     assert _grid_calls() == before + taken, "the generated grid kernel was taken: " + str(not taken)
     monkeypatch.setenv("PYDIFF_GENERATED", "0")
     try:
@@ -196,6 +206,9 @@ def test_uint_and_int_indices_off_the_start(mod, device, forced, monkeypatch):
 def test_a_grid_larger_than_its_tensors_leaves_other_tensors_intact(
     mod, device, forced, monkeypatch
 ):
+    if device.type == "cuda":  # (raw pointers: nothing drops a store past a tensor's end)
+        pytest.skip("CUDA has no robust buffer access: stores past a tensor's end land in memory")
+
     def call():
         before = pydiff.tensor(np.full(64, 1.0, np.float32), device=device)
         x = pydiff.tensor(np.arange(10, dtype=np.float32), device=device)
@@ -303,7 +316,7 @@ def test_grid_calls_in_a_function_forward_and_backward(mod, device, forced, monk
         z = Square.apply(Square.apply(x))  # x^4
         loss = z.sum()
     tape.backward(loss)
-    assert _grid_calls() == before + 4
+    assert _grid_calls() == before + 4 * GENERATES
     x64 = xs.astype(np.float64)
     np.testing.assert_allclose(z.numpy(), x64**4, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), 4 * x64**3, rtol=1e-5, atol=1e-5)
