@@ -4,7 +4,7 @@
 
 Runs bench_core's per-call case (the polynomial on 16 floats, forward into a given result,
 a new result each call, and ``.bwds``), and the float3 ``shade`` of bench_generated on 16
-elements (pydiff.planned_vector's kernels), past
+elements (pydiff.planned_vector's kernels), and a 4x4 stencil over ``spy.grid``, past
 the point where its call plans dispatch pydiff's generated kernels, and times the calling
 thread's CPU (``time.thread_time``) per call with pydiff's layers replaced one at a time by
 no-ops: the whole call; without the dispatch (pydiff's Python above it); without recording
@@ -63,6 +63,35 @@ def shade_cases(dev: pydiff.Device) -> dict:
             lambda: m.shade.bwds(pn, pl, 0.5, _result=py),
             lambda: raw.shade.bwds(rn, rl, 0.5, _result=ry),
         ),
+    }
+
+
+GRID = """import slangpy;
+[Differentiable]
+void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
+{
+    int h = int(img.shape[0]);
+    int r = px.y;
+    int c = px.x;
+    result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
+}
+"""
+
+
+def grid_cases(dev: pydiff.Device) -> dict:
+    """A small stencil over ``spy.grid((4, 4))`` (SlangPy's differentiable-tensor pattern):
+    the forward (a call plan since the seventeenth session) and ``.bwds`` (the full path)."""
+    m = pydiff.load_module_from_source("bench_layers_grid", GRID, device=dev)
+    raw = spy.Module.load_from_source(dev.native, "bench_layers_grid_raw", GRID)
+    values = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
+    img = pydiff.tensor(values, device=dev, requires_grad=True)
+    out = pydiff.zeros((4, 4), device=dev).with_grads(ones=True)
+    rimg = spy.Tensor.from_numpy(dev.native, values).with_grads(zero=True)
+    rout = spy.Tensor.zeros(dev.native, (4, 4), "float").with_grads(zero=True)
+    g = spy.grid((4, 4))
+    return {
+        "grid forward": (lambda: m.blur(g, img, out), lambda: raw.blur(g, rimg, rout)),
+        "grid .bwds": (lambda: m.blur.bwds(g, img, out), lambda: raw.blur.bwds(g, rimg, rout)),
     }
 
 
@@ -131,6 +160,7 @@ def main() -> None:
             lambda: raw.polynomial(2.0, 8.0, -1.0, rx),
         ),
         **shade_cases(dev),
+        **grid_cases(dev),
     }
     for ours, theirs in cases.values():
         for _ in range(1200):  # past generated_switch.PLANNED_AFTER (lavapipe's 1000)
