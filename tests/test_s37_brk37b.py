@@ -1,0 +1,85 @@
+"""A grid `.bwds` skips the store counts only where the text shows the grid index unchanged
+(pydiff.single_store). An index changed through a subscript (``px[1] = 0``), a swizzle other
+than one ``.x``/``.y``/``.z`` (``px.g = 0``, ``px.yx = ...``), an argument in parentheses
+(``zero_it((idx))``) or a generic helper (``bump<int>(idx)``) made every thread store one
+element: the race went unrefused and the gradient came out several times too large."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import slangpy as spy
+
+import pydiff
+from pydiff.single_store import stores_once
+
+SOURCE = """import slangpy;
+void zero_it(inout int i) { i = 0; }
+void bump<T>(inout int i) { i = 0; }
+[Differentiable]
+void sub2(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
+{ px[1] = 0; y[px.y, px.x] = x[px.y, px.x]; }
+[Differentiable]
+void swzg(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
+{ px.g = 0; y[px.y, px.x] = x[px.y, px.x]; }
+[Differentiable]
+void gen1(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ bump<int>(idx); y[idx] = x[idx]; }
+[Differentiable]
+void par1(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ zero_it((idx)); y[idx] = x[idx]; }
+[Differentiable]
+void fine(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
+{ int r = px.y; y[r, px.x] = 3.0 * x[min(r, 2), px.x]; }
+"""
+
+
+@pytest.fixture
+def mod(device):
+    return pydiff.load_module_from_source("s37_brk37b", SOURCE, device=device)
+
+
+@pytest.mark.parametrize(
+    "name,shape", [("sub2", (3, 4)), ("swzg", (3, 4)), ("gen1", (5,)), ("par1", (5,))]
+)
+def test_an_index_changed_through_a_subscript_swizzle_or_helper_keeps_the_counts(
+    device, mod, name, shape
+):
+    x = pydiff.tensor(np.ones(shape, np.float32), device=device, requires_grad=True)
+    y = pydiff.zeros(shape, device=device).with_grads()
+    y.grad.copy_from_numpy(np.ones(shape, np.float32))
+    getattr(mod, name)(spy.grid(shape), x, y)
+    with pytest.raises(ValueError, match="stored [0-9]+ times"):
+        getattr(mod, name).bwds(spy.grid(shape), x, y)
+
+
+def test_the_plain_pattern_is_still_skipped_and_right(device, mod):
+    xs = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    up = np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)
+    assert stores_once(SOURCE, "fine", "px", 2, ["y"]) == {"y"}
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((3, 4), device=device).with_grads()
+    y.grad.copy_from_numpy(up)
+    mod.fine(spy.grid((3, 4)), x, y)
+    np.testing.assert_allclose(y.numpy(), 3.0 * xs.astype(np.float64), rtol=1e-6)
+    mod.fine.bwds(spy.grid((3, 4)), x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 3.0 * up.astype(np.float64), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["px[0] = 0;", "px.r = 0;", "px.yx = px.xy;", "(px).y = 0;", "++(px.x);", "zero_it(px[1]);"],
+)
+def test_the_scan_sees_every_write_to_the_index(statement):
+    src = SOURCE + (
+        "void max(inout int a, int b) { a = b; }\n"
+        "[Differentiable] void w(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)"
+        f"{{ {statement} y[px.y, px.x] = x[px.y, px.x]; }}"
+    )
+    assert stores_once(src, "w", "px", 2, ["y"]) == frozenset()
+    shadowed = SOURCE + (
+        "void max(inout int a, int b) { a = b; }\n"
+        "[Differentiable] void v(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)"
+        "{ max(idx, 0); y[idx] = x[idx]; }"
+    )
+    assert stores_once(shadowed, "v", "idx", 1, ["y"]) == frozenset()
