@@ -10,7 +10,8 @@ outside: the count is skipped. The rules are conservative (a miss keeps the coun
 one mention of the tensor, a plain ``=`` store at the grid index or at locals set once from
 its components; no loop, ``goto`` or ``switch`` in the function; the index never assigned or
 passed to a function that might change it
-(through any swizzle, subscript or parentheses: ``px[1] = 0``, ``px.g = 0``, ``f((idx))``).
+(through any swizzle, subscript or parentheses: ``px[1] = 0``, ``px.g = 0``, ``f((idx))``);
+no ``#include`` (its macros are not read) and no macro defined differently in ``#if`` branches.
 
     once = stores_once(source, "blur", "px", 2, ["result"])     # {"result"}
 """
@@ -62,7 +63,10 @@ def _body(text: str, function: str) -> str | None:
 
 
 def _scan(source: str, function: str, grid: str, dims: int, tensors: list) -> list[str]:
-    text = blank_comments_and_strings(preprocess(source).text)
+    pre = preprocess(source)
+    if pre.includes or pre.uncertain or any(m.alternatives for m in pre.macros.values()):
+        return []  # (a macro from an #include, or one of several definitions, is not seen)
+    text = blank_comments_and_strings(pre.text)
     body = _body(text, function)
     if body is None or _LOOPS.search(body) or not 1 <= dims <= 3:
         return []
@@ -80,7 +84,9 @@ def _scan(source: str, function: str, grid: str, dims: int, tensors: list) -> li
             rf"(?<![\w.])(?:\+\+|--)[\s(]*{name}\b|\b{name}\b{_CHAIN}{_ASSIGNED}", body
         )
         declared = 0 if name == grid else 1
-        if len(writes) != declared:
+        # (a declaration without a value shadows it too: ``{ int idx; ... }``)
+        decls = [d for d in re.findall(rf"(?<![\w.])(\w+)\s+{name}\b", body) if d not in KEYWORDS]
+        if len(writes) != declared or len(decls) != declared:
             return []  # (a local's one write is its declaration)
     if _passed_to_calls(text, body, names):
         return []

@@ -2,7 +2,10 @@
 (pydiff.single_store). An index changed through a subscript (``px[1] = 0``), a swizzle other
 than one ``.x``/``.y``/``.z`` (``px.g = 0``, ``px.yx = ...``), an argument in parentheses
 (``zero_it((idx))``) or a generic helper (``bump<int>(idx)``) made every thread store one
-element: the race went unrefused and the gradient came out several times too large."""
+element: the race went unrefused and the gradient came out several times too large. So did a
+macro from an ``#include`` (``RESET;`` with ``#define RESET idx = 0`` in a header), one defined
+differently in ``#ifdef`` branches, and a local declared without a value that shadows the
+index in a nested block (``{ int idx; y[idx] = a; }``)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ void gen1(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
 void par1(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
 { zero_it((idx)); y[idx] = x[idx]; }
 [Differentiable]
+void shadow(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float a = x[idx]; { int idx; y[idx] = a; } }
+[Differentiable]
 void fine(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
 { int r = px.y; y[r, px.x] = 3.0 * x[min(r, 2), px.x]; }
 """
@@ -40,7 +46,8 @@ def mod(device):
 
 
 @pytest.mark.parametrize(
-    "name,shape", [("sub2", (3, 4)), ("swzg", (3, 4)), ("gen1", (5,)), ("par1", (5,))]
+    "name,shape",
+    [("sub2", (3, 4)), ("swzg", (3, 4)), ("gen1", (5,)), ("par1", (5,)), ("shadow", (5,))],
 )
 def test_an_index_changed_through_a_subscript_swizzle_or_helper_keeps_the_counts(
     device, mod, name, shape
@@ -83,3 +90,29 @@ def test_the_scan_sees_every_write_to_the_index(statement):
         "{ max(idx, 0); y[idx] = x[idx]; }"
     )
     assert stores_once(shadowed, "v", "idx", 1, ["y"]) == frozenset()
+
+
+def test_a_macro_from_an_include_keeps_the_counts(device, tmp_path):
+    (tmp_path / "h.slangh").write_text("#define RESET idx = 0\n")
+    (tmp_path / "m.slang").write_text(
+        'import slangpy;\n#include "h.slangh"\n[Differentiable]\n'
+        "void inc1(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)\n"
+        "{ RESET; y[idx] = x[idx]; }\n"
+    )
+    mod = pydiff.load_module(str(tmp_path / "m.slang"), device=device)
+    x = pydiff.tensor(np.ones(5, np.float32), device=device, requires_grad=True)
+    y = pydiff.zeros((5,), device=device).with_grads()
+    y.grad.copy_from_numpy(np.ones(5, np.float32))
+    mod.inc1(spy.grid((5,)), x, y)
+    np.testing.assert_allclose(y.numpy(), [1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="stored 5 times"):
+        mod.inc1.bwds(spy.grid((5,)), x, y)
+
+
+def test_a_macro_defined_in_undecided_branches_keeps_the_counts():
+    src = (
+        "#ifdef FOO\n#define RESET idx = 0\n#else\n#define RESET\n#endif\n"
+        "[Differentiable] void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)"
+        "{ RESET; y[idx] = x[idx]; }"
+    )
+    assert stores_once(src, "f", "idx", 1, ["y"]) == frozenset()
