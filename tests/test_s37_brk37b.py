@@ -116,3 +116,38 @@ def test_a_macro_defined_in_undecided_branches_keeps_the_counts():
         "{ RESET; y[idx] = x[idx]; }"
     )
     assert stores_once(src, "f", "idx", 1, ["y"]) == frozenset()
+
+
+STRIDED = """import slangpy;
+[Differentiable]
+void sq(int idx, float a, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = a * v * v; }
+[Differentiable]
+void sq_v(int1 i, float a, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[i.x]; y[i.x] = a * v * v; }
+"""
+
+
+def test_a_strided_grid_at_a_scalar_index_is_refused_not_ignored(device):
+    """SlangPy's grid loads a scalar index as the thread's id, dropping stride and offset:
+    ``spy.grid((4,), stride=(2,), offset=(1,))`` wrote y[0..3] instead of y[1, 3, 5, 7]."""
+    mod = pydiff.load_module_from_source("s37_brk37b_strided", STRIDED, device=device)
+    xs = np.arange(1, 9, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    grid = spy.grid((4,), stride=(2,), offset=(1,))
+    for _ in range(3):  # the full path, then where a plan could take it
+        y = pydiff.zeros((8,), device=device)
+        with pytest.raises(ValueError, match="'idx'.*ignoring stride and offset.*int1"):
+            mod.sq(grid, 1.0, x, y)
+        np.testing.assert_array_equal(y.numpy(), np.zeros(8))
+    with pytest.raises(ValueError, match="ignoring stride"):
+        mod.sq.bwds(grid, 1.0, x, pydiff.zeros((8,), device=device).with_grads())
+    want = np.zeros(8)
+    want[1::2] = xs[1::2].astype(np.float64) ** 2
+    for _ in range(3):
+        y = pydiff.zeros((8,), device=device)
+        mod.sq_v(grid, 1.0, x, y)  # an int1 index takes them
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
+    y = pydiff.zeros((4,), device=device)
+    mod.sq(spy.grid((4,)), 1.0, x, y)  # a plain grid is fine
+    np.testing.assert_allclose(y.numpy(), xs[:4].astype(np.float64) ** 2, rtol=1e-6)
