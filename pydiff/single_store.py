@@ -53,10 +53,14 @@ def stores_once(source: str, function: str, grid: str, dims: int, tensors: list)
 
 
 def _body(text: str, function: str) -> str | None:
-    """The body of the one definition of ``function`` (None: none, or several)."""
+    """The body of the one definition of ``function`` (None: none, or several), at the top
+    level: one in a namespace or struct is another function (``m.f`` may be an imported
+    module's ``f``, whose text is not here)."""
     bodies = []
     for m in ANY_FUNCTION.finditer(text):
         if m.group(1) == function and m.group(1) not in KEYWORDS:
+            if text.count("{", 0, m.start()) != text.count("}", 0, m.start()):
+                return None
             end = matching(text, m.end() - 1, "{", "}")
             bodies.append(text[m.end() : end] if end > 0 else None)
     return bodies[0] if len(bodies) == 1 else None

@@ -151,3 +151,25 @@ def test_a_strided_grid_at_a_scalar_index_is_refused_not_ignored(device):
     y = pydiff.zeros((4,), device=device)
     mod.sq(spy.grid((4,)), 1.0, x, y)  # a plain grid is fine
     np.testing.assert_allclose(y.numpy(), xs[:4].astype(np.float64) ** 2, rtol=1e-6)
+
+
+def test_a_namespaced_function_of_the_same_name_is_not_the_one_called(device, tmp_path):
+    """``m.f`` is the imported module's racing ``f``; the scan read ``other::f``'s text."""
+    (tmp_path / "brk37bhelp.slang").write_text(
+        "import slangpy;\n[Differentiable]\n"
+        "public void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)\n"
+        "{ y[0] = x[idx]; }\n"
+    )
+    (tmp_path / "main.slang").write_text(
+        "import slangpy;\n__exported import brk37bhelp;\nnamespace other {\n[Differentiable]\n"
+        "void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)\n"
+        "{ y[idx] = x[idx]; }\n}\n"
+    )
+    mod = pydiff.load_module(str(tmp_path / "main.slang"), device=device)
+    x = pydiff.tensor(np.ones(5, np.float32), device=device, requires_grad=True)
+    y = pydiff.zeros((5,), device=device).with_grads()
+    y.grad.copy_from_numpy(np.ones(5, np.float32))
+    mod.f(spy.grid((5,)), x, y)
+    np.testing.assert_allclose(y.numpy(), [1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="stored 5 times"):
+        mod.f.bwds(spy.grid((5,)), x, y)
