@@ -173,3 +173,26 @@ def test_a_namespaced_function_of_the_same_name_is_not_the_one_called(device, tm
     np.testing.assert_allclose(y.numpy(), [1, 0, 0, 0, 0])
     with pytest.raises(ValueError, match="stored 5 times"):
         mod.f.bwds(spy.grid((5,)), x, y)
+
+
+def test_an_imported_overload_of_the_same_name_is_not_the_text_read(device, tmp_path):
+    """``m.f(grid, x, y, 2.0)`` calls the imported racing overload; the scan read the
+    module's own one-store ``f(idx, x, y)``."""
+    (tmp_path / "brk37bhelp2.slang").write_text(
+        "import slangpy;\n[Differentiable]\n"
+        "public void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, float a)\n"
+        "{ y[0] = a * x[idx]; }\n"
+    )
+    (tmp_path / "main2.slang").write_text(
+        "import slangpy;\n__exported import brk37bhelp2;\n[Differentiable]\n"
+        "void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)\n"
+        "{ y[idx] = x[idx]; }\n"
+    )
+    mod = pydiff.load_module(str(tmp_path / "main2.slang"), device=device)
+    x = pydiff.tensor(np.ones(5, np.float32), device=device, requires_grad=True)
+    y = pydiff.zeros((5,), device=device).with_grads()
+    y.grad.copy_from_numpy(np.ones(5, np.float32))
+    mod.f(spy.grid((5,)), x, y, 2.0)
+    np.testing.assert_allclose(y.numpy(), [2, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="stored 5 times"):
+        mod.f.bwds(spy.grid((5,)), x, y, 2.0)
