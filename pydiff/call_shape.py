@@ -173,11 +173,25 @@ def param_type(p: ParamInfo, value: Any) -> str:
     return (dtype_of(value) or p.type_name) if p.generic else p.type_name
 
 
+_SCALAR_INDEX = re.compile(r"u?int(?:8|16|32|64)?(?:_t)?")
+
+
 def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse, naming the parameter or ``_result`` and the shapes, any argument whose
     trailing axes cannot hold its parameter's elements, and a tensor or array the call
     writes (an ``out``/``inout`` parameter, ``_result``) that does not cover the call shape
-    the other arguments broadcast to (several threads would write one of its elements)."""
+    the other arguments broadcast to (several threads would write one of its elements);
+    and a strided or offset ``spy.grid`` at a scalar index, which SlangPy ignores there."""
+    for p, value in bound:
+        if type(value).__name__ == "GridArg" and _SCALAR_INDEX.fullmatch(p.type_name.strip()):
+            if any(int(d) != 1 for d in value.stride) or any(int(d) != 0 for d in value.offset):
+                raise ValueError(
+                    f"{fn.label}: parameter '{p.name}' ({p.type_name.strip()}) is given "
+                    f"spy.grid(stride={tuple(value.stride)}, offset={tuple(value.offset)}), but "
+                    f"SlangPy's grid gives a scalar index the thread's id, ignoring stride and "
+                    f"offset. Declare it int1 (idx.x: offset + id * stride), or pass a plain "
+                    f"spy.grid(shape)"
+                )
     written = type(result) in _ARRAYS or any(
         type(bound[i][1]) in _ARRAYS and bound[i][0].tensor_kind is None
         for i in fn.signature.written

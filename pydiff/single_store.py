@@ -9,7 +9,9 @@ its own grid element, and the grid has the tensor's shape, no element can be sto
 outside: the count is skipped. The rules are conservative (a miss keeps the count): exactly
 one mention of the tensor, a plain ``=`` store at the grid index or at locals set once from
 its components; no loop, ``goto`` or ``switch`` in the function; the index never assigned or
-passed to a function that might change it.
+passed to a function that might change it
+(through any swizzle, subscript or parentheses: ``px[1] = 0``, ``px.g = 0``, ``f((idx))``);
+no ``#include`` (its macros are not read) and no macro defined differently in ``#if`` branches.
 
     once = stores_once(source, "blur", "px", 2, ["result"])     # {"result"}
 """
@@ -32,6 +34,8 @@ _BY_VALUE = set(
     "min max clamp abs float int uint float2 float3 int2 int3 uint2 uint3 select".split()
 )
 _AXES = "xyz"
+#: What may follow a name in an lvalue of it: members/swizzles, subscripts, closing parentheses.
+_CHAIN = r"(?:\s*\.\s*\w+|\s*\[[^\[\]]*\]|\s*\))*"
 
 
 def stores_once(source: str, function: str, grid: str, dims: int, tensors: list) -> frozenset:
@@ -49,17 +53,24 @@ def stores_once(source: str, function: str, grid: str, dims: int, tensors: list)
 
 
 def _body(text: str, function: str) -> str | None:
-    """The body of the one definition of ``function`` (None: none, or several)."""
+    """The body of the one definition of ``function`` (None: none, or several), at the top
+    level: one in a namespace or struct is another function (``m.f`` may be an imported
+    module's ``f``, whose text is not here)."""
     bodies = []
     for m in ANY_FUNCTION.finditer(text):
         if m.group(1) == function and m.group(1) not in KEYWORDS:
+            if text.count("{", 0, m.start()) != text.count("}", 0, m.start()):
+                return None
             end = matching(text, m.end() - 1, "{", "}")
             bodies.append(text[m.end() : end] if end > 0 else None)
     return bodies[0] if len(bodies) == 1 else None
 
 
 def _scan(source: str, function: str, grid: str, dims: int, tensors: list) -> list[str]:
-    text = blank_comments_and_strings(preprocess(source).text)
+    pre = preprocess(source)
+    if pre.includes or pre.uncertain or any(m.alternatives for m in pre.macros.values()):
+        return []  # (a macro from an #include, or one of several definitions, is not seen)
+    text = blank_comments_and_strings(pre.text)
     body = _body(text, function)
     if body is None or _LOOPS.search(body) or not 1 <= dims <= 3:
         return []
@@ -72,11 +83,14 @@ def _scan(source: str, function: str, grid: str, dims: int, tensors: list) -> li
             axes[axes.index(value)] = m.group(1)  # (its first such local stands for it)
             names.add(m.group(1))
     for name in names:
+        # (through any swizzle, subscript or parentheses: ``px.g = 0``, ``px[1] = 0``, ``(i)++``)
         writes = re.findall(
-            rf"(?<![\w.])(?:\+\+|--)\s*{name}\b|\b{name}\b(?:\.[xyz])?{_ASSIGNED}", body
+            rf"(?<![\w.])(?:\+\+|--)[\s(]*{name}\b|\b{name}\b{_CHAIN}{_ASSIGNED}", body
         )
         declared = 0 if name == grid else 1
-        if len(writes) != declared:
+        # (a declaration without a value shadows it too: ``{ int idx; ... }``)
+        decls = [d for d in re.findall(rf"(?<![\w.])(\w+)\s+{name}\b", body) if d not in KEYWORDS]
+        if len(writes) != declared or len(decls) != declared:
             return []  # (a local's one write is its declaration)
     if _passed_to_calls(text, body, names):
         return []
@@ -98,12 +112,15 @@ def _passed_to_calls(text: str, body: str, names: set) -> bool:
     """Whether an index name (or a component) is an argument of a call that might change it:
     one at a parameter that is not plainly by value in the function's one definition in
     ``text`` (``inout``, ``out``, ``ref``), or of a function not defined there."""
-    plain = set(names) | {f"{n}.{a}" for n in names for a in _AXES}
-    for m in re.finditer(r"\b(\w+)\s*\(", body):
-        if m.group(1) in _BY_VALUE or m.group(1) in KEYWORDS:
+    lvalue = re.compile(rf"\(*(?:{'|'.join(map(re.escape, names))})\b{_CHAIN}")
+    # (a generic call ``bump<int>(idx)`` too; an intrinsic's name defined in the text is the
+    # text's function)
+    for m in re.finditer(r"\b(\w+)\s*(?:<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(", body):
+        defined = any(d.group(1) == m.group(1) for d in ANY_FUNCTION.finditer(text))
+        if m.group(1) in KEYWORDS or (m.group(1) in _BY_VALUE and not defined):
             continue
         args = split_top(body[m.end() : matching(body, m.end() - 1, "(", ")")])
-        at = [i for i, a in enumerate(args) if re.sub(r"\s+", "", a) in plain]
+        at = [i for i, a in enumerate(args) if lvalue.fullmatch(re.sub(r"\s+", "", a))]
         if not at:
             continue
         params = _params(text, m.group(1))

@@ -27,7 +27,7 @@ import slangpy as spy
 
 from . import single_store
 from .device import Device
-from .signature import ParamInfo, Signature, stem
+from .signature import ParamInfo, Signature, overloaded, stem
 from .storage import allocate
 from .tensor import Tensor
 
@@ -158,8 +158,8 @@ def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
     (single_store), where the grid has the tensor's shape: their stores need no counting."""
     grids = [(p, v) for p, v in bound if type(v).__name__ == "GridArg"]
     source = fn.module.source
-    if len(grids) != 1 or source is None:
-        return frozenset()
+    if len(grids) != 1 or source is None or overloaded(fn):
+        return frozenset()  # (an overload, maybe an imported one, is not the text read)
     p, grid = grids[0]
     shape = tuple(int(n) for n in grid.shape)
     if list(grid.stride) != [1] * len(shape) or list(grid.offset) != [0] * len(shape):
