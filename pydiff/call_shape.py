@@ -176,13 +176,35 @@ def param_type(p: ParamInfo, value: Any) -> str:
 _SCALAR_INDEX = re.compile(r"u?int(?:8|16|32|64)?(?:_t)?")
 
 
+def _refuse_unsized_grid(fn: FunctionTarget, p: ParamInfo, grid: Any, bound: list, result: Any):
+    """A grid's -1 sizes come from the call's shape, which only vectorised arguments (arrays
+    at parameters that are not whole tensors) or a sized grid give: with none, SlangPy runs
+    a single thread, silently."""
+    for q, value in bound:
+        if type(value) in _ARRAYS and q.tensor_kind is None and len(value.shape) > 0:
+            return
+        if type(value).__name__ == "GridArg" and -1 not in value.shape.as_tuple():
+            return
+    if type(result) in _ARRAYS and len(result.shape) > 0:
+        return
+    raise ValueError(
+        f"{fn.label}: parameter '{p.name}' is given spy.grid({grid.shape.as_tuple()}): a -1 "
+        "size takes the call's shape from the other arguments, but none has one here (a tensor "
+        "at an interface tensor parameter is passed whole), so SlangPy would run one thread. "
+        "Give the grid its sizes (spy.grid(y.shape))"
+    )
+
+
 def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse, naming the parameter or ``_result`` and the shapes, any argument whose
     trailing axes cannot hold its parameter's elements, and a tensor or array the call
     writes (an ``out``/``inout`` parameter, ``_result``) that does not cover the call shape
     the other arguments broadcast to (several threads would write one of its elements);
-    and a strided or offset ``spy.grid`` at a scalar index, which SlangPy ignores there."""
+    and a strided or offset ``spy.grid`` at a scalar index, which SlangPy ignores there, or a
+    grid of -1 sizes where no argument gives the call a shape (SlangPy runs one thread)."""
     for p, value in bound:
+        if type(value).__name__ == "GridArg" and -1 in value.shape.as_tuple():
+            _refuse_unsized_grid(fn, p, value, bound, result)
         if type(value).__name__ == "GridArg" and _SCALAR_INDEX.fullmatch(p.type_name.strip()):
             if any(int(d) != 1 for d in value.stride) or any(int(d) != 0 for d in value.offset):
                 raise ValueError(

@@ -196,3 +196,28 @@ def test_an_imported_overload_of_the_same_name_is_not_the_text_read(device, tmp_
     np.testing.assert_allclose(y.numpy(), [2, 0, 0, 0, 0])
     with pytest.raises(ValueError, match="stored 5 times"):
         mod.f.bwds(spy.grid((5,)), x, y, 2.0)
+
+
+UNSIZED = """import slangpy;
+[Differentiable]
+void s37_cp(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y) { y[idx] = 2.0 * x[idx]; }
+void s37_sc(int idx, float s, IWTensor<float, 1> y) { y[idx] = s; }
+"""
+
+
+def test_a_grid_of_unknown_size_with_nothing_to_size_it_is_refused(device):
+    """spy.grid((-1,)) takes the call's shape from vectorised arguments; with only whole
+    tensors there is none, and SlangPy ran one thread (y = [2x0, 0, 0, ...]) silently."""
+    m = pydiff.load_module_from_source("s37_unsized", UNSIZED, device=device)
+    xs = np.arange(1, 9, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((8,), device=device).with_grads(ones=True)
+    for call in (m.s37_cp, m.s37_cp.bwds):
+        with pytest.raises(ValueError, match=r"parameter 'idx'.*-1 size.*one thread"):
+            call(spy.grid((-1,)), x, y)
+    m.s37_cp(spy.grid((8,)), x, y)  # sized: every element
+    np.testing.assert_array_equal(y.numpy(), 2.0 * xs)
+    s = pydiff.tensor(xs * 10, device=device)
+    out = pydiff.zeros((8,), device=device)
+    m.s37_sc(spy.grid((-1,)), s, out)  # a vectorised argument sizes the call: accepted
+    np.testing.assert_array_equal(out.numpy(), xs * 10)
