@@ -29,7 +29,8 @@ from .arguments import (
     resolve_error,
     scratch,
 )
-from .call_plan import DECLINED, remember_backward
+from .call_plan import DECLINED
+from .grid_plan import remember_bwds
 from .plan_layout import layout_key
 from .call_shape import refuse_struct_grads, result_type
 from .creation import tensor as make_tensor
@@ -366,9 +367,8 @@ def backward_call(
     gradients are cleared where the call wrote them)."""
     key = layout_key(args, kwargs) if not prior else None
     plan = fn.bwds_plans.get(key)  # a layout run before (None is never a key): per-call work
-    if plan is not None and "_result" in kwargs:
-        if plan.run(fn, args, kwargs["_result"]) is not DECLINED:
-            return
+    if plan is not None and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
+        return
     # Deferred kernels go first (a batch this joins is ordered by its own scope).
     fn.module.device.queue.flush_deferred()
     label = fn.label
@@ -390,14 +390,14 @@ def backward_call(
     prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
     if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
-        return remember_backward(fn, key, args, bound, result, prior)
+        return remember_bwds(fn, key, args, bound, result, prior)
     deterministic = is_deterministic()
     if deterministic:
         warn_nondeterministic(fn)
     with backward_scope(fn.bwds_label) as scope:
         refuse_stale(scope, fn, bound)
         if generated_calls.call_backward_in_scope(fn, bound, options, result, scope, prior):
-            return remember_backward(fn, key, args, bound, result, prior)
+            return remember_bwds(fn, key, args, bound, result, prior)
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         b.stored_once = written_mask.stored_once(fn, bound)
@@ -447,4 +447,4 @@ def backward_call(
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
         b.finish()
-    remember_backward(fn, key, args, bound, result, prior)
+    remember_bwds(fn, key, args, bound, result, prior, b)

@@ -36,7 +36,7 @@ from .command_queue import DEFER
 from .creation import empty
 from .determinism import is_deterministic
 from .host_values import convert
-from .plan_layout import GRID, remember
+from .plan_layout import GRID
 from .planned_kernels import BackwardLaunch, ForwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, overloaded
@@ -47,7 +47,7 @@ DECLINED = object()  # a plan's answer when the call must take the full path
 _ACCUMULATE = ZeroPolicy.ACCUMULATE
 
 
-def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
+def plan_numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
     """Number arguments (position, parameter) needing checks per call: floats for float
     parameters, passed as they are when in float32's range (checked inline), and the others,
     which ``convert`` checks and converts. The argument's type is the layout's (``key[i]``,
@@ -57,17 +57,17 @@ def _numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
     return floats, tuple(n for n in numbers if n not in floats)
 
 
-_MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
+FLOAT_MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
 
 
-def _deferrable(queue: Any) -> bool:
+def deferrable(queue: Any) -> bool:
     """Whether a SlangPy call may join the deferred list (``append_to``) instead of being
     submitted on its own: nothing recorded in this context's batch, no other thread's batch
     open (those are submitted before a SlangPy call: command_queue), deferral on."""
     return DEFER and not queue.open_batches and queue.pending_encoder() is None
 
 
-def _plannable(fn: FunctionTarget) -> bool:
+def plannable(fn: FunctionTarget) -> bool:
     return not fn.module.traps.get(fn.name) and not overloaded(fn)
 
 
@@ -100,7 +100,7 @@ class ForwardPlan:
         self.reads = tuple(i for i in self.tensors if bound[i][0].reads_value)
         self.writes = tuple(i for i in self.tensors if bound[i][0].writes_value)
         self.read_names = tuple((i, bound[i][0].name) for i in self.reads)
-        self.floats, self.numbers = _numbers(key, bound)
+        self.floats, self.numbers = plan_numbers(key, bound)
         # as generated_calls.call_forward decides (the layout fixes every tensor's size; a
         # grid's shape: large ones take the full path, which may generate their kernel)
         grids = [math.prod(v.shape.as_tuple()) for _, v in bound if type(v) is GRID]
@@ -134,7 +134,7 @@ class ForwardPlan:
     ):
         """The plan for the call of layout ``key`` that just ran through the full path (and
         returned ``out``), or None."""
-        if snapshots or aliased or not _plannable(fn):
+        if snapshots or aliased or not plannable(fn):
             return None
         for p, v in bound:
             if type(v) is Tensor and (p.tensor_kind == "fwd" or p.in_place):
@@ -193,7 +193,7 @@ class ForwardPlan:
         native = list(args)
         for i, p in self.floats:
             v = args[i]
-            if not -_MAX <= v <= _MAX:  # (NaN too)
+            if not -FLOAT_MAX <= v <= FLOAT_MAX:  # (NaN too)
                 native[i] = convert(fn.label, p, v, dev)  # its range error
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
@@ -214,7 +214,7 @@ class ForwardPlan:
                 st.made_by = made
             out.storage.made_by = made  # (stale_reads.mark_made)
             return out
-        if self.defers and _deferrable(dev.queue):
+        if self.defers and deferrable(dev.queue):
             return self._deferred(fn, args, result, native, written, made)
         dev.queue.flush()  # kernels queued in a batched backward run first
         for i in self.tensors:
@@ -284,7 +284,7 @@ class BackwardPlan:
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
         # (as the full path names them to the zeroing policy's errors)
         self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.tensors}
-        self.floats, self.numbers = _numbers(key, bound)
+        self.floats, self.numbers = plan_numbers(key, bound)
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
         self.calls = 0  # (as ForwardPlan's)
         self.planned_after = generated.planned_after(fn.module.device)
@@ -295,7 +295,7 @@ class BackwardPlan:
         """The plan for the ``.bwds`` of layout ``key`` that just ran through the fast case,
         or None."""
         sig = fn.signature
-        if prior or sig.has_diff_inout or type(result) is not Tensor or not _plannable(fn):
+        if prior or sig.has_diff_inout or type(result) is not Tensor or not plannable(fn):
             return None
         if result.grad_in is None or result.grad_out is None:
             return None
@@ -354,7 +354,7 @@ class BackwardPlan:
             grads[i] = g
         for i, p in self.floats:
             v = args[i]
-            if not -_MAX <= v <= _MAX:  # (NaN too)
+            if not -FLOAT_MAX <= v <= FLOAT_MAX:  # (NaN too)
                 native[i] = convert(fn.label, p, v, dev)  # its range error
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
@@ -368,7 +368,7 @@ class BackwardPlan:
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
         queue = dev.queue
-        if _deferrable(queue):  # (as ForwardPlan._deferred)
+        if deferrable(queue):  # (as ForwardPlan._deferred)
             for i in self.tensors:
                 native[i] = args[i].bind(True, False)
             upstream = upstream_arg(dev, result, False)
@@ -410,11 +410,3 @@ class BackwardPlan:
         except Exception as exc:
             raise resolve_error(fn, exc) from None
         return None
-
-
-def remember_backward(
-    fn: FunctionTarget, key: Any, args: tuple, bound: list, result: Any, prior: frozenset
-) -> None:
-    """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran."""
-    if key is not None and len(args) == len(fn.params):
-        remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))

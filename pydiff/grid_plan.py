@@ -1,0 +1,187 @@
+"""Call plans for ``.bwds`` over a grid (``spy.grid``): the SlangPy differentiable-tensor
+pattern, a function of a grid index and interface diff tensors it reads and writes.
+
+After the full path (backward_call) ran a small call of one layout without error and needed
+nothing after SlangPy's kernel (no store counts: ``written_mask.stored_once`` showed one store
+per thread at its own element; no reductions, copies or clearing), a repeated call of that
+layout checks per call only what a layout cannot fix (devices, policies, aliasing, stale
+inputs, number ranges) and appends SlangPy's backward kernel to the deferred list. Whatever
+it cannot decide it declines (``DECLINED``) before changing anything: the full path runs.
+
+    remember_bwds(fn, key, args, bound, result, prior, call)   # after backward_call's full path
+    plan = fn.bwds_plans.get(key); plan.run(fn, args, MISSING)  # None, or DECLINED
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import capturing, generated
+from .arguments import MISSING, resolve_error, scratch
+from .backward_failures import kept
+from .backward_scope import active_scope
+from .bwds_checks import primal_sink
+from .call_plan import DECLINED, FLOAT_MAX, BackwardPlan, deferrable, plan_numbers, plannable
+from .determinism import is_deterministic
+from .host_values import convert
+from .plan_layout import GRID, remember
+from .policy import ZeroPolicy, get_zero_policy
+from .signature import FunctionTarget
+from .tensor import Tensor
+
+
+def _kind(p: Any, t: Tensor, stored_once: frozenset) -> str | None:
+    """How the full path bound tensor ``t`` at ``p`` (backward_call.tensor_arg), where a plan
+    can do the same per call: 'read' (its gradient added into ``grad_out``), 'sink' (a read
+    interface tensor wanting none: a throwaway buffer), 'plain' (values only), 'write' (its
+    upstream read from ``grad_in``, stores not counted); None: a plan does not cover it."""
+    if p.no_diff_tensor or p.io != "in":
+        return None
+    if p.tensor_kind == "plain":
+        return "plain" if not p.writes_value and not t.requires_grad else None
+    if p.tensor_kind not in ("idiff", "diff"):
+        return None  # (a vectorised value: broadcast rules, its own reductions)
+    if p.access == "read":
+        if t.requires_grad:
+            return "read"
+        return "sink" if p.tensor_kind == "idiff" else None
+    if p.access == "write" and t.requires_grad and p.name in stored_once:
+        return "write"
+    return None
+
+
+class GridBackwardPlan:
+    """A small ``.bwds`` over one grid of one layout, under ACCUMULATE, outside any larger
+    backward, SlangPy's kernel (large grids: the full path's generated kernel)."""
+
+    __slots__ = ("tensors", "reads", "sinks", "plain", "writes", "floats", "numbers", "numel")
+
+    def __init__(self, key: tuple, bound: list, kinds: dict, numel: int):
+        self.tensors = tuple(kinds)
+        self.reads = tuple(i for i, k in kinds.items() if k == "read")
+        self.sinks = tuple(i for i, k in kinds.items() if k == "sink")
+        self.plain = tuple(i for i, k in kinds.items() if k == "plain")
+        self.writes = tuple(i for i, k in kinds.items() if k == "write")
+        self.floats, self.numbers = plan_numbers(key, bound)
+        self.numel = numel
+
+    @staticmethod
+    def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, call: Any):
+        """The plan for the layout ``key`` that the full path's builder ``call`` just ran
+        (backward_call._Backward), or None."""
+        if result is not MISSING or fn.signature.has_diff_inout or not plannable(fn):
+            return None
+        if call.masks or call.after or call.reductions or call.fixed or call.cleared:
+            return None  # (work after SlangPy's kernel: the full path's)
+        if call.no_grad or call.untracked or call.passes:
+            return None
+        grids = [v for _, v in bound if type(v) is GRID]
+        if len(grids) != 1:
+            return None
+        numel = math.prod(grids[0].shape.as_tuple())
+        if numel >= generated.MIN_ELEMENTS:
+            return None  # (the full path generates its kernel)
+        kinds = {}
+        for i, (p, v) in enumerate(bound):
+            if type(v) is Tensor:
+                kinds[i] = _kind(p, v, call.stored_once)
+                if kinds[i] is None:
+                    return None
+        if not any(k in ("read", "write") for k in kinds.values()):
+            return None
+        return GridBackwardPlan(key, bound, kinds, numel)
+
+    def _declines(self, fn: FunctionTarget, args: tuple, dev: Any) -> bool:
+        """Whether this call needs the full path: another device, a tensor's own policy,
+        values an in-place call overwrote, aliasing, an input written since the forward."""
+        for i in self.tensors:
+            t = args[i]
+            if t.device is not dev or t.zero_policy is not None or t.storage.before is not None:
+                return True
+        written = [args[i].storage for i in self.writes]
+        upstream = [args[i].grad_in.storage for i in self.writes]
+        if len({id(s) for s in written}) != len(written):
+            return True  # (refuse_written_twice)
+        for i in self.reads + self.sinks + self.plain:
+            st = args[i].storage
+            if any(st is w for w in written):
+                return True  # a tensor read and written: the full path decides
+            if i in self.reads and any(args[i].grad_out.storage is u for u in upstream):
+                return True  # (refuse_shared_result_grad)
+        for st in written:
+            made = st.made_by
+            if made is None or made[0] is not fn:
+                continue
+            if len(made) > 2:
+                return True  # (copies an in-place call kept: stale_reads compares them)
+            for j, _, serial, version in made[1]:
+                st = args[j].storage if j < len(args) and type(args[j]) is Tensor else None
+                if st is not None and st.serial == serial and st.version != version:
+                    return True  # an input written since: stale_reads refuses it
+        return False
+
+    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
+        """The backward, or DECLINED (nothing done) where the full path must decide."""
+        if result is not MISSING or active_scope() is not None or is_deterministic():
+            return DECLINED
+        if get_zero_policy() is not ZeroPolicy.ACCUMULATE or capturing.recording() is not None:
+            return DECLINED
+        if self.numel >= generated.MIN_ELEMENTS:
+            return DECLINED
+        dev = fn.module.device
+        if self._declines(fn, args, dev):
+            return DECLINED
+        native = list(args)
+        for i, p in self.floats:
+            if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:  # (NaN too)
+                native[i] = convert(fn.label, p, args[i], dev)  # its range error
+        for i, p in self.numbers:
+            native[i] = convert(fn.label, p, args[i], dev)
+        queue = dev.queue
+        defer = deferrable(queue)
+        if not defer:
+            queue.flush_deferred()
+        for i in self.reads:
+            native[i] = args[i].bind(True, False)
+        for i in self.plain:
+            native[i] = args[i].bind(False, False)
+        for i in self.sinks:
+            sink = scratch(dev, args[i], "sink")
+            values = args[i].bind(False, False)
+            native[i] = values.with_grads(grad_in=sink, grad_out=sink, zero=False)
+        for i in self.writes:
+            t = args[i]
+            native[i] = t.bind_upstream(lambda t=t: primal_sink(dev, t), False)
+        try:
+            if defer:
+                append = fn.native_bwds.append_to
+                held = [native[i] for i in self.tensors]
+                queue.defer(lambda enc: append(enc, *native), held)
+            else:
+                fn.native_bwds(*native)
+        except Exception as exc:
+            raise kept(fn, resolve_error(fn, exc)) from None
+        label = fn.bwds_label
+        for i in self.reads:
+            args[i].grad_out.storage.holds_result_of = label
+        return None
+
+
+def remember_bwds(
+    fn: FunctionTarget,
+    key: Any,
+    args: tuple,
+    bound: list,
+    result: Any,
+    prior: frozenset,
+    call: Any = None,
+) -> None:
+    """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran (``call``:
+    its builder, when it took the general path)."""
+    if key is None or prior or len(args) != len(fn.params):
+        return
+    if call is not None and any(type(v) is GRID for _, v in bound):
+        remember(fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
+    else:
+        remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))
