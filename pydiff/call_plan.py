@@ -150,6 +150,8 @@ class ForwardPlan:
             plan.defers = plan.pools = not plan.options and not plan.zero_d
             # on a tape: a new result (never a narrowed one), every parameter given
             plan.on_tape = plan.defers and len(bound) == len(key) - 2 * ("_result" in key)
+        elif grids and result is MISSING and plan.defers:  # a void call over a grid
+            plan.on_tape = len(bound) == len(key)  # (every parameter given)
         return plan
 
     def _generated(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:

@@ -164,8 +164,9 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     out = out.reshape(()) if zero_d else out
     if out is not result and type(out) in (Tensor, np.ndarray) and zero_d_call(bound):
         out = as_zero_d(out)  # the (1,) views of 0-d tensors gave a (1,) result: NumPy's ()
-    plan = None
-    if key is not None and not zero_d:
+    plan = fn.plans.get(key)  # (one there declined this call: not made again)
+    new_plan = plan is None and key is not None and not zero_d
+    if new_plan:
         plan = ForwardPlan.make(fn, key, bound, result, snapshots, aliased, out)
     if (
         by_slangpy
@@ -182,7 +183,8 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
         _record(tape, fn, bound, options, out, snapshots)
-    remember(fn.plans, key, plan)
+    if new_plan:
+        remember(fn.plans, key, plan)
     return out
 
 

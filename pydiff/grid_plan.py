@@ -52,12 +52,13 @@ def _kind(p: Any, t: Tensor, stored_once: frozenset) -> str | None:
 
 
 class GridBackwardPlan:
-    """A small ``.bwds`` over one grid of one layout, under ACCUMULATE, outside any larger
-    backward, SlangPy's kernel (large grids: the full path's generated kernel)."""
+    """A small ``.bwds`` over one grid of one layout, under ACCUMULATE or inside a larger
+    backward (a tape's), SlangPy's kernel (large grids: the full path's generated kernel)."""
 
     __slots__ = ("tensors", "reads", "sinks", "plain", "writes", "floats", "numbers", "numel")
+    __slots__ += ("descs",)
 
-    def __init__(self, key: tuple, bound: list, kinds: dict, numel: int):
+    def __init__(self, fn: FunctionTarget, key: tuple, bound: list, kinds: dict, numel: int):
         self.tensors = tuple(kinds)
         self.reads = tuple(i for i, k in kinds.items() if k == "read")
         self.sinks = tuple(i for i, k in kinds.items() if k == "sink")
@@ -65,6 +66,8 @@ class GridBackwardPlan:
         self.writes = tuple(i for i, k in kinds.items() if k == "write")
         self.floats, self.numbers = plan_numbers(key, bound)
         self.numel = numel
+        # (as the full path names them to the zeroing policy's errors)
+        self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.reads}
 
     @staticmethod
     def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, call: Any):
@@ -90,14 +93,17 @@ class GridBackwardPlan:
                     return None
         if not any(k in ("read", "write") for k in kinds.values()):
             return None
-        return GridBackwardPlan(key, bound, kinds, numel)
+        return GridBackwardPlan(fn, key, bound, kinds, numel)
 
-    def _declines(self, fn: FunctionTarget, args: tuple, dev: Any) -> bool:
-        """Whether this call needs the full path: another device, a tensor's own policy,
-        values an in-place call overwrote, aliasing, an input written since the forward."""
+    def _declines(self, fn: FunctionTarget, args: tuple, dev: Any, own_policy: bool) -> bool:
+        """Whether this call needs the full path: another device, a tensor's own policy (off a
+        larger backward), values an in-place call overwrote, aliasing, an input written since
+        the forward call that made a written tensor."""
         for i in self.tensors:
             t = args[i]
-            if t.device is not dev or t.zero_policy is not None or t.storage.before is not None:
+            if t.device is not dev or own_policy and t.zero_policy is not None:
+                return True
+            if t.storage.before is not None:
                 return True
         written = [args[i].storage for i in self.writes]
         upstream = [args[i].grad_in.storage for i in self.writes]
@@ -122,15 +128,20 @@ class GridBackwardPlan:
         return False
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
-        """The backward, or DECLINED (nothing done) where the full path must decide."""
-        if result is not MISSING or active_scope() is not None or is_deterministic():
+        """The backward, or DECLINED (nothing done) where the full path must decide. Inside a
+        larger backward (a tape's) the kernel joins its batch, the zeroing policy acting once
+        per gradient buffer through the scope, as on the full path."""
+        if result is not MISSING or is_deterministic() or capturing.recording() is not None:
             return DECLINED
-        if get_zero_policy() is not ZeroPolicy.ACCUMULATE or capturing.recording() is not None:
+        scope = active_scope()
+        if scope is None and get_zero_policy() is not ZeroPolicy.ACCUMULATE:
             return DECLINED
         if self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
         dev = fn.module.device
-        if self._declines(fn, args, dev):
+        if scope is not None and scope.device is not dev:
+            return DECLINED  # (a scope running SlangPy's kernels at once)
+        if self._declines(fn, args, dev, scope is None):
             return DECLINED
         native = list(args)
         for i, p in self.floats:
@@ -138,21 +149,22 @@ class GridBackwardPlan:
                 native[i] = convert(fn.label, p, args[i], dev)  # its range error
         for i, p in self.numbers:
             native[i] = convert(fn.label, p, args[i], dev)
+        if scope is not None:
+            for i in self.reads:  # (STRICT's refusals before any policy zeroes a buffer)
+                scope.check_stale(args[i], args[i].grad_out, self.descs[i])
+            for i in self.reads:
+                scope.before_accumulate(args[i], args[i].grad_out, self.descs[i])
+            self._bind(dev, args, native, True)
+            try:
+                scope.dispatch(fn.native_bwds, *native)
+            except Exception as exc:
+                raise kept(fn, resolve_error(fn, exc)) from None
+            return None  # (the scope marks the gradients as its results)
         queue = dev.queue
         defer = deferrable(queue)
         if not defer:
             queue.flush_deferred()
-        for i in self.reads:
-            native[i] = args[i].bind(True, False)
-        for i in self.plain:
-            native[i] = args[i].bind(False, False)
-        for i in self.sinks:
-            sink = scratch(dev, args[i], "sink")
-            values = args[i].bind(False, False)
-            native[i] = values.with_grads(grad_in=sink, grad_out=sink, zero=False)
-        for i in self.writes:
-            t = args[i]
-            native[i] = t.bind_upstream(lambda t=t: primal_sink(dev, t), False)
+        self._bind(dev, args, native, False)
         try:
             if defer:
                 append = fn.native_bwds.append_to
@@ -167,6 +179,20 @@ class GridBackwardPlan:
             args[i].grad_out.storage.holds_result_of = label
         return None
 
+    def _bind(self, dev: Any, args: tuple, native: list, flush: bool) -> None:
+        """The SlangPy tensors the full path binds (backward_call.tensor_arg), into ``native``."""
+        for i in self.reads:
+            native[i] = args[i].bind(True, flush)
+        for i in self.plain:
+            native[i] = args[i].bind(False, flush)
+        for i in self.sinks:
+            sink = scratch(dev, args[i], "sink")
+            values = args[i].bind(False, flush)
+            native[i] = values.with_grads(grad_in=sink, grad_out=sink, zero=False)
+        for i in self.writes:
+            t = args[i]
+            native[i] = t.bind_upstream(lambda t=t: primal_sink(dev, t), flush)
+
 
 def remember_bwds(
     fn: FunctionTarget,
@@ -179,8 +205,8 @@ def remember_bwds(
 ) -> None:
     """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran (``call``:
     its builder, when it took the general path)."""
-    if key is None or prior or len(args) != len(fn.params):
-        return
+    if key is None or prior or len(args) != len(fn.params) or key in fn.bwds_plans:
+        return  # (a plan there declined this call: the same plan again)
     if call is not None and any(type(v) is GRID for _, v in bound):
         remember(fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
     else:

@@ -5,8 +5,9 @@ which lavapipe maps on first touch, 4 KiB a page: 34 MB took 18.8 ms up and 36.3
 against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-27).
 Contiguous tensors of 4-byte scalars (``SCALARS``: float, int, uint: labels, the store
 counts a backward over a grid reads back) of at least ``STAGING_MIN_BYTES`` take this path;
-smaller ones, other dtypes and strided views keep SlangPy's. Callers hold the queue's lock
-with its work flushed.
+smaller ones, other dtypes and strided views keep SlangPy's. Writes of up to 64 KiB of them
+are recorded in order with the device's pending work instead (no submission first). Callers
+hold the queue's lock.
 
     staging.write(queue, native, arr)           # staged, or SlangPy's copy_from_numpy
     values = staging.read(queue, native, reader)    # None: SlangPy's to_numpy reads them
@@ -25,6 +26,9 @@ STAGING_MIN_BYTES = 1 << 20
 #: The element types staged: 4-byte scalars, by Slang name (their NumPy type).
 SCALARS = {"float": np.float32, "int": np.int32, "uint": np.uint32}
 CHUNK_BYTES = 4 << 20  # (16 MiB chunks read back slower: to_numpy copies the whole buffer)
+#: Host writes up to this size are recorded in order with pending work (``write_in_order``):
+#: up to ``command_queue.DEFER_MAX`` of them held at once.
+IN_ORDER_MAX_BYTES = 64 << 10
 
 
 def _staged(queue: CommandQueue, native: Any, nbytes: int) -> bool:
@@ -58,15 +62,26 @@ def _copy(queue: CommandQueue, dst: Any, dst_at: int, src: Any, src_at: int, n: 
     queue.native.wait_for_idle()  # before the staging buffer is written or read again
 
 
-def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, zero_d: bool = False) -> None:
+def write(
+    queue: CommandQueue,
+    native: spy.Tensor,
+    arr: np.ndarray,
+    zero_d: bool = False,
+    flush: Callable[[], None] | None = None,
+) -> None:
     """Write ``arr`` (C-contiguous, already of the tensor's NumPy type and shape; ``zero_d``:
-    a 0-d tensor's value, its storage a (1,) view) into ``native``'s elements: staged where
-    it pays, else SlangPy's ``copy_from_numpy``.
+    a 0-d tensor's value, its storage a (1,) view) into ``native``'s elements: in order with
+    the device's pending work where small (``write_in_order``), else after ``flush()`` (the
+    caller's: its work submitted), staged where it pays, else SlangPy's ``copy_from_numpy``.
 
-    >>> staging.write(dev.queue, x.native, np.ones(x.shape, np.float32))
+    >>> staging.write(dev.queue, x.native, np.ones(x.shape, np.float32), flush=dev.flush)
     """
     arr = arr.reshape((1,) + arr.shape) if zero_d else arr
     flat = arr.reshape(-1).view(np.uint8) if arr.flags.c_contiguous else None
+    if flat is not None and write_in_order(queue, native, arr, flat):
+        return
+    if flush is not None:
+        flush()
     staged = flat is not None and _staged(queue, native, flat.nbytes)
     if not staged or arr.dtype != SCALARS[native.dtype.full_name]:
         native.copy_from_numpy(arr)
@@ -79,6 +94,29 @@ def write(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, zero_d: bool
         part = flat[start : start + CHUNK_BYTES]
         staging.copy_from_numpy(part)
         _copy(queue, native.storage, at + start, staging, 0, part.nbytes)
+
+
+def write_in_order(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, flat: Any) -> bool:
+    """Record a small write (up to ``IN_ORDER_MAX_BYTES`` of a contiguous tensor of
+    ``SCALARS``) as an upload into this context's batch, or append it to the deferred list,
+    after the commands recorded before it, rather than submitting them first (a submission
+    costs lavapipe more than a small kernel); False: nothing done. Callers hold the lock.
+
+    >>> staging.write_in_order(dev.queue, x.native, arr, arr.reshape(-1).view(np.uint8))
+    """
+    if flat.nbytes > IN_ORDER_MAX_BYTES or not native.is_contiguous():
+        return False
+    if SCALARS.get(native.dtype.full_name) is not arr.dtype.type:
+        return False
+    if flat.nbytes != 4 * _numel(native):
+        return False  # (SlangPy's copy raises the shape error)
+    storage, at, data = native.storage, 4 * native.offset, flat.copy()
+    encoder = queue.encoder()
+    if encoder is not None:
+        encoder.upload_buffer_data(storage, at, data)
+    else:
+        queue.defer(lambda enc: enc.upload_buffer_data(storage, at, data), (storage,))
+    return True
 
 
 def read(queue: CommandQueue, native: spy.Tensor, reader: Callable) -> np.ndarray | None:

@@ -231,10 +231,10 @@ class Tensor(GradBuffers, TensorOperators):
         if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
             arr = arr.copy(order="C")
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
-        with self._device.queue.lock:
-            self._device.queue.enter()
-            self._device.flush()
-            staging.write(self._device.queue, self._native, arr, zero_d=not self._shape)
+        queue = self._device.queue
+        with queue.lock:
+            queue.enter()
+            staging.write(queue, self._native, arr, not self._shape, self._device.flush)
         return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:
@@ -416,9 +416,9 @@ class Tensor(GradBuffers, TensorOperators):
             queue.flush_deferred()
         if not with_grads or (self._grad_out is None and self._grad_in is None):
             return self._native
-        if self._bound is None:
-            gi = self._grad_in.native if self._grad_in is not None else None
-            go = self._grad_out.native if self._grad_out is not None else None
+        if self._bound is None:  # (the gradients' own SlangPy tensors: flushed above if asked)
+            gi = self._grad_in.bind(False, False) if self._grad_in is not None else None
+            go = self._grad_out.bind(False, False) if self._grad_out is not None else None
             self._bound = self._native.with_grads(grad_in=gi, grad_out=go, zero=False)
         return self._bound
 
@@ -432,8 +432,8 @@ class Tensor(GradBuffers, TensorOperators):
         bound = self.bind(True, flush)  # a new object whenever the gradient buffers change
         if self._upstream[0] is not bound:
             gi, go = self._grad_in, self._grad_out
-            gi = gi.native if gi is not None else None
-            go = go.native if go is not None else None
+            gi = gi.bind(False, False) if gi is not None else None
+            go = go.bind(False, False) if go is not None else None
             self._upstream = (bound, sink().with_grads(grad_in=gi, grad_out=go, zero=False))
         return self._upstream[1]
 

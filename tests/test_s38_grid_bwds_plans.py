@@ -15,7 +15,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
-from pydiff import generated
+from pydiff import generated, written_mask
 from pydiff.errors import StaleGradientError, StaleInputError
 from pydiff.grid_plan import GridBackwardPlan
 
@@ -54,6 +54,11 @@ def _blur_adjoint(g: np.ndarray) -> np.ndarray:
     for r in range(h):
         out[min(r + 1, h - 1)] += 0.25 * g[r]
     return out
+
+
+def _blur_of(img: np.ndarray) -> np.ndarray:
+    img = img.astype(np.float64)
+    return 0.75 * img + 0.25 * np.concatenate([img[1:], img[-1:]], axis=0)
 
 
 def test_repeated_grid_bwds_planned_and_accumulating(device, mod):
@@ -211,3 +216,71 @@ def test_threads_each_on_their_tensors(device, mod):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_grid_calls_on_a_tape_take_plans_and_stay_right(device, mod, monkeypatch):
+    full_paths = []
+    real = written_mask.stored_once
+    monkeypatch.setattr(written_mask, "stored_once", lambda *a: full_paths.append(1) or real(*a))
+    rng = np.random.default_rng(7)
+    ims = rng.standard_normal((4, 6)).astype(np.float32)
+    img = pydiff.tensor(ims, device=device, requires_grad=True)
+    want = np.zeros((4, 6))
+    for i in range(60):
+        g = rng.standard_normal((4, 6)).astype(np.float32)
+        out = pydiff.zeros((4, 6), device=device)
+        with pydiff.Tape() as tape:
+            mod.blur(spy.grid((4, 6)), img, out)
+        tape.backward(out, grad=g)
+        want += _blur_adjoint(g.astype(np.float64))
+        if i % 20 == 0:
+            np.testing.assert_allclose(out.numpy(), _blur_of(ims), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(img.grad.numpy(), want, rtol=1e-4, atol=1e-4)
+    assert _planned(mod.blur)
+    assert len(full_paths) == 1  # the tape's later backwards took the grid plan
+    assert any(getattr(p, "on_tape", False) for p in mod.blur.plans.values())
+
+
+def test_grid_plan_in_a_tape_backward_keeps_the_policies(device, mod):
+    xs = np.linspace(-1, 1, 8).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    one = 2 * 1.5 * xs.astype(np.float64)
+
+    def step() -> None:
+        y = pydiff.zeros((8,), device=device)
+        with pydiff.Tape() as tape:
+            mod.poly(spy.grid((8,)), 1.5, x, y)
+        tape.backward(y, grad=np.ones(8, np.float32))
+
+    for _ in range(3):
+        step()
+    assert _planned(mod.poly)
+    np.testing.assert_allclose(x.grad.numpy(), 3 * one, rtol=1e-5)
+    with pydiff.zero_policy("reset"):
+        step()
+        step()
+    np.testing.assert_allclose(x.grad.numpy(), one, rtol=1e-5)
+    with pydiff.zero_policy("strict"):
+        with pytest.raises(StaleGradientError):
+            step()
+    np.testing.assert_allclose(x.grad.numpy(), one, rtol=1e-5)  # refused: nothing changed
+
+
+def test_small_host_writes_keep_order_without_submitting(device, mod):
+    """A small copy_from_numpy is recorded after the pending calls (which read the values
+    before it), not submitted after them; the values each call read stay right."""
+    x = pydiff.tensor(np.zeros(9, np.float32), device=device)
+    ys = [pydiff.zeros((9,), device=device) for _ in range(40)]
+    rng = np.random.default_rng(3)
+    sent = []
+    mod.poly(spy.grid((9,)), 1.0, x, ys[0])  # (a plan from here on)
+    device.wait()
+    before = device.queue.submissions
+    for y in ys:
+        xs = rng.standard_normal(9).astype(np.float32)
+        x.copy_from_numpy(xs)
+        mod.poly(spy.grid((9,)), 2.0, x, y)
+        sent.append(xs)
+    assert device.queue.submissions - before <= 1  # (none per write: DEFER_MAX is far)
+    for y, xs in zip(ys, sent):
+        np.testing.assert_allclose(y.numpy(), 2.0 * xs.astype(np.float64) ** 2 + 1, rtol=1e-6)
