@@ -80,7 +80,9 @@ void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
 
 def grid_cases(dev: pydiff.Device) -> dict:
     """A small stencil over ``spy.grid((4, 4))`` (SlangPy's differentiable-tensor pattern):
-    the forward (a call plan since the seventeenth session) and ``.bwds`` (the full path)."""
+    the forward (a call plan since the seventeenth session), ``.bwds`` (one since the
+    eighteenth) and a step on a tape (a new output, the call, ``tape.backward``) against raw
+    SlangPy's forward and ``.bwds``."""
     m = pydiff.load_module_from_source("bench_layers_grid", GRID, device=dev)
     raw = spy.Module.load_from_source(dev.native, "bench_layers_grid_raw", GRID)
     values = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
@@ -89,9 +91,22 @@ def grid_cases(dev: pydiff.Device) -> dict:
     rimg = spy.Tensor.from_numpy(dev.native, values).with_grads(zero=True)
     rout = spy.Tensor.zeros(dev.native, (4, 4), "float").with_grads(zero=True)
     g = spy.grid((4, 4))
+    seed = np.ones((4, 4), np.float32)
+
+    def tape_step() -> None:  # a training step's shape: a new output, the tape, its backward
+        y = pydiff.zeros((4, 4), device=dev)
+        with pydiff.Tape() as tape:
+            m.blur(g, img, y)
+        tape.backward(y, grad=seed)
+
+    def raw_step() -> None:
+        raw.blur(g, rimg, rout)
+        raw.blur.bwds(g, rimg, rout)
+
     return {
         "grid forward": (lambda: m.blur(g, img, out), lambda: raw.blur(g, rimg, rout)),
         "grid .bwds": (lambda: m.blur.bwds(g, img, out), lambda: raw.blur.bwds(g, rimg, rout)),
+        "grid tape step": (tape_step, raw_step),
     }
 
 
@@ -189,6 +204,8 @@ def main() -> None:
             print(f"  {name:14s} {label:42s} {us:6.1f} us")
         native = row["pydiff, whole call"] - row["pydiff, nothing recorded (Python only)"]
         print(f"  {name:14s} {'-> native recording and submission':42s} {native:6.1f} us")
+        ratio = row["pydiff, whole call"] / row["raw SlangPy call"]
+        print(f"  {name:14s} {'-> whole call / raw SlangPy call':42s} {ratio:6.2f}x")
     empty = record_cost(dev, "bench_empty", args.calls)
     one = record_cost(dev, "bench_one", args.calls)
     print(f"raw dispatch, empty kernel: {empty:.1f} us; binding one buffer: {one:.1f} us")

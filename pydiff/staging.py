@@ -110,7 +110,7 @@ def write_in_order(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, fla
         return False
     if flat.nbytes != 4 * _numel(native):
         return False  # (SlangPy's copy raises the shape error)
-    storage, at, data = native.storage, 4 * native.offset, flat.copy()
+    storage, at, data = native.storage, 4 * native.offset, flat  # (copied as recorded)
     encoder = queue.encoder()
     if encoder is not None:
         encoder.upload_buffer_data(storage, at, data)
