@@ -30,6 +30,7 @@ from .call_shape import (
     short_name,
     value_elements,
 )
+from .grid_args import GRID
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
 from .storage import SCALAR_NUMPY, allocate
@@ -243,8 +244,7 @@ def _overloads_differ(fn: FunctionTarget, i: int | None, exact: bool = False) ->
 def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
     """Refuse, before SlangPy allocates anything, a call whose shape (the broadcast of its
     vectorised arguments and result) is more than the device can index, or whose result
-    (``_result="tensor"``/``"numpy"``) or a broadcast parameter's gradient, which have that
-    shape, would be more bytes than one buffer of the device holds."""
+    (``_result="tensor"``/``"numpy"``) or broadcast gradient would outgrow a buffer."""
     result = options.get("_result", MISSING)
     total = 1  # at least the call's size: the product of its arguments' sizes
     for p, value in [*bound, (None, result)]:
@@ -253,7 +253,7 @@ def check_call_size(fn: FunctionTarget, bound: list, options: dict) -> None:
             total *= max(value.numel, 1) if p is None or p.tensor_kind is None else 1
         elif kind is np.ndarray:
             total *= max(value.size, 1)
-        elif kind.__name__ == "GridArg":
+        elif kind is GRID:
             total *= max(math.prod(int(d) for d in value.shape), 1)
     limit = MAX_BUFFER_BYTES.get(fn.module.device.type)
     if total <= MAX_ELEMENTS and (limit is None or total * _LARGEST_ELEMENT <= limit):

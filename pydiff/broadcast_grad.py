@@ -24,6 +24,7 @@ import numpy as np
 import slangpy as spy
 
 from .call_shape import param_type, result_type
+from .grid_args import is_grid
 from .signature import FunctionTarget
 from .tensor import Tensor
 
@@ -141,7 +142,7 @@ def call_shape(fn: FunctionTarget, bound: list, result: Any) -> tuple[int, ...] 
 def _plain_grid(value: Any) -> bool:
     """A ``spy.grid`` of a fixed shape: its shape is its part of the call shape, whatever its
     stride and offset (they change the ids it yields, not how many threads run)."""
-    if type(value).__name__ != "GridArg":
+    if not is_grid(value):
         return False
     return all(int(d) > 0 for d in value.shape)
 

@@ -36,7 +36,7 @@ from .command_queue import DEFER
 from .creation import empty
 from .determinism import is_deterministic
 from .host_values import convert
-from .plan_layout import GRID
+from .grid_args import GRID
 from .planned_kernels import BackwardLaunch, ForwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, overloaded

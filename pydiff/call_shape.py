@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
+from .grid_args import SCALAR_INDEX, is_grid
 from .signature import FunctionTarget, ParamInfo
 from .storage import SCALAR_NUMPY
 from .tensor import Tensor
@@ -134,7 +135,7 @@ def argument_shape(type_name: str, value: Any) -> tuple[int, ...] | None:
     if dtype is not None:
         noun = "tensor" if type(value) is Tensor else "NumPy array"
         return own_shape(type_name, dtype, tuple(int(d) for d in value.shape), noun)
-    if type(value).__name__ == "GridArg" and all(int(d) > 0 for d in value.shape):
+    if is_grid(value) and all(int(d) > 0 for d in value.shape):
         return tuple(int(d) for d in value.shape)
     return None
 
@@ -173,9 +174,6 @@ def param_type(p: ParamInfo, value: Any) -> str:
     return (dtype_of(value) or p.type_name) if p.generic else p.type_name
 
 
-_SCALAR_INDEX = re.compile(r"u?int(?:8|16|32|64)?(?:_t)?")
-
-
 def _refuse_unsized_grid(fn: FunctionTarget, p: ParamInfo, grid: Any, bound: list, result: Any):
     """A grid's -1 sizes come from the call's shape, which only vectorised arguments (arrays
     at parameters that are not whole tensors) or a sized grid give: with none, SlangPy runs
@@ -183,7 +181,7 @@ def _refuse_unsized_grid(fn: FunctionTarget, p: ParamInfo, grid: Any, bound: lis
     for q, value in bound:
         if type(value) in _ARRAYS and q.tensor_kind is None and len(value.shape) > 0:
             return
-        if type(value).__name__ == "GridArg" and -1 not in value.shape.as_tuple():
+        if is_grid(value) and -1 not in value.shape.as_tuple():
             return
     if type(result) in _ARRAYS and len(result.shape) > 0:
         return
@@ -203,9 +201,9 @@ def check_written(fn: FunctionTarget, bound: list, result: Any) -> None:
     and a strided or offset ``spy.grid`` at a scalar index, which SlangPy ignores there, or a
     grid of -1 sizes where no argument gives the call a shape (SlangPy runs one thread)."""
     for p, value in bound:
-        if type(value).__name__ == "GridArg" and -1 in value.shape.as_tuple():
+        if is_grid(value) and -1 in value.shape.as_tuple():
             _refuse_unsized_grid(fn, p, value, bound, result)
-        if type(value).__name__ == "GridArg" and _SCALAR_INDEX.fullmatch(p.type_name.strip()):
+        if is_grid(value) and SCALAR_INDEX.fullmatch(p.type_name.strip()):
             if any(int(d) != 1 for d in value.stride) or any(int(d) != 0 for d in value.offset):
                 raise ValueError(
                     f"{fn.label}: parameter '{p.name}' ({p.type_name.strip()}) is given "

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import capturing, generated, generated_grid, generated_vector, written_mask
 from .arguments import MISSING
+from .grid_args import is_grid
 from .bwds_checks import warn_no_gradient
 from .call_shape import zero_d_call
 from .determinism import is_deterministic
@@ -37,7 +38,7 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
     covered: a tensor result (given, ``_result="tensor"``, or none given where SlangPy's
     would be a new tensor), no SlangPy options; None: SlangPy's path."""
     generated.check_switch()
-    if result is MISSING and not options and any(generated_grid.is_grid(v) for _, v in bound):
+    if result is MISSING and not options and any(is_grid(v) for _, v in bound):
         return _grid_forward(fn, bound)
     if options.keys() > {"_result"} or not (
         type(result) is Tensor
@@ -73,7 +74,7 @@ def grid_backward(fn: FunctionTarget, bound: list, natives: list, options: dict,
     """A ``.bwds`` over a grid (``generated_grid``), large, binding ``natives`` (what the
     backward chose for each parameter) where ``call.scope`` dispatches, through the masked
     wrapper where ``call.masks`` counts stores; False: SlangPy's kernel."""
-    if options or call.no_grad or not any(generated_grid.is_grid(v) for _, v in bound):
+    if options or call.no_grad or not any(is_grid(v) for _, v in bound):
         return False
     if not generated.enabled() or is_deterministic() or capturing.recording() is not None:
         return False

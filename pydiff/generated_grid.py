@@ -29,7 +29,9 @@ import re
 import threading
 from typing import Any
 
+from . import grid_args
 from .buffer_pool import BoundedDict
+from .grid_args import is_grid
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget, overloaded
 from .tensor import Tensor
@@ -66,15 +68,7 @@ _MASKED_FIELDS = (
     (".inner._grad_in", _READ, "inner.in"),
     (".written", _ATOMIC, "written"),
 )
-# An index parameter a grid of its dimensions fills (SlangPy's VectorizeGridArgTo): int or
-# uint, or their vectors of 2 or 3, as written or as reflection names them (vector<int,2>).
-_GRID_INDEX = re.compile(r"(u?int)([23])?|vector<\s*(u?int)\s*,\s*([23])\s*>")
 _lock = threading.Lock()
-
-
-def is_grid(value: Any) -> bool:
-    """Whether ``value`` is SlangPy's ``grid(...)`` argument."""
-    return type(value).__name__ == "GridArg"
 
 
 def call_size(bound: list) -> int:
@@ -112,7 +106,7 @@ def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) 
             storages.add(id(value.storage))
             continue
         if is_grid(value):
-            if not _plain_grid(value, p.type_name):
+            if not grid_args.plain(value, grid_args.index_type(p.type_name)[1]):  # (int2: 2)
                 return None
             grids += 1
             layout.append(("g", len(value.shape)))
@@ -144,33 +138,11 @@ def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) 
     return tuple(out)
 
 
-def _plain_grid(grid: Any, type_name: str) -> bool:
-    """A grid of known shape, stride 1 and offset 0 on each axis, at a parameter of its
-    dimensions (``int2`` for two: a strided or offset grid keeps SlangPy's path)."""
-    dims = len(grid.shape)
-    return (
-        _index_type(type_name)[1] == dims
-        and all(int(size) >= 0 for size in grid.shape)  # (-1: a size the call decides)
-        and list(grid.stride) == [1] * dims
-        and list(grid.offset) == [0] * dims
-    )
-
-
-def _index_type(type_name: str) -> tuple[str, int]:
-    """An index parameter's integer type and dimensions (``("int", 2)`` for ``int2``);
-    ``("", 0)``: not one a grid fills."""
-    m = _GRID_INDEX.fullmatch(type_name.strip())
-    if m is None:
-        return "", 0
-    scalar, dims = m.group(1) or m.group(3), m.group(2) or m.group(4) or "1"
-    return scalar, int(dims)
-
-
 def _grid_index(type_name: str, dims: int) -> str:
     """The grid index of the thread at flat index ``pydiff_i`` (row-major, the last axis the
     fastest, as SlangPy's call ids): a vector's ``.x`` is the last axis, as SlangPy's grid
     gives it. ``pydiff_gs{a}``: axis a's row-major stride; ``pydiff_gd{a}``: its size."""
-    scalar, parts = _index_type(type_name)[0], []
+    scalar, parts = grid_args.index_type(type_name)[0], []
     if dims == 1:
         return f"{scalar}(pydiff_i)"
     for axis in reversed(range(dims)):

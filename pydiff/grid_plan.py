@@ -25,7 +25,8 @@ from .bwds_checks import primal_sink
 from .call_plan import DECLINED, FLOAT_MAX, BackwardPlan, deferrable, plan_numbers, plannable
 from .determinism import is_deterministic
 from .host_values import convert
-from .plan_layout import GRID, remember
+from .grid_args import GRID
+from .plan_layout import remember
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget
 from .tensor import Tensor

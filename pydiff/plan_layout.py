@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import slangpy as spy
-
+from .grid_args import GRID  # (in a layout by shape, stride, offset)
 from .tensor import Tensor
 
 PLANS_MAX = 64  # layouts remembered per function and direction (the oldest dropped first)
-GRID = type(spy.grid((1,)))  # SlangPy's grid argument: in a layout by shape, stride, offset
 
 
 def layout_key(args: tuple, kwargs: dict) -> tuple | None:

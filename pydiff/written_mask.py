@@ -25,8 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 import slangpy as spy
 
-from . import single_store
+from . import grid_args, single_store
 from .device import Device
+from .grid_args import is_grid
 from .signature import ParamInfo, Signature, overloaded, stem
 from .storage import allocate
 from .tensor import Tensor
@@ -144,27 +145,16 @@ def bind_in_place(call: Any, p: ParamInfo, t: Tensor, bound: Any, masked: bool) 
     return mask.bind(p, bound)
 
 
-_INDEX = re.compile(r"u?int[23]?|vector\s*<\s*u?int\s*,\s*[23]\s*>")
-
-
-def _dims(type_name: str) -> int:
-    """The axes of a grid index parameter's type (``int``: 1, ``int2``/``vector<int,2>``: 2)."""
-    found = re.search(r"([23])\s*>?\s*$", type_name.strip())
-    return int(found.group(1)) if found else 1
-
-
 def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
     """The interface tensors a call over a grid stores once per thread at its own element
     (single_store), where the grid has the tensor's shape: their stores need no counting."""
-    grids = [(p, v) for p, v in bound if type(v).__name__ == "GridArg"]
+    grids = [(p, v) for p, v in bound if is_grid(v)]
     source = fn.module.source
     if len(grids) != 1 or source is None or overloaded(fn):
         return frozenset()  # (an overload, maybe an imported one, is not the text read)
     p, grid = grids[0]
     shape = tuple(int(n) for n in grid.shape)
-    if list(grid.stride) != [1] * len(shape) or list(grid.offset) != [0] * len(shape):
-        return frozenset()
-    if _INDEX.fullmatch(p.type_name.strip()) is None or _dims(p.type_name) != len(shape):
+    if not grid_args.plain(grid, grid_args.index_type(p.type_name)[1]):  # (int2: 2 axes)
         return frozenset()
     tensors = [
         q.name
