@@ -129,6 +129,7 @@ class GridBackwardPlan:
             return DECLINED
         if self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
+        generated.check_switch_planned()  # (the full path reads PYDIFF_GENERATED every call)
         dev = fn.module.device
         if self._declines(fn, args, dev):
             return DECLINED

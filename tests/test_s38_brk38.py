@@ -1,0 +1,48 @@
+"""Grid ``.bwds`` call plans (pydiff.grid_plan) against the full path: a repeated call of one
+layout must refuse, warn and compute exactly what the first call (or a fresh module's) does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import slangpy as spy
+
+import pydiff
+from pydiff.errors import EnvironmentSettingError
+from pydiff.grid_plan import GridBackwardPlan
+
+SOURCE = """import slangpy;
+[Differentiable]
+void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
+{
+    int h = int(img.shape[0]);
+    int r = px.y;
+    int c = px.x;
+    result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
+}
+"""
+
+
+@pytest.fixture
+def mod(device):
+    return pydiff.load_module_from_source("s38_brk38", SOURCE, device=device)
+
+
+def _planned(fn) -> bool:
+    return any(type(p) is GridBackwardPlan for p in fn.bwds_plans.values())
+
+
+def test_mistyped_generated_switch_refused_by_a_planned_call(device, mod, monkeypatch):
+    """The full path reads PYDIFF_GENERATED at every grid .bwds and refuses a value it does
+    not take; a planned call passed it silently."""
+    img = pydiff.tensor(np.ones((4, 6), np.float32), device=device, requires_grad=True)
+    out = pydiff.zeros((4, 6), device=device).with_grads(ones=True)
+    for _ in range(2):
+        mod.blur.bwds(spy.grid((4, 6)), img, out)
+    assert _planned(mod.blur)
+    monkeypatch.setenv("PYDIFF_GENERATED", "of")
+    with pytest.raises(EnvironmentSettingError, match="PYDIFF_GENERATED"):
+        mod.blur.bwds(spy.grid((4, 6)), img, out)
+    monkeypatch.delenv("PYDIFF_GENERATED")
+    want = 2 * (0.75 + 0.25 * np.array([0, 1, 1, 2], np.float64))[:, None] * np.ones((4, 6))
+    np.testing.assert_allclose(img.grad.numpy(), want, rtol=1e-6)
