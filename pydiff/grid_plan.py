@@ -102,7 +102,7 @@ class GridBackwardPlan:
         written = [args[i].storage for i in self.writes]
         upstream = [args[i].grad_in.storage for i in self.writes]
         if len({id(s) for s in written}) != len(written):
-            return True  # (refuse_written_twice)
+            return True  # (refuse_written_twice, written_mask.stored_once refuse it)
         for i in self.reads + self.sinks + self.plain:
             st = args[i].storage
             if any(st is w for w in written):

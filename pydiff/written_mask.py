@@ -174,11 +174,30 @@ def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
         and q.tensor_kind == "idiff"
         and v.shape == shape
     ]
-    return (
-        single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
-        if tensors
-        else frozenset()
-    )
+    if not tensors:
+        return frozenset()
+    once = single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
+    _refuse_stored_twice(fn, bound, once)
+    return once
+
+
+def _refuse_stored_twice(fn: GeneratingFunction, bound: list, once: frozenset) -> None:
+    """Two parameters each thread stores at its own element, given one storage: every
+    element is stored twice, the forward keeps the last store, and the backward would read
+    its upstream once for each (the gradients of both stores added: wrong, silently)."""
+    seen: dict[int, str] = {}
+    for q, v in bound:
+        if q.name not in once:
+            continue
+        other = seen.setdefault(id(v.storage), q.name)
+        if other != q.name:
+            raise ValueError(
+                f"{fn.label}.bwds: parameters '{other}' and '{q.name}' are the same tensor (or "
+                f"views of one storage, shape {v.shape}), and each thread of the call stores its "
+                "own element in both: the forward keeps only the last store, while the backward "
+                "would add the gradients of both stores. Pass a tensor of its own to each "
+                "written parameter"
+            )
 
 
 def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:

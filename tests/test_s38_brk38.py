@@ -20,6 +20,9 @@ void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
     int c = px.x;
     result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
 }
+[Differentiable]
+void two(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
 """
 
 
@@ -46,3 +49,27 @@ def test_mistyped_generated_switch_refused_by_a_planned_call(device, mod, monkey
     monkeypatch.delenv("PYDIFF_GENERATED")
     want = 2 * (0.75 + 0.25 * np.array([0, 1, 1, 2], np.float64))[:, None] * np.ones((4, 6))
     np.testing.assert_allclose(img.grad.numpy(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_one_tensor_stored_through_two_parameters_refused(device, warm):
+    """y[idx] = x*x and z[idx] = 3x into one tensor: the forward keeps 3x, while the backward
+    added both stores' gradients (2x + 3, silently), on the first call and on a planned one
+    (which declines to the first call's path)."""
+    mod = pydiff.load_module_from_source(f"s38_brk38_two_{warm}", SOURCE, device=device)
+    xs = np.linspace(0.5, 2.0, 8).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    if warm:
+        for _ in range(2):
+            y, z = (pydiff.zeros((8,), device=device).with_grads(ones=True) for _ in range(2))
+            mod.two.bwds(spy.grid((8,)), x, y, z)
+        assert _planned(mod.two)
+        np.testing.assert_allclose(x.grad.numpy(), 2 * (2 * xs.astype(np.float64) + 3), rtol=1e-6)
+        x.zero_grad()
+    y = pydiff.zeros((8,), device=device).with_grads(ones=True)
+    mod.two(spy.grid((8,)), x, y, y)
+    np.testing.assert_allclose(y.numpy(), 3 * xs, rtol=1e-6)  # the last store kept
+    for z in (y, y.reshape((2, 4)).reshape((8,))):  # the tensor, or a view of its storage
+        with pytest.raises(ValueError, match="parameters 'y' and 'z' are the same tensor"):
+            mod.two.bwds(spy.grid((8,)), x, y, z)
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(8))
