@@ -182,6 +182,8 @@ def remember_bwds(
     its builder, when it took the general path)."""
     if key is None or prior or len(args) != len(fn.params):
         return
+    if len(key) != len(args) + 2 * (result is not MISSING):
+        return  # the result given positionally (f.bwds(x, y)): the key does not mark it
     if call is not None and any(type(v) is GRID for _, v in bound):
         remember(fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
     else:

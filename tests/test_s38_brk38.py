@@ -73,3 +73,22 @@ def test_one_tensor_stored_through_two_parameters_refused(device, warm):
         with pytest.raises(ValueError, match="parameters 'y' and 'z' are the same tensor"):
             mod.two.bwds(spy.grid((8,)), x, y, z)
     np.testing.assert_array_equal(x.grad.numpy(), np.zeros(8))
+
+
+def test_positional_result_bwds_repeated(device):
+    """SlangPy's ``f.bwds(x, y)`` (the result as the last positional argument): its second
+    call ran the plan of the first with no result (AttributeError: 'object' object has no
+    attribute 'device'); the ``_result=`` form keeps its plan."""
+    src = "[Differentiable]\nfloat sq(float x) { return x * x; }\n"
+    mod = pydiff.load_module_from_source("s38_brk38_positional", src, device=device)
+    xs = np.arange(1, 6, dtype=np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((5,), device=device).with_grads(ones=True)
+    for _ in range(3):
+        mod.sq.bwds(x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 3 * 2 * xs.astype(np.float64), rtol=1e-6)
+    for _ in range(2):
+        mod.sq.bwds(x, _result=y)
+    assert mod.sq.bwds_plans  # (the keyword form is planned)
+    mod.sq.bwds(x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 6 * 2 * xs.astype(np.float64), rtol=1e-6)
