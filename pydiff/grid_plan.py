@@ -103,10 +103,11 @@ class GridBackwardPlan:
         upstream = [args[i].grad_in.storage for i in self.writes]
         if len({id(s) for s in written}) != len(written):
             return True  # (refuse_written_twice, written_mask.stored_once refuse it)
+        grads = [args[i].grad_out.storage for i in self.reads]
         for i in self.reads + self.sinks + self.plain:
             st = args[i].storage
-            if any(st is w for w in written):
-                return True  # a tensor read and written: the full path decides
+            if any(st is w for w in written) or any(st is g for g in grads):
+                return True  # a tensor read and written (its gradient too): the full path's
             if i in self.reads and any(args[i].grad_out.storage is u for u in upstream):
                 return True  # (refuse_shared_result_grad)
         for st in written:

@@ -92,3 +92,39 @@ def test_positional_result_bwds_repeated(device):
     assert mod.sq.bwds_plans  # (the keyword form is planned)
     mod.sq.bwds(x, y)
     np.testing.assert_allclose(x.grad.numpy(), 6 * 2 * xs.astype(np.float64), rtol=1e-6)
+
+
+RACE = """import slangpy;
+[Differentiable]
+void sq2(int idx, IDiffTensor<float, 1> x, IDiffTensor<float, 1> w, IWDiffTensor<float, 1> y)
+{ int n = int(x.shape[0]); y[idx] = x[idx] * w[(idx + 1) % n] * w[(idx + 1) % n]; }
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_read_tensor_that_is_a_gradient_buffer_refused(device, warm):
+    """w read at idx+1 while the backward adds dL/dx into x's gradient buffer, which is w's
+    storage: the threads race (x.grad off by up to 3.3, w.grad by 4.3 on lavapipe, no error),
+    on the first call and on a planned one."""
+    mod = pydiff.load_module_from_source(f"s38_brk38_race_{warm}", RACE, device=device)
+    n = 64
+    xs = np.linspace(0.5, 2, n).astype(np.float32)
+    ws = np.linspace(1, 3, n).astype(np.float32)
+    w = pydiff.tensor(ws, device=device, requires_grad=True)
+    y = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    if warm:
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        for _ in range(2):
+            mod.sq2.bwds(spy.grid((n,)), x, w, y)
+        assert _planned(mod.sq2)
+        wn = np.roll(ws.astype(np.float64), -1)
+        np.testing.assert_allclose(x.grad.numpy(), 2 * wn**2, rtol=1e-5)
+        np.testing.assert_allclose(w.grad.numpy(), 2 * np.roll(2 * xs * wn, 1), rtol=1e-5)
+        w.zero_grad()
+    before = w.numpy()
+    for shared in (w.detach(), w.reshape((8, 8)).reshape((n,)).detach()):
+        x = pydiff.tensor(xs, device=device).with_grads(grad_in=shared, grad_out=shared)
+        with pytest.raises(ValueError, match="parameter 'w' reads a tensor that is"):
+            mod.sq2.bwds(spy.grid((n,)), x, w, y)
+    np.testing.assert_array_equal(w.numpy(), before)
+    np.testing.assert_array_equal(w.grad.numpy(), np.zeros(n))
