@@ -23,6 +23,9 @@ void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
 [Differentiable]
 void two(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
 { float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
+[Differentiable]
+void apart(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
+{ float v = x[idx]; y[idx] = v * v; z[idx + 4] = 3.0 * v; }
 """
 
 
@@ -128,3 +131,22 @@ def test_read_tensor_that_is_a_gradient_buffer_refused(device, warm):
             mod.sq2.bwds(spy.grid((n,)), x, w, y)
     np.testing.assert_array_equal(w.numpy(), before)
     np.testing.assert_array_equal(w.grad.numpy(), np.zeros(n))
+
+
+def test_one_tensor_stored_through_two_parameters_counted_together(device):
+    """Where the stores are counted (a grid smaller than the tensor), two written parameters
+    given one tensor shared no count: y[idx] and z[idx] into one tensor gave x.grad = 2x + 3
+    silently. One count per storage: refused, naming both; stores to elements of their own
+    (z[idx + 4]) pass, with the right gradient."""
+    mod = pydiff.load_module_from_source("s38_brk38_counted", SOURCE, device=device)
+    xs = np.linspace(0.5, 2.0, 4).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    y = pydiff.zeros((8,), device=device).with_grads(ones=True)
+    mod.apart(spy.grid((4,)), x, y, y)
+    np.testing.assert_allclose(y.numpy(), np.concatenate([xs * xs, 3 * xs]), rtol=1e-6)
+    for _ in range(2):
+        mod.apart.bwds(spy.grid((4,)), x, y, y)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (2 * xs.astype(np.float64) + 3), rtol=1e-6)
+    for z in (y, y.reshape((2, 4)).reshape((8,))):
+        with pytest.raises(ValueError, match="parameters 'y' and 'z' are one tensor"):
+            mod.two.bwds(spy.grid((4,)), x, y, z)
