@@ -194,7 +194,8 @@ def _refuse_read_gradient(fn: FunctionTarget, bound: list) -> None:
     adds: dict[int, str] = {}
     for p, v in bound:
         if type(v) is Tensor and p.tensor_kind in ("idiff", "diff") and p.reads_value:
-            if v.grad_out is not None and not p.no_diff_tensor:
+            direct = p.access == "read" or v.grad_in is not v.grad_out  # (one buffer: a new
+            if v.grad_out is not None and not p.no_diff_tensor and direct:  # one, copied after)
                 adds.setdefault(id(v.grad_out.storage), p.name)
     for p, v in bound:
         if adds and type(v) is Tensor and p.reads_value and id(v.storage) in adds:
