@@ -184,6 +184,28 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
                     "from. Pass the written tensor and the input with gradient buffers of their "
                     "own (x.with_grads(...))"
                 )
+    _refuse_read_gradient(fn, bound)
+
+
+def _refuse_read_gradient(fn: FunctionTarget, bound: list) -> None:
+    """A tensor the call reads that is (a view of) the gradient buffer an interface tensor
+    parameter's gradient is added into during the kernel: threads would read values other
+    threads are adding to (a race: a wrong gradient, silently)."""
+    adds: dict[int, str] = {}
+    for p, v in bound:
+        if type(v) is Tensor and p.tensor_kind in ("idiff", "diff") and p.reads_value:
+            direct = p.access == "read" or v.grad_in is not v.grad_out  # (one buffer: a new
+            if v.grad_out is not None and not p.no_diff_tensor and direct:  # one, copied after)
+                adds.setdefault(id(v.grad_out.storage), p.name)
+    for p, v in bound:
+        if adds and type(v) is Tensor and p.reads_value and id(v.storage) in adds:
+            raise ValueError(
+                f"{fn.bwds_label}: parameter '{p.name}' reads a tensor that is (a view of) the "
+                f"gradient buffer of parameter '{adds[id(v.storage)]}', which the backward "
+                "adds into while its threads read it: the gradients would depend on the "
+                f"order the threads run in. Pass a copy ({p.name}.clone()) or give the tensor "
+                "a gradient buffer of its own (x.with_grads())"
+            )
 
 
 def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:

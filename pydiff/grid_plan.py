@@ -109,11 +109,12 @@ class GridBackwardPlan:
         written = [args[i].storage for i in self.writes]
         upstream = [args[i].grad_in.storage for i in self.writes]
         if len({id(s) for s in written}) != len(written):
-            return True  # (refuse_written_twice)
+            return True  # (refuse_written_twice, written_mask.stored_once refuse it)
+        grads = [args[i].grad_out.storage for i in self.reads]
         for i in self.reads + self.sinks + self.plain:
             st = args[i].storage
-            if any(st is w for w in written):
-                return True  # a tensor read and written: the full path decides
+            if any(st is w for w in written) or any(st is g for g in grads):
+                return True  # a tensor read and written (its gradient too): the full path's
             if i in self.reads and any(args[i].grad_out.storage is u for u in upstream):
                 return True  # (refuse_shared_result_grad)
         for st in written:
@@ -139,6 +140,7 @@ class GridBackwardPlan:
             return DECLINED
         if self.numel >= generated.MIN_ELEMENTS:
             return DECLINED
+        generated.check_switch_planned()  # (the full path reads PYDIFF_GENERATED every call)
         dev = fn.module.device
         if scope is not None and scope.device is not dev:
             return DECLINED  # (a scope running SlangPy's kernels at once)
@@ -208,6 +210,8 @@ def remember_bwds(
     its builder, when it took the general path)."""
     if key is None or prior or len(args) != len(fn.params) or key in fn.bwds_plans:
         return  # (a plan there declined this call: the same plan again)
+    if len(key) != len(args) + 2 * (result is not MISSING):
+        return  # the result given positionally (f.bwds(x, y)): the key does not mark it
     if call is not None and any(type(v) is GRID for _, v in bound):
         remember(fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
     else:

@@ -125,10 +125,24 @@ def bind_written(call: Any, p: ParamInfo, t: Tensor, bound: Any, prior: bool) ->
         return bound
     if not prior and p.name in call.stored_once:
         return bound  # one store per thread at its own grid element: nothing to count
-    mask = call.masks[p.name] = WrittenMask(call.device, t.shape)
+    mask = _storage_mask(call, p, t)
     if prior:
         call.cleared.append((mask, t.grad_out))
     return mask.bind(p, bound)
+
+
+def _storage_mask(call: Any, p: ParamInfo, t: Tensor) -> "WrittenMask":
+    """The mask counting the stores into ``t``'s storage: one for the written parameters
+    given one tensor (or views of its shape), so a store through each to one element counts
+    twice (refused) while stores to elements of their own pass."""
+    for mask in call.masks.values():
+        if mask.storage is t.storage and mask.shape == tuple(t.shape):
+            mask.names.append(p.name)
+            call.masks[p.name] = mask
+            return mask
+    mask = call.masks[p.name] = WrittenMask(call.device, t.shape)
+    mask.storage, mask.names = t.storage, [p.name]
+    return mask
 
 
 def bind_in_place(call: Any, p: ParamInfo, t: Tensor, bound: Any, masked: bool) -> Any:
@@ -164,11 +178,30 @@ def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
         and q.tensor_kind == "idiff"
         and v.shape == shape
     ]
-    return (
-        single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
-        if tensors
-        else frozenset()
-    )
+    if not tensors:
+        return frozenset()
+    once = single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
+    _refuse_stored_twice(fn, bound, once)
+    return once
+
+
+def _refuse_stored_twice(fn: GeneratingFunction, bound: list, once: frozenset) -> None:
+    """Two parameters each thread stores at its own element, given one storage: every
+    element is stored twice, the forward keeps the last store, and the backward would read
+    its upstream once for each (the gradients of both stores added: wrong, silently)."""
+    seen: dict[int, str] = {}
+    for q, v in bound:
+        if q.name not in once:
+            continue
+        other = seen.setdefault(id(v.storage), q.name)
+        if other != q.name:
+            raise ValueError(
+                f"{fn.label}.bwds: parameters '{other}' and '{q.name}' are the same tensor (or "
+                f"views of one storage, shape {v.shape}), and each thread of the call stores its "
+                "own element in both: the forward keeps only the last store, while the backward "
+                "would add the gradients of both stores. Pass a tensor of its own to each "
+                "written parameter"
+            )
 
 
 def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
@@ -205,6 +238,8 @@ class WrittenMask:
         Tensor(whole, device).zero_()
         self.counts = spy.Tensor(whole.storage, uint, [numel], [1], 0).view(self.shape)
         self.races = Tensor(spy.Tensor(whole.storage, uint, [2], [1], numel), device)
+        self.storage: Any = None  # the storage of the tensor(s) whose stores it counts
+        self.names: list[str] = []  # the written parameters given it (bind_written)
 
     def check_single_writes(self, scope: Any, label: str, name: str) -> None:
         """Raise if two threads stored one element: the forward raced on it, and its upstream
@@ -224,6 +259,14 @@ class WrittenMask:
             )
         at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
         stored = int(Tensor(self.counts, self.device).numpy()[at])
+        if len(self.names) > 1:
+            raise ValueError(
+                f"{label}: parameters {' and '.join(repr(n) for n in self.names)} are one "
+                f"tensor (or views of one storage, shape {tuple(self.shape)}) and element "
+                f"{at} was stored {stored} times through them ({raced} element(s) stored more "
+                "than once): the forward keeps the last store, while the backward would add "
+                "the gradients of each. Pass a tensor of its own to each written parameter"
+            )
         raise ValueError(
             f"{label}: parameter '{name}': element {at} was stored {stored} times "
             f"by one call ({raced} element(s) stored more than once): "
