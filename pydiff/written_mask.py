@@ -136,7 +136,15 @@ def _storage_mask(call: Any, p: ParamInfo, t: Tensor) -> "WrittenMask":
     given one tensor (or views of its shape), so a store through each to one element counts
     twice (refused) while stores to elements of their own pass."""
     for mask in call.masks.values():
-        if mask.storage is t.storage and mask.shape == tuple(t.shape):
+        if mask.storage is t.storage and mask.shape != tuple(t.shape):
+            raise ValueError(
+                f"{call.label}.bwds: parameters '{mask.names[0]}' and '{p.name}' are views of "
+                f"one storage in shapes {mask.shape} and {tuple(t.shape)}, and the call writes "
+                "both: pydiff cannot tell whether a store through each reached one element "
+                "(the backward would add the gradients of both). Pass a tensor of its own to "
+                "each written parameter"
+            )
+        if mask.storage is t.storage:
             mask.names.append(p.name)
             call.masks[p.name] = mask
             return mask
@@ -190,17 +198,19 @@ def _refuse_stored_twice(fn: GeneratingFunction, bound: list, once: frozenset) -
     element is stored twice, the forward keeps the last store, and the backward would read
     its upstream once for each (the gradients of both stores added: wrong, silently)."""
     seen: dict[int, str] = {}
-    for q, v in bound:
-        if q.name not in once:
+    for q, v in sorted(bound, key=lambda pv: pv[0].name not in once):  # (the once ones first)
+        if type(v) is not Tensor or not q.writes_value:
             continue
-        other = seen.setdefault(id(v.storage), q.name)
-        if other != q.name:
+        other = (
+            seen.setdefault(id(v.storage), q.name) if q.name in once else seen.get(id(v.storage))
+        )
+        if other is not None and other != q.name:
             raise ValueError(
                 f"{fn.label}.bwds: parameters '{other}' and '{q.name}' are the same tensor (or "
-                f"views of one storage, shape {v.shape}), and each thread of the call stores its "
-                "own element in both: the forward keeps only the last store, while the backward "
-                "would add the gradients of both stores. Pass a tensor of its own to each "
-                "written parameter"
+                f"views of one storage, shape {v.shape}), and the call writes both, each thread "
+                f"its own element through '{other}': the forward keeps only the last store of an "
+                "element, while the backward would add the gradients of both stores. Pass a "
+                "tensor of its own to each written parameter"
             )
 
 

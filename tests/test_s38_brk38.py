@@ -150,3 +150,31 @@ def test_one_tensor_stored_through_two_parameters_counted_together(device):
     for z in (y, y.reshape((2, 4)).reshape((8,))):
         with pytest.raises(ValueError, match="parameters 'y' and 'z' are one tensor"):
             mod.two.bwds(spy.grid((4,)), x, y, z)
+
+
+TWO_D = """import slangpy;
+[Differentiable]
+void two2(int2 px, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y, IWDiffTensor<float, 2> z)
+{ float v = x[px.y, px.x]; y[px.y, px.x] = v * v; z[px.y, px.x] = 3.0 * v; }
+"""
+
+
+def test_written_views_of_one_storage_in_other_shapes_refused(device):
+    """Two written parameters on views of one storage in different shapes: a store through
+    each may reach one element (here: y[0, 1] and z[0, 1] are elements 1 and 1; y[1, 0] and
+    z[1, 0] are 4 and 8), which neither a shared count (one shape) nor the single-store scan
+    (y's own element) sees: the backward added both stores' gradients. Refused, whether y
+    stores once per thread (the grid of y's shape) or the stores are counted."""
+    mod = pydiff.load_module_from_source("s38_brk38_views", TWO_D, device=device)
+    x = pydiff.tensor(np.ones((4, 4), np.float32), device=device, requires_grad=True)
+    y = pydiff.zeros((4, 4), device=device).with_grads(ones=True)
+    z = y.reshape((2, 8))
+    for grid in ((4, 4), (2, 2)):
+        with pytest.raises(ValueError, match="parameters 'y' and 'z'"):
+            mod.two2.bwds(spy.grid(grid), x, y, z)
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros((4, 4)))
+    apart = pydiff.zeros((2, 8), device=device).with_grads(ones=True)
+    mod.two2.bwds(spy.grid((2, 2)), x, y, apart)  # tensors of their own: 2x + 3 = 5 where read
+    want = np.zeros((4, 4))
+    want[:2, :2] = 5.0
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6)
