@@ -1,0 +1,76 @@
+"""Small host writes recorded in order with pending work (pydiff.staging.write_in_order) and
+grid calls on a tape, broken as a user would: raw SlangPy handles taken after a write, inside
+a tape's backward too, against closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+SOURCE = """import slangpy;
+[Differentiable] float sq(float x) { return x * x; }
+float twice(float x) { return 2.0 * x; }
+"""
+
+
+@pytest.fixture
+def mod(device):
+    return pydiff.load_module_from_source("s38_brk38b", SOURCE, device=device)
+
+
+def test_native_after_a_host_write_inside_a_function_backward(device, mod):
+    """A custom Function's backward runs inside the tape's batch: a host write there, then
+    raw SlangPy on ``t.native`` (taken after the write), must read the written values. The
+    write was recorded into the batch, which ``.native`` does not submit: SlangPy's call ran
+    first and read zeros (x.grad all 0)."""
+    raw = mod.native
+
+    class RawBackward(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return mod.sq(x, _result="tensor")
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            tmp = pydiff.zeros(x.shape, device=device)
+            tmp.copy_from_numpy(x.numpy() * g.numpy())
+            return raw.twice(tmp.native, _result="numpy")  # 2 x g
+
+    xs = np.linspace(-1, 1, 8).astype(np.float32)
+    gs = np.linspace(0.5, 2, 8).astype(np.float32)
+    for step in range(3):
+        x = pydiff.tensor(xs + step, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            y = RawBackward.apply(x)
+        tape.backward(y, grad=gs)
+        want = 2 * (xs + step).astype(np.float64) * gs
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_native_after_pydiff_tensor_inside_a_tape_backward(device, mod):
+    """``pydiff.tensor(array)`` in a Function's backward, handed to raw SlangPy at once."""
+    raw = mod.native
+
+    class Twice(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return mod.sq(x, _result="tensor")
+
+        @staticmethod
+        def backward(ctx, g):
+            host = pydiff.tensor(g.numpy() * 3.0, device=device)
+            out = pydiff.zeros(g.shape, device=device)
+            res = raw.twice(host.native, _result="numpy")
+            out.copy_from_numpy(res)
+            return out
+
+    x = pydiff.tensor(np.ones(5, np.float32), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = Twice.apply(x)
+    tape.backward(y, grad=np.arange(5, dtype=np.float32))
+    np.testing.assert_allclose(x.grad.numpy(), 6.0 * np.arange(5), rtol=1e-6)
+
