@@ -74,3 +74,22 @@ def test_native_after_pydiff_tensor_inside_a_tape_backward(device, mod):
     tape.backward(y, grad=np.arange(5, dtype=np.float32))
     np.testing.assert_allclose(x.grad.numpy(), 6.0 * np.arange(5), rtol=1e-6)
 
+
+def test_pydiff_tensor_of_an_array_joins_the_pending_work(device, mod):
+    """``pydiff.tensor(array)`` of a small array is recorded after the pending calls, not
+    submitted after them (its dtype was read through ``.native``, which submitted them: one
+    submission per new tensor); every call still reads its own values."""
+    if device.type != "vulkan":
+        pytest.skip("lavapipe's deferred list (the counts differ where calls run at once)")
+    rng = np.random.default_rng(38)
+    mod.sq(pydiff.tensor(np.ones(7, np.float32), device=device))  # (a plan from here on)
+    device.flush()
+    before = device.queue.submissions
+    sent, got = [], []
+    for _ in range(30):
+        xs = rng.standard_normal(7).astype(np.float32)
+        got.append(mod.sq(pydiff.tensor(xs, device=device)))
+        sent.append(xs)
+    assert device.queue.submissions - before <= 1  # (DEFER_MAX is far)
+    for y, xs in zip(got, sent):
+        np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
