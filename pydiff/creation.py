@@ -149,7 +149,11 @@ def zeros(
     """
     # Zeroed in order with the pending work (no submission of its own), and recorded by a
     # capture: a step's scratch accumulator from zeros() restarts from zero on each replay.
-    return _new("pydiff.zeros", shape, dtype, device, requires_grad).zero_()
+    # In the deferred list even inside a backward's batch (a custom Function's backward): no
+    # command recorded there reads a new buffer (the pool hands none out while a batch
+    # records), and t.native submits the list, not the batch: raw SlangPy writing into
+    # t.native came before the batch's zeroing, which wiped its values (a zero gradient).
+    return _new("pydiff.zeros", shape, dtype, device, requires_grad).zero_(batch=False)
 
 
 def ones(

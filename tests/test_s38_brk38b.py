@@ -93,3 +93,32 @@ def test_pydiff_tensor_of_an_array_joins_the_pending_work(device, mod):
     assert device.queue.submissions - before <= 1  # (DEFER_MAX is far)
     for y, xs in zip(got, sent):
         np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+
+
+def test_raw_slangpy_into_zeros_inside_a_function_backward(device, mod):
+    """``pydiff.zeros`` in a Function's backward, written by raw SlangPy through ``.native``:
+    its zeroing was recorded into the tape's batch, which ran after the raw call and wiped
+    its result (x.grad all 0)."""
+    raw = mod.native
+
+    class RawInto(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return mod.sq(x, _result="tensor")
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            xg = pydiff.tensor(x.numpy() * g.numpy(), device=device)
+            out = pydiff.zeros(x.shape, device=device)
+            raw.twice(xg.native, _result=out.native)
+            return out
+
+    xs = np.linspace(-1, 1, 8).astype(np.float32)
+    gs = np.linspace(0.5, 2, 8).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = RawInto.apply(x)
+    tape.backward(y, grad=gs)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * xs.astype(np.float64) * gs, rtol=1e-6)
