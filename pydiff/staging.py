@@ -102,13 +102,17 @@ def write_in_order(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, fla
     submitting them first (a submission costs lavapipe more than a small kernel); False:
     nothing done. Callers hold the lock.
 
-    Not inside a batch (a backward's: a custom Function's ``backward`` runs in the tape's):
-    recorded there, the write would wait for the batch's end, which ``Tensor.native`` does
-    not submit, and raw SlangPy given ``t.native`` just after it read the old values.
+    Only behind pending work (with none, written at once: a raw SlangPy loop on handles kept
+    from before, ``x.copy_from_numpy(b); raw.f(nx)``, reads each write), and not inside a
+    batch (a backward's: a custom Function's ``backward`` runs in the tape's): recorded
+    there, the write would wait for the batch's end, which ``Tensor.native`` does not
+    submit, and raw SlangPy given ``t.native`` just after it read the old values.
 
     >>> staging.write_in_order(dev.queue, x.native, arr, arr.reshape(-1).view(np.uint8))
     """
-    if flat.nbytes > IN_ORDER_MAX_BYTES or queue.batching or not native.is_contiguous():
+    if not queue.deferred or queue.batching or flat.nbytes > IN_ORDER_MAX_BYTES:
+        return False
+    if not native.is_contiguous():
         return False
     if SCALARS.get(native.dtype.full_name) is not arr.dtype.type:
         return False

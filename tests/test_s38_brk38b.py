@@ -122,3 +122,19 @@ def test_raw_slangpy_into_zeros_inside_a_function_backward(device, mod):
         y = RawInto.apply(x)
     tape.backward(y, grad=gs)
     np.testing.assert_allclose(x.grad.numpy(), 2 * xs.astype(np.float64) * gs, rtol=1e-6)
+
+
+def test_raw_slangpy_loop_on_kept_handles_sees_each_host_write(device, mod):
+    """A raw SlangPy loop on handles taken once, fed by ``copy_from_numpy``: with no pydiff
+    work pending, the write is done at once (as before small writes joined the deferred
+    list), so each raw call reads its own batch (it read the one before: off by a step)."""
+    raw = mod.native
+    x = pydiff.zeros((6,), device=device)
+    y = pydiff.zeros((6,), device=device)
+    nx, ny = x.native, y.native
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        xs = rng.standard_normal(6).astype(np.float32)
+        x.copy_from_numpy(xs)
+        raw.twice(nx, _result=ny)
+        np.testing.assert_allclose(ny.to_numpy(), 2.0 * xs.astype(np.float64), rtol=1e-6)
