@@ -6,8 +6,8 @@ against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-2
 Contiguous tensors of 4-byte scalars (``SCALARS``: float, int, uint: labels, the store
 counts a backward over a grid reads back) of at least ``STAGING_MIN_BYTES`` take this path;
 smaller ones, other dtypes and strided views keep SlangPy's. Writes of up to 64 KiB of them
-outside a backward's batch join the device's deferred list instead (no submission first).
-Callers hold the queue's lock.
+made behind pending work, outside a backward's batch, join the device's deferred list
+instead (no submission first: ``write_in_order``). Callers hold the queue's lock.
 
     staging.write(queue, native, arr)           # staged, or SlangPy's copy_from_numpy
     values = staging.read(queue, native, reader)    # None: SlangPy's to_numpy reads them
