@@ -86,7 +86,9 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
         raise ValueError(f"{where} has shape {arr.shape}, with no elements; {ZERO_SIZE}")
     out = empty(shape, dtype=name, device=dev)
     kind = out.scalar_type
-    arr = host_cast(arr, upload_numpy_type(out.native, kind), where, kind == "bool")
+    # (bind(False, False): its dtype only; .native would submit the pending work, which the
+    # write below joins rather than submits: staging.write_in_order)
+    arr = host_cast(arr, upload_numpy_type(out.bind(False, False), kind), where, kind == "bool")
     out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()), caller=where)
     if requires_grad:
         out.requires_grad_(True)
@@ -147,7 +149,11 @@ def zeros(
     """
     # Zeroed in order with the pending work (no submission of its own), and recorded by a
     # capture: a step's scratch accumulator from zeros() restarts from zero on each replay.
-    return _new("pydiff.zeros", shape, dtype, device, requires_grad).zero_()
+    # In the deferred list even inside a backward's batch (a custom Function's backward): no
+    # command recorded there reads a new buffer (the pool hands none out while a batch
+    # records), and t.native submits the list, not the batch: raw SlangPy writing into
+    # t.native came before the batch's zeroing, which wiped its values (a zero gradient).
+    return _new("pydiff.zeros", shape, dtype, device, requires_grad).zero_(batch=False)
 
 
 def ones(

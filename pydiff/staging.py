@@ -6,8 +6,8 @@ against 4.2 and 8.3 ms through two kept 4 MiB buffers, chunk by chunk (2026-11-2
 Contiguous tensors of 4-byte scalars (``SCALARS``: float, int, uint: labels, the store
 counts a backward over a grid reads back) of at least ``STAGING_MIN_BYTES`` take this path;
 smaller ones, other dtypes and strided views keep SlangPy's. Writes of up to 64 KiB of them
-are recorded in order with the device's pending work instead (no submission first). Callers
-hold the queue's lock.
+made behind pending work, outside a backward's batch, join the device's deferred list
+instead (no submission first: ``write_in_order``). Callers hold the queue's lock.
 
     staging.write(queue, native, arr)           # staged, or SlangPy's copy_from_numpy
     values = staging.read(queue, native, reader)    # None: SlangPy's to_numpy reads them
@@ -97,25 +97,29 @@ def write(
 
 
 def write_in_order(queue: CommandQueue, native: spy.Tensor, arr: np.ndarray, flat: Any) -> bool:
-    """Record a small write (up to ``IN_ORDER_MAX_BYTES`` of a contiguous tensor of
-    ``SCALARS``) as an upload into this context's batch, or append it to the deferred list,
-    after the commands recorded before it, rather than submitting them first (a submission
-    costs lavapipe more than a small kernel); False: nothing done. Callers hold the lock.
+    """Append a small write (up to ``IN_ORDER_MAX_BYTES`` of a contiguous tensor of
+    ``SCALARS``) to the deferred list, after the commands appended before it, rather than
+    submitting them first (a submission costs lavapipe more than a small kernel); False:
+    nothing done. Callers hold the lock.
+
+    Only behind pending work (with none, written at once: a raw SlangPy loop on handles kept
+    from before, ``x.copy_from_numpy(b); raw.f(nx)``, reads each write), and not inside a
+    batch (a backward's: a custom Function's ``backward`` runs in the tape's): recorded
+    there, the write would wait for the batch's end, which ``Tensor.native`` does not
+    submit, and raw SlangPy given ``t.native`` just after it read the old values.
 
     >>> staging.write_in_order(dev.queue, x.native, arr, arr.reshape(-1).view(np.uint8))
     """
-    if flat.nbytes > IN_ORDER_MAX_BYTES or not native.is_contiguous():
+    if not queue.deferred or queue.batching or flat.nbytes > IN_ORDER_MAX_BYTES:
+        return False
+    if not native.is_contiguous():
         return False
     if SCALARS.get(native.dtype.full_name) is not arr.dtype.type:
         return False
     if flat.nbytes != 4 * _numel(native):
         return False  # (SlangPy's copy raises the shape error)
     storage, at, data = native.storage, 4 * native.offset, flat  # (copied as recorded)
-    encoder = queue.encoder()
-    if encoder is not None:
-        encoder.upload_buffer_data(storage, at, data)
-    else:
-        queue.defer(lambda enc: enc.upload_buffer_data(storage, at, data), (storage,))
+    queue.defer(lambda enc: enc.upload_buffer_data(storage, at, data), (storage,))
     return True
 
 

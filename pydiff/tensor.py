@@ -336,13 +336,13 @@ class Tensor(GradBuffers, TensorOperators):
         arr = np.full(self.expected_numpy_shape(), value)
         return self.copy_from_numpy(arr, caller="Tensor.fill")
 
-    def zero_(self, encoder: Any = None) -> "Tensor":
-        """Zero the values in order with the commands of ``encoder``, of this context's batch,
-        or else of the device's deferred list; returns self."""
+    def zero_(self, encoder: Any = None, *, batch: bool = True) -> "Tensor":
+        """Zero the values in order with the commands of ``encoder``, of this context's batch
+        (not if ``batch`` is False: new storage), or else of the deferred list; returns self."""
         queue = self._device.queue
         native = self._native
         with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
-            if encoder is None:
+            if encoder is None and batch:
                 encoder = queue.encoder()
             if encoder is None:
                 queue.defer(native.clear, (native.storage,))

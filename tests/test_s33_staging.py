@@ -22,6 +22,7 @@ def small_chunks(monkeypatch):
     chunks, cheaply."""
     monkeypatch.setattr(staging, "CHUNK_BYTES", 4096 + 12)
     monkeypatch.setattr(staging, "STAGING_MIN_BYTES", 8192)
+    monkeypatch.setattr(staging, "IN_ORDER_MAX_BYTES", 4096)  # (else 40 KB join the list)
 
 
 def _vulkan(device):
