@@ -142,8 +142,8 @@ class GridBackwardPlan:
             return DECLINED
         generated.check_switch_planned()  # (the full path reads PYDIFF_GENERATED every call)
         dev = fn.module.device
-        if scope is not None and scope.device is not dev:
-            return DECLINED  # (a scope running SlangPy's kernels at once)
+        if scope is not None and scope.device is not dev and scope.device is not None:
+            return DECLINED  # (None: a scope running SlangPy's kernels at once, as here)
         if self._declines(fn, args, dev, scope is None):
             return DECLINED
         native = list(args)
