@@ -60,3 +60,21 @@ m.polynomial_tensor(spy.grid((n,)), 2.0, 8.0, -1.0, x, result)
 m.polynomial_tensor.bwds(spy.grid((n,)), 2.0, 8.0, -1.0, x, result)
 worst = np.abs(x.grad.numpy() - (4.0 * xs + 8.0)).max()
 print(f"2^20 elements    d/dx worst error {worst:.1e}; paths: {pydiff.generated.stats()}")
+
+# 6. Calls over a grid in a training loop: solve 2x^2 + 8x - 1 = t for 64 targets by gradient
+#    descent on sum((p(x) - t)^2), each step on a Tape. From the second step on, the grid
+#    call and its backward take pydiff's call plans (docs/tensors-and-gradients.md).
+roots = np.linspace(0.2, 1.0, 64)
+target = pydiff.tensor(2 * roots**2 + 8 * roots - 1)
+x = pydiff.tensor(np.full(64, 0.5), requires_grad=True)
+opt = pydiff.optim.SGD([x], lr=0.004)
+for step in range(150):
+    opt.zero_grad()
+    y = pydiff.zeros((64,))
+    with pydiff.Tape() as tape:
+        m.polynomial_tensor(spy.grid((64,)), 2.0, 8.0, -1.0, x, y)
+        loss = pydiff.ops.sum((y - target) * (y - target))
+    tape.backward(loss, retain_graph=False)
+    opt.step()
+worst = np.abs(x.numpy() - roots).max()
+print(f"fitted roots     worst error {worst:.1e} (loss {loss.item():.1e})")
