@@ -340,7 +340,7 @@ def scratch(device: Any, t: Tensor, role: str) -> spy.Tensor:
     key = (t.shape, t.element_type.full_name, role)
     pool = device.scratch
     if key not in pool:
-        pool[key] = allocate(device, t.native.shape, t.grad_dtype, zero=role == "zeros")
+        pool[key] = allocate(device, t.bind(False, False).shape, t.grad_dtype, zero=role == "zeros")
     return pool[key]
 
 
@@ -363,7 +363,7 @@ def fwd_tensor_struct(
         )
     dev = fn.module.device
     return {
-        "primal": t.native,
+        "primal": t.bind(False, False),
         "tangent": tangent if tangent is not None else scratch(dev, t, "zeros"),
         "grad_in": grad_in if grad_in is not None else scratch(dev, t, "zeros"),
         "grad_out": grad_out if grad_out is not None else dummy_fields(dev),

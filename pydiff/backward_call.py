@@ -111,8 +111,8 @@ class _Backward:
 
     def separate_grads(self, t: Tensor, p: ParamInfo) -> spy.Tensor:
         """Bind a read-and-written tensor with distinct grad_in and grad_out buffers."""
-        if not t.requires_grad:
-            return t.native.with_grads(
+        if not t.requires_grad:  # (bound unflushed: what SlangPy records comes after)
+            return t.bind(False, False).with_grads(
                 grad_in=self.scratch_grads(t, "zeros"),
                 grad_out=self.scratch_grads(t, "sink"),
                 zero=False,
@@ -125,7 +125,8 @@ class _Backward:
         upstream = t.grad_in
         result = t.new_grad_buffer()
         self.after.append((result, upstream))
-        return t.native.with_grads(grad_in=upstream.native, grad_out=result.native, zero=False)
+        values, gi, go = (u.bind(False, False) for u in (t, upstream, result))
+        return values.with_grads(grad_in=gi, grad_out=go, zero=False)
 
     def tensor_arg(self, p: ParamInfo, t: Tensor) -> spy.Tensor:
         check_device(self.fn, t, f"parameter '{p.name}'")
@@ -168,7 +169,7 @@ class _Backward:
                 # make that part of the kernel's identity (SlangPy's call cache is blind to
                 # gradients and would reuse the wrong kernel for a later call).
                 self.no_grad.append(p.name)
-                return t.native
+                return t.bind(False, False)
             # Interface diff tensors need a gradient buffer on Vulkan/D3D12: a throwaway one.
             sink = self.scratch_grads(t, "sink")
             return t.native.with_grads(grad_in=sink, grad_out=sink, zero=False)
@@ -228,7 +229,7 @@ class _Backward:
         check_device(self.fn, value, f"parameter '{p.name}'")
         both = self.separate_grads(value, p)
         return {
-            f"{p.name}__in": value.native.with_grads(
+            f"{p.name}__in": value.bind(False, False).with_grads(
                 grad_in=both.grad_out, grad_out=both.grad_out, zero=False
             ),
             f"{p.name}__out": primal_sink(self.device, value).with_grads(
@@ -256,9 +257,7 @@ class _Backward:
                 check_device(self.fn, result, "_result")
             if id(result.storage) in self.prior:  # overwritten: its value before gets none
                 self.cleared.append((None, result.grad_in))
-            return primal_sink(self.device, result).with_grads(
-                grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
-            )
+            return upstream_arg(self.device, result, False)  # (unflushed: recorded in order)
         if result is MISSING:
             if ret_name == "void":
                 return MISSING
@@ -274,9 +273,7 @@ class _Backward:
                     "gradient from; pass y.with_grads(...) holding dL/dy (or "
                     ".with_grads(ones=True))"
                 )
-            return primal_sink(self.device, result).with_grads(
-                grad_in=result.grad_in.native, grad_out=result.grad_out.native, zero=False
-            )
+            return upstream_arg(self.device, result, False)
         if isinstance(result, (int, float)) and not isinstance(result, bool):
             if ret_name not in _SCALAR_RESULTS:
                 raise TypeError(

@@ -51,7 +51,7 @@ def components(t: Tensor) -> tuple[str, int]:
     """(scalar, count) of one gradient element of ``t``: ('float', 1) for float, ('float', N)
     for a float vector, ('half', R*C) for a half matrix (SlangPy packs them tightly);
     ('', 0) when pydiff cannot sum it."""
-    native = t.grad_out.native if t.grad_out is not None else None
+    native = t.grad_out.bind(False, False) if t.grad_out is not None else None
     if native is None or not native.is_contiguous():
         return "", 0
     name = native.dtype.full_name.replace(" ", "")
@@ -182,7 +182,7 @@ def expand(
         entry[1], entry[2] = shape, entry[0].view(shape)
     full = entry[2]
     scope.clear(device, full)
-    values = t.native if t.shape else t.native.view((1,))
+    values = t.bind(False, False) if t.shape else t.bind(False, False).view((1,))
     return values.broadcast_to(shape).with_grads(grad_in=full, grad_out=full, zero=False)
 
 
@@ -238,7 +238,7 @@ def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     shape = list(full.shape)
     x = full
     target = tuple(t.shape)
-    grad = t.grad_out.native
+    grad = t.grad_out.bind(False, False)
     scalar, k = components(t)
     if k > 1:  # vectors/matrices: sum them as scalars with a last axis of k
         x = _as_scalars(device, full, shape, k, scalar)

@@ -34,7 +34,7 @@ def primal_sink(device: Any, t: Tensor) -> spy.Tensor:
     """Where a backward kernel may write forward values nobody reads (per shape and dtype)."""
     key = (t.shape, t.element_type.full_name, "primal sink")
     if key not in device.scratch:
-        device.scratch[key] = allocate(device, t.native.shape, t.element_type)
+        device.scratch[key] = allocate(device, t.bind(False, False).shape, t.element_type)
     return device.scratch[key]
 
 

@@ -306,22 +306,22 @@ def linear_backward_narrow(
         **({"FIXED_B": batch} if fixed else {}),
     )
     # absent gradients bind a buffer of the right kind that the kernel never touches
-    dx_buffer = (dx if dx is not None else dw).native.storage
+    dx_buffer = (dx if dx is not None else dw).buffer
     bindings = {
-        **(cross_entropy if cross_entropy is not None else {"g": g.native.storage}),
-        "x": x.native.storage,
-        "w": w.native.storage,
+        **(cross_entropy if cross_entropy is not None else {"g": g.buffer}),
+        "x": x.buffer,
+        "w": w.buffer,
         "dx": dx_buffer,
         "dx_in": dx_buffer,
-        "dw": dw.native.storage,
-        "dw_in": dw.native.storage,
-        "db": (db if db is not None else g).native.storage,
+        "dw": dw.buffer,
+        "dw_in": dw.buffer,
+        "db": (db if db is not None else g).buffer,
         "beta": 1.0,
     }
     if not fixed:
         bindings["B"] = batch
     if mask is not None:
-        bindings["mask"] = mask.native.storage
+        bindings["mask"] = mask.buffer
     g.device.kernels.dispatch(kernel, n_in // 8, **bindings)
     for t in (dx, dw, db):
         if t is not None:

@@ -112,10 +112,10 @@ class Tensor(GradBuffers, TensorOperators):
 
     @property
     def native(self) -> spy.Tensor:
-        """The SlangPy tensor of the values (no gradient buffers). Pending pydiff work is
-        submitted first; a handle kept across later pydiff calls is not: take it again."""
-        if self._device.queue.deferred or self._device.queue.open_batches:
-            self._device.queue.flush_deferred()
+        """The SlangPy tensor of the values (no gradient buffers), pending work submitted first
+        (a Function ``backward``'s batch too); a handle kept over later calls is not: retake it."""
+        if (queue := self._device.queue).deferred or queue.open_batches or queue.pending:
+            queue.flush()
         return self._native
 
     def native_view(self) -> spy.Tensor:
@@ -228,8 +228,7 @@ class Tensor(GradBuffers, TensorOperators):
             )
         up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
         arr = host_cast(arr, up, caller, kind == "bool")
-        if not has_c_strides(arr):  # e.g. a[None]: contiguous for NumPy, not for SlangPy's check
-            arr = arr.copy(order="C")
+        arr = arr if has_c_strides(arr) else arr.copy(order="C")  # (a[None]: not for SlangPy)
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
         queue = self._device.queue
         with queue.lock:
@@ -329,7 +328,8 @@ class Tensor(GradBuffers, TensorOperators):
 
     def detach(self) -> "Tensor":
         """The same values (same storage) without gradient buffers."""
-        return Tensor(self.native_view(), self._device, storage=self.storage)
+        native = self._native if self._shape else self._native.view(())  # (no flush)
+        return Tensor(native, self._device, storage=self.storage)
 
     def fill(self, value: float) -> "Tensor":
         """Set every component to ``value``; returns self."""
