@@ -229,6 +229,13 @@ def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
     return fn.generated(_kind(masked), wrapper_source(fn, masked))
 
 
+#: What every refusal of the counts adds: they are read after the kernel ran.
+_ADDED = (
+    ". The stores are counted as the backward runs, so this call's gradients were added "
+    "already: zero them (x.zero_grad()) before going on"
+)
+
+
 class WrittenMask:
     """One uint per element of a tensor a call writes: how many stores its backward saw;
     after them, how many elements were stored more than once and the lowest flat index of
@@ -266,6 +273,7 @@ class WrittenMask:
                 f"at an index outside the tensor (flat index {flat}): the forward wrote "
                 "outside it (lost, or into other memory), and no gradient can be right there. "
                 "Check the indices the function stores at (spy.grid gives the last axis as .x)"
+                + _ADDED
             )
         at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
         stored = int(Tensor(self.counts, self.device).numpy()[at])
@@ -275,13 +283,13 @@ class WrittenMask:
                 f"tensor (or views of one storage, shape {tuple(self.shape)}) and element "
                 f"{at} was stored {stored} times through them ({raced} element(s) stored more "
                 "than once): the forward keeps the last store, while the backward would add "
-                "the gradients of each. Pass a tensor of its own to each written parameter"
+                "the gradients of each. Pass a tensor of its own to each written parameter" + _ADDED
             )
         raise ValueError(
             f"{label}: parameter '{name}': element {at} was stored {stored} times "
             f"by one call ({raced} element(s) stored more than once): "
             "threads raced on it in the forward and its upstream gradient was counted "
-            "once per store. Give each thread elements of its own (distinct indices)"
+            "once per store. Give each thread elements of its own (distinct indices)" + _ADDED
         )
 
     def bind(self, p: ParamInfo, bound: spy.Tensor) -> dict:
