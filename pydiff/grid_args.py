@@ -24,13 +24,19 @@ SCALAR_INDEX = re.compile(r"u?int(?:8|16|32|64)?(?:_t)?")
 
 
 def is_grid(value: Any) -> bool:
-    """Whether ``value`` is SlangPy's ``grid(...)`` argument."""
+    """Whether ``value`` is SlangPy's ``grid(...)`` argument.
+
+    >>> is_grid(spy.grid((4, 4)))     # True; a tensor or a number: False
+    """
     return type(value) is GRID
 
 
 def index_type(type_name: str) -> tuple[str, int]:
     """An index parameter's integer type and dimensions (``("int", 2)`` for ``int2``);
-    ``("", 0)``: not one a grid fills."""
+    ``("", 0)``: not one a grid fills.
+
+    >>> index_type("vector<uint,3>")  # ("uint", 3)
+    """
     m = INDEX.fullmatch(type_name.strip())
     if m is None:
         return "", 0
@@ -40,7 +46,10 @@ def index_type(type_name: str) -> tuple[str, int]:
 
 def plain(grid: Any, dims: int) -> bool:
     """A grid of ``dims`` axes of known sizes, stride 1 and offset 0 on each (the ids it
-    yields are the elements of a tensor of its shape)."""
+    yields are the elements of a tensor of its shape).
+
+    >>> plain(spy.grid((8,), stride=(2,)), 1)   # False: it yields 0, 2, 4, ...
+    """
     shape = grid.shape.as_tuple()
     return (
         len(shape) == dims
