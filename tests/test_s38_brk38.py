@@ -10,16 +10,11 @@ import slangpy as spy
 import pydiff
 from pydiff.errors import EnvironmentSettingError
 from pydiff.grid_plan import GridBackwardPlan
+from test_s37_grid_plans import SOURCE as GRID_SOURCE  # (blur over a grid)
 
-SOURCE = """import slangpy;
-[Differentiable]
-void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
-{
-    int h = int(img.shape[0]);
-    int r = px.y;
-    int c = px.x;
-    result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
-}
+SOURCE = (
+    GRID_SOURCE
+    + """
 [Differentiable]
 void two(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
 { float v = x[idx]; y[idx] = v * v; z[idx] = 3.0 * v; }
@@ -27,6 +22,7 @@ void two(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTenso
 void apart(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
 { float v = x[idx]; y[idx] = v * v; z[idx + 4] = 3.0 * v; }
 """
+)
 
 
 @pytest.fixture

@@ -18,24 +18,17 @@ import pydiff
 from pydiff import generated, written_mask
 from pydiff.errors import StaleGradientError, StaleInputError
 from pydiff.grid_plan import GridBackwardPlan
+from test_s37_grid_plans import SOURCE as GRID_SOURCE  # (poly and blur over grids)
 
-SOURCE = """import slangpy;
-[Differentiable]
-void poly(int idx, float a, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
-{ float v = x[idx]; y[idx] = a * v * v + 1.0; }
-[Differentiable]
-void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
-{
-    int h = int(img.shape[0]);
-    int r = px.y;
-    int c = px.x;
-    result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
-}
+SOURCE = (
+    GRID_SOURCE
+    + """
 [Differentiable]
 void mix(int idx, IDiffTensor<float, 1> a, IDiffTensor<float, 1> b, ITensor<float, 1> w,
          IWDiffTensor<float, 1> y)
 { y[idx] = w[idx] * a[idx] * b[idx]; }
 """
+)
 
 
 @pytest.fixture
