@@ -60,6 +60,28 @@ def plan_numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
 FLOAT_MAX = 3.4028234663852886e38  # float32's largest: a float that fits is passed as it is
 
 
+def plan_natives(fn: FunctionTarget, args: tuple, floats: tuple, numbers: tuple, dev: Any) -> list:
+    """The call's arguments as SlangPy takes them: ``plan_numbers``'s numbers checked (a float
+    in float32's range passed as it is) and converted, raising the full path's range errors."""
+    native = list(args)
+    for i, p in floats:
+        if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:  # (NaN too)
+            native[i] = convert(fn.label, p, args[i], dev)  # its range error
+    for i, p in numbers:
+        native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
+    return native
+
+
+def written_since(args: tuple, made: tuple) -> bool:
+    """Whether an input the forward call that made a tensor read (``Storage.made_by[1]``) was
+    written since: stale_reads refuses it (or uses a copy kept), on the full path."""
+    for i, _, serial, version in made[1]:
+        st = args[i].storage if i < len(args) and type(args[i]) is Tensor else None
+        if st is not None and st.serial == serial and st.version != version:
+            return True
+    return False
+
+
 def deferrable(queue: Any) -> bool:
     """Whether a SlangPy call may join the deferred list (``append_to``) instead of being
     submitted on its own: nothing recorded in this context's batch, no other thread's batch
@@ -192,13 +214,7 @@ class ForwardPlan:
             st = args[i].storage
             if st in written:  # (Storage compares by identity)
                 return DECLINED  # aliased: the full path keeps the values read
-        native = list(args)
-        for i, p in self.floats:
-            v = args[i]
-            if not -FLOAT_MAX <= v <= FLOAT_MAX:  # (NaN too)
-                native[i] = convert(fn.label, p, v, dev)  # its range error
-        for i, p in self.numbers:
-            native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
+        native = plan_natives(fn, args, self.floats, self.numbers, dev)
         label = fn.call_label
         # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
         # parameter only written never is in read_by_writer; none is read and written here)
@@ -336,13 +352,9 @@ class BackwardPlan:
         if scope is not None and (scope.device is not dev or capturing.recording() is not None):
             return DECLINED  # (a scope running SlangPy's kernels at once; a capture's refusals)
         made = result.storage.made_by
-        if made is not None and made[0] is fn:
-            for i, _, serial, version in made[1]:  # stale_reads: an input written since?
-                st = args[i].storage if type(args[i]) is Tensor else None
-                if st is not None and st.serial == serial and st.version != version:
-                    return DECLINED  # (the full path refuses it, or uses a copy kept)
+        if made is not None and made[0] is fn and written_since(args, made):
+            return DECLINED  # (the full path refuses it, or uses a copy kept)
         upstream = result.grad_in.storage
-        native = list(args)
         grads = {}
         for i in self.tensors:
             t = args[i]
@@ -354,12 +366,7 @@ class BackwardPlan:
             if g.storage is upstream:
                 return DECLINED  # refused by the full path
             grads[i] = g
-        for i, p in self.floats:
-            v = args[i]
-            if not -FLOAT_MAX <= v <= FLOAT_MAX:  # (NaN too)
-                native[i] = convert(fn.label, p, v, dev)  # its range error
-        for i, p in self.numbers:
-            native[i] = convert(fn.label, p, args[i], dev)  # range checks, conversions
+        native = plan_natives(fn, args, self.floats, self.numbers, dev)
         if scope is not None:
             return self._in_scope(fn, args, result, scope, native, grads, launch)
         label = fn.bwds_label

@@ -22,9 +22,16 @@ from .arguments import MISSING, resolve_error, scratch
 from .backward_failures import kept
 from .backward_scope import active_scope
 from .bwds_checks import primal_sink
-from .call_plan import DECLINED, FLOAT_MAX, BackwardPlan, deferrable, plan_numbers, plannable
+from .call_plan import (
+    DECLINED,
+    BackwardPlan,
+    deferrable,
+    plan_natives,
+    plan_numbers,
+    plannable,
+    written_since,
+)
 from .determinism import is_deterministic
-from .host_values import convert
 from .grid_args import GRID
 from .plan_layout import remember
 from .policy import ZeroPolicy, get_zero_policy
@@ -121,12 +128,8 @@ class GridBackwardPlan:
             made = st.made_by
             if made is None or made[0] is not fn:
                 continue
-            if len(made) > 2:
+            if len(made) > 2 or written_since(args, made):
                 return True  # (copies an in-place call kept: stale_reads compares them)
-            for j, _, serial, version in made[1]:
-                st = args[j].storage if j < len(args) and type(args[j]) is Tensor else None
-                if st is not None and st.serial == serial and st.version != version:
-                    return True  # an input written since: stale_reads refuses it
         return False
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
@@ -146,12 +149,7 @@ class GridBackwardPlan:
             return DECLINED  # (None: a scope running SlangPy's kernels at once, as here)
         if self._declines(fn, args, dev, scope is None):
             return DECLINED
-        native = list(args)
-        for i, p in self.floats:
-            if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:  # (NaN too)
-                native[i] = convert(fn.label, p, args[i], dev)  # its range error
-        for i, p in self.numbers:
-            native[i] = convert(fn.label, p, args[i], dev)
+        native = plan_natives(fn, args, self.floats, self.numbers, dev)
         if scope is not None:
             for i in self.reads:  # (STRICT's refusals before any policy zeroes a buffer)
                 scope.check_stale(args[i], args[i].grad_out, self.descs[i])
