@@ -22,6 +22,7 @@ checks per call; where a check would take the full path's other branch it declin
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,20 @@ from .creation import empty
 from .determinism import is_deterministic
 from .host_values import convert
 from .grid_args import GRID
-from .planned_kernels import BackwardLaunch, ForwardLaunch
+from .planned_kernels import LAST_MAX_ELEMENTS, BackwardLaunch, ForwardLaunch, same_tensors
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, overloaded
 from .tape import active_tape
 from .tensor import Tensor
 
 DECLINED = object()  # a plan's answer when the call must take the full path
+
+
+def _constant(value: Any) -> Any:
+    """``value`` (not a tensor: MISSING, "tensor") as ``last`` keeps a weak reference."""
+    return lambda: value
+
+
 _ACCUMULATE = ZeroPolicy.ACCUMULATE
 
 
@@ -114,7 +122,7 @@ class ForwardPlan:
     __slots__ = (
         "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
         "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
-        "new_shape", "params", "on_tape", "pools", "grid",
+        "new_shape", "params", "on_tape", "pools", "grid", "last",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -143,6 +151,7 @@ class ForwardPlan:
         self.pools = False  # whether it makes that result from the pool
         self.params = tuple(p for p, _ in bound)
         self.on_tape = False  # whether a call on a tape may take it (forward_call records it)
+        self.last: tuple | None = None  # the tensors ``_checked`` passed last (weak references)
 
     @staticmethod
     def make(
@@ -200,20 +209,13 @@ class ForwardPlan:
         if launch is DECLINED:
             return DECLINED
         dev = fn.module.device
-        for i in self.tensors:
-            if args[i].device is not dev:
-                return DECLINED  # (the full path names the parameter)
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:
-            if result.device is not dev:
-                return DECLINED
             written.append(result.storage)
-        if len(set(map(id, written))) != len(written):
-            return DECLINED  # two written arguments on one storage: the full path refuses
-        for i in self.reads if written else ():
-            st = args[i].storage
-            if st in written:  # (Storage compares by identity)
-                return DECLINED  # aliased: the full path keeps the values read
+        last = self.last
+        if last is None or last[0]() is not result or not same_tensors(last[1], args):
+            if not self._checked(args, result, dev, written):
+                return DECLINED
         native = plan_natives(fn, args, self.floats, self.numbers, dev)
         label = fn.call_label
         # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
@@ -264,6 +266,26 @@ class ForwardPlan:
             return out.reshape(out.shape[1:])
         return out
 
+    def _checked(self, args: tuple, result: Any, dev: Any, written: list) -> bool:
+        """Whether the tensors are on the plan's device and no two written arguments, nor a
+        written and a read one, share a storage (else the full path decides). What depends on
+        the tensors alone, never on their values: kept in ``last`` (weak references) for a
+        small call, whose next call with the very same tensors skips it."""
+        for i in self.tensors:
+            if args[i].device is not dev:
+                return False  # (the full path names the parameter)
+        if self.result_tensor and result.device is not dev:
+            return False
+        if len(set(map(id, written))) != len(written):
+            return False  # two written arguments on one storage: the full path refuses
+        for i in self.reads if written else ():
+            if args[i].storage in written:  # (Storage compares by identity)
+                return False  # aliased: the full path keeps the values read
+        if self.numel <= LAST_MAX_ELEMENTS:
+            refs = tuple((i, weakref.ref(args[i])) for i in self.tensors)
+            self.last = (weakref.ref(result) if self.result_tensor else _constant(result), refs)
+        return True
+
     def _deferred(
         self, fn: FunctionTarget, args: tuple, result: Any, native: list, written: list, made: tuple
     ) -> Any:
@@ -306,7 +328,7 @@ class BackwardPlan:
         self.numel = result.numel  # generated.call_backward decides by it (in the layout)
         self.calls = 0  # (as ForwardPlan's)
         self.planned_after = generated.planned_after(fn.module.device)
-        self.launch = BackwardLaunch(len(bound), result.numel)
+        self.launch = BackwardLaunch(len(bound), result.numel, fn.module.device.kernels)
 
     @staticmethod
     def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, prior: frozenset):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Sequence
 
 import slangpy as spy
 
@@ -207,19 +207,31 @@ class CommandQueue:
         batch = self._batch.get()
         return None if batch is None else batch.encoder
 
-    def defer(self, record: Callable[[Any], None], buffers: Iterable[Any]) -> None:
+    def defer(self, record: Callable[[Any], None], buffers: Sequence[Any]) -> None:
         """Append commands to the deferred list: ``record(encoder)`` records them (native
-        calls only: it runs under the queue's lock); ``buffers`` are those they bind, held
-        until submitted. Outside a batch only: a batch's work would run after them."""
+        calls only: it runs under the queue's lock); ``buffers`` (a list or tuple, kept as it
+        is) are those they bind, held until submitted. Outside a batch only: a batch's work
+        would run after them."""
         with self._lock:
-            if self._deferred is None:
-                self._deferred = self.native.create_command_encoder()
-                self.deferred = True
-            record(self._deferred)
-            self._held.extend(buffers)
-            self._count += 1
-            if self._count >= DEFER_MAX or not DEFER:
-                self._submit([])
+            record(self.deferred_encoder())
+            self.deferred_added(buffers)
+
+    def deferred_encoder(self) -> Any:
+        """The deferred list's encoder (created on first use), for a caller holding the lock
+        that records one command into it and then calls ``deferred_added`` (``defer`` without
+        a closure: pydiff's kernels, on every call)."""
+        if self._deferred is None:
+            self._deferred = self.native.create_command_encoder()
+            self.deferred = True
+        return self._deferred
+
+    def deferred_added(self, held: Any) -> None:
+        """One command recorded into ``deferred_encoder()`` (lock held); ``held`` (anything
+        referring to the buffers it binds) is kept until submitted."""
+        self._held.append(held)
+        self._count += 1
+        if self._count >= DEFER_MAX or not DEFER:
+            self._submit([])
 
     def flush_deferred(self) -> None:
         """Submit the deferred list and other threads' open batches (not this context's)."""

@@ -375,17 +375,17 @@ class KernelCache:
             rec.record_dispatch(self.queue, kernel, threads, buffers, scalars, dynamic)
         # The batch's encoder is fetched and recorded into under the queue's lock (another
         # thread's submission may take it: command_queue); the queue's lock before the cache's.
-        with self.queue.lock:
+        queue = self.queue
+        with queue.lock:
             if encoder is None:
-                encoder = self.queue.encoder()
+                encoder = queue.encoder()
             if encoder is not None:
                 self._record(kernel, threads, encoder, buffers, scalars, held, held_max)
                 return
-        # outside a batch: deferred, holding its buffers until submitted
-        self.queue.defer(
-            lambda enc: self._record(kernel, threads, enc, buffers, scalars, held, held_max),
-            [b for _, b in buffers],
-        )
+            # outside a batch: deferred, its bindings (their buffers) held until submitted
+            deferred = queue.deferred_encoder()
+            self._record(kernel, threads, deferred, buffers, scalars, held, held_max)
+            queue.deferred_added(buffers)
 
     def _record(
         self,

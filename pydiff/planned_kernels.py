@@ -8,12 +8,13 @@ own): a loop of small calls pays lavapipe's submission once per ``DEFER_MAX`` ca
 
     launch = ForwardLaunch.make(fn, args, result)        # None: not covered by the layout
     out = launch.run(fn, args, result) if launch.ready(args, result) else None
-    done = BackwardLaunch(len(args), upstream.numel).run(fn, args, upstream, grads)
+    done = BackwardLaunch(len(args), upstream.numel, dev.kernels).run(fn, args, upstream, grads)
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from . import generated, generated_vector, planned_vector
@@ -25,6 +26,17 @@ from .tensor import Tensor
 # nothing) while its buffers are this small: the object pins them, and a function keeps up
 # to plan_layout.PLANS_MAX plans. Larger calls spend far longer computing than binding.
 HELD_MAX = 1 << 12
+# The same bound for a launch's last bindings (``last``): a call of at most this many elements
+# keeps them, pinning at most a few such buffers after their tensors are dropped.
+LAST_MAX_ELEMENTS = HELD_MAX // 4
+
+
+def same_tensors(refs: tuple, args: tuple) -> bool:
+    """``args`` holds, at each ``(index, weak reference)`` of ``refs``, the very tensor."""
+    for i, ref in refs:
+        if ref() is not args[i]:
+            return False
+    return True
 
 
 def _float4_tensors(args: tuple, tensors: tuple) -> bool:
@@ -38,9 +50,9 @@ class ForwardLaunch:
     """A forward plan's generated kernel: ``result`` is a tensor given or ``"tensor"``."""
 
     __slots__ = ("kernel", "tensors", "shape", "buffer_names", "number_names", "threads", "fixed")
-    __slots__ += ("held",)
+    __slots__ += ("held", "last")
 
-    def __init__(self, kernel: Any, args: tuple, shape: tuple, held: list):
+    def __init__(self, kernel: Any, args: tuple, shape: tuple, kernels: Any):
         self.kernel, self.shape = kernel, shape
         self.tensors = tuple(i for i, v in enumerate(args) if type(v) is Tensor)
         # (what generated.dispatch_forward binds: a tensor's buffer, else a float)
@@ -50,7 +62,12 @@ class ForwardLaunch:
         )
         self.threads, fixed = generated.geometry(math.prod(shape))
         self.fixed = list(fixed.items())
-        self.held = held  # the bound object of its last call (kernels.dispatch_split)
+        self.held = kernels.new_held()  # its last call's bound object (kernels.dispatch_split)
+        # The bindings of its last call into a given result, and weak references to that
+        # result and the tensors read: a tensor's buffer never changes, so a call passing the
+        # very same tensors binds the same buffers (a loop's repeated call: not built again).
+        # A held list: empty_cache empties it, releasing the buffers the bindings refer to.
+        self.last = kernels.new_held()
 
     @staticmethod
     def make(fn: FunctionTarget, args: tuple, result: Any) -> Any:
@@ -64,7 +81,7 @@ class ForwardLaunch:
         kernel = generated.forward_kernel(fn, list(args), shape, given)
         if kernel is None:
             return None
-        return ForwardLaunch(kernel, args, shape, fn.module.device.kernels.new_held())
+        return ForwardLaunch(kernel, args, shape, fn.module.device.kernels)
 
     def ready(self, args: tuple, result: Any) -> bool:
         """These values fit the kernel: every tensor (and a given result) float4 storage."""
@@ -76,9 +93,20 @@ class ForwardLaunch:
         """The result written (the tensor given, or a new one); after ``ready``. (What
         ``generated.dispatch_forward`` binds, from names and sizes found once.)"""
         dev = fn.module.device
-        out = result if type(result) is Tensor else empty(self.shape, device=dev)
-        buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
-        buffers.append(("pydiff_result", out.buffer))
+        last = self.last
+        if type(result) is not Tensor:
+            out = empty(self.shape, device=dev)
+            buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
+            buffers.append(("pydiff_result", out.buffer))
+        elif last and last[0]() is result and same_tensors(last[1], args):
+            out, buffers = result, last[2]
+        else:
+            out = result
+            buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
+            buffers.append(("pydiff_result", out.buffer))
+            if result.numel <= LAST_MAX_ELEMENTS:
+                refs = tuple((i, weakref.ref(args[i])) for i in self.tensors)
+                self.last[:] = (weakref.ref(result), refs, buffers)
         scalars = [(name, float(args[i])) for name, i in self.number_names]
         scalars += self.fixed
         dev.kernels.dispatch_split(
@@ -92,19 +120,40 @@ class BackwardLaunch:
     """A backward plan's generated kernels (every tensor argument of the result's shape, its
     gradient added into its ``grad_out``), one per way the gradient buffers are shared."""
 
-    __slots__ = ("kernels", "covered", "names", "threads", "fixed", "held")
+    __slots__ = ("kernels", "covered", "names", "threads", "fixed", "held", "grad_names", "last")
 
-    def __init__(self, count: int, numel: int) -> None:
+    def __init__(self, count: int, numel: int, kernels: Any) -> None:
         self.kernels: dict = {}  # sums (parameters per shared gradient buffer) -> kernel
         self.covered = True  # False once the layout proved not covered: SlangPy's path
         self.names = tuple((f"pydiff_a{i}", i) for i in range(count))
         self.threads, fixed = generated.geometry(numel)
         self.fixed = [*fixed.items(), ("pydiff_zero", 0)]
         self.held: dict = {}  # per kernel, the bound object of its last call
+        self.grad_names = tuple((f"pydiff_g{j}", f"pydiff_g{j}_in") for j in range(count))
+        # As ForwardLaunch.last: a weak reference to the last call's upstream, (index, tensor,
+        # gradient) references, and what they decided (the kernel, its bindings and held
+        # object, the number arguments' names): the same tensors and gradient buffers again
+        # pass the same checks (their layouts and storages are fixed) and bind the same.
+        self.last = kernels.new_held()  # (emptied by empty_cache, as ForwardLaunch.last)
 
     def run(self, fn: FunctionTarget, args: tuple, upstream: Tensor, grads: dict) -> bool:
         """Add the gradients (``grads``: parameter index -> its gradient tensor, in order);
         False, nothing done, where these values or the layout rule the kernel out."""
+        last = self.last
+        if last and last[0]() is upstream:
+            for i, tensor, grad in last[1]:
+                if tensor() is not args[i] or grad() is not grads[i]:
+                    break
+            else:
+                kernel, buffers, held, numbers = last[2]
+                scalars = [(name, float(args[i])) for name, i in numbers]
+                scalars += self.fixed
+                kernels = fn.module.device.kernels
+                kernels.dispatch_split(
+                    kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
+                )
+                generated.count("backward")
+                return True
         if not self.kernels and generated_vector.involves(fn):  # (until a kernel is found)
             self.covered = False  # float vectors: the full path's (generated_vector), if large
             return False
@@ -136,15 +185,19 @@ class BackwardLaunch:
                 self.covered = False  # (the values were checked above: the layout's doing)
                 return False
             kernel = self.kernels[sums] = found[0]
-        for j, members in enumerate(sums):
+        for (name, name_in), members in zip(self.grad_names, sums):
             grad = grads[members[0]].buffer
-            buffers += ((f"pydiff_g{j}", grad), (f"pydiff_g{j}_in", grad))
+            buffers += ((name, grad), (name_in, grad))
         buffers.append(("pydiff_up", upstream.buffer))
         scalars += self.fixed
         kernels = fn.module.device.kernels
         held = self.held.get(sums)
         if held is None:
             held = self.held[sums] = kernels.new_held()
+        if upstream.numel <= LAST_MAX_ELEMENTS:
+            refs = tuple((i, weakref.ref(args[i]), weakref.ref(g)) for i, g in grads.items())
+            numbers = tuple((name, i) for name, i in self.names if type(args[i]) is not Tensor)
+            self.last[:] = (weakref.ref(upstream), refs, (kernel, buffers, held, numbers))
         kernels.dispatch_split(kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX)
         generated.count("backward")
         return True
