@@ -39,6 +39,14 @@ def same_tensors(refs: tuple, args: tuple) -> bool:
     return True
 
 
+def memo(last: list) -> tuple:
+    """A launch's ``last`` read at once (a tuple: empty, or what it kept): its items read one
+    by one could mix two threads' calls (another thread's call replacing it between the check
+    and the use of the bindings: a dispatch of that thread's buffers with this call's numbers)
+    or meet it emptied (``empty_cache`` in another thread: an IndexError out of the call)."""
+    return tuple(last)  # (one C-level copy under the GIL: no other thread runs during it)
+
+
 def _float4_tensors(args: tuple, tensors: tuple) -> bool:
     for i in tensors:
         if not args[i].float4:
@@ -93,12 +101,11 @@ class ForwardLaunch:
         """The result written (the tensor given, or a new one); after ``ready``. (What
         ``generated.dispatch_forward`` binds, from names and sizes found once.)"""
         dev = fn.module.device
-        last = self.last
         if type(result) is not Tensor:
             out = empty(self.shape, device=dev)
             buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
             buffers.append(("pydiff_result", out.buffer))
-        elif last and last[0]() is result and same_tensors(last[1], args):
+        elif (last := memo(self.last)) and last[0]() is result and same_tensors(last[1], args):
             out, buffers = result, last[2]
         else:
             out = result
@@ -139,7 +146,7 @@ class BackwardLaunch:
     def run(self, fn: FunctionTarget, args: tuple, upstream: Tensor, grads: dict) -> bool:
         """Add the gradients (``grads``: parameter index -> its gradient tensor, in order);
         False, nothing done, where these values or the layout rule the kernel out."""
-        last = self.last
+        last = memo(self.last)
         if last and last[0]() is upstream:
             for i, tensor, grad in last[1]:
                 if tensor() is not args[i] or grad() is not grads[i]:
