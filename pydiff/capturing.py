@@ -36,6 +36,7 @@ import numpy as np
 import slangpy as spy
 
 from .errors import CaptureError
+from .policy import ZeroPolicy, get_zero_policy
 
 
 _recording: contextvars.ContextVar["CapturedStep | None"] = contextvars.ContextVar(
@@ -59,6 +60,112 @@ def refuse(what: str) -> None:
             "optimizers, zero_grad and Tape.backward, on tensors already on the device; copy "
             "new inputs into the captured tensors before replay()."
         )
+
+
+class paused:
+    """Run a block unrecorded inside a capture: a user function's first call of a layout runs
+    the full path (which makes the call plan) before the recorded call takes the plan."""
+
+    def __enter__(self) -> None:
+        self._token = _recording.set(None)
+
+    def __exit__(self, *exc: Any) -> None:
+        _recording.reset(self._token)
+
+
+_NO_PLAN = (
+    "Capturable: calls of a user's function that its call plan runs on pydiff's generated "
+    "kernel (elementwise float functions, float32 tensors of the call's shape, all-positional "
+    "arguments, _result a tensor or 'tensor'; see docs/capture.md)"
+)
+
+
+FIRST_BWDS = (
+    "no call plan covers it: inside Tape.backward a layout's first .bwds runs the full path, "
+    "which makes the plan (run the step once eagerly before capturing it); a plan needs all "
+    "arguments positional, _result= a tensor with gradient buffers, and every tensor argument "
+    "an `in` parameter of its own type and the result's shape, with a gradient buffer"
+)
+
+
+def refuse_call(label: str, why: str) -> None:
+    """In a capture: refuse the call ``label`` of a user's function, saying ``why``."""
+    if _recording.get() is not None:
+        raise CaptureError(
+            f"pydiff.capture: {label} cannot be recorded for replay: {why}. {_NO_PLAN}."
+        )
+
+
+def refuse_planned(label: str, plan: Any, launch: Any = None, result: Any = "") -> None:
+    """In a capture: a call plan (call_plan) about to run SlangPy's kernel instead of its
+    generated one (``launch``: the one it tried, if any), refused, naming why from the plan's
+    public fields. ``result``: a forward call's ``_result`` (MISSING: none)."""
+    if _recording.get() is None:
+        return
+    made = plan.launch  # a forward plan's: None (not tried), False (not covered), a launch
+    if getattr(plan, "grid", False):
+        why = "a call over a grid runs SlangPy's kernel"
+    elif getattr(plan, "zero_d", False):
+        why = "a call on 0-d tensors runs SlangPy's kernel"
+    elif getattr(plan, "options", None):
+        why = "a whole vector tensor passed for a vector parameter runs SlangPy's kernel"
+    elif not plan.tensors and not getattr(plan, "result_tensor", True) and type(result) is not str:
+        why = "a call on numbers only returns a host number, which a replay cannot update"
+    elif made is False or getattr(made, "covered", True) is False:
+        why = (
+            "pydiff's kernel generator does not cover this function or argument layout "
+            "(pydiff.generated.stats() says why), so SlangPy's kernel would run it"
+        )
+    elif made is None:
+        why = "generated kernels are off (PYDIFF_GENERATED=0), so SlangPy's kernel would run it"
+    else:
+        why = (
+            "a tensor or gradient buffer of this call is not float32 storage pydiff's kernel "
+            "reads (a view, another dtype), a gradient buffer is shared with an input, or "
+            "generated kernels are off, so SlangPy's kernel would run it"
+        )
+    refuse_call(label, why)
+
+
+def planned_bwds(label: str, plan: Any, launch: Any, args: tuple) -> None:
+    """In a capture: a ``.bwds`` call plan about to run; refused where it would take SlangPy's
+    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy."""
+    if _recording.get() is None:
+        return
+    if launch is None:
+        refuse_planned(label, plan)
+    refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
+
+
+def refuse_strict(label: str, policies: list) -> None:
+    """In a capture: a ``.bwds`` whose gradient buffers have the STRICT policy is refused
+    (its check of a stale gradient runs on the host at each call; a replay cannot)."""
+    if _recording.get() is not None and ZeroPolicy.STRICT in policies:
+        refuse_call(
+            label,
+            "a gradient buffer has the STRICT zeroing policy, whose check runs on the host at "
+            "each call and cannot run on replay (capture under ACCUMULATE with zero_grad in "
+            "the step, or RESET)",
+        )
+
+
+def refuse_full_path(label: str, planned: bool, first: str) -> None:
+    """In a capture: a call of a user's function about to take the full path (SlangPy's
+    kernel, or checks only it makes). ``planned``: whether its layout has a call plan (which
+    declined this call); ``first``: what to say when it has none."""
+    if _recording.get() is None:
+        return
+    if planned:
+        why = (
+            "its call plan declined this call (on a tape where the plan cannot record it, "
+            "aliased or in-place tensors, a tensor on another device, a zeroing policy other "
+            "than ACCUMULATE outside Tape.backward, deterministic mode, an input written "
+            "since the forward call, or a large call pydiff's generator does not cover), so "
+            "the full path would run SlangPy's kernel"
+        )
+    else:
+        why = first
+    refuse_call(label, why)
 
 
 def on_replay(action: Callable[[], None]) -> None:
