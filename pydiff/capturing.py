@@ -12,18 +12,25 @@ and records the commands pydiff issued for it (its kernels, zeroing, constant up
         step.replay()                                    # same kernels, new data
     print(step.result.item())                            # train_step's return value, updated
 
-What stays the same on replay: the tensors (their buffers), shapes and the kernels chosen.
-What is re-read on replay: optimizer hyper-parameters and step counts (bias correction goes
-on), and labels changed since they were range-checked. Everything else a captured function
-computes on the host (Python control flow, numbers read back) is frozen, so anything pydiff
-cannot record raises ``CaptureError`` during the capture instead of replaying stale work:
-calls of Slang functions through SlangPy (``fn(...)``, ``fn.bwds``, ``fn.fwds``, and the ops
-built on them: the elementwise ops, sum/mean, softmax, norms, attention), host writes
-(``copy_from_numpy``, ``pydiff.tensor(array)``), optimizer state created on the first step
-(run one step first) and deterministic-mode overflow checks. What can be captured: the ops
-that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int labels, on
-float tensors of a Vulkan device), pydiff.nn, the optimizers, ``zero_grad`` and
-``Tape.backward``.
+What stays the same on replay: the tensors (their buffers), shapes and the kernels chosen,
+and the Python numbers passed to them (``m.f(0.5, x)``: 0.5 is in the recorded kernel; pass a
+value that changes per step in a tensor). What is re-read on replay: optimizer
+hyper-parameters and step counts (bias correction goes on), and labels changed since they
+were range-checked. Everything else a captured function computes on the host (Python control
+flow, numbers read back) is frozen, so anything pydiff cannot record raises ``CaptureError``
+during the capture instead of replaying stale work.
+
+What can be captured: the ops that run on pydiff's own kernels (linear, matmul, relu,
+cross_entropy with int labels, on float tensors of a Vulkan device), pydiff.nn, the
+optimizers, ``zero_grad``, ``Tape.backward``, and calls of a user's Slang function (``fn(...)``
+into a tensor or a new result, ``fn.bwds``, and its ``.bwds`` in ``Tape.backward``) that its
+call plan runs on pydiff's generated kernel (capture_calls; a layout's first call runs the
+full path unrecorded to make the plan). Refused: whatever SlangPy's kernel would run (a
+function or layout the generator does not cover, struct, ``inout`` or host arguments, a host
+result, ``fn.fwds``, the ops built on SlangPy: the elementwise ops, sum/mean, softmax, norms,
+attention), a STRICT zeroing policy, host writes (``copy_from_numpy``,
+``pydiff.tensor(array)``), optimizer state created on the first step (run one step first) and
+deterministic-mode overflow checks.
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ def refuse(what: str) -> None:
             "ops that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int "
             "labels, on float32 tensors; linear takes them when in_features is a multiple of 4, "
             "matmul(a, b) when b's columns are: see docs/capture.md), pydiff.nn, the "
-            "optimizers, zero_grad and Tape.backward, on tensors already on the device; copy "
+            "optimizers, zero_grad and Tape.backward, and calls of your own Slang functions "
+            "that pydiff's generated kernels cover, on tensors already on the device; copy "
             "new inputs into the captured tensors before replay()."
         )
 
@@ -81,10 +89,10 @@ _NO_PLAN = (
 
 
 FIRST_BWDS = (
-    "no call plan covers it: inside Tape.backward a layout's first .bwds runs the full path, "
-    "which makes the plan (run the step once eagerly before capturing it); a plan needs all "
-    "arguments positional, _result= a tensor with gradient buffers, and every tensor argument "
-    "an `in` parameter of its own type and the result's shape, with a gradient buffer"
+    "no call plan covers it (a plan needs all arguments positional, _result= a tensor with "
+    "gradient buffers, and every tensor argument an `in` parameter of its own type and the "
+    "result's shape, with a gradient buffer); inside Tape.backward a layout's first .bwds "
+    "runs the full path, which makes the plan: run the step once eagerly before capturing it"
 )
 
 

@@ -13,7 +13,11 @@ import pydiff
 from pydiff import optim
 
 SOURCE = """
-[Differentiable] float cu_sq(float a, float x, float t, float w) { float r = w * x - t; return a * r * r; }
+[Differentiable] float cu_sq(float a, float x, float t, float w)
+{
+    float r = w * x - t;
+    return a * r * r;
+}
 [Differentiable] float cu_int(int k, float x) { return x * float(k); }
 [Differentiable] void cu_inout(float s, inout float v) { v = v * s; }
 """
@@ -30,22 +34,23 @@ def _t(values, device, grad=True):
     return pydiff.tensor(np.asarray(values, np.float32), device=device, requires_grad=grad)
 
 
-def _data():
-    return RNG.standard_normal(N).astype(np.float32), RNG.standard_normal(N).astype(np.float32)
+def _data(n=N):
+    return RNG.standard_normal(n).astype(np.float32), RNG.standard_normal(n).astype(np.float32)
 
 
 def _dw(a, x, t, w):  # d/dw of a (w x - t)^2, float64
     return 2.0 * a * (w * x - t) * x
 
 
-def test_forward_bwds_sgd_step_captured_on_first_call_replays_like_numpy(device, mod):
+@pytest.mark.parametrize("n", [N, 5000])  # 5000: past generated.MIN_ELEMENTS
+def test_forward_bwds_sgd_step_captured_on_first_call_replays_like_numpy(device, mod, n):
     """Forward into a given _result, .bwds, SGD: captured without an eager step first (the
     layouts' first calls make the plans), replayed with new data copied in."""
     a, lr = 0.75, 0.1
-    x0, t0 = _data()
-    w_np = RNG.standard_normal(N).astype(np.float64)
+    x0, t0 = _data(n)
+    w_np = RNG.standard_normal(n).astype(np.float64)
     x, t, w = _t(x0, device), _t(t0, device), _t(w_np, device)
-    out = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    out = pydiff.zeros((n,), device=device).with_grads(ones=True)
     opt = optim.SGD([w], lr=lr)
 
     def step():
@@ -58,11 +63,11 @@ def test_forward_bwds_sgd_step_captured_on_first_call_replays_like_numpy(device,
     w.grad.zero_()
     opt.step()  # SGD's state (a zero step: w unchanged); cu_sq's layouts first seen below
     assert not mod.cu_sq.plans and not mod.cu_sq.bwds_plans
-    xg_want = np.zeros(N)  # x's gradient: never zeroed, ACCUMULATE adds once per step
+    xg_want = np.zeros(n)  # x's gradient: never zeroed, ACCUMULATE adds once per step
     captured = pydiff.capture(step)
     xs, ts = [x0], [t0]
     for _ in range(4):
-        xb, tb = _data()
+        xb, tb = _data(n)
         xs.append(xb)
         ts.append(tb)
         x.copy_from_numpy(xb)
@@ -112,16 +117,17 @@ def test_python_numbers_are_frozen_at_capture(device, mod):
     np.testing.assert_allclose(out.numpy(), np.full(N, 3.0 * 1.0), rtol=1e-6)  # a 3, w 0.5
 
 
-def test_tape_step_with_user_function_captured_after_one_eager_step(device, mod):
+@pytest.mark.parametrize("n", [N, 5000])  # 5000: past generated.MIN_ELEMENTS
+def test_tape_step_with_user_function_captured_after_one_eager_step(device, mod, n):
     """Tape.backward inside the captured step runs the .bwds plan's kernel in its batch. Its
     first .bwds of a layout is refused in a capture (run the step once eagerly first)."""
     a, lr = 0.5, 0.05
-    x0, t0 = _data()
-    w_np = RNG.standard_normal(N).astype(np.float64)
+    x0, t0 = _data(n)
+    w_np = RNG.standard_normal(n).astype(np.float64)
     x, t = _t(x0, device, False).with_grads(), _t(t0, device, False).with_grads()
     w = _t(w_np, device)
     opt = optim.SGD([w], lr=lr)
-    seed = np.ones(N, np.float32)
+    seed = np.ones(n, np.float32)
 
     def step():
         opt.zero_grad()
@@ -140,7 +146,7 @@ def test_tape_step_with_user_function_captured_after_one_eager_step(device, mod)
     captured = pydiff.capture(step)
     w_np = w_np - lr * _dw(a, x0.astype(np.float64), t0, w_np)
     for _ in range(3):
-        xb, tb = _data()
+        xb, tb = _data(n)
         x.copy_from_numpy(xb)
         t.copy_from_numpy(tb)
         loss = captured.replay()
@@ -206,6 +212,13 @@ def test_calls_slangpy_would_run_are_refused_naming_function_and_why(device, mod
         pydiff.capture(lambda: mod.cu_sq(1.0, x, x, w=x, _result="tensor"))
     with pytest.raises(pydiff.CaptureError, match=r"cu_sq.*not all positional"):
         pydiff.capture(lambda: mod.cu_sq(1.0, x, x, x, _result="numpy"))
+    w = _t(np.ones(N), device)  # (x: no gradient buffer, which .bwds's plan needs)
+    out = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    with pytest.raises(pydiff.CaptureError, match=r"cu_sq\.bwds cannot .*: no call plan covers it"):
+        pydiff.capture(lambda: mod.cu_sq.bwds(1.0, x, x, w, _result=out))
+    with pydiff.Tape():  # a forward into a given tensor on a tape: the full path's
+        with pytest.raises(pydiff.CaptureError, match=r"cu_sq .*plan declined this call"):
+            pydiff.capture(lambda: mod.cu_sq(1.0, w, w, w, _result=out))
     with pytest.raises(pydiff.CaptureError, match=r"op_exp through SlangPy"):
         pydiff.capture(lambda: pydiff.ops.exp(x))  # pydiff's ops on SlangPy: as before
 
