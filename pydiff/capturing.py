@@ -231,6 +231,10 @@ class CapturedStep:
         self._commands: list[tuple] = []
         self._checks: list[tuple[str, Callable[[], str | None], str | None]] = []
         self._queue: Any = None  # the CommandQueue of the one device the step uses
+        # Storages the step wrote (Storage.wrote), by id: (storage, version before): a replay
+        # adds the versions they moved by, so a check of values read before (a tape's, a
+        # .bwds's stale read) sees the replay's writes as it sees an eager step's.
+        self._writes: dict[int, tuple[Any, int]] = {}
         self.replays = 0
         token = _recording.set(self)
         try:
@@ -241,6 +245,8 @@ class CapturedStep:
                 self._queue.flush()
         if self._queue is None:
             raise CaptureError("pydiff.capture: the function issued no GPU work to record")
+        self._bumps = [(st, st.version - v) for st, v in self._writes.values() if st.version > v]
+        self._writes.clear()
 
     # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
     def _use_device(self, queue: Any) -> None:
@@ -269,6 +275,10 @@ class CapturedStep:
         # The buffers ride along: their memory must outlive the capture, and Python must
         # not hand them to other tensors (pydiff's pool checks their reference counts).
         self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
+
+    def record_write(self, storage: Any) -> None:
+        """A write of ``storage``'s values (``Storage.wrote``), before its version moves."""
+        self._writes.setdefault(id(storage), (storage, storage.version))
 
     def record_host(self, action: Callable[[], None]) -> None:
         """Host code to run at this point of every replay."""
@@ -330,6 +340,8 @@ class CapturedStep:
                 else:  # host state for the dispatches after it (their uniforms are read now)
                     command[1]()
             device.submit_command_buffer(encoder.finish())
+        for st, moved in self._bumps:
+            st.version += moved  # (the step's writes, counted again: see _writes)
         self.replays += 1
         return self.result
 

@@ -20,6 +20,9 @@ SOURCE = """
 }
 [Differentiable] float cu_int(int k, float x) { return x * float(k); }
 [Differentiable] void cu_inout(float s, inout float v) { v = v * s; }
+[Differentiable] float3 cu_vec(float s, float3 v) { return float3(s) * v * v; }
+struct CuParams { float a; float b; };
+[Differentiable] float cu_struct(CuParams p, float x) { return p.a * x + p.b; }
 """
 N = 16
 RNG = np.random.default_rng(39)
@@ -199,8 +202,10 @@ def test_direct_bwds_under_reset_is_refused(device, mod):
             pydiff.capture(lambda: mod.cu_sq.bwds(1.0, x, t, w, _result=out))
 
 
-def test_calls_slangpy_would_run_are_refused_naming_function_and_why(device, mod):
+def test_calls_slangpy_would_run_are_refused_naming_function_and_why(device, mod, monkeypatch):
     x = _t(np.ones(N), device, False)
+    with pytest.raises(pydiff.CaptureError, match=r"cu_struct.*not all positional tensors"):
+        pydiff.capture(lambda: mod.cu_struct({"a": 1.0, "b": 2.0}, x, _result="tensor"))
     v = _t(np.ones(N), device, False)
     with pytest.raises(pydiff.CaptureError, match=r"s39_capuser\.cu_inout.*no call plan"):
         pydiff.capture(lambda: mod.cu_inout(2.0, v))
@@ -219,6 +224,10 @@ def test_calls_slangpy_would_run_are_refused_naming_function_and_why(device, mod
     with pydiff.Tape():  # a forward into a given tensor on a tape: the full path's
         with pytest.raises(pydiff.CaptureError, match=r"cu_sq .*plan declined this call"):
             pydiff.capture(lambda: mod.cu_sq(1.0, w, w, w, _result=out))
+    monkeypatch.setenv("PYDIFF_GENERATED", "0")
+    with pytest.raises(pydiff.CaptureError, match=r"cu_sq .*generated kernels are off"):
+        pydiff.capture(lambda: mod.cu_sq(1.0, x, x, x, _result="tensor"))
+    monkeypatch.delenv("PYDIFF_GENERATED")
     with pytest.raises(pydiff.CaptureError, match=r"op_exp through SlangPy"):
         pydiff.capture(lambda: pydiff.ops.exp(x))  # pydiff's ops on SlangPy: as before
 
@@ -231,3 +240,39 @@ def test_calls_outside_a_capture_unchanged(device, mod):
     np.testing.assert_allclose(mod.cu_sq(0.5, x, t, w).numpy(), np.full(N, want), rtol=1e-6)
     pydiff.capture(lambda: mod.cu_sq(0.5, x, t, w, _result="tensor"))
     np.testing.assert_allclose(mod.cu_sq(0.5, x, t, w).numpy(), np.full(N, want), rtol=1e-6)
+
+
+def test_float3_forward_captured_its_bwds_refused(device, mod):
+    """A function of float3 values: its forward runs on the generated vector kernel (recorded);
+    its .bwds plan has no generated kernel for vectors (SlangPy's): refused, saying so."""
+    v = pydiff.tensor(np.ones((N, 3), np.float32), dtype="float3", device=device)
+    v = v.with_grads()
+    out = pydiff.zeros((N,), dtype="float3", device=device).with_grads(ones=True)
+    captured = pydiff.capture(lambda: mod.cu_vec(2.0, v, _result=out))
+    with pytest.raises(pydiff.CaptureError, match=r"cu_vec\.bwds .*generator does not cover"):
+        pydiff.capture(lambda: mod.cu_vec.bwds(2.0, v, _result=out))
+    vals = RNG.standard_normal((N, 3)).astype(np.float32)
+    v.copy_from_numpy(vals)
+    captured.replay()
+    np.testing.assert_allclose(out.numpy(), 2.0 * vals.astype(np.float64) ** 2, rtol=1e-5)
+
+
+def test_a_replay_counts_its_writes_for_stale_checks(device, mod):
+    """A replay writes what the captured step wrote: a later eager .bwds (or tape backward)
+    of a call that read those tensors before the replay is refused as stale, as after an
+    eager step, instead of differentiating at the values the replay wrote."""
+    x, t = _t(np.full(N, 2.0), device), _t(np.ones(N), device)
+    w, src = _t(np.ones(N), device), _t(np.full(N, 3.0), device, False)
+    ones = _t(np.ones(N), device, False)
+    zero = _t(np.zeros(N), device, False)
+    captured = pydiff.capture(lambda: mod.cu_sq(1.0, src, zero, ones, _result=w))  # w = src^2
+    out = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    mod.cu_sq(1.0, x, t, w, _result=out)  # eager, reads w
+    with pydiff.Tape() as tape:
+        loss = mod.cu_sq(1.0, x, t, w, _result="tensor")
+    captured.replay()  # writes w
+    with pytest.raises(pydiff.StaleInputError, match=r"parameter 'w'"):
+        mod.cu_sq.bwds(1.0, x, t, w, _result=out)
+    with pytest.raises(pydiff.StaleInputError, match=r"parameter 'w' .*overwritten"):
+        tape.backward(loss, np.ones(N, np.float32))
+    np.testing.assert_allclose(w.numpy(), np.full(N, 9.0), rtol=1e-6)
