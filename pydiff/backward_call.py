@@ -18,6 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
+from . import capturing
 from .arguments import (
     MISSING,
     PLAIN,
@@ -366,6 +367,7 @@ def backward_call(
     plan = fn.bwds_plans.get(key)  # a layout run before (None is never a key): per-call work
     if plan is not None and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
         return
+    capturing.refuse_full_path(fn.bwds_label, plan is not None, capturing.FIRST_BWDS)
     # Deferred kernels go first (a batch this joins is ordered by its own scope).
     fn.module.device.queue.flush_deferred()
     label = fn.label

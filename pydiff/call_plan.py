@@ -103,12 +103,12 @@ def plannable(fn: FunctionTarget) -> bool:
 
 def _may_generate(plan: Any, large: bool) -> bool:
     """Whether a call of ``plan`` may take the generated kernel: a small one once its layout
-    has run ``planned_after`` times (generated_switch.planned_after), any while
-    ``PYDIFF_GENERATED`` is on (read each time for a large call, for a small one when the
-    environment changed size: generated_switch.enabled_planned)."""
+    has run ``planned_after`` times (generated_switch.planned_after) or in a capture (which
+    needs it), any while ``PYDIFF_GENERATED`` is on (read each time for a large call, for a
+    small one when the environment changed size: generated_switch.enabled_planned)."""
     if not large:
         plan.calls += 1
-        if plan.calls <= plan.planned_after:
+        if plan.calls <= plan.planned_after and capturing.recording() is None:
             generated.check_switch_planned()  # (the full path reads it at every call)
             return False
         return generated_switch.enabled_planned()
@@ -208,6 +208,8 @@ class ForwardPlan:
         launch = self._generated(fn, args, result)
         if launch is DECLINED:
             return DECLINED
+        if launch is None and capturing.recording() is not None:
+            capturing.refuse_planned(fn.label, self, None, result)  # (SlangPy's kernel)
         dev = fn.module.device
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:
@@ -371,8 +373,9 @@ class BackwardPlan:
         dev = fn.module.device
         if result.device is not dev:
             return DECLINED
-        if scope is not None and (scope.device is not dev or capturing.recording() is not None):
-            return DECLINED  # (a scope running SlangPy's kernels at once; a capture's refusals)
+        if scope is not None and scope.device is not dev:
+            return DECLINED  # (a scope running SlangPy's kernels at once)
+        capturing.planned_bwds(fn.bwds_label, self, launch, args)  # (in a capture)
         made = result.storage.made_by
         if made is not None and made[0] is fn and written_since(args, made):
             return DECLINED  # (the full path refuses it, or uses a copy kept)
@@ -398,6 +401,7 @@ class BackwardPlan:
             return None
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
+        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
         queue = dev.queue
         if deferrable(queue):  # (as ForwardPlan._deferred)
             for i in self.tensors:
@@ -426,7 +430,8 @@ class BackwardPlan:
     ) -> Any:
         """``run`` inside ``scope`` (with a device): the policy first (STRICT's refusal before
         any buffer changes), then the kernel into the scope's batch."""
-        if launch is not None and self.numel >= generated.MIN_ELEMENTS:
+        large = launch is not None and self.numel >= generated.MIN_ELEMENTS
+        if large and capturing.recording() is None:
             return DECLINED  # (a large one: the full path's generated kernel, in scope)
         for i, g in grads.items():
             scope.check_stale(args[i], g, self.descs[i])
@@ -434,6 +439,7 @@ class BackwardPlan:
             scope.before_accumulate(args[i], g, self.descs[i])
         if launch is not None and launch.run(fn, args, result.grad_in, grads):
             return None
+        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
         for i in self.tensors:
             native[i] = args[i].bind(True)
         try:

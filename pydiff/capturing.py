@@ -12,18 +12,25 @@ and records the commands pydiff issued for it (its kernels, zeroing, constant up
         step.replay()                                    # same kernels, new data
     print(step.result.item())                            # train_step's return value, updated
 
-What stays the same on replay: the tensors (their buffers), shapes and the kernels chosen.
-What is re-read on replay: optimizer hyper-parameters and step counts (bias correction goes
-on), and labels changed since they were range-checked. Everything else a captured function
-computes on the host (Python control flow, numbers read back) is frozen, so anything pydiff
-cannot record raises ``CaptureError`` during the capture instead of replaying stale work:
-calls of Slang functions through SlangPy (``fn(...)``, ``fn.bwds``, ``fn.fwds``, and the ops
-built on them: the elementwise ops, sum/mean, softmax, norms, attention), host writes
-(``copy_from_numpy``, ``pydiff.tensor(array)``), optimizer state created on the first step
-(run one step first) and deterministic-mode overflow checks. What can be captured: the ops
-that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int labels, on
-float tensors of a Vulkan device), pydiff.nn, the optimizers, ``zero_grad`` and
-``Tape.backward``.
+What stays the same on replay: the tensors (their buffers), shapes and the kernels chosen,
+and the Python numbers passed to them (``m.f(0.5, x)``: 0.5 is in the recorded kernel; pass a
+value that changes per step in a tensor). What is re-read on replay: optimizer
+hyper-parameters and step counts (bias correction goes on), and labels changed since they
+were range-checked. Everything else a captured function computes on the host (Python control
+flow, numbers read back) is frozen, so anything pydiff cannot record raises ``CaptureError``
+during the capture instead of replaying stale work.
+
+What can be captured: the ops that run on pydiff's own kernels (linear, matmul, relu,
+cross_entropy with int labels, on float tensors of a Vulkan device), pydiff.nn, the
+optimizers, ``zero_grad``, ``Tape.backward``, and calls of a user's Slang function (``fn(...)``
+into a tensor or a new result, ``fn.bwds``, and its ``.bwds`` in ``Tape.backward``) that its
+call plan runs on pydiff's generated kernel (capture_calls; a layout's first call runs the
+full path unrecorded to make the plan). Refused: whatever SlangPy's kernel would run (a
+function or layout the generator does not cover, struct, ``inout`` or host arguments, a host
+result, ``fn.fwds``, the ops built on SlangPy: the elementwise ops, sum/mean, softmax, norms,
+attention), a STRICT zeroing policy, host writes (``copy_from_numpy``,
+``pydiff.tensor(array)``), optimizer state created on the first step (run one step first) and
+deterministic-mode overflow checks.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 import slangpy as spy
 
 from .errors import CaptureError
+from .policy import ZeroPolicy, get_zero_policy
 
 
 _recording: contextvars.ContextVar["CapturedStep | None"] = contextvars.ContextVar(
@@ -56,9 +64,116 @@ def refuse(what: str) -> None:
             "ops that run on pydiff's own kernels (linear, matmul, relu, cross_entropy with int "
             "labels, on float32 tensors; linear takes them when in_features is a multiple of 4, "
             "matmul(a, b) when b's columns are: see docs/capture.md), pydiff.nn, the "
-            "optimizers, zero_grad and Tape.backward, on tensors already on the device; copy "
+            "optimizers, zero_grad and Tape.backward, and calls of your own Slang functions "
+            "that pydiff's generated kernels cover, on tensors already on the device; copy "
             "new inputs into the captured tensors before replay()."
         )
+
+
+class paused:
+    """Run a block unrecorded inside a capture: a user function's first call of a layout runs
+    the full path (which makes the call plan) before the recorded call takes the plan."""
+
+    def __enter__(self) -> None:
+        self._token = _recording.set(None)
+
+    def __exit__(self, *exc: Any) -> None:
+        _recording.reset(self._token)
+
+
+_NO_PLAN = (
+    "Capturable: calls of a user's function that its call plan runs on pydiff's generated "
+    "kernel (elementwise float functions, float32 tensors of the call's shape, all-positional "
+    "arguments, _result a tensor or 'tensor'; see docs/capture.md)"
+)
+
+
+FIRST_BWDS = (
+    "no call plan covers it (a plan needs all arguments positional, _result= a tensor with "
+    "gradient buffers, and every tensor argument an `in` parameter of its own type and the "
+    "result's shape, with a gradient buffer); inside Tape.backward a layout's first .bwds "
+    "runs the full path, which makes the plan: run the step once eagerly before capturing it"
+)
+
+
+def refuse_call(label: str, why: str) -> None:
+    """In a capture: refuse the call ``label`` of a user's function, saying ``why``."""
+    if _recording.get() is not None:
+        raise CaptureError(
+            f"pydiff.capture: {label} cannot be recorded for replay: {why}. {_NO_PLAN}."
+        )
+
+
+def refuse_planned(label: str, plan: Any, launch: Any = None, result: Any = "") -> None:
+    """In a capture: a call plan (call_plan) about to run SlangPy's kernel instead of its
+    generated one (``launch``: the one it tried, if any), refused, naming why from the plan's
+    public fields. ``result``: a forward call's ``_result`` (MISSING: none)."""
+    if _recording.get() is None:
+        return
+    made = plan.launch  # a forward plan's: None (not tried), False (not covered), a launch
+    if getattr(plan, "grid", False):
+        why = "a call over a grid runs SlangPy's kernel"
+    elif getattr(plan, "zero_d", False):
+        why = "a call on 0-d tensors runs SlangPy's kernel"
+    elif getattr(plan, "options", None):
+        why = "a whole vector tensor passed for a vector parameter runs SlangPy's kernel"
+    elif not plan.tensors and not getattr(plan, "result_tensor", True) and type(result) is not str:
+        why = "a call on numbers only returns a host number, which a replay cannot update"
+    elif made is False or getattr(made, "covered", True) is False:
+        why = (
+            "pydiff's kernel generator does not cover this function or argument layout "
+            "(pydiff.generated.stats() says why), so SlangPy's kernel would run it"
+        )
+    elif made is None:
+        why = "generated kernels are off (PYDIFF_GENERATED=0), so SlangPy's kernel would run it"
+    else:
+        why = (
+            "a tensor or gradient buffer of this call is not float32 storage pydiff's kernel "
+            "reads (a view, another dtype), a gradient buffer is shared with an input, or "
+            "generated kernels are off, so SlangPy's kernel would run it"
+        )
+    refuse_call(label, why)
+
+
+def planned_bwds(label: str, plan: Any, launch: Any, args: tuple) -> None:
+    """In a capture: a ``.bwds`` call plan about to run; refused where it would take SlangPy's
+    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy."""
+    if _recording.get() is None:
+        return
+    if launch is None:
+        refuse_planned(label, plan)
+    refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
+
+
+def refuse_strict(label: str, policies: list) -> None:
+    """In a capture: a ``.bwds`` whose gradient buffers have the STRICT policy is refused
+    (its check of a stale gradient runs on the host at each call; a replay cannot)."""
+    if _recording.get() is not None and ZeroPolicy.STRICT in policies:
+        refuse_call(
+            label,
+            "a gradient buffer has the STRICT zeroing policy, whose check runs on the host at "
+            "each call and cannot run on replay (capture under ACCUMULATE with zero_grad in "
+            "the step, or RESET)",
+        )
+
+
+def refuse_full_path(label: str, planned: bool, first: str) -> None:
+    """In a capture: a call of a user's function about to take the full path (SlangPy's
+    kernel, or checks only it makes). ``planned``: whether its layout has a call plan (which
+    declined this call); ``first``: what to say when it has none."""
+    if _recording.get() is None:
+        return
+    if planned:
+        why = (
+            "its call plan declined this call (on a tape where the plan cannot record it, "
+            "aliased or in-place tensors, a tensor on another device, a zeroing policy other "
+            "than ACCUMULATE outside Tape.backward, deterministic mode, an input written "
+            "since the forward call, or a large call pydiff's generator does not cover), so "
+            "the full path would run SlangPy's kernel"
+        )
+    else:
+        why = first
+    refuse_call(label, why)
 
 
 def on_replay(action: Callable[[], None]) -> None:
@@ -116,6 +231,10 @@ class CapturedStep:
         self._commands: list[tuple] = []
         self._checks: list[tuple[str, Callable[[], str | None], str | None]] = []
         self._queue: Any = None  # the CommandQueue of the one device the step uses
+        # Storages the step wrote (Storage.wrote), by id: (storage, version before): a replay
+        # adds the versions they moved by, so a check of values read before (a tape's, a
+        # .bwds's stale read) sees the replay's writes as it sees an eager step's.
+        self._writes: dict[int, tuple[Any, int]] = {}
         self.replays = 0
         token = _recording.set(self)
         try:
@@ -126,6 +245,8 @@ class CapturedStep:
                 self._queue.flush()
         if self._queue is None:
             raise CaptureError("pydiff.capture: the function issued no GPU work to record")
+        self._bumps = [(st, st.version - v) for st, v in self._writes.values() if st.version > v]
+        self._writes.clear()
 
     # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
     def _use_device(self, queue: Any) -> None:
@@ -154,6 +275,10 @@ class CapturedStep:
         # The buffers ride along: their memory must outlive the capture, and Python must
         # not hand them to other tensors (pydiff's pool checks their reference counts).
         self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
+
+    def record_write(self, storage: Any) -> None:
+        """A write of ``storage``'s values (``Storage.wrote``), before its version moves."""
+        self._writes.setdefault(id(storage), (storage, storage.version))
 
     def record_host(self, action: Callable[[], None]) -> None:
         """Host code to run at this point of every replay."""
@@ -215,6 +340,8 @@ class CapturedStep:
                 else:  # host state for the dispatches after it (their uniforms are read now)
                     command[1]()
             device.submit_command_buffer(encoder.finish())
+        for st, moved in self._bumps:
+            st.version += moved  # (the step's writes, counted again: see _writes)
         self.replays += 1
         return self.result
 

@@ -17,7 +17,7 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, double_math, foreign, forward_trace, lint, lint_macros, lint_sources
-from . import module_session
+from . import capture_calls, module_session
 from . import slang_compile
 from .arguments import overload_listing
 from .backward_call import backward_call
@@ -244,7 +244,6 @@ class ShaderFunction:
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"
-        self._refusal = f"calling {self.label} through SlangPy"  # (a capture's, made once)
         self.native_bwds = native.bwds
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
@@ -268,7 +267,8 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capturing.refuse(self._refusal)
+        if capturing.recording() is not None:  # the plan's generated kernel, or refused
+            return capture_calls.forward(self, args, kwargs)
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
             return forward_trace.shader_call(self, args, kwargs)
         return forward_call(self, args, kwargs)  # (flushes before SlangPy's call)
@@ -420,7 +420,7 @@ class BackwardFunction:
         self._refusal = f"{fn.label}.bwds (SlangPy)"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capturing.refuse(self._refusal)
+        capture_calls.check_bwds(self._fn, self._refusal, args, kwargs)  # (in a capture)
         if forward_trace.active() is not None and any(
             t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])
         ):

@@ -130,7 +130,8 @@ class Storage:
 
     Fields (all public, documented here, read and written by the layers above):
       ``buffer``: the SlangPy buffer holding the values (None until known);
-      ``version``: how many times the values were written (the tape's overwrite check);
+      ``version``: how many times the values were written (the tape's overwrite check; a
+      replay of ``pydiff.capture`` counts its step's writes again);
       ``last_writer``: a description of the latest write, for error messages;
       ``holds_result_of``: the label of the backward whose result a gradient buffer holds
       (the STRICT zeroing policy), None once zeroed or written otherwise;
@@ -182,6 +183,8 @@ class Storage:
     def wrote(self, writer: str, everything: bool = False) -> None:
         """Count a write of the values by ``writer`` (``everything``: all of them, from the
         host or a copy, so no earlier call's values survive in part)."""
+        if (rec := capturing.recording()) is not None:
+            rec.record_write(self)  # each replay writes them again: their version moves on
         if everything:
             self.written_over = frozenset()
             self.producer = None  # no recorded call made these values

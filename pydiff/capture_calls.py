@@ -1,0 +1,92 @@
+"""Calls of a user's Slang function inside ``pydiff.capture``: recorded where the call's
+plan (call_plan) runs pydiff's generated kernel, refused (``CaptureError`` naming the function
+and why) where SlangPy's kernel would run it.
+
+A layout's first forward call runs the full path unrecorded (``capturing.paused``; its
+results are overwritten by the recorded call, which reads the same inputs: a plan never has
+a tensor both read and written), which makes the plan; the recorded call then takes it. A
+layout's first ``.bwds`` outside a tape's backward runs the full path unrecorded too, its
+gradient buffers put back afterwards (it adds into them). Inside ``Tape.backward`` a layout
+without a plan is refused (run the step once eagerly first).
+
+    out = capture_calls.forward(fn, args, kwargs)   # inside a capture (module.ShaderFunction)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import capturing, forward_trace
+from .backward_call import backward_call
+from .backward_scope import active_scope
+from .forward_call import forward_call
+from .plan_layout import layout_key
+from .signature import FunctionTarget
+from .tape import suspend_recording
+from .tensor import Tensor
+
+NOT_PLANNED = (
+    "its arguments are not all positional tensors and numbers (keyword arguments, structs, "
+    "arrays, NumPy values), or its _result is not a tensor or 'tensor', so SlangPy's path "
+    "runs it"
+)
+
+
+def library_call(fn: FunctionTarget) -> bool:
+    """Whether ``fn`` is one of pydiff's own library functions (the ops built on SlangPy),
+    which stay refused in a capture."""
+    return fn.module.native is fn.module.device.library
+
+
+def check_bwds(fn: FunctionTarget, refusal: str, args: tuple, kwargs: dict) -> None:
+    """Before ``fn.bwds(*args, **kwargs)``, in a capture: a library function's refused
+    (``refusal``); a user's layout seen for the first time outside a tape's backward runs the
+    full path unrecorded (``probe_bwds``), which makes its plan. The call then goes on to its
+    plan, which runs pydiff's kernel or refuses (capturing.planned_bwds)."""
+    if capturing.recording() is None:
+        return
+    if library_call(fn):
+        capturing.refuse(refusal)
+    key = layout_key(args, kwargs)
+    if key is not None and key not in fn.bwds_plans and active_scope() is None:
+        probe_bwds(fn, args, kwargs)
+
+
+def probe_bwds(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
+    """The full path of ``fn.bwds``, unrecorded and off any tape, to make its plan, with the
+    gradient buffers it adds into put back as they were (copies on the device): the recorded
+    call that follows adds the gradients once."""
+    grads, seen = [], set()
+    for v in args:
+        g = v.grad_out if type(v) is Tensor else None
+        if g is not None and id(g.storage) not in seen:
+            seen.add(id(g.storage))
+            grads.append(g)
+    with capturing.paused(), suspend_recording():
+        kept = [(g, g.copy_values()) for g in grads]
+        backward_call(fn, args, kwargs)
+        for g, before in kept:
+            g.copy_(before)
+
+
+def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` inside a capture: the plan's generated kernel, recorded."""
+    if library_call(fn):
+        capturing.refuse(f"calling {fn.label} through SlangPy")
+    if forward_trace.active() is not None:
+        capturing.refuse_call(fn.label, "inside pydiff.jvp (its tangents run SlangPy's kernels)")
+    key = layout_key(args, kwargs)
+    if key is None:
+        capturing.refuse_call(fn.label, NOT_PLANNED)
+    if key not in fn.plans:
+        # The full path, unrecorded and off any tape: it checks the call and makes the plan.
+        with capturing.paused(), suspend_recording():
+            forward_call(fn, args, kwargs)
+        if key not in fn.plans:
+            capturing.refuse_call(
+                fn.label,
+                "no call plan covers it (in-place or inout parameters, aliased tensors, "
+                "struct or host arguments, overloads, a trap finding, a 0-d call, a large "
+                "grid), so SlangPy's path runs it",
+            )
+    return forward_call(fn, args, kwargs)
