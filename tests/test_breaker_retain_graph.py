@@ -696,9 +696,7 @@ def test_threads_each_training_with_released_tapes_match_single_thread(device):
             np.testing.assert_array_equal(a, b)
 
 
-def test_two_thousand_released_steps_keep_memory_flat_without_the_collector(
-    device, m, monkeypatch
-):
+def test_two_thousand_released_steps_keep_memory_flat_without_the_collector(device, m, monkeypatch):
     # Plans switch to generated kernels after PLANNED_AFTER calls (1,000 on lavapipe): run
     # alone, that switch (new launches, held objects: ~300 objects once) fell inside the
     # measured steps; after other tests' calls of the same ops it did not. Switch at once.
