@@ -148,6 +148,7 @@ SAMPLE_RUNS = [
     ("polynomial.py", "dy/dx      = [12. 16. 20. 24.]"),
     ("seeds_tour.py", "polynomial       [ 9. 23. 41. 63.]"),
     ("legendre_function.py", "gradcheck: True"),
+    ("capture_user_step.py --steps 40 --n 64", "eager and captured against NumPy float64"),
     (
         "deterministic_gradients.py --log2 16 --runs 3",
         "pydiff                        1 bit pattern(s)",
