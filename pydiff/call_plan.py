@@ -17,6 +17,8 @@ checks per call; where a check would take the full path's other branch it declin
     plan = fn.plans.get(plan_layout.layout_key(args, kwargs))   # None: not run before
     out = plan.run(fn, args, kwargs.get("_result", MISSING)) if plan else DECLINED
     plan_layout.remember(fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
+
+The ``.bwds`` plan is backward_plan's (and grid_plan's for calls over a grid).
 """
 
 from __future__ import annotations
@@ -31,15 +33,11 @@ import slangpy as spy
 from . import capturing, generated, generated_switch
 from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
-from .backward_scope import active_scope
-from .bwds_checks import upstream_arg
 from .command_queue import DEFER
 from .creation import empty
-from .determinism import is_deterministic
 from .host_values import convert
 from .grid_args import GRID
-from .planned_kernels import LAST_MAX_ELEMENTS, BackwardLaunch, ForwardLaunch, same_tensors
-from .policy import ZeroPolicy, get_zero_policy
+from .planned_kernels import LAST_MAX_ELEMENTS, ForwardLaunch, same_tensors
 from .signature import FunctionTarget, overloaded
 from .tape import active_tape
 from .tensor import Tensor
@@ -50,9 +48,6 @@ DECLINED = object()  # a plan's answer when the call must take the full path
 def _constant(value: Any) -> Any:
     """``value`` (not a tensor: MISSING, "tensor") as ``last`` keeps a weak reference."""
     return lambda: value
-
-
-_ACCUMULATE = ZeroPolicy.ACCUMULATE
 
 
 def plan_numbers(key: tuple, bound: list) -> tuple[tuple, tuple]:
@@ -101,7 +96,7 @@ def plannable(fn: FunctionTarget) -> bool:
     return not fn.module.traps.get(fn.name) and not overloaded(fn)
 
 
-def _may_generate(plan: Any, large: bool) -> bool:
+def may_generate(plan: Any, large: bool) -> bool:
     """Whether a call of ``plan`` may take the generated kernel: a small one once its layout
     has run ``planned_after`` times (generated_switch.planned_after) or in a capture (which
     needs it), any while ``PYDIFF_GENERATED`` is on (read each time for a large call, for a
@@ -190,7 +185,7 @@ class ForwardPlan:
         large = self.numel >= generated.MIN_ELEMENTS
         if self.grid:
             return DECLINED if large else None
-        if not _may_generate(self, large) or self.zero_d or self.options:
+        if not may_generate(self, large) or self.zero_d or self.options:
             return DECLINED if large else None
         if result is MISSING and not self.tensors:  # (numbers only: SlangPy returns a number)
             return DECLINED if large else None
@@ -311,139 +306,3 @@ class ForwardPlan:
         if self.new_shape is not None:
             result.storage.made_by = made
         return result if type(result) is Tensor else None
-
-
-class BackwardPlan:
-    """A ``.bwds`` of one layout adding gradients under ACCUMULATE (backward_call's fast
-    case): every tensor an ``in`` parameter of its own element type and the result's shape,
-    with a gradient buffer to add into; the result a tensor with gradient buffers."""
-
-    __slots__ = (
-        "tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch", "descs"
-    )  # fmt: skip
-
-    def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
-        self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
-        # (as the full path names them to the zeroing policy's errors)
-        self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.tensors}
-        self.floats, self.numbers = plan_numbers(key, bound)
-        self.numel = result.numel  # generated.call_backward decides by it (in the layout)
-        self.calls = 0  # (as ForwardPlan's)
-        self.planned_after = generated.planned_after(fn.module.device)
-        self.launch = BackwardLaunch(len(bound), result.numel, fn.module.device.kernels)
-
-    @staticmethod
-    def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, prior: frozenset):
-        """The plan for the ``.bwds`` of layout ``key`` that just ran through the fast case,
-        or None."""
-        sig = fn.signature
-        if prior or sig.has_diff_inout or type(result) is not Tensor or not plannable(fn):
-            return None
-        if result.grad_in is None or result.grad_out is None:
-            return None
-        for p, v in bound:
-            if type(v) is Tensor and not (
-                p.tensor_kind is None
-                and p.io == "in"
-                and p.differentiable
-                and v.grad_out is not None
-                and v.element_type.full_name == p.type_name
-                and v.shape == result.shape
-            ):
-                return None
-        return BackwardPlan(fn, key, bound, result)
-
-    def _generated(self) -> Any:
-        """This call's generated launch; None: SlangPy's call; DECLINED: the full path's."""
-        large = self.numel >= generated.MIN_ELEMENTS
-        if not _may_generate(self, large) or not self.launch.covered:
-            return DECLINED if large else None
-        return self.launch
-
-    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
-        """The backward, or DECLINED (nothing done) where the full path must decide. Inside
-        a larger backward (a tape's) the kernel joins its batch, the zeroing policy acting
-        once per gradient buffer through the scope, as on the full path."""
-        scope = active_scope()
-        if scope is None and get_zero_policy() is not _ACCUMULATE or is_deterministic():
-            return DECLINED
-        launch = self._generated()
-        if launch is DECLINED:
-            return DECLINED
-        dev = fn.module.device
-        if result.device is not dev:
-            return DECLINED
-        if scope is not None and scope.device is not dev:
-            return DECLINED  # (a scope running SlangPy's kernels at once)
-        capturing.planned_bwds(fn.bwds_label, self, launch, args)  # (in a capture)
-        made = result.storage.made_by
-        if made is not None and made[0] is fn and written_since(args, made):
-            return DECLINED  # (the full path refuses it, or uses a copy kept)
-        upstream = result.grad_in.storage
-        grads = {}
-        for i in self.tensors:
-            t = args[i]
-            if t.device is not dev or t.zero_policy is not None and scope is None:
-                return DECLINED
-            if t.storage.before is not None:
-                return DECLINED  # maybe values an in-place call overwrote: bwds_checks decides
-            g = t.grad_out
-            if g.storage is upstream:
-                return DECLINED  # refused by the full path
-            grads[i] = g
-        native = plan_natives(fn, args, self.floats, self.numbers, dev)
-        if scope is not None:
-            return self._in_scope(fn, args, result, scope, native, grads, launch)
-        label = fn.bwds_label
-        if launch is not None and launch.run(fn, args, result.grad_in, grads):
-            for g in grads.values():
-                g.storage.holds_result_of = label
-            return None
-        if launch is not None and self.numel >= generated.MIN_ELEMENTS:
-            return DECLINED  # the full path counts why the kernel was declined
-        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
-        queue = dev.queue
-        if deferrable(queue):  # (as ForwardPlan._deferred)
-            for i in self.tensors:
-                native[i] = args[i].bind(True, False)
-            upstream = upstream_arg(dev, result, False)
-            append = fn.native_bwds.append_to
-            held = [native[i] for i in self.tensors] + [upstream]
-            try:
-                queue.defer(lambda enc: append(enc, *native, _result=upstream), held)
-            except Exception as exc:
-                raise resolve_error(fn, exc) from None
-        else:
-            queue.flush_deferred()  # (a batch this joins is ordered by its own scope)
-            for i in self.tensors:
-                native[i] = args[i].bind(True)
-            try:
-                fn.native_bwds(*native, _result=upstream_arg(dev, result))
-            except Exception as exc:
-                raise resolve_error(fn, exc) from None
-        for g in grads.values():
-            g.storage.holds_result_of = label
-        return None
-
-    def _in_scope(
-        self, fn: Any, args: tuple, result: Any, scope: Any, native: list, grads: dict, launch: Any
-    ) -> Any:
-        """``run`` inside ``scope`` (with a device): the policy first (STRICT's refusal before
-        any buffer changes), then the kernel into the scope's batch."""
-        large = launch is not None and self.numel >= generated.MIN_ELEMENTS
-        if large and capturing.recording() is None:
-            return DECLINED  # (a large one: the full path's generated kernel, in scope)
-        for i, g in grads.items():
-            scope.check_stale(args[i], g, self.descs[i])
-        for i, g in grads.items():
-            scope.before_accumulate(args[i], g, self.descs[i])
-        if launch is not None and launch.run(fn, args, result.grad_in, grads):
-            return None
-        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
-        for i in self.tensors:
-            native[i] = args[i].bind(True)
-        try:
-            scope.dispatch(fn.native_bwds, *native, _result=upstream_arg(fn.module.device, result))
-        except Exception as exc:
-            raise resolve_error(fn, exc) from None
-        return None

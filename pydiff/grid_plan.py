@@ -22,9 +22,9 @@ from .arguments import MISSING, resolve_error, scratch
 from .backward_failures import kept
 from .backward_scope import active_scope
 from .bwds_checks import primal_sink
+from .backward_plan import BackwardPlan
 from .call_plan import (
     DECLINED,
-    BackwardPlan,
     deferrable,
     plan_natives,
     plan_numbers,

@@ -1,4 +1,4 @@
-"""A tape's backward takes each node's ``.bwds`` call plan (``call_plan.BackwardPlan`` run
+"""A tape's backward takes each node's ``.bwds`` call plan (``backward_plan.BackwardPlan`` run
 inside the tape's backward scope), joining the tape's batch, with the zeroing policy acting
 once per gradient buffer through the scope as on the full path. Before, every node took the
 full path (~40 us of Python a node on lavapipe: a tape's backward cost 2.0x the same
