@@ -36,16 +36,23 @@ _ACCUMULATE = ZeroPolicy.ACCUMULATE
 
 
 class BackwardPlan:
-    """A ``.bwds`` of one layout adding gradients under ACCUMULATE (backward_call's fast
-    case): every tensor an ``in`` parameter of its own element type and the result's shape,
-    with a gradient buffer to add into; the result a tensor with gradient buffers."""
+    """A ``.bwds`` of one layout adding gradients under ACCUMULATE (or in a larger backward's
+    scope): every tensor an ``in`` parameter of its own element type and the result's shape,
+    with a gradient buffer to add into or none at all (data); the result a tensor with
+    gradient buffers."""
 
     __slots__ = (
-        "tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch", "descs"
+        "tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch", "descs",
+        "with_grads", "node",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
         self.tensors = tuple(i for i, (_, v) in enumerate(bound) if type(v) is Tensor)
+        # those with a gradient buffer (the others: data, bound without gradients, as the
+        # full path binds them, through the kernel of that gradient layout)
+        self.with_grads = tuple(i for i in self.tensors if bound[i][1].grad_out is not None)
+        no_grad = tuple(bound[i][0].name for i in self.tensors if i not in self.with_grads)
+        self.node = fn.bwds_kernel(no_grad) if no_grad else fn.native_bwds
         # (as the full path names them to the zeroing policy's errors)
         self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.tensors}
         self.floats, self.numbers = plan_numbers(key, bound)
@@ -68,7 +75,7 @@ class BackwardPlan:
                 p.tensor_kind is None
                 and p.io == "in"
                 and p.differentiable
-                and v.grad_out is not None
+                and (v.grad_out is not None or not v.requires_grad)
                 and v.element_type.full_name == p.type_name
                 and v.shape == result.shape
             ):
@@ -102,13 +109,15 @@ class BackwardPlan:
         if made is not None and made[0] is fn and written_since(args, made):
             return DECLINED  # (the full path refuses it, or uses a copy kept)
         upstream = result.grad_in.storage
-        grads = {}
         for i in self.tensors:
             t = args[i]
-            if t.device is not dev or t.zero_policy is not None and scope is None:
+            if t.device is not dev or t.storage.before is not None:
+                return DECLINED  # (before: values an in-place call overwrote: bwds_checks)
+        grads = {}
+        for i in self.with_grads:
+            t = args[i]
+            if t.zero_policy is not None and scope is None:
                 return DECLINED
-            if t.storage.before is not None:
-                return DECLINED  # maybe values an in-place call overwrote: bwds_checks decides
             g = t.grad_out
             if g.storage is upstream:
                 return DECLINED  # refused by the full path
@@ -129,7 +138,7 @@ class BackwardPlan:
             for i in self.tensors:
                 native[i] = args[i].bind(True, False)
             upstream = upstream_arg(dev, result, False)
-            append = fn.native_bwds.append_to
+            append = self.node.append_to
             held = [native[i] for i in self.tensors] + [upstream]
             try:
                 queue.defer(lambda enc: append(enc, *native, _result=upstream), held)
@@ -140,7 +149,7 @@ class BackwardPlan:
             for i in self.tensors:
                 native[i] = args[i].bind(True)
             try:
-                fn.native_bwds(*native, _result=upstream_arg(dev, result))
+                self.node(*native, _result=upstream_arg(dev, result))
             except Exception as exc:
                 raise resolve_error(fn, exc) from None
         for g in grads.values():
@@ -165,7 +174,7 @@ class BackwardPlan:
         for i in self.tensors:
             native[i] = args[i].bind(True)
         try:
-            scope.dispatch(fn.native_bwds, *native, _result=upstream_arg(fn.module.device, result))
+            scope.dispatch(self.node, *native, _result=upstream_arg(fn.module.device, result))
         except Exception as exc:
             raise resolve_error(fn, exc) from None
         return None

@@ -148,8 +148,8 @@ class BackwardLaunch:
         False, nothing done, where these values or the layout rule the kernel out."""
         last = memo(self.last)
         if last and last[0]() is upstream:
-            for i, tensor, grad in last[1]:
-                if tensor() is not args[i] or grad() is not grads[i]:
+            for i, tensor, grad in last[1]:  # (every tensor; grad None: one without)
+                if tensor() is not args[i] or grad is not None and grad() is not grads[i]:
                     break
             else:
                 kernel, buffers, held, numbers = last[2]
@@ -202,7 +202,11 @@ class BackwardLaunch:
         if held is None:
             held = self.held[sums] = kernels.new_held()
         if upstream.numel <= LAST_MAX_ELEMENTS:
-            refs = tuple((i, weakref.ref(args[i]), weakref.ref(g)) for i, g in grads.items())
+            refs = tuple(
+                (i, weakref.ref(v), weakref.ref(grads[i]) if i in grads else None)
+                for i, v in enumerate(args)
+                if type(v) is Tensor
+            )
             numbers = tuple((name, i) for name, i in self.names if type(args[i]) is not Tensor)
             self.last[:] = (weakref.ref(upstream), refs, (kernel, buffers, held, numbers))
         kernels.dispatch_split(kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX)
