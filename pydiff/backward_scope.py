@@ -117,6 +117,16 @@ class BackwardScope:
                 "'accumulate'."
             )
 
+    def applied(self, grad: "Tensor") -> bool:
+        """Whether this backward applied its policy to ``grad`` already (or marked it)."""
+        return id(grad.storage) in self._seen
+
+    def forget(self, grad: "Tensor") -> None:
+        """Undo ``before_accumulate`` of ``grad`` (a refused call that put the buffer back as
+        it was: the next call adding into it applies the policy again)."""
+        self._seen.discard(id(grad.storage))
+        self._written = [g for g in self._written if g.storage is not grad.storage]
+
     def mark_result(self, grad: "Tensor") -> None:
         """Record that ``grad`` now holds this backward's result (set, not added)."""
         self._seen.add(id(grad.storage))

@@ -229,10 +229,11 @@ def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
     return fn.generated(_kind(masked), wrapper_source(fn, masked))
 
 
-#: What every refusal of the counts adds: they are read after the kernel ran.
-_ADDED = (
-    ". The stores are counted as the backward runs, so this call's gradients were added "
-    "already: zero them (x.zero_grad()) before going on"
+#: What every refusal of the counts adds: they are read after the kernel ran, which pydiff
+#: undoes (grad_restore: the buffers it added into, copied before it, put back).
+_RESTORED = (
+    ". The stores are counted as the backward runs; pydiff put back the gradient buffers "
+    "it had added into: the gradients were left as they were before the call"
 )
 
 
@@ -258,38 +259,42 @@ class WrittenMask:
         self.storage: Any = None  # the storage of the tensor(s) whose stores it counts
         self.names: list[str] = []  # the written parameters given it (bind_written)
 
-    def check_single_writes(self, scope: Any, label: str, name: str) -> None:
+    def check_single_writes(self, scope: Any, label: str, name: str, kept: Any) -> None:
         """Raise if two threads stored one element: the forward raced on it, and its upstream
         was read once per store (a gradient counted twice). Reads back 8 bytes (the whole
-        counts only to name the element of a refused call)."""
+        counts only to name the element of a refused call). ``kept``: the gradient buffers
+        as they were before the call (``grad_restore.GradSnapshot``), put back first."""
         scope.flush()
         raced, complement = (int(v) for v in self.races.numpy())
         if raced == 0:
             return
-        flat = ~complement & 0xFFFFFFFF
+        message = self._refusal(label, name, raced, ~complement & 0xFFFFFFFF)
+        kept.restore()
+        raise ValueError(message + _RESTORED)
+
+    def _refusal(self, label: str, name: str, raced: int, flat: int) -> str:
         if flat >= math.prod(self.shape):
-            raise ValueError(
+            return (
                 f"{label}: parameter '{name}' (shape {tuple(self.shape)}): the call stored "
                 f"at an index outside the tensor (flat index {flat}): the forward wrote "
                 "outside it (lost, or into other memory), and no gradient can be right there. "
                 "Check the indices the function stores at (spy.grid gives the last axis as .x)"
-                + _ADDED
             )
         at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
         stored = int(Tensor(self.counts, self.device).numpy()[at])
         if len(self.names) > 1:
-            raise ValueError(
+            return (
                 f"{label}: parameters {' and '.join(repr(n) for n in self.names)} are one "
                 f"tensor (or views of one storage, shape {tuple(self.shape)}) and element "
                 f"{at} was stored {stored} times through them ({raced} element(s) stored more "
                 "than once): the forward keeps the last store, while the backward would add "
-                "the gradients of each. Pass a tensor of its own to each written parameter" + _ADDED
+                "the gradients of each. Pass a tensor of its own to each written parameter"
             )
-        raise ValueError(
+        return (
             f"{label}: parameter '{name}': element {at} was stored {stored} times "
             f"by one call ({raced} element(s) stored more than once): "
             "threads raced on it in the forward and its upstream gradient was counted "
-            "once per store. Give each thread elements of its own (distinct indices)" + _ADDED
+            "once per store. Give each thread elements of its own (distinct indices)"
         )
 
     def bind(self, p: ParamInfo, bound: spy.Tensor) -> dict:
