@@ -15,6 +15,7 @@ import slangpy as spy
 
 import pydiff
 from pydiff import generated
+from pydiff.backward_scope import shared_pass
 
 SOURCE = """import slangpy;
 // Threads 2k and 2k+1 both store y[k]: a race in the forward.
@@ -112,9 +113,10 @@ def test_the_buffers_are_right_after_a_refusal(device, mod, n):
     np.testing.assert_allclose(w.grad.numpy(), gw0 + xs * xs * u, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [SMALL, LARGE])
 @pytest.mark.parametrize("policy", ["accumulate", "reset"])
-def test_a_refused_call_on_a_tape_leaves_the_gradients_as_they_were(device, mod, policy):
-    n = SMALL
+def test_a_refused_call_on_a_tape_leaves_the_gradients_as_they_were(device, mod, policy, n):
+    """The tape's backward batches the kernels: the copies and their restore go in order."""
     x, w, _ = _call(mod, "halve", n, device, seed=3)
     before = _state(x, w)
     with pydiff.Tape() as tape:
@@ -169,3 +171,24 @@ def test_a_call_refused_before_its_kernel_leaves_the_gradients_as_they_were(devi
         with pytest.raises(ValueError, match="inout parameters cannot have yet"):
             mod.io.bwds(a, x, y)
     assert _state(a, x, y) == before
+
+
+def test_a_refused_call_leaves_the_policy_to_apply_again(device, mod):
+    """Backwards of one pass (shared_pass: a torch backward reaching several calls) apply
+    RESET once per buffer: the refused call's zeroing is undone, so the next call of the
+    pass zeroes again (its gradient only, not added to the values from before)."""
+    n = SMALL
+    x, w, y = _call(mod, "halve", n, device, seed=11)
+    seen: set[int] = set()
+    with pydiff.zero_policy("reset"), shared_pass(seen):
+        with pytest.raises(ValueError, match="stored 2 times"):
+            mod.halve.bwds(spy.grid((n,)), x, w, y)
+        assert id(x.grad.storage) not in seen
+        y2 = pydiff.zeros((n,), device=device).with_grads(zero=True)
+        up = _known(n, 12)
+        y2.grad.copy_from_numpy(up)
+        mod.shift.bwds(spy.grid((n,)), x, w, y2)
+    xs, ws = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
+    u = np.roll(up.astype(np.float64), -1)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * ws * xs * u, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), xs * xs * u, rtol=1e-5, atol=1e-5)
