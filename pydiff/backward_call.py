@@ -285,6 +285,7 @@ class _Backward:
 
     def finish(self) -> None:
         for temp, dest in self.after:
+            self.scope.keep(dest)
             self.scope.flush()
             dest.copy_(temp)
             self.scope.mark_result(dest)
@@ -388,8 +389,8 @@ def backward_call(
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         b.stored_once = written_mask.stored_once(fn, bound)
-        if may_count(bound, prior, b.stored_once):
-            b.kept = GradSnapshot(scope, b.device)
+        if scope.keeper is None and may_count(bound, prior, b.stored_once):
+            b.kept = GradSnapshot(scope, b.device)  # (else the enclosing backward keeps them)
         if deterministic:
             b.separate = shared_grads(bound)
             if b.shape is None:

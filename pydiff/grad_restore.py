@@ -13,6 +13,11 @@ copies cost device bandwidth, not a host round trip; they come from the device's
     kept = GradSnapshot(scope, device) if may_count(bound, prior, stored_once) else None
     kept.keep(x.grad_out)            # before scope.before_accumulate(x, x.grad_out, ...)
     ... the kernel; the counts refuse: kept.restore(); raise
+
+A tape's backward that runs such a call (an entry recorded with ``counted``) keeps every
+gradient buffer it writes the same way (``restoring``: the results' and the seed's first, then
+each buffer the scope's policy acts on, ``scope.keeper``), and puts them all back if anything
+in it raises: the calls run before the refused one added their gradients too.
 """
 
 from __future__ import annotations
@@ -51,21 +56,39 @@ class GradSnapshot:
         self.device = device
         # (grad, copy, bytes, the storage's fields, whether the scope had applied its policy)
         self.kept: list[tuple[Tensor, Any, int, tuple | None, bool]] = []
-        self._storages: set[int] = set()
+        self._bytes: dict[int, int] = {}  # id(storage): the bytes from its start kept
+        self._spare: dict[int, list] = {}  # float4s: pooled buffers taken ahead (reserve)
+
+    def reserve(self, tensors: Any) -> None:
+        """Take pooled buffers now for the gradients of ``tensors`` (not touched: a pending
+        zeroing would start the batch's commands): the pool hands out no buffer while a
+        batch records (a new 4 MiB one costs lavapipe milliseconds), as a tape's does."""
+        for t in tensors:
+            try:
+                stride = t.grad_dtype.buffer_layout.stride
+            except TypeError:
+                continue  # (no derivative type: kept, if ever, in a buffer of its own)
+            float4s = max(1, -(-t.numel * stride // 16))
+            self._spare.setdefault(float4s, []).append(self.device.pool.float4_buffer(float4s))
 
     def keep(self, grad: Tensor) -> None:
         """Copy ``grad``'s buffer (the bytes its values span; all of it for a view that is not
-        dense) before anything of this call writes it: call it before ``before_accumulate``."""
+        dense) before anything of this call writes it: call it before ``before_accumulate``.
+        A buffer kept already (as far) is not copied again: it holds what it held first."""
         storage = grad.storage
-        fields = None
-        if id(storage) not in self._storages:  # (the first copy of a storage: the oldest state)
-            self._storages.add(id(storage))
-            fields = tuple(getattr(storage, f) for f in _FIELDS)
         src = grad.buffer
         nbytes = grad.numel * grad.element_type.buffer_layout.stride
         if not grad.dense:
             nbytes = src.size
-        copy = self.device.pool.float4_buffer(max(1, -(-nbytes // 16)))
+        had = self._bytes.get(id(storage))
+        if had is not None and had >= nbytes:
+            return
+        self._bytes[id(storage)] = nbytes
+        # (the first copy of a storage: its bookkeeping as it was)
+        fields = tuple(getattr(storage, f) for f in _FIELDS) if had is None else None
+        float4s = max(1, -(-nbytes // 16))
+        spare = self._spare.get(float4s)
+        copy = spare.pop() if spare else self.device.pool.float4_buffer(float4s)
         _copy(self.device, copy, src, nbytes)
         self.kept.append((grad, copy, nbytes, fields, self.scope.applied(grad)))
 
@@ -93,3 +116,41 @@ def _copy(device: Any, dst: Any, src: Any, nbytes: int) -> None:
             queue.defer(lambda e: e.copy_buffer(dst, 0, src, 0, nbytes), (dst, src))
         else:
             encoder.copy_buffer(dst, 0, src, 0, nbytes)
+
+
+class restoring:
+    """Keep the gradient buffers a tape's backward writes, if one of its ``entries`` was
+    recorded as ``counted``, and put them back if the backward raises (``scope``: the
+    backward's; nothing to do where an enclosing backward keeps them already).
+
+        with backward_scope("tape.backward", dev) as scope, restoring(scope, entries, up):
+            ...
+    """
+
+    __slots__ = ("scope", "keeper", "entries", "upstream")
+
+    def __init__(self, scope: Any, entries: list, upstream: Tensor):
+        counted = scope.keeper is None and any(e.payload.get("counted") for e in entries)
+        self.scope, self.entries, self.upstream = scope, entries, upstream
+        self.keeper = GradSnapshot(scope, upstream.device) if counted else None
+
+    def __enter__(self) -> None:
+        keeper = self.keeper
+        if keeper is None:
+            return
+        self.scope.keeper = keeper
+        held = {id(t.storage): t for e in self.entries for _, t, _ in e.reads if t.requires_grad}
+        held.update((id(t.storage), t) for e in self.entries for t in e.writes if t.requires_grad)
+        keeper.reserve(held.values())  # (before anything is recorded: pooled buffers)
+        for t in (t for entry in self.entries for t in entry.writes if t.requires_grad):
+            keeper.keep(t.grad_in)  # (the tape zeroes them; a pending zeroing done first)
+            keeper.keep(t.grad_out)
+        keeper.keep(self.upstream)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.keeper is None:
+            return
+        self.scope.keeper = None
+        if isinstance(exc, Exception):
+            self.keeper.restore()
+        self.keeper = None

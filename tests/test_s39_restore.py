@@ -192,3 +192,71 @@ def test_a_refused_call_leaves_the_policy_to_apply_again(device, mod):
     u = np.roll(up.astype(np.float64), -1)
     np.testing.assert_allclose(x.grad.numpy(), 2 * ws * xs * u, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(w.grad.numpy(), xs * xs * u, rtol=1e-5, atol=1e-5)
+
+
+CHAIN = """import slangpy;
+[Differentiable]
+void halve(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx / 2] = v * v; }
+[Differentiable]
+void pair(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+[Differentiable]
+void mix(int idx, IDiffTensor<float, 1> x, IDiffTensor<float, 1> y, IWDiffTensor<float, 1> z)
+{ z[idx] = 3.0 * x[idx] + y[idx / 2]; }
+"""
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+@pytest.mark.parametrize("policy", ["accumulate", "reset"])
+def test_a_tape_refused_part_way_leaves_the_gradients_as_they_were(device, policy, n):
+    """mix (recorded last) runs first in the backward and adds 3 into x.grad, then halve's
+    counts refuse: the whole backward is undone (x's gradient, the intermediate y's, the
+    seed in z's); then a backward over a right recording adds the closed form."""
+    mod = pydiff.load_module_from_source(f"s39_restore_chain_{next(_names)}", CHAIN, device=device)
+    x = _filled(device, _known(n, 21))
+    before = _state(x)
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((n // 2,), device=device)
+        mod.halve(spy.grid((n,)), x, y)
+        z = pydiff.zeros((n,), device=device)
+        mod.mix(spy.grid((n,)), x, y, z)
+    with pydiff.zero_policy(policy):
+        with pytest.raises(ValueError, match="left as they were"):
+            tape.backward(z, grad=np.ones(n))
+    assert _state(x) == before
+    np.testing.assert_array_equal(y.grad.numpy(), np.zeros(n // 2))  # (never written before)
+    np.testing.assert_array_equal(z.grad.numpy(), np.zeros(n))
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((n,), device=device)
+        mod.pair(spy.grid((n,)), x, y)
+        z = pydiff.zeros((n,), device=device)
+        mod.mix(spy.grid((n,)), x, y, z)
+    with pydiff.zero_policy(policy):
+        tape.backward(z, grad=np.ones(n))
+    xs = x.numpy().astype(np.float64)
+    up = np.zeros(n)
+    np.add.at(up, np.arange(n) // 2, 1.0)  # mix reads y[idx / 2]: dL/dy
+    want = 3.0 + 2 * xs * up
+    if policy == "accumulate":
+        want = want + _known(n, 21).astype(np.float64)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tape_without_counted_calls_keeps_nothing(device, monkeypatch):
+    """Calls that store once per thread at their grid element are not counted: their tape's
+    backward copies no gradient buffer (the cost stays with counted calls)."""
+    from pydiff import grad_restore
+
+    def refuse(self, grad):
+        raise AssertionError("a gradient buffer was kept")
+
+    monkeypatch.setattr(grad_restore.GradSnapshot, "keep", refuse)
+    mod = pydiff.load_module_from_source(f"s39_restore_chain_{next(_names)}", CHAIN, device=device)
+    n = SMALL
+    x = _filled(device, np.zeros(n, np.float32))
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((n,), device=device)
+        mod.pair(spy.grid((n,)), x, y)
+    tape.backward(y, grad=np.ones(n))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x.numpy(), rtol=1e-6)
