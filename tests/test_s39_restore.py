@@ -260,3 +260,19 @@ def test_a_tape_without_counted_calls_keeps_nothing(device, monkeypatch):
         mod.pair(spy.grid((n,)), x, y)
     tape.backward(y, grad=np.ones(n))
     np.testing.assert_allclose(x.grad.numpy(), 2 * x.numpy(), rtol=1e-6)
+
+
+def test_a_tape_with_ops_refused_part_way_leaves_the_gradients_as_they_were(device):
+    """Ops (pydiff Functions) recorded after the refused call add into x's gradient first
+    (through their grad targets): put back with the rest."""
+    mod = pydiff.load_module_from_source(f"s39_restore_chain_{next(_names)}", CHAIN, device=device)
+    n = SMALL
+    x = _filled(device, _known(n, 31))
+    before = _state(x)
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((n // 2,), device=device)
+        mod.halve(spy.grid((n,)), x, y)
+        loss = y.sum() + (x * x).sum()
+    with pytest.raises(ValueError, match="left as they were"):
+        tape.backward(loss)
+    assert _state(x) == before
