@@ -91,7 +91,7 @@ def test_a_refused_call_leaves_the_gradients_as_they_were(device, mod, name, pol
     assert _state(x, w, y) == before
     assert "left as they were" in str(info.value)
     assert "added already" not in str(info.value)
-    if n == LARGE:
+    if n == LARGE and generated.enabled():
         assert generated.stats().get("backward: grid", 0) == 1  # (the generated kernel's path)
 
 
