@@ -4,7 +4,8 @@
 
 Runs bench_core's per-call case (the polynomial on 16 floats, forward into a given result,
 a new result each call, and ``.bwds``), and the float3 ``shade`` of bench_generated on 16
-elements (pydiff.planned_vector's kernels), and a 4x4 stencil over ``spy.grid``, past
+elements (pydiff.planned_vector's kernels), ``.bwds`` with a data input (no gradient
+buffers), and a 4x4 stencil over ``spy.grid``, past
 the point where its call plans dispatch pydiff's generated kernels, and times the calling
 thread's CPU (``time.thread_time``) per call with pydiff's layers replaced one at a time by
 no-ops: the whole call; without the dispatch (pydiff's Python above it); without recording
@@ -76,6 +77,32 @@ void blur(int2 px, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
     result[r, c] = 0.75 * img[r, c] + 0.25 * img[min(r + 1, h - 1), c];
 }
 """
+
+
+DATA = """
+[Differentiable] float affine_data(float a, float b, float x, float y) { return a * x * y + b * y; }
+"""
+
+
+def data_cases(dev: pydiff.Device) -> dict:
+    """``.bwds`` with a data input: x with gradients, y without (a plan since the nineteenth
+    session; the general path before), against raw SlangPy's with y a plain tensor."""
+    m = pydiff.load_module_from_source("bench_layers_data", DATA, device=dev)
+    raw = spy.Module.load_from_source(dev.native, "bench_layers_data_raw", DATA)
+    xs = np.linspace(-1, 1, 16).astype(np.float32)
+    px = pydiff.tensor(xs, device=dev, requires_grad=True)
+    py = pydiff.tensor(xs, device=dev)
+    po = pydiff.zeros((16,), device=dev).with_grads(ones=True)
+    rx = spy.Tensor.from_numpy(dev.native, xs).with_grads(zero=True)
+    ry = spy.Tensor.from_numpy(dev.native, xs)
+    ro = spy.Tensor.zeros(dev.native, (16,), "float").with_grads(zero=True)
+    ro.grad_in.copy_from_numpy(np.ones(16, np.float32))
+    return {
+        ".bwds, data y": (
+            lambda: m.affine_data.bwds(1.5, 0.5, px, py, _result=po),
+            lambda: raw.affine_data.bwds(1.5, 0.5, rx, ry, _result=ro),
+        )
+    }
 
 
 def grid_cases(dev: pydiff.Device) -> dict:
@@ -175,6 +202,7 @@ def main() -> None:
             lambda: raw.polynomial(2.0, 8.0, -1.0, rx),
         ),
         **shade_cases(dev),
+        **data_cases(dev),
         **grid_cases(dev),
     }
     for ours, theirs in cases.values():

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import slangpy as spy
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
 from . import capturing
+from .grad_restore import GradSnapshot, may_count
 from .arguments import (
     MISSING,
     PLAIN,
@@ -34,9 +34,9 @@ from .call_plan import DECLINED
 from .grid_plan import remember_bwds
 from .plan_layout import layout_key
 from .call_shape import refuse_struct_grads, result_type
-from .creation import tensor as make_tensor
 from .bwds_checks import (
     bwds_arguments_checked,
+    half_seed,
     maybe_broadcast,
     positional_result,
     primal_sink,
@@ -79,6 +79,7 @@ class _Backward:
         self.masks: dict[str, Mask] = {}  # parameters bound through the masked wrapper
         self.passes: list[tuple[Mask, Tensor, Tensor]] = []  # (mask, upstream, grad)
         self.stored_once: frozenset = frozenset()  # written tensors needing no store counts
+        self.kept: GradSnapshot | None = None  # a counted call's gradients before it
 
     def scratch_grads(self, t: Tensor, role: str) -> spy.Tensor:
         """Gradient buffers for a tensor whose gradient nobody asked for."""
@@ -92,6 +93,8 @@ class _Backward:
         grad, desc = t.grad_out, desc or self._desc(p)
         if grad.shape != t.shape:
             raise ValueError(f"{desc}: gradient shape {grad.shape} != primal {t.shape}")
+        if self.kept is not None:
+            self.kept.keep(grad)  # (before the policy may zero it)
         self.scope.before_accumulate(t, grad, desc)
 
     def _needs_upstream(self, t: Tensor, p: ParamInfo, what: str) -> None:
@@ -214,7 +217,8 @@ class _Backward:
         """Sum the full-shape and fixed-point gradients into their buffers (in order), and
         pass the upstream through the elements in-place calls did not write."""
         for name, mask in self.masks.items():
-            mask.check_single_writes(self.scope, self.label, name)
+            mask.check_single_writes(self.scope, self.label, name, self.kept)
+        self.kept = None  # (its copies back to the pool)
         for mask, upstream, grad in self.passes:
             mask.pass_unwritten(self.scope, upstream, grad)
         written_mask.clear_overwritten(self.scope, self.device, self.cleared)
@@ -237,20 +241,6 @@ class _Backward:
                 grad_in=both.grad_in, grad_out=both.grad_in, zero=False
             ),
         }
-
-    def _half_seed(self, value: float) -> spy.Tensor:
-        """A number seeding a half result: SlangPy's diffPair holds no half, so a half
-        tensor of the call's shape carries the seed."""
-        if self.shape is None:
-            raise TypeError(
-                f"{self.label}.bwds: a number as _result of a half function needs the call's "
-                "shape, which pydiff cannot tell from these arguments; pass the result as a "
-                "half tensor with gradients (y.with_grads(ones=True))"
-            )
-        seed = make_tensor(np.full(self.shape, value), dtype="half", device=self.device)
-        return primal_sink(self.device, seed).with_grads(
-            grad_in=seed.native, grad_out=seed.native, zero=False
-        )
 
     def result_arg(self, result: Any, ret_name: str) -> Any:
         if type(result) is Tensor and result.grad_in is not None:
@@ -282,7 +272,7 @@ class _Backward:
                     f"result is {ret_name}; pass a tensor with gradients"
                 )
             if ret_name == "half":
-                return self._half_seed(float(result))
+                return half_seed(self.label, self.device, self.shape, float(result))
             # SlangPy reads a plain float as the primal and seeds a zero gradient.
             return spy.diffPair(p=0.0, d=float(result))
         if isinstance(result, spy.DiffPair):
@@ -296,6 +286,7 @@ class _Backward:
 
     def finish(self) -> None:
         for temp, dest in self.after:
+            self.scope.keep(dest)
             self.scope.flush()
             dest.copy_(temp)
             self.scope.mark_result(dest)
@@ -400,6 +391,8 @@ def backward_call(
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         b.stored_once = written_mask.stored_once(fn, bound)
+        if scope.keeper is None and may_count(bound, prior, b.stored_once):
+            b.kept = GradSnapshot(scope, b.device)  # (else the enclosing backward keeps them)
         if deterministic:
             b.separate = shared_grads(bound)
             if b.shape is None:
@@ -441,6 +434,8 @@ def backward_call(
                 node = fn.bwds_kernel(tuple(b.no_grad)) if b.no_grad else fn.native_bwds
                 scope.dispatch(node, *native_args, **options)
         except Exception as exc:
+            if b.kept is not None:  # (a policy may have zeroed what it kept: put back)
+                b.kept.restore()
             raise backward_failures.kept(fn, resolve_error(fn, exc)) from None
         b.after_call()
         if deterministic and b.untracked:

@@ -51,6 +51,9 @@ class BackwardScope:
         self._seen: set[int] = set() if seen is None else seen
         self._written: list["Tensor"] = []
         self._on_finish: list[Callable[[], None]] = []  # checks that read results back
+        #: The buffers to put back if the backward is refused part-way (``grad_restore``):
+        #: kept before the policy acts on each (``keep``), or None.
+        self.keeper: Any = None
 
     def dispatch(self, node: Any, *args: Any, **kwargs: Any) -> None:
         """Run a SlangPy function node now, or append it to the device's batch."""
@@ -90,6 +93,8 @@ class BackwardScope:
 
     def before_accumulate(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:
         """Apply the owner's policy to its ``grad`` before this backward adds into it."""
+        if self.keeper is not None:
+            self.keeper.keep(grad)
         key = id(grad.storage)
         if key in self._seen:
             return
@@ -116,6 +121,22 @@ class BackwardScope:
                 "it. Call .zero_grad() on the tensor first, or use zero_policy('reset') or "
                 "'accumulate'."
             )
+
+    def keep(self, grad: "Tensor") -> None:
+        """Before this backward writes ``grad`` other than through ``before_accumulate``:
+        keep it, if the backward keeps what it writes (``keeper``)."""
+        if self.keeper is not None:
+            self.keeper.keep(grad)
+
+    def applied(self, grad: "Tensor") -> bool:
+        """Whether this backward applied its policy to ``grad`` already (or marked it)."""
+        return id(grad.storage) in self._seen
+
+    def forget(self, grad: "Tensor") -> None:
+        """Undo ``before_accumulate`` of ``grad`` (a refused call that put the buffer back as
+        it was: the next call adding into it applies the policy again)."""
+        self._seen.discard(id(grad.storage))
+        self._written = [g for g in self._written if g.storage is not grad.storage]
 
     def mark_result(self, grad: "Tensor") -> None:
         """Record that ``grad`` now holds this backward's result (set, not added)."""

@@ -20,6 +20,7 @@ import slangpy as spy
 
 from .arguments import PLAIN, map_tensors, nested_tensors
 from .call_shape import result_type
+from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
 from .unrecorded import made_off_tape
@@ -43,6 +44,21 @@ def upstream_arg(device: Any, t: Tensor, flush: bool = True) -> spy.Tensor:
     sink (the upstream gradient is read from ``grad_in``, nothing reads the values);
     ``flush=False`` for a call deferred after pending work (``Tensor.bind``)."""
     return t.bind_upstream(lambda: primal_sink(device, t), flush)
+
+
+def half_seed(label: str, device: Any, shape: tuple | None, value: float) -> spy.Tensor:
+    """A number seeding a half result of ``.bwds``: SlangPy's diffPair holds no half, so a
+    half tensor of the call's ``shape`` carries the seed."""
+    if shape is None:
+        raise TypeError(
+            f"{label}.bwds: a number as _result of a half function needs the call's "
+            "shape, which pydiff cannot tell from these arguments; pass the result as a "
+            "half tensor with gradients (y.with_grads(ones=True))"
+        )
+    seed = make_tensor(np.full(shape, value), dtype="half", device=device)
+    return primal_sink(device, seed).with_grads(
+        grad_in=seed.native, grad_out=seed.native, zero=False
+    )
 
 
 def warn_no_gradient(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:

@@ -39,7 +39,7 @@ from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
 from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
-from . import capturing, foreign, generated_calls
+from . import capturing, foreign, generated_calls, written_mask
 from .tape import Tape, active_tape
 from .tensor import Tensor
 from .unrecorded import note_unrecorded
@@ -112,7 +112,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         out = plan.run(fn, args, kwargs.get("_result", MISSING))
         if out is not DECLINED:
             if plan.on_tape and (tape := active_tape()) is not None:
-                _record(tape, fn, list(zip(plan.params, args)), {}, out, {})
+                _record(tape, fn, list(zip(plan.params, args)), {}, out, {}, key)
             return out
     capturing.refuse_full_path(fn.label, plan is not None, "no call plan covers its layout")
     fn.module.device.queue.flush()  # kernels queued in a batched backward run first
@@ -183,7 +183,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
-        _record(tape, fn, bound, options, out, snapshots)
+        _record(tape, fn, bound, options, out, snapshots, key)
     if new_plan:
         remember(fn.plans, key, plan)
     return out
@@ -332,9 +332,10 @@ def _mark_reread(fn: FunctionTarget, bound: list) -> None:
 
 
 def _record(
-    tape: Tape, fn: FunctionTarget, bound: list, options: dict, out: Any, snapshots: dict
+    tape: Tape, fn: FunctionTarget, bound: list, options: dict, out: Any, snapshots: dict, key: Any
 ) -> None:
-    """Put a forward call on the tape, giving its outputs gradient buffers when needed."""
+    """Put a forward call on the tape, giving its outputs gradient buffers when needed
+    (``key``: the call's layout, plan_layout's, or None)."""
     reads, writes, values, plain, views = [], [], [], [], []
     kept_in_place: list[Tensor] = []  # no_diff in-place: its gradient is cleared where written
     needs_grad = False
@@ -399,7 +400,10 @@ def _record(
         backward_call(fn, bwd_values, dict(extra), prior)
 
     had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
-    tape.record(fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had)
+    counted = written_mask.may_be_counted(fn, bound, prior, key)  # (grad_restore.restoring)
+    tape.record(
+        fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, counted=counted
+    )
 
 
 def _record_cut(

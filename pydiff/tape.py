@@ -19,11 +19,12 @@ import numpy as np
 from . import capturing, forward_trace
 from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
-from .errors import StaleInputError, TapeReuseWarning, env_flag, warn_once
+from .grad_restore import restoring
+from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
-from .unrecorded import not_recorded
+from .unrecorded import check_versions, not_recorded
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -276,26 +277,6 @@ class Tape:
                 )
         return chosen[::-1], needed
 
-    def _check_versions(self, entries: list[_Entry], path: set[int]) -> None:
-        for entry in entries:  # a Function's outputs all get gradient buffers; a call's:
-            had = range(len(entry.writes)) if "ctx" in entry.payload else ()  # (with_grads)
-            for k in entry.payload.get("with_grads", had):
-                if not (t := entry.writes[k]).requires_grad and id(t.storage) in path:
-                    raise RuntimeError(
-                        f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
-                        "lost its gradient buffers (requires_grad_(False)) after the call "
-                        "was recorded, so no gradient can pass through it; to mean a "
-                        "constant, record the calls that read it on t.detach()"
-                    )
-            for desc, t, version in entry.reads:
-                if t.storage.version != version:
-                    raise StaleInputError(
-                        f"tape.backward: {desc} was read by call #{entry.index} "
-                        f"({entry.label}) and later overwritten by {t.storage.last_writer}; "
-                        "its backward needs the value it read. Write the new values to "
-                        "another tensor, or run backward before overwriting."
-                    )
-
     def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:
         """Backpropagate from ``output`` through the recorded calls.
 
@@ -324,7 +305,7 @@ class Tape:
             wrote = any(output.storage is t.storage for e in self._entries for t in e.writes)
             where = "tape.backward"
             raise RuntimeError(not_recorded(where, output, self, len(self._entries), wrote))
-        self._check_versions(entries, path)
+        check_versions(entries, path)
         trace = forward_trace.active()
         reads = [t for e in entries for _, t, _ in e.reads] if trace is not None else []
         if any(trace.tangent(t) is not None for t in reads):
@@ -367,7 +348,11 @@ class Tape:
         batch = _BATCH or capturing.recording() is not None
         # No recording while it runs (inside `with` too): a Function's backward is no call.
         scope_device = output.device if batch else None
-        with suspend_recording(), backward_scope("tape.backward", scope_device) as scope:
+        with (
+            suspend_recording(),
+            backward_scope("tape.backward", scope_device) as scope,
+            restoring(scope, entries, upstream),  # (a refused store count: no trace left)
+        ):
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)

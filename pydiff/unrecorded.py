@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 from . import tensor_methods
+from .errors import StaleInputError
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -126,3 +127,27 @@ def not_recorded(
 
 
 tensor_methods.provide("not_recorded", not_recorded)
+
+
+def check_versions(entries: list, path: set[int]) -> None:
+    """What a tape's backward refuses of its recording (``entries``, those it runs; ``path``:
+    the storages on the way): an output that lost its gradient buffers since it was recorded,
+    an input overwritten since a call read it."""
+    for entry in entries:  # a Function's outputs all get gradient buffers; a call's:
+        had = range(len(entry.writes)) if "ctx" in entry.payload else ()  # (with_grads)
+        for k in entry.payload.get("with_grads", had):
+            if not (t := entry.writes[k]).requires_grad and id(t.storage) in path:
+                raise RuntimeError(
+                    f"tape.backward: output {k} of call #{entry.index} ({entry.label}) "
+                    "lost its gradient buffers (requires_grad_(False)) after the call "
+                    "was recorded, so no gradient can pass through it; to mean a "
+                    "constant, record the calls that read it on t.detach()"
+                )
+        for desc, t, version in entry.reads:
+            if t.storage.version != version:
+                raise StaleInputError(
+                    f"tape.backward: {desc} was read by call #{entry.index} "
+                    f"({entry.label}) and later overwritten by {t.storage.last_writer}; "
+                    "its backward needs the value it read. Write the new values to "
+                    "another tensor, or run backward before overwriting."
+                )

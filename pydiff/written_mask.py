@@ -27,6 +27,7 @@ import slangpy as spy
 
 from . import grid_args, single_store
 from .device import Device
+from .grad_restore import may_count
 from .grid_args import is_grid
 from .signature import ParamInfo, Signature, overloaded, stem
 from .storage import allocate
@@ -107,6 +108,31 @@ def wrapper_source(fn: GeneratingFunction, masked: set[str]) -> str:
     )
 
 
+# The tensors each layout of a function stores once per thread, for a tape's record of each
+# call: {(id(fn), layout key): (fn, names)} (a lookup, not stored_once's ~10 us; bounded).
+_ONCE_BY_LAYOUT: dict[tuple, tuple] = {}
+
+
+def may_be_counted(fn: GeneratingFunction, bound: list, prior: frozenset, key: Any) -> bool:
+    """Whether ``.bwds`` of this forward call may count its stores (a tape keeps the gradient
+    buffers its backward writes, to put them back if the counts refuse it); ``key``: the
+    call's layout (``plan_layout.layout_key``, None: none)."""
+    if not may_count(bound, prior, frozenset()):
+        return False
+    hit = _ONCE_BY_LAYOUT.get((id(fn), key)) if key is not None else None
+    if hit is not None and hit[0] is fn:
+        return may_count(bound, prior, hit[1])
+    try:
+        once = _stores_once(fn, bound)
+    except (ValueError, TypeError):
+        return True  # (.bwds refuses it before its kernel)
+    if key is not None:
+        if len(_ONCE_BY_LAYOUT) >= 1024:
+            _ONCE_BY_LAYOUT.clear()
+        _ONCE_BY_LAYOUT[(id(fn), key)] = (fn, once)
+    return may_count(bound, prior, once)
+
+
 def can_wrap(sig: Signature) -> bool:
     """Whether a masked wrapper of a function with this signature can be generated."""
     return not (sig.has_diff_inout or any(p.generic for p in sig.params))
@@ -169,7 +195,16 @@ def bind_in_place(call: Any, p: ParamInfo, t: Tensor, bound: Any, masked: bool) 
 
 def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
     """The interface tensors a call over a grid stores once per thread at its own element
-    (single_store), where the grid has the tensor's shape: their stores need no counting."""
+    (single_store), where the grid has the tensor's shape: their stores need no counting.
+    Two such parameters given one storage are refused (``_refuse_stored_twice``)."""
+    once = _stores_once(fn, bound)
+    if once:
+        _refuse_stored_twice(fn, bound, once)
+    return once
+
+
+def _stores_once(fn: GeneratingFunction, bound: list) -> frozenset:
+    """``stored_once`` without the refusal."""
     grids = [(p, v) for p, v in bound if is_grid(v)]
     source = fn.module.source
     if len(grids) != 1 or source is None or overloaded(fn):
@@ -188,9 +223,7 @@ def stored_once(fn: GeneratingFunction, bound: list) -> frozenset:
     ]
     if not tensors:
         return frozenset()
-    once = single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
-    _refuse_stored_twice(fn, bound, once)
-    return once
+    return single_store.stores_once(source, fn.name, p.name, len(shape), tensors)
 
 
 def _refuse_stored_twice(fn: GeneratingFunction, bound: list, once: frozenset) -> None:
@@ -229,10 +262,11 @@ def masked_wrapper(fn: GeneratingFunction, masked: set[str]) -> Any:
     return fn.generated(_kind(masked), wrapper_source(fn, masked))
 
 
-#: What every refusal of the counts adds: they are read after the kernel ran.
-_ADDED = (
-    ". The stores are counted as the backward runs, so this call's gradients were added "
-    "already: zero them (x.zero_grad()) before going on"
+#: What every refusal of the counts adds: they are read after the kernel ran, which pydiff
+#: undoes (grad_restore: the buffers it added into, copied before it, put back).
+_RESTORED = (
+    ". The stores are counted as the backward runs; pydiff put back the gradient buffers "
+    "it had added into: the gradients were left as they were before the call"
 )
 
 
@@ -258,38 +292,44 @@ class WrittenMask:
         self.storage: Any = None  # the storage of the tensor(s) whose stores it counts
         self.names: list[str] = []  # the written parameters given it (bind_written)
 
-    def check_single_writes(self, scope: Any, label: str, name: str) -> None:
+    def check_single_writes(self, scope: Any, label: str, name: str, kept: Any) -> None:
         """Raise if two threads stored one element: the forward raced on it, and its upstream
         was read once per store (a gradient counted twice). Reads back 8 bytes (the whole
-        counts only to name the element of a refused call)."""
+        counts only to name the element of a refused call). ``kept``: the gradient buffers
+        as they were before the call (``grad_restore.GradSnapshot``), put back first (None:
+        the enclosing backward's ``scope.keeper`` puts them back as the refusal leaves it)."""
         scope.flush()
         raced, complement = (int(v) for v in self.races.numpy())
         if raced == 0:
             return
-        flat = ~complement & 0xFFFFFFFF
+        message = self._refusal(label, name, raced, ~complement & 0xFFFFFFFF)
+        if kept is not None:  # (else an enclosing backward keeps them: a tape's)
+            kept.restore()
+        raise ValueError(message + _RESTORED)
+
+    def _refusal(self, label: str, name: str, raced: int, flat: int) -> str:
         if flat >= math.prod(self.shape):
-            raise ValueError(
+            return (
                 f"{label}: parameter '{name}' (shape {tuple(self.shape)}): the call stored "
                 f"at an index outside the tensor (flat index {flat}): the forward wrote "
                 "outside it (lost, or into other memory), and no gradient can be right there. "
                 "Check the indices the function stores at (spy.grid gives the last axis as .x)"
-                + _ADDED
             )
         at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
         stored = int(Tensor(self.counts, self.device).numpy()[at])
         if len(self.names) > 1:
-            raise ValueError(
+            return (
                 f"{label}: parameters {' and '.join(repr(n) for n in self.names)} are one "
                 f"tensor (or views of one storage, shape {tuple(self.shape)}) and element "
                 f"{at} was stored {stored} times through them ({raced} element(s) stored more "
                 "than once): the forward keeps the last store, while the backward would add "
-                "the gradients of each. Pass a tensor of its own to each written parameter" + _ADDED
+                "the gradients of each. Pass a tensor of its own to each written parameter"
             )
-        raise ValueError(
+        return (
             f"{label}: parameter '{name}': element {at} was stored {stored} times "
             f"by one call ({raced} element(s) stored more than once): "
             "threads raced on it in the forward and its upstream gradient was counted "
-            "once per store. Give each thread elements of its own (distinct indices)" + _ADDED
+            "once per store. Give each thread elements of its own (distinct indices)"
         )
 
     def bind(self, p: ParamInfo, bound: spy.Tensor) -> dict:
