@@ -27,8 +27,8 @@ SOURCE = """
 
 def make_run(m, n: int):
     """Fresh tensors and optimizer, and the step that trains them on the current x, t."""
-    x = pydiff.zeros((n,), requires_grad=True)  # (.bwds's plan: every tensor with gradients)
-    t = pydiff.zeros((n,), requires_grad=True)
+    x = pydiff.zeros((n,))  # data: no gradient buffers
+    t = pydiff.zeros((n,))
     w = pydiff.ones((n,), requires_grad=True)
     err = pydiff.zeros((n,)).with_grads(ones=True)  # the upstream gradient: ones
     opt = optim.SGD([w], lr=0.05)
