@@ -104,7 +104,7 @@ class BackwardPlan:
             return DECLINED
         if scope is not None and scope.device is not dev:
             return DECLINED  # (a scope running SlangPy's kernels at once)
-        capturing.planned_bwds(fn.bwds_label, self, launch, args)  # (in a capture)
+        capturing.planned_bwds(fn.bwds_label, self, launch, args, result)  # (in a capture)
         made = result.storage.made_by
         if made is not None and made[0] is fn and written_since(args, made):
             return DECLINED  # (the full path refuses it, or uses a copy kept)

@@ -36,6 +36,7 @@ deterministic-mode overflow checks.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -135,14 +136,36 @@ def refuse_planned(label: str, plan: Any, launch: Any = None, result: Any = "") 
     refuse_call(label, why)
 
 
-def planned_bwds(label: str, plan: Any, launch: Any, args: tuple) -> None:
+def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -> None:
     """In a capture: a ``.bwds`` call plan about to run; refused where it would take SlangPy's
-    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy."""
+    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy. Else
+    every replay first checks that the tensors still alive have the gradient buffers this
+    call binds (``requires_grad_(False)`` then ``(True)`` attaches a new one: the replay would
+    add into the dropped one, leaving ``.grad`` silently unchanged)."""
     if _recording.get() is None:
         return
     if launch is None:
         refuse_planned(label, plan)
     refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
+    named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
+    named.append((f"{label}: _result", result, "grad_in"))
+    check_on_replay(label, _same_grads(named))
+
+
+def _same_grads(named: list) -> Callable[[], str | None]:
+    """A ``still_same`` for check_on_replay: each ``(description, tensor, attribute)``'s
+    tensor, while alive, still has the gradient buffer ``attribute`` it has now (weak
+    references: a tensor dropped since cannot be read, and is not kept alive)."""
+    refs = [(desc, weakref.ref(t), weakref.ref(getattr(t, attr)), attr) for desc, t, attr in named]
+
+    def still_same() -> str | None:
+        for desc, tensor, grad, attr in refs:
+            t = tensor()
+            if t is not None and getattr(t, attr) is not grad():
+                return f"{desc}: its gradient buffer ({attr}) was replaced or dropped"
+        return None
+
+    return still_same
 
 
 def refuse_strict(label: str, policies: list) -> None:

@@ -1,0 +1,66 @@
+"""Breaking pydiff.capture of steps that call a user's Slang function: replays checked
+against NumPy float64 closed forms; what a replay cannot honour must be refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+SOURCE = """
+[Differentiable] float bk_f(float a, float x, float w) { return a * w * x; }
+[Differentiable] float bk_h(float x) { return x * x; }
+"""
+RNG = np.random.default_rng(3939)
+
+
+@pytest.fixture
+def mod(device):
+    return pydiff.load_module_from_source("s39_brkcap", SOURCE, device=device)
+
+
+def _t(values, device, grad=True):
+    return pydiff.tensor(np.asarray(values, np.float32), device=device, requires_grad=grad)
+
+
+def test_replay_after_a_gradient_buffer_reattached_is_refused(device, mod):
+    """``requires_grad_(False)`` then ``(True)`` gives a tensor a new gradient buffer: a
+    replay of a captured ``.bwds`` would add into the dropped one and leave ``w.grad`` at
+    zeros (silently wrong before the fix). Refused, naming the parameter."""
+    n = 16
+    x, w = _t(RNG.standard_normal(n), device), _t(RNG.standard_normal(n), device)
+    out = pydiff.zeros((n,), device=device).with_grads(ones=True)
+
+    def step():
+        mod.bk_f(1.5, x, w, _result=out)
+        mod.bk_f.bwds(1.5, x, w, _result=out)
+
+    captured = pydiff.capture(step)
+    w.grad.zero_()
+    captured.replay()  # unchanged: fine
+    np.testing.assert_allclose(w.grad.numpy(), 1.5 * x.numpy().astype(np.float64), rtol=1e-6)
+    w.requires_grad_(False)
+    w.requires_grad_(True)
+    with pytest.raises(pydiff.CaptureError, match="parameter 'w'.*gradient buffer"):
+        captured.replay()
+    assert not w.grad.numpy().any()  # nothing ran
+
+
+def test_tape_replay_after_a_gradient_buffer_reattached_is_refused(device, mod):
+    """The same through a captured ``Tape.backward``."""
+    n = 8
+    x, w = _t(RNG.standard_normal(n), device), _t(RNG.standard_normal(n), device)
+    seed = pydiff.ones((n,), device=device)
+
+    def step():
+        with pydiff.Tape() as tape:
+            z = mod.bk_h(mod.bk_f(2.0, x, w))
+        tape.backward(z, seed, retain_graph=False)
+
+    step()
+    captured = pydiff.capture(step)
+    w.requires_grad_(False)
+    w.requires_grad_(True)
+    with pytest.raises(pydiff.CaptureError, match="parameter 'w'.*gradient buffer"):
+        captured.replay()
