@@ -4,7 +4,9 @@ and why) where SlangPy's kernel would run it.
 
 A layout's first forward call runs the full path unrecorded (``capturing.paused``; its
 results are overwritten by the recorded call, which reads the same inputs: a plan never has
-a tensor both read and written), which makes the plan; the recorded call then takes it. A
+a tensor both read and written, and put back where no plan comes of it and the call is
+refused: an in-place call must not have run twice when the step is run again), which makes
+the plan; the recorded call then takes it. A
 layout's first ``.bwds`` outside a tape's backward runs the full path unrecorded too, its
 gradient buffers put back afterwards (it adds into them). Inside ``Tape.backward`` a layout
 without a plan is refused (run the step once eagerly first).
@@ -18,6 +20,7 @@ from typing import Any
 
 from . import capturing, forward_trace
 from .backward_call import backward_call
+from .errors import CaptureError
 from .backward_scope import active_scope
 from .forward_call import forward_call
 from .plan_layout import layout_key
@@ -69,6 +72,20 @@ def probe_bwds(fn: FunctionTarget, args: tuple, kwargs: dict) -> None:
             g.copy_(before)
 
 
+def _written(fn: FunctionTarget, args: tuple, kwargs: dict) -> list:
+    """The tensors ``fn(*args, **kwargs)`` writes (``inout``/``out`` parameters, a ``_result``
+    given), one per storage: the values a first call's full path would leave changed where
+    the call is then refused."""
+    written = [args[i] for i in fn.signature.written if i < len(args)]
+    written.append(kwargs.get("_result"))
+    out, seen = [], set()
+    for t in written:
+        if type(t) is Tensor and id(t.storage) not in seen:
+            seen.add(id(t.storage))
+            out.append(t)
+    return out
+
+
 def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` inside a capture: the plan's generated kernel, recorded."""
     if library_call(fn):
@@ -78,10 +95,13 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     key = layout_key(args, kwargs)
     if key is None:
         capturing.refuse_call(fn.label, NOT_PLANNED)
+    kept: list = []
     if key not in fn.plans:
         # The full path, unrecorded and off any tape: it checks the call and makes the plan.
         with capturing.paused(), suspend_recording():
+            kept = [(t, t.copy_values()) for t in _written(fn, args, kwargs)]
             forward_call(fn, args, kwargs)
+    try:
         if key not in fn.plans:
             capturing.refuse_call(
                 fn.label,
@@ -89,4 +109,9 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
                 "struct or host arguments, overloads, a trap finding, a 0-d call, a large "
                 "grid), so SlangPy's path runs it",
             )
-    return forward_call(fn, args, kwargs)
+        return forward_call(fn, args, kwargs)
+    except CaptureError:  # refused: the first call's full path must not have run either
+        with capturing.paused(), suspend_recording():
+            for t, before in kept:
+                t.copy_(before)
+        raise

@@ -11,6 +11,8 @@ import pydiff
 SOURCE = """
 [Differentiable] float bk_f(float a, float x, float w) { return a * w * x; }
 [Differentiable] float bk_h(float x) { return x * x; }
+[Differentiable] void bk_io(float s, inout float v) { v = v * s; }
+[Differentiable] float bk_int(int k, float x) { return x * float(k); }
 """
 RNG = np.random.default_rng(3939)
 
@@ -64,3 +66,24 @@ def test_tape_replay_after_a_gradient_buffer_reattached_is_refused(device, mod):
     w.requires_grad_(True)
     with pytest.raises(pydiff.CaptureError, match="parameter 'w'.*gradient buffer"):
         captured.replay()
+
+
+def test_a_refused_first_call_of_a_layout_leaves_its_tensors_unchanged(device, mod):
+    """A layout's first call in a capture runs the full path to make its plan; where the call
+    is then refused (in place, ``inout``, an ``int`` parameter), that run wrote its tensors:
+    running the step again eagerly, as the docs advise, squared ``x`` twice (silently wrong
+    before the fix). The capture raised at the call: it must not have run."""
+    x = _t(np.full(4, 2.0), device, False)
+    with pytest.raises(pydiff.CaptureError, match="bk_h"):
+        pydiff.capture(lambda: mod.bk_h(x, _result=x))
+    np.testing.assert_array_equal(x.numpy(), 2.0)
+    v = _t(np.full(4, 2.0), device, False)
+    with pytest.raises(pydiff.CaptureError, match="bk_io"):
+        pydiff.capture(lambda: mod.bk_io(3.0, v))
+    np.testing.assert_array_equal(v.numpy(), 2.0)
+    out = pydiff.zeros((4,), device=device)
+    with pytest.raises(pydiff.CaptureError, match="bk_int"):
+        pydiff.capture(lambda: mod.bk_int(3, x, _result=out))
+    np.testing.assert_array_equal(out.numpy(), 0.0)
+    mod.bk_h(x, _result=x)  # the step run eagerly afterwards: once
+    np.testing.assert_array_equal(x.numpy(), 4.0)
