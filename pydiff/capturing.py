@@ -149,20 +149,43 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
-    check_on_replay(label, _same_grads(named))
+    check_on_replay(
+        label,
+        _same_grads(named),
+        advice="The captured kernels add into the gradient buffers, and zero them, as at the "
+        "capture: restore that, or capture the step again.",
+    )
+
+
+def _policy(t: Any, attr: str) -> Any:
+    """The zeroing policy a backward adding into ``t``'s gradient applies (``grad_out``)."""
+    return (t.zero_policy or get_zero_policy()) if attr == "grad_out" else None
 
 
 def _same_grads(named: list) -> Callable[[], str | None]:
     """A ``still_same`` for check_on_replay: each ``(description, tensor, attribute)``'s
-    tensor, while alive, still has the gradient buffer ``attribute`` it has now (weak
-    references: a tensor dropped since cannot be read, and is not kept alive)."""
-    refs = [(desc, weakref.ref(t), weakref.ref(getattr(t, attr)), attr) for desc, t, attr in named]
+    tensor, while alive, still has the gradient buffer ``attribute`` it has now, under the
+    zeroing policy it has now (a replay repeats the zeroing recorded under it: ACCUMULATE's
+    none, RESET's clear; never STRICT's host check). Weak references: a tensor dropped since
+    cannot be read, and is not kept alive."""
+    refs = [
+        (desc, weakref.ref(t), weakref.ref(getattr(t, attr)), attr, _policy(t, attr))
+        for desc, t, attr in named
+    ]
 
     def still_same() -> str | None:
-        for desc, tensor, grad, attr in refs:
+        for desc, tensor, grad, attr, policy in refs:
             t = tensor()
-            if t is not None and getattr(t, attr) is not grad():
+            if t is None:
+                continue
+            if getattr(t, attr) is not grad():
                 return f"{desc}: its gradient buffer ({attr}) was replaced or dropped"
+            now = _policy(t, attr)
+            if now is not policy:
+                return (
+                    f"{desc}: the zeroing policy of its gradient is {now.name}, not "
+                    f"{policy.name} as at the capture (the replay would zero as then)"
+                )
         return None
 
     return still_same

@@ -87,3 +87,54 @@ def test_a_refused_first_call_of_a_layout_leaves_its_tensors_unchanged(device, m
     np.testing.assert_array_equal(out.numpy(), 0.0)
     mod.bk_h(x, _result=x)  # the step run eagerly afterwards: once
     np.testing.assert_array_equal(x.numpy(), 4.0)
+
+
+@pytest.mark.parametrize("policy", ["reset", "strict"])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_replay_after_the_zeroing_policy_changed_is_refused(device, mod, policy, per_tensor):
+    """A step captured under ACCUMULATE and replayed under RESET added (w.grad 3 * 2 = 6)
+    where the eager step resets (2); under STRICT the eager step raises, the replay added
+    silently. The policy a replay would need differs from the recorded one: refused."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device), _t(np.full(n, 3.0), device)
+    out = pydiff.zeros((n,), device=device).with_grads(ones=True)
+
+    def step():
+        mod.bk_f(1.0, x, w, _result=out)
+        mod.bk_f.bwds(1.0, x, w, _result=out)
+
+    captured = pydiff.capture(step)
+    try:
+        if per_tensor:
+            w.zero_policy = policy
+        else:
+            pydiff.set_zero_policy(policy)
+        with pytest.raises(pydiff.CaptureError, match="zeroing policy"):
+            captured.replay()
+        np.testing.assert_array_equal(w.grad.numpy(), 2.0)  # the capture's step only
+    finally:
+        pydiff.set_zero_policy("accumulate")
+        w.zero_policy = None
+    captured.replay()  # as at the capture again: fine
+    np.testing.assert_array_equal(w.grad.numpy(), 4.0)
+
+
+def test_tape_replay_after_the_zeroing_policy_changed_is_refused(device, mod):
+    """Captured under RESET (the tape's zeroing recorded), replayed under ACCUMULATE: the
+    replay would still reset where the eager step adds."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device), _t(np.full(n, 3.0), device)
+    seed = pydiff.ones((n,), device=device)
+
+    def step():
+        with pydiff.Tape() as tape:
+            z = mod.bk_f(1.0, x, w)
+        tape.backward(z, seed, retain_graph=False)
+
+    step()
+    with pydiff.zero_policy("reset"):
+        captured = pydiff.capture(step)
+        captured.replay()
+    np.testing.assert_array_equal(w.grad.numpy(), 2.0)
+    with pytest.raises(pydiff.CaptureError, match="zeroing policy of its gradient is ACCUMULATE"):
+        captured.replay()
