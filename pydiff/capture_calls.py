@@ -109,9 +109,16 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
                 "struct or host arguments, overloads, a trap finding, a 0-d call, a large "
                 "grid), so SlangPy's path runs it",
             )
-        return forward_call(fn, args, kwargs)
+        out = forward_call(fn, args, kwargs)
     except CaptureError:  # refused: the first call's full path must not have run either
         with capturing.paused(), suspend_recording():
             for t, before in kept:
                 t.copy_(before)
         raise
+    reads = [
+        (f"{fn.label}: parameter '{p.name}'", v.storage)
+        for p, v in zip(fn.signature.params, args)
+        if type(v) is Tensor and p.reads_value
+    ]
+    capturing.recording().record_reads(fn.label, reads)  # (the step's inputs: kept)
+    return out

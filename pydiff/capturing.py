@@ -149,6 +149,9 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
+    reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]
+    reads.append((f"{label}: _result's upstream", result.grad_in.storage))
+    _recording.get().record_reads(label, reads)
     check_on_replay(
         label,
         _same_grads(named),
@@ -325,6 +328,33 @@ class CapturedStep:
     def record_write(self, storage: Any) -> None:
         """A write of ``storage``'s values (``Storage.wrote``), before its version moves."""
         self._writes.setdefault(id(storage), (storage, storage.version))
+
+    def record_new(self, storage: Any) -> None:
+        """A storage made during the capture (its values are the step's, as if written)."""
+        self._writes.setdefault(id(storage), (storage, storage.version))
+
+    def record_reads(self, what: str, read: list) -> None:
+        """``read``: ``(description, storage)`` of the values a recorded call reads. Those
+        the step neither made nor wrote before come from outside it (its inputs): a replay
+        refuses once one was dropped (no tensor left on it, e.g. its name re-bound to a new
+        tensor), as it would read the old buffer, which nothing can write any more."""
+        outside = [(d, weakref.ref(st)) for d, st in read if id(st) not in self._writes]
+        if not outside:
+            return
+
+        def still_same() -> str | None:
+            for desc, ref in outside:
+                if ref() is None:
+                    return (
+                        f"{desc}: the tensor it read was dropped (no tensor left on its "
+                        "storage: a name re-bound to a new tensor?); the replay would read "
+                        "the old buffer, which nothing writes any more"
+                    )
+            return None
+
+        self.record_check(
+            what, still_same, "Copy new values into the captured tensors, or capture again."
+        )
 
     def record_host(self, action: Callable[[], None]) -> None:
         """Host code to run at this point of every replay."""

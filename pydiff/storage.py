@@ -162,7 +162,7 @@ class Storage:
 
     __slots__ = tuple(
         "buffer holds_result_of version last_writer checked before read_by_writer reread "
-        "written_over producer replaced serial made_by".split()
+        "written_over producer replaced serial made_by __weakref__".split()
     )
 
     def __init__(self, buffer: Any = None) -> None:
@@ -178,6 +178,8 @@ class Storage:
         self.producer: Any = None
         self.replaced: tuple[int, str] = (0, "nothing")
         self.serial = next(_SERIALS)
+        if (rec := capturing.recording()) is not None:
+            rec.record_new(self)  # made by the captured step (its values: the step's)
         self.made_by: tuple | None = None
 
     def wrote(self, writer: str, everything: bool = False) -> None:

@@ -138,3 +138,33 @@ def test_tape_replay_after_the_zeroing_policy_changed_is_refused(device, mod):
     np.testing.assert_array_equal(w.grad.numpy(), 2.0)
     with pytest.raises(pydiff.CaptureError, match="zeroing policy of its gradient is ACCUMULATE"):
         captured.replay()
+
+
+@pytest.mark.parametrize("tape", [False, True])
+def test_replay_after_an_input_tensor_was_replaced_is_refused(device, mod, tape):
+    """The step reads ``state["x"]``; the user puts a new tensor there (new data) and drops
+    the old one: a replay read the old buffer (held by the capture), silently computing on
+    the capture's values, the new ones ignored. Refused, naming the parameter; a tensor the
+    step made itself (``y``) is not an input and may die."""
+    n = 8
+    state = {"x": _t(np.full(n, 2.0), device), "w": _t(np.full(n, 3.0), device)}
+    out = pydiff.zeros((n,), device=device).with_grads(ones=True)
+    seed = pydiff.ones((n,), device=device)
+
+    def step():
+        if tape:
+            with pydiff.Tape() as t:
+                z = mod.bk_h(mod.bk_f(1.0, state["x"], state["w"]))
+            t.backward(z, seed, retain_graph=False)
+            return z
+        y = mod.bk_f(1.0, state["x"], state["w"])  # made by the step, dropped after it
+        return mod.bk_h(y, _result=out)
+
+    if tape:
+        step()
+    captured = pydiff.capture(step)
+    z = captured.replay()
+    np.testing.assert_allclose(z.numpy(), 36.0)  # (3 * 2)^2
+    state["x"] = _t(np.full(n, 5.0), device)  # the old x dropped
+    with pytest.raises(pydiff.CaptureError, match="parameter 'x'.*dropped"):
+        captured.replay()
