@@ -285,6 +285,9 @@ class CapturedStep:
         # .bwds's stale read) sees the replay's writes as it sees an eager step's.
         self._writes: dict[int, tuple[Any, int]] = {}
         self.replays = 0
+        # The step is kept, and the tensors it refers to with it: a replay reads them (an
+        # input dropped since is refused: record_reads), also those only its closure holds.
+        self._step = (fn, args, kwargs)
         token = _recording.set(self)
         try:
             self.result = fn(*args, **kwargs)

@@ -168,3 +168,29 @@ def test_replay_after_an_input_tensor_was_replaced_is_refused(device, mod, tape)
     state["x"] = _t(np.full(n, 5.0), device)  # the old x dropped
     with pytest.raises(pydiff.CaptureError, match="parameter 'x'.*dropped"):
         captured.replay()
+
+
+def test_tensors_only_the_captured_function_holds_stay_valid_inputs(device, mod):
+    """A step built in a factory, only the captured object kept: its constants (``k``, the
+    upstream ``out``) live in the step's closure, which the capture keeps, so a replay
+    runs (not refused as dropped inputs) with the right values."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device), _t(np.full(n, 3.0), device)
+
+    def make():
+        out = pydiff.zeros((n,), device=device).with_grads(ones=True)
+        k = _t(np.full(n, 4.0), device, False)
+
+        def step():
+            mod.bk_f(1.0, x, k, _result=out)
+            mod.bk_f.bwds(1.0, x, w, _result=out)
+            return out
+
+        return pydiff.capture(step)
+
+    captured = make()
+    w.grad.zero_()
+    x.copy_from_numpy(np.full(n, 5.0, np.float32))
+    out = captured.replay()
+    np.testing.assert_array_equal(out.numpy(), 20.0)  # 4 * 5
+    np.testing.assert_array_equal(w.grad.numpy(), 5.0)
