@@ -25,7 +25,7 @@ from .backward_scope import active_scope
 from .forward_call import forward_call
 from .plan_layout import layout_key
 from .signature import FunctionTarget
-from .tape import suspend_recording
+from .tape import active_tape, suspend_recording
 from .tensor import Tensor
 
 NOT_PLANNED = (
@@ -122,3 +122,16 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     ]
     capturing.recording().record_reads(fn.label, reads)  # (the step's inputs: kept)
     return out
+
+
+def _on_tape() -> str | None:
+    if active_tape() is None:
+        return None
+    return (
+        "inside a recording pydiff.Tape: the replayed kernels are on no tape, so a backward "
+        "through what they wrote would treat it as a constant (no gradient to the step's "
+        "inputs). Replay outside the tape, or run the step eagerly on it"
+    )
+
+
+capturing.guard_replays(_on_tape)  # (capturing is below tape: it cannot ask itself)

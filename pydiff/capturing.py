@@ -271,6 +271,15 @@ def same_objects(recorded: dict[str, Any], current: Callable[[], dict[str, Any]]
 _MISSING = object()
 
 
+_REPLAY_GUARDS: list[Callable[[], str | None]] = []
+
+
+def guard_replays(check: Callable[[], str | None]) -> None:
+    """Have every ``replay()`` call ``check()`` first: a reason it cannot run here (e.g. a
+    tape recording, which no replayed kernel is on), or None. For the layers above."""
+    _REPLAY_GUARDS.append(check)
+
+
 class CapturedStep:
     """What ``pydiff.capture`` returns: ``replay()`` and the captured call's ``result``."""
 
@@ -384,6 +393,9 @@ class CapturedStep:
         """Submit the captured commands again (one command list); returns ``result``."""
         if _recording.get() is not None:
             raise CaptureError("pydiff.capture: replay() inside a capture")
+        for guard in _REPLAY_GUARDS:
+            if (why := guard()) is not None:
+                raise CaptureError(f"pydiff.capture: replay() refused: {why}")
         for what, still_same, advice in self._checks:
             changed = still_same()
             if changed is not None and advice is not None:

@@ -194,3 +194,17 @@ def test_tensors_only_the_captured_function_holds_stay_valid_inputs(device, mod)
     out = captured.replay()
     np.testing.assert_array_equal(out.numpy(), 20.0)  # 4 * 5
     np.testing.assert_array_equal(w.grad.numpy(), 5.0)
+
+
+def test_replay_inside_a_recording_tape_is_refused(device, mod):
+    """The replayed kernels are on no tape: a backward through what a replay wrote inside a
+    ``with Tape()`` gave ``x`` no gradient (0, eagerly 2 * w * x = 12), silently."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device), _t(np.full(n, 3.0), device)
+    y = pydiff.zeros((n,), device=device, requires_grad=True)
+    captured = pydiff.capture(lambda: mod.bk_h(x, _result=y))
+    with pydiff.Tape():
+        with pytest.raises(pydiff.CaptureError, match="inside a recording pydiff.Tape"):
+            captured.replay()
+    captured.replay()  # outside: fine
+    np.testing.assert_array_equal(y.numpy(), 4.0)
