@@ -167,10 +167,8 @@ def _policy(t: Any, attr: str) -> Any:
 
 def _same_grads(named: list) -> Callable[[], str | None]:
     """A ``still_same`` for check_on_replay: each ``(description, tensor, attribute)``'s
-    tensor, while alive, still has the gradient buffer ``attribute`` it has now, under the
-    zeroing policy it has now (a replay repeats the zeroing recorded under it: ACCUMULATE's
-    none, RESET's clear; never STRICT's host check). Weak references: a tensor dropped since
-    cannot be read, and is not kept alive."""
+    tensor, while alive (weak references), still has the gradient buffer ``attribute`` and
+    zeroing policy it has now (a replay zeroes as recorded: ACCUMULATE none, RESET clears)."""
     refs = [
         (desc, weakref.ref(t), weakref.ref(getattr(t, attr)), attr, _policy(t, attr))
         for desc, t, attr in named
@@ -275,8 +273,8 @@ _REPLAY_GUARDS: list[Callable[[], str | None]] = []
 
 
 def guard_replays(check: Callable[[], str | None]) -> None:
-    """Have every ``replay()`` call ``check()`` first: a reason it cannot run here (e.g. a
-    tape recording, which no replayed kernel is on), or None. For the layers above."""
+    """Have every ``replay()`` call ``check()`` first (the layers above): why it cannot run
+    here, or None."""
     _REPLAY_GUARDS.append(check)
 
 
@@ -294,8 +292,7 @@ class CapturedStep:
         # .bwds's stale read) sees the replay's writes as it sees an eager step's.
         self._writes: dict[int, tuple[Any, int]] = {}
         self.replays = 0
-        # The step is kept, and the tensors it refers to with it: a replay reads them (an
-        # input dropped since is refused: record_reads), also those only its closure holds.
+        # The step kept: tensors only its closure holds stay valid inputs (record_reads).
         self._step = (fn, args, kwargs)
         token = _recording.set(self)
         try:
@@ -346,10 +343,9 @@ class CapturedStep:
         self._writes.setdefault(id(storage), (storage, storage.version))
 
     def record_reads(self, what: str, read: list) -> None:
-        """``read``: ``(description, storage)`` of the values a recorded call reads. Those
-        the step neither made nor wrote before come from outside it (its inputs): a replay
-        refuses once one was dropped (no tensor left on it, e.g. its name re-bound to a new
-        tensor), as it would read the old buffer, which nothing can write any more."""
+        """``read``: ``(description, storage)`` a recorded call reads. Those the step neither
+        made nor wrote before are its inputs: a replay refuses once one was dropped (e.g. its
+        name re-bound to a new tensor): it would read the old buffer, written by nothing."""
         outside = [(d, weakref.ref(st)) for d, st in read if id(st) not in self._writes]
         if not outside:
             return
