@@ -138,10 +138,8 @@ def refuse_planned(label: str, plan: Any, launch: Any = None, result: Any = "") 
 
 def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -> None:
     """In a capture: a ``.bwds`` call plan about to run; refused where it would take SlangPy's
-    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy. Else
-    every replay first checks that the tensors still alive have the gradient buffers this
-    call binds (``requires_grad_(False)`` then ``(True)`` attaches a new one: the replay would
-    add into the dropped one, leaving ``.grad`` silently unchanged)."""
+    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy. A replay
+    refuses where the gradient buffers it binds are no longer the tensors' (_same_grads)."""
     if _recording.get() is None:
         return
     if launch is None:
@@ -150,18 +148,16 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
     reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]
-    reads.append((f"{label}: _result's upstream", result.grad_in.storage))
-    _recording.get().record_reads(label, reads)
-    check_on_replay(
-        label,
-        _same_grads(named),
-        advice="The captured kernels add into the gradient buffers, and zero them, as at the "
-        "capture: restore that, or capture the step again.",
-    )
+    _recording.get().record_reads(label, [*reads, (f"{label}: upstream", result.grad_in.storage)])
+    advice = "The replay adds into (and zeroes) the gradient buffers as at the capture: "
+    check_on_replay(label, _same_grads(named), advice + "restore that, or capture again.")
+
+
+_NONE = lambda: None  # noqa: E731  (a data tensor's gradient: none, as at the capture)
 
 
 def _policy(t: Any, attr: str) -> Any:
-    """The zeroing policy a backward adding into ``t``'s gradient applies (``grad_out``)."""
+    """The zeroing policy a backward adding into ``t``'s gradient applies (grad_out)."""
     return (t.zero_policy or get_zero_policy()) if attr == "grad_out" else None
 
 
@@ -170,7 +166,8 @@ def _same_grads(named: list) -> Callable[[], str | None]:
     tensor, while alive (weak references), still has the gradient buffer ``attribute`` and
     zeroing policy it has now (a replay zeroes as recorded: ACCUMULATE none, RESET clears)."""
     refs = [
-        (desc, weakref.ref(t), weakref.ref(getattr(t, attr)), attr, _policy(t, attr))
+        (desc, weakref.ref(t), _NONE if (g := getattr(t, attr)) is None else weakref.ref(g))
+        + (attr, _policy(t, attr))
         for desc, t, attr in named
     ]
 
@@ -180,9 +177,9 @@ def _same_grads(named: list) -> Callable[[], str | None]:
             if t is None:
                 continue
             if getattr(t, attr) is not grad():
-                return f"{desc}: its gradient buffer ({attr}) was replaced or dropped"
+                return f"{desc}: its gradient buffer ({attr}) was replaced, attached or dropped"
             now = _policy(t, attr)
-            if now is not policy:
+            if now is not policy and grad() is not None:
                 return (
                     f"{desc}: the zeroing policy of its gradient is {now.name}, not "
                     f"{policy.name} as at the capture (the replay would zero as then)"

@@ -208,3 +208,26 @@ def test_replay_inside_a_recording_tape_is_refused(device, mod):
             captured.replay()
     captured.replay()  # outside: fine
     np.testing.assert_array_equal(y.numpy(), 4.0)
+
+
+def test_replay_after_a_data_input_gained_a_gradient_buffer_is_refused(device, mod):
+    """``x`` had no gradient buffer at the capture (a data input: the captured kernel adds
+    into w's only); ``x.requires_grad_(True)`` afterwards would leave ``x.grad`` at zeros on
+    replay where the eager ``.bwds`` fills it. Refused, naming ``x``."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device, False), _t(np.full(n, 3.0), device)
+    out = pydiff.zeros((n,), device=device).with_grads(ones=True)
+
+    def step():
+        mod.bk_f(1.0, x, w, _result=out)
+        mod.bk_f.bwds(1.0, x, w, _result=out)
+
+    captured = pydiff.capture(step)
+    captured.replay()
+    np.testing.assert_array_equal(w.grad.numpy(), 4.0)  # 2 steps of x = 2
+    x.requires_grad_(True)
+    with pytest.raises(pydiff.CaptureError, match="parameter 'x'.*attached"):
+        captured.replay()
+    x.requires_grad_(False)
+    captured.replay()  # as at the capture again
+    np.testing.assert_array_equal(w.grad.numpy(), 6.0)
