@@ -28,7 +28,7 @@ from .signature import ParamInfo
 from .storage import Storage
 from .tensor import Tensor
 
-_FIELDS = Storage.__slots__
+_FIELDS = tuple(f for f in Storage.__slots__ if f != "__weakref__")  # (its bookkeeping)
 
 
 def may_count(bound: list, prior: frozenset, stored_once: frozenset) -> bool:
