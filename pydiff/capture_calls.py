@@ -4,12 +4,12 @@ and why) where SlangPy's kernel would run it.
 
 A layout's first forward call runs the full path unrecorded (``capturing.paused``; its
 results are overwritten by the recorded call, which reads the same inputs: a plan never has
-a tensor both read and written, and put back where no plan comes of it and the call is
-refused: an in-place call must not have run twice when the step is run again), which makes
-the plan; the recorded call then takes it. A
-layout's first ``.bwds`` outside a tape's backward runs the full path unrecorded too, its
-gradient buffers put back afterwards (it adds into them). Inside ``Tape.backward`` a layout
-without a plan is refused (run the step once eagerly first).
+a tensor both read and written; they are put back where the call is then refused, so that
+an in-place call has not run twice when the step is run again), which makes the plan; the
+recorded call then takes it. A layout's first ``.bwds`` outside a tape's backward runs the
+full path unrecorded too, its gradient buffers put back afterwards (it adds into them).
+Inside ``Tape.backward`` a layout without a plan is refused (run the step once eagerly
+first). A replay() inside a recording tape is refused (``_on_tape``).
 
     out = capture_calls.forward(fn, args, kwargs)   # inside a capture (module.ShaderFunction)
 """
