@@ -150,40 +150,36 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]
     _recording.get().record_reads(label, [*reads, (f"{label}: upstream", result.grad_in.storage)])
     advice = "The replay adds into (and zeroes) the gradient buffers as at the capture: "
-    check_on_replay(label, _same_grads(named), advice + "restore that, or capture again.")
+    rec = _recording.get()
+    rec.record_check(label, _same_grads(named, rec.policy), advice + "restore it or capture again.")
 
 
 _NONE = lambda: None  # noqa: E731  (a data tensor's gradient: none, as at the capture)
 
 
-def _policy(t: Any, attr: str) -> Any:
-    """The zeroing policy a backward adding into ``t``'s gradient applies (grad_out)."""
-    return (t.zero_policy or get_zero_policy()) if attr == "grad_out" else None
-
-
-def _same_grads(named: list) -> Callable[[], str | None]:
+def _same_grads(named: list, outer: Any) -> Callable[[], str | None]:
     """A ``still_same`` for check_on_replay: each ``(description, tensor, attribute)``'s
     tensor, while alive (weak references), still has the gradient buffer ``attribute`` and
-    zeroing policy it has now (a replay zeroes as recorded: ACCUMULATE none, RESET clears)."""
+    its own zeroing policy it has now, and the policy around replay() is ``outer``, the one
+    around the capture (a replay zeroes as recorded: ACCUMULATE none, RESET clears; a
+    policy the step sets itself, ``with zero_policy(...)``, is the same at every replay)."""
     refs = [
         (desc, weakref.ref(t), _NONE if (g := getattr(t, attr)) is None else weakref.ref(g))
-        + (attr, _policy(t, attr))
+        + (attr, t.zero_policy)
         for desc, t, attr in named
     ]
 
     def still_same() -> str | None:
+        if (now := get_zero_policy()) is not outer:
+            return f"the zeroing policy is {now.name}, not {outer.name} as at the capture"
         for desc, tensor, grad, attr, policy in refs:
             t = tensor()
             if t is None:
                 continue
             if getattr(t, attr) is not grad():
                 return f"{desc}: its gradient buffer ({attr}) was replaced, attached or dropped"
-            now = _policy(t, attr)
-            if now is not policy and grad() is not None:
-                return (
-                    f"{desc}: the zeroing policy of its gradient is {now.name}, not "
-                    f"{policy.name} as at the capture (the replay would zero as then)"
-                )
+            if t.zero_policy is not policy and grad() is not None:
+                return f"{desc}: the zeroing policy of its gradient changed since the capture"
         return None
 
     return still_same
@@ -289,6 +285,7 @@ class CapturedStep:
         # .bwds's stale read) sees the replay's writes as it sees an eager step's.
         self._writes: dict[int, tuple[Any, int]] = {}
         self.replays = 0
+        self.policy = get_zero_policy()  # around the capture (a replay's must be the same)
         # The step kept: tensors only its closure holds stay valid inputs (record_reads).
         self._step = (fn, args, kwargs)
         token = _recording.set(self)

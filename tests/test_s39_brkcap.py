@@ -136,7 +136,7 @@ def test_tape_replay_after_the_zeroing_policy_changed_is_refused(device, mod):
         captured = pydiff.capture(step)
         captured.replay()
     np.testing.assert_array_equal(w.grad.numpy(), 2.0)
-    with pytest.raises(pydiff.CaptureError, match="zeroing policy of its gradient is ACCUMULATE"):
+    with pytest.raises(pydiff.CaptureError, match="zeroing policy is ACCUMULATE, not RESET"):
         captured.replay()
 
 
@@ -231,3 +231,24 @@ def test_replay_after_a_data_input_gained_a_gradient_buffer_is_refused(device, m
     x.requires_grad_(False)
     captured.replay()  # as at the capture again
     np.testing.assert_array_equal(w.grad.numpy(), 6.0)
+
+
+def test_a_step_that_sets_its_own_zeroing_policy_replays(device, mod):
+    """A step running its backward under ``with zero_policy("reset")`` itself replays as it
+    runs eagerly: the policy around replay() is the one around the capture (no false
+    refusal from the check above); RESET re-zeroes at each replay (w.grad 2, not 4)."""
+    n = 8
+    x, w = _t(np.full(n, 2.0), device), _t(np.full(n, 3.0), device)
+    seed = pydiff.ones((n,), device=device)
+
+    def step():
+        with pydiff.zero_policy("reset"):
+            with pydiff.Tape() as tape:
+                z = mod.bk_f(1.0, x, w)
+            tape.backward(z, seed, retain_graph=False)
+
+    step()
+    captured = pydiff.capture(step)
+    captured.replay()
+    captured.replay()
+    np.testing.assert_array_equal(w.grad.numpy(), 2.0)
