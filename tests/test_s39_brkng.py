@@ -1,0 +1,66 @@
+"""Breaking ``.bwds`` with data tensors (no gradient buffers) on its call plan
+(backward_plan): what the general path says or refuses for such a tensor must hold at the
+second and later calls too. Values against float64 closed forms: f = a x y + b y,
+df/dx = a y."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import generated, generated_switch
+
+SOURCE = """
+[Differentiable] float s39_bk(float a, float b, float x, float y) { return a * x * y + b * y; }
+"""
+N = 16
+_names = itertools.count()
+
+
+@pytest.fixture
+def mod(device):
+    """A module of its own per test: warn_once keys on the function's label."""
+    return pydiff.load_module_from_source(f"s39_brkng{next(_names)}", SOURCE, device=device)
+
+
+@pytest.fixture(params=["slangpy", "generated"])
+def path(request, monkeypatch):
+    """Plans on SlangPy's kernel, or switched to pydiff's generated kernel at once."""
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    if request.param == "generated":
+        monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
+        monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
+        monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
+    generated.reset_stats()
+    return request.param
+
+
+def _t(values, device, grad=False):
+    return pydiff.tensor(np.asarray(values, np.float32), device=device, requires_grad=grad)
+
+
+def test_data_made_off_a_tape_is_warned_at_a_planned_call(device, mod, path):
+    """y = big[1:] of a big that requires a gradient, computed off a tape: a copy with no path
+    back, which .bwds warns of (bwds_checks). The general path warned at every call; the plan
+    (made by an earlier call with plain data) passed it silently."""
+    rng = np.random.default_rng(11)
+    xs = rng.standard_normal(N).astype(np.float32)
+    x = _t(xs, device, True)
+    big = _t(rng.standard_normal(N + 1), device, True)
+    out = pydiff.zeros((N,), device=device).with_grads(ones=True)
+    want = np.zeros(N)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(4):  # one call site: warn_once keys on it
+            y = _t(rng.standard_normal(N), device) if k < 3 else big[1:]
+            ys = y.numpy().astype(np.float64)
+            mod.s39_bk.bwds(1.5, 0.5, x, y, _result=out)
+            want += 1.5 * ys
+    found = [w for w in caught if "computed off a tape" in str(w.message)]
+    assert found and "parameter 'y'" in str(found[0].message)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert big.grad.numpy().tolist() == [0.0] * (N + 1)
