@@ -138,13 +138,14 @@ def refuse_planned(label: str, plan: Any, launch: Any = None, result: Any = "") 
 
 def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -> None:
     """In a capture: a ``.bwds`` call plan about to run; refused where it would take SlangPy's
-    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy. A replay
-    refuses where the gradient buffers it binds are no longer the tensors' (_same_grads)."""
+    kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy (a data
+    tensor's own policy, left from buffers it dropped, acts on nothing). A replay refuses
+    where the gradient buffers it binds are no longer the tensors' (_same_grads)."""
     if _recording.get() is None:
         return
     if launch is None:
         refuse_planned(label, plan)
-    refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.tensors])
+    refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.with_grads])
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
     reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]

@@ -64,3 +64,28 @@ def test_data_made_off_a_tape_is_warned_at_a_planned_call(device, mod, path):
     assert found and "parameter 'y'" in str(found[0].message)
     np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-5)
     assert big.grad.numpy().tolist() == [0.0] * (N + 1)
+
+
+def test_capture_ignores_the_policy_left_on_a_data_tensor(device, mod):
+    """y had gradient buffers under the STRICT policy, then dropped them (data now): its policy
+    acts on nothing. Eager calls take the plan; a capture of the same step refused it as 'a
+    gradient buffer has the STRICT zeroing policy'. Replays follow y's new values."""
+    rng = np.random.default_rng(12)
+    x = _t(rng.standard_normal(N), device, True)
+    y = _t(rng.standard_normal(N), device, True)
+    y.zero_policy = "strict"
+    y.requires_grad_(False)
+    out = pydiff.zeros((N,), device=device).with_grads(ones=True)
+
+    def step():
+        x.zero_grad()
+        mod.s39_bk.bwds(1.5, 0.5, x, y, _result=out)
+
+    step()
+    captured = pydiff.capture(step)
+    for _ in range(2):
+        ys = rng.standard_normal(N).astype(np.float32)
+        y.copy_from_numpy(ys)
+        captured.replay()
+        np.testing.assert_allclose(x.grad.numpy(), 1.5 * ys.astype(np.float64), rtol=1e-5, atol=1e-6)
+    assert not y.requires_grad
