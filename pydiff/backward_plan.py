@@ -16,7 +16,7 @@ from typing import Any
 from . import capturing, generated
 from .arguments import resolve_error
 from .backward_scope import active_scope
-from .bwds_checks import upstream_arg
+from .bwds_checks import upstream_arg, warn_made_off_tape
 from .call_plan import (
     DECLINED,
     may_generate,
@@ -31,7 +31,7 @@ from .planned_kernels import BackwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget
 from .tensor import Tensor
-from .unrecorded import MADE_OFF_TAPE, made_off_tape
+from .unrecorded import MADE_OFF_TAPE
 
 _ACCUMULATE = ZeroPolicy.ACCUMULATE
 
@@ -52,8 +52,8 @@ class BackwardPlan:
         # those with a gradient buffer (the others: data, bound without gradients, as the
         # full path binds them, through the kernel of that gradient layout)
         self.with_grads = tuple(i for i in self.tensors if bound[i][1].grad_out is not None)
-        self.data = tuple(i for i in self.tensors if i not in self.with_grads)
-        no_grad = tuple(bound[i][0].name for i in self.data)
+        self.data = tuple((i, bound[i][0].name) for i in self.tensors if i not in self.with_grads)
+        no_grad = tuple(name for _, name in self.data)
         self.node = fn.bwds_kernel(no_grad) if no_grad else fn.native_bwds
         # (as the full path names them to the zeroing policy's errors)
         self.descs = {i: f"{fn.label}: parameter '{bound[i][0].name}'" for i in self.tensors}
@@ -115,10 +115,9 @@ class BackwardPlan:
             t = args[i]
             if t.device is not dev or t.storage.before is not None:
                 return DECLINED  # (before: values an in-place call overwrote: bwds_checks)
-        if MADE_OFF_TAPE:  # data computed off a tape (x[1:] of an x with a gradient): the
-            for i in self.data:  # full path warns that no gradient flows back through it
-                if made_off_tape(args[i]) is not None:
-                    return DECLINED
+        if MADE_OFF_TAPE:  # data computed off a tape (x[1:] of an x with a gradient): warned
+            for i, name in self.data:  # that no gradient flows back through it (full path's)
+                warn_made_off_tape(fn, name, args[i])
         grads = {}
         for i in self.with_grads:
             t = args[i]
