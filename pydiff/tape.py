@@ -329,7 +329,11 @@ class Tape:
         if grad is None:
             seed = np.ones(want)
         else:
-            if isinstance(grad, Tensor):
+            if isinstance(grad, Tensor):  # (read here: a capture would replay these values)
+                capturing.refuse(
+                    "tape.backward's grad given as a tensor (read on the host once, so a replay "
+                    "would seed the values it held at capture; pass grad.numpy() for a constant)"
+                )
                 grad = grad.numpy()
             seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
         if seed.size == 1 and math.prod(want) == 1:

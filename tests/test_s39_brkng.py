@@ -90,3 +90,31 @@ def test_capture_ignores_the_policy_left_on_a_data_tensor(device, mod):
         want = 1.5 * ys.astype(np.float64)
         np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
     assert not y.requires_grad
+
+
+def test_capture_refuses_a_tensor_seed_of_tape_backward(device, mod):
+    """tape.backward(o, up) with a tensor up reads it on the host (grad.numpy()): a captured
+    step uploaded those values as a constant, so each replay seeded the values up held at
+    the capture, not those copied into it since (a wrong gradient, silently). Refused now;
+    an array seed stays a constant, which replays rightly while it does not change."""
+    rng = np.random.default_rng(13)
+    x = _t(rng.standard_normal(N), device, True)
+    y = _t(rng.standard_normal(N), device)  # data
+    up = _t(np.ones(N), device)
+
+    def step(seed):
+        x.zero_grad()
+        with pydiff.Tape() as tape:
+            o = mod.s39_bk(1.5, 0.5, x, y, _result="tensor")
+        tape.backward(o, seed)
+
+    step(up)
+    with pytest.raises(pydiff.CaptureError, match=r"tape\.backward's grad given as a tensor"):
+        pydiff.capture(step, up)
+    ones = np.ones(N, np.float32)
+    step(ones)
+    captured = pydiff.capture(step, ones)
+    ys = rng.standard_normal(N).astype(np.float32)
+    y.copy_from_numpy(ys)
+    captured.replay()
+    np.testing.assert_allclose(x.grad.numpy(), 1.5 * ys.astype(np.float64), rtol=1e-5, atol=1e-6)
