@@ -11,9 +11,12 @@ every gradient after it inf). Each is refused here, naming the argument:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
+
+from . import capturing
 
 #: The NumPy type whose range a seed of each tensor element type must fit.
 _LIMITS = {"float": np.float32, "half": np.float16, "double": np.float64}
@@ -66,3 +69,22 @@ def seed_values(value: Any, what: str, scalar_type: str = "float") -> np.ndarray
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def tensor_seed(t: Any) -> np.ndarray:
+    """The values of ``t`` (a pydiff.Tensor given as ``tape.backward``'s ``grad=``), read on
+    the host. In a capture they are uploaded as recorded, so a replay seeds them again: it
+    refuses once ``t`` holds other values (it would seed the capture's, silently)."""
+    values = t.numpy()
+    if capturing.recording() is not None:
+        ref, kept = weakref.ref(t), values.tobytes()
+
+        def still_same() -> str | None:
+            now = ref()
+            if now is None or now.numpy().tobytes() == kept:
+                return None
+            return "tape.backward's grad tensor holds other values than at the capture"
+
+        advice = "A replay seeds the values it held then: pass an array, or capture again."
+        capturing.check_on_replay("tape.backward: grad", still_same, advice)
+    return values

@@ -21,7 +21,7 @@ from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
-from .seeds import seed_values
+from .seeds import seed_values, tensor_seed
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 from .unrecorded import check_versions, not_recorded
@@ -329,12 +329,8 @@ class Tape:
         if grad is None:
             seed = np.ones(want)
         else:
-            if isinstance(grad, Tensor):  # (read here: a capture would replay these values)
-                capturing.refuse(
-                    "tape.backward's grad given as a tensor (read on the host once, so a replay "
-                    "would seed the values it held at capture; pass grad.numpy() for a constant)"
-                )
-                grad = grad.numpy()
+            if isinstance(grad, Tensor):  # (a capture's replay checks it still holds them)
+                grad = tensor_seed(grad)
             seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
         if seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too

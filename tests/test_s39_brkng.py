@@ -92,29 +92,33 @@ def test_capture_ignores_the_policy_left_on_a_data_tensor(device, mod):
     assert not y.requires_grad
 
 
-def test_capture_refuses_a_tensor_seed_of_tape_backward(device, mod):
+def test_capture_with_a_tensor_seed_refuses_a_replay_once_it_changed(device, mod):
     """tape.backward(o, up) with a tensor up reads it on the host (grad.numpy()): a captured
     step uploaded those values as a constant, so each replay seeded the values up held at
-    the capture, not those copied into it since (a wrong gradient, silently). Refused now;
-    an array seed stays a constant, which replays rightly while it does not change."""
+    the capture, not those copied into it since (a wrong gradient, silently). The replay
+    refuses once up holds other values; while it holds the same, replays are right."""
     rng = np.random.default_rng(13)
     x = _t(rng.standard_normal(N), device, True)
     y = _t(rng.standard_normal(N), device)  # data
-    up = _t(np.ones(N), device)
+    us = rng.standard_normal(N).astype(np.float32)
+    up = _t(us, device)
 
-    def step(seed):
+    def step():
         x.zero_grad()
         with pydiff.Tape() as tape:
             o = mod.s39_bk(1.5, 0.5, x, y, _result="tensor")
-        tape.backward(o, seed)
+        tape.backward(o, up)
 
-    step(up)
-    with pytest.raises(pydiff.CaptureError, match=r"tape\.backward's grad given as a tensor"):
-        pydiff.capture(step, up)
-    ones = np.ones(N, np.float32)
-    step(ones)
-    captured = pydiff.capture(step, ones)
-    ys = rng.standard_normal(N).astype(np.float32)
-    y.copy_from_numpy(ys)
-    captured.replay()
-    np.testing.assert_allclose(x.grad.numpy(), 1.5 * ys.astype(np.float64), rtol=1e-5, atol=1e-6)
+    step()
+    captured = pydiff.capture(step)
+    for _ in range(2):
+        ys = rng.standard_normal(N).astype(np.float32)
+        y.copy_from_numpy(ys)
+        captured.replay()
+        want = 1.5 * ys.astype(np.float64) * us
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    up.copy_from_numpy(rng.standard_normal(N).astype(np.float32))
+    before = x.grad.numpy()
+    with pytest.raises(pydiff.CaptureError, match=r"grad tensor holds other values"):
+        captured.replay()
+    np.testing.assert_array_equal(x.grad.numpy(), before)
