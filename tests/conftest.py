@@ -67,6 +67,31 @@ def forced(monkeypatch):
 
 
 @pytest.fixture
+def second_call_generated(monkeypatch):
+    """Call plans switch to generated kernels at their second call, whatever the call's size
+    (``MIN_ELEMENTS`` raised: no call counts as large). Returns ``pydiff.generated``."""
+    from pydiff import generated_switch
+
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
+    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    generated.reset_stats()
+    return generated
+
+
+@pytest.fixture(params=["slangpy", "generated"])
+def plan_path(request, monkeypatch):
+    """Call plans on SlangPy's kernel (small calls' default for a while), or switched to
+    pydiff's generated kernel at their second call; returns which."""
+    if request.param == "generated":
+        request.getfixturevalue("second_call_generated")
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    generated.reset_stats()
+    return request.param
+
+
+@pytest.fixture
 def soon(monkeypatch):
     """Call plans of small layouts switch to generated kernels at their fourth call (1000 by
     default on lavapipe, never on a GPU); calls of 4096 elements and more are large. Returns

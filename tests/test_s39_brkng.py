@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import generated, generated_switch
 
 SOURCE = """
 [Differentiable] float s39_bk(float a, float b, float x, float y) { return a * x * y + b * y; }
@@ -27,16 +26,10 @@ def mod(device):
     return pydiff.load_module_from_source(f"s39_brkng{next(_names)}", SOURCE, device=device)
 
 
-@pytest.fixture(params=["slangpy", "generated"])
-def path(request, monkeypatch):
-    """Plans on SlangPy's kernel, or switched to pydiff's generated kernel at once."""
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
-    if request.param == "generated":
-        monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
-        monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
-        monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
-    generated.reset_stats()
-    return request.param
+@pytest.fixture
+def path(plan_path):
+    """SlangPy's kernel or pydiff's generated one (conftest's plan_path)."""
+    return plan_path
 
 
 def _t(values, device, grad=False):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import generated, generated_switch, kernels as kernels_module
+from pydiff import generated, kernels as kernels_module
 from pydiff.planned_kernels import BackwardLaunch, ForwardLaunch
 
 SOURCE = """
@@ -28,13 +28,8 @@ def mod(device):
 
 
 @pytest.fixture
-def soon(monkeypatch):
-    """Plans switch to generated kernels at their second call."""
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
-    monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
-    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
-    generated.reset_stats()
+def soon(second_call_generated):
+    """Plans switch to generated kernels at their second call (conftest)."""
 
 
 def _want(a, b, xs, ys):

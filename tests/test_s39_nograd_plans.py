@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import backward_call, generated, generated_switch
+from pydiff import backward_call, generated
 from pydiff.backward_plan import BackwardPlan
 
 SOURCE = """
@@ -25,17 +25,10 @@ def mod(device):
     return pydiff.load_module_from_source("s39_nograd", SOURCE, device=device)
 
 
-@pytest.fixture(params=["slangpy", "generated"])
-def path(request, monkeypatch):
-    """Plans on SlangPy's kernel (the default for small calls for a while), or switched to
-    pydiff's generated kernel at their second call."""
-    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
-    if request.param == "generated":
-        monkeypatch.setattr(generated_switch, "PLANNED_AFTER", 1)
-        monkeypatch.setattr(generated_switch, "PLANNED_AFTER_ON_GPU", 1)
-        monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 20)
-    generated.reset_stats()
-    return request.param
+@pytest.fixture
+def path(plan_path):
+    """SlangPy's kernel or pydiff's generated one (conftest's plan_path)."""
+    return plan_path
 
 
 def _no_general_path(monkeypatch):
