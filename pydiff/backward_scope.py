@@ -10,6 +10,7 @@ per gradient buffer and kernels are appended to the device's batch.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import capturing
@@ -28,6 +29,27 @@ _active_scope: contextvars.ContextVar["BackwardScope | None"] = contextvars.Cont
 _pass_seen: contextvars.ContextVar["set[int] | None"] = contextvars.ContextVar(
     "pydiff_pass_seen", default=None
 )
+
+
+_POLICY_ADVICE = "Set the policy back, or capture the step again under it"
+
+
+def _same_policy(owner: "Tensor", outer: ZeroPolicy) -> Callable[[], str | None]:
+    """A capture's check (``record_check``) where a backward applied the zeroing policy to
+    ``owner``'s gradient: the replay zeroes it, or not, as recorded, so the policy around
+    replay() must be the one around the capture (``outer``; one the step sets itself is the
+    same at every replay) and ``owner``'s own policy the one it had."""
+    ref, own = weakref.ref(owner), owner.zero_policy
+
+    def still_same() -> str | None:
+        if (now := get_zero_policy()) is not outer:
+            return f"the zeroing policy is {now.name}, not {outer.name} as at the capture"
+        t = ref()
+        if t is not None and t.zero_policy is not own:
+            return "the zeroing policy of its gradient changed since the capture"
+        return None
+
+    return still_same
 
 
 def active_scope() -> "BackwardScope | None":
@@ -98,6 +120,8 @@ class BackwardScope:
         key = id(grad.storage)
         if key in self._seen:
             return
+        if (rec := capturing.recording()) is not None:  # a replay zeroes as recorded
+            rec.record_check(owner_desc, _same_policy(owner, rec.policy), _POLICY_ADVICE)
         policy = owner.zero_policy or get_zero_policy()
         if policy is ZeroPolicy.STRICT:
             self.check_stale(owner, grad, owner_desc)
