@@ -18,7 +18,7 @@ import slangpy as spy
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
 from . import capturing
-from .grad_restore import GradSnapshot, may_count
+from .grad_restore import GradSnapshot, may_count, resets
 from .arguments import (
     MISSING,
     PLAIN,
@@ -33,7 +33,7 @@ from .arguments import (
 from .call_plan import DECLINED
 from .grid_plan import remember_bwds
 from .plan_layout import layout_key
-from .call_shape import refuse_struct_grads, result_type
+from .call_shape import refuse_struct_grads
 from .bwds_checks import (
     bwds_arguments_checked,
     half_seed,
@@ -52,7 +52,7 @@ from .determinism import is_deterministic, warn_nondeterministic
 from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo, warn_struct_fields
-from .struct_grads import bind_struct
+from .bwds_binding import bind_all
 from .tensor import Tensor
 from .written_mask import WrittenMask as Mask
 
@@ -93,6 +93,8 @@ class _Backward:
         grad, desc = t.grad_out, desc or self._desc(p)
         if grad.shape != t.shape:
             raise ValueError(f"{desc}: gradient shape {grad.shape} != primal {t.shape}")
+        if self.kept is None and resets(self.scope, t, grad):  # (kept: a refusal puts back)
+            self.kept = GradSnapshot(self.scope, self.device)
         if self.kept is not None:
             self.kept.keep(grad)  # (before the policy may zero it)
         self.scope.before_accumulate(t, grad, desc)
@@ -399,26 +401,8 @@ def backward_call(
                 b.untracked += maybe_broadcast(bound, result)
         use_wrapper = fn.signature.has_diff_inout
         native_kwargs: dict[str, Any] = {}
-        for p, value in bound:
-            if use_wrapper and p.io == "inout":
-                native_kwargs.update(b.inout_args(p, value))
-            elif p.tensor_kind == "fwd" and isinstance(value, Tensor):
-                native_kwargs[p.name] = b.fwd_arg(p, value)
-            elif isinstance(value, Tensor):
-                native_kwargs[p.name] = b.tensor_arg(p, value)
-            elif type(value) in PLAIN:
-                native_kwargs[p.name] = value
-            elif isinstance(value, spy.Tensor):
-                raise TypeError(
-                    f"{label}.bwds: parameter '{p.name}' is a raw slangpy.Tensor; pass a "
-                    "pydiff.Tensor (pydiff.tensor(...)) so pydiff can bind its gradient buffers"
-                )
-            else:
-                native_kwargs[p.name] = bind_struct(b, p, value)
+        bind_all(b, bound, native_kwargs, use_wrapper, options, result)
         native_args = list(native_kwargs.values())
-        native_result = b.result_arg(result, result_type(fn, bound))  # generic T: its type
-        if native_result is not MISSING:
-            options["_result"] = native_result
         try:
             if not use_wrapper and generated_calls.grid_backward(
                 fn, bound, native_args, options, b

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .policy import ZeroPolicy, get_zero_policy
 from .signature import ParamInfo
 from .storage import Storage
 from .tensor import Tensor
@@ -42,6 +43,13 @@ def may_count(bound: list, prior: frozenset, stored_once: frozenset) -> bool:
             if p.name not in stored_once or id(v.storage) in prior:
                 return True
     return False
+
+
+def resets(scope: Any, owner: Tensor, grad: Tensor) -> bool:
+    """Whether ``scope.before_accumulate(owner, grad, ...)`` would zero ``grad`` (the RESET
+    policy, not applied to it in this backward yet): a ``.bwds`` keeps such a buffer first,
+    so that a refusal after the zeroing (a later argument, SlangPy's binding) puts it back."""
+    return (owner.zero_policy or get_zero_policy()) is ZeroPolicy.RESET and not scope.applied(grad)
 
 
 def _writes(p: ParamInfo) -> bool:
