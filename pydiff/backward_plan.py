@@ -26,7 +26,7 @@ from .call_plan import (
     plannable,
     written_since,
 )
-from .determinism import is_deterministic
+from .determinism import REPLAY_ADVICE, is_deterministic, off_at_capture
 from .planned_kernels import BackwardLaunch
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget
@@ -106,7 +106,9 @@ class BackwardPlan:
             return DECLINED
         if scope is not None and scope.device is not dev:
             return DECLINED  # (a scope running SlangPy's kernels at once)
-        capturing.planned_bwds(fn.bwds_label, self, launch, args, result)  # (in a capture)
+        if capturing.recording() is not None:  # (a replay refuses deterministic mode)
+            capturing.planned_bwds(fn.bwds_label, self, launch, args, result)
+            capturing.check_on_replay(fn.bwds_label, off_at_capture, REPLAY_ADVICE)
         made = result.storage.made_by
         if made is not None and made[0] is fn and written_since(args, made):
             return DECLINED  # (the full path refuses it, or uses a copy kept)

@@ -133,3 +133,25 @@ def _diff_tensor_fields(fields: tuple, depth: int = 0) -> list[tuple[str, Any]]:
         elif f.fields and depth < 8:
             out += [(f"{f.name}.{sub}", g) for sub, g in _diff_tensor_fields(f.fields, depth + 1)]
     return out
+
+
+#: What a refused replay of a ``.bwds`` captured with deterministic mode off tells the user.
+REPLAY_ADVICE = (
+    "Replay with deterministic mode off (pydiff.set_deterministic(False), or replay() inside "
+    "`with pydiff.deterministic(False):`), or run the step eagerly: deterministic mode does "
+    "not capture .bwds"
+)
+
+
+def off_at_capture() -> str | None:
+    """A capture's replay check (``capturing.check_on_replay``) for a ``.bwds`` recorded with
+    deterministic mode off (the only way one is recorded: its call plan declines in the mode,
+    and a capture refuses what the plan declines). The replay runs the recorded kernel, which
+    adds a tensor's gradients as the mode-off path does (several parameters into one buffer,
+    in another rounding than the mode's separate sums): with the mode on now, refused."""
+    if is_deterministic():
+        return (
+            "deterministic mode is on, but the step was captured with it off: the replay would "
+            "run the kernels chosen without it, which the mode does not vouch for"
+        )
+    return None

@@ -96,3 +96,92 @@ def test_bwds_refused_under_tensor_reset_policy(device, mod):
     np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
     mod.prod2.bwds(x, w, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), b, rtol=1e-6)
+
+
+# --- deterministic mode at replay ---------------------------------------------------------
+
+
+def test_bwds_captured_without_deterministic_mode_refuses_replay_in_it(device, mod):
+    """cube's backward given one tensor twice (``prod2(x, x)`` = x^2): captured with the mode
+    off, the recorded kernel adds both parameters' gradients into x's one buffer; the mode
+    sums them apart (and refuses to capture .bwds). Replayed in the mode: refused, naming
+    it, nothing run; with the mode off again it replays: d(x^2)/dx = 2x per replay."""
+    xs = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    out = pydiff.zeros((16,), device=device).with_grads(ones=True)
+
+    def step():
+        mod.prod2(x, x, _result=out)
+        mod.prod2.bwds(x, x, _result=out)
+
+    captured = pydiff.capture(step)
+    got = x.grad.numpy().copy()
+    np.testing.assert_allclose(got, 2 * xs.astype(np.float64), rtol=1e-6)
+    with pydiff.deterministic():
+        with pytest.raises(pydiff.CaptureError, match="deterministic mode is on"):
+            captured.replay()
+    np.testing.assert_array_equal(x.grad.numpy(), got)  # nothing ran
+    pydiff.set_deterministic(True)
+    try:
+        with pytest.raises(pydiff.CaptureError, match="deterministic mode"):
+            captured.replay()
+    finally:
+        pydiff.set_deterministic(False)
+    captured.replay()  # the mode off, as at the capture
+    np.testing.assert_allclose(x.grad.numpy(), 4 * xs.astype(np.float64), rtol=1e-6)
+
+
+def test_tape_bwds_captured_without_deterministic_mode_refuses_replay_in_it(device, mod):
+    xs = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+
+    def step():
+        with pydiff.Tape() as tape:
+            y = mod.cube(x, _result="tensor")
+        tape.backward(y, grad=np.ones(16, np.float32), retain_graph=False)
+
+    step()  # (eager once: the layouts' plans)
+    x.grad.zero_()
+    captured = pydiff.capture(step)
+    np.testing.assert_allclose(x.grad.numpy(), 3 * xs.astype(np.float64) ** 2, rtol=1e-6)
+    with pydiff.deterministic():
+        with pytest.raises(pydiff.CaptureError, match="deterministic mode is on"):
+            captured.replay()
+    captured.replay()
+    np.testing.assert_allclose(x.grad.numpy(), 6 * xs.astype(np.float64) ** 2, rtol=1e-6)
+
+
+def _linear_step(device, det: bool):
+    from pydiff import nn, ops
+
+    rng = np.random.default_rng(40)
+    X = rng.standard_normal((8, 4)).astype(np.float32)
+    Y = rng.integers(0, 3, 8).astype(np.int32)
+    layer = nn.Linear(4, 3, seed=0, device=device)
+    xb, yb = pydiff.tensor(X, device=device), pydiff.tensor(Y, device=device)
+
+    def step():
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layer(xb), yb)
+        tape.backward(loss, retain_graph=False)
+
+    step()
+    layer.weight.zero_grad()
+    with pydiff.deterministic(det):
+        captured = pydiff.capture(step)
+    W, b = layer.weight.numpy().astype(np.float64), layer.bias.numpy().astype(np.float64)
+    z = X.astype(np.float64) @ W.T + b
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    g = ((p - np.eye(3)[Y]) / len(Y)).T @ X.astype(np.float64)
+    return layer, captured, g
+
+
+@pytest.mark.parametrize("det_at_capture", [False, True])
+def test_ops_step_replays_whatever_the_mode(device, det_at_capture):
+    """pydiff's ops take the same kernels (no atomics, fixed order) in either mode: a step of
+    them replays under the other mode too (the weight's gradient adds once per run)."""
+    layer, captured, g = _linear_step(device, det_at_capture)
+    with pydiff.deterministic(not det_at_capture):
+        captured.replay()
+    np.testing.assert_allclose(layer.weight.grad.numpy(), 2 * g, rtol=1e-4, atol=1e-6)
