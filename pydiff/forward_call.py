@@ -34,6 +34,7 @@ from .plan_layout import layout_key, remember
 from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
 from .bwds_checks import with_values_of
 from .errors import warn_once
+from .grad_restore import may_refuse
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
@@ -400,9 +401,9 @@ def _record(
         backward_call(fn, bwd_values, dict(extra), prior)
 
     had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
-    counted = written_mask.may_be_counted(fn, bound, prior, key)  # (grad_restore.restoring)
+    refuse = written_mask.may_be_counted(fn, bound, prior, key) or may_refuse(fn)  # (restoring)
     tape.record(
-        fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, counted=counted
+        fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, may_refuse=refuse
     )
 
 

@@ -31,6 +31,11 @@ from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
 
 
+# pydiff's ops, whose backwards run fixed kernels that refuse nothing part-way: a tape holding
+# only those keeps no copies of the gradients (grad_restore.restoring).
+_OWN_OPS = ("pydiff.ops_", "pydiff.tensor_api")
+
+
 class FunctionCtx:
     """What ``forward`` leaves for ``backward``: saved tensors and any attributes.
 
@@ -267,7 +272,16 @@ class Function:
                 _run_backward(cls, ctx, [t for _, t in inputs], outputs, constant)
 
             writes = [o for k, o in enumerate(outputs) if k not in constant]
-            tape.record(f"{name}.apply", reads, writes, run_backward, function=cls, ctx=ctx)
+            refuse = not cls.__module__.startswith(_OWN_OPS)  # (a user's backward: restoring)
+            tape.record(
+                f"{name}.apply",
+                reads,
+                writes,
+                run_backward,
+                function=cls,
+                ctx=ctx,
+                may_refuse=refuse,
+            )
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx
 
@@ -368,26 +382,29 @@ def _run_backward(
     grad_outputs = tuple(None if k in constant else o.grad_in for k, o in enumerate(outputs))
     ctx.targets = set()  # (what this backward adds through grad_target: not an earlier one's)
     grads = gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
-    with backward_scope(f"{cls.__name__}.backward") as scope:
-        for k, (g, x) in enumerate(zip(grads, inputs)):
-            if k in ctx.targets:
-                if g is not None:
-                    raise RuntimeError(
-                        f"{cls.__name__}.backward() added input {k}'s gradient through "
-                        "ctx.grad_target and also returned one; return None for it"
-                    )
-                continue
-            if g is None or not x.requires_grad:
-                continue
-            arr = None if isinstance(g, Tensor) else g
-            want = x.expected_numpy_shape()
-            got = g.expected_numpy_shape() if isinstance(g, Tensor) else arr.shape
-            if got != want:
-                kind = f" (a {g.dtype} tensor)" if isinstance(g, Tensor) else ""
+    adds = []  # every gradient checked before any is added (a refusal changes none)
+    for k, (g, x) in enumerate(zip(grads, inputs)):
+        if k in ctx.targets:
+            if g is not None:
                 raise RuntimeError(
-                    f"{cls.__name__}.backward() gradient {k} has shape {got}{kind} but input "
-                    f"{k} has shape {want} ({x.dtype}); return a gradient of the input's shape"
+                    f"{cls.__name__}.backward() added input {k}'s gradient through "
+                    "ctx.grad_target and also returned one; return None for it"
                 )
+            continue
+        if g is None or not x.requires_grad:
+            continue
+        want = x.expected_numpy_shape()
+        got = g.expected_numpy_shape() if isinstance(g, Tensor) else g.shape
+        if got != want:
+            kind = f" (a {g.dtype} tensor)" if isinstance(g, Tensor) else ""
+            raise RuntimeError(
+                f"{cls.__name__}.backward() gradient {k} has shape {got}{kind} but input "
+                f"{k} has shape {want} ({x.dtype}); return a gradient of the input's shape"
+            )
+        adds.append((k, g, x))
+    with backward_scope(f"{cls.__name__}.backward") as scope:
+        for k, g, x in adds:
+            arr = None if isinstance(g, Tensor) else g
             scope.before_accumulate(x, x.grad_out, f"input {k} of {cls.__name__}")
             if (
                 isinstance(g, Tensor)

@@ -14,7 +14,7 @@ copies cost device bandwidth, not a host round trip; they come from the device's
     kept.keep(x.grad_out)            # before scope.before_accumulate(x, x.grad_out, ...)
     ... the kernel; the counts refuse: kept.restore(); raise
 
-A tape's backward that runs such a call (an entry recorded with ``counted``) keeps every
+A tape's backward that runs such a call (an entry recorded with ``may_refuse``) keeps every
 gradient buffer it writes the same way (``restoring``: the results' and the seed's first, then
 each buffer the scope's policy acts on, ``scope.keeper``), and puts them all back if anything
 in it raises: the calls run before the refused one added their gradients too.
@@ -22,6 +22,7 @@ in it raises: the calls run before the refused one added their gradients too.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .policy import ZeroPolicy, get_zero_policy
@@ -126,10 +127,28 @@ def _copy(device: Any, dst: Any, src: Any, nbytes: int) -> None:
             encoder.copy_buffer(dst, 0, src, 0, nbytes)
 
 
+_RAN: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions whose .bwds completed once
+
+
+def backward_ran(fn: Any) -> None:
+    """``fn.bwds`` completed (its backward kernel compiled): a tape's backward of it is not
+    expected to refuse part-way any more (``may_refuse``)."""
+    _RAN.add(fn)
+
+
+def may_refuse(fn: Any) -> bool:
+    """Whether a tape's backward of a recorded call of ``fn`` may raise part-way: its
+    ``.bwds`` never completed yet (Slang may refuse to build the backward kernel of a
+    ``[ForwardDifferentiable]``-only function: a TypeError, found only then)."""
+    return fn not in _RAN
+
+
 class restoring:
     """Keep the gradient buffers a tape's backward writes, if one of its ``entries`` was
-    recorded as ``counted``, and put them back if the backward raises (``scope``: the
-    backward's; nothing to do where an enclosing backward keeps them already).
+    recorded with ``may_refuse`` (a call whose stores may be counted, a function whose
+    backward never ran, a ``Function`` with a backward of the user's), and put them back if
+    the backward raises (``scope``: the backward's; nothing to do where an enclosing
+    backward keeps them already): a refused backward leaves every gradient as it was.
 
         with backward_scope("tape.backward", dev) as scope, restoring(scope, entries, up):
             ...
@@ -138,7 +157,7 @@ class restoring:
     __slots__ = ("scope", "keeper", "entries", "upstream")
 
     def __init__(self, scope: Any, entries: list, upstream: Tensor):
-        counted = scope.keeper is None and any(e.payload.get("counted") for e in entries)
+        counted = scope.keeper is None and any(e.payload.get("may_refuse") for e in entries)
         self.scope, self.entries, self.upstream = scope, entries, upstream
         self.keeper = GradSnapshot(scope, upstream.device) if counted else None
 

@@ -32,6 +32,7 @@ from .call_plan import (
     written_since,
 )
 from .determinism import is_deterministic
+from .grad_restore import backward_ran
 from .grid_args import GRID
 from .plan_layout import remember
 from .policy import ZeroPolicy, get_zero_policy
@@ -206,6 +207,7 @@ def remember_bwds(
 ) -> None:
     """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran (``call``:
     its builder, when it took the general path)."""
+    backward_ran(fn)  # (a tape's backward of it: not expected to refuse part-way)
     if key is None or prior or len(args) != len(fn.params) or key in fn.bwds_plans:
         return  # (a plan there declined this call: the same plan again)
     if len(key) != len(args) + 2 * (result is not MISSING):

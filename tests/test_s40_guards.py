@@ -185,3 +185,73 @@ def test_ops_step_replays_whatever_the_mode(device, det_at_capture):
     with pydiff.deterministic(not det_at_capture):
         captured.replay()
     np.testing.assert_allclose(layer.weight.grad.numpy(), 2 * g, rtol=1e-4, atol=1e-6)
+
+
+# --- a tape's backward refused part-way --------------------------------------------------
+
+
+class _BadShape(pydiff.Function):
+    """Input 0's gradient fine, input 1's of the wrong shape: refused."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return pydiff.tensor(a.numpy() * b.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        return np.ones(N, np.float32), np.ones(N - 1, np.float32)
+
+
+class _Raises(pydiff.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return pydiff.tensor(2 * a.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("this backward refuses")
+
+
+@pytest.mark.parametrize("policy", ["accumulate", "reset"])
+def test_function_backward_refused_for_one_input_adds_to_none(device, policy):
+    """All of a Function's gradients are checked before any is added: input 1's wrong shape
+    leaves input 0's gradient as it was (it was added, or RESET zeroed it)."""
+    a, _, x, w, _ = _parts(device)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            y = _BadShape.apply(x, w)
+        with pytest.raises(RuntimeError, match="gradient 1 has shape"):
+            tape.backward(y, grad=np.ones(N, np.float32))
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
+    np.testing.assert_array_equal(w.grad.numpy(), np.full(N, 9.0, np.float32))
+
+
+FORWARD_ONLY = """
+[Differentiable] float prod2(float a, float b) { return a * b; }
+[ForwardDifferentiable] float fsq(float a) { return a * a; }
+"""
+
+
+@pytest.mark.parametrize("policy", ["accumulate", "reset"])
+@pytest.mark.parametrize("refuser", ["user Function", "forward-only shader"])
+def test_tape_backward_refused_part_way_leaves_every_gradient(device, policy, refuser):
+    """h = refuser(x); y = x * h. The backward runs y's entry first (adding x's and h's
+    gradients; RESET zeroing x's before), then h's, which refuses: every gradient is put back
+    (x's leaf gradient, the intermediate h's, the seed). Then a backward without the refuser
+    gives d(x * 2x)/dx = 4x."""
+    m = pydiff.load_module_from_source(f"s40_fwdonly_{next(_names)}", FORWARD_ONLY, device=device)
+    xs = np.arange(1, N + 1, dtype=np.float32)
+    x = _with_grad(device, xs, 7.0)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            h = _Raises.apply(x) if refuser == "user Function" else m.fsq(x, _result="tensor")
+            y = m.prod2(x, h, _result="tensor")
+        with pytest.raises((ValueError, TypeError)):
+            tape.backward(y, grad=np.ones(N, np.float32))
+        np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
+        with pydiff.Tape() as tape:
+            h = m.prod2(x, 2.0, _result="tensor")
+            y = m.prod2(x, h, _result="tensor")
+        tape.backward(y, grad=np.ones(N, np.float32))
+    base = 0.0 if policy == "reset" else 7.0
+    np.testing.assert_allclose(x.grad.numpy(), base + 4 * xs.astype(np.float64), rtol=1e-6)
