@@ -25,6 +25,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from . import capturing
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import ParamInfo
 from .storage import Storage
@@ -157,7 +158,10 @@ class restoring:
     __slots__ = ("scope", "keeper", "entries", "upstream")
 
     def __init__(self, scope: Any, entries: list, upstream: Tensor):
-        counted = scope.keeper is None and any(e.payload.get("may_refuse") for e in entries)
+        counted = scope.keeper is None and (
+            any(e.payload.get("may_refuse") for e in entries)
+            or capturing.recording() is not None  # (a layout without a plan refuses there)
+        )
         self.scope, self.entries, self.upstream = scope, entries, upstream
         self.keeper = GradSnapshot(scope, upstream.device) if counted else None
 

@@ -255,3 +255,39 @@ def test_tape_backward_refused_part_way_leaves_every_gradient(device, policy, re
         tape.backward(y, grad=np.ones(N, np.float32))
     base = 0.0 if policy == "reset" else 7.0
     np.testing.assert_allclose(x.grad.numpy(), base + 4 * xs.astype(np.float64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("ran_before", [False, True])
+def test_capture_refused_inside_tape_backward_leaves_every_gradient(device, ran_before):
+    """A captured Tape.backward whose entry has no call plan for its layout is refused part-way
+    (CaptureError: run the step eagerly first), after y's entry added into w's gradient: put
+    back, whether the function's backward never ran or ran for another layout."""
+    m = pydiff.load_module_from_source(f"s40_capref_{next(_names)}", FORWARD_ONLY, device=device)
+    n = 16
+    x = _with_grad(device, np.arange(1, n + 1), 7.0)
+    w = _with_grad(device, np.full(n, 2.0), 9.0)
+    other = _with_grad(device, np.ones(n), 0.0)
+    with pydiff.Tape() as tape:  # (prod2's backward ran: its layout (n,) has a plan)
+        z = m.prod2(other, other, _result="tensor")
+    tape.backward(z, grad=np.ones(n, np.float32))
+    sq = pydiff.load_module_from_source(
+        f"s40_capsq_{next(_names)}", "[Differentiable] float sq1(float a) { return a * a; }", device
+    )
+    if ran_before:  # another layout's .bwds: the function's backward compiles
+        small = _with_grad(device, np.ones(8), 0.0)
+        sq.sq1.bwds(small, _result=pydiff.zeros((8,), device=device).with_grads(ones=True))
+
+    def step():
+        with pydiff.Tape() as tape:
+            h = sq.sq1(x, _result="tensor")
+            y = m.prod2(h, w, _result="tensor")
+        tape.backward(y, grad=np.ones(n, np.float32), retain_graph=False)
+
+    with pytest.raises(pydiff.CaptureError, match="sq1.bwds"):
+        pydiff.capture(step)
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 7.0, np.float32))
+    np.testing.assert_array_equal(w.grad.numpy(), np.full(n, 9.0, np.float32))
+    step()  # eagerly: dL/dw = x^2, dL/dx = 2 x w
+    xs = np.arange(1, n + 1, dtype=np.float64)
+    np.testing.assert_allclose(w.grad.numpy(), 9.0 + xs**2, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 7.0 + 4 * xs, rtol=1e-6)
