@@ -13,6 +13,7 @@ Values against closed forms and NumPy, never against pydiff's own output.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,8 +52,15 @@ def _bad_broadcast(device):  # a later argument SlangPy refuses when it binds th
     return _with_grad(device, np.arange(N - 1), 5.0)
 
 
+def _on_other_device(device):  # a later argument pydiff refuses as it binds it
+    other = pydiff.create_device(device.type, include_paths=[str(Path(__file__).parent)])
+    assert other is not device
+    return _with_grad(other, np.arange(N), 5.0)
+
+
 BAD_LATER = {
     "broadcast": lambda device: _bad_broadcast(device),
+    "other device": _on_other_device,
     "raw slangpy tensor": lambda device: spy.Tensor.from_numpy(
         device.native, np.ones(N, np.float32)
     ),
