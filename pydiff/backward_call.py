@@ -52,7 +52,7 @@ from .determinism import is_deterministic, warn_nondeterministic
 from .fixed_point_grad import FixedPointAccumulator
 from .policy import ZeroPolicy, get_zero_policy
 from .signature import FunctionTarget, ParamInfo, warn_struct_fields
-from .bwds_binding import bind_all
+from .bwds_binding import bind_all, dispatch, drop_held
 from .tensor import Tensor
 from .written_mask import WrittenMask as Mask
 
@@ -401,7 +401,7 @@ def backward_call(
                 b.untracked += maybe_broadcast(bound, result)
         use_wrapper = fn.signature.has_diff_inout
         native_kwargs: dict[str, Any] = {}
-        bind_all(b, bound, native_kwargs, use_wrapper, options, result)
+        clears = bind_all(b, bound, native_kwargs, use_wrapper, options, result)
         native_args = list(native_kwargs.values())
         try:
             if not use_wrapper and generated_calls.grid_backward(
@@ -410,14 +410,15 @@ def backward_call(
                 pass  # (a call over a grid: the generated kernel, the same arguments)
             elif b.masks:
                 node = written_mask.masked_wrapper(fn, set(b.masks)).bwds_kernel(tuple(b.no_grad))
-                scope.dispatch(node, **native_kwargs, **options)
+                dispatch(scope, node, clears, (), {**native_kwargs, **options})
             elif use_wrapper:
                 node = fn.bwds_kernel(tuple(b.no_grad), wrapper=True)
-                scope.dispatch(node, **native_kwargs, **options)
+                dispatch(scope, node, clears, (), {**native_kwargs, **options})
             else:
                 node = fn.bwds_kernel(tuple(b.no_grad)) if b.no_grad else fn.native_bwds
-                scope.dispatch(node, *native_args, **options)
+                dispatch(scope, node, clears, tuple(native_args), options)
         except Exception as exc:
+            drop_held(scope, clears)  # (RESET's held-back zeroings: never done)
             if b.kept is not None:  # (a policy may have zeroed what it kept: put back)
                 b.kept.restore()
             raise backward_failures.kept(fn, resolve_error(fn, exc)) from None

@@ -76,6 +76,10 @@ class BackwardScope:
         #: The buffers to put back if the backward is refused part-way (``grad_restore``):
         #: kept before the policy acts on each (``keep``), or None.
         self.keeper: Any = None
+        #: RESET's zeroings held back while a ``.bwds`` binds its arguments (a list, or None:
+        #: zeroed at once): recorded with its kernel, or dropped if the call is refused
+        #: (``bwds_binding``), so a refused call zeroes nothing.
+        self.deferred: list | None = None
 
     def dispatch(self, node: Any, *args: Any, **kwargs: Any) -> None:
         """Run a SlangPy function node now, or append it to the device's batch."""
@@ -127,8 +131,11 @@ class BackwardScope:
             self.check_stale(owner, grad, owner_desc)
         self._seen.add(key)
         if policy is ZeroPolicy.RESET:
-            self.flush()
-            grad.zero_()
+            if self.deferred is not None:
+                self.deferred.append(grad)
+            else:
+                self.flush()
+                grad.zero_()
         self._written.append(grad)
 
     def check_stale(self, owner: "Tensor", grad: "Tensor", owner_desc: str) -> None:

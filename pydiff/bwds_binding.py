@@ -1,13 +1,17 @@
 """Binding every argument of a ``.bwds`` on the general path (``backward_call``), all or nothing.
 
 The zeroing policy acts on each gradient buffer as its parameter is bound
-(``scope.before_accumulate``): under RESET a buffer is zeroed before a later argument may
-be refused (a tensor on another device, a gradient of the wrong shape, a raw SlangPy tensor,
-a ``_result`` of the wrong kind). The buffers it zeroed are kept first (``GradSnapshot``,
-made by the binding object ``b`` when RESET acts: ``grad_restore.resets``), and a refusal
-puts them back before it raises: a refused call leaves every gradient as it was.
+(``scope.before_accumulate``), and a later argument may still be refused (a tensor on another
+device, a raw SlangPy tensor, a ``_result`` of the wrong kind), or SlangPy's binding of the
+call (a shape that does not broadcast). So a call that runs its kernel at once (a scope
+without a batch, no grid argument) holds RESET's zeroings back (``scope.deferred``) and
+records them in one command list with its kernel, after SlangPy bound the call
+(``dispatch``): a refusal drops them, and every gradient stays as it was, at no cost. Where
+that cannot be (a grid call, whose kernel may be pydiff's own; a tape's batch), the buffers
+RESET zeroes are kept first (``GradSnapshot``, ``grad_restore.resets``) and put back.
 
-    bind_all(b, bound, native_kwargs, use_wrapper, options, result)
+    clears = bind_all(b, bound, native_kwargs, use_wrapper, options, result)
+    dispatch(scope, node, clears, native_args, options)
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from typing import Any
 
 import slangpy as spy
 
+from . import capturing
 from .arguments import MISSING, PLAIN
+from .command_queue import flush_all_deferred
+from .grad_restore import kept_fields, restore_fields
+from .grid_args import is_grid
 from .call_shape import result_type
 from .struct_grads import bind_struct
 from .tensor import Tensor
@@ -24,19 +32,62 @@ from .tensor import Tensor
 
 def bind_all(
     b: Any, bound: list, native_kwargs: dict, use_wrapper: bool, options: dict, result: Any
-) -> None:
+) -> list | None:
     """The native arguments of every parameter and of ``_result`` (into ``native_kwargs``
     and ``options``), the policy acting on each gradient buffer as it is bound; a refusal
     puts back every buffer it zeroed (RESET: ``b.kept``) before it raises."""
+    scope = b.scope
+    defer = scope.device is None and scope.deferred is None
+    if defer and not any(is_grid(v) for _, v in bound):
+        scope.deferred = []
     try:
         _bind_each(b, bound, native_kwargs, use_wrapper)
         native_result = b.result_arg(result, result_type(b.fn, bound))  # generic T: its type
     except BaseException:
         if b.kept is not None:
             b.kept.restore()
+        drop_held(scope, scope.deferred if defer else None)
         raise
+    finally:
+        clears = scope.deferred if defer else None
+        if defer:
+            scope.deferred = None
     if native_result is not MISSING:
         options["_result"] = native_result
+    return clears
+
+
+def drop_held(scope: Any, clears: list | None, fields: list = ()) -> None:
+    """A refused call's held-back zeroings: never done (the buffers' bookkeeping as it was,
+    ``fields``, where the zeroing was recorded), and the policy applies again next time."""
+    for k, grad in enumerate(clears or ()):
+        if k < len(fields):
+            restore_fields(grad, fields[k])
+        scope.forget(grad)
+
+
+def dispatch(scope: Any, node: Any, clears: list | None, args: tuple, kwargs: dict) -> None:
+    """``scope.dispatch(node, *args, **kwargs)``, after RESET's held-back zeroings of
+    ``clears``: in one command list with the kernel, recorded after SlangPy bound the call,
+    submitted only if it did (a refusal leaves every buffer as it was)."""
+    if not clears:
+        scope.dispatch(node, *args, **kwargs)
+        return
+    capturing.refuse(f"a SlangPy backward kernel ({scope.label})")
+    flush_all_deferred()  # (SlangPy's kernel: the deferred ones first, as scope.dispatch)
+    queue = clears[0].device.queue
+    fields = [kept_fields(g) for g in clears]
+    with queue.lock:
+        queue.enter()
+        encoder = queue.native.create_command_encoder()
+        for grad in clears:
+            grad.zero_(encoder)
+        try:
+            node.append_to(encoder, *args, **kwargs)
+        except BaseException:
+            drop_held(scope, clears, fields)
+            raise
+        queue.native.submit_command_buffer(encoder.finish())
 
 
 def _bind_each(b: Any, bound: list, native_kwargs: dict, use_wrapper: bool) -> None:

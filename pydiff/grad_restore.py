@@ -48,10 +48,24 @@ def may_count(bound: list, prior: frozenset, stored_once: frozenset) -> bool:
 
 
 def resets(scope: Any, owner: Tensor, grad: Tensor) -> bool:
-    """Whether ``scope.before_accumulate(owner, grad, ...)`` would zero ``grad`` (the RESET
-    policy, not applied to it in this backward yet): a ``.bwds`` keeps such a buffer first,
-    so that a refusal after the zeroing (a later argument, SlangPy's binding) puts it back."""
-    return (owner.zero_policy or get_zero_policy()) is ZeroPolicy.RESET and not scope.applied(grad)
+    """Whether ``scope.before_accumulate(owner, grad, ...)`` would zero ``grad`` now (the
+    RESET policy, not applied to it in this backward yet, the scope not holding zeroings
+    back: ``scope.deferred``): a ``.bwds`` keeps such a buffer first, so that a refusal after
+    the zeroing (a later argument, SlangPy's binding) puts it back."""
+    if scope.deferred is not None or scope.applied(grad):
+        return False
+    return (owner.zero_policy or get_zero_policy()) is ZeroPolicy.RESET
+
+
+def kept_fields(grad: Tensor) -> tuple:
+    """The bookkeeping of ``grad``'s storage (version, last writer, STRICT's mark, ...)."""
+    return tuple(getattr(grad.storage, f) for f in _FIELDS)
+
+
+def restore_fields(grad: Tensor, fields: tuple) -> None:
+    """Put back what ``kept_fields`` returned (a zeroing recorded but never submitted)."""
+    for name, value in zip(_FIELDS, fields):
+        setattr(grad.storage, name, value)
 
 
 def _writes(p: ParamInfo) -> bool:
