@@ -326,3 +326,17 @@ def test_grid_bwds_refused_under_reset_leaves_gradients(device, bad):
         m.gsq.bwds(spy.grid((N,)), x, w, y)  # d(w x^2)/dx = 2 w x, d/dw = x^2
     np.testing.assert_allclose(x.grad.numpy(), 6.0 * xs, rtol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_forward_only_bwds_refused_leaves_gradients(device, policy):
+    """Slang refuses the backward of a [ForwardDifferentiable]-only function when SlangPy
+    builds the call, after RESET would have zeroed x's gradient: it stays as it was."""
+    m = pydiff.load_module_from_source(f"s40_fo_{next(_names)}", FORWARD_ONLY, device=device)
+    x = _with_grad(device, np.arange(1, N + 1), 7.0)
+    y = _with_grad(device, np.zeros(N), 1.0)
+    with pydiff.zero_policy(policy):
+        for _ in range(2):  # (the second refusal: the kept TypeError, before SlangPy)
+            with pytest.raises(TypeError, match="cannot differentiate fsq backward"):
+                m.fsq.bwds(x, _result=y)
+            np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
