@@ -340,3 +340,33 @@ def test_forward_only_bwds_refused_leaves_gradients(device, policy):
             with pytest.raises(TypeError, match="cannot differentiate fsq backward"):
                 m.fsq.bwds(x, _result=y)
             np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
+
+
+def test_a_tape_of_ops_keeps_no_gradient_copies(device, monkeypatch):
+    """pydiff's ops refuse nothing part-way: a training step's tape of them copies no
+    gradient buffer (the cost stays with backwards that may refuse)."""
+    from pydiff import grad_restore
+
+    def refuse(self, grad):
+        raise AssertionError("a gradient buffer was kept")
+
+    from pydiff import nn, ops
+
+    monkeypatch.setattr(grad_restore.GradSnapshot, "keep", refuse)
+    rng = np.random.default_rng(41)
+    X = rng.standard_normal((8, 4)).astype(np.float32)
+    Y = rng.integers(0, 3, 8).astype(np.int32)
+    layer = nn.Linear(4, 3, seed=0, device=device)
+    xb, yb = pydiff.tensor(X, device=device), pydiff.tensor(Y, device=device)
+    W, b = layer.weight.numpy().astype(np.float64), layer.bias.numpy().astype(np.float64)
+    for policy in ("accumulate", "reset"):
+        layer.weight.zero_grad()
+        with pydiff.zero_policy(policy), pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layer(xb), yb)
+        with pydiff.zero_policy(policy):
+            tape.backward(loss, retain_graph=False)
+        z = X.astype(np.float64) @ W.T + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        g = ((p - np.eye(3)[Y]) / len(Y)).T @ X.astype(np.float64)
+        np.testing.assert_allclose(layer.weight.grad.numpy(), g, rtol=1e-4, atol=1e-6)
