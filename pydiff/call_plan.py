@@ -75,6 +75,18 @@ def plan_natives(fn: FunctionTarget, args: tuple, floats: tuple, numbers: tuple,
     return native
 
 
+def numbers_checked(
+    fn: FunctionTarget, args: tuple, floats: tuple, numbers: tuple, dev: Any
+) -> None:
+    """``plan_natives``'s checks alone (its range errors), for a generated kernel, which binds
+    the numbers given itself."""
+    for i, p in floats:
+        if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:
+            convert(fn.label, p, args[i], dev)
+    for i, p in numbers:
+        convert(fn.label, p, args[i], dev)
+
+
 def written_since(args: tuple, made: tuple) -> bool:
     """Whether an input the forward call that made a tensor read (``Storage.made_by[1]``) was
     written since: stale_reads refuses it (or uses a copy kept), on the full path."""
@@ -117,7 +129,7 @@ class ForwardPlan:
     __slots__ = (
         "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
         "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
-        "new_shape", "params", "on_tape", "pools", "grid", "last",
+        "new_shape", "params", "on_tape", "pools", "grid", "last", "device",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -147,6 +159,7 @@ class ForwardPlan:
         self.params = tuple(p for p, _ in bound)
         self.on_tape = False  # whether a call on a tape may take it (forward_call records it)
         self.last: tuple | None = None  # the tensors ``_checked`` passed last (weak references)
+        self.device = fn.module.device  # (a module's, fixed)
 
     @staticmethod
     def make(
@@ -191,9 +204,9 @@ class ForwardPlan:
             return DECLINED if large else None
         if self.launch is None:
             self.launch = ForwardLaunch.make(fn, args, result) or False
-        if self.launch is False or not self.launch.ready(args, result):
+        if self.launch is False:
             return DECLINED if large else None
-        return self.launch
+        return self.launch  # (its ``ready`` is the caller's: what it finds binds the call)
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide. On a tape
@@ -203,9 +216,13 @@ class ForwardPlan:
         launch = self._generated(fn, args, result)
         if launch is DECLINED:
             return DECLINED
+        if launch is not None and not (ready := launch.ready(args, result)):
+            if self.numel >= generated.MIN_ELEMENTS:
+                return DECLINED
+            launch = None  # (these values: SlangPy's kernel)
         if launch is None and capturing.recording() is not None:
             capturing.refuse_planned(fn.label, self, None, result)  # (SlangPy's kernel)
-        dev = fn.module.device
+        dev = self.device
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:
             written.append(result.storage)
@@ -213,7 +230,10 @@ class ForwardPlan:
         if last is None or last[0]() is not result or not same_tensors(last[1], args):
             if not self._checked(args, result, dev, written):
                 return DECLINED
-        native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        if launch is None:
+            native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        else:  # (the kernel binds the numbers itself: their range checks only)
+            numbers_checked(fn, args, self.floats, self.numbers, dev)
         label = fn.call_label
         # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
         # parameter only written never is in read_by_writer; none is read and written here)
@@ -225,7 +245,7 @@ class ForwardPlan:
             reads.append((i, name, st.serial, st.version))
         made = (fn, reads)
         if launch is not None:
-            out = launch.run(fn, args, result)
+            out = launch.run(fn, args, result, ready)
             for st in written:
                 st.wrote(label)
                 st.made_by = made
