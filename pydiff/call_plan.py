@@ -216,6 +216,7 @@ class ForwardPlan:
         launch = self._generated(fn, args, result)
         if launch is DECLINED:
             return DECLINED
+        ready: Any = None
         if launch is not None and not (ready := launch.ready(args, result)):
             if self.numel >= generated.MIN_ELEMENTS:
                 return DECLINED
@@ -227,13 +228,19 @@ class ForwardPlan:
         if self.result_tensor:
             written.append(result.storage)
         last = self.last
-        if last is None or last[0]() is not result or not same_tensors(last[1], args):
+        if type(ready) is list:
+            pass  # the launch's last call's very tensors: they passed ``_checked`` then
+        elif last is None or last[0]() is not result or not same_tensors(last[1], args):
             if not self._checked(args, result, dev, written):
                 return DECLINED
         if launch is None:
             native = plan_natives(fn, args, self.floats, self.numbers, dev)
-        else:  # (the kernel binds the numbers itself: their range checks only)
+        elif self.numbers:  # (the kernel binds the numbers itself: their range checks only)
             numbers_checked(fn, args, self.floats, self.numbers, dev)
+        else:
+            for i, p in self.floats:  # (numbers_checked's first loop, without its frame)
+                if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:
+                    convert(fn.label, p, args[i], dev)  # its range error
         label = fn.call_label
         # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
         # parameter only written never is in read_by_writer; none is read and written here)
@@ -286,8 +293,9 @@ class ForwardPlan:
     def _checked(self, args: tuple, result: Any, dev: Any, written: list) -> bool:
         """Whether the tensors are on the plan's device and no two written arguments, nor a
         written and a read one, share a storage (else the full path decides). What depends on
-        the tensors alone, never on their values: kept in ``last`` (weak references) for a
-        small call, whose next call with the very same tensors skips it."""
+        the tensors alone (their devices and storages never change), never on their values:
+        kept in ``last`` (weak references) for a small call, whose next call with the very
+        same tensors skips it, as one whose launch binds them as its last call did."""
         for i in self.tensors:
             if args[i].device is not dev:
                 return False  # (the full path names the parameter)

@@ -96,8 +96,13 @@ class ForwardLaunch:
         storage): False, or what ``run`` binds them with: the last call's bindings (the very
         same tensors again: their storage was checked then), else True."""
         if type(result) is Tensor:
-            if (last := memo(self.last)) and last[0]() is result and same_tensors(last[1], args):
-                return last[2]  # (a list of the bindings, never empty)
+            last = tuple(self.last)  # (``memo``, without its frame: this runs on every call)
+            if last and last[0]() is result:
+                for i, ref in last[1]:  # (``same_tensors``, inline)
+                    if ref() is not args[i]:
+                        break
+                else:
+                    return last[2]  # (a list of the bindings, never empty)
             if not result.float4:
                 return False
         return _float4_tensors(args, self.tensors)
@@ -126,7 +131,7 @@ class ForwardLaunch:
         dev.kernels.dispatch_split(
             self.kernel, self.threads, buffers, scalars, held=self.held, held_max=HELD_MAX
         )
-        generated.count("forward")
+        generated.STATS["forward"] += 1  # (generated.count, without its frame)
         return out
 
 
@@ -168,7 +173,7 @@ class BackwardLaunch:
                 kernels.dispatch_split(
                     kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
                 )
-                generated.count("backward")
+                generated.STATS["backward"] += 1
                 return True
         if not self.kernels and generated_vector.involves(fn):  # (until a kernel is found)
             self.covered = False  # float vectors: the full path's (generated_vector), if large
@@ -219,5 +224,5 @@ class BackwardLaunch:
             numbers = tuple((name, i) for name, i in self.names if type(args[i]) is not Tensor)
             self.last[:] = (weakref.ref(upstream), refs, (kernel, buffers, held, numbers))
         kernels.dispatch_split(kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX)
-        generated.count("backward")
+        generated.STATS["backward"] += 1
         return True
