@@ -198,7 +198,11 @@ class ForwardPlan:
         large = self.numel >= generated.MIN_ELEMENTS
         if self.grid:
             return DECLINED if large else None
-        if not may_generate(self, large) or self.zero_d or self.options:
+        if not large and self.calls >= self.planned_after:  # (may_generate's, inline)
+            self.calls += 1
+            if not generated_switch.enabled_planned() or self.zero_d or self.options:
+                return None
+        elif not may_generate(self, large) or self.zero_d or self.options:
             return DECLINED if large else None
         if result is MISSING and not self.tensors:  # (numbers only: SlangPy returns a number)
             return DECLINED if large else None
@@ -256,7 +260,8 @@ class ForwardPlan:
             for st in written:
                 st.wrote(label)
                 st.made_by = made
-            out.storage.made_by = made  # (stale_reads.mark_made)
+            if not self.result_tensor:  # (a given result's storage is among those written)
+                out.storage.made_by = made  # (stale_reads.mark_made)
             return out
         if self.defers and deferrable(dev.queue):
             return self._deferred(fn, args, result, native, written, made)
