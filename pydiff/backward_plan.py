@@ -150,11 +150,12 @@ class BackwardPlan:
             native = plan_natives(fn, args, self.floats, self.numbers, dev)
         queue = dev.queue
         if deferrable(queue):  # (as ForwardPlan._deferred)
+            held = []  # (a loop, no comprehension: this runs on every call)
             for i in self.tensors:
-                native[i] = args[i].bind(True, False)
-            upstream = upstream_arg(dev, result, False)
+                held.append(bound := args[i].bind(True, False))
+                native[i] = bound
+            held.append(upstream := upstream_arg(dev, result, False))
             append = self.node.append_to
-            held = [native[i] for i in self.tensors] + [upstream]
             try:
                 queue.defer(lambda enc: append(enc, *native, _result=upstream), held)
             except Exception as exc:

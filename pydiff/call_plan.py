@@ -321,15 +321,20 @@ class ForwardPlan:
     ) -> Any:
         """SlangPy's call appended to the deferred list: submitted with the next flush (a
         read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
+        held = []  # (loops, no comprehensions: this runs on every call)
         for i in self.tensors:
-            native[i] = args[i].bind(True, False)
+            held.append(bound := args[i].bind(True, False))
+            native[i] = bound
         if self.new_shape is not None:
-            result = empty(self.new_shape, device=fn.module.device)
-        options = {"_result": result.bind(True, False)} if type(result) is Tensor else {}
-        held = [native[i] for i in self.tensors] + list(options.values())
+            result = empty(self.new_shape, device=self.device)
         append = fn.native.append_to
+        if type(result) is Tensor:
+            held.append(out := result.bind(True, False))
+            record = lambda enc: append(enc, *native, _result=out)  # noqa: E731
+        else:
+            record = lambda enc: append(enc, *native)  # noqa: E731
         try:
-            fn.module.device.queue.defer(lambda enc: append(enc, *native, **options), held)
+            self.device.queue.defer(record, held)
         except Exception as exc:
             raise resolve_error(fn, exc) from None
         label = fn.call_label
