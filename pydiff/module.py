@@ -248,7 +248,9 @@ class ShaderFunction:
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
         self._generated: dict[str, ShaderFunction] = {}
-        self._bwds = BackwardFunction(self)
+        #: The backward (reverse-mode) version of this function (an attribute: no property's
+        #: frame on every ``m.f.bwds(...)``).
+        self.bwds = BackwardFunction(self)
         #: Call plans per argument layout (call_plan): forward calls and ``.bwds``.
         self.plans: dict = {}
         self.bwds_plans: dict = {}
@@ -272,11 +274,6 @@ class ShaderFunction:
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
             return forward_trace.shader_call(self, args, kwargs)
         return forward_call(self, args, kwargs)  # (flushes before SlangPy's call)
-
-    @property
-    def bwds(self) -> "BackwardFunction":
-        """The backward (reverse-mode) version of this function."""
-        return self._bwds
 
     @property
     def fwds(self) -> ForwardFunction:
