@@ -140,9 +140,7 @@ def test_an_input_written_since_the_forward_call_is_refused_when_hot(device, mod
     _close(y.grad, REPEAT * dy)
 
 
-def test_forward_with_another_or_an_aliased_input_after_the_kept_bindings(
-    device, mod, plan_path
-):
+def test_forward_with_another_or_an_aliased_input_after_the_kept_bindings(device, mod, plan_path):
     """The forward launch's kept bindings stand for the plan's checks only for the very
     tensors they bind: another x (same layout) binds its own buffer, and the result passed
     as x (read and written: aliased) is declined by the plan (the full path's call)."""
