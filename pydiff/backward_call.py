@@ -351,14 +351,19 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
 
 
 def backward_call(
-    fn: FunctionTarget, args: tuple, kwargs: dict, prior: frozenset = frozenset()
+    fn: FunctionTarget,
+    args: tuple,
+    kwargs: dict,
+    prior: frozenset = frozenset(),
+    tried: bool = False,
 ) -> None:
     """``fn.bwds(*args, **kwargs)``. ``prior``: ids of the storages (``id(t.storage)``) that
     the call overwrites while a tape's graph still needs their values before it (their
-    gradients are cleared where the call wrote them)."""
+    gradients are cleared where the call wrote them). ``tried``: its plan declined it."""
     key = layout_key(args, kwargs) if not prior else None
     plan = fn.bwds_plans.get(key)  # a layout run before (None is never a key): per-call work
-    if plan is not None and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
+    run = plan is not None and not tried
+    if run and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
         return
     capturing.refuse_full_path(fn.bwds_label, plan is not None, capturing.FIRST_BWDS)
     # Deferred kernels go first (a batch this joins is ordered by its own scope).

@@ -21,6 +21,7 @@ from .call_plan import (
     DECLINED,
     may_generate,
     deferrable,
+    numbers_checked,
     plan_natives,
     plan_numbers,
     plannable,
@@ -44,7 +45,7 @@ class BackwardPlan:
 
     __slots__ = (
         "tensors", "floats", "numbers", "numel", "calls", "planned_after", "launch", "descs",
-        "with_grads", "data", "node",
+        "with_grads", "data", "node", "device",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Tensor):
@@ -62,6 +63,7 @@ class BackwardPlan:
         self.calls = 0  # (as ForwardPlan's)
         self.planned_after = generated.planned_after(fn.module.device)
         self.launch = BackwardLaunch(len(bound), result.numel, fn.module.device.kernels)
+        self.device = fn.module.device  # (a module's, fixed)
 
     @staticmethod
     def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, prior: frozenset):
@@ -101,7 +103,7 @@ class BackwardPlan:
         launch = self._generated()
         if launch is DECLINED:
             return DECLINED
-        dev = fn.module.device
+        dev = self.device
         if result.device is not dev:
             return DECLINED
         if scope is not None and scope.device is not dev:
@@ -112,7 +114,8 @@ class BackwardPlan:
         made = result.storage.made_by
         if made is not None and made[0] is fn and written_since(args, made):
             return DECLINED  # (the full path refuses it, or uses a copy kept)
-        upstream = result.grad_in.storage
+        grad_in = result.grad_in
+        upstream = grad_in.storage
         for i in self.tensors:
             t = args[i]
             if t.device is not dev or t.storage.before is not None:
@@ -123,30 +126,37 @@ class BackwardPlan:
         grads = {}
         for i in self.with_grads:
             t = args[i]
-            if t.zero_policy is not None and scope is None:
+            if scope is None and t.zero_policy is not None:
                 return DECLINED
             g = t.grad_out
             if g.storage is upstream:
                 return DECLINED  # refused by the full path
             grads[i] = g
-        native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        if launch is None:
+            native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        else:  # (the kernel binds the numbers itself: their range checks only)
+            numbers_checked(fn, args, self.floats, self.numbers, dev)
+            native = None
         if scope is not None:
             return self._in_scope(fn, args, result, scope, native, grads, launch)
         label = fn.bwds_label
-        if launch is not None and launch.run(fn, args, result.grad_in, grads):
+        if launch is not None and launch.run(fn, args, grad_in, grads):
             for g in grads.values():
                 g.storage.holds_result_of = label
             return None
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
         capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
+        if native is None:
+            native = plan_natives(fn, args, self.floats, self.numbers, dev)
         queue = dev.queue
         if deferrable(queue):  # (as ForwardPlan._deferred)
+            held = []  # (a loop, no comprehension: this runs on every call)
             for i in self.tensors:
-                native[i] = args[i].bind(True, False)
-            upstream = upstream_arg(dev, result, False)
+                held.append(bound := args[i].bind(True, False))
+                native[i] = bound
+            held.append(upstream := upstream_arg(dev, result, False))
             append = self.node.append_to
-            held = [native[i] for i in self.tensors] + [upstream]
             try:
                 queue.defer(lambda enc: append(enc, *native, _result=upstream), held)
             except Exception as exc:
@@ -164,7 +174,7 @@ class BackwardPlan:
         return None
 
     def _in_scope(
-        self, fn: Any, args: tuple, result: Any, scope: Any, native: list, grads: dict, launch: Any
+        self, fn: Any, args: tuple, result: Any, scope: Any, native: Any, grads: dict, launch: Any
     ) -> Any:
         """``run`` inside ``scope`` (with a device): the policy first (STRICT's refusal before
         any buffer changes), then the kernel into the scope's batch."""
@@ -178,6 +188,8 @@ class BackwardPlan:
         if launch is not None and launch.run(fn, args, result.grad_in, grads):
             return None
         capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
+        if native is None:
+            native = plan_natives(fn, args, self.floats, self.numbers, fn.module.device)
         for i in self.tensors:
             native[i] = args[i].bind(True)
         try:

@@ -52,9 +52,9 @@ def _same_policy(owner: "Tensor", outer: ZeroPolicy) -> Callable[[], str | None]
     return still_same
 
 
-def active_scope() -> "BackwardScope | None":
-    """The backward running here, if any."""
-    return _active_scope.get()
+#: ``active_scope()``: the backward running here, if any (the context variable's ``get``:
+#: no Python frame on every call's path).
+active_scope: Callable[[], "BackwardScope | None"] = _active_scope.get
 
 
 class BackwardScope:

@@ -75,6 +75,18 @@ def plan_natives(fn: FunctionTarget, args: tuple, floats: tuple, numbers: tuple,
     return native
 
 
+def numbers_checked(
+    fn: FunctionTarget, args: tuple, floats: tuple, numbers: tuple, dev: Any
+) -> None:
+    """``plan_natives``'s checks alone (its range errors), for a generated kernel, which binds
+    the numbers given itself."""
+    for i, p in floats:
+        if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:
+            convert(fn.label, p, args[i], dev)
+    for i, p in numbers:
+        convert(fn.label, p, args[i], dev)
+
+
 def written_since(args: tuple, made: tuple) -> bool:
     """Whether an input the forward call that made a tensor read (``Storage.made_by[1]``) was
     written since: stale_reads refuses it (or uses a copy kept), on the full path."""
@@ -117,7 +129,7 @@ class ForwardPlan:
     __slots__ = (
         "tensors", "reads", "writes", "read_names", "floats", "numbers", "numel",
         "result_tensor", "zero_d", "options", "calls", "planned_after", "launch", "defers",
-        "new_shape", "params", "on_tape", "pools", "grid", "last",
+        "new_shape", "params", "on_tape", "pools", "grid", "last", "device",
     )  # fmt: skip
 
     def __init__(self, fn: FunctionTarget, key: tuple, bound: list, result: Any):
@@ -147,6 +159,7 @@ class ForwardPlan:
         self.params = tuple(p for p, _ in bound)
         self.on_tape = False  # whether a call on a tape may take it (forward_call records it)
         self.last: tuple | None = None  # the tensors ``_checked`` passed last (weak references)
+        self.device = fn.module.device  # (a module's, fixed)
 
     @staticmethod
     def make(
@@ -185,15 +198,19 @@ class ForwardPlan:
         large = self.numel >= generated.MIN_ELEMENTS
         if self.grid:
             return DECLINED if large else None
-        if not may_generate(self, large) or self.zero_d or self.options:
+        if not large and self.calls >= self.planned_after:  # (may_generate's, inline)
+            self.calls += 1
+            if not generated_switch.enabled_planned() or self.zero_d or self.options:
+                return None
+        elif not may_generate(self, large) or self.zero_d or self.options:
             return DECLINED if large else None
         if result is MISSING and not self.tensors:  # (numbers only: SlangPy returns a number)
             return DECLINED if large else None
         if self.launch is None:
             self.launch = ForwardLaunch.make(fn, args, result) or False
-        if self.launch is False or not self.launch.ready(args, result):
+        if self.launch is False:
             return DECLINED if large else None
-        return self.launch
+        return self.launch  # (its ``ready`` is the caller's: what it finds binds the call)
 
     def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Any:
         """The call, or DECLINED (nothing done) where the full path must decide. On a tape
@@ -203,17 +220,31 @@ class ForwardPlan:
         launch = self._generated(fn, args, result)
         if launch is DECLINED:
             return DECLINED
+        ready: Any = None
+        if launch is not None and not (ready := launch.ready(args, result)):
+            if self.numel >= generated.MIN_ELEMENTS:
+                return DECLINED
+            launch = None  # (these values: SlangPy's kernel)
         if launch is None and capturing.recording() is not None:
             capturing.refuse_planned(fn.label, self, None, result)  # (SlangPy's kernel)
-        dev = fn.module.device
+        dev = self.device
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:
             written.append(result.storage)
         last = self.last
-        if last is None or last[0]() is not result or not same_tensors(last[1], args):
+        if type(ready) is list:
+            pass  # the launch's last call's very tensors: they passed ``_checked`` then
+        elif last is None or last[0]() is not result or not same_tensors(last[1], args):
             if not self._checked(args, result, dev, written):
                 return DECLINED
-        native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        if launch is None:
+            native = plan_natives(fn, args, self.floats, self.numbers, dev)
+        elif self.numbers:  # (the kernel binds the numbers itself: their range checks only)
+            numbers_checked(fn, args, self.floats, self.numbers, dev)
+        else:
+            for i, p in self.floats:  # (numbers_checked's first loop, without its frame)
+                if not -FLOAT_MAX <= args[i] <= FLOAT_MAX:
+                    convert(fn.label, p, args[i], dev)  # its range error
         label = fn.call_label
         # forward_call._mark_reread, and stale_reads.mark_made's record of the reads (a
         # parameter only written never is in read_by_writer; none is read and written here)
@@ -225,11 +256,12 @@ class ForwardPlan:
             reads.append((i, name, st.serial, st.version))
         made = (fn, reads)
         if launch is not None:
-            out = launch.run(fn, args, result)
+            out = launch.run(fn, args, result, ready)
             for st in written:
                 st.wrote(label)
                 st.made_by = made
-            out.storage.made_by = made  # (stale_reads.mark_made)
+            if not self.result_tensor:  # (a given result's storage is among those written)
+                out.storage.made_by = made  # (stale_reads.mark_made)
             return out
         if self.defers and deferrable(dev.queue):
             return self._deferred(fn, args, result, native, written, made)
@@ -266,8 +298,9 @@ class ForwardPlan:
     def _checked(self, args: tuple, result: Any, dev: Any, written: list) -> bool:
         """Whether the tensors are on the plan's device and no two written arguments, nor a
         written and a read one, share a storage (else the full path decides). What depends on
-        the tensors alone, never on their values: kept in ``last`` (weak references) for a
-        small call, whose next call with the very same tensors skips it."""
+        the tensors alone (their devices and storages never change), never on their values:
+        kept in ``last`` (weak references) for a small call, whose next call with the very
+        same tensors skips it, as one whose launch binds them as its last call did."""
         for i in self.tensors:
             if args[i].device is not dev:
                 return False  # (the full path names the parameter)
@@ -288,15 +321,20 @@ class ForwardPlan:
     ) -> Any:
         """SlangPy's call appended to the deferred list: submitted with the next flush (a
         read, another SlangPy call) or after ``DEFER_MAX`` commands, not once per call."""
+        held = []  # (loops, no comprehensions: this runs on every call)
         for i in self.tensors:
-            native[i] = args[i].bind(True, False)
+            held.append(bound := args[i].bind(True, False))
+            native[i] = bound
         if self.new_shape is not None:
-            result = empty(self.new_shape, device=fn.module.device)
-        options = {"_result": result.bind(True, False)} if type(result) is Tensor else {}
-        held = [native[i] for i in self.tensors] + list(options.values())
+            result = empty(self.new_shape, device=self.device)
         append = fn.native.append_to
+        if type(result) is Tensor:
+            held.append(out := result.bind(True, False))
+            record = lambda enc: append(enc, *native, _result=out)  # noqa: E731
+        else:
+            record = lambda enc: append(enc, *native)  # noqa: E731
         try:
-            fn.module.device.queue.defer(lambda enc: append(enc, *native, **options), held)
+            self.device.queue.defer(record, held)
         except Exception as exc:
             raise resolve_error(fn, exc) from None
         label = fn.call_label

@@ -52,9 +52,9 @@ _recording: contextvars.ContextVar["CapturedStep | None"] = contextvars.ContextV
 )
 
 
-def recording() -> "CapturedStep | None":
-    """The capture in progress, if any (pydiff's kernels and clears report to it)."""
-    return _recording.get()
+#: ``recording()``: the capture in progress, if any (pydiff's kernels and clears report to
+#: it). The context variable's own ``get``: no Python frame on every call's path.
+recording: Callable[[], "CapturedStep | None"] = _recording.get
 
 
 def refuse(what: str) -> None:

@@ -58,9 +58,9 @@ class Trace:
                 self.set(view, fn(self.tangent(source)))
 
 
-def active() -> Trace | None:
-    """The trace of the ``pydiff.jvp`` running here, if any."""
-    return _active.get()
+#: ``active()``: the trace of the ``pydiff.jvp`` running here, if any (the context
+#: variable's ``get``: no Python frame on every call's path).
+active: Callable[[], Trace | None] = _active.get
 
 
 class tracing:

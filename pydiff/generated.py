@@ -60,7 +60,7 @@ SMALL_GROUP = 32
 #: covered call this way.
 MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
-_stats: Counter = Counter()
+STATS: Counter = Counter()  # calls per path (stats()); call plans count into it directly
 _lock = threading.Lock()
 
 
@@ -90,22 +90,22 @@ def stats() -> dict[str, int]:
     (generated; ``backward: broadcast`` and ``backward: in tape.backward`` (or another outer
     backward) count some of those again), ``forward_fallback``, ``backward_fallback``,
     ``fwds_fallback`` (declined), and ``declined: <reason>`` each."""
-    return dict(_stats)
+    return dict(STATS)
 
 
 def reset_stats() -> None:
-    _stats.clear()
+    STATS.clear()
 
 
 def decline(kind: str, reason: str) -> None:
     """Count a call of ``kind`` (forward, backward, fwds) declined for ``reason``."""
-    _stats[f"{kind}_fallback"] += 1
-    _stats[f"declined: {reason}"] += 1
+    STATS[f"{kind}_fallback"] += 1
+    STATS[f"declined: {reason}"] += 1
 
 
 def count(what: str) -> None:
     """Count a call that took the generated path in some way (``stats()``)."""
-    _stats[what] += 1
+    STATS[what] += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def dispatch_forward(fn: FunctionTarget, kernel: Any, args: list, out: Tensor) -
     bindings = _arguments(args)
     bindings["pydiff_result"] = out.buffer
     _launch(fn, kernel, out.numel, bindings)
-    _stats["forward"] += 1
+    STATS["forward"] += 1
 
 
 def backward(
@@ -361,8 +361,8 @@ def dispatch_backward(
         with backward_scope(fn.bwds_label) as scope:
             for i, f in partials.items():
                 broadcast_grad.reduce_into(scope, dev, f, args[i])
-        _stats["backward: broadcast"] += 1
-    _stats["backward"] += 1
+        STATS["backward: broadcast"] += 1
+    STATS["backward"] += 1
 
 
 def _partials(dev: Any, shape: tuple, ordinal: int) -> Any:
@@ -446,5 +446,5 @@ def fwds(
     bindings = _arguments(args) | _arguments(tangents, "t")
     bindings.update(pydiff_result=value.buffer, pydiff_tangent=tangent.buffer)
     _launch(fn, kernel, value.numel, bindings)
-    _stats["fwds"] += 1
+    STATS["fwds"] += 1
     return value, tangent

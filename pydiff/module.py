@@ -16,11 +16,11 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing, double_math, foreign, forward_trace, lint, lint_macros, lint_sources
+from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
 from . import capture_calls, module_session
 from . import slang_compile
 from .arguments import overload_listing
-from .backward_call import backward_call
+from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
@@ -248,7 +248,9 @@ class ShaderFunction:
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
         self._generated: dict[str, ShaderFunction] = {}
-        self._bwds = BackwardFunction(self)
+        #: The backward (reverse-mode) version of this function (an attribute: no property's
+        #: frame on every ``m.f.bwds(...)``).
+        self.bwds = BackwardFunction(self)
         #: Call plans per argument layout (call_plan): forward calls and ``.bwds``.
         self.plans: dict = {}
         self.bwds_plans: dict = {}
@@ -272,11 +274,6 @@ class ShaderFunction:
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
             return forward_trace.shader_call(self, args, kwargs)
         return forward_call(self, args, kwargs)  # (flushes before SlangPy's call)
-
-    @property
-    def bwds(self) -> "BackwardFunction":
-        """The backward (reverse-mode) version of this function."""
-        return self._bwds
 
     @property
     def fwds(self) -> ForwardFunction:
@@ -404,35 +401,6 @@ class _OverloadedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn.select(args, kwargs).fwds(*args, **kwargs)
-
-
-class BackwardFunction:
-    """``fn.bwds``: run the backward kernel with the same arguments as the forward call.
-
-    Gradients of read values are added into their tensors' ``grad_out`` (per the zeroing
-    policy); the upstream gradients of written values and of the result (``_result``) are
-    read from ``grad_in``. A plain number as ``_result`` is the upstream gradient of every
-    output element.
-    """
-
-    def __init__(self, fn: ShaderFunction):
-        self._fn = fn
-        self._refusal = f"{fn.label}.bwds (SlangPy)"
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        capture_calls.check_bwds(self._fn, self._refusal, args, kwargs)  # (in a capture)
-        if forward_trace.active() is not None and any(
-            t is not None for t in forward_trace.tangents_of([*args, *kwargs.values()])
-        ):
-            raise NotImplementedError(
-                f"{self._fn.label}.bwds inside pydiff.jvp on values with tangents (forward over "
-                "reverse): its gradients would carry no tangent; use pydiff.hvp/hessian"
-            )
-        args, kwargs = foreign.as_data(self._fn, args, kwargs, self._fn.bwds_label)
-        return backward_call(self._fn, args, kwargs)  # (flushes before SlangPy's call)
-
-    def __repr__(self) -> str:
-        return f"<pydiff bwds of {self._fn!r}>"
 
 
 def library(device: Device) -> Module:

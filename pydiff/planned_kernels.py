@@ -7,7 +7,7 @@ Unlike SlangPy's call, the dispatch joins the device's deferred list (no submiss
 own): a loop of small calls pays lavapipe's submission once per ``DEFER_MAX`` calls.
 
     launch = ForwardLaunch.make(fn, args, result)        # None: not covered by the layout
-    out = launch.run(fn, args, result) if launch.ready(args, result) else None
+    out = launch.run(fn, args, result, ready) if (ready := launch.ready(args, result)) else None
     done = BackwardLaunch(len(args), upstream.numel, dev.kernels).run(fn, args, upstream, grads)
 """
 
@@ -91,22 +91,28 @@ class ForwardLaunch:
             return None
         return ForwardLaunch(kernel, args, shape, fn.module.device.kernels)
 
-    def ready(self, args: tuple, result: Any) -> bool:
-        """These values fit the kernel: every tensor (and a given result) float4 storage."""
-        if type(result) is Tensor and not result.float4:
-            return False
+    def ready(self, args: tuple, result: Any) -> Any:
+        """Whether these values fit the kernel (every tensor, and a given result, float4
+        storage): False, or what ``run`` binds them with: the last call's bindings (the very
+        same tensors again: their storage was checked then), else True."""
+        if type(result) is Tensor:
+            last = tuple(self.last)  # (``memo``'s one read, without its frame: every call)
+            if last and last[0]() is result and same_tensors(last[1], args):
+                return last[2]  # (a list of the bindings, never empty)
+            if not result.float4:
+                return False
         return _float4_tensors(args, self.tensors)
 
-    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Tensor:
-        """The result written (the tensor given, or a new one); after ``ready``. (What
-        ``generated.dispatch_forward`` binds, from names and sizes found once.)"""
+    def run(self, fn: FunctionTarget, args: tuple, result: Any, ready: Any = True) -> Tensor:
+        """The result written (the tensor given, or a new one); after ``ready`` (what it
+        returned). (What ``generated.dispatch_forward`` binds, from names and sizes found once.)"""
         dev = fn.module.device
         if type(result) is not Tensor:
             out = empty(self.shape, device=dev)
             buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
             buffers.append(("pydiff_result", out.buffer))
-        elif (last := memo(self.last)) and last[0]() is result and same_tensors(last[1], args):
-            out, buffers = result, last[2]
+        elif ready is not True:
+            out, buffers = result, ready  # (the last call's bindings: the same tensors)
         else:
             out = result
             buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
@@ -114,12 +120,14 @@ class ForwardLaunch:
             if result.numel <= LAST_MAX_ELEMENTS:
                 refs = tuple((i, weakref.ref(args[i])) for i in self.tensors)
                 self.last[:] = (weakref.ref(result), refs, buffers)
-        scalars = [(name, float(args[i])) for name, i in self.number_names]
+        scalars = []
+        for name, i in self.number_names:  # (a loop: no comprehension's frame per call)
+            scalars.append((name, float(args[i])))
         scalars += self.fixed
         dev.kernels.dispatch_split(
             self.kernel, self.threads, buffers, scalars, held=self.held, held_max=HELD_MAX
         )
-        generated.count("forward")
+        generated.STATS["forward"] += 1  # (generated.count, without its frame)
         return out
 
 
@@ -153,13 +161,15 @@ class BackwardLaunch:
                     break
             else:
                 kernel, buffers, held, numbers = last[2]
-                scalars = [(name, float(args[i])) for name, i in numbers]
+                scalars = []
+                for name, i in numbers:  # (as ForwardLaunch.run)
+                    scalars.append((name, float(args[i])))
                 scalars += self.fixed
                 kernels = fn.module.device.kernels
                 kernels.dispatch_split(
                     kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX
                 )
-                generated.count("backward")
+                generated.STATS["backward"] += 1
                 return True
         if not self.kernels and generated_vector.involves(fn):  # (until a kernel is found)
             self.covered = False  # float vectors: the full path's (generated_vector), if large
@@ -210,5 +220,5 @@ class BackwardLaunch:
             numbers = tuple((name, i) for name, i in self.names if type(args[i]) is not Tensor)
             self.last[:] = (weakref.ref(upstream), refs, (kernel, buffers, held, numbers))
         kernels.dispatch_split(kernel, self.threads, buffers, scalars, held=held, held_max=HELD_MAX)
-        generated.count("backward")
+        generated.STATS["backward"] += 1
         return True

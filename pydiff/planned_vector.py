@@ -60,8 +60,9 @@ class VectorForwardLaunch:
                 return False
         return True
 
-    def run(self, fn: FunctionTarget, args: tuple, result: Any) -> Tensor:
-        """The result written (the tensor given, or a new pooled one); after ``ready``."""
+    def run(self, fn: FunctionTarget, args: tuple, result: Any, ready: Any = True) -> Tensor:
+        """The result written (the tensor given, or a new pooled one); after ``ready``
+        (``ready``: what it returned, True)."""
         dev = fn.module.device
         out = result
         if type(out) is not Tensor:

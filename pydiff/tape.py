@@ -33,9 +33,9 @@ _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
 )
 
 
-def active_tape() -> "Tape | None":
-    """The tape recording here, if any."""
-    return _active_tape.get()
+#: ``active_tape()``: the tape recording here, if any (the context variable's ``get``: no
+#: Python frame on every call's path).
+active_tape: Callable[[], "Tape | None"] = _active_tape.get
 
 
 class suspend_recording:
