@@ -5,6 +5,7 @@ the call layer asks here, and the interop module above it registers how to run t
     handler = foreign.handler(args, kwargs)                   # None: only pydiff's values
     if handler: return handler(fn, args, kwargs)
     foreign.framework(value)                                  # "torch", or None
+    foreign.data(t, "gradcheck: input 1")                     # torch data -> pydiff
     args, kwargs = foreign.as_data(fn, args, kwargs, "m.f.bwds")  # torch data -> pydiff
 """
 
@@ -76,6 +77,13 @@ def advice(value: Any) -> str:
     """How to convert ``value``, a foreign tensor, for pydiff ("" when not one)."""
     reg = _registration(value)
     return reg.advice if reg is not None else ""
+
+
+def data(value: Any, where: str) -> Any:
+    """``value``, a foreign tensor, as a pydiff tensor of its values (a constant: the caller
+    refuses one that requires grad first); any other value as it is."""
+    reg = _registration(value)
+    return value if reg is None or reg.data is None else reg.data(value, where)
 
 
 def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:

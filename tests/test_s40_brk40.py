@@ -1,0 +1,151 @@
+"""Session 40, brk40: a new user's edge cases in forward mode, transforms, custom derivatives,
+gradcheck and torch interop, each checked against closed forms or float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+SRC = """
+[Differentiable] float poly(float a, float x) { return a * x * x * x + sin(x); }
+[Differentiable] float mul2(float x, float y) { return x * y * y; }
+[Differentiable] half hsq(half x) { return x * x; }
+[Differentiable] void sc(float s, inout float y) { y = s * y * y; }
+"""
+
+X = np.array([0.3, -0.7, 1.1])
+U = np.array([1.0, 2.0, -1.0])
+
+
+@pytest.fixture
+def m(device):
+    return pydiff.load_module_from_source("s40_brk40", SRC, device=device)
+
+
+def _scaled(dtype: str):
+    """A Function y = 2x whose jvp returns a tensor of ``dtype`` (not the output's)."""
+
+    class Scaled(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return pydiff.tensor(x.numpy() * 2.0, device=x.device, dtype=x.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.numpy() * 2.0
+
+        @staticmethod
+        def jvp(ctx, t):
+            return pydiff.tensor(t.numpy() * 2.0, device=t.device, dtype=dtype)
+
+    return Scaled
+
+
+@pytest.mark.parametrize("dtype", ["int", "half", "double"])
+def test_function_jvp_tangent_of_another_dtype_is_converted(m, device, dtype):
+    # Before: F.jvp returning an int/half/double tensor tangent for a float output was kept
+    # as it was, and the next op or shader call failed naming neither F.jvp nor the tangent
+    # (OpDtypeError "mul: a has dtype int", "tangent has ... dtype int"). backward converts
+    # such gradients; jvp now converts the tangent to the output's dtype as well.
+    F = _scaled(dtype)
+    x = pydiff.tensor(X, device=device)
+    u = np.array([1.0, 2.0, 3.0])
+    _, t = pydiff.jvp(lambda x: m.poly(1.0, F.apply(x), _result="tensor"), (x,), (u,))
+    y = 2 * X
+    np.testing.assert_allclose(t.numpy(), (3 * y**2 + np.cos(y)) * 2 * u, rtol=1e-5)
+    _, t2 = pydiff.jvp(lambda x: F.apply(x) * 3.0, (x,), (u,))
+    np.testing.assert_allclose(t2.numpy(), 6 * u, rtol=1e-6)
+
+
+def test_function_jvp_float_tangent_for_half_output(m, device):
+    # A jvp written with ops (which compute in float) for a half output: its float tangent
+    # is the half output's tangent; a half shader parameter then takes it.
+    class Halve(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return pydiff.tensor(x.numpy() * 0.5, device=x.device, dtype="half")
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.numpy() * 0.5
+
+        @staticmethod
+        def jvp(ctx, t):
+            return ops.mul(t, 0.5)
+
+    x = pydiff.tensor(X, device=device)
+    _, t = pydiff.jvp(lambda x: m.hsq(Halve.apply(x), _result="tensor"), (x,), (U,))
+    h = (X * 0.5).astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(t.numpy().astype(np.float64), 2 * h * 0.5 * U, rtol=2e-3)
+
+
+@pytest.mark.parametrize("boolean", ["tensor", "numpy"])
+def test_function_jvp_boolean_tangent_is_refused(device, boolean):
+    # backward refuses a boolean gradient (a forgotten "* grad"); jvp now refuses a boolean
+    # tangent the same way instead of reading it as 0/1.
+    class Mask(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return pydiff.tensor(np.maximum(x.numpy(), 0.0), device=x.device)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.numpy() * (ctx.inputs[0].numpy() > 0)
+
+        @staticmethod
+        def jvp(ctx, t):
+            mask = ctx.inputs[0].numpy() > 0
+            return pydiff.tensor(mask, device=t.device) if boolean == "tensor" else mask
+
+    with pytest.raises(TypeError, match=r"Mask\.jvp\(\) tangent 0 .*booleans"):
+        pydiff.jvp(Mask.apply, (pydiff.tensor(X, device=device),), (U,))
+
+
+def test_gradcheck_holds_a_torch_tensor_without_grad_fixed(m, device):
+    # docs/gradcheck.md: "A torch tensor without requires_grad is an input held fixed, as any
+    # other." Before: "TypeError: gradcheck: fn returned no pydiff.Tensor" (the module
+    # function, called off a tape with torch data, returned torch tensors).
+    torch = pytest.importorskip("torch")
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    assert pydiff.gradcheck(m.mul2, (x, torch.tensor(U, dtype=torch.float32)))
+    y = torch.arange(6.0).reshape(2, 3).T  # transposed: non-contiguous
+    assert pydiff.gradcheck(m.mul2, (pydiff.tensor(np.ones((3, 2)), device=device, requires_grad=True), y))
+    assert pydiff.gradcheck(
+        lambda a, b: m.mul2(a, b, _result="tensor"), (x, torch.tensor(U, dtype=torch.float32))
+    )
+    assert np.array_equal(x.numpy(), X.astype(np.float32))
+
+
+# ---- pinned good behaviour, each against an independent reference ----
+
+
+def test_hvp_of_module_function_with_broadcast_parameter(m, device):
+    a = pydiff.tensor([2.0], device=device)
+    ha, hx = pydiff.hvp(m.poly, (a, pydiff.tensor(X, device=device)), (np.array([1.0]), U))
+    np.testing.assert_allclose(ha.numpy(), [np.sum(3 * X**2 * U)], rtol=1e-5)
+    np.testing.assert_allclose(hx.numpy(), 3 * X**2 + (12 * X - np.sin(X)) * U, rtol=1e-5)
+
+
+def test_grad_of_jvp_is_hessian_vector_product(m, device):
+    g = pydiff.grad(lambda x: pydiff.jvp(lambda y: m.poly(2.0, y, _result="tensor"), (x,), (U,))[1].sum())(X)
+    np.testing.assert_allclose(g, (12 * X - np.sin(X)) * U, rtol=1e-5)
+
+
+def test_fwds_inout_aliased_with_input(m, device):
+    y = pydiff.tensor(X.copy(), device=device).with_tangent(U)
+    m.sc.fwds(y, y)  # y <- y^3
+    np.testing.assert_allclose(y.numpy(), X**3, rtol=1e-6)
+    np.testing.assert_allclose(y.tangent.numpy(), 3 * X**2 * U, rtol=1e-6)
+
+
+def test_torch_strided_and_aliased_arguments(m, device):
+    torch = pytest.importorskip("torch")
+    b = torch.randn(10, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    y = m.mul2(b[::3], b[::3])  # the same strided view twice: y = x^3
+    y.sum().backward()
+    ref = torch.zeros(10, dtype=torch.float64)
+    ref[::3] = 3 * b.detach()[::3].double() ** 2
+    np.testing.assert_allclose(b.grad.numpy(), ref.numpy(), rtol=1e-5, atol=1e-7)
