@@ -27,7 +27,7 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .errors import ConvergenceError
 from . import forward_trace
-from .implicit_args import check_numbers, host_start
+from .implicit_args import check_numbers, host_start, refuse_foreign
 from .implicit_stop import StopRule, step_size, units_of
 from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
@@ -433,6 +433,7 @@ def fixed_point(
     if not callable(f):
         raise TypeError(f"fixed_point: f must be callable, not {type(f).__name__}")
     check_numbers(tol, atol, max_iter)
+    refuse_foreign(params)
     if not isinstance(x0, Tensor):
         x0 = host_start(x0, next((p.device for p in _Params(params).tensors), None))
     elif x0.scalar_type not in ("float", "half"):

@@ -112,7 +112,9 @@ def test_gradcheck_holds_a_torch_tensor_without_grad_fixed(m, device):
     x = pydiff.tensor(X, device=device, requires_grad=True)
     assert pydiff.gradcheck(m.mul2, (x, torch.tensor(U, dtype=torch.float32)))
     y = torch.arange(6.0).reshape(2, 3).T  # transposed: non-contiguous
-    assert pydiff.gradcheck(m.mul2, (pydiff.tensor(np.ones((3, 2)), device=device, requires_grad=True), y))
+    assert pydiff.gradcheck(
+        m.mul2, (pydiff.tensor(np.ones((3, 2)), device=device, requires_grad=True), y)
+    )
     assert pydiff.gradcheck(
         lambda a, b: m.mul2(a, b, _result="tensor"), (x, torch.tensor(U, dtype=torch.float32))
     )
@@ -130,7 +132,9 @@ def test_hvp_of_module_function_with_broadcast_parameter(m, device):
 
 
 def test_grad_of_jvp_is_hessian_vector_product(m, device):
-    g = pydiff.grad(lambda x: pydiff.jvp(lambda y: m.poly(2.0, y, _result="tensor"), (x,), (U,))[1].sum())(X)
+    g = pydiff.grad(
+        lambda x: pydiff.jvp(lambda y: m.poly(2.0, y, _result="tensor"), (x,), (U,))[1].sum()
+    )(X)
     np.testing.assert_allclose(g, (12 * X - np.sin(X)) * U, rtol=1e-5)
 
 
@@ -149,3 +153,40 @@ def test_torch_strided_and_aliased_arguments(m, device):
     ref = torch.zeros(10, dtype=torch.float64)
     ref[::3] = 3 * b.detach()[::3].double() ** 2
     np.testing.assert_allclose(b.grad.numpy(), ref.numpy(), rtol=1e-5, atol=1e-7)
+
+
+CONTRACTION = "[Differentiable] float contr(float x, float a, float b) { return a * tanh(x) + b; }"
+
+
+def _contraction_reference(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x* of x = a tanh(x) + b in float64 and dx*/db = 1 / (1 - a sech^2 x*)."""
+    x = np.zeros_like(b)
+    for _ in range(5000):
+        x = a * np.tanh(x) + b
+    return x, 1 / (1 - a / np.cosh(x) ** 2)
+
+
+@pytest.mark.parametrize("where", ["direct", "struct"])
+def test_fixed_point_refuses_torch_params_by_name(device, where):
+    # Before: "fixed_point: f (contr) returned a Tensor; it must return a pydiff Tensor of
+    # x's shape" (a torch Tensor: f was called with torch data), naming neither the
+    # parameter nor torch_function, the way the docs give.
+    torch = pytest.importorskip("torch")
+    m = pydiff.load_module_from_source("s40_brk40_fp", CONTRACTION, device=device)
+    a = torch.tensor([0.5, -0.3, 0.8], requires_grad=True)
+    b = torch.tensor([1.0, -0.5, 0.2])
+    if where == "direct":
+        f, params, label = m.contr, (pydiff.tensor([0.5, -0.3, 0.8], device=device), b), r"1\]"
+    else:
+        f = lambda x, p: p["a"] * ops.tanh(x) + p["b"]  # noqa: E731
+        params, label = ({"a": a, "b": b},), r"0\]\['a'\]"
+    with pytest.raises(TypeError, match=rf"params\[{label} is a torch tensor.*torch_function"):
+        pydiff.fixed_point(f, np.zeros(3), *params)
+    # the way the message gives: torch gradients through the implicit backward
+    x = pydiff.torch_function(lambda a, b: pydiff.fixed_point(m.contr, np.zeros(3), a, b))(a, b)
+    x.sum().backward()
+    xs, dxdb = _contraction_reference(
+        np.float32([0.5, -0.3, 0.8]).astype(float), b.double().numpy()
+    )
+    np.testing.assert_allclose(x.detach().numpy(), xs, rtol=1e-5)
+    np.testing.assert_allclose(a.grad.numpy(), np.tanh(xs) * dxdb, rtol=1e-4)
