@@ -190,3 +190,17 @@ def test_fixed_point_refuses_torch_params_by_name(device, where):
     )
     np.testing.assert_allclose(x.detach().numpy(), xs, rtol=1e-5)
     np.testing.assert_allclose(a.grad.numpy(), np.tanh(xs) * dxdb, rtol=1e-4)
+
+
+def test_half_tensor_at_float_parameter_advises_a_differentiable_conversion(m, device):
+    # Before, the advice was pydiff.tensor(x.numpy().astype(np.float32)): a copy that cuts a
+    # half parameter off its gradient. x.astype("float") is recorded on the tape; following
+    # the advice gives the gradient (half, converted back), checked against the closed form.
+    x = pydiff.tensor(X, dtype="half", requires_grad=True, device=device)
+    with pytest.raises(TypeError, match=r"x\.astype\('float'\), which the tape differentiates"):
+        m.poly(2.0, x, _result="tensor")
+    with pydiff.Tape() as tape:
+        y = m.poly(2.0, x.astype("float"), _result="tensor")
+    tape.backward(y, grad=np.ones(3))
+    xh = X.astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(x.grad.numpy().astype(np.float64), 6 * xh**2 + np.cos(xh), rtol=2e-3)
