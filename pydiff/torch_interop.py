@@ -223,14 +223,14 @@ def _describe(fn: Any, k: int) -> str:
     return f"argument {k}"
 
 
-def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
+def _convert_arg(value: Any, where: str, nested: str = "") -> Any:
     """A torch tensor argument as a pydiff tensor (int64 narrowed where it fits: torch's
     labels), and torch tensors inside lists, tuples and dicts (they cannot need gradients)."""
     if is_torch_tensor(value):
         if nested and value.requires_grad:
             raise ValueError(
-                f"{where} holds a torch tensor that requires grad inside a "
-                f"{type(value).__name__}: torch autograd reaches direct positional arguments "
+                f"{where} holds a torch tensor that requires grad inside a {nested}: torch "
+                "autograd reaches direct positional arguments "
                 "only; pass it as one"
             )
         name = str(value.dtype).removeprefix("torch.")
@@ -246,9 +246,9 @@ def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
     if isinstance(value, (list, tuple)):
-        return type(value)(_convert_arg(v, where, True) for v in value)
+        return type(value)(_convert_arg(v, where, type(value).__name__) for v in value)
     if isinstance(value, dict):
-        return {k: _convert_arg(v, where, True) for k, v in value.items()}
+        return {k: _convert_arg(v, where, "dict") for k, v in value.items()}
     return value
 
 

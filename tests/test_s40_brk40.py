@@ -204,3 +204,14 @@ def test_half_tensor_at_float_parameter_advises_a_differentiable_conversion(m, d
     tape.backward(y, grad=np.ones(3))
     xh = X.astype(np.float16).astype(np.float64)
     np.testing.assert_allclose(x.grad.numpy().astype(np.float64), 6 * xh**2 + np.cos(xh), rtol=2e-3)
+
+
+def test_torch_tensor_needing_grad_inside_a_list_names_the_list(device):
+    # Before: "argument 0 holds a torch tensor that requires grad inside a Tensor" (the
+    # tensor's own type, not the container's).
+    torch = pytest.importorskip("torch")
+    f = pydiff.torch_function(lambda ts: ts[0] * 2.0)
+    with pytest.raises(ValueError, match=r"argument 0 holds .* requires grad inside a list:"):
+        f([torch.ones(3, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"inside a dict:"):
+        f({0: torch.ones(3, requires_grad=True)})
