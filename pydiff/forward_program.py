@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import forward_trace
+from . import foreign, forward_trace
 from .arguments import map_tensors, nested_tensors
 from .backward_scope import separate_backward
 from .creation import tensor as make_tensor, zeros
@@ -208,6 +208,23 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 
+def held_primal(value: Any, what: str, k: int) -> Any:
+    """A primal without a direction: a torch tensor as a pydiff tensor of its values, held
+    fixed, as a call on a tape takes torch data (before, the shader calls inside returned
+    torch tensors, refused as "call it with _result='tensor'" or by an internal Function's
+    name); one that requires grad is refused, its gradient would be lost."""
+    name = foreign.framework(value)
+    if name is None:
+        return value
+    if getattr(value, "requires_grad", False) is True:
+        raise TypeError(
+            f"{what}: primal {k} is a {name} tensor that requires grad; {what} runs outside "
+            f"{name} autograd, so its gradient would be lost: pass t.detach() to hold it "
+            "fixed, or pydiff.from_torch(t) to give it a direction"
+        )
+    return foreign.data(value, f"{what}: primal {k}")
+
+
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
     """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
     want = x.expected_numpy_shape()
@@ -237,7 +254,7 @@ def prepare(
     xs, us = [], []
     for k, (x, u) in enumerate(zip(primals, directions)):
         if u is None:
-            xs.append(x)
+            xs.append(held_primal(x, what, k))
             us.append(None)
             continue
         x = float_primal(x, what, k)
@@ -380,6 +397,13 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     concatenated: one ``program_hvp`` per input (see pydiff.hessian)."""
     refuse_inside_tape("hessian")
     primals = tuple(primals)
+    for k, x in enumerate(primals):  # (variables() would hold it fixed, silently)
+        if foreign.framework(x) is not None:
+            raise TypeError(
+                f"hessian: primal {k} is a {foreign.framework(x)} tensor; pass "
+                "pydiff.from_torch(t) to differentiate it (as float arrays are), or close "
+                "over it to hold it fixed"
+            )
     found = variables(primals)
     sizes = [int(np.prod(s)) for _, s in found]
     n = sum(sizes)
