@@ -122,8 +122,10 @@ def _refuse_nested_grad(fn: Any, param: int | str, value: Any) -> None:
 
 
 def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """A shader call under ``pydiff.jvp``'s trace: the result, with its tangent stored."""
+    """A shader call under ``pydiff.jvp``'s trace: the result, with its tangent stored.
+    Torch data among the arguments are pydiff data here (results must be pydiff tensors)."""
     trace = forward_trace.active()
+    args, kwargs = foreign.as_data(fn, args, kwargs, f"{fn.label} inside pydiff.jvp/hvp")
     names = [k for k in kwargs if not k.startswith("_")]
     values = list(args) + [kwargs[k] for k in names]
     tangents = forward_trace.tangents_of(values)

@@ -84,7 +84,9 @@ def _outputs(value: Any) -> list[Tensor]:
 
 
 def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
-    return np.concatenate([o.numpy().astype(np.float64).ravel() for o in _outputs(f(*inputs))])
+    with foreign.data_calls():  # off the tape too, torch data fn closes over gives pydiff
+        outs = _outputs(f(*inputs))
+    return np.concatenate([o.numpy().astype(np.float64).ravel() for o in outs])
 
 
 class _Inputs:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import foreign
+from . import foreign, forward_trace
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .errors import OpDtypeError
@@ -362,8 +362,10 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     """A call of ``fn`` with torch tensors among its arguments: through torch autograd
     (``torch_function``); on an active pydiff tape (a ``pydiff.Tape``, ``pydiff.grad``...),
     torch tensors without gradients as data of an ordinary pydiff call recorded there, and
-    those that require grad refused (torch autograd cannot reach through a pydiff tape)."""
-    if active_tape() is None:
+    those that require grad refused (torch autograd cannot reach through a pydiff tape). The
+    same inside ``pydiff.jvp``'s trace and a transform's ``foreign.data_calls`` block, whose
+    results must be pydiff tensors (before, torch ones, refused with misleading messages)."""
+    if active_tape() is None and forward_trace.active() is None and not foreign.taking_data():
         return torch_function(fn)(*args, **kwargs)
     label = getattr(fn, "__name__", None) or repr(fn)
     places = [(_describe(fn, k), a) for k, a in enumerate(args)]
@@ -372,8 +374,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
         if _needs_torch_grad(value):
             raise TypeError(
                 f"{label}: {where} is a torch tensor that requires grad, in a call recorded on a "
-                "pydiff tape (pydiff.Tape, pydiff.grad, value_and_grad, vjp): torch autograd "
-                "cannot see pydiff's tape, so its gradient would be lost. Either convert it "
+                "pydiff tape or transform (pydiff.Tape, pydiff.grad, value_and_grad, vjp, jvp, "
+                "jacfwd, jacrev, hvp, gradcheck, fixed_point): torch autograd cannot see "
+                "pydiff's tape, so its gradient would be lost. Either convert it "
                 "with pydiff.from_torch(t, requires_grad=True) and differentiate it on the "
                 "pydiff tape, or run the pydiff code outside any pydiff tape through "
                 "pydiff.torch_function(fn) (torch autograd)"

@@ -254,3 +254,35 @@ def test_grad_names_a_torch_argument(device):
         pydiff.from_torch(torch.tensor(X, dtype=torch.float32))
     )
     np.testing.assert_allclose(g.numpy(), 2 * X, rtol=1e-6)
+
+
+def test_transforms_take_torch_data_a_function_closes_over(m, device):
+    # Before, a torch tensor (data, no gradient) read from a closure worked in grad and vjp
+    # (on their tapes) but not elsewhere: jvp/jacfwd said the shader call "returned a Tensor:
+    # call it with _result='tensor'" (it was), hvp named ShaderTangent.apply, jacrev and
+    # gradcheck said fn "returned a Tensor"/"no pydiff.Tensor", fixed_point "f returned a
+    # Tensor". Each now runs the calls on pydiff tensors of its values. f(a) = a * c^2.
+    torch = pytest.importorskip("torch")
+    c = torch.tensor(U, dtype=torch.float32)
+    a = pydiff.tensor(X, device=device)
+
+    def f(a):
+        return m.mul2(a, c, _result="tensor")
+
+    value, t = pydiff.jvp(f, (a,), (np.ones(3),))
+    np.testing.assert_allclose(value.numpy(), X * U**2, rtol=1e-6)
+    np.testing.assert_allclose(t.numpy(), U**2, rtol=1e-6)
+    (h,) = pydiff.hvp(lambda a: (f(a) * a).sum(), (a,), (np.ones(3),))  # sum a^2 c^2
+    np.testing.assert_allclose(h.numpy(), 2 * U**2, rtol=1e-6)
+    np.testing.assert_allclose(pydiff.jacfwd(f)(a), np.diag(U**2), rtol=1e-6)
+    np.testing.assert_allclose(pydiff.jacrev(f)(a), np.diag(U**2), rtol=1e-6)
+    np.testing.assert_allclose(pydiff.jacrev(lambda a: ops.mul(a, c))(a), np.diag(U), rtol=1e-6)
+    assert pydiff.gradcheck(f, (pydiff.tensor(X, device=device, requires_grad=True),))
+    x = pydiff.fixed_point(lambda x: ops.add(ops.mul(x, 0.5), c), np.zeros(3))  # x* = 2c
+    np.testing.assert_allclose(x.numpy(), 2 * U, rtol=1e-5)
+    # one that requires grad is refused by name (its gradient would be lost)
+    g = c.clone().requires_grad_(True)
+    with pytest.raises(TypeError, match=r"requires grad"):
+        pydiff.jvp(lambda a: m.mul2(a, g, _result="tensor"), (a,), (np.ones(3),))
+    with pytest.raises(TypeError, match=r"requires grad, in a call .*fixed_point"):
+        pydiff.fixed_point(lambda x: ops.add(ops.mul(x, 0.5), g), np.zeros(3))
