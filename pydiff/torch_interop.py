@@ -25,6 +25,7 @@ from .device import Device, resolve_device
 from .errors import OpDtypeError
 from .grad_transforms import on_tape
 from .host_values import to_float32
+from .lost_derivative import refuse_lost_copy
 from .tape import Tape, active_tape
 from .tensor import Tensor
 from .torch_passes import accumulates_leaves, pass_without_leaves, torch_pass
@@ -139,10 +140,20 @@ def to_torch(x: Tensor) -> Any:
 
     >>> t = pydiff.to_torch(pydiff.tensor([1.0, 2.0]))      # tensor([1., 2.])
     >>> g = pydiff.to_torch(x.grad)
+
+    Refused (``TypeError``) where the copy would lose a derivative without a word, as the
+    DLPack export is: ``x`` requires a gradient while a pydiff tape records, or has a tangent
+    under ``pydiff.jvp`` (before, ``grad`` of ``from_torch(to_torch(x) * 2)`` was 0).
     """
-    torch = torch_module()
     if not isinstance(x, Tensor):
         raise TypeError(f"to_torch: x must be a pydiff.Tensor, not {type(x).__name__}")
+    refuse_lost_copy(x, "pydiff.to_torch")
+    return _torch_of(x)
+
+
+def _torch_of(x: Tensor) -> Any:
+    """``to_torch`` without the refusal: pydiff's own hand-over of results and gradients."""
+    torch = torch_module()
     if x.scalar_type not in TO_TORCH:
         raise TypeError(
             f"to_torch: a tensor of dtype {x.dtype!r} has no torch dtype (accepted scalar types: "
@@ -345,7 +356,7 @@ def _bridge() -> Any:
 def _handed(x: Tensor, where: Any) -> Any:
     """``x`` as a torch tensor of its own (a copy: torch autograd may keep it as a ``.grad``
     that pydiff's buffer must not alias), on the torch device ``where`` when given."""
-    t = to_torch(x)
+    t = _torch_of(x)
     t = t.clone() if t.is_cuda else t
     return t if where is None or t.device == where else t.to(where)
 

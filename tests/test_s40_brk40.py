@@ -286,3 +286,27 @@ def test_transforms_take_torch_data_a_function_closes_over(m, device):
         pydiff.jvp(lambda a: m.mul2(a, g, _result="tensor"), (a,), (np.ones(3),))
     with pytest.raises(TypeError, match=r"requires grad, in a call .*fixed_point"):
         pydiff.fixed_point(lambda x: ops.add(ops.mul(x, 0.5), g), np.zeros(3))
+
+
+def test_to_torch_refuses_where_the_copy_loses_a_derivative(device):
+    # Before: to_torch(x) of a tensor with a gradient on a tape, or a tangent under jvp,
+    # silently gave a copy with no derivative: grad of from_torch(to_torch(x) * 2).sum() was
+    # 0 (the DLPack export and NumPy's conversion already refused). Now refused likewise.
+    torch = pytest.importorskip("torch")
+
+    def f(x):
+        return pydiff.from_torch(pydiff.to_torch(x) * 2.0).sum()
+
+    with pytest.raises(TypeError, match=r"pydiff\.to_torch: .*requires a gradient"):
+        pydiff.grad(f)(X)
+    with pytest.raises(TypeError, match=r"pydiff\.to_torch: .*has a tangent"):
+        pydiff.jvp(f, (pydiff.tensor(X, device=device),), (U,))
+    # deliberate reads still work: detached, or off the tape
+    x = pydiff.tensor(X, device=device, requires_grad=True)
+    with pydiff.Tape():
+        assert torch.equal(pydiff.to_torch(x.detach()), torch.tensor(X, dtype=torch.float32))
+    assert torch.equal(pydiff.to_torch(x), torch.tensor(X, dtype=torch.float32))
+    # and torch_function, the way for a gradient, still hands torch its results
+    t = torch.tensor(X, dtype=torch.float32, requires_grad=True)
+    pydiff.torch_function(lambda a: (a * a).sum())(t).backward()
+    np.testing.assert_allclose(t.grad.numpy(), 2 * X, rtol=1e-6)
