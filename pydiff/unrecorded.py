@@ -39,6 +39,24 @@ def note_unrecorded(tensors: Any, label: str) -> None:
         UNRECORDED_ON_TAPE[id(t)] = (weakref.ref(t, gone), label, t.storage.version)
 
 
+def refuse_copied_reads(label: str, reads: Any) -> None:
+    """A call a recording tape does not record (none of its inputs requires a gradient) that
+    reads values ``copy_`` took from a tensor with a gradient path: its result would be a
+    constant to the tape, so the gradient would silently not reach the source (``grad`` of
+    ``y.copy_(x); (y * y).sum()`` was 0). Refused as the tape refuses such a read by a
+    recorded call. ``reads``: (description, tensor) pairs.
+
+    >>> refuse_copied_reads("m.f", [("parameter 'x' of m.f", y)])   # RuntimeError
+    """
+    for desc, t in reads:
+        if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+            raise RuntimeError(
+                f"{label}: {desc} holds values {COPY_FROM_GRAPH}, so no gradient would reach "
+                "what they were copied from: use src.clone() (recorded) or copy from "
+                "src.detach() to mean a constant"
+            )
+
+
 def _still_holding(registry: dict, t: Tensor | None) -> str | None:
     found = registry.get(id(t)) if t is not None else None
     if found is None or found[0]() is not t or found[2] != t.storage.version:

@@ -310,3 +310,31 @@ def test_to_torch_refuses_where_the_copy_loses_a_derivative(device):
     t = torch.tensor(X, dtype=torch.float32, requires_grad=True)
     pydiff.torch_function(lambda a: (a * a).sum())(t).backward()
     np.testing.assert_allclose(t.grad.numpy(), 2 * X, rtol=1e-6)
+
+
+def test_unrecorded_call_reading_copied_values_is_refused(m, device):
+    # Before: y.copy_(x) from a leaf that needs a gradient, then calls reading only y: the
+    # tape recorded none of them (no input requires a gradient), so grad returned zeros
+    # (true: 2x) and vjp a zero cotangent. A recorded call reading y was refused already.
+    def f(x):
+        y = pydiff.zeros((3,), device=device)
+        y.copy_(x)
+        return (y * y).sum()
+
+    with pytest.raises(RuntimeError, match=r"copy_ of values with a gradient path.*clone"):
+        pydiff.grad(f)(X)
+    with pytest.raises(RuntimeError, match=r"copy_ of values with a gradient path"):
+        pydiff.vjp(lambda x: m.poly(1.0, f(x) * 1.0, _result="tensor"), (X,), 1.0)
+
+    # the ways the message gives: clone (recorded) and a detached copy (a constant)
+    def cloned(x):
+        return (x.clone() * x.clone()).sum()
+
+    np.testing.assert_allclose(pydiff.grad(cloned)(X), 2 * X, rtol=1e-6)
+
+    def snapshot(x):
+        y = pydiff.zeros((3,), device=device)
+        y.copy_(x.detach())
+        return (y * x).sum()
+
+    np.testing.assert_allclose(pydiff.grad(snapshot)(X), X, rtol=1e-6)
