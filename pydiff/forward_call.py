@@ -42,7 +42,7 @@ from .struct_values import read_tensors
 from . import capturing, foreign, generated_calls, written_mask
 from .tape import Tape, active_tape
 from .tensor import Tensor
-from .unrecorded import note_unrecorded, refuse_copied_reads
+from .unrecorded import note_unrecorded
 
 
 def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
@@ -368,8 +368,7 @@ def _record(
     if type(out) is Tensor:
         writes.append(out)
     if not needs_grad:
-        refuse_copied_reads(fn.label, reads)  # (a recorded call's: tape.record refuses)
-        note_unrecorded(writes, fn.label)  # constants as far as gradients go
+        note_unrecorded(writes, fn.label, [t for _, t in reads])  # constants to gradients
         return
     # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
     # gradient, or an earlier call's result): none of the gradient reaches those values where

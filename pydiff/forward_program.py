@@ -26,9 +26,9 @@ from .host_values import to_float32
 from .integer_primals import holds_integers
 from .seeds import seed_values
 from .policy import zero_policy
-from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
+from .unrecorded import refuse_copied
 
 
 def _fwds_tangent(fn: Any, args: Sequence[Any], names: list, tangents: Sequence[Any], y: Tensor):
@@ -286,17 +286,6 @@ def refuse_inside_tape(what: str) -> None:
         )
 
 
-def refuse_copied(out: Tensor, what: str) -> None:
-    """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
-    values with a gradient path: no tape records ``copy_``, so its gradient would be 0."""
-    if out.producer is None and out.storage.replaced[1] == COPY_FROM_GRAPH:
-        raise RuntimeError(
-            f"{what}: fn's output holds values copied in by copy_ from values with a gradient "
-            "path; no tape records copy_, so the gradient through it would be a silent 0. "
-            "Return the value itself (or a pydiff call of it)"
-        )
-
-
 class lent_grads:
     """A block in which the tensors ``tape`` read that are not ``leaves`` (nor views of
     them), e.g. a model's parameters a function closes over, hold fresh gradient buffers: a
@@ -364,6 +353,7 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
             f"hvp: fn must return a one-element tensor (a scalar: reduce with ops.sum or "
             f"ops.mean), got {got}"
         )
+    refuse_copied(t, "hvp")  # a tangent from values copy_ took: its backward would give 0
     if t.producer is tape and t.requires_grad:
         with lent_grads(tape, leaves), separate_backward():  # (inside another one too)
             tape.backward(t)

@@ -28,7 +28,7 @@ from .function_checks import as_tensor, check_reached, gradients, own_outputs, r
 from .function_checks import nested_tensors, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
-from .unrecorded import MADE_OFF_TAPE, note_unrecorded, refuse_copied_reads
+from .unrecorded import MADE_OFF_TAPE, note_unrecorded
 
 
 class FunctionCtx:
@@ -235,8 +235,7 @@ class Function:
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
         if tape is not None and not any(ctx.needs_input_grad):
-            refuse_copied_reads(name, [(f"input {i} of {name}", t) for i, t in inputs])
-            note_unrecorded(outputs, name)
+            note_unrecorded(outputs, name, [t for _, t in inputs])
         if tape is None and any(ctx.needs_input_grad):  # (.bwds of one warns: bwds_checks)
             for k, o in enumerate(outputs):
                 if k not in constant:

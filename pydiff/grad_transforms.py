@@ -18,7 +18,8 @@ import numpy as np
 from . import foreign, forward_trace
 from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
-from .forward_program import lent_grads, refuse_copied, refuse_inside_tape
+from .forward_program import lent_grads, refuse_inside_tape
+from .unrecorded import refuse_copied
 from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor

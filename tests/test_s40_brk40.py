@@ -312,29 +312,41 @@ def test_to_torch_refuses_where_the_copy_loses_a_derivative(device):
     np.testing.assert_allclose(t.grad.numpy(), 2 * X, rtol=1e-6)
 
 
-def test_unrecorded_call_reading_copied_values_is_refused(m, device):
+def test_values_copied_from_a_gradient_path_are_refused_through_unrecorded_calls(m, device):
     # Before: y.copy_(x) from a leaf that needs a gradient, then calls reading only y: the
     # tape recorded none of them (no input requires a gradient), so grad returned zeros
-    # (true: 2x) and vjp a zero cotangent. A recorded call reading y was refused already.
-    def f(x):
+    # (true: 2x), vjp/jacrev/hvp zeros, and a recorded call reading their result a wrong
+    # gradient (y*y*x: x^2 for 3x^2). Only a recorded call reading y itself was refused.
+    # Their results are now marked as holding such values, refused where a gradient needs
+    # them; a copy_ or on-tape clone of y keeps the mark.
+    def copied(x):
         y = pydiff.zeros((3,), device=device)
         y.copy_(x)
-        return (y * y).sum()
+        return y
 
-    with pytest.raises(RuntimeError, match=r"copy_ of values with a gradient path.*clone"):
-        pydiff.grad(f)(X)
-    with pytest.raises(RuntimeError, match=r"copy_ of values with a gradient path"):
-        pydiff.vjp(lambda x: m.poly(1.0, f(x) * 1.0, _result="tensor"), (X,), 1.0)
+    with pytest.raises(RuntimeError, match=r"copy_.*gradient path.*clone"):
+        pydiff.grad(lambda x: (copied(x) * copied(x)).sum())(X)
+    with pytest.raises(RuntimeError, match=r"copy_.*gradient path"):
+        pydiff.vjp(lambda x: m.poly(1.0, copied(x), _result="tensor"), (X,), np.ones(3))
+    with pytest.raises(RuntimeError, match=r"the result of .*copy_ of values"):
+        pydiff.grad(lambda x: (copied(x) * copied(x) * x).sum())(X)
+    with pytest.raises(RuntimeError, match=r"hvp: .*copy_"):
+        pydiff.hvp(lambda x: (copied(x) * copied(x)).sum(), (pydiff.tensor(X),), (U,))
+
+    def chained(x):
+        z = pydiff.zeros((3,), device=device)
+        z.copy_(copied(x))
+        return (z.clone() * 2.0).sum()
+
+    with pytest.raises(RuntimeError, match=r"copy_.*gradient path"):
+        pydiff.grad(chained)(X)
 
     # the ways the message gives: clone (recorded) and a detached copy (a constant)
-    def cloned(x):
-        return (x.clone() * x.clone()).sum()
-
-    np.testing.assert_allclose(pydiff.grad(cloned)(X), 2 * X, rtol=1e-6)
+    np.testing.assert_allclose(pydiff.grad(lambda x: (x.clone() * x.clone()).sum())(X), 2 * X)
 
     def snapshot(x):
         y = pydiff.zeros((3,), device=device)
         y.copy_(x.detach())
-        return (y * x).sum()
+        return (y * y * x).sum()
 
-    np.testing.assert_allclose(pydiff.grad(snapshot)(X), X, rtol=1e-6)
+    np.testing.assert_allclose(pydiff.grad(snapshot)(X), X**2, rtol=1e-6)
