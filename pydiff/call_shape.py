@@ -295,7 +295,12 @@ def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
         f" whose last axes are {axes}" + ("" if array else f", or a {name} tensor") if axes else ""
     )
     fix = ""
-    if got != base and base in SCALAR_NUMPY:
+    if got != base and {got, base} == {"float", "half"}:  # a copy would lose the gradient
+        fix = (
+            f". Convert it first with x.astype('{base}'), which the tape differentiates (a "
+            f"torch tensor: t.{base}() before the call)"
+        )
+    elif got != base and base in SCALAR_NUMPY:
         target = np.dtype(SCALAR_NUMPY[base]).name
         fix = f". Convert it first, e.g. pydiff.tensor(x.numpy().astype(np.{target}))"
     raise TypeError(

@@ -44,7 +44,7 @@ def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
             f"shape {x.shape} that {why}: the exported values carry no derivative, so the "
             "gradient through them would be lost. For a gradient in PyTorch, run the pydiff "
             "code inside torch autograd (pydiff.torch_function); to hand over the values on "
-            "purpose, export x.detach() or call pydiff.to_torch(x)"
+            "purpose, export x.detach() (or pydiff.to_torch(x.detach()))"
         )
     if _cuda_export(x):
         return shared_view(x).__dlpack__(stream=stream, **kwargs)

@@ -5,12 +5,16 @@ the call layer asks here, and the interop module above it registers how to run t
     handler = foreign.handler(args, kwargs)                   # None: only pydiff's values
     if handler: return handler(fn, args, kwargs)
     foreign.framework(value)                                  # "torch", or None
+    foreign.data(t, "gradcheck: input 1")                     # torch data -> pydiff
+    with foreign.data_calls(): y = f(x)      # calls with torch data give pydiff results
     args, kwargs = foreign.as_data(fn, args, kwargs, "m.f.bwds")  # torch data -> pydiff
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -76,6 +80,36 @@ def advice(value: Any) -> str:
     """How to convert ``value``, a foreign tensor, for pydiff ("" when not one)."""
     reg = _registration(value)
     return reg.advice if reg is not None else ""
+
+
+_DATA_CALLS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pydiff_data_calls", default=False
+)
+
+
+@contextlib.contextmanager
+def data_calls() -> Iterator[None]:
+    """A block whose calls given foreign data (torch tensors without gradients) run as pydiff
+    calls of their values, as on a pydiff tape, not through the framework's autograd (whose
+    results would be its tensors): a transform's own evaluations of a function, e.g.
+    gradcheck's finite differences, jacrev's first call, fixed_point's iterations."""
+    token = _DATA_CALLS.set(True)
+    try:
+        yield
+    finally:
+        _DATA_CALLS.reset(token)
+
+
+def taking_data() -> bool:
+    """Whether a ``data_calls`` block is open (the interop module asks before its autograd)."""
+    return _DATA_CALLS.get()
+
+
+def data(value: Any, where: str) -> Any:
+    """``value``, a foreign tensor, as a pydiff tensor of its values (a constant: the caller
+    refuses one that requires grad first); any other value as it is."""
+    reg = _registration(value)
+    return value if reg is None or reg.data is None else reg.data(value, where)
 
 
 def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:

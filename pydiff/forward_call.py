@@ -369,7 +369,7 @@ def _record(
     if type(out) is Tensor:
         writes.append(out)
     if not needs_grad:
-        note_unrecorded(writes, fn.label)  # constants as far as gradients go
+        note_unrecorded(writes, fn.label, [t for _, t in reads])  # constants to gradients
         return
     # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
     # gradient, or an earlier call's result): none of the gradient reaches those values where

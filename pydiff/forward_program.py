@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import forward_trace
+from . import foreign, forward_trace
 from .arguments import map_tensors, nested_tensors
 from .backward_scope import separate_backward
 from .creation import tensor as make_tensor, zeros
@@ -26,9 +26,9 @@ from .host_values import to_float32
 from .integer_primals import holds_integers
 from .seeds import seed_values
 from .policy import zero_policy
-from .storage import COPY_FROM_GRAPH
 from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
+from .unrecorded import refuse_copied
 
 
 def _fwds_tangent(fn: Any, args: Sequence[Any], names: list, tangents: Sequence[Any], y: Tensor):
@@ -122,8 +122,10 @@ def _refuse_nested_grad(fn: Any, param: int | str, value: Any) -> None:
 
 
 def _shader_call(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """A shader call under ``pydiff.jvp``'s trace: the result, with its tangent stored."""
+    """A shader call under ``pydiff.jvp``'s trace: the result, with its tangent stored.
+    Torch data among the arguments are pydiff data here (results must be pydiff tensors)."""
     trace = forward_trace.active()
+    args, kwargs = foreign.as_data(fn, args, kwargs, f"{fn.label} inside pydiff.jvp/hvp")
     names = [k for k in kwargs if not k.startswith("_")]
     values = list(args) + [kwargs[k] for k in names]
     tangents = forward_trace.tangents_of(values)
@@ -208,6 +210,23 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 
+def held_primal(value: Any, what: str, k: int) -> Any:
+    """A primal without a direction: a torch tensor as a pydiff tensor of its values, held
+    fixed, as a call on a tape takes torch data (before, the shader calls inside returned
+    torch tensors, refused as "call it with _result='tensor'" or by an internal Function's
+    name); one that requires grad is refused, its gradient would be lost."""
+    name = foreign.framework(value)
+    if name is None:
+        return value
+    if getattr(value, "requires_grad", False) is True:
+        raise TypeError(
+            f"{what}: primal {k} is a {name} tensor that requires grad; {what} runs outside "
+            f"{name} autograd, so its gradient would be lost: pass t.detach() to hold it "
+            "fixed, or pydiff.from_torch(t) to give it a direction"
+        )
+    return foreign.data(value, f"{what}: primal {k}")
+
+
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
     """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
     want = x.expected_numpy_shape()
@@ -237,7 +256,7 @@ def prepare(
     xs, us = [], []
     for k, (x, u) in enumerate(zip(primals, directions)):
         if u is None:
-            xs.append(x)
+            xs.append(held_primal(x, what, k))
             us.append(None)
             continue
         x = float_primal(x, what, k)
@@ -264,17 +283,6 @@ def refuse_inside_tape(what: str) -> None:
             "records on a tape of its own, and tapes do not nest. Call it outside the "
             "'with pydiff.Tape()' block (before it, or after tape.backward); a function given "
             "to vjp, jacrev, grad, hvp or hessian runs on their tape, so it cannot call it"
-        )
-
-
-def refuse_copied(out: Tensor, what: str) -> None:
-    """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
-    values with a gradient path: no tape records ``copy_``, so its gradient would be 0."""
-    if out.producer is None and out.storage.replaced[1] == COPY_FROM_GRAPH:
-        raise RuntimeError(
-            f"{what}: fn's output holds values copied in by copy_ from values with a gradient "
-            "path; no tape records copy_, so the gradient through it would be a silent 0. "
-            "Return the value itself (or a pydiff call of it)"
         )
 
 
@@ -345,6 +353,7 @@ def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]
             f"hvp: fn must return a one-element tensor (a scalar: reduce with ops.sum or "
             f"ops.mean), got {got}"
         )
+    refuse_copied(t, "hvp")  # a tangent from values copy_ took: its backward would give 0
     if t.producer is tape and t.requires_grad:
         with lent_grads(tape, leaves), separate_backward():  # (inside another one too)
             tape.backward(t)
@@ -380,6 +389,13 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     concatenated: one ``program_hvp`` per input (see pydiff.hessian)."""
     refuse_inside_tape("hessian")
     primals = tuple(primals)
+    for k, x in enumerate(primals):  # (variables() would hold it fixed, silently)
+        if foreign.framework(x) is not None:
+            raise TypeError(
+                f"hessian: primal {k} is a {foreign.framework(x)} tensor; pass "
+                "pydiff.from_torch(t) to differentiate it (as float arrays are), or close "
+                "over it to hold it fixed"
+            )
     found = variables(primals)
     sizes = [int(np.prod(s)) for _, s in found]
     n = sum(sizes)

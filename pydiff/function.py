@@ -25,7 +25,7 @@ from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, check_reached, gradients, own_outputs, refuse_nested
-from .function_checks import nested_tensors
+from .function_checks import nested_tensors, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
@@ -240,7 +240,7 @@ class Function:
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
         if tape is not None and not any(ctx.needs_input_grad):
-            note_unrecorded(outputs, name)
+            note_unrecorded(outputs, name, [t for _, t in inputs])
         if tape is None and any(ctx.needs_input_grad):  # (.bwds of one warns: bwds_checks)
             for k, o in enumerate(outputs):
                 if k not in constant:
@@ -312,8 +312,11 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
         )
     for k, (o, t) in enumerate(zip(ctx.outputs, got)):
         if t is not None and not isinstance(t, Tensor):
+            tangent_in_dtype(t, o, name, k, None)  # booleans refused
             first_order_only(ctx, f"{name}.jvp() returned a {type(t).__name__}, not pydiff ops")
             t = as_tensor(t, o.device, cls, "jvp", k)
+        if t is not None:  # in the output's dtype, as backward's gradients are converted
+            t = tangent_in_dtype(t, o, name, k, lambda why: first_order_only(ctx, why))
         if t is not None and t.expected_numpy_shape() != o.expected_numpy_shape():
             raise RuntimeError(
                 f"{name}.jvp() tangent {k} has shape {t.expected_numpy_shape()} but output {k} "

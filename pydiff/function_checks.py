@@ -195,3 +195,37 @@ def _boolean(what: str, k: int, cls: type, inputs: list[Tensor]) -> TypeError:
         f"{what} of booleans (for input {k}); a gradient holds numbers: multiply a mask by the "
         f"upstream gradient. {expected(cls, inputs)}"
     )
+
+
+def boolean_tangent(t: Any) -> bool:
+    """Whether ``jvp`` returned booleans (a mask) as a tangent."""
+    if isinstance(t, Tensor):
+        return t.scalar_type == "bool"
+    if isinstance(t, (bool, np.bool_)):
+        return True
+    if isinstance(t, (np.ndarray, list)):
+        try:
+            return np.asarray(t).dtype.kind == "b"
+        except ValueError:
+            return False
+    return False
+
+
+def tangent_in_dtype(t: Any, o: Tensor, name: str, k: int, host: Callable[[str], None]) -> Any:
+    """``jvp``'s tangent ``k`` in output ``k``'s dtype, as ``backward``'s gradients are
+    converted: a float tangent of a half output (ops compute in float) and back through the
+    tape (``astype``, so ``hvp`` differentiates it); an integer or double tensor on the host
+    (``host`` is told: such a tangent is first order only). Booleans are refused (a mask
+    returned for ``mask * tangent``); before, an int or half tangent was kept and the next op
+    or shader call failed naming neither the Function nor the tangent."""
+    if boolean_tangent(t):
+        raise TypeError(
+            f"{name}.jvp() tangent {k} holds booleans (for output {k}); a tangent holds "
+            "numbers: multiply a mask by the input's tangent"
+        )
+    if not isinstance(t, Tensor) or t.dtype == o.dtype or o.dtype not in ("float", "half"):
+        return t
+    if t.dtype in ("float", "half"):
+        return t.astype(o.dtype)
+    host(f"{name}.jvp() returned a {t.dtype} tensor, converted on the host")
+    return make_tensor(t.numpy().astype(np.float32), dtype=o.dtype, device=o.device)

@@ -15,10 +15,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import forward_trace
+from . import foreign, forward_trace
 from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
-from .forward_program import lent_grads, refuse_copied, refuse_inside_tape
+from .forward_program import lent_grads, refuse_inside_tape
+from .unrecorded import refuse_copied
 from .host_values import to_float32
 from .tape import Tape
 from .tensor import Tensor
@@ -80,9 +81,12 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
         leaf = value.detach().requires_grad_(True)
         return forward_trace.derived(value, leaf, lambda t: t)  # inside jvp: refused at backward
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
+        name = foreign.framework(value)  # ("a Tensor" said nothing of torch)
+        kind = f"{name} tensor" if name else type(value).__name__
+        fix = f" (pydiff.from_torch(t) for a {name} tensor)" if name else ""
         raise TypeError(
-            f"{what}: argument {index} is a {type(value).__name__}; differentiate with respect "
-            "to pydiff tensors, NumPy arrays, lists or numbers"
+            f"{what}: argument {index} is a {kind}; differentiate with respect "
+            f"to pydiff tensors{fix}, NumPy arrays, lists or numbers"
         )
     try:
         wide = np.asarray(value, dtype=np.float64)

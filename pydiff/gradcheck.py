@@ -84,7 +84,9 @@ def _outputs(value: Any) -> list[Tensor]:
 
 
 def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
-    return np.concatenate([o.numpy().astype(np.float64).ravel() for o in _outputs(f(*inputs))])
+    with foreign.data_calls():  # off the tape too, torch data fn closes over gives pydiff
+        outs = _outputs(f(*inputs))
+    return np.concatenate([o.numpy().astype(np.float64).ravel() for o in outs])
 
 
 class _Inputs:
@@ -145,27 +147,29 @@ class _Inputs:
                     t.requires_grad_(False)
 
 
-def _refuse_foreign_grads(inputs: Sequence[Any]) -> None:
-    """A torch tensor that requires a gradient, among the inputs (in dicts, lists and tuples
-    too): its gradient would go unchecked (only pydiff tensors are perturbed), so refused."""
+def _foreign_as_data(inputs: Sequence[Any]) -> tuple:
+    """The inputs with every torch tensor (in dicts, lists and tuples too) converted to a
+    pydiff tensor of its values, held fixed as any other input without ``requires_grad``.
+    Before, a module function evaluated off a tape with torch data returned torch tensors
+    and gradcheck failed ("fn returned no pydiff.Tensor"). One that requires a gradient is
+    refused: its gradient would go unchecked (only pydiff tensors are perturbed)."""
 
-    def walk(value: Any, label: str) -> None:
+    def walk(value: Any, label: str) -> Any:
         if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{label}[{k!r}]")
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, f"{label}[{i}]")
-        elif foreign.framework(value) and getattr(value, "requires_grad", False) is True:
+            return {k: walk(v, f"{label}[{k!r}]") for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(walk(v, f"{label}[{i}]") for i, v in enumerate(value))
+        name = foreign.framework(value)
+        if name and getattr(value, "requires_grad", False) is True:
             raise TypeError(
-                f"gradcheck: {label} is a {foreign.framework(value)} tensor with "
+                f"gradcheck: {label} is a {name} tensor with "
                 "requires_grad=True; gradcheck checks the gradients of pydiff tensors only, "
                 "so its gradient would not be checked. Pass "
                 "pydiff.from_torch(t, requires_grad=True) instead"
             )
+        return foreign.data(value, f"gradcheck: {label}") if name else value
 
-    for k, value in enumerate(inputs):
-        walk(value, f"input {k}")
+    return tuple(walk(value, f"input {k}") for k, value in enumerate(inputs))
 
 
 def _nested(inputs: Sequence[Any]) -> bool:
@@ -378,7 +382,7 @@ def gradcheck(
     fd.check_settings("gradcheck", eps, atol, rtol)
     refuse_inside_tape("gradcheck")
     f = as_callable(fn)
-    _refuse_foreign_grads(inputs)
+    inputs = _foreign_as_data(inputs)  # torch data held fixed as pydiff tensors
     state = _Inputs(inputs)
     checked = state.checked
     if not checked:

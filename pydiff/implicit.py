@@ -26,8 +26,8 @@ import numpy as np
 from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .errors import ConvergenceError
-from . import forward_trace
-from .implicit_args import check_numbers, host_start
+from . import foreign, forward_trace
+from .implicit_args import check_numbers, host_start, refuse_foreign
 from .implicit_stop import StopRule, step_size, units_of
 from .function import Function, FunctionCtx, first_order_only
 from .grad_transforms import on_tape
@@ -44,10 +44,9 @@ ATOL = 1e-12
 
 def _call(f: Callable[..., Any], x: Tensor, params: tuple) -> Tensor:
     """f(x, *params) as a tensor of x's shape, or a TypeError/ValueError naming f."""
-    if isinstance(f, (ShaderFunction, OverloadedFunction)):
-        out = f(x, *params, _result="tensor")
-    else:
-        out = f(x, *params)
+    with foreign.data_calls():  # torch data f closes over: pydiff calls, pydiff results
+        is_shader = isinstance(f, (ShaderFunction, OverloadedFunction))
+        out = f(x, *params, _result="tensor") if is_shader else f(x, *params)
     name = getattr(f, "__name__", None) or getattr(f, "label", None) or repr(f)
     if not isinstance(out, Tensor):
         raise TypeError(
@@ -433,6 +432,7 @@ def fixed_point(
     if not callable(f):
         raise TypeError(f"fixed_point: f must be callable, not {type(f).__name__}")
     check_numbers(tol, atol, max_iter)
+    refuse_foreign(params)
     if not isinstance(x0, Tensor):
         x0 = host_start(x0, next((p.device for p in _Params(params).tensors), None))
     elif x0.scalar_type not in ("float", "half"):

@@ -1,7 +1,9 @@
-"""``fixed_point``'s arguments checked: ``tol``, ``atol``, ``max_iter``, and a host ``x0``
-made a float32 tensor, each refused by name where it cannot be one.
+"""``fixed_point``'s arguments checked: ``tol``, ``atol``, ``max_iter``, a host ``x0``
+made a float32 tensor, and no torch tensor among ``params``, each refused by name where it
+cannot be one.
 
     check_numbers(tol, atol, max_iter)
+    refuse_foreign(params)                      # TypeError naming params[1] if a torch tensor
     x0 = host_start(np.zeros(3), device)        # a float32 tensor on device
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import foreign
 from .creation import tensor as make_tensor
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -65,3 +68,29 @@ def host_start(x0: Any, device: Any) -> Any:
             f"float32 ({FLOAT32_MAX:.8g}); it would become inf"
         )
     return make_tensor(wide.astype(np.float32), device=device)  # a number: 0-d, as np.asarray
+
+
+def refuse_foreign(params: tuple) -> None:
+    """A torch tensor among ``params`` (in dicts, lists and tuples too) is a TypeError naming
+    it: the solve iterates pydiff calls, and ``f`` called with torch data returns torch
+    tensors (before: "f returned a Tensor; it must return a pydiff Tensor", naming neither
+    the parameter nor the way out)."""
+
+    def walk(value: Any, label: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{label}[{k!r}]")
+        elif type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                walk(v, f"{label}[{i}]")
+        elif foreign.framework(value):
+            name = foreign.framework(value)
+            raise TypeError(
+                f"fixed_point: {label} is a {name} tensor; the solve runs on pydiff tensors. "
+                f"For {name} gradients wrap the solve in pydiff.torch_function "
+                "(pydiff.torch_function(lambda a, b: pydiff.fixed_point(f, x0, a, b))(a, b)); "
+                f"for its values only, pass pydiff.from_torch(t)"
+            )
+
+    for i, value in enumerate(params):
+        walk(value, f"params[{i}]")

@@ -14,7 +14,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .forward_program import float_primal, prepare, refuse_inside_tape, traced
+from . import foreign
+
+from .forward_program import float_primal, held_primal, prepare, refuse_inside_tape, traced
 from .grad_transforms import argnum_tuple, as_data
 from .module import OverloadedFunction, ShaderFunction
 from .tensor import Tensor
@@ -51,7 +53,9 @@ def _inputs(args: tuple, nums: tuple, what: str) -> tuple[list, list]:
     """The arguments (those differentiated as float tensors, the rest as data) and the
     differentiated ones' shapes."""
     xs = [
-        float_primal(x, what, i) if i in nums else as_data(x, f"{what}: argument {i}")
+        float_primal(x, what, i)
+        if i in nums
+        else as_data(held_primal(x, what, i), f"{what}: argument {i}")
         for i, x in enumerate(args)
     ]
     return xs, [xs[i].expected_numpy_shape() for i in nums]
@@ -127,7 +131,8 @@ def jacrev(
         refuse_inside_tape("jacrev")
         nums = argnum_tuple(argnums, len(args), "jacrev")
         xs, shapes = _inputs(args, nums, "jacrev")
-        out = call(*xs)
+        with foreign.data_calls():  # off a tape: torch data in fn still gives pydiff results
+            out = call(*xs)
         many, outs = isinstance(out, tuple), _outputs(out, "jacrev")
         out_shapes = [o.expected_numpy_shape() for o in outs]
         sizes = [int(np.prod(s)) for s in out_shapes]

@@ -24,7 +24,7 @@ from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import seed_values, tensor_seed
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
-from .unrecorded import check_versions, not_recorded
+from .unrecorded import check_versions, copied_from, not_recorded
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -187,9 +187,9 @@ class Tape:
                     "chain the backwards yourself (other_tape.backward(t, grad=t.grad) after "
                     "this one; Tape(reads_other_tapes=True) says so and does not warn)"
                 )
-            if producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+            if (copied := copied_from(t)) is not None:  # (also through unrecorded calls)
                 raise RuntimeError(
-                    f"{label}: {desc} holds values {COPY_FROM_GRAPH}, so no gradient would "
+                    f"{label}: {desc} holds {copied}, so no gradient would "
                     "reach what they were copied from: use src.clone() (recorded) or copy from "
                     "src.detach() to mean a constant"
                 )

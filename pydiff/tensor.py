@@ -261,10 +261,8 @@ class Tensor(GradBuffers, TensorOperators):
         return forward_trace.replaced(self)  # under pydiff.jvp: a tangent no more
 
     def copy_(self, src: "Tensor") -> "Tensor":
-        """Copy ``src``'s values (same shape and dtype) into this tensor on the device.
-
-        >>> before.copy_(x)
-        """
+        """Copy ``src``'s values (same shape and dtype) into this tensor on the device:
+        ``before.copy_(x)``. Values with a gradient path (or copied from such) are marked."""
         if not isinstance(src, Tensor) or (self.shape, self.dtype) != (src.shape, src.dtype):
             raise copy_refusal(self, src)
         if not (src.native.is_contiguous() and self._native.is_contiguous()):
@@ -283,8 +281,9 @@ class Tensor(GradBuffers, TensorOperators):
                 src.native.element_count * stride,
             )
             native.submit_command_buffer(encoder.finish())
+        graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
         self.storage.holds_result_of = src.storage.holds_result_of
-        self.storage.wrote(COPY_FROM_GRAPH if src.requires_grad else "a device copy", True)
+        self.storage.wrote(COPY_FROM_GRAPH if graph else "a device copy", True)
         return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent
 
     @property

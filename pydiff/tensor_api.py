@@ -22,7 +22,7 @@ from . import capturing, numpy_functions, ops, tensor_methods
 from .creation import empty, ones, tensor as make_tensor
 from .function import Function
 from .lost_derivative import refuse_lost_copy
-from .storage import UPLOAD_NUMPY, dtype_name, element_shape
+from .storage import COPY_FROM_GRAPH, UPLOAD_NUMPY, dtype_name, element_shape
 from .tape import active_tape
 from .tensor import Tensor
 
@@ -269,6 +269,9 @@ def clone(x: Tensor) -> Tensor:
     """``x.clone()``: recorded where a tape records and ``x`` requires grad."""
     if x.requires_grad and active_tape() is not None:
         return _Clone.apply(x)
+    if active_tape() is not None and x.storage.last_writer == COPY_FROM_GRAPH:
+        # values copy_ took from a gradient path (before, the copy was a constant: a silent 0)
+        return empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)  # still marked
     return x.copy_values()
 
 

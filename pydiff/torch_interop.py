@@ -19,12 +19,13 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import foreign
+from . import foreign, forward_trace
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .errors import OpDtypeError
 from .grad_transforms import on_tape
 from .host_values import to_float32
+from .lost_derivative import refuse_lost_copy
 from .tape import Tape, active_tape
 from .tensor import Tensor
 from .torch_passes import accumulates_leaves, pass_without_leaves, torch_pass
@@ -139,10 +140,20 @@ def to_torch(x: Tensor) -> Any:
 
     >>> t = pydiff.to_torch(pydiff.tensor([1.0, 2.0]))      # tensor([1., 2.])
     >>> g = pydiff.to_torch(x.grad)
+
+    Refused (``TypeError``) where the copy would lose a derivative without a word, as the
+    DLPack export is: ``x`` requires a gradient while a pydiff tape records, or has a tangent
+    under ``pydiff.jvp`` (before, ``grad`` of ``from_torch(to_torch(x) * 2)`` was 0).
     """
-    torch = torch_module()
     if not isinstance(x, Tensor):
         raise TypeError(f"to_torch: x must be a pydiff.Tensor, not {type(x).__name__}")
+    refuse_lost_copy(x, "pydiff.to_torch")
+    return _torch_of(x)
+
+
+def _torch_of(x: Tensor) -> Any:
+    """``to_torch`` without the refusal: pydiff's own hand-over of results and gradients."""
+    torch = torch_module()
     if x.scalar_type not in TO_TORCH:
         raise TypeError(
             f"to_torch: a tensor of dtype {x.dtype!r} has no torch dtype (accepted scalar types: "
@@ -223,14 +234,14 @@ def _describe(fn: Any, k: int) -> str:
     return f"argument {k}"
 
 
-def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
+def _convert_arg(value: Any, where: str, nested: str = "") -> Any:
     """A torch tensor argument as a pydiff tensor (int64 narrowed where it fits: torch's
     labels), and torch tensors inside lists, tuples and dicts (they cannot need gradients)."""
     if is_torch_tensor(value):
         if nested and value.requires_grad:
             raise ValueError(
-                f"{where} holds a torch tensor that requires grad inside a "
-                f"{type(value).__name__}: torch autograd reaches direct positional arguments "
+                f"{where} holds a torch tensor that requires grad inside a {nested}: torch "
+                "autograd reaches direct positional arguments "
                 "only; pass it as one"
             )
         name = str(value.dtype).removeprefix("torch.")
@@ -246,9 +257,9 @@ def _convert_arg(value: Any, where: str, nested: bool = False) -> Any:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
     if isinstance(value, (list, tuple)):
-        return type(value)(_convert_arg(v, where, True) for v in value)
+        return type(value)(_convert_arg(v, where, type(value).__name__) for v in value)
     if isinstance(value, dict):
-        return {k: _convert_arg(v, where, True) for k, v in value.items()}
+        return {k: _convert_arg(v, where, "dict") for k, v in value.items()}
     return value
 
 
@@ -345,7 +356,7 @@ def _bridge() -> Any:
 def _handed(x: Tensor, where: Any) -> Any:
     """``x`` as a torch tensor of its own (a copy: torch autograd may keep it as a ``.grad``
     that pydiff's buffer must not alias), on the torch device ``where`` when given."""
-    t = to_torch(x)
+    t = _torch_of(x)
     t = t.clone() if t.is_cuda else t
     return t if where is None or t.device == where else t.to(where)
 
@@ -362,8 +373,10 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     """A call of ``fn`` with torch tensors among its arguments: through torch autograd
     (``torch_function``); on an active pydiff tape (a ``pydiff.Tape``, ``pydiff.grad``...),
     torch tensors without gradients as data of an ordinary pydiff call recorded there, and
-    those that require grad refused (torch autograd cannot reach through a pydiff tape)."""
-    if active_tape() is None:
+    those that require grad refused (torch autograd cannot reach through a pydiff tape). The
+    same inside ``pydiff.jvp``'s trace and a transform's ``foreign.data_calls`` block, whose
+    results must be pydiff tensors (before, torch ones, refused with misleading messages)."""
+    if active_tape() is None and forward_trace.active() is None and not foreign.taking_data():
         return torch_function(fn)(*args, **kwargs)
     label = getattr(fn, "__name__", None) or repr(fn)
     places = [(_describe(fn, k), a) for k, a in enumerate(args)]
@@ -372,8 +385,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
         if _needs_torch_grad(value):
             raise TypeError(
                 f"{label}: {where} is a torch tensor that requires grad, in a call recorded on a "
-                "pydiff tape (pydiff.Tape, pydiff.grad, value_and_grad, vjp): torch autograd "
-                "cannot see pydiff's tape, so its gradient would be lost. Either convert it "
+                "pydiff tape or transform (pydiff.Tape, pydiff.grad, value_and_grad, vjp, jvp, "
+                "jacfwd, jacrev, hvp, gradcheck, fixed_point): torch autograd cannot see "
+                "pydiff's tape, so its gradient would be lost. Either convert it "
                 "with pydiff.from_torch(t, requires_grad=True) and differentiate it on the "
                 "pydiff tape, or run the pydiff code outside any pydiff tape through "
                 "pydiff.torch_function(fn) (torch autograd)"

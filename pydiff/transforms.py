@@ -22,7 +22,8 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import hessian_by_columns, holds_integers, refuse_copied
+from .forward_program import hessian_by_columns, holds_integers
+from .unrecorded import refuse_copied
 from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy

@@ -29,14 +29,57 @@ MADE_OFF_TAPE: dict[int, tuple] = {}
 UNRECORDED_ON_TAPE: dict[int, tuple] = {}
 
 
-def note_unrecorded(tensors: Any, label: str) -> None:
-    """Remember that ``label`` wrote ``tensors`` on a tape that did not record it.
+# Tensors an unrecorded call (above) wrote from values copy_ took from a gradient path, or
+# from such tensors in turn: constants to the tape that should have carried a gradient.
+# {id: (weakref, label, storage version then)}.
+FROM_COPIED: dict[int, tuple] = {}
 
-    >>> note_unrecorded([y], "m.f")     # in forward_call, a call with no gradient to give
+
+def note_unrecorded(tensors: Any, label: str, reads: Any = ()) -> None:
+    """Remember that ``label`` wrote ``tensors`` on a tape that did not record it; where it
+    read (``reads``: tensors) values ``copy_`` took from a gradient path (``copied_from``),
+    its results hold such values too.
+
+    >>> note_unrecorded([y], "m.f", [x])   # in forward_call, a call with no gradient to give
     """
+    copied = next((c for c in map(copied_from, reads) if c is not None), None)
     for t in tensors:
         gone = lambda _, i=id(t): UNRECORDED_ON_TAPE.pop(i, None)  # noqa: E731
         UNRECORDED_ON_TAPE[id(t)] = (weakref.ref(t, gone), label, t.storage.version)
+        if copied is not None:
+            drop = lambda _, i=id(t): FROM_COPIED.pop(i, None)  # noqa: E731
+            FROM_COPIED[id(t)] = (weakref.ref(t, drop), f"{label} of {copied}", t.storage.version)
+
+
+def copied_from(t: Tensor) -> str | None:
+    """What ``t`` holds when it holds values ``copy_`` took from a tensor with a gradient
+    path, directly or through calls no tape recorded (its constants), so that no gradient
+    reaches the source; None otherwise. A backward or transform reaching such values would
+    give the source a silent 0 (``grad`` of ``y.copy_(x); (y * y).sum()`` was 0).
+
+    >>> copied_from(y)     # 'values copy_ of values with a gradient path (...)'
+    """
+    if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+        return f"values {COPY_FROM_GRAPH}"
+    found = _still_holding(FROM_COPIED, t)
+    if found is None and t.base is not None:
+        found = _still_holding(FROM_COPIED, t.base)  # a reshape view of such a result
+    return None if found is None else f"the result of {found}"
+
+
+def refuse_copied(out: Tensor, what: str) -> None:
+    """A RuntimeError for an output that no recorded call wrote since ``copy_`` brought in
+    values with a gradient path (or computed from such by calls no tape recorded: their
+    constants): no tape records ``copy_``, so its gradient would be 0."""
+    if out.producer is None and (
+        out.storage.replaced[1] == COPY_FROM_GRAPH or copied_from(out) is not None
+    ):
+        raise RuntimeError(
+            f"{what}: fn's output holds values copied in by copy_ from values with a gradient "
+            "path (or computed from such); no tape records copy_, so the gradient through it "
+            "would be a silent 0. Return the value itself (or a pydiff call of it), or "
+            "src.clone() (recorded) instead of copy_"
+        )
 
 
 def _still_holding(registry: dict, t: Tensor | None) -> str | None:
