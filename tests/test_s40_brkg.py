@@ -318,3 +318,273 @@ def test_large_call_refused_then_exact(device, mod, policy):
     base_x, base_w = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
     np.testing.assert_allclose(x.grad.numpy(), base_x + 2 * b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), base_w + 2 * a, rtol=1e-5)
+
+
+MORE = """import slangpy;
+[Differentiable] void scale(inout float a, float b) { a = a * b; }
+[Differentiable] void race(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ y[0] = x[idx]; }
+"""
+
+
+@pytest.fixture
+def more(device):
+    return pydiff.load_module_from_source(f"s40_brkg_more_{next(_names)}", MORE, device=device)
+
+
+def test_inout_refused_under_reset_then_exact(device, more):
+    """scale(inout a, b): a' = a b. x.grad holds the upstream 2; refused with a bad b, then
+    good: x.grad = 2 b (dL/d a before), w.grad = 2 a (RESET: from zero)."""
+    x, w = _t(device, A, 2.0), _t(device, B, 9.0)
+    before = _state(x, w)
+    with pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError):
+            more.scale.bwds(x, _bad(device))
+        _same(before, x, w)
+        more.scale.bwds(x, w)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * B, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 2 * A, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_counted_race_refused_under_policy(device, more, policy):
+    import slangpy as spy
+
+    x = _t(device, A, 7.0)
+    y = _t(device, np.zeros(N), 1.0)
+    before = _state(x, y)
+    with pydiff.zero_policy(policy):
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                more.race.bwds(spy.grid((N,)), x, y)
+            _same(before, x, y)
+
+
+def test_deterministic_broadcast_refused_under_reset(device, mod):
+    """x of shape (1,) broadcast in deterministic mode (summed apart): refused, then good."""
+    x, w, y = _t(device, [1.5], 7.0), _t(device, B, 9.0), _up(device)
+    before = _state(x, w, y)
+    with pydiff.deterministic(), pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError):
+            mod.tri.bwds(x, w, _bad(device), _result=y)
+        _same(before, x, w, y)
+        mod.tri.bwds(x, w, 2.0, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), [2 * B.sum()], rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), np.full(N, 3.0), rtol=1e-6)
+
+
+def test_replay_refused_for_policy_then_exact(device, mod):
+    """A tape step captured under RESET, replayed under ACCUMULATE: refused, nothing ran;
+    under RESET again: d(x^3)/dx = 3x^2 from zero."""
+    xs = np.linspace(0.5, 1.5, 16)
+    x = _t(device, xs, 0.0)
+
+    def step():
+        with pydiff.Tape() as tape:
+            y = mod.cube(x, _result="tensor")
+        tape.backward(y, grad=np.ones(16, np.float32), retain_graph=False)
+
+    with pydiff.zero_policy("reset"):
+        step()
+        captured = pydiff.capture(step)
+    x.grad.copy_from_numpy(np.full(16, 5.0, np.float32))
+    before = _state(x)
+    with pytest.raises(pydiff.CaptureError):
+        captured.replay()
+    _same(before, x)
+    with pydiff.zero_policy("reset"):
+        captured.replay()
+    np.testing.assert_allclose(x.grad.numpy(), 3 * xs**2, rtol=1e-6)
+
+
+RACE_VEC = """import slangpy;
+[Differentiable] void race_v(float v, IWDiffTensor<float, 1> y) { y[0] = v; }
+"""
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_counted_vectorised_race_refused(device, policy):
+    """No grid (RESET's zeroing held back and the stores counted): every thread stores y[0],
+    refused after the kernel; v's gradient and y's upstream as they were."""
+    m = pydiff.load_module_from_source(f"s40_brkg_rv_{next(_names)}", RACE_VEC, device=device)
+    v = _t(device, A, 7.0)
+    y = _t(device, np.zeros(N), 1.0)
+    before = _state(v, y)
+    with pydiff.zero_policy(policy):
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                m.race_v.bwds(v, y)
+            _same(before, v, y)
+
+
+class _StrGrad(pydiff.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        return pydiff.tensor(a.numpy() * b.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        return np.ones(N, np.float32), np.array(["x"] * N)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_function_gradient_that_cannot_be_added(device, policy):
+    """Input 1's gradient has the right shape but strings: input 0's must not be added."""
+    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    before = _state(x, w)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            y = _StrGrad.apply(x, w)
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            tape.backward(y, grad=np.ones(N, np.float32))
+    _same(before, x, w)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate", "strict"])
+def test_tape_bad_seed_changes_nothing(device, mod, policy):
+    x = _t(device, A, 7.0)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            y = mod.cube(x, _result="tensor")
+        before = _state(x)
+        with pytest.raises((ValueError, TypeError)):
+            tape.backward(y, grad=np.ones(N + 1, np.float32))
+        _same(before, x)
+        if policy == "strict":
+            x.grad.copy_from_numpy(np.full(N, 7.0, np.float32))
+        tape.backward(y, grad=np.ones(N, np.float32))
+    base = 0.0 if policy == "reset" else 7.0
+    np.testing.assert_allclose(x.grad.numpy(), base + 3 * A**2, rtol=1e-6)
+
+
+def test_strict_after_refused_tape_backward(device, mod):
+    """A good backward marks x.grad; zero_grad clears the mark; a refused backward (a
+    Function refusing) must not leave a mark: the next STRICT backward runs."""
+    _FailsOnce.fail = True
+    x = _t(device, A, 0.0)
+    with pydiff.zero_policy("strict"):
+        with pydiff.Tape() as tape:
+            h = _FailsOnce.apply(x)
+            y = mod.prod2(x, h, _result="tensor")
+        with pytest.raises(ValueError, match="refused once"):
+            tape.backward(y, grad=np.ones(N, np.float32), retain_graph=True)
+        assert x.grad.storage.holds_result_of is None
+        tape.backward(y, grad=np.ones(N, np.float32), retain_graph=True)
+        np.testing.assert_allclose(x.grad.numpy(), 4 * A, rtol=1e-6)
+        with pytest.raises(pydiff.StaleGradientError):
+            tape.backward(y, grad=np.ones(N, np.float32), retain_graph=True)
+    np.testing.assert_allclose(x.grad.numpy(), 4 * A, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_refused_without_retain_graph_then_retry(device, mod, policy):
+    """retain_graph=False and the backward refused: the recording must be kept for a retry
+    (or the retry refused loudly), never a silent wrong gradient."""
+    _FailsOnce.fail = True
+    x = _t(device, A, 7.0)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            h = _FailsOnce.apply(x)
+            y = mod.prod2(x, h, _result="tensor")
+        with pytest.raises(ValueError, match="refused once"):
+            tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
+        try:
+            tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
+        except RuntimeError:
+            np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
+            return
+    base = 0.0 if policy == "reset" else 7.0
+    np.testing.assert_allclose(x.grad.numpy(), base + 4 * A, rtol=1e-6)
+
+
+def test_shared_grads_refused_then_reset_once(device, mod):
+    """u shares x's gradient buffers: tri(x, u, bad) refused; tri(x, u, w) under RESET adds
+    both parameters' gradients into the one buffer from zero: u w + x w."""
+    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    u = pydiff.tensor(np.float32(3 * A), device=device)
+    u.share_grads(x)
+    before = _state(x, w, y)
+    with pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError):
+            mod.tri.bwds(x, u, _bad(device), _result=y)
+        _same(before, x, w, y)
+        mod.tri.bwds(x, u, w, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), 3 * A * B + A * B, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 3 * A * A, rtol=1e-6)
+
+
+def test_mixed_own_policies_strict_refuses_first(device, mod):
+    """x RESET (its own), w STRICT (its own) holding a result: refused before x is zeroed."""
+    x, w, y = _t(device, A, 0.0), _t(device, B, 0.0), _up(device)
+    mod.prod2.bwds(x, w, _result=y)  # marks both
+    x.zero_policy, w.zero_policy = "reset", "strict"
+    before = _state(x, w, y)
+    for _ in range(2):
+        with pytest.raises(pydiff.StaleGradientError):
+            mod.prod2.bwds(x, w, _result=y)
+        _same(before, x, w, y)
+    w.zero_grad()
+    mod.prod2.bwds(x, w, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), B, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), A, rtol=1e-6)
+
+
+def test_pending_forward_runs_despite_refused_call(device, mod):
+    """Planned forward calls (deferred) then a refused RESET .bwds: the forwards still run,
+    in order, and the next good .bwds reads their results."""
+    x, y = _t(device, A, 7.0), _up(device)
+    out = pydiff.zeros((N,), device=device)
+    for _ in range(3):  # (the layout's plan: deferred from the second call)
+        mod.cube(x, _result=out)
+    x.copy_from_numpy(np.float32(2 * A))
+    mod.cube(x, _result=out)
+    with pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError):
+            mod.prod2.bwds(x, _bad(device), _result=y)
+        np.testing.assert_allclose(out.numpy(), 8 * A**3, rtol=1e-6)
+        mod.cube.bwds(x, _result=y)
+    np.testing.assert_allclose(x.grad.numpy(), 12 * A**2, rtol=1e-6)
+
+
+class _CallsBwds(pydiff.Function):
+    """backward adds d(a^3)/da through a shader .bwds into ctx.grad_target(0); mode 'bad'
+    passes an argument SlangPy refuses."""
+
+    mod = None
+    bad = None
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return pydiff.tensor(a.numpy() ** 3, device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        target = ctx.grad_target(0)
+        arg = a.detach().with_grads(grad_in=target, grad_out=target)
+        up = pydiff.zeros(g.shape, device=g.device).with_grads(grad_in=g, grad_out=g)
+        if _CallsBwds.bad is not None:
+            _CallsBwds.mod.prod2.bwds(arg, _CallsBwds.bad, _result=up)
+        else:
+            _CallsBwds.mod.cube.bwds(arg, _result=up)
+        return None
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_function_backward_with_refused_bwds(device, mod, policy):
+    _CallsBwds.mod, _CallsBwds.bad = mod, _bad(device)
+    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            h = _CallsBwds.apply(x)
+            y = mod.prod2(w, h, _result="tensor")
+        before = _state(x, w)
+        with pytest.raises(ValueError):
+            tape.backward(y, grad=np.ones(N, np.float32), retain_graph=True)
+        _same(before, x, w)
+        _CallsBwds.bad = None
+        tape.backward(y, grad=np.ones(N, np.float32), retain_graph=True)
+    base_x, base_w = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
+    np.testing.assert_allclose(w.grad.numpy(), base_w + A**3, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), base_x + 3 * A**2 * B, rtol=1e-6)
