@@ -588,3 +588,36 @@ def test_function_backward_with_refused_bwds(device, mod, policy):
     base_x, base_w = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
     np.testing.assert_allclose(w.grad.numpy(), base_w + A**3, rtol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), base_x + 3 * A**2 * B, rtol=1e-6)
+
+
+INPLACE = """
+[Differentiable] void scale(inout float a, float b) { a = a * b; }
+[Differentiable] float prod2(float a, float b) { return a * b; }
+"""
+
+
+def test_overwritten_leaves_all_checked_before_reset(device):
+    """Two leaves a tape's calls overwrite: x1 under RESET, x2 STRICT holding a result. The
+    backward refuses x2: x1's gradient must not have been zeroed (it was, before the fix:
+    the leaves were checked and reset one by one). After x2.zero_grad(): x1' = x1 w,
+    x2' = x2 w, y = x1' x2': dx1 = x2 w^2, dx2 = x1 w^2, dw = 2 x1 x2 w."""
+    m = pydiff.load_module_from_source(f"s40_brkg_ip_{next(_names)}", INPLACE, device=device)
+    m.scale.bwds(_t(device, A, 1.0), _t(device, A, 0.0))  # (both backwards ran: no keeper)
+    m.prod2.bwds(_t(device, A, 0.0), _t(device, A, 0.0), _result=_up(device))
+    x1, x2, w = _t(device, A, 7.0), _t(device, B, 0.0), _t(device, A, 9.0)
+    m.prod2.bwds(x2, 2.0, _result=_up(device))  # x2.grad holds a result: 2
+    x2.zero_policy = "strict"
+    with pydiff.zero_policy("reset"):
+        with pydiff.Tape() as tape:
+            m.scale(x1, w)
+            m.scale(x2, w)
+            y = m.prod2(x1, x2, _result="tensor")
+        before = _state(x1, x2, w)
+        with pytest.raises(pydiff.StaleGradientError, match="overwritten"):
+            tape.backward(y, grad=np.ones(N, np.float32))
+        _same(before, x1, x2, w)
+        x2.zero_grad()
+        tape.backward(y, grad=np.ones(N, np.float32))
+    np.testing.assert_allclose(x1.grad.numpy(), B * A**2, rtol=1e-6)
+    np.testing.assert_allclose(x2.grad.numpy(), A * A**2, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 2 * A * B * A, rtol=1e-6)
