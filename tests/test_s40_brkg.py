@@ -621,3 +621,101 @@ def test_overwritten_leaves_all_checked_before_reset(device):
     np.testing.assert_allclose(x1.grad.numpy(), B * A**2, rtol=1e-6)
     np.testing.assert_allclose(x2.grad.numpy(), A * A**2, rtol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), 2 * A * B * A, rtol=1e-6)
+
+
+class _Prod(pydiff.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return pydiff.tensor(a.numpy() * b.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.numpy()
+        return g * b.numpy(), g * a.numpy()
+
+
+def test_function_inputs_reset_then_strict_refused(device, mod):
+    """A Function's inputs: x RESET (global), w STRICT (its own) holding a result: refused,
+    x's gradient as it was; after w.zero_grad(): d(ab)/da = b, d/db = a."""
+    x, w = _t(device, A, 7.0), _t(device, B, 0.0)
+    mod.prod2.bwds(w, 2.0, _result=_up(device))
+    w.zero_policy = "strict"
+    with pydiff.zero_policy("reset"):
+        with pydiff.Tape() as tape:
+            y = _Prod.apply(x, w)
+        before = _state(x, w)
+        with pytest.raises(pydiff.StaleGradientError):
+            tape.backward(y, grad=np.ones(N, np.float32))
+        _same(before, x, w)
+        w.zero_grad()
+        tape.backward(y, grad=np.ones(N, np.float32))
+    np.testing.assert_allclose(x.grad.numpy(), B, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), A, rtol=1e-6)
+
+
+class _AlwaysRaises(pydiff.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return pydiff.tensor(2 * a.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("this backward refuses")
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_threads_tape_backwards_one_refused(device, mod, policy):
+    """Two threads' tape backwards at once: one always refused (its gradients as they were),
+    the other exact each time: y = x * x (through prod2) and a Function-free path."""
+    xa, xb = _t(device, A, 7.0), _t(device, B, 3.0)
+    before = _state(xa)
+    errors, got = [], []
+    barrier = threading.Barrier(2)
+
+    def refused():
+        barrier.wait()
+        for _ in range(15):
+            with pydiff.zero_policy(policy):
+                with pydiff.Tape() as tape:
+                    h = _AlwaysRaises.apply(xa)
+                    y = mod.prod2(xa, h, _result="tensor")
+                try:
+                    tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
+                except ValueError:
+                    continue
+            errors.append("not refused")
+
+    def good():
+        barrier.wait()
+        for _ in range(15):
+            with pydiff.zero_policy("reset"):
+                with pydiff.Tape() as tape:
+                    y = mod.prod2(xb, xb, _result="tensor")
+                tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
+            got.append(xb.grad.numpy().copy())
+
+    th = [threading.Thread(target=refused), threading.Thread(target=good)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(300)
+    assert not errors and len(got) == 15
+    _same(before, xa)
+    for g in got:
+        np.testing.assert_allclose(g, 2 * B, rtol=1e-6)
+
+
+def test_tape_after_refused_eager_call_is_exact(device, mod):
+    """A refused eager .bwds between a tape's forward and its backward changes no version
+    the tape checks: the backward runs, exact."""
+    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    with pydiff.Tape() as tape:
+        y = mod.tri(x, w, 2.0, _result="tensor")
+    with pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError):
+            mod.tri.bwds(x, w, _bad(device), _result=_up(device))
+        tape.backward(y, grad=np.ones(N, np.float32))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * B, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 2 * A, rtol=1e-6)
