@@ -719,3 +719,33 @@ def test_tape_after_refused_eager_call_is_exact(device, mod):
         tape.backward(y, grad=np.ones(N, np.float32))
     np.testing.assert_allclose(x.grad.numpy(), 2 * B, rtol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), 2 * A, rtol=1e-6)
+
+
+def test_many_refused_backwards_hold_no_memory(device, mod, more):
+    """Refused tape backwards (their gradient copies) and refused counted calls, in loops:
+    the buffer pool and the live objects stay flat."""
+    import slangpy as spy
+
+    x = _t(device, A, 7.0)
+    v, yv = _t(device, A, 3.0), _t(device, np.zeros(N), 1.0)
+    before = _state(x, v, yv)
+
+    def refuse(k):
+        for _ in range(k):
+            with pydiff.zero_policy("reset"):
+                with pydiff.Tape() as tape:
+                    h = _AlwaysRaises.apply(x)
+                    y = mod.prod2(x, h, _result="tensor")
+                with pytest.raises(ValueError):
+                    tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
+                with pytest.raises(ValueError):
+                    more.race.bwds(spy.grid((N,)), v, yv)
+
+    sizes = []
+    for _ in range(6):
+        refuse(25)
+        gc.collect()
+        sizes.append((device.pool.bytes, len(gc.get_objects())))
+    assert sizes[-1][0] <= sizes[2][0]  # (the pool warms up: cycles freed by the collector)
+    assert sizes[-1][1] - sizes[2][1] < 300
+    _same(before, x, v, yv)
