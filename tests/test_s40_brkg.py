@@ -749,3 +749,30 @@ def test_many_refused_backwards_hold_no_memory(device, mod, more):
     assert sizes[-1][0] <= sizes[2][0]  # (the pool warms up: cycles freed by the collector)
     assert sizes[-1][1] - sizes[2][1] < 300
     _same(before, x, v, yv)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_fixed_point_adjoint_refused_then_exact(device, policy):
+    """y = x* b with x* = a x* - 1 (a = 2: found at once from 1, the adjoint diverges):
+    b's gradient (added before the adjoint solve) and a's as they were. Then a = 0.5,
+    x* = a x* + 1 = 2: dy/da = b / (1 - a)^2 = 4 b, dy/db = 2."""
+    a = pydiff.tensor(np.float32([2.0]), device=device, requires_grad=True)
+    b = pydiff.tensor(np.float32([3.0]), device=device, requires_grad=True)
+    a.grad.copy_from_numpy(np.float32([7.0]))
+    b.grad.copy_from_numpy(np.float32([9.0]))
+    before = _state(a, b)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            x = pydiff.fixed_point(lambda x, a: a * x - 1.0, np.ones(1), a)
+            y = x * b
+        with pytest.raises(pydiff.ConvergenceError):
+            tape.backward(y)
+        _same(before, a, b)
+        a.copy_from_numpy(np.float32([0.5]))
+        with pydiff.Tape() as tape:
+            x = pydiff.fixed_point(lambda x, a: a * x + 1.0, np.zeros(1), a)
+            y = x * b
+        tape.backward(y)
+    base_a, base_b = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
+    np.testing.assert_allclose(a.grad.numpy(), [base_a + 12.0], rtol=1e-4)
+    np.testing.assert_allclose(b.grad.numpy(), [base_b + 2.0], rtol=1e-4)
