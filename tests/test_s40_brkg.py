@@ -776,3 +776,63 @@ def test_fixed_point_adjoint_refused_then_exact(device, policy):
     base_a, base_b = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
     np.testing.assert_allclose(a.grad.numpy(), [base_a + 12.0], rtol=1e-4)
     np.testing.assert_allclose(b.grad.numpy(), [base_b + 2.0], rtol=1e-4)
+
+
+FIXED = """import pydiff;
+[Differentiable] float gather_first(FwdDiffTensor<1> w, float x) { return w.load({0}) * x; }
+[Differentiable] float prod2(float a, float b) { return a * b; }
+"""
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_fixed_point_overflow_refused_leaves_gradients(device, policy):
+    """gather_first(w, x) = w[0] x: x of 3e9 puts w's fixed-point sum out of range, refused
+    (GradientOverflowError) after the kernels ran: x's gradient (added, or RESET zeroed and
+    added, before the fix) and w's as they were, unmarked. Then x of 1, 2: dw = 3, dx = w."""
+    m = pydiff.load_module_from_source(f"s40_brkg_fx_{next(_names)}", FIXED, device=device)
+    w = _t(device, [1.5], 7.0)
+    x = pydiff.tensor(np.float32([3e9, 3e9]), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.float32([9.0, 9.0]))
+    y = pydiff.zeros((2,), device=device).with_grads(ones=True)
+    before = _state(w, x, y)
+    with pydiff.zero_policy(policy):
+        for _ in range(3):  # (later calls: a plan for the layout, if any)
+            with pytest.raises(pydiff.GradientOverflowError):
+                m.gather_first.bwds(w, x, _result=y)
+            _same(before, w, x, y)
+            assert x.grad.storage.holds_result_of is None
+        x.copy_from_numpy(np.float32([1.0, 2.0]))
+        m.gather_first.bwds(w, x, _result=y)
+    base_w, base_x = (0.0, 0.0) if policy == "reset" else (7.0, 9.0)
+    np.testing.assert_allclose(w.grad.numpy(), [base_w + 3.0], rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), [base_x + 1.5] * 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate"])
+def test_fixed_point_overflow_in_tape_backward_leaves_gradients(device, policy):
+    """z = prod2(gather_first(w, x), v): the backward adds v's gradient, then w's fixed-point
+    sum overflows: every gradient put back. Then small x: dz/dw = sum x v, dz/dv = w x."""
+    m = pydiff.load_module_from_source(f"s40_brkg_fxt_{next(_names)}", FIXED, device=device)
+    w = _t(device, [1.5], 7.0)
+    x = pydiff.tensor(np.float32([3e9, 3e9]), device=device, requires_grad=True)
+    v = pydiff.tensor(np.float32([1.0, 1.0]), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.float32([9.0, 9.0]))
+    v.grad.copy_from_numpy(np.float32([5.0, 5.0]))
+    m.gather_first.bwds(w.detach(), pydiff.tensor(np.float32([1, 1]), device=device), _result=1.0)
+    w.grad.copy_from_numpy(np.float32([7.0]))
+    before = _state(w, x, v)
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            z = m.prod2(m.gather_first(w, x, _result="tensor"), v, _result="tensor")
+        with pytest.raises(pydiff.GradientOverflowError):
+            tape.backward(z, grad=np.ones(2, np.float32))
+        _same(before, w, x, v)
+        x.copy_from_numpy(np.float32([1.0, 2.0]))
+        v.copy_from_numpy(np.float32([3.0, 4.0]))
+        with pydiff.Tape() as tape:
+            z = m.prod2(m.gather_first(w, x, _result="tensor"), v, _result="tensor")
+        tape.backward(z, grad=np.ones(2, np.float32))
+    base = (0.0, 0.0, 0.0) if policy == "reset" else (7.0, 9.0, 5.0)
+    np.testing.assert_allclose(w.grad.numpy(), [base[0] + 11.0], rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), base[1] + 1.5 * np.array([3.0, 4.0]), rtol=1e-6)
+    np.testing.assert_allclose(v.grad.numpy(), base[2] + 1.5 * np.array([1.0, 2.0]), rtol=1e-6)
