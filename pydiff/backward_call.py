@@ -18,7 +18,7 @@ import slangpy as spy
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
 from . import capturing
-from .grad_restore import GradSnapshot, may_count, resets
+from .grad_restore import GradSnapshot, may_count, may_overflow, resets
 from .arguments import (
     MISSING,
     PLAIN,
@@ -220,7 +220,8 @@ class _Backward:
         pass the upstream through the elements in-place calls did not write."""
         for name, mask in self.masks.items():
             mask.check_single_writes(self.scope, self.label, name, self.kept)
-        self.kept = None  # (its copies back to the pool)
+        if not self.fixed:
+            self.kept = None  # (its copies back to the pool; kept for the overflow checks)
         for mask, upstream, grad in self.passes:
             mask.pass_unwritten(self.scope, upstream, grad)
         written_mask.clear_overwritten(self.scope, self.device, self.cleared)
@@ -398,7 +399,7 @@ def backward_call(
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         b.stored_once = written_mask.stored_once(fn, bound)
-        if scope.keeper is None and may_count(bound, prior, b.stored_once):
+        if scope.keeper is None and (may_count(bound, prior, b.stored_once) or may_overflow(fn)):
             b.kept = GradSnapshot(scope, b.device)  # (else the enclosing backward keeps them)
         if deterministic:
             b.separate = shared_grads(bound)
@@ -431,4 +432,10 @@ def backward_call(
         if deterministic and b.untracked:
             warn_nondeterministic(fn, b.untracked)
         b.finish()
+        if b.kept is not None:  # (fixed-point sums: their check refuses one out of range)
+            try:
+                scope.run_checks()
+            except Exception:
+                b.kept.restore()
+                raise
     remember_bwds(fn, key, args, bound, result, prior, b)

@@ -174,14 +174,20 @@ class BackwardScope:
         self._seen.add(id(grad.storage))
         self._written.append(grad)
 
-    def finish(self) -> None:
+    def run_checks(self) -> None:
+        """Run the checks ``on_finish`` holds now rather than when the backward ends: a
+        caller keeping what the backward wrote (``grad_restore``) puts it back if one
+        refuses (a fixed-point gradient out of range)."""
         if self._on_finish:
             self.flush()  # the checks read results (else they join the deferred list)
-        for grad in self._written:
-            grad.storage.holds_result_of = self.label
         checks, self._on_finish = self._on_finish, []
         for check in checks:
             check()
+
+    def finish(self) -> None:
+        for grad in self._written:
+            grad.storage.holds_result_of = self.label
+        self.run_checks()
 
 
 class separate_backward:

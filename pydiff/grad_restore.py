@@ -154,8 +154,16 @@ def backward_ran(fn: Any) -> None:
 def may_refuse(fn: Any) -> bool:
     """Whether a tape's backward of a recorded call of ``fn`` may raise part-way: its
     ``.bwds`` never completed yet (Slang may refuse to build the backward kernel of a
-    ``[ForwardDifferentiable]``-only function: a TypeError, found only then)."""
-    return fn not in _RAN
+    ``[ForwardDifferentiable]``-only function: a TypeError, found only then), or it adds
+    fixed-point gradients (``may_overflow``)."""
+    return fn not in _RAN or may_overflow(fn)
+
+
+def may_overflow(fn: Any) -> bool:
+    """Whether ``fn.bwds`` adds a ``FwdDiffTensor``'s gradient through a fixed-point
+    accumulator, whose check (at the end of the backward) refuses a sum out of range after
+    every kernel of the backward ran: the gradients it wrote are kept first."""
+    return any(p.tensor_kind == "fwd" for p in fn.signature.params)
 
 
 class restoring:
@@ -196,6 +204,13 @@ class restoring:
         if self.keeper is None:
             return
         self.scope.keeper = None
-        if isinstance(exc, Exception):
-            self.keeper.restore()
-        self.keeper = None
+        try:
+            if exc is None:
+                self.scope.run_checks()  # (here, not at the scope's end: a refusal puts back)
+        except Exception:
+            exc = True
+            raise
+        finally:
+            if exc is True or isinstance(exc, Exception):
+                self.keeper.restore()
+            self.keeper = None

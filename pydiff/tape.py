@@ -391,11 +391,13 @@ class Tape:
         for desc, t, _ in (r for entry in entries for r in entry.reads):
             if t.requires_grad and id(t.storage) not in written:
                 scope.check_stale(t, t.grad_out, desc)
-        for key, t in self._leaves.items():
-            if key in written and t.requires_grad:
-                scope.before_accumulate(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")
-                scope.flush()
-                kept.append((t, t.grad.numpy()))
+        leaves = [t for key, t in self._leaves.items() if key in written and t.requires_grad]
+        for t in leaves:  # (all checked before RESET zeroes any: a refusal changes none)
+            scope.check_stale(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")
+        for t in leaves:
+            scope.before_accumulate(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")
+            scope.flush()
+            kept.append((t, t.grad.numpy()))
         return kept
 
     def zero(self) -> None:
