@@ -204,13 +204,13 @@ class restoring:
         if self.keeper is None:
             return
         self.scope.keeper = None
+        keeper, self.keeper = self.keeper, None
+        if exc is not None:
+            if isinstance(exc, Exception):
+                keeper.restore()
+            return
         try:
-            if exc is None:
-                self.scope.run_checks()  # (here, not at the scope's end: a refusal puts back)
+            self.scope.run_checks()  # (here, not at the scope's end: a refusal puts back)
         except Exception:
-            exc = True
+            keeper.restore()
             raise
-        finally:
-            if exc is True or isinstance(exc, Exception):
-                self.keeper.restore()
-            self.keeper = None
