@@ -37,20 +37,20 @@ def bind_all(
     and ``options``), the policy acting on each gradient buffer as it is bound; a refusal
     puts back every buffer it zeroed (RESET: ``b.kept``) before it raises."""
     scope = b.scope
-    defer = scope.device is None and scope.deferred is None
-    if defer and not any(is_grid(v) for _, v in bound):
-        scope.deferred = []
+    held = scope.device is None and scope.deferred is None
+    clears: list | None = [] if held and not any(is_grid(v) for _, v in bound) else None
+    if clears is not None:
+        scope.deferred = clears  # (before_accumulate appends RESET's zeroings to it)
     try:
         _bind_each(b, bound, native_kwargs, use_wrapper)
         native_result = b.result_arg(result, result_type(b.fn, bound))  # generic T: its type
     except BaseException:
         if b.kept is not None:
             b.kept.restore()
-        drop_held(scope, scope.deferred if defer else None)
+        drop_held(scope, clears)
         raise
     finally:
-        clears = scope.deferred if defer else None
-        if defer:
+        if clears is not None:
             scope.deferred = None
     if native_result is not MISSING:
         options["_result"] = native_result
