@@ -6,6 +6,7 @@ the call layer asks here, and the interop module above it registers how to run t
     if handler: return handler(fn, args, kwargs)
     foreign.framework(value)                                  # "torch", or None
     foreign.data(t, "gradcheck: input 1")                     # torch data -> pydiff
+    foreign.map_nested([t], "input 0", f)     # f(t, "input 0[0]", "torch") in its place
     with foreign.data_calls(): y = f(x)      # calls with torch data give pydiff results
     args, kwargs = foreign.as_data(fn, args, kwargs, "m.f.bwds")  # torch data -> pydiff
 """
@@ -110,6 +111,18 @@ def data(value: Any, where: str) -> Any:
     refuses one that requires grad first); any other value as it is."""
     reg = _registration(value)
     return value if reg is None or reg.data is None else reg.data(value, where)
+
+
+def map_nested(value: Any, label: str, f: Callable[[Any, str, str], Any]) -> Any:
+    """``value`` with each foreign tensor in it (itself, or inside dicts, lists and tuples) as
+    ``f(t, where, name)``: ``where`` extends ``label`` to it (``input 0['w'][1]``), ``name``
+    is its framework ("torch"). Dicts, lists and tuples are rebuilt; other values kept."""
+    if isinstance(value, dict):
+        return {k: map_nested(v, f"{label}[{k!r}]", f) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(map_nested(v, f"{label}[{i}]", f) for i, v in enumerate(value))
+    name = framework(value)
+    return f(value, label, name) if name else value
 
 
 def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:

@@ -154,22 +154,17 @@ def _foreign_as_data(inputs: Sequence[Any]) -> tuple:
     and gradcheck failed ("fn returned no pydiff.Tensor"). One that requires a gradient is
     refused: its gradient would go unchecked (only pydiff tensors are perturbed)."""
 
-    def walk(value: Any, label: str) -> Any:
-        if isinstance(value, dict):
-            return {k: walk(v, f"{label}[{k!r}]") for k, v in value.items()}
-        if type(value) in (list, tuple):
-            return type(value)(walk(v, f"{label}[{i}]") for i, v in enumerate(value))
-        name = foreign.framework(value)
-        if name and getattr(value, "requires_grad", False) is True:
+    def held(value: Any, label: str, name: str) -> Any:
+        if getattr(value, "requires_grad", False) is True:
             raise TypeError(
                 f"gradcheck: {label} is a {name} tensor with "
                 "requires_grad=True; gradcheck checks the gradients of pydiff tensors only, "
                 "so its gradient would not be checked. Pass "
                 "pydiff.from_torch(t, requires_grad=True) instead"
             )
-        return foreign.data(value, f"gradcheck: {label}") if name else value
+        return foreign.data(value, f"gradcheck: {label}")
 
-    return tuple(walk(value, f"input {k}") for k, value in enumerate(inputs))
+    return tuple(foreign.map_nested(value, f"input {k}", held) for k, value in enumerate(inputs))
 
 
 def _nested(inputs: Sequence[Any]) -> bool:

@@ -76,21 +76,13 @@ def refuse_foreign(params: tuple) -> None:
     tensors (before: "f returned a Tensor; it must return a pydiff Tensor", naming neither
     the parameter nor the way out)."""
 
-    def walk(value: Any, label: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{label}[{k!r}]")
-        elif type(value) in (list, tuple):
-            for i, v in enumerate(value):
-                walk(v, f"{label}[{i}]")
-        elif foreign.framework(value):
-            name = foreign.framework(value)
-            raise TypeError(
-                f"fixed_point: {label} is a {name} tensor; the solve runs on pydiff tensors. "
-                f"For {name} gradients wrap the solve in pydiff.torch_function "
-                "(pydiff.torch_function(lambda a, b: pydiff.fixed_point(f, x0, a, b))(a, b)); "
-                f"for its values only, pass pydiff.from_torch(t)"
-            )
+    def refuse(value: Any, label: str, name: str) -> None:
+        raise TypeError(
+            f"fixed_point: {label} is a {name} tensor; the solve runs on pydiff tensors. "
+            f"For {name} gradients wrap the solve in pydiff.torch_function "
+            "(pydiff.torch_function(lambda a, b: pydiff.fixed_point(f, x0, a, b))(a, b)); "
+            f"for its values only, pass pydiff.from_torch(t)"
+        )
 
     for i, value in enumerate(params):
-        walk(value, f"params[{i}]")
+        foreign.map_nested(value, f"params[{i}]", refuse)
