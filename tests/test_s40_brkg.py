@@ -6,36 +6,24 @@ Every check is against NumPy copies taken before the call and closed forms (floa
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 
 import numpy as np
 import pytest
 
 import pydiff
+from refused_calls import N, bad_broadcast, fresh_module, upstream, with_grad
 
 SOURCE = """
 [Differentiable] float prod2(float a, float b) { return a * b; }
 [Differentiable] float tri(float a, float b, float c) { return a * b * c; }
 [Differentiable] float cube(float a) { return a * a * a; }
 """
-_names = itertools.count()
-N = 4
 
 
 @pytest.fixture
 def mod(device):
-    return pydiff.load_module_from_source(f"s40_brkg_{next(_names)}", SOURCE, device=device)
-
-
-def _t(device, values, grad_fill):
-    t = pydiff.tensor(np.asarray(values, np.float32), device=device, requires_grad=True)
-    t.grad.copy_from_numpy(np.full(t.shape, grad_fill, np.float32))
-    return t
-
-
-def _bad(device):  # a later argument SlangPy refuses when it binds the call
-    return _t(device, np.arange(N - 1), 5.0)
+    return fresh_module(device, "s40_brkg", SOURCE)
 
 
 def _state(*ts):
@@ -53,22 +41,18 @@ def _same(before, *ts):
         assert t.storage.version == sv
 
 
-def _up(device, n=N):
-    return pydiff.zeros((n,), device=device).with_grads(ones=True)
-
-
 A = np.arange(1, N + 1, dtype=np.float64)
 B = np.arange(2, N + 2, dtype=np.float64)
 
 
 @pytest.mark.parametrize("then", ["reset", "accumulate", "strict"])
 def test_refused_reset_then_each_policy_resets_once(device, mod, then):
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     before = _state(x, w, y)
     for _ in range(3):
         with pydiff.zero_policy("reset"):
             with pytest.raises(ValueError):
-                mod.prod2.bwds(x, _bad(device), _result=y)
+                mod.prod2.bwds(x, bad_broadcast(device), _result=y)
         _same(before, x, w, y)
     if then == "strict":  # the buffers hold upstreams the user wrote: not stale
         with pydiff.zero_policy("strict"):
@@ -87,13 +71,13 @@ def test_refused_reset_then_each_policy_resets_once(device, mod, then):
 def test_strict_mark_survives_a_refused_reset(device, mod):
     """A good call marks x.grad as a result; a refused RESET call must not clear the mark:
     STRICT still refuses afterwards."""
-    x, w, y = _t(device, A, 0.0), _t(device, B, 0.0), _up(device)
+    x, w, y = with_grad(device, A, 0.0), with_grad(device, B, 0.0), upstream(device)
     mod.prod2.bwds(x, w, _result=y)
     assert x.grad.storage.holds_result_of is not None
     before = _state(x, w, y)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.prod2.bwds(x, _bad(device), _result=y)
+            mod.prod2.bwds(x, bad_broadcast(device), _result=y)
     _same(before, x, w, y)
     with pydiff.zero_policy("strict"):
         with pytest.raises(pydiff.StaleGradientError):
@@ -103,11 +87,11 @@ def test_strict_mark_survives_a_refused_reset(device, mod):
 
 def test_same_tensor_twice_refused_then_reset(device, mod):
     """tri(x, x, bad) refused under RESET; tri(x, x, w): d(x^2 w)/dx = 2 x w, reset once."""
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     before = _state(x, w, y)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.tri.bwds(x, x, _bad(device), _result=y)
+            mod.tri.bwds(x, x, bad_broadcast(device), _result=y)
         _same(before, x, w, y)
         mod.tri.bwds(x, x, w, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), 2 * A * B, rtol=1e-6)
@@ -117,11 +101,11 @@ def test_same_tensor_twice_refused_then_reset(device, mod):
 def test_view_and_base_refused_then_reset(device, mod):
     """tri(x, x.reshape(N), bad) refused under RESET, then tri(x.reshape(2, 2)-shaped...)
     with the view as the second argument: d(x^2 w)/dx = 2 x w, the buffer reset once."""
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     before = _state(x, w, y)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.tri.bwds(x, x.reshape((N,)), _bad(device), _result=y)
+            mod.tri.bwds(x, x.reshape((N,)), bad_broadcast(device), _result=y)
         _same(before, x, w, y)
         mod.tri.bwds(x.reshape((N,)), x, w, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), 2 * A * B, rtol=1e-6)
@@ -131,11 +115,11 @@ def test_view_and_base_refused_then_reset(device, mod):
 def test_pending_zero_grad_kept_by_refused_call(device, mod):
     """x.zero_grad() (recorded, not yet run) then a refused RESET call: the user's zeroing
     still happens; w's gradient stays 9."""
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     x.zero_grad()
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.prod2.bwds(w, _bad(device), _result=y)
+            mod.prod2.bwds(w, bad_broadcast(device), _result=y)
     np.testing.assert_array_equal(x.grad.numpy(), np.zeros(N, np.float32))
     np.testing.assert_array_equal(w.grad.numpy(), np.full(N, 9.0, np.float32))
     mod.prod2.bwds(x, w, _result=y)
@@ -146,7 +130,7 @@ def test_pending_zero_grad_kept_by_refused_call(device, mod):
 def test_result_that_is_an_input(device, mod, policy):
     """cube.bwds(x, _result=x): the upstream and the gradient in one buffer. Refused (the
     threads would add into what others read) or exact; if refused, nothing changed."""
-    x = _t(device, A, 2.0)
+    x = with_grad(device, A, 2.0)
     before = _state(x)
     with pydiff.zero_policy(policy):
         try:
@@ -160,8 +144,8 @@ def test_result_that_is_an_input(device, mod, policy):
 
 
 def test_many_refused_calls_hold_no_memory(device, mod):
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
-    bad = _bad(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
+    bad = bad_broadcast(device)
     before = _state(x, w, y)
 
     def refuse(k):
@@ -204,7 +188,7 @@ def test_tape_refused_with_retain_graph_then_again(device, mod, policy):
     """y = x * (2x) through a Function that refuses once: the retained graph's second
     backward gives d(2x^2)/dx = 4x on top of what was there (ACCUMULATE) or alone (RESET)."""
     _FailsOnce.fail = True
-    x = _t(device, A, 7.0)
+    x = with_grad(device, A, 7.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
             h = _FailsOnce.apply(x)
@@ -220,9 +204,10 @@ def test_tape_refused_with_retain_graph_then_again(device, mod, policy):
 
 def test_threads_one_refused(device, mod):
     """Two threads at once under RESET: one's calls all refused, the other's all good."""
-    xs, ws = [_t(device, A, 7.0), _t(device, B, 9.0)], [_t(device, B, 3.0), _t(device, A, 4.0)]
-    ys = [_up(device), _up(device)]
-    bad = _bad(device)
+    xs = [with_grad(device, A, 7.0), with_grad(device, B, 9.0)]
+    ws = [with_grad(device, B, 3.0), with_grad(device, A, 4.0)]
+    ys = [upstream(device), upstream(device)]
+    bad = bad_broadcast(device)
     before = _state(xs[0], ws[0], ys[0])
     errors, got = [], []
     barrier = threading.Barrier(2)
@@ -258,8 +243,8 @@ def test_threads_one_refused(device, mod):
 
 def test_deterministic_toggled_between_capture_replay_eager(device, mod):
     xs = np.linspace(0.5, 1.5, 16)
-    x = _t(device, xs, 0.0)
-    out = _up(device, 16)
+    x = with_grad(device, xs, 0.0)
+    out = upstream(device, 16)
 
     def step():
         mod.cube(x, _result=out)
@@ -280,7 +265,7 @@ def test_deterministic_toggled_between_capture_replay_eager(device, mod):
 
 
 def test_capture_of_reset_bwds_refused_or_exact(device, mod):
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     with pydiff.zero_policy("reset"):
         mod.prod2.bwds(x, w, _result=y)  # eager once
     x.grad.copy_from_numpy(np.full(N, 7.0, np.float32))
@@ -307,8 +292,8 @@ def test_large_call_refused_then_exact(device, mod, policy):
     n = 4096
     a = np.linspace(0.5, 2.0, n)
     b = np.linspace(-1.0, 1.0, n)
-    x, w, y = _t(device, a, 7.0), _t(device, b, 9.0), _up(device, n)
-    bad = _t(device, np.ones(n - 1), 5.0)
+    x, w, y = with_grad(device, a, 7.0), with_grad(device, b, 9.0), upstream(device, n)
+    bad = with_grad(device, np.ones(n - 1), 5.0)
     before = _state(x, w, y)
     with pydiff.zero_policy(policy):
         with pytest.raises(ValueError):
@@ -329,17 +314,17 @@ MORE = """import slangpy;
 
 @pytest.fixture
 def more(device):
-    return pydiff.load_module_from_source(f"s40_brkg_more_{next(_names)}", MORE, device=device)
+    return fresh_module(device, "s40_brkg_more", MORE)
 
 
 def test_inout_refused_under_reset_then_exact(device, more):
     """scale(inout a, b): a' = a b. x.grad holds the upstream 2; refused with a bad b, then
     good: x.grad = 2 b (dL/d a before), w.grad = 2 a (RESET: from zero)."""
-    x, w = _t(device, A, 2.0), _t(device, B, 9.0)
+    x, w = with_grad(device, A, 2.0), with_grad(device, B, 9.0)
     before = _state(x, w)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            more.scale.bwds(x, _bad(device))
+            more.scale.bwds(x, bad_broadcast(device))
         _same(before, x, w)
         more.scale.bwds(x, w)
     np.testing.assert_allclose(x.grad.numpy(), 2 * B, rtol=1e-6)
@@ -350,8 +335,8 @@ def test_inout_refused_under_reset_then_exact(device, more):
 def test_counted_race_refused_under_policy(device, more, policy):
     import slangpy as spy
 
-    x = _t(device, A, 7.0)
-    y = _t(device, np.zeros(N), 1.0)
+    x = with_grad(device, A, 7.0)
+    y = with_grad(device, np.zeros(N), 1.0)
     before = _state(x, y)
     with pydiff.zero_policy(policy):
         for _ in range(2):
@@ -362,11 +347,11 @@ def test_counted_race_refused_under_policy(device, more, policy):
 
 def test_deterministic_broadcast_refused_under_reset(device, mod):
     """x of shape (1,) broadcast in deterministic mode (summed apart): refused, then good."""
-    x, w, y = _t(device, [1.5], 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, [1.5], 7.0), with_grad(device, B, 9.0), upstream(device)
     before = _state(x, w, y)
     with pydiff.deterministic(), pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.tri.bwds(x, w, _bad(device), _result=y)
+            mod.tri.bwds(x, w, bad_broadcast(device), _result=y)
         _same(before, x, w, y)
         mod.tri.bwds(x, w, 2.0, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), [2 * B.sum()], rtol=1e-6)
@@ -377,7 +362,7 @@ def test_replay_refused_for_policy_then_exact(device, mod):
     """A tape step captured under RESET, replayed under ACCUMULATE: refused, nothing ran;
     under RESET again: d(x^3)/dx = 3x^2 from zero."""
     xs = np.linspace(0.5, 1.5, 16)
-    x = _t(device, xs, 0.0)
+    x = with_grad(device, xs, 0.0)
 
     def step():
         with pydiff.Tape() as tape:
@@ -406,9 +391,9 @@ RACE_VEC = """import slangpy;
 def test_counted_vectorised_race_refused(device, policy):
     """No grid (RESET's zeroing held back and the stores counted): every thread stores y[0],
     refused after the kernel; v's gradient and y's upstream as they were."""
-    m = pydiff.load_module_from_source(f"s40_brkg_rv_{next(_names)}", RACE_VEC, device=device)
-    v = _t(device, A, 7.0)
-    y = _t(device, np.zeros(N), 1.0)
+    m = fresh_module(device, "s40_brkg_rv", RACE_VEC)
+    v = with_grad(device, A, 7.0)
+    y = with_grad(device, np.zeros(N), 1.0)
     before = _state(v, y)
     with pydiff.zero_policy(policy):
         for _ in range(2):
@@ -430,7 +415,7 @@ class _StrGrad(pydiff.Function):
 @pytest.mark.parametrize("policy", ["reset", "accumulate"])
 def test_function_gradient_that_cannot_be_added(device, policy):
     """Input 1's gradient has the right shape but strings: input 0's must not be added."""
-    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    x, w = with_grad(device, A, 7.0), with_grad(device, B, 9.0)
     before = _state(x, w)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
@@ -442,7 +427,7 @@ def test_function_gradient_that_cannot_be_added(device, policy):
 
 @pytest.mark.parametrize("policy", ["reset", "accumulate", "strict"])
 def test_tape_bad_seed_changes_nothing(device, mod, policy):
-    x = _t(device, A, 7.0)
+    x = with_grad(device, A, 7.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
             y = mod.cube(x, _result="tensor")
@@ -461,7 +446,7 @@ def test_strict_after_refused_tape_backward(device, mod):
     """A good backward marks x.grad; zero_grad clears the mark; a refused backward (a
     Function refusing) must not leave a mark: the next STRICT backward runs."""
     _FailsOnce.fail = True
-    x = _t(device, A, 0.0)
+    x = with_grad(device, A, 0.0)
     with pydiff.zero_policy("strict"):
         with pydiff.Tape() as tape:
             h = _FailsOnce.apply(x)
@@ -481,7 +466,7 @@ def test_refused_without_retain_graph_then_retry(device, mod, policy):
     """retain_graph=False and the backward refused: the recording must be kept for a retry
     (or the retry refused loudly), never a silent wrong gradient."""
     _FailsOnce.fail = True
-    x = _t(device, A, 7.0)
+    x = with_grad(device, A, 7.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
             h = _FailsOnce.apply(x)
@@ -500,13 +485,13 @@ def test_refused_without_retain_graph_then_retry(device, mod, policy):
 def test_shared_grads_refused_then_reset_once(device, mod):
     """u shares x's gradient buffers: tri(x, u, bad) refused; tri(x, u, w) under RESET adds
     both parameters' gradients into the one buffer from zero: u w + x w."""
-    x, w, y = _t(device, A, 7.0), _t(device, B, 9.0), _up(device)
+    x, w, y = with_grad(device, A, 7.0), with_grad(device, B, 9.0), upstream(device)
     u = pydiff.tensor(np.float32(3 * A), device=device)
     u.share_grads(x)
     before = _state(x, w, y)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.tri.bwds(x, u, _bad(device), _result=y)
+            mod.tri.bwds(x, u, bad_broadcast(device), _result=y)
         _same(before, x, w, y)
         mod.tri.bwds(x, u, w, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), 3 * A * B + A * B, rtol=1e-6)
@@ -515,7 +500,7 @@ def test_shared_grads_refused_then_reset_once(device, mod):
 
 def test_mixed_own_policies_strict_refuses_first(device, mod):
     """x RESET (its own), w STRICT (its own) holding a result: refused before x is zeroed."""
-    x, w, y = _t(device, A, 0.0), _t(device, B, 0.0), _up(device)
+    x, w, y = with_grad(device, A, 0.0), with_grad(device, B, 0.0), upstream(device)
     mod.prod2.bwds(x, w, _result=y)  # marks both
     x.zero_policy, w.zero_policy = "reset", "strict"
     before = _state(x, w, y)
@@ -532,7 +517,7 @@ def test_mixed_own_policies_strict_refuses_first(device, mod):
 def test_pending_forward_runs_despite_refused_call(device, mod):
     """Planned forward calls (deferred) then a refused RESET .bwds: the forwards still run,
     in order, and the next good .bwds reads their results."""
-    x, y = _t(device, A, 7.0), _up(device)
+    x, y = with_grad(device, A, 7.0), upstream(device)
     out = pydiff.zeros((N,), device=device)
     for _ in range(3):  # (the layout's plan: deferred from the second call)
         mod.cube(x, _result=out)
@@ -540,7 +525,7 @@ def test_pending_forward_runs_despite_refused_call(device, mod):
     mod.cube(x, _result=out)
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.prod2.bwds(x, _bad(device), _result=y)
+            mod.prod2.bwds(x, bad_broadcast(device), _result=y)
         np.testing.assert_allclose(out.numpy(), 8 * A**3, rtol=1e-6)
         mod.cube.bwds(x, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), 12 * A**2, rtol=1e-6)
@@ -573,8 +558,8 @@ class _CallsBwds(pydiff.Function):
 
 @pytest.mark.parametrize("policy", ["reset", "accumulate"])
 def test_function_backward_with_refused_bwds(device, mod, policy):
-    _CallsBwds.mod, _CallsBwds.bad = mod, _bad(device)
-    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    _CallsBwds.mod, _CallsBwds.bad = mod, bad_broadcast(device)
+    x, w = with_grad(device, A, 7.0), with_grad(device, B, 9.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
             h = _CallsBwds.apply(x)
@@ -601,11 +586,11 @@ def test_overwritten_leaves_all_checked_before_reset(device):
     backward refuses x2: x1's gradient must not have been zeroed (it was, before the fix:
     the leaves were checked and reset one by one). After x2.zero_grad(): x1' = x1 w,
     x2' = x2 w, y = x1' x2': dx1 = x2 w^2, dx2 = x1 w^2, dw = 2 x1 x2 w."""
-    m = pydiff.load_module_from_source(f"s40_brkg_ip_{next(_names)}", INPLACE, device=device)
-    m.scale.bwds(_t(device, A, 1.0), _t(device, A, 0.0))  # (both backwards ran: no keeper)
-    m.prod2.bwds(_t(device, A, 0.0), _t(device, A, 0.0), _result=_up(device))
-    x1, x2, w = _t(device, A, 7.0), _t(device, B, 0.0), _t(device, A, 9.0)
-    m.prod2.bwds(x2, 2.0, _result=_up(device))  # x2.grad holds a result: 2
+    m = fresh_module(device, "s40_brkg_ip", INPLACE)
+    m.scale.bwds(with_grad(device, A, 1.0), with_grad(device, A, 0.0))  # (both ran: no keeper)
+    m.prod2.bwds(with_grad(device, A, 0.0), with_grad(device, A, 0.0), _result=upstream(device))
+    x1, x2, w = with_grad(device, A, 7.0), with_grad(device, B, 0.0), with_grad(device, A, 9.0)
+    m.prod2.bwds(x2, 2.0, _result=upstream(device))  # x2.grad holds a result: 2
     x2.zero_policy = "strict"
     with pydiff.zero_policy("reset"):
         with pydiff.Tape() as tape:
@@ -639,8 +624,8 @@ class _Prod(pydiff.Function):
 def test_function_inputs_reset_then_strict_refused(device, mod):
     """A Function's inputs: x RESET (global), w STRICT (its own) holding a result: refused,
     x's gradient as it was; after w.zero_grad(): d(ab)/da = b, d/db = a."""
-    x, w = _t(device, A, 7.0), _t(device, B, 0.0)
-    mod.prod2.bwds(w, 2.0, _result=_up(device))
+    x, w = with_grad(device, A, 7.0), with_grad(device, B, 0.0)
+    mod.prod2.bwds(w, 2.0, _result=upstream(device))
     w.zero_policy = "strict"
     with pydiff.zero_policy("reset"):
         with pydiff.Tape() as tape:
@@ -669,7 +654,7 @@ class _AlwaysRaises(pydiff.Function):
 def test_threads_tape_backwards_one_refused(device, mod, policy):
     """Two threads' tape backwards at once: one always refused (its gradients as they were),
     the other exact each time: y = x * x (through prod2) and a Function-free path."""
-    xa, xb = _t(device, A, 7.0), _t(device, B, 3.0)
+    xa, xb = with_grad(device, A, 7.0), with_grad(device, B, 3.0)
     before = _state(xa)
     errors, got = [], []
     barrier = threading.Barrier(2)
@@ -710,12 +695,12 @@ def test_threads_tape_backwards_one_refused(device, mod, policy):
 def test_tape_after_refused_eager_call_is_exact(device, mod):
     """A refused eager .bwds between a tape's forward and its backward changes no version
     the tape checks: the backward runs, exact."""
-    x, w = _t(device, A, 7.0), _t(device, B, 9.0)
+    x, w = with_grad(device, A, 7.0), with_grad(device, B, 9.0)
     with pydiff.Tape() as tape:
         y = mod.tri(x, w, 2.0, _result="tensor")
     with pydiff.zero_policy("reset"):
         with pytest.raises(ValueError):
-            mod.tri.bwds(x, w, _bad(device), _result=_up(device))
+            mod.tri.bwds(x, w, bad_broadcast(device), _result=upstream(device))
         tape.backward(y, grad=np.ones(N, np.float32))
     np.testing.assert_allclose(x.grad.numpy(), 2 * B, rtol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), 2 * A, rtol=1e-6)
@@ -726,8 +711,8 @@ def test_many_refused_backwards_hold_no_memory(device, mod, more):
     the buffer pool and the live objects stay flat."""
     import slangpy as spy
 
-    x = _t(device, A, 7.0)
-    v, yv = _t(device, A, 3.0), _t(device, np.zeros(N), 1.0)
+    x = with_grad(device, A, 7.0)
+    v, yv = with_grad(device, A, 3.0), with_grad(device, np.zeros(N), 1.0)
     before = _state(x, v, yv)
 
     def refuse(k):
@@ -789,8 +774,8 @@ def test_fixed_point_overflow_refused_leaves_gradients(device, policy):
     """gather_first(w, x) = w[0] x: x of 3e9 puts w's fixed-point sum out of range, refused
     (GradientOverflowError) after the kernels ran: x's gradient (added, or RESET zeroed and
     added, before the fix) and w's as they were, unmarked. Then x of 1, 2: dw = 3, dx = w."""
-    m = pydiff.load_module_from_source(f"s40_brkg_fx_{next(_names)}", FIXED, device=device)
-    w = _t(device, [1.5], 7.0)
+    m = fresh_module(device, "s40_brkg_fx", FIXED)
+    w = with_grad(device, [1.5], 7.0)
     x = pydiff.tensor(np.float32([3e9, 3e9]), device=device, requires_grad=True)
     x.grad.copy_from_numpy(np.float32([9.0, 9.0]))
     y = pydiff.zeros((2,), device=device).with_grads(ones=True)
@@ -812,8 +797,8 @@ def test_fixed_point_overflow_refused_leaves_gradients(device, policy):
 def test_fixed_point_overflow_in_tape_backward_leaves_gradients(device, policy):
     """z = prod2(gather_first(w, x), v): the backward adds v's gradient, then w's fixed-point
     sum overflows: every gradient put back. Then small x: dz/dw = sum x v, dz/dv = w x."""
-    m = pydiff.load_module_from_source(f"s40_brkg_fxt_{next(_names)}", FIXED, device=device)
-    w = _t(device, [1.5], 7.0)
+    m = fresh_module(device, "s40_brkg_fxt", FIXED)
+    w = with_grad(device, [1.5], 7.0)
     x = pydiff.tensor(np.float32([3e9, 3e9]), device=device, requires_grad=True)
     v = pydiff.tensor(np.float32([1.0, 1.0]), device=device, requires_grad=True)
     x.grad.copy_from_numpy(np.float32([9.0, 9.0]))

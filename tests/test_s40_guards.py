@@ -12,7 +12,6 @@ Values against closed forms and NumPy, never against pydiff's own output.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import numpy as np
@@ -20,46 +19,34 @@ import pytest
 import slangpy as spy
 
 import pydiff
+from refused_calls import N, bad_broadcast, fresh_module, upstream, with_grad
 
 SOURCE = """
 [Differentiable] float prod2(float a, float b) { return a * b; }
 [Differentiable] float cube(float a) { return a * a * a; }
 """
-_names = itertools.count()
-N = 4
 
 
 @pytest.fixture
 def mod(device):
-    return pydiff.load_module_from_source(f"s40_guards_{next(_names)}", SOURCE, device=device)
-
-
-def _with_grad(device, values, grad_fill: float) -> pydiff.Tensor:
-    t = pydiff.tensor(np.asarray(values, np.float32), device=device, requires_grad=True)
-    t.grad.copy_from_numpy(np.full(t.shape, grad_fill, np.float32))
-    return t
+    return fresh_module(device, "s40_guards", SOURCE)
 
 
 def _parts(device):
     a = np.arange(1, N + 1, dtype=np.float32)
     b = np.arange(2, N + 2, dtype=np.float32)
-    x, w = _with_grad(device, a, 7.0), _with_grad(device, b, 9.0)
-    y = pydiff.zeros((N,), device=device).with_grads(ones=True)
-    return a, b, x, w, y
-
-
-def _bad_broadcast(device):  # a later argument SlangPy refuses when it binds the call
-    return _with_grad(device, np.arange(N - 1), 5.0)
+    x, w = with_grad(device, a, 7.0), with_grad(device, b, 9.0)
+    return a, b, x, w, upstream(device)
 
 
 def _on_other_device(device):  # a later argument pydiff refuses as it binds it
     other = pydiff.create_device(device.type, include_paths=[str(Path(__file__).parent)])
     assert other is not device
-    return _with_grad(other, np.arange(N), 5.0)
+    return with_grad(other, np.arange(N), 5.0)
 
 
 BAD_LATER = {
-    "broadcast": lambda device: _bad_broadcast(device),
+    "broadcast": bad_broadcast,
     "other device": _on_other_device,
     "raw slangpy tensor": lambda device: spy.Tensor.from_numpy(
         device.native, np.ones(N, np.float32)
@@ -102,7 +89,7 @@ def test_bwds_refused_under_tensor_reset_policy(device, mod):
     a, b, x, w, y = _parts(device)
     x.zero_policy = "reset"
     with pytest.raises(ValueError, match="broadcast"):
-        mod.prod2.bwds(x, _bad_broadcast(device), _result=y)
+        mod.prod2.bwds(x, bad_broadcast(device), _result=y)
     np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
     mod.prod2.bwds(x, w, _result=y)
     np.testing.assert_allclose(x.grad.numpy(), b, rtol=1e-6)
@@ -118,7 +105,7 @@ def test_bwds_captured_without_deterministic_mode_refuses_replay_in_it(device, m
     it, nothing run; with the mode off again it replays: d(x^2)/dx = 2x per replay."""
     xs = np.linspace(0.5, 1.5, 16).astype(np.float32)
     x = pydiff.tensor(xs, device=device, requires_grad=True)
-    out = pydiff.zeros((16,), device=device).with_grads(ones=True)
+    out = upstream(device, 16)
 
     def step():
         mod.prod2(x, x, _result=out)
@@ -249,9 +236,9 @@ def test_tape_backward_refused_part_way_leaves_every_gradient(device, policy, re
     gradients; RESET zeroing x's before), then h's, which refuses: every gradient is put back
     (x's leaf gradient, the intermediate h's, the seed). Then a backward without the refuser
     gives d(x * 2x)/dx = 4x."""
-    m = pydiff.load_module_from_source(f"s40_fwdonly_{next(_names)}", FORWARD_ONLY, device=device)
+    m = fresh_module(device, "s40_fwdonly", FORWARD_ONLY)
     xs = np.arange(1, N + 1, dtype=np.float32)
-    x = _with_grad(device, xs, 7.0)
+    x = with_grad(device, xs, 7.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
             h = _Raises.apply(x) if refuser == "user Function" else m.fsq(x, _result="tensor")
@@ -272,20 +259,18 @@ def test_capture_refused_inside_tape_backward_leaves_every_gradient(device, ran_
     """A captured Tape.backward whose entry has no call plan for its layout is refused part-way
     (CaptureError: run the step eagerly first), after y's entry added into w's gradient: put
     back, whether the function's backward never ran or ran for another layout."""
-    m = pydiff.load_module_from_source(f"s40_capref_{next(_names)}", FORWARD_ONLY, device=device)
+    m = fresh_module(device, "s40_capref", FORWARD_ONLY)
     n = 16
-    x = _with_grad(device, np.arange(1, n + 1), 7.0)
-    w = _with_grad(device, np.full(n, 2.0), 9.0)
-    other = _with_grad(device, np.ones(n), 0.0)
+    x = with_grad(device, np.arange(1, n + 1), 7.0)
+    w = with_grad(device, np.full(n, 2.0), 9.0)
+    other = with_grad(device, np.ones(n), 0.0)
     with pydiff.Tape() as tape:  # (prod2's backward ran: its layout (n,) has a plan)
         z = m.prod2(other, other, _result="tensor")
     tape.backward(z, grad=np.ones(n, np.float32))
-    sq = pydiff.load_module_from_source(
-        f"s40_capsq_{next(_names)}", "[Differentiable] float sq1(float a) { return a * a; }", device
-    )
+    sq = fresh_module(device, "s40_capsq", "[Differentiable] float sq1(float a) { return a * a; }")
     if ran_before:  # another layout's .bwds: the function's backward compiles
-        small = _with_grad(device, np.ones(8), 0.0)
-        sq.sq1.bwds(small, _result=pydiff.zeros((8,), device=device).with_grads(ones=True))
+        small = with_grad(device, np.ones(8), 0.0)
+        sq.sq1.bwds(small, _result=upstream(device, 8))
 
     def step():
         with pydiff.Tape() as tape:
@@ -314,15 +299,15 @@ void gsq(int idx, IDiffTensor<float, 1> x, IDiffTensor<float, 1> w, IWDiffTensor
 def test_grid_bwds_refused_under_reset_leaves_gradients(device, bad):
     """A call over a grid (whose kernel may be pydiff's own) keeps the buffers RESET zeroes
     instead of holding the zeroing back: the same promise."""
-    m = pydiff.load_module_from_source(f"s40_grid_{next(_names)}", GRID, device=device)
+    m = fresh_module(device, "s40_grid", GRID)
     xs = np.arange(1, N + 1, dtype=np.float32)
-    x = _with_grad(device, xs, 7.0)
-    y = _with_grad(device, np.zeros(N), 1.0)
+    x = with_grad(device, xs, 7.0)
+    y = with_grad(device, np.zeros(N), 1.0)
     with pydiff.zero_policy("reset"):
         with pytest.raises((ValueError, TypeError)):
             m.gsq.bwds(spy.grid((N,)), x, BAD_LATER[bad](device), y)
         np.testing.assert_array_equal(x.grad.numpy(), np.full(N, 7.0, np.float32))
-        w = _with_grad(device, np.full(N, 3.0), 9.0)
+        w = with_grad(device, np.full(N, 3.0), 9.0)
         m.gsq.bwds(spy.grid((N,)), x, w, y)  # d(w x^2)/dx = 2 w x, d/dw = x^2
     np.testing.assert_allclose(x.grad.numpy(), 6.0 * xs, rtol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
@@ -332,9 +317,9 @@ def test_grid_bwds_refused_under_reset_leaves_gradients(device, bad):
 def test_forward_only_bwds_refused_leaves_gradients(device, policy):
     """Slang refuses the backward of a [ForwardDifferentiable]-only function when SlangPy
     builds the call, after RESET would have zeroed x's gradient: it stays as it was."""
-    m = pydiff.load_module_from_source(f"s40_fo_{next(_names)}", FORWARD_ONLY, device=device)
-    x = _with_grad(device, np.arange(1, N + 1), 7.0)
-    y = _with_grad(device, np.zeros(N), 1.0)
+    m = fresh_module(device, "s40_fo", FORWARD_ONLY)
+    x = with_grad(device, np.arange(1, N + 1), 7.0)
+    y = with_grad(device, np.zeros(N), 1.0)
     with pydiff.zero_policy(policy):
         for _ in range(2):  # (the second refusal: the kept TypeError, before SlangPy)
             with pytest.raises(TypeError, match="cannot differentiate fsq backward"):
