@@ -163,7 +163,7 @@ def may_overflow(fn: Any) -> bool:
     """Whether ``fn.bwds`` adds a ``FwdDiffTensor``'s gradient through a fixed-point
     accumulator, whose check (at the end of the backward) refuses a sum out of range after
     every kernel of the backward ran: the gradients it wrote are kept first."""
-    return any(p.tensor_kind == "fwd" for p in fn.signature.params)
+    return fn.signature.has_fwd_tensor  # (read once at load: every recorded call asks)
 
 
 class restoring:

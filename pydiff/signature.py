@@ -274,7 +274,8 @@ class Signature:
     ``params``: one ParamInfo each; ``return_type``: the Slang type name ('void' when none);
     ``differentiable``: the function is [Differentiable]; ``written``: indices of the
     parameters the call writes into; ``has_diff_inout``: a differentiable ``inout`` value
-    (its backward goes through a generated in/out wrapper).
+    (its backward goes through a generated in/out wrapper); ``has_fwd_tensor``: a
+    ``FwdDiffTensor`` parameter (its gradient added through a fixed-point accumulator).
 
     >>> sig = fn.signature
     >>> sig.return_type, [p.name for p in sig.params if p.differentiable]
@@ -287,6 +288,7 @@ class Signature:
     differentiable: bool
     written: tuple[int, ...] = field(init=False)
     has_diff_inout: bool = field(init=False)
+    has_fwd_tensor: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -297,6 +299,8 @@ class Signature:
             "has_diff_inout",
             any(p.io == "inout" and p.differentiable for p in self.params),
         )
+        fwd = any(p.tensor_kind == "fwd" for p in self.params)
+        object.__setattr__(self, "has_fwd_tensor", fwd)
 
     @classmethod
     def reflect(cls, name: str, reflected: Any) -> "Signature":
