@@ -390,9 +390,9 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     refuse_inside_tape("hessian")
     primals = tuple(primals)
     for k, x in enumerate(primals):  # (variables() would hold it fixed, silently)
-        if foreign.framework(x) is not None:
+        if (name := foreign.framework(x)) is not None:
             raise TypeError(
-                f"hessian: primal {k} is a {foreign.framework(x)} tensor; pass "
+                f"hessian: primal {k} is a {name} tensor; pass "
                 "pydiff.from_torch(t) to differentiate it (as float arrays are), or close "
                 "over it to hold it fixed"
             )

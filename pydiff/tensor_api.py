@@ -267,11 +267,12 @@ class _Clone(Function):
 
 def clone(x: Tensor) -> Tensor:
     """``x.clone()``: recorded where a tape records and ``x`` requires grad."""
-    if x.requires_grad and active_tape() is not None:
-        return _Clone.apply(x)
-    if active_tape() is not None and x.storage.last_writer == COPY_FROM_GRAPH:
-        # values copy_ took from a gradient path (before, the copy was a constant: a silent 0)
-        return empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)  # still marked
+    if active_tape() is not None:
+        if x.requires_grad:
+            return _Clone.apply(x)
+        if x.storage.last_writer == COPY_FROM_GRAPH:
+            # values copy_ took from a gradient path (before, the copy was a constant: a silent 0)
+            return empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)  # still marked
     return x.copy_values()
 
 
