@@ -1,6 +1,7 @@
 """Shared setup of the tests that a refused call or backward changes nothing
 (test_s40_guards.py, test_s40_brkg.py): modules of their own per test, tensors holding a known
-gradient, an argument SlangPy refuses when it binds the call, and the upstream gradient of ones.
+gradient, an argument SlangPy refuses when it binds the call, the upstream gradient of ones, and
+a Function whose backward always refuses.
 
     m = fresh_module(device, "s40_x", SOURCE)                  # a module name used once
     x, y = with_grad(device, [1.0, 2.0, 3.0, 4.0], 7.0), upstream(device)
@@ -41,3 +42,15 @@ def bad_broadcast(device: pydiff.Device) -> pydiff.Tensor:
 def upstream(device: pydiff.Device, n: int = N) -> pydiff.Tensor:
     """A result tensor of ``n`` zeros whose upstream gradient is ones."""
     return pydiff.zeros((n,), device=device).with_grads(ones=True)
+
+
+class AlwaysRaises(pydiff.Function):
+    """y = 2a, whose backward always raises ValueError("this backward refuses")."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return pydiff.tensor(2 * a.numpy(), device=a.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("this backward refuses")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from refused_calls import N, bad_broadcast, fresh_module, upstream, with_grad
+from refused_calls import AlwaysRaises, N, bad_broadcast, fresh_module, upstream, with_grad
 
 SOURCE = """
 [Differentiable] float prod2(float a, float b) { return a * b; }
@@ -640,16 +640,6 @@ def test_function_inputs_reset_then_strict_refused(device, mod):
     np.testing.assert_allclose(w.grad.numpy(), A, rtol=1e-6)
 
 
-class _AlwaysRaises(pydiff.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return pydiff.tensor(2 * a.numpy(), device=a.device)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("this backward refuses")
-
-
 @pytest.mark.parametrize("policy", ["reset", "accumulate"])
 def test_threads_tape_backwards_one_refused(device, mod, policy):
     """Two threads' tape backwards at once: one always refused (its gradients as they were),
@@ -664,7 +654,7 @@ def test_threads_tape_backwards_one_refused(device, mod, policy):
         for _ in range(15):
             with pydiff.zero_policy(policy):
                 with pydiff.Tape() as tape:
-                    h = _AlwaysRaises.apply(xa)
+                    h = AlwaysRaises.apply(xa)
                     y = mod.prod2(xa, h, _result="tensor")
                 try:
                     tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)
@@ -719,7 +709,7 @@ def test_many_refused_backwards_hold_no_memory(device, mod, more):
         for _ in range(k):
             with pydiff.zero_policy("reset"):
                 with pydiff.Tape() as tape:
-                    h = _AlwaysRaises.apply(x)
+                    h = AlwaysRaises.apply(x)
                     y = mod.prod2(x, h, _result="tensor")
                 with pytest.raises(ValueError):
                     tape.backward(y, grad=np.ones(N, np.float32), retain_graph=False)

@@ -19,7 +19,7 @@ import pytest
 import slangpy as spy
 
 import pydiff
-from refused_calls import N, bad_broadcast, fresh_module, upstream, with_grad
+from refused_calls import AlwaysRaises, N, bad_broadcast, fresh_module, upstream, with_grad
 
 SOURCE = """
 [Differentiable] float prod2(float a, float b) { return a * b; }
@@ -199,16 +199,6 @@ class _BadShape(pydiff.Function):
         return np.ones(N, np.float32), np.ones(N - 1, np.float32)
 
 
-class _Raises(pydiff.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return pydiff.tensor(2 * a.numpy(), device=a.device)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("this backward refuses")
-
-
 @pytest.mark.parametrize("policy", ["accumulate", "reset"])
 def test_function_backward_refused_for_one_input_adds_to_none(device, policy):
     """All of a Function's gradients are checked before any is added: input 1's wrong shape
@@ -241,7 +231,7 @@ def test_tape_backward_refused_part_way_leaves_every_gradient(device, policy, re
     x = with_grad(device, xs, 7.0)
     with pydiff.zero_policy(policy):
         with pydiff.Tape() as tape:
-            h = _Raises.apply(x) if refuser == "user Function" else m.fsq(x, _result="tensor")
+            h = AlwaysRaises.apply(x) if refuser == "user Function" else m.fsq(x, _result="tensor")
             y = m.prod2(x, h, _result="tensor")
         with pytest.raises((ValueError, TypeError)):
             tape.backward(y, grad=np.ones(N, np.float32))
