@@ -61,6 +61,8 @@ def copied_from(t: Tensor) -> str | None:
     """
     if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
         return f"values {COPY_FROM_GRAPH}"
+    if not FROM_COPIED:
+        return None  # (every read of every recorded call asks: nothing to look up)
     found = _still_holding(FROM_COPIED, t)
     if found is None and t.base is not None:
         found = _still_holding(FROM_COPIED, t.base)  # a reshape view of such a result
