@@ -282,6 +282,7 @@ class Tensor(GradBuffers, TensorOperators):
             )
             native.submit_command_buffer(encoder.finish())
         graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
+        graph = graph or tensor_methods.call("copied_from", src) is not None  # (through calls)
         self.storage.holds_result_of = src.storage.holds_result_of
         self.storage.wrote(COPY_FROM_GRAPH if graph else "a device copy", True)
         return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent

@@ -25,6 +25,7 @@ from .lost_derivative import refuse_lost_copy
 from .storage import COPY_FROM_GRAPH, UPLOAD_NUMPY, dtype_name, element_shape
 from .tape import active_tape
 from .tensor import Tensor
+from .unrecorded import copied_from
 
 _FLOATS = ("float", "half")
 _OPS = (
@@ -270,7 +271,7 @@ def clone(x: Tensor) -> Tensor:
     if active_tape() is not None:
         if x.requires_grad:
             return _Clone.apply(x)
-        if x.storage.last_writer == COPY_FROM_GRAPH:
+        if x.storage.last_writer == COPY_FROM_GRAPH or copied_from(x) is not None:
             # values copy_ took from a gradient path (before, the copy was a constant: a silent 0)
             return empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)  # still marked
     return x.copy_values()

@@ -172,6 +172,7 @@ def not_recorded(
 
 
 tensor_methods.provide("not_recorded", not_recorded)
+tensor_methods.provide("copied_from", copied_from)  # (Tensor.copy_ keeps the mark)
 
 
 def check_versions(entries: list, path: set[int]) -> None:

@@ -350,3 +350,30 @@ def test_values_copied_from_a_gradient_path_are_refused_through_unrecorded_calls
         return (y * y * x).sum()
 
     np.testing.assert_allclose(pydiff.grad(snapshot)(X), X**2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("then", ["clone", "copy_"])
+def test_a_copy_of_an_unrecorded_result_of_copied_values_keeps_the_mark(device, then):
+    # Before: y.copy_(x); z = y * 2 (no tape records it: y needs no gradient); w = z.clone()
+    # or w.copy_(z): grad of (w * x).sum() came out 2x (the copy's path lost) where 4x is
+    # right. Now the copy of z keeps z's mark and the transform refuses it.
+    def f(x):
+        y = pydiff.zeros((3,), device=device)
+        y.copy_(x)
+        z = y * 2.0
+        if then == "clone":
+            w = z.clone()
+        else:
+            w = pydiff.zeros((3,), device=device)
+            w.copy_(z)
+        return (w * x).sum()
+
+    with pytest.raises(RuntimeError, match=r"copy_"):
+        pydiff.grad(f)(pydiff.tensor(X, device=device))
+
+    def g(x):  # the same through a clone on the tape of x itself: exact
+        return (x.clone() * 2.0 * x).sum()
+
+    np.testing.assert_allclose(
+        pydiff.grad(g)(pydiff.tensor(X, device=device)).numpy(), 4.0 * X, rtol=1e-5
+    )
