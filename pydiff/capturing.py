@@ -209,8 +209,9 @@ def refuse_full_path(label: str, planned: bool, first: str) -> None:
             "its call plan declined this call (on a tape where the plan cannot record it, "
             "aliased or in-place tensors, a tensor on another device, a zeroing policy other "
             "than ACCUMULATE outside Tape.backward, deterministic mode, an input written "
-            "since the forward call, or a large call pydiff's generator does not cover), so "
-            "the full path would run SlangPy's kernel"
+            "since the forward call, a large call pydiff's generator does not cover, or "
+            "generated kernels are off: PYDIFF_GENERATED=0), so the full path would run "
+            "SlangPy's kernel"
         )
     else:
         why = first

@@ -66,6 +66,19 @@ def forced(monkeypatch):
     return monkeypatch
 
 
+#: ``generated.MIN_ELEMENTS`` when ``PYDIFF_GENERATED_MIN_ELEMENTS`` is unset.
+AUTO_MIN_ELEMENTS = 4096
+
+
+@pytest.fixture
+def auto_sizes(monkeypatch):
+    """Calls under 4,096 elements take call plans (SlangPy's kernels), as by default, even under
+    ``--pydiff-generated=force``: for tests of the plans of small calls, which force mode would
+    otherwise send to generated kernels before any plan formed."""
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", AUTO_MIN_ELEMENTS)
+    return monkeypatch
+
+
 @pytest.fixture
 def second_call_generated(monkeypatch):
     """Call plans switch to generated kernels at their second call, whatever the call's size

@@ -40,6 +40,7 @@ def _blur(img: np.ndarray) -> np.ndarray:
     return 0.75 * img + 0.25 * down
 
 
+@pytest.mark.usefixtures("auto_sizes")  # a small call's plan, in every mode
 def test_repeated_grid_calls_are_planned_and_right(device, mod):
     rng = np.random.default_rng(37)
     x = pydiff.tensor(np.zeros(9, np.float32), device=device)

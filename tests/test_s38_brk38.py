@@ -34,6 +34,7 @@ def _planned(fn) -> bool:
     return any(type(p) is GridBackwardPlan for p in fn.bwds_plans.values())
 
 
+@pytest.mark.usefixtures("auto_sizes")  # a small call's plan, in every mode
 def test_mistyped_generated_switch_refused_by_a_planned_call(device, mod, monkeypatch):
     """The full path reads PYDIFF_GENERATED at every grid .bwds and refuses a value it does
     not take; a planned call passed it silently."""
@@ -50,6 +51,7 @@ def test_mistyped_generated_switch_refused_by_a_planned_call(device, mod, monkey
     np.testing.assert_allclose(img.grad.numpy(), want, rtol=1e-6)
 
 
+@pytest.mark.usefixtures("auto_sizes")  # a small call's plan, in every mode
 @pytest.mark.parametrize("warm", [False, True])
 def test_one_tensor_stored_through_two_parameters_refused(device, warm):
     """y[idx] = x*x and z[idx] = 3x into one tensor: the forward keeps 3x, while the backward
@@ -100,6 +102,7 @@ void sq2(int idx, IDiffTensor<float, 1> x, IDiffTensor<float, 1> w, IWDiffTensor
 """
 
 
+@pytest.mark.usefixtures("auto_sizes")  # a small call's plan, in every mode
 @pytest.mark.parametrize("warm", [False, True])
 def test_read_tensor_that_is_a_gradient_buffer_refused(device, warm):
     """w read at idx+1 while the backward adds dL/dx into x's gradient buffer, which is w's

@@ -20,6 +20,8 @@ from pydiff.errors import StaleGradientError, StaleInputError
 from pydiff.grid_plan import GridBackwardPlan
 from test_s37_grid_plans import SOURCE as GRID_SOURCE  # (poly and blur over grids)
 
+pytestmark = pytest.mark.usefixtures("auto_sizes")  # plans of small calls, in every mode
+
 SOURCE = (
     GRID_SOURCE
     + """
