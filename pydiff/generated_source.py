@@ -163,11 +163,12 @@ def backward_source(
     body += " ? bool4(true) : uint4(0, 1, 2, 3) < pydiff_tail;\n"
     for j, members in enumerate(sums):
         # A tensor passed to several parameters: its partials are added into the value one
-        # after another, in parameter order (as SlangPy's path adds them into memory), each
-        # through the integer op: the compiler cannot factor d0 + d1 = a g + b g into
-        # (a + b) g, which overflows where the partials do not (mul(a, a) at a = -3e38).
+        # after another, last parameter first (as SlangPy's path adds them into memory: the
+        # backward of its loads runs in reverse), each through the integer op: the compiler
+        # cannot factor d0 + d1 = a g + b g into (a + b) g, which overflows where the
+        # partials do not (mul(a, a) at a = -3e38).
         adds = f"pydiff_o{j}"
-        for i in members:
+        for i in reversed(members):
             adds = f"({adds} + asfloat(asuint(pydiff_d{i}) ^ pydiff_zero))"
         body += (
             f"        float4 pydiff_o{j} = load4(pydiff_g{j}_in, pydiff_q);\n"

@@ -147,13 +147,14 @@ def backward_source(
     for j, members in enumerate(sums):
         width = layout[members[0]][1]
         for k in range(width):
-            # Partials added one after another in parameter order, each through the integer
+            # Partials added one after another, last parameter first (SlangPy's order: the
+            # backward of its loads runs in reverse), each through the integer
             # op the compiler cannot fold (pydiff_zero is 0): the add into the buffer is not
             # fused with the gradient's last product (an fma would round once where
             # SlangPy's path, adding into memory, rounds twice).
             index = "pydiff_i" if width == 1 else f"pydiff_i * {width} + {k}"
             adds = f"pydiff_g{j}[{index}]"
-            for i in members:
+            for i in reversed(members):
                 d = _component(f"pydiff_p{i}.d", width, k)
                 adds = f"({adds} + asfloat(asuint({d}) ^ pydiff_zero))"
             body += f"pydiff_g{j}[{index}] = {adds};\n"
