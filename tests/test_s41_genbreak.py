@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pydiff
 from generated_paths import run_both_paths
@@ -172,3 +173,134 @@ def test_user_overloads_of_core_functions_do_not_reach_the_kernels(device, force
     np.testing.assert_array_equal(gen[3].reshape(10, 2), 3 * ps)
     np.testing.assert_array_equal(gen[4].reshape(10, 2), np.full((10, 2), 3.0, np.float32))
     _same(gen, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# compact differential cases (passed before): the same call on both paths, against float64
+
+SIZES = [1, 2, 3, 5, 255, 256, 257, 1023, 1025, 4097]
+KINDS = ("num", "full", "one", "zd")  # a number, the call's shape, (1,), ()
+MODES = ("fwd", "fwd_result", "bwds", "tape", "fwds")
+_FIXTURES = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _f64(a, x, b):
+    return a * x * x + np.sin(x) * b
+
+
+def _value(kind, n, rng):
+    if kind == "num":
+        return float(rng.uniform(-1, 1))
+    return rng.uniform(-1, 1, {"full": (n,), "one": (1,), "zd": ()}[kind]).astype(np.float32)
+
+
+def _f_call(device, m, n, kinds, mode, seed):
+    """One call of ``f`` in ``mode``: what it gave, and the float64 values it should give."""
+    rng = np.random.default_rng(seed)
+    vals = [_value(k, n, rng) for k in kinds]
+    up = rng.standard_normal(n).astype(np.float32)
+    tans = [_value(k, n, rng) for k in kinds]
+    v64 = [np.asarray(v, np.float64) for v in vals]
+    args = [
+        v if k == "num" else pydiff.tensor(v, device=device, requires_grad=mode in ("bwds", "tape"))
+        for v, k in zip(vals, kinds)
+    ]
+    want = [np.broadcast_to(_f64(*v64), (n,))]
+    if mode == "fwd":
+        got = [m.f(*args).numpy()]
+    elif mode == "fwd_result":
+        y = pydiff.zeros((n,), device=device)
+        m.f(*args, _result=y)
+        got = [y.numpy()]
+    elif mode == "fwds":
+        pairs = [
+            (a, t) if k == "num" else pydiff.tensor(v, device=device).with_tangent(t)
+            for a, v, t, k in zip(args, vals, tans, kinds)
+        ]
+        y, dy = m.f.fwds(*pairs)
+        got = [y.numpy(), dy.numpy()]
+        a, x, b = v64
+        ta, tx, tb = (np.asarray(t, np.float64) for t in tans)
+        want.append(
+            np.broadcast_to(ta * x * x + tx * (2 * a * x + np.cos(x) * b) + tb * np.sin(x), (n,))
+        )
+    else:
+        if mode == "bwds":
+            y = m.f(*args, _result="tensor")
+            m.f.bwds(*args, _result=y.with_grads(grad_in=pydiff.tensor(up, device=device)))
+        else:
+            with pydiff.Tape() as tape:
+                y = m.f(*args, _result="tensor")
+            tape.backward(y, grad=up)
+        got = [y.numpy()]
+        a, x, b = v64
+        u = up.astype(np.float64)
+        partials = (u * x * x, u * (2 * a * x + np.cos(x) * b), u * np.sin(x))
+        for t, k, g, v in zip(args, kinds, partials, vals):
+            if k != "num":
+                got.append(t.grad.numpy())
+                g = np.broadcast_to(g, (n,))
+                want.append(g if k == "full" else np.full(np.shape(v), g.sum()))
+    return got, want
+
+
+@settings(max_examples=14, **_FIXTURES)
+@given(
+    n=st.sampled_from(SIZES),
+    kinds=st.tuples(*[st.sampled_from(KINDS)] * 3).filter(lambda k: "full" in k),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 1 << 16),
+)
+def test_float_calls_on_both_paths(device, m, forced, n, kinds, mode, seed):
+    gen, ref, counts = run_both_paths(forced, lambda: _f_call(device, m, n, kinds, mode, seed))
+    assert not any(k.endswith("_fallback") for k in counts), counts
+    _same(gen[0], ref[0])
+    scale = np.sqrt(n) * 4
+    for got, want in zip(gen[0], gen[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _v_call(device, m, n, layout, s_kind, mode, seed):
+    rng = np.random.default_rng(seed)
+    ps = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+    sv = _value(s_kind, n, rng)
+    dtype = "float2" if layout == "vec" else "float"
+    rg = mode != "fwd"
+    p = pydiff.tensor(ps, device=device, dtype=dtype, requires_grad=rg)
+    s = sv if s_kind == "num" else pydiff.tensor(sv, device=device, requires_grad=rg)
+    p64, s64 = ps.astype(np.float64), np.broadcast_to(np.asarray(sv, np.float64), (n,))
+    want = [np.stack([p64[:, 0] * p64[:, 1] * s64, np.sin(p64[:, 0]) + s64 * s64], -1)]
+    if mode == "fwd":
+        return [m.v(p, s).numpy().reshape(n, 2)], want
+    up = rng.standard_normal((n, 2)).astype(np.float32)
+    y = m.v(p, s)
+    m.v.bwds(p, s, _result=y.with_grads(grad_in=pydiff.tensor(up, device=device, dtype="float2")))
+    u = up.astype(np.float64)
+    gp = np.stack(
+        [u[:, 0] * p64[:, 1] * s64 + u[:, 1] * np.cos(p64[:, 0]), u[:, 0] * p64[:, 0] * s64], -1
+    )
+    gs = u[:, 0] * p64[:, 0] * p64[:, 1] + u[:, 1] * 2 * s64
+    got = [y.numpy().reshape(n, 2), p.grad.numpy().reshape(n, 2)]
+    want.append(gp)
+    if s_kind != "num":
+        got.append(s.grad.numpy())
+        want.append(gs if s_kind == "full" else np.full(np.shape(sv), gs.sum()))
+    return got, want
+
+
+@settings(max_examples=10, **_FIXTURES)
+@given(
+    n=st.sampled_from(SIZES),
+    layout=st.sampled_from(["vec", "flat"]),
+    s_kind=st.sampled_from(KINDS),
+    mode=st.sampled_from(["fwd", "bwds"]),
+    seed=st.integers(0, 1 << 16),
+)
+def test_vector_calls_on_both_paths(device, m, forced, n, layout, s_kind, mode, seed):
+    gen, ref, counts = run_both_paths(
+        forced, lambda: _v_call(device, m, n, layout, s_kind, mode, seed)
+    )
+    assert counts.get("forward: vector") == 1, counts
+    _same(gen[0], ref[0])
+    for got, want in zip(gen[0], gen[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(n) * 4)
