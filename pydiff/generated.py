@@ -40,7 +40,7 @@ from .generated_switch import enabled
 from .generated_switch import planned_after as planned_after
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
-from .signature import FunctionTarget, overloaded
+from .signature import FunctionTarget
 from .storage import allocate, float4_layout
 from .tensor import Tensor, float4_ready
 
@@ -156,8 +156,8 @@ def _uncovered(fn: FunctionTarget, args: list, shape: tuple) -> str | None:
     sig = fn.signature
     if not enabled():
         return "PYDIFF_GENERATED=0"
-    if fn.module.traps.get(fn.name) or overloaded(fn):  # (overloads: SlangPy picks by value)
-        return "trap findings" if fn.module.traps.get(fn.name) else "overloaded"
+    if (reason := generated_helpers.left_to_slangpy(fn)) is not None:
+        return reason  # (trap findings, overloads: SlangPy picks by value, mutable statics)
     if sig.return_type != "float":
         return f"returns {sig.return_type}"
     if len(args) != len(sig.params):

@@ -10,12 +10,15 @@ calling them itself ran the user's (``m.f(2.0, x)`` gave 14 where 0 was right, f
 helpers' calls see only the core module; the kernels call them by ``pydiff_`` names.
 
     source = prepare(dev, make())   # the helper modules its imports name, loaded first
+    reason = left_to_slangpy(fn)    # "overloaded", ...: None where a kernel may call fn
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from .signature import FunctionTarget, overloaded
 
 #: Loads (the typed form reads words: see generated_source), a float4 select, and the add of
 #: a partial through an integer op the compiler cannot fold (``zero`` is 0), so that it is
@@ -66,3 +69,16 @@ def prepare(dev: Any, source: str) -> str:
 
 def _load(dev: Any, name: str) -> Any:
     return dev.native.load_module_from_source(name, SOURCES[name])
+
+
+def left_to_slangpy(fn: FunctionTarget) -> str | None:
+    """Why no generated kernel (elementwise, vector or grid) may call ``fn``, whatever the
+    call: trap findings, overloads (SlangPy picks one by the values), or thread state in its
+    module (mutable statics, which a kernel running several elements per thread would carry
+    from one element to the next; SlangPy's call id: lint_statics); None: it may."""
+    if fn.module.traps.get(fn.name):
+        return "trap findings"
+    state = getattr(fn.module, "thread_state", None)  # (modules pydiff scanned)
+    if state:
+        return f"thread state in the module: '{state[0]}'"
+    return "overloaded" if overloaded(fn) else None

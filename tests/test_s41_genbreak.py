@@ -6,7 +6,14 @@ Bugs found here (each test below failed before its fix):
 
 - a tensor passed to several parameters (``m.f(x, x, x)``): its partials were added into
   the shared gradient buffer first parameter first, SlangPy's path adds them last parameter
-  first (the backward of its loads runs in reverse): other bits, e.g. 1e-8 against 0.
+  first (the backward of its loads runs in reverse): other bits, e.g. 1e-8 against 0;
+- a user module's overload of ``asfloat(uint4)`` / ``select(bool4, float4, float4)`` was
+  picked inside the generated kernels (they import the user's module): ``m.f(2.0, x)``
+  gave 14 everywhere, its gradient 7;
+- a mutable ``static`` variable (thread state) carried from one element to the next in the
+  generated kernels (several elements per thread): 4, 7, 10, 13 where 4, 6, 8, 10 is right;
+- a function using SlangPy's call id (``CallShapeInfo::get_call_id()``): the generated
+  kernel's pipeline failed to link at dispatch, a raw RuntimeError out of ``m.f(2.0, x)``.
 
 The compact differential cases at the end passed already; they stay as guards.
 """
@@ -19,6 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pydiff
 from generated_paths import run_both_paths
+from pydiff.lint_statics import thread_state
 
 SOURCE = """
 import slangpy;
@@ -173,6 +181,83 @@ def test_user_overloads_of_core_functions_do_not_reach_the_kernels(device, force
     np.testing.assert_array_equal(gen[3].reshape(10, 2), 3 * ps)
     np.testing.assert_array_equal(gen[4].reshape(10, 2), np.full((10, 2), 3.0, np.float32))
     _same(gen, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# mutable static variables: a thread's state, which several elements per thread would carry
+
+STATICS = """
+import slangpy;
+static float g_count = 3.0;
+[Differentiable] float h(float a, float x) { g_count = g_count + 1.0; return a * x + g_count; }
+[Differentiable] float2 hv(float2 p, float s) { g_count = g_count + 1.0; return p * s + g_count; }
+"""
+
+
+def test_mutable_statics_keep_slangpy_path(device, forced):
+    m = pydiff.load_module_from_source("s41_statics", STATICS, device=device)
+    xs = np.arange(10, dtype=np.float32)
+
+    def run():
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        y = m.h(2.0, x)
+        m.h.bwds(2.0, x, _result=y.with_grads(grad_in=pydiff.ones(10, device=device)))
+        _, dy = m.h.fwds(
+            2.0, pydiff.tensor(xs, device=device).with_tangent(np.ones(10, np.float32))
+        )
+        p = pydiff.tensor(np.stack([xs, xs], -1), device=device, dtype="float2")
+        return [y.numpy(), x.grad.numpy(), dy.numpy(), m.hv(p, 2.0).numpy()]
+
+    gen, ref, counts = run_both_paths(forced, run)
+    np.testing.assert_array_equal(gen[0], 2 * xs + 4)  # was 4, 7, 10, 13, ... (state carried)
+    np.testing.assert_array_equal(gen[1], np.full(10, 2.0, np.float32))
+    np.testing.assert_array_equal(gen[3].reshape(10, 2), np.stack([2 * xs + 4] * 2, -1))
+    _same(gen, ref)
+    assert counts.get("forward", 0) == 0 and counts.get("fwds", 0) == 0
+    assert counts["declined: thread state in the module: 'g_count'"] >= 4
+
+
+def test_mutable_statics_scan():
+    src = """// static float commented;
+static float helper(float x) { static float inner = 0; return x; }
+struct S { static const int N = 3; static float count; static S make() { S s; return s; } };
+const static float k = 1;
+static vector<float, 3> v = float3(1, 2, 3);
+static float arr[4] = {1, 2, 3, 4};
+internal static let L = 2;
+static T gen<T>(T x) { return x; }
+"""
+    assert thread_state(src) == ["inner", "count", "v", "arr"]
+    assert thread_state("static const float K = 2.0;\nstatic float f(float x);") == []
+    assert thread_state("float f() { return CallShapeInfo::get_call_id().shape[0]; }") == [
+        "CallShapeInfo"
+    ]
+    assert thread_state("implementing slangpy;\nstatic int[4] call_id;") == []  # SlangPy's
+
+
+CALL_ID = """
+import slangpy;
+[Differentiable] float f(float a, float x)
+{ return a * x + float(CallShapeInfo::get_call_id().shape[0]); }
+"""
+
+
+def test_call_id_keeps_slangpy_path(device, forced):
+    # before: the generated kernel's pipeline failed to link at dispatch ("unresolved
+    # external symbol": SlangPy's call id is set by SlangPy's kernels only), a raw RuntimeError
+    m = pydiff.load_module_from_source("s41_call_id", CALL_ID, device=device)
+
+    def run():
+        x = pydiff.tensor(np.ones(10, np.float32), device=device, requires_grad=True)
+        y = m.f(2.0, x)
+        m.f.bwds(2.0, x, _result=y.with_grads(grad_in=pydiff.ones(10, device=device)))
+        return [y.numpy(), x.grad.numpy()]
+
+    gen, ref, counts = run_both_paths(forced, run)
+    np.testing.assert_array_equal(gen[0], 2 + np.arange(10, dtype=np.float32))
+    np.testing.assert_array_equal(gen[1], np.full(10, 2.0, np.float32))
+    _same(gen, ref)
+    assert counts["declined: thread state in the module: 'CallShapeInfo'"] == 2
 
 
 # --------------------------------------------------------------------------------------------
