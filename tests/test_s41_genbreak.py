@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pydiff
 from generated_paths import run_both_paths
+from pydiff import generated_helpers
 from pydiff.lint_statics import thread_state
+from pydiff.module_session import RESERVED_NAMES
 
 SOURCE = """
 import slangpy;
@@ -154,6 +156,14 @@ uint asuint(float v) { return 0; }
 { return c * x + a * x * x * x + b * sin(x); }
 [Differentiable] float2 v(float2 p, float s) { return p * s; }
 """
+
+
+def test_helper_module_names_are_reserved(device):
+    assert set(generated_helpers.SOURCES) <= RESERVED_NAMES
+    with pytest.raises(ValueError, match="shadow"):
+        pydiff.load_module_from_source(
+            "pydiff_gen_helpers", "float g(float x) { return x; }", device=device
+        )
 
 
 def test_user_overloads_of_core_functions_do_not_reach_the_kernels(device, forced):
