@@ -5,7 +5,7 @@ of the user's.
 A generated kernel imports the user's module to call its function, and with it every
 overload that module declares: a ``float4 asfloat(uint4)`` or ``select(bool4, float4,
 float4)`` of the user's is a better match than the core module's generic one, and a kernel
-calling them itself ran the user's (``m.f(2.0, x)`` gave 14 where 0 was right, forward,
+calling them itself ran the user's (``m.f(2.0, x)`` gave 14 everywhere, not 2x: forward,
 ``.bwds`` and ``.fwds``, while SlangPy's path was right). Compiled in these modules, the
 helpers' calls see only the core module; the kernels call them by ``pydiff_`` names.
 
