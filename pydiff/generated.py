@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import broadcast_grad, generated_switch
+from . import broadcast_grad, generated_helpers, generated_switch
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
@@ -40,7 +40,7 @@ from .generated_switch import enabled
 from .generated_switch import planned_after as planned_after
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
-from .signature import FunctionTarget, overloaded
+from .signature import FunctionTarget
 from .storage import allocate, float4_layout
 from .tensor import Tensor, float4_ready
 
@@ -86,10 +86,9 @@ def settings() -> dict[str, Any]:
 
 
 def stats() -> dict[str, int]:
-    """Calls per path since the last ``reset_stats()``: ``forward``, ``backward``, ``fwds``
-    (generated; ``backward: broadcast`` and ``backward: in tape.backward`` (or another outer
-    backward) count some of those again), ``forward_fallback``, ``backward_fallback``,
-    ``fwds_fallback`` (declined), and ``declined: <reason>`` each."""
+    """Calls per path since ``reset_stats()``: ``forward``, ``backward``, ``fwds`` (generated;
+    ``backward: broadcast``, ``backward: in <outer backward>`` count some again), declined:
+    ``forward_fallback``, ``backward_fallback``, ``fwds_fallback``, ``declined: <reason>``."""
     return dict(STATS)
 
 
@@ -157,8 +156,8 @@ def _uncovered(fn: FunctionTarget, args: list, shape: tuple) -> str | None:
     sig = fn.signature
     if not enabled():
         return "PYDIFF_GENERATED=0"
-    if fn.module.traps.get(fn.name) or overloaded(fn):  # (overloads: SlangPy picks by value)
-        return "trap findings" if fn.module.traps.get(fn.name) else "overloaded"
+    if (reason := generated_helpers.left_to_slangpy(fn)) is not None:
+        return reason  # (trap findings, overloads: SlangPy picks by value, mutable statics)
     if sig.return_type != "float":
         return f"returns {sig.return_type}"
     if len(args) != len(sig.params):
@@ -184,8 +183,8 @@ def _group(numel: int) -> int:
 
 def compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]) -> Any:
     """The kernel for ``key``, built from the source ``make()`` returns once per device (the
-    ``KERNELS_MAX`` most recently used are kept); None, remembered, if it fails to build:
-    the call falls back."""
+    ``KERNELS_MAX`` most recently used kept; the helper modules it imports loaded first);
+    None, remembered, if it fails to build: the call falls back."""
     dev = fn.module.device
     cache = dev.cached("pydiff.generated", lambda: BoundedDict(KERNELS_MAX))
     with _lock:
@@ -194,7 +193,8 @@ def compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]
     source = make()
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
     try:
-        module = dev.native.load_module_from_source(f"pydiff_gen_{fn.name}_{digest}", source)
+        name = f"pydiff_gen_{fn.name}_{digest}"
+        module = dev.native.load_module_from_source(name, generated_helpers.prepare(dev, source))
         program = dev.native.link_program([module], [module.entry_point(entry)])
         kernel = dev.native.create_compute_kernel(program)
     except Exception:  # e.g. an overload the generated call cannot pick: SlangPy's path

@@ -31,9 +31,10 @@ from typing import Any
 
 from . import grid_args
 from .buffer_pool import BoundedDict
+from .generated_helpers import left_to_slangpy
 from .grid_args import is_grid
 from .kernels import KERNELS_MAX
-from .signature import FunctionTarget, overloaded
+from .signature import FunctionTarget
 from .tensor import Tensor
 
 GROUP = 256
@@ -88,7 +89,7 @@ def _layout(fn: FunctionTarget, bound: list, natives: list | None, target: Any) 
     fields, innermost strides are 1) a tensor; None where the call is not covered.
     ``natives``: the SlangPy values a backward binds (None: a forward call); ``target``:
     the function the kernel calls (``fn``, or its masked wrapper, of the same parameters)."""
-    if fn.signature.return_type != "void" or fn.module.traps.get(fn.name) or overloaded(fn):
+    if fn.signature.return_type != "void" or left_to_slangpy(fn) is not None:
         return None
     if fn.module.device.type == "cuda":
         return None

@@ -12,7 +12,7 @@ element read once per thread), ``"z"`` (tangents only) a zero tangent.
 
 from __future__ import annotations
 
-from .kernels import float4_out_source
+from .generated_helpers import imports
 from .signature import FunctionTarget
 
 #: Threads per group for calls of more than SMALL_COUNT float4s.
@@ -23,21 +23,20 @@ GROUP = 256
 CHUNK = 2
 
 
-#: How the kernels read a float4. Typed loads read the words as uint4: a float texel load
+#: How the kernels read and write a float4 (``pydiff_load4``, ``pydiff_store4``: in a helper
+#: module, generated_helpers). Typed loads read the words as uint4: a float texel load
 #: followed by a conversion to half in the user's function is folded by Mesa into one load
 #: that rounds toward zero (half(0.3337) gave 0.33349609, not 0.33374023 as NumPy and
 #: SlangPy's path give), which a uint load followed by asfloat cannot be.
-_FLOAT4_IN = {
-    True: "typealias Float4In = Buffer<uint4>;\n"
-    "float4 load4(Float4In b, uint i) { return asfloat(b[i]); }\n",
-    False: "typealias Float4In = StructuredBuffer<float4>;\n"
-    "float4 load4(Float4In b, uint i) { return b[i]; }\n",
-}
+_FLOAT4_IN = {True: "Buffer<uint4>", False: "StructuredBuffer<float4>"}
+_FLOAT4_OUT = {True: "RWStructuredBuffer<uint64_t2>", False: "RWStructuredBuffer<float4>"}
 
 
 def _header(fn: FunctionTarget, typed_loads: bool, paired: bool) -> str:
     return (
-        f"import {fn.module.import_spec};\n{_FLOAT4_IN[typed_loads]}{float4_out_source(paired)}\n"
+        f"import {fn.module.import_spec};\n{imports(typed_loads, paired)}"
+        f"typealias Float4In = {_FLOAT4_IN[typed_loads]};\n"
+        f"typealias Float4Out = {_FLOAT4_OUT[paired]};\n\n"
     )
 
 
@@ -66,8 +65,9 @@ def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
     element: the function runs on every lane, and on the padding's stale values a loop that
     ends only for real inputs spun forever (a call of 4097 elements hung)."""
     return "".join(
-        f"        float4 pydiff_v{name}{i} = load4(pydiff_{name}{i}, pydiff_q);\n"
-        f"        if (pydiff_q + 1 == pydiff_count) pydiff_v{name}{i} = select(uint4(0, 1, 2, 3)"
+        f"        float4 pydiff_v{name}{i} = pydiff_load4(pydiff_{name}{i}, pydiff_q);\n"
+        f"        if (pydiff_q + 1 == pydiff_count)\n"
+        f"            pydiff_v{name}{i} = pydiff_select4(uint4(0, 1, 2, 3)"
         f" < pydiff_tail, pydiff_v{name}{i}, pydiff_v{name}{i}.xxxx);\n"
         for i, kind in enumerate(kinds)
         if kind == "t"
@@ -77,7 +77,7 @@ def _loads(kinds: tuple[str, ...], name: str = "a") -> str:
 def _scalar_loads(kinds: tuple[str, ...], name: str = "a") -> str:
     """Broadcast one-element tensors: read once per thread, before the loop."""
     return "".join(
-        f"    float pydiff_s{name}{i} = load4(pydiff_{name}{i}, 0).x;\n"
+        f"    float pydiff_s{name}{i} = pydiff_load4(pydiff_{name}{i}, 0).x;\n"
         for i, kind in enumerate(kinds)
         if kind == "s"
     )
@@ -117,7 +117,7 @@ def forward_source(
         _loads(kinds) + "        float4 pydiff_r;\n"
         "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n"
         f"            pydiff_r[pydiff_k] = {call};\n"
-        "        store4(pydiff_result, pydiff_q, pydiff_r);\n"
+        "        pydiff_store4(pydiff_result, pydiff_q, pydiff_r);\n"
     )
     params = _params(kinds) + ["uniform Float4Out pydiff_result"]
     return _header(fn, typed_loads, paired) + _kernel(
@@ -147,7 +147,7 @@ def backward_source(
         ]
     params += [f"uniform Float4Out pydiff_sg{i}" for i in scalars]
     wanted = sorted({i for members in sums for i in members} | set(scalars))
-    body = _loads(kinds) + "        float4 pydiff_u = load4(pydiff_up, pydiff_q);\n"
+    body = _loads(kinds) + "        float4 pydiff_u = pydiff_load4(pydiff_up, pydiff_q);\n"
     body += "".join(f"        float4 pydiff_d{i} = float4(0.0);\n" for i in wanted)
     body += "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n        {\n"
     args = []
@@ -163,19 +163,22 @@ def backward_source(
     body += " ? bool4(true) : uint4(0, 1, 2, 3) < pydiff_tail;\n"
     for j, members in enumerate(sums):
         # A tensor passed to several parameters: its partials are added into the value one
-        # after another, in parameter order (as SlangPy's path adds them into memory), each
-        # through the integer op: the compiler cannot factor d0 + d1 = a g + b g into
-        # (a + b) g, which overflows where the partials do not (mul(a, a) at a = -3e38).
+        # after another, last parameter first (as SlangPy's path adds them into memory: the
+        # backward of its loads runs in reverse), each through the integer op: the compiler
+        # cannot factor d0 + d1 = a g + b g into (a + b) g, which overflows where the
+        # partials do not (mul(a, a) at a = -3e38).
         adds = f"pydiff_o{j}"
-        for i in members:
-            adds = f"({adds} + asfloat(asuint(pydiff_d{i}) ^ pydiff_zero))"
+        for i in reversed(members):
+            adds = f"({adds} + pydiff_apart(pydiff_d{i}, pydiff_zero))"
         body += (
-            f"        float4 pydiff_o{j} = load4(pydiff_g{j}_in, pydiff_q);\n"
+            f"        float4 pydiff_o{j} = pydiff_load4(pydiff_g{j}_in, pydiff_q);\n"
             f"        float4 pydiff_n{j} = {adds};\n"
-            f"        store4(pydiff_g{j}, pydiff_q, select(pydiff_in, pydiff_n{j}, pydiff_o{j}));\n"
+            f"        pydiff_store4(pydiff_g{j}, pydiff_q,"
+            f" pydiff_select4(pydiff_in, pydiff_n{j}, pydiff_o{j}));\n"
         )
     body += "".join(
-        f"        store4(pydiff_sg{i}, pydiff_q, float4(0.0) + pydiff_d{i});\n" for i in scalars
+        f"        pydiff_store4(pydiff_sg{i}, pydiff_q, float4(0.0) + pydiff_d{i});\n"
+        for i in scalars
     )
     # pydiff_zero (0): the sum goes through an integer op the compiler cannot fold, so the
     # add into the buffer is not fused with the gradient's last product (an fma rounds once
@@ -212,8 +215,8 @@ def fwds_source(
         f"            let pydiff_pair = fwd_diff({fn.name})({', '.join(args)});\n"
         "            pydiff_r[pydiff_k] = pydiff_pair.p;\n"
         "            pydiff_dr[pydiff_k] = pydiff_pair.d;\n        }\n"
-        "        store4(pydiff_result, pydiff_q, pydiff_r);\n"
-        "        store4(pydiff_tangent, pydiff_q, pydiff_dr);\n"
+        "        pydiff_store4(pydiff_result, pydiff_q, pydiff_r);\n"
+        "        pydiff_store4(pydiff_tangent, pydiff_q, pydiff_dr);\n"
     )
     params = _params(kinds) + _params(tangents, "t")
     params += [

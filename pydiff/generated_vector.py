@@ -34,9 +34,10 @@ from .backward_scope import backward_scope
 from .determinism import is_deterministic
 from .generated import MAX_GROUPS, SMALL_COUNT, SMALL_GROUP, compiled, count, decline
 from .generated_source import GROUP
+from .generated_helpers import left_to_slangpy
 from .generated_switch import enabled
 from .generated_vector_source import backward_source, forward_source, fwds_source
-from .signature import FunctionTarget, overloaded
+from .signature import FunctionTarget
 from .storage import allocate
 from .tensor import Tensor
 
@@ -72,8 +73,8 @@ def _checked(fn: FunctionTarget, args: list) -> str | None:
     sig = fn.signature
     if not enabled():
         return "PYDIFF_GENERATED=0"
-    if fn.module.traps.get(fn.name) or overloaded(fn):
-        return "trap findings" if fn.module.traps.get(fn.name) else "overloaded"
+    if (reason := left_to_slangpy(fn)) is not None:
+        return reason
     if sig.return_type not in WIDTHS:
         return f"returns {sig.return_type}"
     if len(args) != len(sig.params):

@@ -15,6 +15,7 @@ thread), ``"z"`` (tangents only) a zero tangent.
 
 from __future__ import annotations
 
+from .generated_helpers import imports
 from .signature import FunctionTarget
 
 Layout = tuple[tuple[str, int], ...]
@@ -99,7 +100,7 @@ def _kernel(
         else "    uint pydiff_i = pydiff_tid.x;\n    if (pydiff_i < pydiff_n)\n"
     )
     return (
-        f"import {fn.module.import_spec};\n\n"
+        f"import {fn.module.import_spec};\n{imports()}\n"
         f'[shader("compute")][numthreads({group}, 1, 1)]\nvoid {entry}(\n    {joined})\n{{\n'
         f"{prologue}{walk}    {{\n{body}    }}\n}}\n"
     )
@@ -147,15 +148,16 @@ def backward_source(
     for j, members in enumerate(sums):
         width = layout[members[0]][1]
         for k in range(width):
-            # Partials added one after another in parameter order, each through the integer
+            # Partials added one after another, last parameter first (SlangPy's order: the
+            # backward of its loads runs in reverse), each through the integer
             # op the compiler cannot fold (pydiff_zero is 0): the add into the buffer is not
             # fused with the gradient's last product (an fma would round once where
             # SlangPy's path, adding into memory, rounds twice).
             index = "pydiff_i" if width == 1 else f"pydiff_i * {width} + {k}"
             adds = f"pydiff_g{j}[{index}]"
-            for i in members:
+            for i in reversed(members):
                 d = _component(f"pydiff_p{i}.d", width, k)
-                adds = f"({adds} + asfloat(asuint({d}) ^ pydiff_zero))"
+                adds = f"({adds} + pydiff_apart({d}, pydiff_zero))"
             body += f"pydiff_g{j}[{index}] = {adds};\n"
     body += "".join(f"pydiff_sg{i}[pydiff_i] = 0.0 + pydiff_p{i}.d;\n" for i in scalars)
     return _kernel(fn, "pydiff_vec_bwd", params, _scalar_loads(layout), body, group, looped)

@@ -27,6 +27,7 @@ from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
+from .lint_statics import thread_state
 from .signature import ParamInfo, Signature, stem
 
 
@@ -65,6 +66,8 @@ class Module:
         #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
         self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
         self.no_diff_fields = no_diff_fields(source) if source is not None else {}
+        #: Thread state (mutable statics, SlangPy's call id): generated kernels keep off it.
+        self.thread_state = thread_state(source) if source is not None else []
         self._function_names: list[str] | None = None
         if decl_module is not None:  # a file compiled again: its path gives the first version
             self._decl_loader = lambda: decl_module
@@ -85,6 +88,7 @@ class Module:
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
+            self.thread_state = thread_state(scan.own_text, *scan.imported_texts)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""

@@ -25,8 +25,11 @@ from . import lint_macros, lint_sources
 
 #: Modules a session holds under these names for SlangPy's and pydiff's own code: Slang's core
 #: module, SlangPy's (every generated kernel imports it), pydiff's shader library and its
-#: written-mask module (shaders/). A user module under one of them hides or replaces it.
-RESERVED_NAMES = frozenset({"core", "slangpy", "pydiff", "pydiff_written_mask"})
+#: written-mask module (shaders/), the generated kernels' helpers (generated_helpers.SOURCES).
+#: A user module under one of them hides or replaces it.
+RESERVED_NAMES = frozenset({"core", "slangpy", "pydiff", "pydiff_written_mask"}) | {
+    f"pydiff_gen_helpers{form}" for form in ("", "_t0p0", "_t1p0", "_t0p1", "_t1p1")
+}
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
