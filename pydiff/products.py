@@ -154,24 +154,20 @@ def fast_product(
     if not plan:
         return False
     _, kernel, threads, c_vec = plan
-    bindings = {
-        "a": a.buffer,
-        "b": b.buffer,
-        "c": out.buffer,
-        "beta": float(beta),
-    }
-    if not fixed:
-        bindings["M"], bindings["K"] = m, k
+    # (dispatch's bindings given apart: buffers, then numbers, in a fixed order per plan)
+    c = out.buffer
+    buffers = [("a", a.buffer), ("b", b.buffer), ("c", c)]
+    scalars = [("beta", float(beta))] if fixed else [("beta", float(beta)), ("M", m), ("K", k)]
     if c_vec:
-        bindings["c_in"] = out.buffer
+        buffers.append(("c_in", c))
     if kind == "mm_nt":
-        bindings["bias"] = (bias if bias is not None else a).buffer
+        buffers.append(("bias", (bias if bias is not None else a).buffer))
     if mask is not None:
-        bindings["mask"] = mask.buffer
+        buffers.append(("mask", mask.buffer))
     if db is not None:
-        bindings["db"] = db.buffer
+        buffers.append(("db", db.buffer))
         db.storage.wrote(kind)
-    kernels.dispatch(kernel, threads, **bindings)
+    kernels.dispatch_split(kernel, threads, buffers, scalars)
     out.storage.wrote(kind)
     return True
 
