@@ -164,3 +164,16 @@ def test_default_seed_in_a_capture_replays(device):
     _, want = _mlp64(X, Y, *[p.numpy() for p in params])
     for p, g in zip(params, want):
         np.testing.assert_allclose(p.grad.numpy(), g, rtol=1e-4, atol=1e-6)
+
+
+def test_empty_0d_on_the_fast_path(device):
+    """``pydiff.empty(())`` (a cross-entropy's loss) takes the plain-shape path: a 0-d float
+    tensor of one element, its gradient buffer 0-d too; other shapes are still refused."""
+    t = pydiff.empty((), device=device, requires_grad=True)
+    assert t.shape == () and t.dtype == "float" and t.numel == 1
+    t.copy_from_numpy(np.float32(2.5))
+    assert t.numpy().shape == () and float(t.numpy()) == 2.5
+    assert t.grad.shape == () and float(t.grad.numpy()) == 0.0
+    for bad in ((0,), (2, -1), (2.0,)):
+        with pytest.raises((ValueError, TypeError)):
+            pydiff.empty(bad, device=device)
