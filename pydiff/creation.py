@@ -128,8 +128,9 @@ def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) ->
 
 
 def _plain_shape(shape: Any) -> bool:
-    """A tuple of positive Python ints (what the ops pass): nothing to convert or refuse."""
-    if type(shape) is not tuple or not shape:
+    """A tuple of positive Python ints, or () (what the ops pass: a 0-d loss is ``()``):
+    nothing to convert or refuse."""
+    if type(shape) is not tuple:
         return False
     for d in shape:
         if type(d) is not int or d <= 0:

@@ -228,40 +228,41 @@ class Function:
         device = inputs[0][1].device if inputs else None
         outputs = own_outputs(cls, items, inputs, device)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
-        marked = ctx.marked if ctx.non_differentiable else lambda _: False
-        constant = {
-            k
-            for k, (item, o) in enumerate(zip(items, outputs))
-            if not o.differentiable or marked(item) or marked(o)
-        }
-        outputs = tuple(
-            o.detach() if k in constant and o.requires_grad else o for k, o in enumerate(outputs)
-        )
+        marked = ctx.marked if ctx.non_differentiable else None
+        constant = set()
+        for k, (item, o) in enumerate(zip(items, outputs)):
+            if not o.differentiable or (marked is not None and (marked(item) or marked(o))):
+                constant.add(k)
+        if constant:
+            outputs = tuple(
+                o.detach() if k in constant and o.requires_grad else o
+                for k, o in enumerate(outputs)
+            )
+        writer = f"{name}.forward"
         for o in outputs:
-            o.storage.wrote(f"{name}.forward")
-        if tape is not None and not any(ctx.needs_input_grad):
+            o.storage.wrote(writer)
+        needs = any(ctx.needs_input_grad)
+        if tape is not None and not needs:
             note_unrecorded(outputs, name, [t for _, t in inputs])
-        if tape is None and any(ctx.needs_input_grad):  # (.bwds of one warns: bwds_checks)
+        if tape is None and needs:  # (.bwds of one warns: bwds_checks)
             for k, o in enumerate(outputs):
                 if k not in constant:
                     gone = lambda _, i=id(o): MADE_OFF_TAPE.pop(i, None)  # noqa: E731
                     MADE_OFF_TAPE[id(o)] = (weakref.ref(o, gone), name, o.storage.version)
-        if tape is not None and any(ctx.needs_input_grad) and len(constant) < len(outputs):
+        if tape is not None and needs and len(constant) < len(outputs):
             for k, o in enumerate(outputs):
                 if k not in constant and not o.requires_grad:
                     # Zeroed by the backward in its own command list (or when read first).
                     o.requires_grad_(True, zero_later=True)
             saved = ctx.saved_versions  # an input's values as saved: forward may write it after
+            reads: list = []
+            for k, (_, t) in enumerate(inputs):
+                version = saved.get(id(t.storage))
+                if version is None:
+                    reads.append((f"input {k} of {name}", t, t.storage.version))
+                else:
+                    reads.append((f"input {k} of {name}, saved for its backward,", t, version))
             saved_ids = {id(t.storage) for t in ctx.saved_tensors if isinstance(t, Tensor)}
-            reads: list = [
-                (
-                    f"input {k} of {name}"
-                    + (", saved for its backward," if id(t.storage) in saved else ""),
-                    t,
-                    saved.get(id(t.storage), t.storage.version),
-                )
-                for k, (_, t) in enumerate(inputs)
-            ]
             reads += [  # outputs the backward reads (the inputs are read anyway)
                 (f"output {k} of {name}, saved for its backward,", o)
                 for k, o in enumerate(outputs)
@@ -405,6 +406,8 @@ def _run_backward(
                 f"{k} has shape {want} ({x.dtype}); return a gradient of the input's shape"
             )
         adds.append((k, g, x))
+    if not adds:  # (all added through grad_target, or none: no scope to open)
+        return
     with backward_scope(f"{cls.__name__}.backward") as scope:
         for k, g, x in adds:
             arr = None if isinstance(g, Tensor) else g

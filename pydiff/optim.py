@@ -66,6 +66,7 @@ class Optimizer:
         # Each kernel dispatch site's bound object (kernels.dispatch(held=)): these buffers
         # are the optimizer's own, dispatched every step.
         self._held: dict[Any, list] = {}
+        self._bindings: dict[Any, tuple] = {}  # per four-parameter site: _dispatch_four
 
     @property
     def defaults(self) -> Hyperparameters:
@@ -368,37 +369,51 @@ class Adam(Optimizer):
 
     def _dispatch_four(self, slots: list, batch: _Batch, site: int) -> None:
         """One kernel updating up to four parameters (threads split by float4 ranges)."""
-        bindings, end = {}, 0
-        chunk = slots[0][1].device.kernels.chunk
+        dev = slots[0][1].device
+        chunk = dev.kernels.chunk
+        # The bound buffers: (p, grad, m, v) of each slot (unused slots repeat the last one,
+        # with an empty range). A step that binds the very buffers of the site's last one
+        # reuses its binding lists (the names, ranges and order follow from the buffers).
+        bufs = []
         for k in range(4):
             _, p, m, v = slots[min(k, len(slots) - 1)]
-            count = -(-p.numel // 4)  # float4s
-            if k < len(slots):
-                end += -(-count // chunk)
-                p.storage.wrote(f"{type(self).__name__}.step")
-            bindings.update(
-                {
-                    f"p{k}": p.buffer,
-                    f"p{k}_in": p.buffer,
-                    f"g{k}": p.grad.buffer,
-                    f"m{k}": m.buffer,
-                    f"m{k}_in": m.buffer,
-                    f"v{k}": v.buffer,
-                    f"v{k}_in": v.buffer,
-                    f"end{k}": end,
-                    f"count{k}": count,
-                }
-            )
-        dev = slots[0][1].device
+            bufs += (p.buffer, p.grad.buffer, m.buffer, v.buffer)
+        key = (id(dev), site)
+        made = self._bindings.get(key)
+        if made is None or made[0] != (chunk, len(slots)) or not _same(made[1], bufs):
+            made = ((chunk, len(slots)), bufs, *_four_bindings(slots, bufs, chunk))
+            self._bindings[key] = made
+        _, _, buffers, fixed, end = made
+        for slot in slots:
+            slot[1].storage.wrote(f"{type(self).__name__}.step")
         batch.join(slots[0][1])
         kernel = dev.kernels.get(
             "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
         )
-        held = self._held.setdefault((id(dev), site), [])
-        # (unused slots repeat the last one, with an empty range)
-        ks = tuple(slot[0] for slot in slots)
-        hyper = functools.partial(self._hyper_four, ks)
-        dev.kernels.dispatch(kernel, end, dynamic=hyper, held=held, **bindings)
+        hyper = functools.partial(self._hyper_four, tuple(slot[0] for slot in slots))
+        scalars = fixed + list(hyper().items())  # (as dispatch(dynamic=) binds them)
+        held = self._held.setdefault(key, [])
+        dev.kernels.dispatch_split(kernel, end, buffers, scalars, dynamic=hyper, held=held)
+
+
+def _same(kept: list, bufs: list) -> bool:
+    """``bufs`` are exactly the buffer objects ``kept``, in order."""
+    return len(kept) == len(bufs) and all(a is b for a, b in zip(kept, bufs))
+
+
+def _four_bindings(slots: list, bufs: list, chunk: int) -> tuple[list, list, int]:
+    """The four-parameter kernel's ``(name, buffer)`` and ``(name, range)`` bindings for
+    ``slots`` (``bufs``: each slot's p, grad, m, v buffers) and its thread count."""
+    buffers, fixed, end = [], [], 0
+    for k in range(4):
+        p, g, m, v = bufs[4 * k : 4 * k + 4]
+        count = -(-slots[min(k, len(slots) - 1)][1].numel // 4)  # float4s
+        if k < len(slots):
+            end += -(-count // chunk)
+        names = (f"p{k}", f"p{k}_in", f"g{k}", f"m{k}", f"m{k}_in", f"v{k}", f"v{k}_in")
+        buffers += zip(names, (p, p, g, m, m, v, v))
+        fixed += [(f"end{k}", end), (f"count{k}", count)]
+    return buffers, fixed, end
 
 
 class AdamW(Adam):

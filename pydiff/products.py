@@ -11,6 +11,7 @@ backends).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import slangpy as spy
@@ -23,6 +24,7 @@ from .tensor import Tensor, float4_ready
 import numpy as np
 
 
+@functools.lru_cache(maxsize=1024)  # (a pure function of its numbers: each op asks again)
 def blocking(
     kind: str, m: int, n: int, k: int, accumulators: int | None = None
 ) -> tuple[int, int] | None:
@@ -154,24 +156,20 @@ def fast_product(
     if not plan:
         return False
     _, kernel, threads, c_vec = plan
-    bindings = {
-        "a": a.buffer,
-        "b": b.buffer,
-        "c": out.buffer,
-        "beta": float(beta),
-    }
-    if not fixed:
-        bindings["M"], bindings["K"] = m, k
+    # (dispatch's bindings given apart: buffers, then numbers, in a fixed order per plan)
+    c = out.buffer
+    buffers = [("a", a.buffer), ("b", b.buffer), ("c", c)]
+    scalars = [("beta", float(beta))] if fixed else [("beta", float(beta)), ("M", m), ("K", k)]
     if c_vec:
-        bindings["c_in"] = out.buffer
+        buffers.append(("c_in", c))
     if kind == "mm_nt":
-        bindings["bias"] = (bias if bias is not None else a).buffer
+        buffers.append(("bias", (bias if bias is not None else a).buffer))
     if mask is not None:
-        bindings["mask"] = mask.buffer
+        buffers.append(("mask", mask.buffer))
     if db is not None:
-        bindings["db"] = db.buffer
+        buffers.append(("db", db.buffer))
         db.storage.wrote(kind)
-    kernels.dispatch(kernel, threads, **bindings)
+    kernels.dispatch_split(kernel, threads, buffers, scalars)
     out.storage.wrote(kind)
     return True
 
@@ -307,22 +305,22 @@ def linear_backward_narrow(
     )
     # absent gradients bind a buffer of the right kind that the kernel never touches
     dx_buffer = (dx if dx is not None else dw).buffer
-    bindings = {
-        **(cross_entropy if cross_entropy is not None else {"g": g.buffer}),
-        "x": x.buffer,
-        "w": w.buffer,
-        "dx": dx_buffer,
-        "dx_in": dx_buffer,
-        "dw": dw.buffer,
-        "dw_in": dw.buffer,
-        "db": (db if db is not None else g).buffer,
-        "beta": 1.0,
-    }
-    if not fixed:
-        bindings["B"] = batch
+    dw_buffer = dw.buffer
+    buffers = list(cross_entropy.items()) if cross_entropy is not None else [("g", g.buffer)]
+    buffers += [
+        ("x", x.buffer),
+        ("w", w.buffer),
+        ("dx", dx_buffer),
+        ("dx_in", dx_buffer),
+        ("dw", dw_buffer),
+        ("dw_in", dw_buffer),
+        ("db", (db if db is not None else g).buffer),
+    ]
     if mask is not None:
-        bindings["mask"] = mask.buffer
-    g.device.kernels.dispatch(kernel, n_in // 8, **bindings)
+        buffers.append(("mask", mask.buffer))
+    kernels.dispatch_split(
+        kernel, n_in // 8, buffers, [("beta", 1.0)] + ([] if fixed else [("B", batch)])
+    )
     for t in (dx, dw, db):
         if t is not None:
             t.storage.wrote("linear_bwd_narrow")

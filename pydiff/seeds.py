@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+import slangpy as spy
 
 from . import capturing
 
@@ -88,3 +89,39 @@ def tensor_seed(t: Any) -> np.ndarray:
         advice = "A replay seeds the values it held then: pass an array, or capture again."
         capturing.check_on_replay("tape.backward: grad", still_same, advice)
     return values
+
+
+#: Per device, a buffer holding float 1.0 (four of them: a float4): the default seed of a
+#: one-element output, copied on the device instead of uploaded from the host each backward
+#: (an upload allocates and fills staging memory: ~9 us a step against ~1 us).
+_ONES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def prepare_one(device: Any) -> None:
+    """Create ``device``'s 1.0 buffer for ``copy_one`` if it has none (before a backward
+    takes the queue's lock: creating it submits the device's pending work)."""
+    if device not in _ONES:
+        ones = np.ones(4, np.float32)
+        _ONES[device] = device.native.create_buffer(
+            size=16, usage=spy.BufferUsage.copy_source, data=ones
+        )
+
+
+def copy_one(upstream: Any, encoder: Any) -> bool:
+    """Record ``upstream`` (a one-element tensor's gradient) = 1.0 into ``encoder``, the
+    default seed of ``tape.backward`` (call with the queue's lock held, after
+    ``prepare_one``); False, nothing done, where it is not a float at the start of its
+    buffer or a capture is recording (its seed is a recorded upload, replayed as one)."""
+    one = _ONES.get(upstream.device)
+    if one is None or upstream.dtype != "float" or not upstream.dense:
+        return False
+    if capturing.recording() is not None:
+        return False
+    encoder.copy_buffer(upstream.buffer, 0, one, 0, 4)
+    upstream.wrote_from_outside()
+    return True
+
+
+def seed_or_ones(seed: np.ndarray | None, shape: tuple) -> np.ndarray:
+    """``seed``, or ones of ``shape`` where it is None (``tape.backward``'s default)."""
+    return np.ones(shape) if seed is None else seed

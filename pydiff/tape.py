@@ -21,7 +21,7 @@ from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
-from .seeds import seed_values, tensor_seed
+from .seeds import copy_one, prepare_one, seed_or_ones, seed_values, tensor_seed
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 from .unrecorded import check_versions, copied_from, not_recorded
@@ -327,14 +327,14 @@ class Tape:
         upstream = output.grad_in
         want = output.expected_numpy_shape()
         if grad is None:
-            seed = np.ones(want)
+            seed = None  # 1 (one element): copied on the device where it can be (copy_one)
         else:
             if isinstance(grad, Tensor):  # (a capture's replay checks it still holds them)
                 grad = tensor_seed(grad)
             seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
-        if seed.size == 1 and math.prod(want) == 1:
+        if seed is not None and seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
-        if seed.shape != want:
+        if seed is not None and seed.shape != want:
             raise ValueError(
                 f"tape.backward: grad has shape {seed.shape}, the output needs "
                 f"{output.expected_numpy_shape()}"
@@ -343,6 +343,7 @@ class Tape:
         # is recorded here: on an idle second core the step's wall time drops 0.78 -> 0.68 ms
         # (MLP step; one more submission, ~35 us of CPU: docs/benchmarks.md, Host cost per op).
         output.device.flush()
+        prepare_one(output.device)
         # A captured backward is batched whatever PYDIFF_TAPE_BATCH says: its seed is then a
         # recorded upload, where unbatched it is a host write a replay cannot repeat.
         batch = _BATCH or capturing.recording() is not None
@@ -362,8 +363,10 @@ class Tape:
                 for entry in entries:
                     for t in entry.writes:
                         t.zero_grad(encoder)
-                if encoder is None or not upstream.upload(seed, encoder):
-                    upstream.copy_from_numpy(seed)
+                if seed is None and encoder is not None and copy_one(upstream, encoder):
+                    pass
+                elif encoder is None or not upstream.upload(seed_or_ones(seed, want), encoder):
+                    upstream.copy_from_numpy(seed_or_ones(seed, want))
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             run = BackwardRun(self._entries, entries)
             token = running.set(run)
