@@ -60,3 +60,75 @@ def test_host_copy_of_a_non_contiguous_source_keeps_the_mark(device):
         return (w * x).sum()
 
     np.testing.assert_allclose(pydiff.grad(g)(X), X, rtol=1e-6)
+
+
+# --- 4/5. a Function's backward: what it wrote before raising; float64 past float32 -------
+
+
+class _Returns(pydiff.Function):
+    ret = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Returns.ret == "target":  # adds through grad_target, then raises
+            t = ctx.grad_target(0)
+            t.copy_from_numpy(t.numpy() + 100.0)
+            raise ValueError("the user's backward fails")
+        return _Returns.ret() if callable(_Returns.ret) else _Returns.ret
+
+
+def _backward_of(device, ret, policy="accumulate"):
+    _Returns.ret = ret
+    x = pydiff.tensor(X.astype(np.float32), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.ones(3, np.float32))
+    with pydiff.zero_policy(policy):
+        with pydiff.Tape() as tape:
+            s = (_Returns.apply(x * 3.0) + x).sum()
+        tape.backward(s)
+    return x
+
+
+@pytest.mark.parametrize("policy", ["reset", "accumulate", "strict"])
+def test_function_backward_raising_after_grad_target_changes_nothing(device, policy):
+    # A Function's backward runs only inside a tape's backward, which keeps and puts back
+    # every gradient it wrote, grad_target's included (checked: x.grad stays all ones).
+    with pytest.raises(ValueError, match="the user's backward fails"):
+        _backward_of(device, "target", policy)
+    x = pydiff.tensor(X.astype(np.float32), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.ones(3, np.float32))
+    _Returns.ret = "target"
+    with pydiff.Tape() as tape:
+        s = (_Returns.apply(x * 3.0) + x).sum()
+    with pytest.raises(ValueError):
+        tape.backward(s)
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["array", "double tensor"])
+def test_function_backward_beyond_float32_is_refused(device, kind):
+    # Before: a float64 gradient of 1e39 (finite) for a float input was added as inf, without
+    # a word (PyTorch casts it to the input's dtype the same way). Now refused, naming the
+    # Function and the input, and no gradient changes.
+    big = np.array([1e39, 1.0, 2.0])
+
+    def ret():
+        return big if kind == "array" else pydiff.tensor(big, dtype="double", device=device)
+
+    _Returns.ret = ret
+    x = pydiff.tensor(X.astype(np.float32), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.ones(3, np.float32))
+    with pydiff.Tape() as tape:
+        s = (_Returns.apply(x * 3.0) + x).sum()
+    with pytest.raises(OverflowError, match=r"_Returns\.backward\(\) gradient 0 .*input 0.*1e\+39"):
+        tape.backward(s)
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(3, np.float32))
+    # values in range, and an inf or NaN returned as such, are added as they are (x.grad:
+    # 1 before, + 1 through "+ x", + 3 * the returned gradient through "x * 3.0")
+    x = _backward_of(device, lambda: np.array([1e30, np.inf, np.nan]))
+    got = x.grad.numpy()
+    np.testing.assert_allclose(got[0], 3e30, rtol=1e-6)
+    assert got[1] == np.inf and np.isnan(got[2])
