@@ -132,3 +132,37 @@ def test_function_backward_beyond_float32_is_refused(device, kind):
     got = x.grad.numpy()
     np.testing.assert_allclose(got[0], 3e30, rtol=1e-6)
     assert got[1] == np.inf and np.isnan(got[2])
+
+
+# --- 3. a GradientFlowWarning made an error, on the generated kernels' path ---------------
+
+NODIFF = """
+[Differentiable] float f(float a, no_diff float b) { return a * a * b; }
+"""
+
+
+def test_gradient_flow_warning_as_error_zeroes_nothing(device):
+    # Before: under RESET, a .bwds taking the generated kernels' path zeroed a.grad, then
+    # the warning for b (no_diff, requires a gradient) raised under -W error: a.grad lost
+    # its 5s. Now every warning comes before any zeroing: a refused call changes nothing.
+    import warnings
+
+    import pydiff.generated as generated
+
+    m = pydiff.load_module_from_source("s41_nodiff", NODIFF, device=device)
+    n = generated.MIN_ELEMENTS
+    a_np = np.linspace(-1, 1, n).astype(np.float32)
+    a = pydiff.tensor(a_np, device=device, requires_grad=True)
+    b = pydiff.tensor(np.full(n, 3.0, np.float32), device=device, requires_grad=True)
+    a.grad.copy_from_numpy(np.full(n, 5.0, np.float32))
+    up = pydiff.tensor(np.ones(n, np.float32), device=device)
+    y = pydiff.zeros((n,), device=device).with_grads(grad_in=up)
+    with pydiff.zero_policy("reset"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(pydiff.GradientFlowWarning, match="parameter 'b' is no_diff"):
+            m.f.bwds(a, b, _result=y)
+    np.testing.assert_array_equal(a.grad.numpy(), np.full(n, 5.0, np.float32))
+    with pydiff.zero_policy("reset"), warnings.catch_warnings():  # warned: runs, reset first
+        warnings.simplefilter("ignore")
+        m.f.bwds(a, b, _result=y)
+    np.testing.assert_allclose(a.grad.numpy(), 6.0 * a_np, rtol=1e-6)
