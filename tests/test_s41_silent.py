@@ -166,3 +166,56 @@ def test_gradient_flow_warning_as_error_zeroes_nothing(device):
         warnings.simplefilter("ignore")
         m.f.bwds(a, b, _result=y)
     np.testing.assert_allclose(a.grad.numpy(), 6.0 * a_np, rtol=1e-6)
+
+
+# --- 6. a gradient buffer read as data under RESET ---------------------------------------
+
+MUL = """
+[Differentiable] float f(float a, float b) { return a * b; }
+"""
+
+
+@pytest.mark.parametrize("where", ["eager", "tape", "tape after a plan"])
+def test_gradient_buffer_read_as_data_under_reset_is_refused(device, where):
+    # Before: f.bwds(x, x.grad) under RESET zeroed x.grad, then read it as b: x.grad came
+    # out 0 where d(a*b)/da = b = 2 (the value passed) is right. Now refused (ValueError
+    # naming both parameters) with x.grad unchanged; a copy gives the right 2.
+    m = pydiff.load_module_from_source("s41_mul", MUL, device=device)
+    n = 8
+    x = pydiff.tensor(np.linspace(-1, 1, n), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+    up = pydiff.zeros((n,), device=device).with_grads(
+        grad_in=pydiff.tensor(np.ones(n, np.float32), device=device)
+    )
+    if where == "tape after a plan":  # a plan of this layout (ACCUMULATE): 2 + 2
+        m.f.bwds(x, x.grad.copy_values(), _result=up)
+        np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 4.0, np.float32))
+        x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+        m.f.bwds(x, x.grad.copy_values(), _result=up)
+        x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+
+    def call(b):
+        if where == "eager":
+            m.f.bwds(x, b, _result=up)
+            return
+
+        class F(pydiff.Function):
+            @staticmethod
+            def forward(ctx, z):
+                return z * 1.0
+
+            @staticmethod
+            def backward(ctx, g):
+                m.f.bwds(x, b() if callable(b) else b, _result=up)
+                return (None,)
+
+        with pydiff.Tape() as tape:
+            s = F.apply(x * 1.0).sum()
+        tape.backward(s)
+
+    with pydiff.zero_policy("reset"):
+        with pytest.raises(ValueError, match=r"parameter 'b' reads the gradient buffer of .*'a'"):
+            call(x.grad)
+        np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
+        call(x.grad.copy_values())
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
