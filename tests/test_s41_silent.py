@@ -219,3 +219,47 @@ def test_gradient_buffer_read_as_data_under_reset_is_refused(device, where):
         np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
         call(x.grad.copy_values())
     np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
+
+
+# --- 2. may refuse: per (function, argument layout) --------------------------------------
+
+LOOP = """import slangpy;
+[Differentiable] float prod2(float a, float b) { return a * b; }
+[Differentiable]
+float wsum(float a, IDiffTensor<float, 1> x)
+{
+    float acc = 0.0;
+    int n = x.shape[0];
+    [MaxIters(8)]
+    for (int k = 0; k < n; k++) acc += a * x[k] * x[k];
+    return acc;
+}
+"""
+
+
+def test_a_layout_refused_after_another_ran_leaves_every_gradient(device):
+    # Before: wsum's backward ran for x of length 8, so a tape of it was taken as one that
+    # refuses nothing; for x of length 16 (past MaxIters(8)) its backward is refused after
+    # prod2's entry added into w.grad: w.grad came out 12.02.. where 9 (unchanged) is right.
+    # Now what ran is known per argument layout: the tape keeps the buffers and puts them back.
+    m = pydiff.load_module_from_source("s41_loop", LOOP, device=device)
+    a = np.linspace(0.5, 2.0, 4)
+    at = pydiff.tensor(a, device=device)
+
+    def step(k):
+        xs = np.linspace(-1.0, 1.0, k)
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        w = pydiff.tensor(np.full(4, 3.0), device=device, requires_grad=True)
+        w.grad.copy_from_numpy(np.full(4, 9.0, np.float32))
+        with pydiff.Tape() as tape:
+            h = m.wsum(at, x, _result="tensor")
+            y = m.prod2(w, h, _result="tensor")
+        return tape, y, w, xs
+
+    tape, y, w, xs = step(8)
+    tape.backward(y, grad=np.ones(4, np.float32))
+    np.testing.assert_allclose(w.grad.numpy(), 9.0 + a * np.sum(xs * xs), rtol=1e-5)
+    tape, y, w, _ = step(16)
+    with pytest.raises(ValueError, match=r"runs 16 times.*MaxIters\(8\)"):
+        tape.backward(y, grad=np.ones(4, np.float32))
+    np.testing.assert_array_equal(w.grad.numpy(), np.full(4, 9.0, np.float32))
