@@ -207,8 +207,9 @@ def _fits(name: str, k: int, arr: np.ndarray, x: Tensor) -> None:
         lost = np.isfinite(arr) & ~np.isfinite(arr.astype(host))
     if lost.any():
         at = tuple(int(i) for i in np.argwhere(lost)[0])
+        value = float(arr[at])
         raise GradientOverflowError(
-            f"{name}.backward() gradient {k} (for input {k}, {x.dtype}) holds {float(arr[at])!r} at "
+            f"{name}.backward() gradient {k} (for input {k}, {x.dtype}) holds {value!r} at "
             f"{at}, finite but beyond the range of {x.scalar_type} ({np.finfo(host).max:.4g}): "
             "it would be added as inf. Scale the loss or the gradient, or keep the input in a "
             "wider dtype"
