@@ -361,8 +361,8 @@ def backward_call(
     """``fn.bwds(*args, **kwargs)``. ``prior``: ids of the storages (``id(t.storage)``) that
     the call overwrites while a tape's graph still needs their values before it (their
     gradients are cleared where the call wrote them). ``tried``: its plan declined it."""
-    key = layout_key(args, kwargs) if not prior else None
-    plan = fn.bwds_plans.get(key)  # a layout run before (None is never a key): per-call work
+    key = layout_key(args, kwargs)  # (no plan with prior; the layout's backward ran: kept)
+    plan = fn.bwds_plans.get(key) if not prior else None  # a layout run before: per-call work
     run = plan is not None and not tried
     if run and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
         return

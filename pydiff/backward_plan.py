@@ -132,6 +132,9 @@ class BackwardPlan:
             if g.storage is upstream:
                 return DECLINED  # refused by the full path
             grads[i] = g
+        for i, _ in self.data if grads else ():  # a gradient buffer read as data (x.grad):
+            if any(args[i].storage is g.storage for g in grads.values()):  # RESET would
+                return DECLINED  # clear it first: the full path refuses it (bwds_checks)
         if launch is None:
             native = plan_natives(fn, args, self.floats, self.numbers, dev)
         else:  # (the kernel binds the numbers itself: their range checks only)

@@ -19,10 +19,12 @@ import numpy as np
 import slangpy as spy
 
 from .arguments import PLAIN, map_tensors, nested_tensors
+from .backward_scope import active_scope
 from .call_shape import result_type
 from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
+from .policy import ZeroPolicy, get_zero_policy
 from .unrecorded import made_off_tape
 from .signature import FunctionTarget, ParamInfo, field_at
 from .stale_reads import refuse_stale_reads
@@ -201,6 +203,30 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
                     "own (x.with_grads(...))"
                 )
     _refuse_read_gradient(fn, bound)
+    _refuse_read_reset(fn, bound)
+
+
+def _refuse_read_reset(fn: FunctionTarget, bound: list) -> None:
+    """A tensor the call reads that is the gradient buffer the RESET policy clears before
+    this backward adds into it (``f.bwds(x, x.grad)``): the call would read zeros, a silent
+    0 for what depends on them. (Under ACCUMULATE each element is read and added by one
+    thread: kept.)"""
+    resets: dict[int, str] = {}
+    scope = active_scope()  # (an enclosing backward: a buffer it reset already is not again)
+    for p, v in bound:
+        if type(v) is Tensor and p.differentiable and (g := v.grad_out) is not None:
+            if (v.zero_policy or get_zero_policy()) is ZeroPolicy.RESET and not (
+                scope is not None and scope.applied(g)
+            ):
+                resets.setdefault(id(g.storage), p.name)
+    for p, v in bound if resets else ():
+        if type(v) is Tensor and p.reads_value and id(v.storage) in resets:
+            raise ValueError(
+                f"{fn.bwds_label}: parameter '{p.name}' reads the gradient buffer of parameter "
+                f"'{resets[id(v.storage)]}', which the RESET zeroing policy clears before this "
+                "backward adds into it: the call would read zeros. Pass a copy "
+                f"({p.name}.copy_values()) or run it under another zeroing policy"
+            )
 
 
 def _refuse_read_gradient(fn: FunctionTarget, bound: list) -> None:

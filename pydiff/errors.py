@@ -143,7 +143,8 @@ class GradcheckError(PydiffError, AssertionError):
 
 
 class GradientOverflowError(PydiffError, OverflowError):
-    """A fixed-point gradient's finite contribution or partial sum left its range (inf and
+    """A fixed-point gradient's finite contribution or partial sum left its range, or a
+    ``Function.backward`` returned finite values beyond the input dtype's range (inf and
     NaN are carried, as IEEE sums give them)."""
 
 

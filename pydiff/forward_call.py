@@ -401,7 +401,8 @@ def _record(
         backward_call(fn, bwd_values, dict(extra), prior)
 
     had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
-    refuse = written_mask.may_be_counted(fn, bound, prior, key) or may_refuse(fn)  # (restoring)
+    refuse = written_mask.may_be_counted(fn, bound, prior, key)  # (restoring)
+    refuse = refuse or may_refuse(fn, layout_key(bwd_values, extra))  # (the backward's layout)
     tape.record(
         fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, may_refuse=refuse
     )

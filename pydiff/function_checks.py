@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .creation import tensor as make_tensor
-from .errors import warn_once
+from .errors import GradientOverflowError, warn_once
 from .tensor import Tensor
 
 
@@ -167,6 +167,8 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
         what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
         if isinstance(g, Tensor) and g.scalar_type == "bool":
             raise _boolean(what, k, cls, inputs)
+        if isinstance(g, Tensor) and g.scalar_type == "double" and inputs[k].requires_grad:
+            _fits(name, k, g.numpy(), inputs[k])  # (added on the host, in the input's dtype)
         if g is None or isinstance(g, Tensor):
             checked.append(g)
             continue
@@ -186,7 +188,32 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
         if arr.dtype.kind == "b":
             raise _boolean(what, k, cls, inputs)
         checked.append(arr.astype(np.float64))  # integers are numbers (as PyTorch takes them)
+        if inputs[k].requires_grad:
+            _fits(name, k, checked[-1], inputs[k])
     return tuple(checked)
+
+
+_HOST = {"float": np.float32, "half": np.float16}
+
+
+def _fits(name: str, k: int, arr: np.ndarray, x: Tensor) -> None:
+    """Refuse a gradient with finite values that become inf in input ``k``'s dtype (float32,
+    half): PyTorch casts such a gradient to the input's dtype without a word (inf). An inf or
+    NaN returned as such is kept, as PyTorch keeps it."""
+    host = _HOST.get(x.scalar_type)
+    if host is None or arr.dtype == host:
+        return
+    with np.errstate(over="ignore"):
+        lost = np.isfinite(arr) & ~np.isfinite(arr.astype(host))
+    if lost.any():
+        at = tuple(int(i) for i in np.argwhere(lost)[0])
+        value = float(arr[at])
+        raise GradientOverflowError(
+            f"{name}.backward() gradient {k} (for input {k}, {x.dtype}) holds {value!r} at "
+            f"{at}, finite but beyond the range of {x.scalar_type} ({np.finfo(host).max:.4g}): "
+            "it would be added as inf. Scale the loss or the gradient, or keep the input in a "
+            "wider dtype"
+        )
 
 
 def _boolean(what: str, k: int, cls: type, inputs: list[Tensor]) -> TypeError:

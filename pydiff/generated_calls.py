@@ -149,10 +149,11 @@ def call_backward_in_scope(
         return False
 
     def before() -> None:
-        for p, v, grad in owners:
-            if grad is None:
+        for p, v, grad in owners:  # every warning first: one made an error (-W error) must
+            if grad is None:  # find no buffer zeroed yet (RESET), so nothing changes
                 warn_no_gradient(fn, p, v)
-            else:
+        for p, v, grad in owners:
+            if grad is not None:
                 scope.before_accumulate(v, grad, f"{fn.label}: parameter '{p.name}'")
 
     backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward

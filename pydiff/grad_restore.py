@@ -142,21 +142,34 @@ def _copy(device: Any, dst: Any, src: Any, nbytes: int) -> None:
             encoder.copy_buffer(dst, 0, src, 0, nbytes)
 
 
-_RAN: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions whose .bwds completed once
+# {function: the argument layouts (plan_layout.layout_key) whose .bwds completed}: a layout
+# that SlangPy or pydiff refuses (a loop past its MaxIters for a longer tensor, a binding)
+# may follow one that ran, so what ran is known per layout, not per function.
+_RAN: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
 
-def backward_ran(fn: Any) -> None:
-    """``fn.bwds`` completed (its backward kernel compiled): a tape's backward of it is not
-    expected to refuse part-way any more (``may_refuse``)."""
-    _RAN.add(fn)
+def backward_ran(fn: Any, layout: Any) -> None:
+    """``fn.bwds`` of argument layout ``layout`` completed (its backward kernel compiled, its
+    checks passed): a tape's backward of a call of that layout is not expected to refuse
+    part-way any more (``may_refuse``). ``layout`` None (keywords, structs): not known."""
+    if layout is None:
+        return
+    done = _RAN.get(fn)
+    if done is None:
+        _RAN[fn] = done = set()
+    if len(done) < 256:  # (a bound: more layouts are simply kept on every tape)
+        done.add(layout)
 
 
-def may_refuse(fn: Any) -> bool:
-    """Whether a tape's backward of a recorded call of ``fn`` may raise part-way: its
-    ``.bwds`` never completed yet (Slang may refuse to build the backward kernel of a
-    ``[ForwardDifferentiable]``-only function: a TypeError, found only then), or it adds
-    fixed-point gradients (``may_overflow``)."""
-    return fn not in _RAN or may_overflow(fn)
+def may_refuse(fn: Any, layout: Any) -> bool:
+    """Whether a tape's backward of a recorded call of ``fn`` whose backward has argument
+    layout ``layout`` may raise part-way: its ``.bwds`` never completed for that layout
+    (Slang may refuse to build the backward kernel of a ``[ForwardDifferentiable]``-only
+    function: a TypeError, found only then; a loop past its ``[MaxIters]`` for a longer
+    tensor; a layout SlangPy cannot bind), or it adds fixed-point gradients
+    (``may_overflow``)."""
+    done = _RAN.get(fn)
+    return done is None or layout not in done or may_overflow(fn)
 
 
 def may_overflow(fn: Any) -> bool:

@@ -207,7 +207,7 @@ def remember_bwds(
 ) -> None:
     """Keep the plan for the ``.bwds`` layout ``key`` that the full path just ran (``call``:
     its builder, when it took the general path)."""
-    backward_ran(fn)  # (a tape's backward of it: not expected to refuse part-way)
+    backward_ran(fn, key)  # (a tape's backward of this layout: not expected to refuse)
     if key is None or prior or len(args) != len(fn.params) or key in fn.bwds_plans:
         return  # (a plan there declined this call: the same plan again)
     if len(key) != len(args) + 2 * (result is not MISSING):

@@ -238,10 +238,7 @@ class Tensor(GradBuffers, TensorOperators):
 
     def upload(self, data: Any, encoder: Any) -> bool:
         """Record a copy of float ``data`` (of this tensor's shape) into ``encoder``, in order
-        with its other commands; False (nothing done) unless the storage takes raw floats.
-
-        >>> if not t.upload(values, encoder): t.copy_from_numpy(values)
-        """
+        with its other commands; False (nothing done) unless the storage takes raw floats."""
         n = self._native
         if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
             return False
@@ -265,8 +262,12 @@ class Tensor(GradBuffers, TensorOperators):
         ``before.copy_(x)``. Values with a gradient path (or copied from such) are marked."""
         if not isinstance(src, Tensor) or (self.shape, self.dtype) != (src.shape, src.dtype):
             raise copy_refusal(self, src)
-        if not (src.native.is_contiguous() and self._native.is_contiguous()):
-            return forward_trace.replaced(self.copy_from_numpy(src.numpy()), src)
+        graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
+        graph = graph or tensor_methods.call("copied_from", src) is not None  # (through calls)
+        if not (src.native.is_contiguous() and self._native.is_contiguous()):  # (by the host)
+            if self.copy_from_numpy(src.numpy(), caller="Tensor.copy_") is self and graph:
+                self.storage.wrote(COPY_FROM_GRAPH, True)  # (marked as below)
+            return forward_trace.replaced(self, src)
         capturing.refuse("a device copy (copy_/clone)")
         native = self._device.native
         stride = src.element_type.buffer_layout.stride
@@ -281,8 +282,6 @@ class Tensor(GradBuffers, TensorOperators):
                 src.native.element_count * stride,
             )
             native.submit_command_buffer(encoder.finish())
-        graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
-        graph = graph or tensor_methods.call("copied_from", src) is not None  # (through calls)
         self.storage.holds_result_of = src.storage.holds_result_of
         self.storage.wrote(COPY_FROM_GRAPH if graph else "a device copy", True)
         return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent
@@ -378,12 +377,12 @@ class Tensor(GradBuffers, TensorOperators):
         return forward_trace.derived(self, view, lambda t: t.reshape(shape))  # its tangent too
 
     def copy_values(self) -> "Tensor":
-        """A copy of the values in new storage, never recorded: no gradient path (``clone``).
-
-        >>> before = x.copy_values()
-        """
+        """``before = x.copy_values()``: new storage, never recorded, no gradient path (``clone``
+        has one); values ``copy_`` took from a gradient path stay marked (refused there)."""
         copy = Tensor(allocate(self._device, self._shape, self._element), self._device)
-        copy.copy_(self).storage.last_writer = "a snapshot (copy_values)"  # a constant on purpose
+        marked = tensor_methods.call("copied_from", self) is not None  # (copy_'s mark: kept)
+        if copy.copy_(self) is copy and not marked:  # else a constant on purpose
+            copy.storage.last_writer = "a snapshot (copy_values)"
         return forward_trace.view_of(self, copy, lambda t: t.copy_values())
 
     def backward(self, grad: Any = None, *, retain_graph: bool = True) -> None:
