@@ -210,11 +210,16 @@ def damaged(modules: Path, shaders: Path) -> list[str]:
 
 def discard_new(paths: tuple[str, str] | None) -> None:
     """Remove the cache folders ``prepare`` made for a device that then failed to open (SlangPy
-    creates its shader database even then); folders that existed before are kept."""
+    creates its shader database even then); folders that existed before are kept, and so are
+    those of another device of this process that opened on them."""
     if paths is not None:
-        _held_shaders.discard(os.path.realpath(paths[1]))  # (never opened: free again)
-        type_dir = Path(paths[0]).parent
-        if str(type_dir) in _created:
+        shaders = Path(paths[1])
+        _held_shaders.discard(os.path.realpath(shaders))  # (never opened: free again)
+        type_dir = shaders.parent
+        inside = os.path.realpath(type_dir) + os.sep
+        if any(held.startswith(inside) for held in _held_shaders):
+            shutil.rmtree(shaders, ignore_errors=True)  # only the failed device's database
+        elif str(type_dir) in _created:
             shutil.rmtree(type_dir, ignore_errors=True)
 
 
