@@ -110,4 +110,3 @@ def test_each_device_of_a_process_gets_its_own_shader_database(tmp_path):
     assert not Path(third[1]).exists()
     assert (Path(first[1]) / "rhi" / "data.mdb").exists() and Path(second[1]).is_dir()
     assert Path(compile_cache.prepare(cache, "vulkan")[1]).name == "shaders-3"
-
