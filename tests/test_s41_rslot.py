@@ -3,9 +3,11 @@ of which opens a second device on that cache (other include paths).
 
 The second device's cache check used to open and close the shader database's ``lock.mdb``
 that the first device held: closing any descriptor of it drops the process's LMDB locks, the
-other process then took the database for unused and reset its reader table, and every later
-lookup and store of the first process failed (``Failed to query cache ... MDB_BAD_RSLOT``):
-noise on stderr, and every kernel compiled again, in that run and the next. Now each device
+other process then took the first for gone and freed its reader slot, and every later lookup
+and store of the first process failed (``Failed to query cache ... MDB_BAD_RSLOT``): noise on
+stderr, and each kernel compiled again, in that run and the next. (In the suite: a worker ran
+tests/test_s40_percall.py, whose second device compiles nothing, so nothing took the locks
+again, while the other worker opened devices.) Now each device
 of a process has its own shader database, and only one no device of the process holds is
 checked. Gradients are checked against closed forms (d/dx k*x^2 = 2*k*x)."""
 
