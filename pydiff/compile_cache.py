@@ -34,6 +34,11 @@ ENV_MAX_MB = "PYDIFF_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 1024
 _warned: set[str] = set()
 _created: set[str] = set()  # type folders this process made (see discard_new)
+# Shader databases (LMDB) this process has handed to a device: LMDB must never be opened twice
+# in one process, nor its lock file opened and closed by anyone else in it (that drops the
+# process's locks, and another process then resets the reader table under it: every later
+# lookup and store of this process fails with MDB_BAD_RSLOT). See shader_slot.
+_held_shaders: set[str] = set()
 
 
 def default_root() -> Path:
@@ -102,6 +107,22 @@ def paths_for(base: Path, device_type: str) -> tuple[Path, Path]:
     return here / "modules", here / "shaders"
 
 
+def shader_slot(shaders: Path) -> Path:
+    """The shader-cache folder for the next device this process opens on ``shaders``:
+    ``shaders`` itself for the first, ``shaders-2``, ``shaders-3``... for more devices on the
+    same cache (other include paths, a device opened again), so that no shader database is
+    ever opened twice in this process. The same program opens its devices in the same order
+    each run, so each finds its own kernels again."""
+    n = 1
+    while True:
+        slot = shaders if n == 1 else shaders.with_name(f"{shaders.name}-{n}")
+        key = os.path.realpath(slot)
+        if key not in _held_shaders:
+            _held_shaders.add(key)
+            return slot
+        n += 1
+
+
 def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     """Create and check the cache folders of a device type; None (one warning) when they
     cannot be used, so the device opens without a persistent cache."""
@@ -109,6 +130,7 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
         return None
     limit = max_bytes()  # (a bad value: ValueError before any folder is made)
     modules, shaders = paths_for(base, device_type)
+    shaders = shader_slot(shaders)  # one this process does not hold: safe to check and repair
     if not modules.parent.exists():
         _created.add(str(modules.parent))
     try:
@@ -157,7 +179,9 @@ def _intact_lmdb(data: Path, lock: Path) -> bool:
 
 def damaged(modules: Path, shaders: Path) -> list[str]:
     """Find and remove damaged cache files (SlangPy itself would recompile silently, or
-    fail); returns what was removed. Files another process is creating right now are spared."""
+    fail); returns what was removed. Files another process is creating right now are spared.
+    ``shaders`` must be a folder no device of this process has open (see shader_slot):
+    opening and closing its ``lock.mdb`` here would drop this process's LMDB locks."""
     now, removed = time.time(), []
     for _, size, path in _files(modules):
         if path.suffix != ".slang-module":
@@ -186,10 +210,16 @@ def damaged(modules: Path, shaders: Path) -> list[str]:
 
 def discard_new(paths: tuple[str, str] | None) -> None:
     """Remove the cache folders ``prepare`` made for a device that then failed to open (SlangPy
-    creates its shader database even then); folders that existed before are kept."""
+    creates its shader database even then); folders that existed before are kept, and so are
+    those of another device of this process that opened on them."""
     if paths is not None:
-        type_dir = Path(paths[0]).parent
-        if str(type_dir) in _created:
+        shaders = Path(paths[1])
+        _held_shaders.discard(os.path.realpath(shaders))  # (never opened: free again)
+        type_dir = shaders.parent
+        inside = os.path.realpath(type_dir) + os.sep
+        if any(held.startswith(inside) for held in _held_shaders):
+            shutil.rmtree(shaders, ignore_errors=True)  # only the failed device's database
+        elif str(type_dir) in _created:
             shutil.rmtree(type_dir, ignore_errors=True)
 
 
