@@ -201,11 +201,15 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
         return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
         kind = type(value)
+        name = foreign.framework(value)  # ("torch tensor", as vjp and hessian say it)
+        name = f"{name} tensor" if name else f"{kind.__module__}.{kind.__name__}"
         raise TypeError(
-            f"{what}: primal {k} is a {kind.__module__}.{kind.__name__}; give directions for "
+            f"{what}: primal {k} is a {name}; give directions for "
             "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
             "(None for the other arguments)"
         )
+    if np.asarray(value).dtype.kind == "b":  # (booleans as 0/1 said nothing)
+        raise TypeError(f"{what}: primal {k} holds booleans; a direction needs float values")
     arr = to_float32(value, f"{what}: primal {k}")  # overflow refused, not made inf
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 

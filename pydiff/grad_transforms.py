@@ -88,6 +88,11 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             f"{what}: argument {index} is a {kind}; differentiate with respect "
             f"to pydiff tensors{fix}, NumPy arrays, lists or numbers"
         )
+    if np.asarray(value).dtype.kind == "b":  # (a bool is refused; an array of them was 0/1)
+        raise TypeError(
+            f"{what}: argument {index} holds booleans; differentiate with respect to float "
+            "values (np.asarray(v, dtype=float) to mean 0 and 1)"
+        )
     try:
         wide = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError) as exc:

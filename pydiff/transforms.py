@@ -22,7 +22,7 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import hessian_by_columns, holds_integers
+from .forward_program import held_primal, hessian_by_columns, holds_integers
 from .unrecorded import refuse_copied
 from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
@@ -75,6 +75,31 @@ def _refuse_struct(what: str, fn: ShaderFunction, k: int, x: Any) -> None:
         )
 
 
+def _torch_primals(what: str, f: ShaderFunction, primals: tuple, dirs: Any) -> tuple:
+    """Torch primals of a module function taken as a Python function's are (and as ``vjp``
+    refuses them): one with a direction (any at a differentiable parameter of ``hessian``,
+    which would otherwise differentiate it without a word) is refused by name; one without
+    is a pydiff tensor of its values, held fixed (one that requires grad refused)."""
+    out = list(primals)
+    for k, x in enumerate(primals):
+        name = foreign.framework(x)
+        if name is None:
+            continue
+        p = f.params[k] if k < len(f.params) else None
+        at = f" ('{p.name}' of {f.label})" if p is not None else ""
+        given = dirs is not None and k < len(dirs) and dirs[k] is not None
+        if given or (dirs is None and p is not None and p.differentiable):
+            how = "give it a direction" if dirs is not None else "differentiate it"
+            raise TypeError(
+                f"{what}: primal {k}{at} is a {name} tensor; {what} differentiates pydiff "
+                f"tensors, NumPy arrays, lists and numbers: pass pydiff.from_torch(t) to {how}, "
+                f"or {'None as its direction' if dirs is not None else 'close over it'} to "
+                "hold it fixed"
+            )
+        out[k] = held_primal(x, what, k)
+    return tuple(out)
+
+
 def jvp(
     fn: Shader | Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
 ) -> tuple[Any, Any]:
@@ -95,6 +120,7 @@ def jvp(
         raise ValueError(
             f"jvp: {len(primals)} primals but {len(tangents)} tangents (use None for fixed ones)"
         )
+    primals = _torch_primals("jvp", f, primals, tangents)
     args = []
     for k, (x, t) in enumerate(zip(primals, tangents)):
         if t is None:
@@ -287,6 +313,8 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         raise ValueError(
             f"hvp: {len(primals)} primals but {len(v)} directions (use None for fixed arguments)"
         )
+    held = {k for k, x in enumerate(primals) if foreign.framework(x) is not None}
+    primals = _torch_primals("hvp", f, primals, v)
     d = dir_wrapper(f, primals)
     dev = f.module.device
     call_args, leaves = [], []
@@ -334,8 +362,8 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         with zero_policy("accumulate"), separate_backward():
             d.bwds(*call_args, _result=r.with_grads(ones=True))
     out = []
-    for item in leaves:
-        if item is None:
+    for k, item in enumerate(leaves):
+        if item is None or k in held:  # (a torch primal: held fixed, as by a Python fn's hvp)
             out.append(None)
             continue
         leaf, host = item
@@ -358,6 +386,7 @@ def hessian(
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hessian(fn, primals, max_inputs)
     f = _shader_function(fn, "hessian", primals)
+    primals = _torch_primals("hessian", f, primals, None)
     shapes = []
     for k, (p, x) in enumerate(zip(f.params, primals)):
         if p.differentiable:
