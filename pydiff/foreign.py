@@ -181,6 +181,8 @@ def as_array(value: Any, where: str) -> Any:
         return np.asarray(value)
     except RuntimeError:
         _refuse_lost_grad(value, where)
+        if framework(value) is not None and hasattr(value, "resolve_neg"):  # torch's lazy
+            return np.asarray(value.resolve_conj().resolve_neg())  # negation (t._neg_view())
         raise
     except ValueError as e:  # NumPy's says nothing of which call or argument
         ragged = "inhomogeneous" in str(e)
