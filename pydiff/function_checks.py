@@ -15,8 +15,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import foreign
 from .creation import tensor as make_tensor
 from .errors import warn_once
+from .seeds import seed_values
 from .tensor import Tensor
 
 
@@ -165,6 +167,9 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
     checked = []
     for k, g in enumerate(grads):
         what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
+        if foreign.framework(g) is not None:  # ("is a Tensor" read as a pydiff one)
+            what = f"{name}.backward() gradient {k} is a {foreign.framework(g)} tensor"
+            raise TypeError(f"{what} (pydiff.from_torch(g) converts it); it must be {GRAD_TYPES}")
         if isinstance(g, Tensor) and g.scalar_type == "bool":
             raise _boolean(what, k, cls, inputs)
         if g is None or isinstance(g, Tensor):
@@ -185,7 +190,10 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
             ) from None
         if arr.dtype.kind == "b":
             raise _boolean(what, k, cls, inputs)
-        checked.append(arr.astype(np.float64))  # integers are numbers (as PyTorch takes them)
+        # integers are numbers (as PyTorch takes them); a finite value beyond the input's
+        # float type refused, as any seed is (it became inf without a word)
+        kind = inputs[k].scalar_type if k < len(inputs) else "float"
+        checked.append(seed_values(arr, f"{name}.backward() gradient {k}", kind))
     return tuple(checked)
 
 
