@@ -19,6 +19,7 @@ import numpy as np
 
 from . import foreign, forward_trace
 from .backward_scope import separate_backward
+from .call_shape import value_elements
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
@@ -73,6 +74,17 @@ def _refuse_struct(what: str, fn: ShaderFunction, k: int, x: Any) -> None:
             f"{what}: primal {k} ('{name}' of {fn.label}) is a struct (dict); {what} of a module "
             f"function takes directions of tensors and numbers only: {how}"
         )
+
+
+def _one_array(p: Any, x: Any) -> Any:
+    """A host value given for one array parameter (``float a[3]`` and ``[1, 2, 3]``) with the
+    call axis SlangPy's tensor binding needs, ``(1, 3)``, as ``.fwds`` and ``jvp`` take it
+    (the gradient comes back in the shape given); any other value as it is."""
+    found = value_elements(p.type_name) if p is not None else None
+    if found is None or not found[2] or isinstance(x, Tensor) or foreign.framework(x):
+        return x
+    arr = np.asarray(x)
+    return arr.reshape((1, *arr.shape)) if arr.shape == found[1] else x
 
 
 def _torch_primals(what: str, f: ShaderFunction, primals: tuple, dirs: Any) -> tuple:
@@ -172,7 +184,7 @@ def vjp(
             leaf = float_primal(x, "vjp", k).requires_grad_(True)
         elif params is not None and k < len(params) and params[k].differentiable:
             if _float_value(x) or holds_integers(x):  # the parameter's type decides
-                leaf = float_primal(x, "vjp", k).requires_grad_(True)
+                leaf = float_primal(_one_array(params[k], x), "vjp", k).requires_grad_(True)
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)
     taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
@@ -331,9 +343,9 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
             call_args.append(x.detach() if isinstance(x, Tensor) else x)
             leaves.append(None)
             continue
-        host = not isinstance(x, Tensor)
-        if host:
-            x = make_tensor(np.asarray(x, dtype=np.float32), device=dev)
+        host = np.shape(x) if not isinstance(x, Tensor) else None
+        if host is not None:
+            x = make_tensor(np.asarray(_one_array(p, x), dtype=np.float32), device=dev)
         leaf = x.detach().requires_grad_(True)
         want = leaf.expected_numpy_shape()
         if u is None:
@@ -367,7 +379,7 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
             out.append(None)
             continue
         leaf, host = item
-        out.append(as_scalar(leaf.grad.numpy()) if host else leaf.grad)
+        out.append(leaf.grad if host is None else as_scalar(leaf.grad.numpy().reshape(host)))
     return tuple(out)
 
 

@@ -256,3 +256,25 @@ def test_transforms_in_threads_agree_with_closed_forms(m, device):
         th.join(timeout=300)
     assert not any(th.is_alive() for th in threads)
     assert not errors and not bad, (errors, bad)
+
+
+def test_module_vjp_hvp_hessian_take_one_host_array_for_an_array_parameter(device):
+    # .fwds and jvp took [a0, a1, a2] for a float[3] parameter; vjp, hvp and hessian raised
+    # "(float[3]) got a float tensor of shape (3,) ... after at least one call axis" (hvp
+    # and hessian naming the generated wrapper).
+    m = pydiff.load_module_from_source(
+        "s41_brk41_arr",
+        "[Differentiable] float arrs(float a[3], float s) { return s * a[0] * a[1] * a[2]; }",
+        device=device,
+    )
+    a, s = np.array([1.0, 2.0, 3.0]), 2.0
+    _, (ga, gs) = pydiff.vjp(m.arrs, (a, s), 1.0)
+    np.testing.assert_allclose(ga, s * np.array([6.0, 3.0, 2.0]), rtol=1e-6)
+    np.testing.assert_allclose(gs, 6.0, rtol=1e-6)
+    ha, hs = pydiff.hvp(m.arrs, (a, s), (np.array([1.0, 0.0, 0.0]), 0.0))
+    np.testing.assert_allclose(ha, s * np.array([0.0, 3.0, 2.0]), rtol=1e-6)
+    np.testing.assert_allclose(hs, 6.0, rtol=1e-6)
+    want = np.zeros((4, 4))
+    want[:3, :3] = s * np.array([[0, 3, 2], [3, 0, 1], [2, 1, 0]])
+    want[3, :3] = want[:3, 3] = [6.0, 3.0, 2.0]
+    np.testing.assert_allclose(pydiff.hessian(m.arrs, (a, s)), want, rtol=1e-6)
