@@ -278,3 +278,16 @@ def test_module_vjp_hvp_hessian_take_one_host_array_for_an_array_parameter(devic
     want[:3, :3] = s * np.array([[0, 3, 2], [3, 0, 1], [2, 1, 0]])
     want[3, :3] = want[:3, 3] = [6.0, 3.0, 2.0]
     np.testing.assert_allclose(pydiff.hessian(m.arrs, (a, s)), want, rtol=1e-6)
+
+
+def test_optimizer_params_of_other_kinds_say_what_to_do(device):
+    # Before: "params[0] is a Tensor, not a pydiff.Tensor" (torch's), "is a dict" (torch's
+    # parameter groups), and a half or float3 parameter "must be a float tensor with
+    # requires_grad=True" although it had requires_grad.
+    with pytest.raises(TypeError, match=r"params\[0\] is a torch tensor.*torch\.optim"):
+        pydiff.optim.Adam([torch.ones(2, requires_grad=True)], lr=0.1)
+    with pytest.raises(TypeError, match=r"parameter groups \(dicts\) are not supported"):
+        pydiff.optim.SGD([{"params": [pydiff.zeros((2,), device=device)]}], lr=0.1)
+    h = pydiff.tensor(np.ones(3, np.float16), dtype="half", requires_grad=True, device=device)
+    with pytest.raises(ValueError, match=r"params\[0\] has dtype 'half'"):
+        pydiff.optim.AdamW([h], lr=0.1)
