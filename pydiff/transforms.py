@@ -19,16 +19,16 @@ import numpy as np
 
 from . import foreign, forward_trace
 from .backward_scope import separate_backward
-from .call_shape import value_elements
 from .creation import tensor as make_tensor
 from .forward_mode import as_scalar, dir_wrapper
 from .forward_program import float_primal, lent_grads, program_hessian, program_hvp, program_jvp
-from .forward_program import held_primal, hessian_by_columns, holds_integers
+from .forward_program import hessian_by_columns, holds_integers
 from .unrecorded import refuse_copied
 from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .seeds import seed_values
+from .shader_primals import one_array, takes_grads, torch_primals, void_outputs
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
@@ -76,42 +76,6 @@ def _refuse_struct(what: str, fn: ShaderFunction, k: int, x: Any) -> None:
         )
 
 
-def _one_array(p: Any, x: Any) -> Any:
-    """A host value given for one array parameter (``float a[3]`` and ``[1, 2, 3]``) with the
-    call axis SlangPy's tensor binding needs, ``(1, 3)``, as ``.fwds`` and ``jvp`` take it
-    (the gradient comes back in the shape given); any other value as it is."""
-    found = value_elements(p.type_name) if p is not None else None
-    if found is None or not found[2] or isinstance(x, Tensor) or foreign.framework(x):
-        return x
-    arr = np.asarray(x)
-    return arr.reshape((1, *arr.shape)) if arr.shape == found[1] else x
-
-
-def _torch_primals(what: str, f: ShaderFunction, primals: tuple, dirs: Any) -> tuple:
-    """Torch primals of a module function taken as a Python function's are (and as ``vjp``
-    refuses them): one with a direction (any at a differentiable parameter of ``hessian``,
-    which would otherwise differentiate it without a word) is refused by name; one without
-    is a pydiff tensor of its values, held fixed (one that requires grad refused)."""
-    out = list(primals)
-    for k, x in enumerate(primals):
-        name = foreign.framework(x)
-        if name is None:
-            continue
-        p = f.params[k] if k < len(f.params) else None
-        at = f" ('{p.name}' of {f.label})" if p is not None else ""
-        given = dirs is not None and k < len(dirs) and dirs[k] is not None
-        if given or (dirs is None and p is not None and p.differentiable):
-            how = "give it a direction" if dirs is not None else "differentiate it"
-            raise TypeError(
-                f"{what}: primal {k}{at} is a {name} tensor; {what} differentiates pydiff "
-                f"tensors, NumPy arrays, lists and numbers: pass pydiff.from_torch(t) to {how}, "
-                f"or {'None as its direction' if dirs is not None else 'close over it'} to "
-                "hold it fixed"
-            )
-        out[k] = held_primal(x, what, k)
-    return tuple(out)
-
-
 def jvp(
     fn: Shader | Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]
 ) -> tuple[Any, Any]:
@@ -132,7 +96,7 @@ def jvp(
         raise ValueError(
             f"jvp: {len(primals)} primals but {len(tangents)} tangents (use None for fixed ones)"
         )
-    primals = _torch_primals("jvp", f, primals, tangents)
+    primals = torch_primals("jvp", f, primals, tangents)
     args = []
     for k, (x, t) in enumerate(zip(primals, tangents)):
         if t is None:
@@ -174,17 +138,21 @@ def vjp(
         raise TypeError(f"vjp: fn must be a module function or a callable, not {type(fn).__name__}")
     primals = arguments(primals, "vjp", "primals")
     params = _shader_function(fn, "vjp", primals).params if shader else None
+    if shader:
+        call = void_outputs(_shader_function(fn, "vjp", primals), primals) or call
     inputs, leaves = [], []
     for k, x in enumerate(primals):
         _refuse_vjp_primal(x, k, params, fn)
         leaf = None
-        if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
+        if params is not None and k < len(params) and params[k].io == "out":
+            pass  # written by a void function: one of its outputs (_void_outputs)
+        elif isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
             leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
         elif params is None and _float_value(x):  # (integers held fixed: integer_primals)
             leaf = float_primal(x, "vjp", k).requires_grad_(True)
-        elif params is not None and k < len(params) and params[k].differentiable:
+        elif params is not None and k < len(params) and takes_grads(params[k]):
             if _float_value(x) or holds_integers(x):  # the parameter's type decides
-                leaf = float_primal(_one_array(params[k], x), "vjp", k).requires_grad_(True)
+                leaf = float_primal(one_array(params[k], x), "vjp", k).requires_grad_(True)
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)
     taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
@@ -326,18 +294,24 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
             f"hvp: {len(primals)} primals but {len(v)} directions (use None for fixed arguments)"
         )
     held = {k for k, x in enumerate(primals) if foreign.framework(x) is not None}
-    primals = _torch_primals("hvp", f, primals, v)
-    d = dir_wrapper(f, primals)
+    primals = torch_primals("hvp", f, primals, v)
+    doubles = frozenset(p.name for p in f.params if p.differentiable and not takes_grads(p))
+    d = dir_wrapper(f, primals, doubles)  # (a double parameter: no direction, held fixed)
     dev = f.module.device
     call_args, leaves = [], []
     for k, (p, x, u) in enumerate(zip(f.params, primals, v)):
         if p.differentiable:  # (a fixed struct of no derivative is passed as it is)
             _refuse_struct("hvp", f, k, x)
-        if not p.differentiable:
+        if not takes_grads(p):
             if u is not None:
+                why = (
+                    "double (no gradient buffers in SlangPy)"
+                    if p.name in doubles
+                    else ("not differentiable")
+                )
                 raise ValueError(
-                    f"hvp: parameter '{p.name}' ({p.type_name}) is not differentiable; give None "
-                    "as its direction"
+                    f"hvp: parameter '{p.name}' ({p.type_name}) is {why}; give None as its "
+                    "direction"
                 )
             # No gradient is wanted through a fixed argument (it would warn that none comes).
             call_args.append(x.detach() if isinstance(x, Tensor) else x)
@@ -345,7 +319,7 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
             continue
         host = np.shape(x) if not isinstance(x, Tensor) else None
         if host is not None:
-            x = make_tensor(np.asarray(_one_array(p, x), dtype=np.float32), device=dev)
+            x = make_tensor(np.asarray(one_array(p, x), dtype=np.float32), device=dev)
         leaf = x.detach().requires_grad_(True)
         want = leaf.expected_numpy_shape()
         if u is None:
@@ -398,10 +372,10 @@ def hessian(
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hessian(fn, primals, max_inputs)
     f = _shader_function(fn, "hessian", primals)
-    primals = _torch_primals("hessian", f, primals, None)
+    primals = torch_primals("hessian", f, primals, None)
     shapes = []
     for k, (p, x) in enumerate(zip(f.params, primals)):
-        if p.differentiable:
+        if takes_grads(p):  # (double parameters held fixed, as by hvp)
             _refuse_struct("hessian", f, k, x)
             shapes.append(
                 x.expected_numpy_shape() if isinstance(x, Tensor) else np.shape(np.asarray(x))

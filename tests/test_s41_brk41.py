@@ -291,3 +291,44 @@ def test_optimizer_params_of_other_kinds_say_what_to_do(device):
     h = pydiff.tensor(np.ones(3, np.float16), dtype="half", requires_grad=True, device=device)
     with pytest.raises(ValueError, match=r"params\[0\] has dtype 'half'"):
         pydiff.optim.AdamW([h], lr=0.1)
+
+
+def test_module_vjp_hvp_hessian_hold_a_double_parameter_fixed(device):
+    # Before: vjp and hvp made a float tensor for it and SlangPy refused it ("got a tensor of
+    # dtype float, which SlangPy does not convert to double", hvp naming the generated
+    # wrapper); jvp and gradcheck already held it fixed. Double values have no gradient
+    # buffers: held fixed (None), a direction for one refused by name.
+    m = pydiff.load_module_from_source(
+        "s41_brk41_dbl",
+        "[Differentiable] float dd(double d, float x) { return float(d) * x * x * x; }",
+        device=device,
+    )
+    _, (gd, gx) = pydiff.vjp(m.dd, (2.0, X), np.ones(3))
+    assert gd is None
+    np.testing.assert_allclose(gx, 6 * X**2, rtol=1e-5)
+    hd, hx = pydiff.hvp(m.dd, (2.0, X), (None, np.ones(3)))
+    assert hd is None
+    np.testing.assert_allclose(hx, 12 * X, rtol=1e-5)
+    np.testing.assert_allclose(pydiff.hessian(m.dd, (2.0, X)), np.diag(12 * X), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"hvp: parameter 'd' \(double\) is double"):
+        pydiff.hvp(m.dd, (2.0, X), (1.0, np.ones(3)))
+
+
+def test_module_vjp_of_a_void_function_differentiates_what_it_writes(device):
+    # Before: "vjp: fn returned a NoneType", while jvp returns the tensors it writes.
+    m = pydiff.load_module_from_source(
+        "s41_brk41_void",
+        """
+[Differentiable] void wr2(float a, float x, out float y, out float z) { y = a * x * x; z = sin(x); }
+[Differentiable] void io(float a, inout float y) { y = a * y * y; }
+""",
+        device=device,
+    )
+    y, z = pydiff.zeros((3,), device=device), pydiff.zeros((3,), device=device)
+    (oy, oz), (ga, gx, gy, gz) = pydiff.vjp(m.wr2, (A, X, y, z), (np.ones(3), U))
+    np.testing.assert_allclose(oy.numpy(), A * X**2, rtol=1e-6)
+    np.testing.assert_allclose(ga, np.sum(X**2), rtol=1e-5)
+    np.testing.assert_allclose(gx, 2 * A * X + np.cos(X) * U, rtol=1e-5)
+    assert gy is None and gz is None
+    with pytest.raises(TypeError, match=r"vjp: .*io returns void and writes 'y' \(inout\)"):
+        pydiff.vjp(m.io, (A, pydiff.tensor(X, device=device)), np.ones(3))
