@@ -22,7 +22,7 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
-from .host_values import to_float32
+from .host_values import differentiated_values, to_float32
 from .integer_primals import holds_integers
 from .seeds import seed_values
 from .policy import zero_policy
@@ -208,9 +208,8 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
             "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
             "(None for the other arguments)"
         )
-    if np.asarray(value).dtype.kind == "b":  # (booleans as 0/1 said nothing)
-        raise TypeError(f"{what}: primal {k} holds booleans; a direction needs float values")
-    arr = to_float32(value, f"{what}: primal {k}")  # overflow refused, not made inf
+    wide = differentiated_values(value, f"{what}: primal {k}")  # (bools were 0/1, complex real)
+    arr = to_float32(wide, f"{what}: primal {k}")  # overflow refused, not made inf
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 

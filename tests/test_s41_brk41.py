@@ -332,3 +332,21 @@ def test_module_vjp_of_a_void_function_differentiates_what_it_writes(device):
     assert gy is None and gz is None
     with pytest.raises(TypeError, match=r"vjp: .*io returns void and writes 'y' \(inout\)"):
         pydiff.vjp(m.io, (A, pydiff.tensor(X, device=device)), np.ones(3))
+
+
+def test_differentiated_host_values_that_are_not_real_numbers_are_refused(device):
+    # Before: a complex array lost its imaginary part (grad of sum(z*z) at [1+2j] gave [2.],
+    # a ComplexWarning only), None in an object array became NaN, a Python int beyond
+    # float64 raised a bare OverflowError, a ragged list NumPy's message naming nothing.
+    f = lambda x: ops.sum(ops.mul(x, x))  # noqa: E731
+    with pytest.raises(TypeError, match=r"argument 0 holds complex numbers"):
+        pydiff.grad(f)(np.array([1 + 2j]))
+    with pytest.raises(TypeError, match=r"jvp: primal 0 holds complex numbers"):
+        pydiff.jvp(lambda x: x * x, (np.array([1 + 2j]),), (np.ones(1),))
+    with pytest.raises(TypeError, match=r"argument 0 holds None"):
+        pydiff.grad(f)(np.array([1.5, None]))
+    with pytest.raises(ValueError, match=r"argument 0 holds an integer beyond"):
+        pydiff.grad(f)(10**400)
+    with pytest.raises(TypeError, match=r"argument 0: cannot be made an array: nested lists"):
+        pydiff.grad(f)([[1.0, 2.0], [3.0]])
+    np.testing.assert_allclose(pydiff.grad(f)(np.array([1.5, 2], dtype=object)), [3.0, 4.0])
