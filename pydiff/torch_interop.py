@@ -378,7 +378,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     those that require grad refused (torch autograd cannot reach through a pydiff tape). The
     same inside ``pydiff.jvp``'s trace and a transform's ``foreign.data_calls`` block, whose
     results must be pydiff tensors (before, torch ones, refused with misleading messages)."""
-    if active_tape() is None and forward_trace.active() is None and not foreign.taking_data():
+    autograd = active_tape() is None and forward_trace.active() is None
+    foreign.refuse_result(fn, kwargs, autograd and not foreign.taking_data())
+    if autograd and not foreign.taking_data():
         return torch_function(fn)(*args, **kwargs)
     label = getattr(fn, "__name__", None) or repr(fn)
     places = [(_describe(fn, k), a) for k, a in enumerate(args)]

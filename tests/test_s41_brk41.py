@@ -350,3 +350,16 @@ def test_differentiated_host_values_that_are_not_real_numbers_are_refused(device
     with pytest.raises(TypeError, match=r"argument 0: cannot be made an array: nested lists"):
         pydiff.grad(f)([[1.0, 2.0], [3.0]])
     np.testing.assert_allclose(pydiff.grad(f)(np.array([1.5, 2], dtype=object)), [3.0, 4.0])
+
+
+def test_torch_result_of_a_call_with_torch_tensors_is_refused(m, device):
+    # Before: _result=buf (a torch tensor) returned a new tensor and left buf zero without a
+    # word; _result="numpy" said "<pydiff.ShaderFunction ...> ... returned ndarray".
+    buf = torch.zeros(3)
+    with pytest.raises(TypeError, match=r"poly: _result=a torch tensor in a call with torch"):
+        m.poly(A, _t(X), _result=buf)
+    with pytest.raises(TypeError, match=r"poly: _result='numpy' in a call with torch"):
+        m.poly(A, _t(X, requires_grad=True), _result="numpy")
+    assert torch.equal(buf, torch.zeros(3))
+    y = m.poly(A, _t(X), _result="tensor")  # (the default) a torch tensor
+    np.testing.assert_allclose(y.numpy(), A * X**3 + np.sin(X), rtol=1e-5, atol=1e-6)
