@@ -92,3 +92,14 @@ def void_outputs(f: ShaderFunction, primals: tuple) -> Callable[..., Any] | None
         return outs[0] if len(outs) == 1 else outs
 
     return call
+
+
+def check_arity(what: str, f: ShaderFunction, primals: tuple) -> None:
+    """One primal per parameter of ``f``: a TypeError naming them (before, ``hvp`` left extra
+    primals out without a word and ``hessian`` named the generated wrapper's parameters)."""
+    if len(primals) != len(f.params):
+        names = ", ".join(p.name for p in f.params)
+        raise TypeError(
+            f"{what}: {f.label} takes {len(f.params)} argument(s) ({names}); got "
+            f"{len(primals)} primal(s)"
+        )

@@ -28,7 +28,7 @@ from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .seeds import seed_values
-from .shader_primals import one_array, takes_grads, torch_primals, void_outputs
+from .shader_primals import check_arity, one_array, takes_grads, torch_primals, void_outputs
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
@@ -293,6 +293,7 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         raise ValueError(
             f"hvp: {len(primals)} primals but {len(v)} directions (use None for fixed arguments)"
         )
+    check_arity("hvp", f, primals)
     held = {k for k, x in enumerate(primals) if foreign.framework(x) is not None}
     primals = torch_primals("hvp", f, primals, v)
     doubles = frozenset(p.name for p in f.params if p.differentiable and not takes_grads(p))
@@ -372,6 +373,7 @@ def hessian(
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hessian(fn, primals, max_inputs)
     f = _shader_function(fn, "hessian", primals)
+    check_arity("hessian", f, primals)
     primals = torch_primals("hessian", f, primals, None)
     shapes = []
     for k, (p, x) in enumerate(zip(f.params, primals)):

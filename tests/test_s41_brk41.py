@@ -363,3 +363,12 @@ def test_torch_result_of_a_call_with_torch_tensors_is_refused(m, device):
     assert torch.equal(buf, torch.zeros(3))
     y = m.poly(A, _t(X), _result="tensor")  # (the default) a torch tensor
     np.testing.assert_allclose(y.numpy(), A * X**3 + np.sin(X), rtol=1e-5, atol=1e-6)
+
+
+def test_module_hvp_and_hessian_count_the_primals(m, device):
+    # Before: hvp with a primal too many left it out without a word (4 results for 5
+    # primals); hessian with one too few named the generated wrapper's "x, x__v".
+    with pytest.raises(TypeError, match=r"hvp: .*poly takes 2 argument\(s\) \(a, x\); got 3"):
+        pydiff.hvp(m.poly, (A, X, 5.0), (None, np.ones(3), None))
+    with pytest.raises(TypeError, match=r"hessian: .*poly takes 2 argument\(s\) \(a, x\); got 1"):
+        pydiff.hessian(m.poly, (A,))
