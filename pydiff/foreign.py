@@ -181,6 +181,8 @@ def as_array(value: Any, where: str) -> Any:
         return np.asarray(value)
     except RuntimeError:
         _refuse_lost_grad(value, where)
+        if framework(value) is not None and hasattr(value, "resolve_neg"):  # torch's lazy
+            return np.asarray(value.resolve_conj().resolve_neg())  # negation (t._neg_view())
         raise
     except ValueError as e:  # NumPy's says nothing of which call or argument
         ragged = "inhomogeneous" in str(e)
@@ -224,3 +226,21 @@ def _holds_foreign(values: tuple, kinds: tuple) -> bool:
         elif isinstance(v, kinds):
             return True
     return False
+
+
+def refuse_result(fn: Any, kwargs: dict, through_autograd: bool) -> None:
+    """A call given foreign tensors: a foreign tensor as ``_result`` (never written: the call
+    returns a new tensor, and the one given stayed as it was without a word) and, through
+    the framework's autograd (whose results are its tensors), ``_result="numpy"`` (refused
+    there as "returned ndarray (output 0)") raise TypeError naming the function."""
+    res = kwargs.get("_result")
+    name = framework(res)
+    if name is None and not (through_autograd and isinstance(res, str) and res != "tensor"):
+        return
+    label = getattr(fn, "label", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    given = f"a {name} tensor" if name else repr(res)
+    raise TypeError(
+        f"{label}: _result={given} in a call with {name or 'torch'} tensors: the call returns "
+        "a new tensor of the framework's (pydiff writes into none of its tensors); leave "
+        "_result out and copy the result where you want it (buf.copy_(y))"
+    )

@@ -22,7 +22,7 @@ from .backward_scope import separate_backward
 from .creation import tensor as make_tensor, zeros
 from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
-from .host_values import to_float32
+from .host_values import differentiated_values, to_float32
 from .integer_primals import holds_integers
 from .seeds import seed_values
 from .policy import zero_policy
@@ -201,12 +201,15 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
         return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, list, tuple)):
         kind = type(value)
+        name = foreign.framework(value)  # ("torch tensor", as vjp and hessian say it)
+        name = f"{name} tensor" if name else f"{kind.__module__}.{kind.__name__}"
         raise TypeError(
-            f"{what}: primal {k} is a {kind.__module__}.{kind.__name__}; give directions for "
+            f"{what}: primal {k} is a {name}; give directions for "
             "pydiff tensors (pydiff.from_torch for torch's), NumPy arrays, lists or numbers "
             "(None for the other arguments)"
         )
-    arr = to_float32(value, f"{what}: primal {k}")  # overflow refused, not made inf
+    wide = differentiated_values(value, f"{what}: primal {k}")  # (bools were 0/1, complex real)
+    arr = to_float32(wide, f"{what}: primal {k}")  # overflow refused, not made inf
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 

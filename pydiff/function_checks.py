@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import foreign
 from .creation import tensor as make_tensor
 from .errors import GradientOverflowError, warn_once
 from .tensor import Tensor
@@ -165,6 +166,9 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
     checked = []
     for k, g in enumerate(grads):
         what = f"{name}.backward() gradient {k} is a {type(g).__name__}"
+        if foreign.framework(g) is not None:  # ("is a Tensor" read as a pydiff one)
+            what = f"{name}.backward() gradient {k} is a {foreign.framework(g)} tensor"
+            raise TypeError(f"{what} (pydiff.from_torch(g) converts it); it must be {GRAD_TYPES}")
         if isinstance(g, Tensor) and g.scalar_type == "bool":
             raise _boolean(what, k, cls, inputs)
         if isinstance(g, Tensor) and g.scalar_type == "double" and inputs[k].requires_grad:

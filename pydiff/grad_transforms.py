@@ -20,7 +20,7 @@ from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
 from .forward_program import lent_grads, refuse_inside_tape
 from .unrecorded import refuse_copied
-from .host_values import to_float32
+from .host_values import differentiated_values, to_float32
 from .tape import Tape
 from .tensor import Tensor
 
@@ -88,10 +88,8 @@ def _leaf(value: Any, index: int, what: str) -> Tensor:
             f"{what}: argument {index} is a {kind}; differentiate with respect "
             f"to pydiff tensors{fix}, NumPy arrays, lists or numbers"
         )
-    try:
-        wide = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what}: argument {index} is not an array of numbers: {exc}") from None
+    # bools, complex, None refused (an array of bools was 0/1, a complex one lost .imag)
+    wide = differentiated_values(value, f"{what}: argument {index}")
     return make_tensor(to_float32(wide, f"{what}: argument {index}"), requires_grad=True)
 
 

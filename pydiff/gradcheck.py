@@ -377,6 +377,10 @@ def gradcheck(
     fd.check_settings("gradcheck", eps, atol, rtol)
     refuse_inside_tape("gradcheck")
     f = as_callable(fn)
+    if isinstance(inputs, Tensor) or foreign.framework(inputs) is not None:
+        inputs = (inputs,)  # one tensor, as torch.autograd.gradcheck takes it (was "no input")
+    elif not isinstance(inputs, (tuple, list)):
+        raise TypeError(f"gradcheck: inputs must be a tuple of fn's arguments, not {inputs!r}")
     inputs = _foreign_as_data(inputs)  # torch data held fixed as pydiff tensors
     state = _Inputs(inputs)
     checked = state.checked

@@ -52,6 +52,39 @@ def to_float32(values: Any, what: str) -> np.ndarray:
     return out
 
 
+def differentiated_values(value: Any, what: str) -> np.ndarray:
+    """``value`` (a number, array or list given to be differentiated: ``grad``'s argnums, a
+    primal given a direction) as float64, or a TypeError naming ``what`` for booleans,
+    complex numbers, text, None and other non-numbers (a complex array lost its imaginary
+    part, a None became NaN, both without a word) and ragged lists; a ValueError for a
+    Python int beyond float64."""
+    try:
+        arr = as_array(value, what)
+    except ValueError as exc:  # (ragged: as_array's message names what)
+        raise TypeError(str(exc)) from None
+    kind = arr.dtype.kind
+    if kind == "b":
+        raise TypeError(
+            f"{what} holds booleans; differentiate float values (np.asarray(v, dtype=float) "
+            "to mean 0 and 1)"
+        )
+    if kind == "c":
+        raise TypeError(
+            f"{what} holds complex numbers; pydiff differentiates real values: pass v.real "
+            "and v.imag as arrays of their own"
+        )
+    if kind == "O":
+        for v in arr.flat:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{what} holds {v!r:.40} ({type(v).__name__}); it needs numbers")
+    elif kind not in "iuf":
+        raise TypeError(f"{what} is not an array of numbers (dtype {arr.dtype})")
+    try:
+        return np.asarray(arr, dtype=np.float64)
+    except OverflowError:
+        raise ValueError(f"{what} holds an integer beyond the range of float") from None
+
+
 def element_base(type_name: str) -> str | None:
     """The scalar type of a scalar, vector or matrix parameter ('vector<float,3>' -> 'float');
     None for other types (structs, arrays, tensors, generics)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from . import foreign
 from .tensor import Tensor
 
 
@@ -35,8 +36,13 @@ def checked_params(owner: str, params: Any) -> list[Tensor]:
         raise ValueError(f"{owner}: params is empty")
     for k, p in enumerate(listed):
         if not isinstance(p, Tensor):
-            raise TypeError(f"{owner}: params[{k}] is a {type(p).__name__}, not a pydiff.Tensor")
-        if not p.requires_grad or p.dtype != "float":
+            raise TypeError(f"{owner}: params[{k}] is a {_kind(p)}, not a pydiff.Tensor{_fix(p)}")
+        if p.dtype != "float":  # (half, float3, int: said only "must be a float tensor")
+            raise ValueError(
+                f"{owner}: params[{k}] has dtype {p.dtype!r}; the optimizers step tensors of "
+                "dtype 'float' with requires_grad=True (keep a float copy as the parameter)"
+            )
+        if not p.requires_grad:
             raise ValueError(f"{owner}: params[{k}] must be a float tensor with requires_grad=True")
     seen: dict[int, int] = {}  # storage -> index: one buffer twice would step twice
     for k, p in enumerate(listed):
@@ -73,3 +79,17 @@ def check_unchanged(owner: str, params: Sequence[Any], created_with: tuple[Tenso
 
 def _same(a: Any, b: Any) -> bool:
     return a is b
+
+
+def _kind(p: Any) -> str:
+    name = foreign.framework(p)
+    return f"{name} tensor" if name else type(p).__name__
+
+
+def _fix(p: Any) -> str:
+    """How to go on with an entry that is no pydiff tensor (torch's, torch's param groups)."""
+    if foreign.framework(p) is not None:
+        return f": step {foreign.framework(p)} parameters with {foreign.framework(p)}.optim"
+    if isinstance(p, dict):
+        return ": parameter groups (dicts) are not supported; one optimizer per group"
+    return ""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import capturing
+from . import capturing, foreign
 
 #: The NumPy type whose range a seed of each tensor element type must fit.
 _LIMITS = {"float": np.float32, "half": np.float16, "double": np.float64}
@@ -31,7 +31,7 @@ def seed_values(value: Any, what: str, scalar_type: str = "float") -> np.ndarray
 
     >>> seed_values(np.array([1e39, 1.0]), "vjp: cotangents")   # ValueError: vjp: cotangents
     """
-    arr = np.asarray(value) if not isinstance(value, np.ndarray) else value
+    arr = foreign.as_array(value, what) if not isinstance(value, np.ndarray) else value
     kind = arr.dtype.kind
     if kind == "b":
         raise TypeError(

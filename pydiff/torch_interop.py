@@ -91,6 +91,8 @@ def from_torch(
         )
     if requires_grad is not None and not isinstance(requires_grad, (bool, np.bool_)):
         raise TypeError(f"from_torch: requires_grad must be a bool or None, not {requires_grad!r}")
+    given_grad = t.requires_grad
+    t = t.detach().resolve_conj().resolve_neg()  # (a negated view: numpy() refused it)
     name = str(t.dtype).removeprefix("torch.")
     if t.numel() == 0:
         raise ValueError(
@@ -118,7 +120,7 @@ def from_torch(
             f"from_torch: a tensor of dtype torch.{name} cannot be converted{asked} (accepted: "
             f"{accepted}; torch.float64 and torch.int64 with dtype=){hint}"
         )
-    wants_grad = t.requires_grad if requires_grad is None else requires_grad
+    wants_grad = given_grad if requires_grad is None else requires_grad
     if wants_grad and target not in ("float", "half"):
         raise ValueError(f"from_torch: requires_grad=True needs a floating dtype, not {target!r}")
     dev = resolve_device(device)
@@ -366,7 +368,7 @@ def _seed(grad: Any, out: Tensor) -> Any:
     exact = str(grad.dtype).removeprefix("torch.") in FROM_TORCH
     if grad.is_cuda and out.device.type == "cuda" and exact:
         return from_torch(grad, device=out.device, requires_grad=False)
-    return grad.cpu().numpy()
+    return grad.resolve_conj().resolve_neg().cpu().numpy()
 
 
 def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -376,7 +378,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     those that require grad refused (torch autograd cannot reach through a pydiff tape). The
     same inside ``pydiff.jvp``'s trace and a transform's ``foreign.data_calls`` block, whose
     results must be pydiff tensors (before, torch ones, refused with misleading messages)."""
-    if active_tape() is None and forward_trace.active() is None and not foreign.taking_data():
+    autograd = active_tape() is None and forward_trace.active() is None
+    foreign.refuse_result(fn, kwargs, autograd and not foreign.taking_data())
+    if autograd and not foreign.taking_data():
         return torch_function(fn)(*args, **kwargs)
     label = getattr(fn, "__name__", None) or repr(fn)
     places = [(_describe(fn, k), a) for k, a in enumerate(args)]

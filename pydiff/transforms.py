@@ -28,6 +28,7 @@ from .forward_program import refuse_inside_tape
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .seeds import seed_values
+from .shader_primals import check_arity, one_array, takes_grads, torch_primals, void_outputs
 from .tape import Tape, suspend_recording
 from .tensor import Tensor
 
@@ -95,6 +96,7 @@ def jvp(
         raise ValueError(
             f"jvp: {len(primals)} primals but {len(tangents)} tangents (use None for fixed ones)"
         )
+    primals = torch_primals("jvp", f, primals, tangents)
     args = []
     for k, (x, t) in enumerate(zip(primals, tangents)):
         if t is None:
@@ -136,17 +138,21 @@ def vjp(
         raise TypeError(f"vjp: fn must be a module function or a callable, not {type(fn).__name__}")
     primals = arguments(primals, "vjp", "primals")
     params = _shader_function(fn, "vjp", primals).params if shader else None
+    if shader:
+        call = void_outputs(_shader_function(fn, "vjp", primals), primals) or call
     inputs, leaves = [], []
     for k, x in enumerate(primals):
         _refuse_vjp_primal(x, k, params, fn)
         leaf = None
-        if isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
+        if params is not None and k < len(params) and params[k].io == "out":
+            pass  # written by a void function: one of its outputs (_void_outputs)
+        elif isinstance(x, Tensor) and x.differentiable:  # (inside jvp: refused at backward)
             leaf = forward_trace.derived(x, x.detach().requires_grad_(True), lambda t: t)
         elif params is None and _float_value(x):  # (integers held fixed: integer_primals)
             leaf = float_primal(x, "vjp", k).requires_grad_(True)
-        elif params is not None and k < len(params) and params[k].differentiable:
+        elif params is not None and k < len(params) and takes_grads(params[k]):
             if _float_value(x) or holds_integers(x):  # the parameter's type decides
-                leaf = float_primal(x, "vjp", k).requires_grad_(True)
+                leaf = float_primal(one_array(params[k], x), "vjp", k).requires_grad_(True)
         inputs.append(x if leaf is None else leaf)
         leaves.append(leaf)
     taken = [(x.storage, x.storage.replaced[0]) for x in leaves if x is not None]
@@ -287,25 +293,34 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         raise ValueError(
             f"hvp: {len(primals)} primals but {len(v)} directions (use None for fixed arguments)"
         )
-    d = dir_wrapper(f, primals)
+    check_arity("hvp", f, primals)
+    held = {k for k, x in enumerate(primals) if foreign.framework(x) is not None}
+    primals = torch_primals("hvp", f, primals, v)
+    doubles = frozenset(p.name for p in f.params if p.differentiable and not takes_grads(p))
+    d = dir_wrapper(f, primals, doubles)  # (a double parameter: no direction, held fixed)
     dev = f.module.device
     call_args, leaves = [], []
     for k, (p, x, u) in enumerate(zip(f.params, primals, v)):
         if p.differentiable:  # (a fixed struct of no derivative is passed as it is)
             _refuse_struct("hvp", f, k, x)
-        if not p.differentiable:
+        if not takes_grads(p):
             if u is not None:
+                why = (
+                    "double (no gradient buffers in SlangPy)"
+                    if p.name in doubles
+                    else ("not differentiable")
+                )
                 raise ValueError(
-                    f"hvp: parameter '{p.name}' ({p.type_name}) is not differentiable; give None "
-                    "as its direction"
+                    f"hvp: parameter '{p.name}' ({p.type_name}) is {why}; give None as its "
+                    "direction"
                 )
             # No gradient is wanted through a fixed argument (it would warn that none comes).
             call_args.append(x.detach() if isinstance(x, Tensor) else x)
             leaves.append(None)
             continue
-        host = not isinstance(x, Tensor)
-        if host:
-            x = make_tensor(np.asarray(x, dtype=np.float32), device=dev)
+        host = np.shape(x) if not isinstance(x, Tensor) else None
+        if host is not None:
+            x = make_tensor(np.asarray(one_array(p, x), dtype=np.float32), device=dev)
         leaf = x.detach().requires_grad_(True)
         want = leaf.expected_numpy_shape()
         if u is None:
@@ -334,12 +349,12 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
         with zero_policy("accumulate"), separate_backward():
             d.bwds(*call_args, _result=r.with_grads(ones=True))
     out = []
-    for item in leaves:
-        if item is None:
+    for k, item in enumerate(leaves):
+        if item is None or k in held:  # (a torch primal: held fixed, as by a Python fn's hvp)
             out.append(None)
             continue
         leaf, host = item
-        out.append(as_scalar(leaf.grad.numpy()) if host else leaf.grad)
+        out.append(leaf.grad if host is None else as_scalar(leaf.grad.numpy().reshape(host)))
     return tuple(out)
 
 
@@ -358,9 +373,11 @@ def hessian(
     if not isinstance(fn, (ShaderFunction, OverloadedFunction)):
         return program_hessian(fn, primals, max_inputs)
     f = _shader_function(fn, "hessian", primals)
+    check_arity("hessian", f, primals)
+    primals = torch_primals("hessian", f, primals, None)
     shapes = []
     for k, (p, x) in enumerate(zip(f.params, primals)):
-        if p.differentiable:
+        if takes_grads(p):  # (double parameters held fixed, as by hvp)
             _refuse_struct("hessian", f, k, x)
             shapes.append(
                 x.expected_numpy_shape() if isinstance(x, Tensor) else np.shape(np.asarray(x))

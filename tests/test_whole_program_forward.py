@@ -424,5 +424,5 @@ def test_bad_inputs_name_the_argument(device):
         pydiff.jvp(pydiff.grad(lambda x: (x * x * x).sum()), (x,), (np.ones(3),))
     with pytest.raises(NotImplementedError, match=r"hvp inside a function given to pydiff\.jvp"):
         pydiff.jvp(lambda x: pydiff.hvp(lambda y: (y * y).sum(), (x,), (x,))[0], (x,), (x,))
-    with pytest.raises(TypeError, match=r"jvp: primal 0 is a torch\.Tensor; .*pydiff\.from_torch"):
+    with pytest.raises(TypeError, match=r"jvp: primal 0 is a torch tensor; .*pydiff\.from_torch"):
         pydiff.jvp(lambda x: x, (torch.ones(3),), (np.ones(3),))
