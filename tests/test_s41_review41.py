@@ -1,0 +1,92 @@
+"""Session 41, review: holes left by the session's merged work, each checked against closed
+forms or NumPy (never against pydiff's own output)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+X = np.array([0.3, -0.7, 1.1])
+
+
+class _Returns(pydiff.Function):
+    ret = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Returns.ret()
+
+
+def test_function_backward_float_tensor_beyond_half_is_refused(device):
+    # Before: a float32 gradient tensor of 1e5 (finite) for a half input was added as inf
+    # without a word (only float64 gradients were checked). Now refused as float64 ones are,
+    # naming the Function and the input, with the gradient unchanged.
+    big = np.array([1e5, 1.0, 2.0], np.float32)
+    _Returns.ret = lambda: pydiff.tensor(big, device=device)
+    x = pydiff.tensor(X, dtype="half", device=device, requires_grad=True)
+    x.grad.copy_from_numpy(np.ones(3, np.float16))
+    with pydiff.Tape() as tape:
+        s = _Returns.apply(x).sum()
+    with pytest.raises(OverflowError, match=r"_Returns\.backward\(\) gradient 0 .*half.*100000"):
+        tape.backward(s)
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(3, np.float16))
+    # in range: added (1 + the returned values, in half)
+    ok = np.array([1e4, 1.0, 2.0], np.float32)
+    _Returns.ret = lambda: pydiff.tensor(ok, device=device)
+    with pydiff.Tape() as tape:
+        s = _Returns.apply(x).sum()
+    tape.backward(s)
+    np.testing.assert_array_equal(x.grad.numpy(), (1.0 + ok).astype(np.float16))
+
+
+MUL2 = """
+[Differentiable] float f(float a, float b) { return a * b; }
+[Differentiable] float prod2(float a, float b) { return a * b; }
+"""
+
+
+def test_refused_aliasing_on_a_tape_leaves_earlier_gradients(device):
+    # Before: f's layout had run on a tape (b a copy of x.grad), so a tape of the same layout
+    # with b = x.grad itself was taken as one that refuses nothing; under RESET f's backward
+    # is refused (it would read x.grad after zeroing it) after prod2's entry had reset and
+    # added into w.grad: w.grad came out x * 2 = [1, 2, 3, 4] where 9 (unchanged) is right.
+    # Now a call reading a gradient buffer of its own arguments is kept and put back.
+    m = pydiff.load_module_from_source("s41_review_alias", MUL2, device=device)
+    n = 4
+    xs = np.linspace(0.5, 2.0, n)
+
+    def run(copy):
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+        w = pydiff.tensor(np.full(n, 3.0), device=device, requires_grad=True)
+        w.grad.copy_from_numpy(np.full(n, 9.0, np.float32))
+        with pydiff.zero_policy("reset"):
+            with pydiff.Tape() as tape:
+                h = m.f(x, x.grad.copy_values() if copy else x.grad, _result="tensor")
+                y = m.prod2(w, h, _result="tensor")
+            tape.backward(y, grad=np.ones(n, np.float32))
+        return x, w
+
+    x, w = run(copy=True)  # d/dx sum(w x b) = w b = 6; d/dw = x b = 2x
+    np.testing.assert_allclose(x.grad.numpy(), np.full(n, 6.0), rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 2.0 * xs, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"parameter 'b' reads the gradient buffer of .*'a'"):
+        run(copy=False)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    w = pydiff.tensor(np.full(n, 3.0), device=device, requires_grad=True)
+    w.grad.copy_from_numpy(np.full(n, 9.0, np.float32))
+    x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+    with pydiff.zero_policy("reset"):
+        with pydiff.Tape() as tape:
+            h = m.f(x, x.grad, _result="tensor")
+            y = m.prod2(w, h, _result="tensor")
+        with pytest.raises(ValueError, match=r"reads the gradient buffer"):
+            tape.backward(y, grad=np.ones(n, np.float32))
+    np.testing.assert_array_equal(w.grad.numpy(), np.full(n, 9.0, np.float32))
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
