@@ -90,3 +90,14 @@ def test_refused_aliasing_on_a_tape_leaves_earlier_gradients(device):
             tape.backward(y, grad=np.ones(n, np.float32))
     np.testing.assert_array_equal(w.grad.numpy(), np.full(n, 9.0, np.float32))
     np.testing.assert_array_equal(x.grad.numpy(), np.full(n, 2.0, np.float32))
+
+
+def test_blocking_follows_block_accumulators(monkeypatch):
+    # Before: blocking() was memoized on its arguments, accumulators=None included, so a
+    # BLOCK_ACCUMULATORS set after a first call kept the old answer: 16 x 16 x 16 in 8 x 16
+    # blocks (128 accumulators) where 32 give 8 x 4 (small blocks: 4 columns, 32 / 4 rows).
+    from pydiff import products
+
+    assert products.blocking("mm_nn", 16, 16, 16) == (8, 16)
+    monkeypatch.setattr(products, "BLOCK_ACCUMULATORS", 32)
+    assert products.blocking("mm_nn", 16, 16, 16) == (8, 4)
