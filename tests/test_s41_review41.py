@@ -101,3 +101,64 @@ def test_blocking_follows_block_accumulators(monkeypatch):
     assert products.blocking("mm_nn", 16, 16, 16) == (8, 16)
     monkeypatch.setattr(products, "BLOCK_ACCUMULATORS", 32)
     assert products.blocking("mm_nn", 16, 16, 16) == (8, 4)
+
+
+SRC3 = """
+[Differentiable] float f(float a, float b) { return a * b; }
+[Differentiable] float prod2(float a, float b) { return a * b; }
+[Differentiable] float add(float a, float b) { return a + b; }
+"""
+
+
+@pytest.mark.parametrize("policy", ["accumulate", "reset"])
+def test_tape_call_reading_a_gradient_a_later_call_adds_into(device, policy):
+    # y = w * f(x, x.grad) + x * w, with x.grad = 2 when f read it. Before, ACCUMULATE: the
+    # backward of x * w (recorded later, run first) added w = 3 into x.grad, then f's
+    # backward read b = 5 there: x.grad came out 20 where 2 + w*2 + w = 11 is right, without
+    # a word; RESET: refused part-way (StaleInputError). Now refused before anything is
+    # written, naming both calls; recorded in the other order it runs and is right.
+    m = pydiff.load_module_from_source("s41_review_order", SRC3, device=device)
+    n = 4
+    xs = np.linspace(0.5, 2.0, n)
+
+    def run(late):
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        x.grad.copy_from_numpy(np.full(n, 2.0, np.float32))
+        w = pydiff.tensor(np.full(n, 3.0), device=device, requires_grad=True)
+        w.grad.copy_from_numpy(np.full(n, 1.0, np.float32))
+        with pydiff.zero_policy(policy):
+            with pydiff.Tape() as tape:
+                y2 = None if late else m.prod2(x, w, _result="tensor")
+                h = m.f(x, x.grad, _result="tensor")
+                y1 = m.prod2(w, h, _result="tensor")
+                y2 = m.prod2(x, w, _result="tensor") if late else y2
+                y = m.add(y1, y2, _result="tensor")
+            tape.backward(y, grad=np.ones(n, np.float32))
+        return x, w
+
+    with pytest.raises(ValueError, match=r"parameter 'b' of .*f .*call #1.*gradient buffer"):
+        run(late=True)
+    if policy == "reset":  # f's own backward would clear x.grad before reading it: refused
+        with pytest.raises(ValueError, match=r"RESET zeroing policy clears"):
+            run(late=False)
+        return
+    x, w = run(late=False)  # x * w's backward runs last: f's reads 2 (then adds 6 itself)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 + 3.0 * 2.0 + 3.0, rtol=1e-6)
+    np.testing.assert_allclose(w.grad.numpy(), 1.0 + 2.0 * xs + xs, rtol=1e-6)
+
+
+def test_tape_call_reading_a_result_gradient_is_refused(device):
+    # A call reading the gradient buffer of a result on the same tape (zeroed when the
+    # backward starts). Before: refused by that call's own stale-input check, when its
+    # backward came (the zeroing is a write), after later calls' backwards ran. Now refused
+    # before anything is written, naming the call whose result's buffer it is.
+    m = pydiff.load_module_from_source("s41_review_result", SRC3, device=device)
+    n = 4
+    x = pydiff.tensor(np.linspace(0.5, 2.0, n), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        h = m.prod2(x, x, _result="tensor")
+        h.grad.copy_from_numpy(np.full(n, 5.0, np.float32))
+        y = m.f(h, h.grad, _result="tensor")
+    with pytest.raises(ValueError, match=r"gradient buffer of the result of call #\d+ \(.*prod2\)"):
+        tape.backward(y, grad=np.ones(n, np.float32))
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(n, np.float32))
