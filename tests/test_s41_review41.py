@@ -3,6 +3,8 @@ forms or NumPy (never against pydiff's own output)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -162,3 +164,28 @@ def test_tape_call_reading_a_result_gradient_is_refused(device):
     with pytest.raises(ValueError, match=r"gradient buffer of the result of call #\d+ \(.*prod2\)"):
         tape.backward(y, grad=np.ones(n, np.float32))
     np.testing.assert_array_equal(x.grad.numpy(), np.zeros(n, np.float32))
+
+
+def test_failed_device_keeps_a_slot_folder_it_did_not_make(tmp_path):
+    # Before: a device that failed to open beside another of this process on the same cache
+    # removed its shader slot folder (shaders-2) even where an earlier run had made it: the
+    # kernels cached there (and another process's database, if open) were deleted. Now only
+    # a folder this process made is removed, as for the type folder.
+    from pydiff import compile_cache
+
+    first = compile_cache.prepare(tmp_path, "vulkan")  # (this process's first device)
+    _, shaders = compile_cache.paths_for(tmp_path, "vulkan")
+    earlier = shaders.with_name(f"{shaders.name}-2")
+    earlier.mkdir(parents=True)
+    (earlier / "kept.txt").write_text("an earlier run's kernels")
+    second = compile_cache.prepare(tmp_path, "vulkan")
+    assert second is not None and second[1] == str(earlier)
+    compile_cache.discard_new(second)  # (its device failed to open)
+    assert (earlier / "kept.txt").read_text() == "an earlier run's kernels"
+    (earlier / "kept.txt").unlink()
+    earlier.rmdir()
+    made = compile_cache.prepare(tmp_path, "vulkan")  # the slot is free again, made anew
+    assert made is not None and made[1] == str(earlier) and earlier.is_dir()
+    compile_cache.discard_new(made)
+    assert not earlier.exists() and Path(first[1]).is_dir()
+    compile_cache.discard_new(first)
