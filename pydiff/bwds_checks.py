@@ -212,7 +212,7 @@ def reads_a_gradient(values: tuple, result: Any) -> bool:
     refused for the aliasing (read under RESET, read while added into, added into its own
     upstream), whatever layout ran before, so a tape keeps the gradients (``may_refuse``)."""
     tensors = [t for v in (*values, result) for t in nested_tensors(v)]
-    grads = {id(g.storage) for t in tensors for g in (t.grad_in, t.grad_out) if g is not None}
+    grads = {id(g) for t in tensors for g in t.grad_storages() if g is not None}
     return bool(grads) and any(id(t.storage) in grads for t in tensors)
 
 

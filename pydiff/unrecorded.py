@@ -209,10 +209,10 @@ def _refuse_gradients_read(entries: list) -> None:
     anything is written. (A buffer only the call itself adds into is read and added by one
     thread per element, as an eager ``.bwds`` does: kept.)"""
     written: dict[int, tuple] = {}  # id(storage): (entry, whose gradient buffer it is)
-    for e in entries:
+    for e in entries:  # (grad_storages: a buffer to be zeroed later is not zeroed here)
         for t in e.writes:
-            if t.requires_grad and (g := t.grad_in) is not None:
-                written[id(g.storage)] = (e, "result")
+            if (g := t.grad_storages()[0]) is not None:
+                written[id(g)] = (e, "result")
     for entry in reversed(entries):  # (the backward's order)
         for desc, t, _ in entry.reads:
             if id(t.storage) in written:
@@ -225,5 +225,5 @@ def _refuse_gradients_read(entries: list) -> None:
                     "Pass the call a copy (x.grad.copy_values())"
                 )
         for desc, t, _ in entry.reads:
-            if t.requires_grad and (g := t.grad_out) is not None:
-                written.setdefault(id(g.storage), (entry, desc))
+            if (g := t.grad_storages()[1]) is not None:
+                written.setdefault(id(g), (entry, desc))
