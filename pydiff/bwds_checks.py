@@ -206,6 +206,16 @@ def refuse_shared_result_grad(fn: FunctionTarget, bound: list, result: Any) -> N
     _refuse_read_reset(fn, bound)
 
 
+def reads_a_gradient(values: tuple, result: Any) -> bool:
+    """Whether a tensor among ``values`` (a recorded call's, as its backward gets them) is
+    (a view of) a gradient buffer of one of them or of ``result``: its backward may then be
+    refused for the aliasing (read under RESET, read while added into, added into its own
+    upstream), whatever layout ran before, so a tape keeps the gradients (``may_refuse``)."""
+    tensors = [t for v in (*values, result) for t in nested_tensors(v)]
+    grads = {id(g) for t in tensors for g in t.grad_storages() if g is not None}
+    return bool(grads) and any(id(t.storage) in grads for t in tensors)
+
+
 def _refuse_read_reset(fn: FunctionTarget, bound: list) -> None:
     """A tensor the call reads that is the gradient buffer the RESET policy clears before
     this backward adds into it (``f.bwds(x, x.grad)``): the call would read zeros, a silent

@@ -133,6 +133,8 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     shaders = shader_slot(shaders)  # one this process does not hold: safe to check and repair
     if not modules.parent.exists():
         _created.add(str(modules.parent))
+    if not shaders.exists():  # (a slot folder from an earlier run is kept by discard_new)
+        _created.add(str(shaders))
     try:
         for folder in (modules, shaders):
             folder.mkdir(parents=True, exist_ok=True)
@@ -218,7 +220,8 @@ def discard_new(paths: tuple[str, str] | None) -> None:
         type_dir = shaders.parent
         inside = os.path.realpath(type_dir) + os.sep
         if any(held.startswith(inside) for held in _held_shaders):
-            shutil.rmtree(shaders, ignore_errors=True)  # only the failed device's database
+            if str(shaders) in _created:  # only the failed device's new database
+                shutil.rmtree(shaders, ignore_errors=True)
         elif str(type_dir) in _created:
             shutil.rmtree(type_dir, ignore_errors=True)
 

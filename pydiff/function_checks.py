@@ -171,8 +171,8 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
             raise TypeError(f"{what} (pydiff.from_torch(g) converts it); it must be {GRAD_TYPES}")
         if isinstance(g, Tensor) and g.scalar_type == "bool":
             raise _boolean(what, k, cls, inputs)
-        if isinstance(g, Tensor) and g.scalar_type == "double" and inputs[k].requires_grad:
-            _fits(name, k, g.numpy(), inputs[k])  # (added on the host, in the input's dtype)
+        if isinstance(g, Tensor) and _wider(g, inputs[k]) and inputs[k].requires_grad:
+            _fits(name, k, g.numpy(), inputs[k])  # (added in the input's dtype: may be inf)
         if g is None or isinstance(g, Tensor):
             checked.append(g)
             continue
@@ -198,6 +198,13 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
 
 
 _HOST = {"float": np.float32, "half": np.float16}
+_BITS = {"half": 16, "float": 32, "double": 64}
+
+
+def _wider(g: Tensor, x: Tensor) -> bool:
+    """A gradient tensor of a wider float dtype than its input (double for float or half,
+    float for half): its finite values may not fit the input's."""
+    return _BITS.get(g.scalar_type, 0) > _BITS.get(x.scalar_type, 64)
 
 
 def _fits(name: str, k: int, arr: np.ndarray, x: Tensor) -> None:

@@ -71,6 +71,15 @@ class GradBuffers:
             self._settle()
         return self._grad_out
 
+    def grad_storages(self) -> tuple:
+        """The storages of ``(grad_in, grad_out)`` (None where absent) without zeroing a
+        buffer attached with ``zero_later`` (``grad_in`` would, as a read): what a check of
+        which buffers alias which compares, before the backward zeroes them in its batch."""
+        if self._base is not None:
+            self._sync_view()
+        gi, go = self._grad_in, self._grad_out
+        return (None if gi is None else gi.storage, None if go is None else go.storage)
+
     def _settle(self) -> None:
         """Zero the gradient buffer attached with ``requires_grad_(zero_later=True)`` now:
         something is about to read or bind it before a backward zeroed it."""

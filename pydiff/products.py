@@ -24,7 +24,6 @@ from .tensor import Tensor, float4_ready
 import numpy as np
 
 
-@functools.lru_cache(maxsize=1024)  # (a pure function of its numbers: each op asks again)
 def blocking(
     kind: str, m: int, n: int, k: int, accumulators: int | None = None
 ) -> tuple[int, int] | None:
@@ -33,7 +32,11 @@ def blocking(
     N % 4 == 0). Blocks of up to 128 accumulators: on lavapipe, 8 x 16 blocks beat 8 x 8
     by 10-35% on a training step's products (each load feeds more multiply-adds); a GPU
     takes ``GPU_BLOCK_ACCUMULATORS`` (a 64 x 64 product in 16 x 8 blocks is 32 threads)."""
-    accumulators = accumulators or BLOCK_ACCUMULATORS
+    return _blocking(kind, m, n, k, accumulators or BLOCK_ACCUMULATORS)
+
+
+@functools.lru_cache(maxsize=1024)  # (a pure function of its numbers: each op asks again)
+def _blocking(kind: str, m: int, n: int, k: int, accumulators: int) -> tuple[int, int] | None:
     small = accumulators < 64
     if kind == "mm_nt":
         if k % 4:

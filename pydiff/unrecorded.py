@@ -197,3 +197,33 @@ def check_versions(entries: list, path: set[int]) -> None:
                     "its backward needs the value it read. Write the new values to "
                     "another tensor, or run backward before overwriting."
                 )
+    _refuse_gradients_read(entries)
+
+
+def _refuse_gradients_read(entries: list) -> None:
+    """Refuse a recorded call that read a gradient buffer (``m.f(x, x.grad)``) which this
+    backward writes before the call's backward reads it again: the results' buffers are
+    zeroed first, and the calls recorded after it (their backwards run first) add into their
+    inputs' buffers. Its backward would read those gradients, not the values the call read
+    (ACCUMULATE: a silent wrong gradient; RESET: a refusal part-way). Checked before
+    anything is written. (A buffer only the call itself adds into is read and added by one
+    thread per element, as an eager ``.bwds`` does: kept.)"""
+    written: dict[int, tuple] = {}  # id(storage): (entry, whose gradient buffer it is)
+    for e in entries:  # (grad_storages: a buffer to be zeroed later is not zeroed here)
+        for t in e.writes:
+            if (g := t.grad_storages()[0]) is not None:
+                written[id(g)] = (e, "result")
+    for entry in reversed(entries):  # (the backward's order)
+        for desc, t, _ in entry.reads:
+            if id(t.storage) in written:
+                by, owner = written[id(t.storage)]
+                raise ValueError(
+                    f"tape.backward: {desc} (read by call #{entry.index}, {entry.label}) is "
+                    f"the gradient buffer of the {owner} of call #{by.index} ({by.label}), "
+                    f"which this backward writes before the backward of call #{entry.index} "
+                    "reads it again: that would read gradients, not the values the call read. "
+                    "Pass the call a copy (x.grad.copy_values())"
+                )
+        for desc, t, _ in entry.reads:
+            if (g := t.grad_storages()[1]) is not None:
+                written.setdefault(id(g), (entry, desc))
