@@ -196,14 +196,20 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
-    """Views of a tensor of R[2] elements as two tensors of R: primal and tangent."""
+    """A tensor of R[2] elements split into two contiguous tensors of R: primal and tangent.
+    (Copies: every pydiff tensor but this pair was contiguous, and the strided views given
+    before failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not
+    contiguous", where the generated kernels' results of 4096 elements and more worked.)"""
     native = result.native
     rtype = wrapper.module.native.layout.find_type_by_name(type_name)
     shape = list(result.shape)  # [] for a 0-d result
     strides = [2 * s for s in native.strides][: len(shape)]
     primal = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset)
     tangent = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset + 1)
-    return Tensor(primal, result.device), Tensor(tangent, result.device)
+    return (
+        Tensor(primal, result.device).copy_values(),
+        Tensor(tangent, result.device).copy_values(),
+    )
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
