@@ -11,6 +11,7 @@ outputs no recorded call connects to its inputs), and the gradients ``backward``
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -267,3 +268,22 @@ def tangent_in_dtype(t: Any, o: Tensor, name: str, k: int, host: Callable[[str],
         return t.astype(o.dtype)
     host(f"{name}.jvp() returned a {t.dtype} tensor, converted on the host")
     return make_tensor(t.numpy().astype(np.float32), dtype=o.dtype, device=o.device)
+
+
+def bound_args(name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    """``Function.apply``'s keyword arguments bound to ``forward(ctx, ...)``'s parameters and
+    made positional, defaults filled in between (as torch's ``Function.apply``), so that the
+    gradients ``backward`` returns line up with the tensor arguments as for positional ones.
+    A name ``forward`` does not have raises TypeError naming the Function."""
+    try:
+        bound = inspect.signature(forward).bind(None, *args, **kwargs)  # (None: ctx)
+    except TypeError as exc:
+        raise TypeError(f"{name}.apply: {exc} (of {name}.forward)") from None
+    bound.apply_defaults()
+    if bound.kwargs:  # (keyword-only or **kwargs parameters of forward)
+        raise TypeError(
+            f"{name}.apply: keyword arguments {sorted(bound.kwargs)} reach keyword-only or "
+            f"**kwargs parameters of {name}.forward; apply passes forward positional "
+            "arguments (keywords bound to named parameters, as torch does)"
+        )
+    return tuple(bound.args[1:])

@@ -232,3 +232,34 @@ def test_deepcopy_and_pickle_of_an_optimizer_after_steps_continue_as_torch(devic
         opt.step()
         topt.step()
     np.testing.assert_allclose(w.numpy(), tw.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --- Function.apply takes keyword arguments, as torch's does ----------------------------------
+
+
+class _Scaled(pydiff.Function):
+    @staticmethod
+    def forward(ctx, a, b=None, k=2.0):
+        ctx.save_for_backward(a, b)
+        ctx.k = k
+        return ops.mul(ops.mul(a, b), k)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return ops.mul(ops.mul(g, b), ctx.k), ops.mul(ops.mul(g, a), ctx.k)
+
+
+def test_function_apply_binds_keyword_arguments(device):
+    # Before: Scaled.apply(a, b=b, k=3.0) raised "apply() got an unexpected keyword argument"
+    # (torch's Function.apply binds keywords to forward's parameters).
+    a = pydiff.tensor(X, requires_grad=True, device=device)
+    b = pydiff.tensor(U, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        loss = ops.sum(_Scaled.apply(a, b=b, k=3.0)) + ops.sum(_Scaled.apply(b, a))
+    tape.backward(loss)
+    np.testing.assert_allclose(a.grad.numpy(), 3 * U + 2 * U, rtol=1e-6)  # d/da (3ab + 2ba)
+    np.testing.assert_allclose(b.grad.numpy(), 3 * X + 2 * X, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"_Scaled.apply: .*unexpected keyword argument 'kk'"):
+        _Scaled.apply(a, b=b, kk=3.0)
+    assert pydiff.gradcheck(lambda a, b: _Scaled.apply(a, k=0.5, b=b), (a, b))
