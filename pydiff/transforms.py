@@ -133,6 +133,11 @@ def _jvp_on_tape(f: ShaderFunction, primals: tuple, tangents: tuple) -> tuple[An
             "constants to the tape (their gradient silently 0). Call it outside the tape, or "
             "pass x.detach() to take the JVP without a gradient through it"
         )
+    xs, us = list(primals), list(tangents)
+    for k, p in enumerate(f.params[: len(xs)]):  # one host array for an array parameter
+        if us[k] is not None:  # is one value, as .fwds takes it
+            xs[k], us[k] = one_array(p, xs[k]), one_array(p, us[k])
+    primals, tangents = tuple(xs), tuple(us)
     return program_jvp(lambda *a: f(*a, _result="tensor"), primals, tangents)
 
 

@@ -263,3 +263,20 @@ def test_function_apply_binds_keyword_arguments(device):
     with pytest.raises(TypeError, match=r"_Scaled.apply: .*unexpected keyword argument 'kk'"):
         _Scaled.apply(a, b=b, kk=3.0)
     assert pydiff.gradcheck(lambda a, b: _Scaled.apply(a, k=0.5, b=b), (a, b))
+
+
+def test_module_jvp_on_a_tape_with_an_array_parameter(device):
+    # A host array given a direction for an array parameter stays one value on the tape too.
+    m = pydiff.load_module_from_source(
+        "s42_breaker42_arr",
+        "[Differentiable] float fa(float a[3], float x) { return a[0]*x + a[1]*x*x + a[2]; }",
+        device=device,
+    )
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        _, t = pydiff.jvp(m.fa, ([1.0, 2.0, 3.0], x), ([1.0, 0.5, 0.0], np.ones(3)))
+        loss = ops.sum(t)
+    tape.backward(loss)
+    # t = x + 0.5 x^2 + (1 + 4 x): dt/dx = 1 + x + 4
+    np.testing.assert_allclose(t.numpy(), X64 + 0.5 * X64**2 + 1 + 4 * X64, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 5 + X64, rtol=1e-6)
