@@ -21,7 +21,7 @@ from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, check_device, fwd_tensor_struct
 from .arguments import prepare_arguments
 from .forward_args import gives_tangent, primal_and_tangent, primals_only
-from .forward_args import refuse_listed_tangents, tangent_tensor, warn_dropped
+from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor, warn_dropped
 from .call_shape import param_type
 from .errors import ShaderTrapError
 from .forward_call import forward_call
@@ -223,6 +223,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
+    refuse_on_tape(fn, bound)  # (its result would be a constant to a recording tape)
     want = options.pop("_result", "tensor")
     if type(want) is str and want not in ("tensor", "numpy"):
         raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")

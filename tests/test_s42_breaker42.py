@@ -280,3 +280,26 @@ def test_module_jvp_on_a_tape_with_an_array_parameter(device):
     # t = x + 0.5 x^2 + (1 + 4 x): dt/dx = 1 + x + 4
     np.testing.assert_allclose(t.numpy(), X64 + 0.5 * X64**2 + 1 + 4 * X64, rtol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), 5 + X64, rtol=1e-6)
+
+
+def test_fwds_on_a_recording_tape_refuses_a_tensor_that_requires_grad(m, device):
+    # Before: fn.fwds on a tape with x requiring grad returned a constant tangent: a loss
+    # sum(dy) + sum(x^2) gave x.grad = 2x, silently without dy's share (6x).
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape():
+        with pytest.raises(RuntimeError, match=r"cube.fwds: parameter 'a' .* requires a gradient"):
+            m.cube.fwds(x.with_tangent(np.ones(3)))
+        with pytest.raises(RuntimeError, match=r"mul2.fwds: parameter 'b'"):
+            m.mul2.fwds((2.0, 1.0), x)  # held fixed, but its gradient through y would be lost
+        y, dy = m.cube.fwds(x.detach().with_tangent(np.ones(3)))  # on purpose: fine
+    np.testing.assert_allclose(dy.numpy(), 3 * X64**2, rtol=1e-6)
+    y, dy = m.cube.fwds(x.with_tangent(np.ones(3)))  # off the tape, as before
+    np.testing.assert_allclose(dy.numpy(), 3 * X64**2, rtol=1e-6)
+
+
+def test_gradient_of_a_module_jvp_by_grad_and_gradcheck(m, device):
+    # d/dx sum(J(x) 1) = 6x, by the transforms that run their own tape
+    g = pydiff.grad(lambda x: ops.sum(pydiff.jvp(m.cube, (x,), (np.ones(3),))[1]))(X)
+    np.testing.assert_allclose(g, _central(lambda a: np.sum(3 * a**2), X64), rtol=1e-5)
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    assert pydiff.gradcheck(lambda x: pydiff.jvp(m.cube, (x,), (np.ones(3),))[1], (x,))
