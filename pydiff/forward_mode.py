@@ -15,7 +15,6 @@ import re
 from typing import Any, Protocol, Sequence
 
 import numpy as np
-import slangpy as spy
 
 from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, check_device, fwd_tensor_struct
@@ -27,6 +26,7 @@ from .errors import ShaderTrapError
 from .forward_call import forward_call
 from .signature import FunctionTarget, stem
 from .tape import suspend_recording
+from .storage import allocate
 from .tensor import Tensor
 
 
@@ -190,26 +190,29 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         + "\n    ".join(body)
         + "\n}\n"
     )
+    if rtype != "void":  # the pair into two contiguous tensors, on the device (_split_pair)
+        source += (
+            f"void {stem(fn.name)}__pydiff_{kind}_split({ret} __o[2], out {ret} __p, "
+            f"out {ret} __d)\n{{\n    __p = __o[0];\n    __d = __o[1];\n}}\n"
+        )
     return fn.generated(kind, source)
 
 
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
-    """A tensor of R[2] elements split into two contiguous tensors of R: primal and tangent.
-    (Copies: every pydiff tensor but this pair was contiguous, and the strided views given
-    before failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not
-    contiguous", where the generated kernels' results of 4096 elements and more worked.)"""
-    native = result.native
-    rtype = wrapper.module.native.layout.find_type_by_name(type_name)
-    shape = list(result.shape)  # [] for a 0-d result
-    strides = [2 * s for s in native.strides][: len(shape)]
-    primal = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset)
-    tangent = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset + 1)
-    return (
-        Tensor(primal, result.device).copy_values(),
-        Tensor(tangent, result.device).copy_values(),
-    )
+    """A tensor of R[2] elements split into two new contiguous tensors of R, primal and
+    tangent, by the wrapper module's ``_split`` function (on the device, no host round trip).
+    (Every other pydiff tensor is contiguous: the strided views of the pair returned before
+    failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not contiguous",
+    where the generated kernels' results, from 4096 elements, worked.)"""
+    element = wrapper.module.native.layout.find_type_by_name(type_name)
+    dev = result.device
+    primal = Tensor(allocate(dev, result.shape, element), dev)
+    tangent = Tensor(allocate(dev, result.shape, element), dev)
+    with suspend_recording():
+        getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
+    return primal, tangent
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
