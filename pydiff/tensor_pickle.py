@@ -18,7 +18,11 @@ from .tensor import Tensor
 
 #: scalar types whose values NumPy holds as such, also in vectors, matrices and arrays, so a
 #: pickle can carry them (struct elements come back as raw bytes of a module's layout).
-_SCALARS = ("float", "half", "int", "uint", "bool")
+_SCALARS = frozenset(
+    ("float", "half", "double", "int", "uint", "bool")
+    + tuple(f"{k}{n}_t" for k in ("int", "uint") for n in (8, 16, 32, 64))
+    + ("float16_t", "float32_t", "float64_t")
+)
 
 
 def deepcopy(x: Tensor, memo: dict) -> Tensor:

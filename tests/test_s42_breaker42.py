@@ -181,6 +181,8 @@ def test_deepcopy_of_a_layer_gives_independent_parameters(device):
         ("bool", np.array([True, False])),
         ("float3", np.arange(6, dtype=np.float32).reshape(2, 3)),
         ("float2x2", np.arange(8, dtype=np.float32).reshape(2, 2, 2)),
+        ("double", np.float64([1.5, 1e300])),
+        ("int64_t", np.int64([2**40, -3])),
     ],
 )
 def test_pickle_and_deepcopy_keep_values_dtype_and_shape(device, dtype, values):
@@ -303,3 +305,20 @@ def test_gradient_of_a_module_jvp_by_grad_and_gradcheck(m, device):
     np.testing.assert_allclose(g, _central(lambda a: np.sum(3 * a**2), X64), rtol=1e-5)
     x = pydiff.tensor(X, requires_grad=True, device=device)
     assert pydiff.gradcheck(lambda x: pydiff.jvp(m.cube, (x,), (np.ones(3),))[1], (x,))
+
+
+def test_struct_tensors_deepcopy_but_refuse_pickle_by_name(device):
+    import copy
+    import pickle
+
+    m = pydiff.load_module_from_source(
+        "s42_breaker42_struct",
+        "struct S { float a; int b; };\nS mk(float x) { S s; s.a = x; s.b = 2; return s; }",
+        device=device,
+    )
+    t = m.mk(pydiff.tensor(np.float32([1.0, 2.0]), device=device), _result="tensor")
+    with pytest.raises(TypeError, match=r"pickle: a pydiff.Tensor of dtype 'S' cannot be pickled"):
+        pickle.dumps(t)
+    d = copy.deepcopy(t)
+    assert d.dtype == "S" and d.storage is not t.storage
+    np.testing.assert_array_equal(d.numpy(), t.numpy())
