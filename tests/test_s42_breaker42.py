@@ -322,3 +322,15 @@ def test_struct_tensors_deepcopy_but_refuse_pickle_by_name(device):
     d = copy.deepcopy(t)
     assert d.dtype == "S" and d.storage is not t.storage
     np.testing.assert_array_equal(d.numpy(), t.numpy())
+
+
+def test_grad_and_gradcheck_with_respect_to_a_jvp_tangent(m, device):
+    # Before: pydiff.grad of a function of the tangent it gives pydiff.jvp returned zeros
+    # (the tangent was copied to the host): d/du sum(J u) = J^T 1 = 3 x^2.
+    x = pydiff.tensor(X, device=device)
+    for fn in (m.cube, lambda a: a * a * a):
+        g = pydiff.grad(lambda u, fn=fn: ops.sum(pydiff.jvp(fn, (x,), (u,))[1]))(U)
+        np.testing.assert_allclose(g, 3 * X64**2, rtol=1e-5)
+    xx = pydiff.tensor(X, requires_grad=True, device=device)
+    uu = pydiff.tensor(U, requires_grad=True, device=device)
+    assert pydiff.gradcheck(lambda a, u: pydiff.jvp(m.cube, (a,), (u,))[1], (xx, uu))
