@@ -104,6 +104,12 @@ def as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
             "outputs as a tuple (return a, b)"
         )
     if isinstance(value, (np.ndarray, list, float, int)):
+        arr = np.asarray(value)
+        if where == "forward" and arr.dtype.kind in "iub":  # indices, a mask: an integer or
+            try:  # bool tensor without gradient, as documented (a float one rounded past 2^24)
+                return make_tensor(arr, device=device)
+            except ValueError as exc:  # (int64 values beyond int32)
+                raise ValueError(f"{cls.__name__}.forward() output {k}: {exc}") from None
         return make_tensor(np.asarray(value, dtype=np.float32), device=device)
     raise TypeError(
         f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "

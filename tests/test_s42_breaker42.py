@@ -334,3 +334,38 @@ def test_grad_and_gradcheck_with_respect_to_a_jvp_tangent(m, device):
     xx = pydiff.tensor(X, requires_grad=True, device=device)
     uu = pydiff.tensor(U, requires_grad=True, device=device)
     assert pydiff.gradcheck(lambda a, u: pydiff.jvp(m.cube, (a,), (u,))[1], (xx, uu))
+
+
+# --- a Function's integer and bool NumPy outputs are integer tensors without gradient --------
+
+
+class _Sort(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x):
+        v = x.numpy()
+        ctx.order = np.argsort(v)
+        return pydiff.tensor(v[ctx.order], device=x.device), ctx.order, v > 0, 16777217
+
+    @staticmethod
+    def backward(ctx, g, g_order, g_mask, g_n):
+        assert g_order is None and g_mask is None and g_n is None
+        out = np.zeros(g.shape, np.float32)
+        out[ctx.order] = g.numpy()
+        return out
+
+
+def test_function_integer_numpy_outputs_keep_their_values_and_carry_no_gradient(device):
+    # Before: NumPy int/bool outputs (an argsort, a mask) and a Python int became float32
+    # tensors that required a gradient: 16777217 came back 16777216, against the documented
+    # "integer and bool outputs ... have no gradient".
+    x = pydiff.tensor(np.float32([3.0, -1.0, 2.0]), requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        s, order, mask, n = _Sort.apply(x)
+        loss = ops.sum(ops.mul(s, pydiff.tensor(np.float32([1, 2, 3]), device=device)))
+    tape.backward(loss)
+    assert (order.dtype, mask.dtype, n.dtype) == ("int", "bool", "int")
+    assert not (order.requires_grad or mask.requires_grad or n.requires_grad)
+    np.testing.assert_array_equal(order.numpy(), [1, 2, 0])
+    np.testing.assert_array_equal(mask.numpy(), [True, False, True])
+    assert int(n) == 16777217
+    np.testing.assert_allclose(x.grad.numpy(), [3.0, 1.0, 2.0])  # sorted [-1, 2, 3] * [1, 2, 3]
