@@ -104,13 +104,14 @@ def as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
             "outputs as a tuple (return a, b)"
         )
     if isinstance(value, (np.ndarray, list, float, int)):
-        arr = np.asarray(value)
-        if where == "forward" and arr.dtype.kind in "iub":  # indices, a mask: an integer or
-            try:  # bool tensor without gradient, as documented (a float one rounded past 2^24)
-                return make_tensor(arr, device=device)
-            except ValueError as exc:  # (int64 values beyond int32)
-                raise ValueError(f"{cls.__name__}.forward() output {k}: {exc}") from None
-        return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+        if where != "forward":
+            return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+        arr = np.asarray(value)  # indices, a mask: an integer or bool tensor, no gradient (as
+        kind = None if arr.dtype.kind in "iub" else "float"  # documented; a float one rounded
+        try:  # past 2^24); floats checked as pydiff.tensor checks them (1e39: not inf)
+            return make_tensor(arr, dtype=kind, device=device)
+        except ValueError as exc:  # (int64 values beyond int32, floats beyond float32)
+            raise ValueError(f"{cls.__name__}.forward() output {k}: {exc}") from None
     raise TypeError(
         f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "
         "Tensors (or NumPy arrays)"

@@ -369,3 +369,27 @@ def test_function_integer_numpy_outputs_keep_their_values_and_carry_no_gradient(
     np.testing.assert_array_equal(mask.numpy(), [True, False, True])
     assert int(n) == 16777217
     np.testing.assert_allclose(x.grad.numpy(), [3.0, 1.0, 2.0])  # sorted [-1, 2, 3] * [1, 2, 3]
+
+
+class _Out(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [(np.array([1e39]), "beyond the largest float32"), (np.array([1 + 2j]), "complex values")],
+)
+def test_function_float_outputs_are_checked_as_pydiff_tensor_checks_them(device, value, error):
+    # Before: 1e39 came back inf (a NumPy RuntimeWarning only) and 1+2j came back 1 (the
+    # imaginary part dropped), where pydiff.tensor refuses both.
+    x = pydiff.tensor(np.float32([1.0]), requires_grad=True, device=device)
+    with pytest.raises((ValueError, TypeError), match=error):
+        _Out.apply(x, value)
+    out = _Out.apply(x, np.array([np.inf, np.nan, 2.5]))  # IEEE values as they are
+    np.testing.assert_array_equal(out.numpy(), [np.inf, np.nan, 2.5])
