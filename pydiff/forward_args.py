@@ -18,6 +18,7 @@ from .arguments import check_device, nested_tensors, scratch
 from .creation import zeros as new_zeros
 from .errors import warn_once
 from .signature import FunctionTarget, ParamInfo
+from .tape import active_tape
 from .tensor import Tensor
 
 
@@ -191,3 +192,20 @@ def warn_dropped(fn: FunctionTarget, p: ParamInfo, where: str = "", struct: bool
         "tangent leaves it out. Pass the value without a tangent to say none is wanted, or make "
         "it differentiable (drop no_diff; a float type; an IDifferentiable struct)"
     )
+
+
+def refuse_on_tape(fn: FunctionTarget, bound: list) -> None:
+    """``fn.fwds`` records nothing on a tape: while one records, an argument that requires a
+    gradient (in a struct field or a (value, tangent) pair too) is refused, RuntimeError,
+    where its gradient through the value and tangent would silently be 0."""
+    if active_tape() is None:
+        return
+    for p, value in bound:
+        if any(t.requires_grad for t in nested_tensors(value)):
+            raise RuntimeError(
+                f"{fn.label}.fwds: parameter '{p.name}' is given a tensor that requires a "
+                "gradient while a pydiff.Tape records; .fwds records nothing, so the gradient "
+                "through its result and tangents would be silently 0. Use pydiff.jvp(fn, "
+                "primals, tangents), which records both on the tape, or pass t.detach() to "
+                "take the JVP without a gradient through it"
+            )

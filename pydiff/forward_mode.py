@@ -15,18 +15,18 @@ import re
 from typing import Any, Protocol, Sequence
 
 import numpy as np
-import slangpy as spy
 
 from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, check_device, fwd_tensor_struct
 from .arguments import prepare_arguments
 from .forward_args import gives_tangent, primal_and_tangent, primals_only
-from .forward_args import refuse_listed_tangents, tangent_tensor, warn_dropped
+from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor, warn_dropped
 from .call_shape import param_type
 from .errors import ShaderTrapError
 from .forward_call import forward_call
 from .signature import FunctionTarget, stem
 from .tape import suspend_recording
+from .storage import allocate
 from .tensor import Tensor
 
 
@@ -190,20 +190,29 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         + "\n    ".join(body)
         + "\n}\n"
     )
+    if rtype != "void":  # the pair into two contiguous tensors, on the device (_split_pair)
+        source += (
+            f"void {stem(fn.name)}__pydiff_{kind}_split({ret} __o[2], out {ret} __p, "
+            f"out {ret} __d)\n{{\n    __p = __o[0];\n    __d = __o[1];\n}}\n"
+        )
     return fn.generated(kind, source)
 
 
 def _split_pair(
     result: Tensor, type_name: str, wrapper: GeneratingFunction
 ) -> tuple[Tensor, Tensor]:
-    """Views of a tensor of R[2] elements as two tensors of R: primal and tangent."""
-    native = result.native
-    rtype = wrapper.module.native.layout.find_type_by_name(type_name)
-    shape = list(result.shape)  # [] for a 0-d result
-    strides = [2 * s for s in native.strides][: len(shape)]
-    primal = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset)
-    tangent = spy.Tensor(native.storage, rtype, shape, strides, 2 * native.offset + 1)
-    return Tensor(primal, result.device), Tensor(tangent, result.device)
+    """A tensor of R[2] elements split into two new contiguous tensors of R, primal and
+    tangent, by the wrapper module's ``_split`` function (on the device, no host round trip).
+    (Every other pydiff tensor is contiguous: the strided views of the pair returned before
+    failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not contiguous",
+    where the generated kernels' results, from 4096 elements, worked.)"""
+    element = wrapper.module.native.layout.find_type_by_name(type_name)
+    dev = result.device
+    primal = Tensor(allocate(dev, result.shape, element), dev)
+    tangent = Tensor(allocate(dev, result.shape, element), dev)
+    with suspend_recording():
+        getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
+    return primal, tangent
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
@@ -217,6 +226,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
+    refuse_on_tape(fn, bound)  # (its result would be a constant to a recording tape)
     want = options.pop("_result", "tensor")
     if type(want) is str and want not in ("tensor", "numpy"):
         raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")

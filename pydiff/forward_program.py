@@ -24,6 +24,7 @@ from .forward_mode import as_scalar, dir_wrapper
 from .function import Function, FunctionCtx
 from .host_values import differentiated_values, to_float32
 from .integer_primals import holds_integers
+from .lost_derivative import refuse_lost_copy
 from .seeds import seed_values
 from .policy import zero_policy
 from .tape import Tape, active_tape, suspend_recording
@@ -233,6 +234,10 @@ def held_primal(value: Any, what: str, k: int) -> Any:
 def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
     """The direction for primal k as a tensor of x's shape and dtype, or a ValueError."""
     want = x.expected_numpy_shape()
+    if isinstance(u, Tensor) and u.requires_grad and active_tape() is not None:
+        if (u.shape, u.dtype) == (x.shape, x.dtype) and what == "jvp":
+            return u  # recorded tangent ops reach it: its gradient flows (as torch.func.jvp)
+        refuse_lost_copy(u, f"{what}: {name}[{k}]")  # (a copy would drop its gradient)
     arr = seed_values(
         u.numpy() if isinstance(u, Tensor) else u, f"{what}: {name}[{k}]", x.scalar_type
     )

@@ -25,7 +25,7 @@ from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, check_reached, gradients, own_outputs, refuse_nested
-from .function_checks import nested_tensors, tangent_in_dtype
+from .function_checks import bound_args, nested_tensors, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
@@ -180,9 +180,11 @@ class Function:
         return cls.backward is not Function.backward
 
     @classmethod
-    def apply(cls, *args: Any) -> Any:
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run forward; inside a Tape, record it so ``tape.backward`` reaches the inputs;
-        inside ``pydiff.jvp``, give its outputs tangents (``jvp``)."""
+        inside ``pydiff.jvp``, give its outputs tangents (``jvp``). Keyword arguments are
+        bound to ``forward``'s parameters, as torch binds them (``bound_args``)."""
+        args = bound_args(cls.__name__, cls.forward, args, kwargs) if kwargs else args
         for k, a in enumerate(args):
             if not isinstance(a, Tensor) and (framework := foreign.framework(a)) is not None:
                 raise TypeError(

@@ -11,6 +11,7 @@ outputs no recorded call connects to its inputs), and the gradients ``backward``
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -103,7 +104,14 @@ def as_tensor(value: Any, device: Any, cls: type, where: str, k: int) -> Tensor:
             "outputs as a tuple (return a, b)"
         )
     if isinstance(value, (np.ndarray, list, float, int)):
-        return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+        if where != "forward":
+            return make_tensor(np.asarray(value, dtype=np.float32), device=device)
+        arr = np.asarray(value)  # indices, a mask: an integer or bool tensor, no gradient (as
+        kind = None if arr.dtype.kind in "iub" else "float"  # documented; a float one rounded
+        try:  # past 2^24); floats checked as pydiff.tensor checks them (1e39: not inf)
+            return make_tensor(arr, dtype=kind, device=device)
+        except ValueError as exc:  # (int64 values beyond int32, floats beyond float32)
+            raise ValueError(f"{cls.__name__}.forward() output {k}: {exc}") from None
     raise TypeError(
         f"{cls.__name__}.{where}() output {k} is a {type(value).__name__}; return pydiff "
         "Tensors (or NumPy arrays)"
@@ -267,3 +275,22 @@ def tangent_in_dtype(t: Any, o: Tensor, name: str, k: int, host: Callable[[str],
         return t.astype(o.dtype)
     host(f"{name}.jvp() returned a {t.dtype} tensor, converted on the host")
     return make_tensor(t.numpy().astype(np.float32), dtype=o.dtype, device=o.device)
+
+
+def bound_args(name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    """``Function.apply``'s keyword arguments bound to ``forward(ctx, ...)``'s parameters and
+    made positional, defaults filled in between (as torch's ``Function.apply``), so that the
+    gradients ``backward`` returns line up with the tensor arguments as for positional ones.
+    A name ``forward`` does not have raises TypeError naming the Function."""
+    try:
+        bound = inspect.signature(forward).bind(None, *args, **kwargs)  # (None: ctx)
+    except TypeError as exc:
+        raise TypeError(f"{name}.apply: {exc} (of {name}.forward)") from None
+    bound.apply_defaults()
+    if bound.kwargs:  # (keyword-only or **kwargs parameters of forward)
+        raise TypeError(
+            f"{name}.apply: keyword arguments {sorted(bound.kwargs)} reach keyword-only or "
+            f"**kwargs parameters of {name}.forward; apply passes forward positional "
+            "arguments (keywords bound to named parameters, as torch does)"
+        )
+    return tuple(bound.args[1:])

@@ -68,6 +68,11 @@ class Optimizer:
         self._held: dict[Any, list] = {}
         self._bindings: dict[Any, tuple] = {}  # per four-parameter site: _dispatch_four
 
+    def __getstate__(self) -> dict[str, Any]:
+        """``copy.deepcopy`` and ``pickle``: all but the kernels' bound objects (caches of
+        this optimizer's buffers, made again by the next step; they cannot be copied)."""
+        return {**self.__dict__, "_held": {}, "_bindings": {}}
+
     @property
     def defaults(self) -> Hyperparameters:
         """The hyper-parameters, read at each step and replay: a dict of fixed keys whose

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import capturing, numpy_functions, ops, tensor_methods
+from . import capturing, numpy_functions, ops, tensor_methods, tensor_pickle  # noqa: F401
 from .creation import empty, ones, tensor as make_tensor
 from .function import Function
 from .lost_derivative import refuse_lost_copy

@@ -243,6 +243,22 @@ class TensorOperators:
         """A copy converted to ``dtype`` (float <-> half carry gradients)."""
         return tensor_methods.call("astype", self, dtype)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``copy.deepcopy(x)`` (of a layer, an optimizer, a dict holding tensors): a copy on
+        the same device, ``requires_grad`` kept, a fresh gradient (``tensor_pickle``)."""
+        return tensor_methods.call("deepcopy", self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``pickle``: the values, dtype and ``requires_grad``; loads on the default device."""
+        return tensor_methods.call("reduce", self)
+
+    def __copy__(self) -> Any:
+        """``copy.copy(x)``: another Tensor object on the same storage and gradient buffers
+        (as before ``__reduce_ex__`` existed; torch's ``copy.copy`` shares storage too)."""
+        other = type(self).__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
+
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
         """DLPack export (``torch.from_dlpack(x)``, ``np.from_dlpack(x)``): on a CUDA device
         this tensor's own buffer (zero-copy; needs torch), elsewhere a host copy."""

@@ -29,7 +29,7 @@ from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .seeds import seed_values
 from .shader_primals import check_arity, one_array, takes_grads, torch_primals, void_outputs
-from .tape import Tape, suspend_recording
+from .tape import Tape, active_tape, suspend_recording
 from .tensor import Tensor
 
 #: A function of a loaded module (forward mode and second order need Slang's fwd_diff).
@@ -97,6 +97,10 @@ def jvp(
             f"jvp: {len(primals)} primals but {len(tangents)} tangents (use None for fixed ones)"
         )
     primals = torch_primals("jvp", f, primals, tangents)
+    if active_tape() is not None and any(
+        isinstance(v, Tensor) and v.requires_grad for v in (*primals, *tangents)
+    ):
+        return _jvp_on_tape(f, primals, tangents)
     args = []
     for k, (x, t) in enumerate(zip(primals, tangents)):
         if t is None:
@@ -115,6 +119,26 @@ def jvp(
         return result
     written = [a for (p, a) in zip(f.params, args) if isinstance(a, Tensor) and p.writes_value]
     return tuple(written), tuple(w.tangent for w in written)
+
+
+def _jvp_on_tape(f: ShaderFunction, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    """``jvp`` of a module function while a tape records and a tensor given requires a
+    gradient: as the Python function calling it (its value and tangent recorded, a
+    ``ShaderTangent``), so gradients reach the primals and tangents. (``fn.fwds`` records
+    nothing: its result was a constant to the tape, the gradient through it silently 0.)"""
+    if f.signature.return_type == "void" or any(p.writes_value for p in f.params):
+        raise RuntimeError(
+            f"jvp: {f.label} writes its arguments (out/inout), and a pydiff.Tape is recording "
+            "with an argument that requires a gradient: the tangents it writes would be "
+            "constants to the tape (their gradient silently 0). Call it outside the tape, or "
+            "pass x.detach() to take the JVP without a gradient through it"
+        )
+    xs, us = list(primals), list(tangents)
+    for k, p in enumerate(f.params[: len(xs)]):  # one host array for an array parameter
+        if us[k] is not None:  # is one value, as .fwds takes it
+            xs[k], us[k] = one_array(p, xs[k]), one_array(p, us[k])
+    primals, tangents = tuple(xs), tuple(us)
+    return program_jvp(lambda *a: f(*a, _result="tensor"), primals, tangents)
 
 
 def vjp(
