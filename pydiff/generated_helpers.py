@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .lint_nodiff import own_name
 from .signature import FunctionTarget, overloaded
 
 #: Loads (the typed form reads words: see generated_source), a float4 select, and the add of
@@ -71,14 +72,21 @@ def _load(dev: Any, name: str) -> Any:
     return dev.native.load_module_from_source(name, SOURCES[name])
 
 
-def left_to_slangpy(fn: FunctionTarget) -> str | None:
+def left_to_slangpy(fn: FunctionTarget, spare_lanes: bool = False) -> str | None:
     """Why no generated kernel (elementwise, vector or grid) may call ``fn``, whatever the
-    call: trap findings, overloads (SlangPy picks one by the values), or thread state in its
+    call: trap findings, overloads (SlangPy picks one by the values), thread state in its
     module (mutable statics, which a kernel running several elements per thread would carry
-    from one element to the next; SlangPy's call id: lint_statics); None: it may."""
+    from one element to the next; SlangPy's call id: lint_statics), or cross-lane code (wave
+    intrinsics, groupshared: lint_lanes); with ``spare_lanes`` (the elementwise kernels, which
+    also run ``fn`` on the last float4's spare lanes) side effects too (atomics, printf).
+    None: it may."""
     if fn.module.traps.get(fn.name):
         return "trap findings"
     state = getattr(fn.module, "thread_state", None)  # (modules pydiff scanned)
     if state:
         return f"thread state in the module: '{state[0]}'"
+    effects = getattr(fn.module, "lane_effects", None) or {}
+    kind, where = effects.get(own_name(fn.name), (None, ""))
+    if kind == "cross-lane" or (kind == "side effect" and spare_lanes):
+        return f"{kind}: {where}"
     return "overloaded" if overloaded(fn) else None

@@ -1,0 +1,146 @@
+"""Silent gaps of s42 (silentgap): each case against SlangPy's own path (``PYDIFF_GENERATED=0``)
+and closed forms. Every test here failed before its fix.
+
+- cross-lane code (wave and quad intrinsics, groupshared) in a function on the generated
+  kernels, which map elements to threads otherwise than SlangPy's kernels:
+  ``a * x + WaveActiveSum(x)`` gave 12, 16, 18, ... where SlangPy's path gives 38, 40, 42,
+  ... (forced, and after 1001 small calls took the planned kernel); side effects (atomics,
+  ``printf``) also ran on the spare lanes of the elementwise kernels' last float4;
+- ``load_module(path, lint=False)`` scanned only the file's own text for mutable statics, not
+  its ``#include``s and imports: 4, 7, 10, ... where 4, 6, 8, ... is right;
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from generated_paths import run_both_paths
+from pydiff import generated
+from pydiff.lint_lanes import lane_effects
+
+LANES = """
+import slangpy;
+groupshared float g_shared[64];
+float wsum(float a, float x) { return a * x + WaveActiveSum(x); }
+float wread(float a, float x) { return a * x + WaveReadLaneAt(x, 0); }
+float wpre(float a, float x) { return a * x + WavePrefixSum(x); }
+float quad(float a, float x) { return a * x + QuadReadAcrossX(x); }
+float helper(float x) { return WaveActiveMax(x); }
+float via_call(float a, float x) { return a * x + helper(x); }
+[Differentiable] float lanes(float a, float x)
+{ return a * x * x + no_diff(float(WaveGetLaneIndex())); }
+float3 wv(float3 p, float s) { return p * s + WaveActiveSum(p); }
+float plain(float a, float x) { return a * x + 1.0; }
+"""
+
+
+@pytest.fixture
+def lanes_module(device):
+    return pydiff.load_module_from_source("s42_lanes", LANES, device=device)
+
+
+def test_cross_lane_functions_keep_slangpy_path(device, forced, lanes_module):
+    m = lanes_module
+    xs = np.arange(1, 41, dtype=np.float32)
+    names = ["wsum", "wread", "wpre", "quad", "via_call", "lanes"]
+
+    def run():
+        out = [getattr(m, n)(2.0, pydiff.tensor(xs, device=device)).numpy() for n in names]
+        x = pydiff.tensor(xs, device=device, requires_grad=True)
+        y = m.lanes(2.0, x)
+        m.lanes.bwds(2.0, x, _result=y.with_grads(grad_in=pydiff.ones(40, device=device)))
+        _, dy = m.lanes.fwds(
+            2.0, pydiff.tensor(xs, device=device).with_tangent(np.ones(40, np.float32))
+        )
+        p = pydiff.tensor(np.stack([xs] * 3, -1), device=device, dtype="float3")
+        return out + [x.grad.numpy(), dy.numpy(), m.wv(p, 2.0).numpy()]
+
+    gen, ref, counts = run_both_paths(forced, run)
+    for u, v in zip(gen, ref):
+        np.testing.assert_array_equal(u, v)
+    np.testing.assert_array_equal(gen[6], 4 * xs)  # d/dx of 2x^2 (+ a lane index, no_diff)
+    np.testing.assert_array_equal(gen[7], 4 * xs)
+    assert counts["declined: cross-lane: 'WaveActiveSum' in wsum()"] == 1
+    assert counts["declined: cross-lane: 'WaveActiveMax' in helper()"] == 1
+    assert counts["declined: cross-lane: 'WaveGetLaneIndex' in lanes()"] >= 3
+    assert counts["declined: cross-lane: 'WaveActiveSum' in wv()"] == 1
+    assert counts.get("forward", 0) == 0 and counts.get("backward", 0) == 0
+    forced.setenv("PYDIFF_GENERATED", "1")
+    generated.reset_stats()
+    np.testing.assert_array_equal(
+        m.plain(2.0, pydiff.tensor(xs, device=device)).numpy(), 2 * xs + 1
+    )
+    assert generated.stats().get("forward") == 1  # the module's other functions still run
+
+
+def test_cross_lane_small_calls_repeated(device, lanes_module):
+    # before: the 1002nd call of a layout took the planned generated kernel: 12, 16, 18, ...
+    m = lanes_module
+    x = pydiff.tensor(np.arange(1, 11, dtype=np.float32), device=device)
+    first = m.wsum(2.0, x).numpy()
+    y = pydiff.zeros((10,), device=device)
+    for _ in range(1100):
+        m.wsum(2.0, x, _result=y)
+    np.testing.assert_array_equal(y.numpy(), first)
+
+
+def test_lane_effects_scan():
+    src = """
+#define SUM(v) WaveActiveSum(v)
+groupshared float tile[4][4];
+RWStructuredBuffer<uint> counter;
+float a(float x) { return SUM(x); }
+float b(float x) { tile[0][0] = x; GroupMemoryBarrierWithGroupSync(); return tile[1][0]; }
+float c(float x) { uint old; InterlockedAdd(counter[0], 1, old); return x; }
+float d(float x) { printf("%f", x); return x; }
+float e(float x) { return c(x) + a(x); }
+float f(float x) { return x; }   // WaveActiveSum in a comment
+void g_bwd(inout DifferentialPair<float> x, float dy) { counter.InterlockedAdd(0, 1); }
+[BackwardDerivative(g_bwd)] float g(float x) { return x; }
+"""
+    from pydiff.lint_macros import preprocess
+
+    found = lane_effects(preprocess(src).text)
+    assert found["a"] == ("cross-lane", "'WaveActiveSum' in a()")
+    assert found["b"][0] == "cross-lane"
+    assert found["c"] == ("side effect", "'InterlockedAdd' in c()")
+    assert found["d"] == ("side effect", "'printf' in d()")
+    assert found["e"] == ("cross-lane", "'WaveActiveSum' in a()")  # the worse of two
+    assert found["g"][0] == "side effect"
+    assert "f" not in found
+    assert lane_effects("implementing slangpy;\nvoid h() { InterlockedAdd(x[0], 1); }") == {}
+
+
+STATE_INCLUDE = "static float g_inc = 3.0;\n"
+STATE_IMPORT = """module s42_stmod;
+public static float g_mod = 3.0;
+public float bump() { g_mod = g_mod + 1.0; return g_mod; }
+"""
+USES_INCLUDE = """import slangpy;
+#include "s42_stinc.slang"
+[Differentiable] float h(float a, float x) { g_inc = g_inc + 1.0; return a * x + g_inc; }
+"""
+USES_IMPORT = """import slangpy;
+import s42_stmod;
+[Differentiable] float h(float a, float x) { float g = no_diff bump(); return a * x + g; }
+"""
+
+
+@pytest.mark.parametrize("which", ["include", "import"])
+def test_unlinted_file_imports_statics(device, forced, tmp_path, which):
+    # before: lint=False scanned only the file's own text: 4, 7, 10, ... on the generated path
+    (tmp_path / "s42_stinc.slang").write_text(STATE_INCLUDE)
+    (tmp_path / "s42_stmod.slang").write_text(STATE_IMPORT)
+    path = tmp_path / f"s42_uses_{which}.slang"
+    path.write_text(USES_INCLUDE if which == "include" else USES_IMPORT)
+    m = pydiff.load_module(str(path), device=device, lint=False)
+    xs = np.arange(10, dtype=np.float32)
+    gen, ref, counts = run_both_paths(
+        forced, lambda: [m.h(2.0, pydiff.tensor(xs, device=device)).numpy()]
+    )
+    np.testing.assert_array_equal(gen[0], 2 * xs + 4)
+    np.testing.assert_array_equal(gen[0], ref[0])
+    name = "g_inc" if which == "include" else "g_mod"
+    assert counts[f"declined: thread state in the module: '{name}'"] == 1
