@@ -4,13 +4,13 @@ in a kernel that maps call elements to threads otherwise than SlangPy's does.
 - **cross-lane**: wave and quad intrinsics (``WaveActiveSum``, ``WaveReadLaneAt``,
   ``WavePrefixSum``, ``WaveGetLaneIndex``, ``QuadReadAcrossX``, ...), ``groupshared``
   variables, group barriers, ``ddx``/``ddy``: their values depend on which elements share a
-  wave or a group. pydiff's generated kernels run eight elements per thread (elementwise) or
-  another group size (vector, grid): ``a * x + WaveActiveSum(x)`` over 10 elements gave
-  12, 16, 18, ... there where SlangPy's path gives 38, 40, 42, ... (s42).
+  wave or a group. pydiff's elementwise generated kernels run eight elements per thread:
+  ``a * x + WaveActiveSum(x)`` over 10 elements gave 12, 16, 18, ... there where SlangPy's
+  path gives 38, 40, 42, ... (s42). The vector and grid kernels run one element per thread
+  in SlangPy's order (``tests/test_s33_grid33.py``, ``test_s42_silentgap.py``): kept.
 - **side effect**: atomics (``InterlockedAdd``, ``atomicAdd``, ``Atomic<T>``) and ``printf``.
   The elementwise kernels also run the function on the spare lanes of the last float4
-  (results dropped, but not an atomic add or a print); the vector and grid kernels run one
-  element per thread, as SlangPy's do, so side effects keep them.
+  (results dropped, but not an atomic add or a print).
 
 Functions are keyed by their own name (``lint_nodiff.own_name``), overloads merged; a function
 calling one that qualifies qualifies, and so does one whose hand-written derivative does.
