@@ -12,6 +12,8 @@ and closed forms. Every test here failed before its fix.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -219,3 +221,43 @@ def test_host_strided_copy_keeps_the_strict_mark(device):
         results.append(w.grad.numpy())
     np.testing.assert_array_equal(results[0], np.full((2, 2), 2.0, np.float32))
     np.testing.assert_array_equal(results[1], np.full((2, 2), 2.0, np.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# a store outside the tensor: named by its real index, and refused below the first element too
+
+OUTSIDE = r"""
+import slangpy;
+[Differentiable] void swapped(int2 idx, IDiffTensor<float, 2> x, IWDiffTensor<float, 2> y)
+{ y[int2(idx.y, idx.x)] = x[int2(idx.x, idx.y)] * 2.0; }
+[Differentiable] void before(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ y[idx - 2] = x[idx] * 2.0; }
+[Differentiable] void past(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ y[idx + 3] = x[idx] * 2.0; }
+"""
+
+
+@pytest.mark.parametrize(
+    "name, shape, where",
+    [
+        # before: "flat index 4294967294" for both (the stores at 6 and 7 landed on the
+        # mask's own race words), and the store at -2 was not refused at all: x.grad came
+        # out [0, 0, 2, 2, 2, 2], a gradient of a forward that wrote outside y
+        ("swapped", (2, 3), r"flat index 6, where 0 to 5 are inside: index \(2, 0\)"),
+        ("before", (6,), r"flat index -2, where 0 to 5 are inside\)"),
+        ("past", (6,), r"flat index 6, where 0 to 5 are inside\)"),
+    ],
+)
+def test_store_outside_the_tensor_names_its_index(device, name, shape, where):
+    import slangpy as spy
+
+    m = pydiff.load_module_from_source("s42_outside", OUTSIDE, device=device)
+    x = pydiff.tensor(np.arange(6, dtype=np.float32).reshape(shape), device=device)
+    x.requires_grad_(True)
+    y = pydiff.zeros(shape, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (pydiff's index-order hint)
+        with pydiff.Tape() as tape:
+            getattr(m, name)(spy.grid(shape), x, y)
+        with pytest.raises(ValueError, match=rf"index outside the tensor \(row-major {where}"):
+            tape.backward(y, grad=np.ones(shape))
