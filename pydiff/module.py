@@ -82,7 +82,8 @@ class Module:
         if source is not None:  # (lint=False too: the imports' statics and lanes count)
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
-            self.thread_state = thread_state(scan.own_text, *scan.imported_texts)
+            # (the raw text too: a macro defined `static` in a branch the scan cannot decide)
+            self.thread_state = thread_state(scan.own_text, source, *scan.imported_texts)
             self.lane_effects = lane_effects(scan.own_text, *scan.imported_texts)
         if source is not None and lint_source:
             doubles = double_math.findings(device, source, file, options.defines, scan)

@@ -261,3 +261,19 @@ def test_store_outside_the_tensor_names_its_index(device, name, shape, where):
             getattr(m, name)(spy.grid(shape), x, y)
         with pytest.raises(ValueError, match=rf"index outside the tensor \(row-major {where}"):
             tape.backward(y, grad=np.ones(shape))
+
+
+def test_static_through_an_undecided_macro_branch(device):
+    # before: the scan read only the preprocessed text, which takes one of the definitions a
+    # branch it cannot decide (__TARGET_CUDA__: the target's) gives; on CUDA `K` is `static`
+    src = """import slangpy;
+#ifdef __TARGET_CUDA__
+#define K static
+#else
+#define K
+#endif
+K float g = 1.0;
+[Differentiable] float h(float a, float x) { return a * x + g; }
+"""
+    m = pydiff.load_module_from_source("s42_undecided", src, device=device)
+    assert m.thread_state == ["g"]
