@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+import weakref
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,15 @@ from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
 from .lint_lanes import lane_effects
-from .lint_statics import thread_state
+from .lint_statics import imported_names, thread_state
 from .signature import ParamInfo, Signature, stem
+
+
+#: Per device, the preprocessed texts of each module pydiff loaded (its own and its imports'),
+#: by module name: what the thread-state and lane scans read for an import of that name.
+_LOADED_TEXTS: "weakref.WeakKeyDictionary[Device, dict[str, list[str]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Module:
@@ -82,9 +90,15 @@ class Module:
         if source is not None:  # (lint=False too: the imports' statics and lanes count)
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
+            # Modules pydiff loaded before, which an import may name with no file to find
+            # (load_module_from_source): their texts, as the scan would have read them.
+            loaded = _LOADED_TEXTS.setdefault(device, {})
+            texts = [scan.own_text, *scan.imported_texts]
+            texts += [t for n in imported_names(*texts) if n != name for t in loaded.get(n, ())]
+            loaded[name] = texts
             # (the raw text too: a macro defined `static` in a branch the scan cannot decide)
-            self.thread_state = thread_state(scan.own_text, source, *scan.imported_texts)
-            self.lane_effects = lane_effects(scan.own_text, *scan.imported_texts)
+            self.thread_state = thread_state(source, *texts)
+            self.lane_effects = lane_effects(*texts)
         if source is not None and lint_source:
             doubles = double_math.findings(device, source, file, options.defines, scan)
             for f in scan.own + scan.imported + doubles:

@@ -277,3 +277,38 @@ K float g = 1.0;
 """
     m = pydiff.load_module_from_source("s42_undecided", src, device=device)
     assert m.thread_state == ["g"]
+
+
+def test_imported_module_loaded_from_source(device, forced):
+    # before: `import s42_helper;` of a module loaded from source (no file for the scan to
+    # read) hid its static and its wave intrinsic: 4, 7, 10, ... and 8, 12, 14, ... on the
+    # generated path where SlangPy's path gives 4, 6, 8, ... and 28, 30, 32, ...
+    pydiff.load_module_from_source(
+        "s42_helper",
+        "module s42_helper;\npublic static float g_mod = 3.0;\n"
+        "public float bump() { g_mod = g_mod + 1.0; return g_mod; }\n"
+        "public float wsum(float x) { return WaveActiveSum(x); }\n",
+        device=device,
+    )
+    m = pydiff.load_module_from_source(
+        "s42_helper_user",
+        "import s42_helper;\n"
+        "[Differentiable] float h(float a, float x)\n"
+        "{ float g = no_diff bump(); return a * x + g; }\n"
+        "float w(float a, float x) { return a * x + wsum(x); }\n",
+        device=device,
+    )
+    assert m.thread_state == ["g_mod"]
+    assert m.lane_effects["w"] == ("cross-lane", "'WaveActiveSum' in wsum()")
+    xs = np.arange(10, dtype=np.float32)
+
+    def run():
+        return [
+            m.h(2.0, pydiff.tensor(xs, device=device)).numpy(),
+            m.w(2.0, pydiff.tensor(xs, device=device)).numpy(),
+        ]
+
+    gen, ref, counts = run_both_paths(forced, run)
+    np.testing.assert_array_equal(gen[0], 2 * xs + 4)
+    np.testing.assert_array_equal(gen[1], ref[1])
+    assert counts["declined: thread state in the module: 'g_mod'"] == 2
