@@ -35,7 +35,7 @@ from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_w
 from .bwds_checks import reads_a_gradient, with_values_of
 from .errors import warn_once
 from .grad_restore import may_refuse
-from .host_values import element_base
+from .host_values import element_base, refuse_handed_out
 from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
 from .struct_grads import bind_struct_forward
@@ -202,7 +202,7 @@ def _check_host_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             "'numpy', or a tensor or C-contiguous array of the call's shape"
         )
     if type(result) is not np.ndarray:
-        return
+        return refuse_handed_out(result, f"{fn.label}: _result")  # (x.native: ValueError)
     returns = fn.signature.return_type
     base = element_base(returns)
     if base in ("float", "half", "double") and result.dtype.kind not in "fc":

@@ -156,7 +156,7 @@ def _uncovered(fn: FunctionTarget, args: list, shape: tuple) -> str | None:
     sig = fn.signature
     if not enabled():
         return "PYDIFF_GENERATED=0"
-    if (reason := generated_helpers.left_to_slangpy(fn)) is not None:
+    if (reason := generated_helpers.left_to_slangpy(fn, True)) is not None:
         return reason  # (trap findings, overloads: SlangPy picks by value, mutable statics)
     if sig.return_type != "float":
         return f"returns {sig.return_type}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .lint_nodiff import own_name
 from .signature import FunctionTarget, overloaded
 
 #: Loads (the typed form reads words: see generated_source), a float4 select, and the add of
@@ -71,14 +72,21 @@ def _load(dev: Any, name: str) -> Any:
     return dev.native.load_module_from_source(name, SOURCES[name])
 
 
-def left_to_slangpy(fn: FunctionTarget) -> str | None:
+def left_to_slangpy(fn: FunctionTarget, elementwise: bool = False) -> str | None:
     """Why no generated kernel (elementwise, vector or grid) may call ``fn``, whatever the
     call: trap findings, overloads (SlangPy picks one by the values), or thread state in its
     module (mutable statics, which a kernel running several elements per thread would carry
-    from one element to the next; SlangPy's call id: lint_statics); None: it may."""
+    from one element to the next; SlangPy's call id: lint_statics); with ``elementwise``
+    (the kernels running eight elements per thread, and ``fn`` on the last float4's spare
+    lanes) also cross-lane code and side effects (wave intrinsics, groupshared, atomics,
+    printf: lint_lanes; the vector and grid kernels map elements to lanes as SlangPy's do).
+    None: it may."""
     if fn.module.traps.get(fn.name):
         return "trap findings"
     state = getattr(fn.module, "thread_state", None)  # (modules pydiff scanned)
     if state:
         return f"thread state in the module: '{state[0]}'"
+    effects = getattr(fn.module, "lane_effects", None)
+    if elementwise and effects and (found := effects.get(own_name(fn.name))) is not None:
+        return f"{found[0]}: {found[1]}"
     return "overloaded" if overloaded(fn) else None

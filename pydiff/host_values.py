@@ -21,9 +21,11 @@ import numbers
 from typing import Any
 
 import numpy as np
+import slangpy as spy
 
 from .creation import tensor
 from .foreign import as_array
+from .handles import owner
 from .call_shape import short_name, value_elements, display_name
 from .signature import ParamInfo
 from .storage import SCALAR_NUMPY, has_c_strides
@@ -278,3 +280,16 @@ def _array(label: str, p: ParamInfo, base: str, arr: np.ndarray) -> np.ndarray:
     else:
         out = arr.astype(target)
     return out if has_c_strides(out) else out.copy(order="C")
+
+
+def refuse_handed_out(value: Any, what: str) -> None:
+    """A ValueError for a raw SlangPy tensor on the buffer of a live pydiff tensor, which a
+    call would write without counting the write (``m.f(z, _result=x.native)``)."""
+    if isinstance(value, spy.Tensor) and (found := owner(value.storage)) is not None:
+        raise ValueError(
+            f"{what} is a raw SlangPy tensor on the buffer of a pydiff tensor (last written by "
+            f"{found.last_writer}): pydiff would not count this write, so a tape's backward or "
+            "a .bwds that read those values would differentiate at the new ones (a silently "
+            "wrong gradient); pass the pydiff tensor itself, or wrap the handle first: "
+            "pydiff.Tensor(handle, device) shares its storage"
+        )

@@ -52,6 +52,15 @@ def thread_state(*texts: str) -> list[str]:
     return found
 
 
+_IMPORT = re.compile(r"(?<![\w.])import\s+([A-Za-z_][\w.]*)\s*;")
+
+
+def imported_names(*texts: str) -> list[str]:
+    """The module names ``import name;`` lines of ``texts`` name (``import a.b;``: ``a.b``)."""
+    found = [m.group(1) for text in texts for m in _IMPORT.finditer(_COMMENTS.sub(" ", text))]
+    return list(dict.fromkeys(found))
+
+
 def _line_before(text: str, at: int) -> str:
     """The modifiers written before ``static`` in its declaration (``const static``)."""
     begin = max(text.rfind(c, 0, at) for c in ";{}\n")

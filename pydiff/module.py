@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+import weakref
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,16 @@ from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
-from .lint_statics import thread_state
+from .lint_lanes import lane_effects
+from .lint_statics import imported_names, thread_state
 from .signature import ParamInfo, Signature, stem
+
+
+#: Per device, the preprocessed texts of each module pydiff loaded (its own and its imports'),
+#: by module name: what the thread-state and lane scans read for an import of that name.
+_LOADED_TEXTS: "weakref.WeakKeyDictionary[Device, dict[str, list[str]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Module:
@@ -66,8 +75,10 @@ class Module:
         #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
         self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
         self.no_diff_fields = no_diff_fields(source) if source is not None else {}
-        #: Thread state (mutable statics, SlangPy's call id): generated kernels keep off it.
-        self.thread_state = thread_state(source) if source is not None else []
+        #: Thread state (mutable statics, SlangPy's call id) and cross-lane or side-effecting
+        #: functions (lint_lanes): generated kernels keep off them.
+        self.thread_state: list[str] = []
+        self.lane_effects: dict[str, tuple[str, str]] = {}
         self._function_names: list[str] | None = None
         if decl_module is not None:  # a file compiled again: its path gives the first version
             self._decl_loader = lambda: decl_module
@@ -76,9 +87,19 @@ class Module:
         else:
             self._decl_loader = lambda: device.native.load_module(file)
         self._functions: dict[str, ShaderFunction] = {}
-        if source is not None and lint_source:
+        if source is not None:  # (lint=False too: the imports' statics and lanes count)
             options = device.native.desc.compiler_options  # imports: found as Slang does
             scan = lint_sources.scan_module(source, file, options.include_paths, options.defines)
+            # Modules pydiff loaded before, which an import may name with no file to find
+            # (load_module_from_source): their texts, as the scan would have read them.
+            loaded = _LOADED_TEXTS.setdefault(device, {})
+            texts = [scan.own_text, *scan.imported_texts]
+            texts += [t for n in imported_names(*texts) if n != name for t in loaded.get(n, ())]
+            loaded[name] = texts
+            # (the raw text too: a macro defined `static` in a branch the scan cannot decide)
+            self.thread_state = thread_state(source, *texts)
+            self.lane_effects = lane_effects(*texts)
+        if source is not None and lint_source:
             doubles = double_math.findings(device, source, file, options.defines, scan)
             for f in scan.own + scan.imported + doubles:
                 consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
@@ -88,7 +109,6 @@ class Module:
             self.source_files = list(scan.files)
             self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
-            self.thread_state = thread_state(scan.own_text, *scan.imported_texts)
 
     def function_names(self) -> list[str]:
         """Names of the functions declared in this module's own source (not its imports)."""

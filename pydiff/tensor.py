@@ -21,6 +21,7 @@ from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
 from .storage import layout_element, shape_with_inferred_axis
+from .handles import handed_out, owner
 from .tensor_operators import TensorOperators
 
 
@@ -68,7 +69,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._layout_el = layout_element(self._element)  # (fixed, as the native is)
         self._grad_in = grad_in
         self._grad_out = grad_out
-        self.storage = storage if storage is not None else Storage(native.storage)
+        self.storage = storage or owner(buf := native.storage) or Storage(buf)  # (handles.py)
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
@@ -116,7 +117,7 @@ class Tensor(GradBuffers, TensorOperators):
         (a Function ``backward``'s batch too); a handle kept over later calls is not: retake it."""
         if (queue := self._device.queue).deferred or queue.open_batches or queue.pending:
             queue.flush()
-        return self._native
+        return handed_out(self.storage, self._native)
 
     def native_view(self) -> spy.Tensor:
         """``native`` in this tensor's shape (0-d too): to make a Tensor of the same values.
@@ -265,7 +266,9 @@ class Tensor(GradBuffers, TensorOperators):
         graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
         graph = graph or tensor_methods.call("copied_from", src) is not None  # (through calls)
         if not (src.native.is_contiguous() and self._native.is_contiguous()):  # (by the host)
-            if self.copy_from_numpy(src.numpy(), caller="Tensor.copy_") is self and graph:
+            self.copy_from_numpy(src.numpy(), caller="Tensor.copy_")
+            self.storage.holds_result_of = src.storage.holds_result_of  # (as below: STRICT)
+            if graph:
                 self.storage.wrote(COPY_FROM_GRAPH, True)  # (marked as below)
             return forward_trace.replaced(self, src)
         capturing.refuse("a device copy (copy_/clone)")
@@ -274,13 +277,9 @@ class Tensor(GradBuffers, TensorOperators):
         with self._device.queue.lock:
             self._device.flush()
             encoder = native.create_command_encoder()
-            encoder.copy_buffer(
-                self._native.storage,
-                self._native.offset * stride,
-                src.native.storage,
-                src.native.offset * stride,
-                src.native.element_count * stride,
-            )
+            at, size = (self._native.offset * stride, src.native.offset * stride), stride
+            size *= src.native.element_count
+            encoder.copy_buffer(self._native.storage, at[0], src.native.storage, at[1], size)
             native.submit_command_buffer(encoder.finish())
         self.storage.holds_result_of = src.storage.holds_result_of
         self.storage.wrote(COPY_FROM_GRAPH if graph else "a device copy", True)

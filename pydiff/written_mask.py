@@ -308,11 +308,12 @@ class WrittenMask:
         raise ValueError(message + _RESTORED)
 
     def _refusal(self, label: str, name: str, raced: int, flat: int) -> str:
-        if flat >= math.prod(self.shape):
+        if flat >= (n := math.prod(self.shape)):
             return (
                 f"{label}: parameter '{name}' (shape {tuple(self.shape)}): the call stored "
-                f"at an index outside the tensor (flat index {flat}): the forward wrote "
-                "outside it (lost, or into other memory), and no gradient can be right there. "
+                f"at an index outside the tensor ({_outside(flat, self.shape, n)}): the "
+                "forward wrote outside it (lost, or into other memory), and no gradient can be "
+                "right there. "
                 "Check the indices the function stores at (spy.grid gives the last axis as .x)"
             )
         at = tuple(int(i) for i in np.unravel_index(flat, self.shape))
@@ -360,3 +361,16 @@ def _library(device: Device) -> Any:
         return spy.Module.load_from_file(device.native, f"{MODULE}.slang")
 
     return device.cached("pydiff.written_mask", load)
+
+
+def _outside(flat: int, shape: tuple, n: int) -> str:
+    """An index outside a tensor of ``shape`` (``n`` elements), as the mask recorded it (a
+    uint: -2 comes as 4294967294), in words: its flat index and, for more than one axis, the
+    index it is with only the first axis out of range."""
+    flat = flat - 2**32 if flat >= 2**31 else flat
+    where = f"row-major flat index {flat}, where 0 to {n - 1} are inside"
+    if len(shape) < 2 or math.prod(shape[1:]) == 0:
+        return where
+    first, rest = divmod(flat, math.prod(shape[1:]))
+    index = (first, *(int(i) for i in np.unravel_index(rest, shape[1:])))
+    return f"{where}: index {index}, if only the first axis is out of range"

@@ -1,0 +1,112 @@
+"""Cross-lane and side-effecting code in Slang source, per function: what gives other results
+in a kernel that maps call elements to threads otherwise than SlangPy's does.
+
+- **cross-lane**: wave and quad intrinsics (``WaveActiveSum``, ``WaveReadLaneAt``,
+  ``WavePrefixSum``, ``WaveGetLaneIndex``, ``QuadReadAcrossX``, ...), ``groupshared``
+  variables, group barriers, ``ddx``/``ddy``: their values depend on which elements share a
+  wave or a group. pydiff's elementwise generated kernels run eight elements per thread:
+  ``a * x + WaveActiveSum(x)`` over 10 elements gave 12, 16, 18, ... there where SlangPy's
+  path gives 38, 40, 42, ... (s42). The vector and grid kernels run one element per thread
+  in SlangPy's order (``tests/test_s33_grid33.py``, ``test_s42_silentgap.py``): kept.
+- **side effect**: atomics (``InterlockedAdd``, ``atomicAdd``, ``Atomic<T>``) and ``printf``.
+  The elementwise kernels also run the function on the spare lanes of the last float4
+  (results dropped, but not an atomic add or a print).
+
+Functions are keyed by their own name (``lint_nodiff.own_name``), overloads merged; a function
+calling one that qualifies qualifies, and so does one whose hand-written derivative does.
+
+    lane_effects("float f(float x) { return WaveActiveSum(x); }")
+    # {'f': ('cross-lane', "'WaveActiveSum' in f()")}
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from .lint_atomics import ANY_FUNCTION, KEYWORDS
+from .lint_flow import matching
+from .lint_macros import blank_comments_and_strings
+
+_CROSS_LANE = re.compile(
+    r"\b(Wave[A-Z]\w*|Quad[A-Z]\w*|GroupMemoryBarrier\w*|AllMemoryBarrier\w*|"
+    r"DeviceMemoryBarrier\w*|ddx\w*|ddy\w*|fwidth\w*|__syncwarp)\b"
+)
+_SIDE_EFFECT = re.compile(r"\b(Interlocked[A-Z]\w*|atomic[A-Z]\w*|Atomic\s*<|printf)")
+_GROUPSHARED = re.compile(r"\bgroupshared\b([^;=]*)")
+_NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*$")
+_DERIVATIVE = re.compile(
+    r"\[\s*(?:Backward|Forward)Derivative(Of)?\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
+)
+#: a call's name (``f(``, ``f<float>(``, a method ``a.f(``: as lint_flow.call_at finds them)
+_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\(")
+_SLANGPY = re.compile(r"^\s*(?:implementing|module)\s+slangpy\s*;", re.M)
+
+#: kind ("cross-lane" / "side effect") and what and where, per function name
+Effects = dict[str, tuple[str, str]]
+
+
+def lane_effects(*texts: str) -> Effects:
+    """The functions of ``texts`` (a module's preprocessed source and its imports) whose code
+    is cross-lane or side-effecting, directly or through the functions they call."""
+    fns: dict[str, tuple[str, str]] = {}  # name -> (attributes before it, bodies)
+    shared: list[str] = []  # groupshared variable names
+    for text in texts:
+        text_fns, text_shared = _parse(text)
+        shared.extend(text_shared)
+        for name, attrs, body in text_fns:
+            old_attrs, old_body = fns.get(name, ("", ""))
+            fns[name] = (old_attrs + attrs, old_body + body)
+    found: Effects = {}
+    for name, (_, body) in fns.items():
+        if (m := _CROSS_LANE.search(body)) is not None:
+            found[name] = ("cross-lane", f"'{m.group(1)}' in {name}()")
+        elif (g := next((s for s in shared if re.search(rf"\b{s}\b", body)), None)) is not None:
+            found[name] = ("cross-lane", f"groupshared '{g}' in {name}()")
+        elif (m := _SIDE_EFFECT.search(body)) is not None:
+            found[name] = ("side effect", f"'{m.group(1).rstrip('< ')}' in {name}()")
+    calls = {name: set(_CALL.findall(body)) for name, (_, body) in fns.items()}
+    changed = bool(found)
+    while changed:
+        changed = False
+        for name, (attrs, _) in fns.items():
+            for of, target in _DERIVATIVE.findall(attrs):
+                a, b = (name, target) if of else (target, name)  # b's derivative is a
+                if a in found and (b not in found or _worse(found[a], found[b])):
+                    found[b] = found[a]
+                    changed = True
+            for callee in calls[name] & found.keys():
+                why = found[callee]
+                if callee != name and (name not in found or _worse(why, found[name])):
+                    found[name] = why
+                    changed = True
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> tuple[tuple[tuple[str, str, str], ...], tuple[str, ...]]:
+    """One file's functions (name, attributes before it, body) and groupshared names; none
+    for SlangPy's own files (its gradient atomics run on both paths alike). Kept per text:
+    the imported files' texts (pydiff's shaders: ~60 ms) are the same for every module."""
+    src = blank_comments_and_strings(text)
+    if _SLANGPY.search(src):
+        return (), ()
+    shared = []
+    for m in _GROUPSHARED.finditer(src):
+        if (name := _NAME.search(m.group(1).strip())) is not None:
+            shared.append(name.group(1))
+    fns, prev = [], 0
+    for m in ANY_FUNCTION.finditer(src):
+        name = m.group(1)
+        end = matching(src, m.end() - 1, "{", "}")
+        if name in KEYWORDS or end < 0:
+            continue
+        head = max(src.rfind(";", prev, m.start()), src.rfind("}", prev, m.start()), prev)
+        fns.append((name, src[head : m.start() + 1], src[m.end() - 1 : end]))
+        prev = end
+    return tuple(fns), tuple(shared)
+
+
+def _worse(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """Whether ``a`` rules out more kernels than ``b`` (cross-lane: every generated one)."""
+    return a[0] == "cross-lane" and b[0] != "cross-lane"
