@@ -20,7 +20,7 @@ from .policy import ZeroPolicy
 from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
-from .storage import layout_element, shape_with_inferred_axis
+from .storage import layout_element, shape_with_inferred_axis, type_name
 from .handles import handed_out, owner
 from .tensor_operators import TensorOperators
 
@@ -91,7 +91,7 @@ class Tensor(GradBuffers, TensorOperators):
         if self._dtype is None:  # read from SlangPy once (~1 us; every op checks it)
             t = self._element
             vector = type(t).__name__ == "VectorType"
-            self._dtype = f"{t.element_type.full_name}{t.num_elements}" if vector else t.full_name
+            self._dtype = f"{type_name(t.element_type)}{t.num_elements}" if vector else type_name(t)
         return self._dtype
 
     @property
