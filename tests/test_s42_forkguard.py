@@ -84,6 +84,10 @@ PRELUDE = textwrap.dedent(
 
 FORKS = PRELUDE + textwrap.dedent(
     """
+    SRC = "[Differentiable] float sq(float v) { return v * v; }"
+    m = pydiff.load_module_from_source("fg_sq", SRC, device=dev)
+    assert np.allclose(m.sq(v=x, _result="tensor").numpy(), [0.25, 1.0, 4.0])
+
     def nothing():
         return {"ok": True}
 
@@ -95,6 +99,7 @@ FORKS = PRELUDE + textwrap.dedent(
             ("add", lambda: (x + 1.0).numpy()),
             ("device.flush", lambda: x.device.flush()),
             ("new tensor on it", lambda: pydiff.tensor([1.0], device=dev).numpy()),
+            ("module call", lambda: m.sq(v=x, _result="tensor").numpy()),
         ]:
             try:
                 use()
