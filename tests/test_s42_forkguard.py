@@ -300,6 +300,40 @@ def test_torch_dataloader_workers_after_a_device_opened(tmp_path, device):
     np.testing.assert_allclose(out["parent"], np.exp([0.5, 1.0, 2.0]), rtol=1e-6)
 
 
+# A native exit handler of the parent that never returns in a child, as Mesa's may not
+# (util_queue's: it wakes and joins the parent's lavapipe cache-writer threads, which the
+# child does not have; whether it hangs depends on their state at the fork, hence this
+# stand-in): pause() until a signal. The parent itself leaves with os._exit.
+NATIVE_EXIT = PRELUDE + textwrap.dedent(
+    """
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]  # (glibc's atexit with status)
+    libc.on_exit(ctypes.cast(libc.pause, ctypes.c_void_p), None)
+
+    def new_device():
+        d2 = pydiff.create_device("vulkan", cache_dir=False)
+        return ops.exp(pydiff.tensor([1.0], device=d2)).numpy().tolist()
+
+    fork_run("exit", lambda: {"ok": True})
+    fork_run("new", new_device)
+    results["parent"] = ops.exp(x).numpy().tolist()
+    print("RESULTS " + json.dumps(results), flush=True)
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_childs_exit_skips_native_exit_handlers_of_the_parent(tmp_path, device):
+    if device.type != "vulkan":
+        pytest.skip("Vulkan (lavapipe) here")
+    out = _run(NATIVE_EXIT, tmp_path)
+    assert _ended(out["exit"]) == {"ok": True}
+    np.testing.assert_allclose(_ended(out["new"]), [np.e], rtol=1e-6)
+    np.testing.assert_allclose(out["parent"], np.exp([0.5, 1.0, 2.0]), rtol=1e-6)
+
+
 EXIT_ONLY = PRELUDE + textwrap.dedent(
     """
     fork_run("exit", lambda: {"ok": True})
