@@ -44,6 +44,7 @@ from .device import (
     set_default_device,
     shader_dir,
 )
+from . import forkguard  # noqa: F401 (a forked child's inherited devices: never a hang)
 from .capturing import CapturedStep, capture
 from .creation import empty, empty_cache, ones, tensor, zeros
 from .creation_ranges import arange, full, linspace, ones_like, rand, randn, zeros_like

@@ -77,6 +77,12 @@ def flush_all_deferred() -> None:
         queue.flush_deferred()
 
 
+def forget_queues() -> None:
+    """In a forked child (``pydiff.forkguard``): the queues of the devices inherited from the
+    parent are not this process's to submit (``flush_all_deferred`` skips them)."""
+    _queues.clear()
+
+
 class _Batch:
     __slots__ = ("encoder",)  # created on first use, under the queue's lock
 

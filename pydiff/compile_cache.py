@@ -123,6 +123,13 @@ def shader_slot(shaders: Path) -> Path:
         n += 1
 
 
+def forget_held() -> None:
+    """In a forked child (``pydiff.forkguard``): the shader databases of the parent's devices
+    are not open in this process (LMDB's locks are per process and not inherited; the child
+    never touches the inherited handles), so its devices open them as any other process."""
+    _held_shaders.clear()
+
+
 def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     """Create and check the cache folders of a device type; None (one warning) when they
     cannot be used, so the device opens without a persistent cache."""

@@ -390,6 +390,17 @@ def open_devices() -> list[Device]:
     return list(_open_devices.values())
 
 
+def forget_open_devices() -> list[Device]:
+    """In a forked child (``pydiff.forkguard``): the devices the parent had open, forgotten
+    (the default too), so that asking for a device opens one of this process; the lock
+    starts afresh (another thread of the parent may have held it at the fork)."""
+    global _default, _open_lock
+    found = list({id(d): d for d in (*_open_devices.values(), _default) if d is not None}.values())
+    _open_devices.clear()
+    _default, _open_lock = None, threading.RLock()
+    return found
+
+
 def resolve_device(device: Device | str | None) -> Device:
     """A Device from a Device, a type name, a slangpy.Device, or None (the default one)."""
     if device is None:

@@ -12,11 +12,14 @@ instead of SlangPy's garbage signature and a crash at dispatch.
 
     from pydiff import slangpy_loader          # pydiff/__init__.py imports it first
     slangpy_loader.torch_bridge_wanted()       # False unless torch is loaded or asked for
+    slangpy_loader.exit_hook()                 # SlangPy's atexit callback (pydiff.forkguard)
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import importlib
 import sys
 from typing import Any
@@ -100,14 +103,59 @@ def _detect_without_bridge(args: tuple, kwargs: dict) -> tuple[bool, bool]:
     return False, False
 
 
+# SlangPy's native extension registers one atexit callback as it loads (src/slangpy_ext/
+# slangpy_ext.cpp): it waits for SlangPy's tasks and closes every device. A forked child must
+# not run it on the devices it inherited (pydiff.forkguard), so it is kept here.
+_exit_hooks: list = []
+_NB_EXIT_SIGNATURE = (("def () -> None", None, None),)
+
+
+def _is_exit_hook(func: Any) -> bool:
+    """Whether ``func`` looks like SlangPy's atexit callback: an unnamed nanobind function of
+    no arguments (the extension's only one)."""
+    return (
+        type(func).__name__ == "nb_func"
+        and getattr(func, "__name__", None) == ""
+        and getattr(func, "__nb_signature__", None) == _NB_EXIT_SIGNATURE
+    )
+
+
+def _import_watching_atexit(name: str) -> Any:
+    """Import ``name``, keeping the atexit callbacks SlangPy's extension registers meanwhile."""
+    register = atexit.register
+
+    def watch(func: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_exit_hook(func):
+            _exit_hooks.append(func)
+        return register(func, *args, **kwargs)
+
+    atexit.register = watch
+    try:
+        return importlib.import_module(name)
+    finally:
+        atexit.register = register
+
+
+def exit_hook() -> Any:
+    """SlangPy's atexit callback (it closes every SlangPy device), or None if unknown: seen
+    as SlangPy loaded, or, when SlangPy was imported before pydiff, the one such function
+    among all objects (looked for once: a garbage-collector scan, tens of milliseconds)."""
+    if not _exit_hooks:
+        found = [obj for obj in gc.get_objects() if _is_exit_hook(obj)]
+        _exit_hooks.append(found[0] if len(found) == 1 else None)
+    return _exit_hooks[0]
+
+
 def load_slangpy() -> Any:
     """Import SlangPy, without torch unless its bridge is wanted; returns the module."""
-    if "slangpy" in sys.modules or torch_bridge_wanted():
-        return importlib.import_module("slangpy")
+    if "slangpy" in sys.modules:
+        return sys.modules["slangpy"]
+    if torch_bridge_wanted():
+        return _import_watching_atexit("slangpy")
     hider = _NoTorch()
     sys.meta_path.insert(0, hider)
     try:
-        spy = importlib.import_module("slangpy")
+        spy = _import_watching_atexit("slangpy")
         detection = importlib.import_module("slangpy.torchintegration.detection")
     finally:
         sys.meta_path.remove(hider)
