@@ -30,16 +30,22 @@ from .lint_macros import blank_comments_and_strings
 
 _CROSS_LANE = re.compile(
     r"\b(Wave[A-Z]\w*|Quad[A-Z]\w*|GroupMemoryBarrier\w*|AllMemoryBarrier\w*|"
-    r"DeviceMemoryBarrier\w*|ddx\w*|ddy\w*|fwidth\w*|__syncwarp)\b"
+    r"DeviceMemoryBarrier\w*|ddx\w*|ddy\w*|fwidth\w*|__syncwarp|subgroup[A-Z]\w*|"
+    r"OpGroupNonUniform\w*|OpControlBarrier|OpSubgroup\w*)\b"
 )
 _SIDE_EFFECT = re.compile(r"\b(Interlocked[A-Z]\w*|atomic[A-Z]\w*|Atomic\s*<|printf)")
 _GROUPSHARED = re.compile(r"\bgroupshared\b([^;=]*)")
 _NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*$")
 _DERIVATIVE = re.compile(
-    r"\[\s*(?:Backward|Forward)Derivative(Of)?\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
+    r"\[\s*(?:Backward|Forward|Primal)(?:Derivative|Substitute)(Of)?\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
 )
-#: a call's name (``f(``, ``f<float>(``, a method ``a.f(``: as lint_flow.call_at finds them)
-_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\(")
+#: a call's name (``f(``, ``f<float>(``, a method ``a.f(``: as lint_flow.call_at finds them,
+#: and ``g`` of ``bwd_diff(g)(...)`` / ``fwd_diff(g)(...)``: a call of g's derivative, which
+#: runs g's cross-lane code too; review42)
+_CALL = re.compile(
+    r"\b(?:__)?(?:bwd|fwd)_diff\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
+    r"|\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\("
+)
 _SLANGPY = re.compile(r"^\s*(?:implementing|module)\s+slangpy\s*;", re.M)
 
 #: kind ("cross-lane" / "side effect") and what and where, per function name
@@ -65,7 +71,7 @@ def lane_effects(*texts: str) -> Effects:
             found[name] = ("cross-lane", f"groupshared '{g}' in {name}()")
         elif (m := _SIDE_EFFECT.search(body)) is not None:
             found[name] = ("side effect", f"'{m.group(1).rstrip('< ')}' in {name}()")
-    calls = {name: set(_CALL.findall(body)) for name, (_, body) in fns.items()}
+    calls = {name: {a or b for a, b in _CALL.findall(body)} for name, (_, body) in fns.items()}
     changed = bool(found)
     while changed:
         changed = False
