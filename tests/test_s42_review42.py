@@ -49,8 +49,24 @@ def test_cross_lane_through_fwd_diff_keeps_slangpy_path(device, forced):
         "float g(float x) { return WaveActiveSum(x); }\n"
         "[PrimalSubstituteOf(h)] float g2(float x) { return g(x); }\nfloat h(float x) "
         "{ return x; }",
+        "struct P { float v; property float s { get { return WaveActiveSum(v); } } }\n"
+        "float h(P p) { return p.s; }",
+        "struct P { float v; __subscript(int i) -> float { get { return WaveActiveSum(v); } "
+        "} }\nfloat h(P p) { return p[0]; }",
+        "struct P { float v; __init(float x) { v = WaveActiveSum(x); } }\n"
+        "float h(float x) { return P(x).v; }",
     ],
-    ids=["bwd_diff", "__fwd_diff", "subgroup", "spirv_asm", "primal_substitute", "of"],
+    ids=[
+        "bwd_diff",
+        "__fwd_diff",
+        "subgroup",
+        "spirv_asm",
+        "primal_substitute",
+        "of",
+        "property",
+        "subscript",
+        "init",
+    ],
 )
 def test_lane_scan_finds_derivative_references_and_intrinsics(src):
     assert lane_effects(src)["h"][0] == "cross-lane"
@@ -58,4 +74,8 @@ def test_lane_scan_finds_derivative_references_and_intrinsics(src):
 
 def test_lane_scan_plain_functions_unaffected():
     src = "float g(float x) { return x * 2.0; }\nfloat h(float x) { return fwd_diff(g)(x); }"
+    assert lane_effects(src) == {}
+    src = (
+        "struct P { float v; property float s { get { return v; } } }\nfloat h(P p) { return p.s; }"
+    )
     assert lane_effects(src) == {}
