@@ -30,16 +30,25 @@ from .lint_macros import blank_comments_and_strings
 
 _CROSS_LANE = re.compile(
     r"\b(Wave[A-Z]\w*|Quad[A-Z]\w*|GroupMemoryBarrier\w*|AllMemoryBarrier\w*|"
-    r"DeviceMemoryBarrier\w*|ddx\w*|ddy\w*|fwidth\w*|__syncwarp)\b"
+    r"DeviceMemoryBarrier\w*|ddx\w*|ddy\w*|fwidth\w*|__syncwarp|subgroup[A-Z]\w*|"
+    r"OpGroupNonUniform\w*|OpControlBarrier|OpSubgroup\w*)\b"
 )
 _SIDE_EFFECT = re.compile(r"\b(Interlocked[A-Z]\w*|atomic[A-Z]\w*|Atomic\s*<|printf)")
 _GROUPSHARED = re.compile(r"\bgroupshared\b([^;=]*)")
 _NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*$")
 _DERIVATIVE = re.compile(
-    r"\[\s*(?:Backward|Forward)Derivative(Of)?\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
+    r"\[\s*(?:Backward|Forward|Primal)(?:Derivative|Substitute)(Of)?\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
 )
-#: a call's name (``f(``, ``f<float>(``, a method ``a.f(``: as lint_flow.call_at finds them)
-_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\(")
+#: a call's name (``f(``, ``f<float>(``, a method ``a.f(``: as lint_flow.call_at finds them,
+#: and ``g`` of ``bwd_diff(g)(...)`` / ``fwd_diff(g)(...)``: a call of g's derivative, which
+#: runs g's cross-lane code too; review42)
+_CALL = re.compile(
+    r"\b(?:__)?(?:bwd|fwd)_diff\s*\(\s*(?:[A-Za-z_]\w*::)*([A-Za-z_]\w*)"
+    r"|\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\("
+)
+#: a type whose body (properties, subscripts, ``__init``, methods) may hold such code
+_TYPE = re.compile(r"\b(?:struct|class|extension)\s+([A-Za-z_]\w*)[^{};]*\{")
+_WORD = re.compile(r"\b[A-Za-z_]\w*")
 _SLANGPY = re.compile(r"^\s*(?:implementing|module)\s+slangpy\s*;", re.M)
 
 #: kind ("cross-lane" / "side effect") and what and where, per function name
@@ -51,9 +60,12 @@ def lane_effects(*texts: str) -> Effects:
     is cross-lane or side-effecting, directly or through the functions they call."""
     fns: dict[str, tuple[str, str]] = {}  # name -> (attributes before it, bodies)
     shared: list[str] = []  # groupshared variable names
+    types: dict[str, str] = {}  # struct/class/extension name -> bodies
     for text in texts:
-        text_fns, text_shared = _parse(text)
+        text_fns, text_shared, text_types = _parse(text)
         shared.extend(text_shared)
+        for name, body in text_types:
+            types[name] = types.get(name, "") + body
         for name, attrs, body in text_fns:
             old_attrs, old_body = fns.get(name, ("", ""))
             fns[name] = (old_attrs + attrs, old_body + body)
@@ -65,7 +77,16 @@ def lane_effects(*texts: str) -> Effects:
             found[name] = ("cross-lane", f"groupshared '{g}' in {name}()")
         elif (m := _SIDE_EFFECT.search(body)) is not None:
             found[name] = ("side effect", f"'{m.group(1).rstrip('< ')}' in {name}()")
-    calls = {name: set(_CALL.findall(body)) for name, (_, body) in fns.items()}
+    # A property, subscript or __init (``p.s``, ``p[0]``, ``P(x)``: no call by name) reaches
+    # a type's code: a function naming a type whose body qualifies qualifies (review42).
+    for name, body in types.items():
+        if name not in found and (m := _CROSS_LANE.search(body) or _SIDE_EFFECT.search(body)):
+            kind = "cross-lane" if _CROSS_LANE.search(body) else "side effect"
+            found[name] = (kind, f"'{m.group(1).rstrip('< ')}' in {name}")
+    typed = {t for t in types if t in found}
+    calls = {name: {a or b for a, b in _CALL.findall(body)} for name, (_, body) in fns.items()}
+    for name, (_, body) in fns.items():
+        calls[name] |= typed & set(_WORD.findall(body))
     changed = bool(found)
     while changed:
         changed = False
@@ -84,13 +105,13 @@ def lane_effects(*texts: str) -> Effects:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse(text: str) -> tuple[tuple[tuple[str, str, str], ...], tuple[str, ...]]:
+def _parse(text: str) -> tuple[tuple[tuple[str, str, str], ...], tuple[str, ...], tuple]:
     """One file's functions (name, attributes before it, body) and groupshared names; none
     for SlangPy's own files (its gradient atomics run on both paths alike). Kept per text:
     the imported files' texts (pydiff's shaders: ~60 ms) are the same for every module."""
     src = blank_comments_and_strings(text)
     if _SLANGPY.search(src):
-        return (), ()
+        return (), (), ()
     shared = []
     for m in _GROUPSHARED.finditer(src):
         if (name := _NAME.search(m.group(1).strip())) is not None:
@@ -102,9 +123,13 @@ def _parse(text: str) -> tuple[tuple[tuple[str, str, str], ...], tuple[str, ...]
         if name in KEYWORDS or end < 0:
             continue
         head = max(src.rfind(";", prev, m.start()), src.rfind("}", prev, m.start()), prev)
-        fns.append((name, src[head : m.start() + 1], src[m.end() - 1 : end]))
-        prev = end
-    return tuple(fns), tuple(shared)
+        fns.append((name, src[head : m.start() + 1], src[m.start() : end]))  # (with its
+        prev = end  # parameters: a type named there counts)
+    types = []
+    for m in _TYPE.finditer(src):
+        if (end := matching(src, m.end() - 1, "{", "}")) >= 0:
+            types.append((m.group(1), src[m.end() - 1 : end]))
+    return tuple(fns), tuple(shared), tuple(types)
 
 
 def _worse(a: tuple[str, str], b: tuple[str, str]) -> bool:
