@@ -24,9 +24,9 @@ from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor
 from .call_shape import param_type
 from .errors import ShaderTrapError
 from .forward_call import forward_call
+from .forward_pair import direct_pair, out_entry, split_pair
 from .signature import FunctionTarget, stem
 from .tape import suspend_recording
-from .storage import allocate
 from .tensor import Tensor
 
 
@@ -190,29 +190,9 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         + "\n    ".join(body)
         + "\n}\n"
     )
-    if rtype != "void":  # the pair into two contiguous tensors, on the device (_split_pair)
-        source += (
-            f"void {stem(fn.name)}__pydiff_{kind}_split({ret} __o[2], out {ret} __p, "
-            f"out {ret} __d)\n{{\n    __p = __o[0];\n    __d = __o[1];\n}}\n"
-        )
+    if rtype != "void":  # value and tangent into two outputs (forward_pair)
+        source += out_entry(f"{stem(fn.name)}__pydiff_{kind}", ret, params, pre, call, post)
     return fn.generated(kind, source)
-
-
-def _split_pair(
-    result: Tensor, type_name: str, wrapper: GeneratingFunction
-) -> tuple[Tensor, Tensor]:
-    """A tensor of R[2] elements split into two new contiguous tensors of R, primal and
-    tangent, by the wrapper module's ``_split`` function (on the device, no host round trip).
-    (Every other pydiff tensor is contiguous: the strided views of the pair returned before
-    failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not contiguous",
-    where the generated kernels' results, from 4096 elements, worked.)"""
-    element = wrapper.module.native.layout.find_type_by_name(type_name)
-    dev = result.device
-    primal = Tensor(allocate(dev, result.shape, element), dev)
-    tangent = Tensor(allocate(dev, result.shape, element), dev)
-    with suspend_recording():
-        getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
-    return primal, tangent
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
@@ -298,6 +278,9 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     types = generic_types(fn, bound)
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
     wrapper = fwd_wrapper(fn, types)
+    direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
+    if direct is not None:  # one call into two contiguous tensors
+        return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
     with suspend_recording():
         out = forward_call(
             wrapper, tuple(call_args), {"_result": "tensor"} if ret != "void" else {}
@@ -307,7 +290,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     if not isinstance(out, Tensor):  # not vectorised: SlangPy returned the value itself
         pair = np.asarray(out)
         return (pair[0], pair[1]) if any_array else (as_scalar(pair[0]), as_scalar(pair[1]))
-    primal, tangent = _split_pair(out, ret, wrapper)
+    primal, tangent = split_pair(out, ret, wrapper)
     if not any_array and not primal.shape:
         return as_scalar(primal.numpy()), as_scalar(tangent.numpy())
     if want == "numpy":

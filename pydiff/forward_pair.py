@@ -1,0 +1,98 @@
+"""The (value, tangent) result of ``fn.fwds`` as two contiguous tensors.
+
+The generated forward-mode wrapper module holds two entry points: ``f__pydiff_fwd`` returns
+``R[2]`` (SlangPy allocates the pair, of the call's shape, whatever the arguments are), and
+``f__pydiff_fwd_out`` writes the value and the tangent into two ``out R`` tensors. Where
+pydiff can tell the call's shape before the call (``direct_shape``: inputs only, each a
+number or a tensor of the parameter's type, all of one shape), ``direct_pair`` allocates
+the two results and runs the ``_out`` entry point: one SlangPy call. Elsewhere the pair
+comes back as ``R[2]`` and ``split_pair`` copies it into two tensors on the device.
+
+    source += out_entry(name, ret, params, body)      # in the wrapper's source
+    pair = direct_pair(wrapper, fn, bound, call_args, ret)   # None: the R[2] path
+"""
+
+from __future__ import annotations
+
+from .call_shape import ElementAxesError, argument_shape
+from .forward_call import forward_call
+from .signature import FunctionTarget
+from .storage import allocate
+from .tape import suspend_recording
+from .tensor import Tensor
+
+
+def out_entry(name: str, ret: str, params: list[str], pre: list[str], call: str, post: list) -> str:
+    """The Slang source of ``void <name>_out(params..., out R __p, out R __d)`` (its value and
+    tangent into two outputs) and ``void <name>_split(R __o[2], out R __p, out R __d)``."""
+    body = [*pre, f"let __r = {call};", *post, "__p = __r.p;", "__d = __r.d;"]
+    return (
+        f"void {name}_out({', '.join([*params, f'out {ret} __p', f'out {ret} __d'])})\n{{\n    "
+        + "\n    ".join(body)
+        + "\n}\n"
+        + f"void {name}_split({ret} __o[2], out {ret} __p, out {ret} __d)\n{{\n"
+        "    __p = __o[0];\n    __d = __o[1];\n}\n"
+    )
+
+
+def direct_shape(bound: list, call_args: list, types: dict[str, str]) -> tuple | None:
+    """The call's shape where pydiff can tell it before the call: every parameter an ``in``
+    value (no tensor parameter types), every argument (tangents included) a Python number or
+    a pydiff tensor of the parameter's type whose shape covers the call, the tensors all of
+    one shape of one or more axes, none of them 0; None elsewhere."""
+    shape: tuple | None = None
+    it = iter(call_args)
+    for p, _ in bound:
+        if p.io != "in" or p.tensor_kind is not None:
+            return None
+        type_name = types.get(p.type_name, p.type_name)
+        for value in [next(it, None)] + ([next(it, None)] if p.differentiable else []):
+            if type(value) in (float, int):
+                continue
+            if type(value) is not Tensor:
+                return None
+            try:
+                covered = argument_shape(type_name, value)
+            except ElementAxesError:
+                return None
+            if covered is None or covered != tuple(value.shape) or not covered:
+                return None
+            if shape is not None and covered != shape:
+                return None
+            shape = covered
+    if next(it, None) is not None or not shape or 0 in shape:
+        return None
+    return shape
+
+
+def direct_pair(
+    wrapper: FunctionTarget, bound: list, call_args: list, ret: str, types: dict[str, str]
+) -> tuple[Tensor, Tensor] | None:
+    """The value and tangent in one call of the wrapper's ``_out`` entry point, into two new
+    contiguous tensors (``direct_shape``); None where the call's shape is not known here."""
+    shape = direct_shape(bound, call_args, types)
+    if shape is None:
+        return None
+    dev = next(v for v in call_args if type(v) is Tensor).device
+    element = wrapper.module.native.layout.find_type_by_name(ret)
+    primal = Tensor(allocate(dev, shape, element), dev)
+    tangent = Tensor(allocate(dev, shape, element), dev)
+    entry = getattr(wrapper.module, f"{wrapper.name}_out")
+    with suspend_recording():
+        forward_call(entry, (*call_args, primal, tangent), {})
+    return primal, tangent
+
+
+def split_pair(result: Tensor, type_name: str, wrapper: FunctionTarget) -> tuple[Tensor, Tensor]:
+    """A tensor of R[2] elements split into two new contiguous tensors of R, primal and
+    tangent, by the wrapper module's ``_split`` function (on the device, no host round trip).
+    (Every other pydiff tensor is contiguous: the strided views of the pair returned before
+    failed in ``ops.sum``, ``softmax``, ``matmul``, ``reshape``, ... with "not contiguous",
+    where the generated kernels' results, from 4096 elements, worked.)"""
+    element = wrapper.module.native.layout.find_type_by_name(type_name)
+    dev = result.device
+    primal = Tensor(allocate(dev, result.shape, element), dev)
+    tangent = Tensor(allocate(dev, result.shape, element), dev)
+    with suspend_recording():
+        getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
+    return primal, tangent
