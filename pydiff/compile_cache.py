@@ -33,6 +33,7 @@ ENV_SWITCH = "PYDIFF_CACHE"
 ENV_MAX_MB = "PYDIFF_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 1024
 _warned: set[str] = set()
+_in_forked_child = False  # (see forget_held)
 _created: set[str] = set()  # type folders this process made (see discard_new)
 # Shader databases (LMDB) this process has handed to a device: LMDB must never be opened twice
 # in one process, nor its lock file opened and closed by anyone else in it (that drops the
@@ -124,16 +125,21 @@ def shader_slot(shaders: Path) -> Path:
 
 
 def forget_held() -> None:
-    """In a forked child (``pydiff.forkguard``): the shader databases of the parent's devices
-    are not open in this process (LMDB's locks are per process and not inherited; the child
-    never touches the inherited handles), so its devices open them as any other process."""
+    """In a forked child (``pydiff.forkguard``): its devices open with no persistent cache.
+    A forked child often ends without closing its devices (multiprocessing's fork workers leave
+    through ``os._exit``; a killed child), and each such child left its reader slots taken in
+    the shared shader database: LMDB frees them only when no process has it open, so a parent
+    that kept its device open saw every process fail with ``MDB_READERS_FULL`` after about a
+    hundred children (measured: a CI run). A child compiles its kernels anew instead."""
+    global _in_forked_child
     _held_shaders.clear()
+    _in_forked_child = True
 
 
 def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     """Create and check the cache folders of a device type; None (one warning) when they
     cannot be used, so the device opens without a persistent cache."""
-    if base is None:
+    if base is None or _in_forked_child:
         return None
     limit = max_bytes()  # (a bad value: ValueError before any folder is made)
     modules, shaders = paths_for(base, device_type)

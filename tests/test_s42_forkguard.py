@@ -118,6 +118,7 @@ FORKS = PRELUDE + textwrap.dedent(
         tape.backward(z, grad=np.ones(3, np.float32))
         w = ops.sin(pydiff.tensor(a, device=d3)).numpy()
         return {"fresh": d2 is not dev and d3 is not dev, "exp": z.numpy().tolist(),
+                "caches": [d2.cache_paths, d3.cache_paths],
                 "grad": y.grad.numpy().tolist(), "sin": w.tolist()}
 
     def grandchild():
@@ -202,6 +203,10 @@ def test_a_new_device_in_the_child_computes_right(forks):
     assert "error" not in out, out
     a = np.array([0.25, -1.5, 3.0])
     assert out["fresh"]
+    # No persistent cache in a forked child: one that ends without closing its device would
+    # keep its reader slots in the shared shader database (MDB_READERS_FULL for every process
+    # after about a hundred such children, while the parent kept the database open).
+    assert out["caches"] == [None, None]
     np.testing.assert_allclose(out["exp"], np.exp(a), rtol=1e-6)
     np.testing.assert_allclose(out["grad"], np.exp(a), rtol=1e-6)  # d/dy exp(y)
     np.testing.assert_allclose(out["sin"], np.sin(a), rtol=1e-5, atol=1e-6)
