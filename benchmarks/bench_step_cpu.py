@@ -45,6 +45,18 @@ def threads_cpu() -> dict[str, float]:
     return out
 
 
+def timed_round(step, dev, wait_each: bool, steps: int = 50) -> tuple[float, float, float]:
+    """(process CPU, calling thread's CPU, wall) per step over ``steps`` steps and a wait."""
+    w0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(steps):
+        step()
+        if wait_each:
+            dev.native.wait_for_idle()
+    c1 = time.thread_time()
+    dev.native.wait_for_idle()
+    return (time.process_time() - p0) / steps, (c1 - c0) / steps, (time.perf_counter() - w0) / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
@@ -67,16 +79,10 @@ def main() -> None:
     submissions = dev.queue.submissions
     before = threads_cpu()
     for _ in range(args.rounds):
-        w0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
-        for _ in range(50):
-            step()
-            if args.wait_each:
-                dev.native.wait_for_idle()
-        c1 = time.thread_time()
-        dev.native.wait_for_idle()
-        process.append((time.process_time() - p0) / 50)
-        thread.append((c1 - c0) / 50)
-        wall.append((time.perf_counter() - w0) / 50)
+        p, t, w = timed_round(step, dev, args.wait_each)
+        process.append(p)
+        thread.append(t)
+        wall.append(w)
     after = threads_cpu()
     steps = 50 * args.rounds
     others = sorted(
@@ -119,16 +125,7 @@ def ab(args: argparse.Namespace) -> None:
         for value in (True, False) if r % 2 == 0 else (False, True):
             use(value)
             before = threads_cpu()
-            w0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
-            for _ in range(50):
-                step()
-                if args.wait_each:
-                    dev.native.wait_for_idle()
-            c1 = time.thread_time()
-            dev.native.wait_for_idle()
-            times[value].append(
-                ((time.process_time() - p0) / 50, (c1 - c0) / 50, (time.perf_counter() - w0) / 50)
-            )
+            times[value].append(timed_round(step, dev, args.wait_each))
             after = threads_cpu()
             others[value] += sum(after[t] - before.get(t, 0.0) for t in after if t != me)
     med = statistics.median
