@@ -26,6 +26,7 @@ from pathlib import Path
 
 import slangpy as spy
 
+from . import lmdb_readers
 from .errors import CacheWarning, EnvironmentSettingError, env_flag
 
 ENV_DIR = "PYDIFF_CACHE_DIR"
@@ -144,6 +145,9 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
     limit = max_bytes()  # (a bad value: ValueError before any folder is made)
     modules, shaders = paths_for(base, device_type)
     shaders = shader_slot(shaders)  # one this process does not hold: safe to check and repair
+    shaders = _room_for_readers(shaders)
+    if shaders is None:
+        return None
     if not modules.parent.exists():
         _created.add(str(modules.parent))
     if not shaders.exists():  # (a slot folder from an earlier run is kept by discard_new)
@@ -168,6 +172,35 @@ def prepare(base: Path | None, device_type: str) -> tuple[str, str] | None:
         )
     bound(modules, limit)
     return str(modules), str(shaders)
+
+
+def _room_for_readers(shaders: Path) -> Path | None:
+    """``shaders``, its LMDB reader table cleared of dead processes' slots where it is nearly
+    full (``lmdb_readers.make_room``); where it stays full, a spare folder beside it (one
+    warning), or None (no persistent cache) when the spares are full too."""
+    room = lmdb_readers.make_room(shaders)
+    if not room.full:
+        return shaders
+    for n in range(1, 5):
+        spare = shaders.with_name(f"{shaders.name}-spare{n}")
+        key = os.path.realpath(spare)
+        if key not in _held_shaders and not lmdb_readers.make_room(spare).full:
+            _held_shaders.discard(os.path.realpath(shaders))
+            _held_shaders.add(key)
+            break
+    else:
+        spare = None
+        _held_shaders.discard(os.path.realpath(shaders))
+    table = room.table
+    held = f"{sum(table.live.values())} slots of live processes" if table else "its slots"
+    stuck = sum(table.dead.values()) if table else 0
+    dead = f", {stuck} of dead ones that could not be freed" if stuck else ""
+    _warn_once(
+        f"pydiff's compile cache: the shader database in {shaders} has no free reader slots "
+        f"({held}{dead}; LMDB's MDB_READERS_FULL); this process "
+        + (f"uses {spare} instead, compiling its kernels anew" if spare else "runs without it")
+    )
+    return spare
 
 
 _LMDB_MAGIC = 0xBEEFC0DE
