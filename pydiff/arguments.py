@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-import threading
 import weakref
 from typing import Any
 
@@ -20,6 +19,7 @@ import slangpy as spy
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
 from .errors import kernel_compile_error, known_call_error
 from .fixed_point_grad import dummy_fields
+from .fork_locks import renewed_lock
 from .call_shape import (
     ElementAxesError,
     argument_shape,
@@ -118,7 +118,7 @@ def prepare_arguments(fn: FunctionTarget, bound: list, options: dict) -> None:
 # dozen at most (a loop over changing shapes drops the oldest).
 PASSED_MAX = 64
 _passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_passed_lock = threading.Lock()
+_passed_lock = renewed_lock(globals(), "_passed_lock")  # (new in a forked child)
 
 
 def _passed_checks(fn: FunctionTarget) -> dict:

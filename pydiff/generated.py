@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from collections import Counter
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
 from .errors import env_int
+from .fork_locks import renewed_lock
 from .generated_switch import SWITCH as SWITCH
 from .generated_switch import check_switch as check_switch
 from .generated_switch import check_switch_planned as check_switch_planned
@@ -61,7 +61,7 @@ SMALL_GROUP = 32
 MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
 _NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 STATS: Counter = Counter()  # calls per path (stats()); call plans count into it directly
-_lock = threading.Lock()
+_lock = renewed_lock(globals(), "_lock")  # (new in a forked child)
 
 
 def call_size(values: Any) -> int:

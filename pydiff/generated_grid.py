@@ -26,11 +26,11 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import threading
 from typing import Any
 
 from . import grid_args
 from .buffer_pool import BoundedDict
+from .fork_locks import renewed_lock
 from .generated_helpers import left_to_slangpy
 from .grid_args import is_grid
 from .kernels import KERNELS_MAX
@@ -69,7 +69,7 @@ _MASKED_FIELDS = (
     (".inner._grad_in", _READ, "inner.in"),
     (".written", _ATOMIC, "written"),
 )
-_lock = threading.Lock()
+_lock = renewed_lock(globals(), "_lock")  # (new in a forked child)
 
 
 def call_size(bound: list) -> int:

@@ -19,11 +19,11 @@ write none but the tensors they name, so pydiff's leaves (never named) keep thei
 from __future__ import annotations
 
 import collections
-import threading
 from typing import Any, Sequence
 
 from .backward_scope import separate_backward, shared_pass
 from .errors import warn_once
+from .fork_locks import renewed_lock
 from .forward_program import lent_grads
 from .policy import ZeroPolicy, get_zero_policy
 
@@ -31,7 +31,7 @@ from .policy import ZeroPolicy, get_zero_policy
 #: abandoned pass (one that raised) never reports its end: the oldest are dropped past this.
 _MAX_OPEN = 64
 _open: collections.OrderedDict[int, set[int]] = collections.OrderedDict()
-_lock = threading.Lock()
+_lock = renewed_lock(globals(), "_lock")  # (new in a forked child)
 _NATIVE, _TASK_ID, _ENGINE = "_C", "_current_graph_task_id", "_execution_engine"
 _WILL_EXECUTE = "_will_engine_execute_node"
 

@@ -333,3 +333,78 @@ def test_a_database_no_process_has_open_is_left_to_lmdb(tmp_path):
     outcome = lmdb_readers.make_room(shaders)
     assert outcome.cleared == 0 and not outcome.full
     assert lock.read_bytes() == bytes(data)
+
+
+# The parent opens a device and computes; another thread then holds every module-level lock
+# of pydiff's call layer while the main thread forks; the child opens its own device and runs
+# a generated-kernel forward call and .bwds (generated._lock) through the full path
+# (arguments._passed_lock), checked against the closed form.
+FORK_WHILE_HELD = textwrap.dedent(
+    """
+    import importlib, json, os, sys, threading, time
+    import numpy as np
+    import pydiff
+
+    SRC = "[Differentiable] float f(float x) { return 3.0 * x * x + 1.0; }"
+    xs = np.linspace(-1.0, 1.0, 8192).astype(np.float32)
+
+    def run(tag):
+        m = pydiff.load_module_from_source(tag, SRC)
+        x = pydiff.tensor(xs, requires_grad=True)
+        y = m.f(x, _result="tensor")
+        m.f.bwds(x, _result=y.with_grads(ones=True))
+        ok_y = np.allclose(y.numpy(), 3.0 * xs.astype(np.float64) ** 2 + 1.0, rtol=1e-6)
+        ok_g = np.allclose(x.grad.numpy(), 6.0 * xs.astype(np.float64), rtol=1e-6, atol=1e-6)
+        return bool(ok_y and ok_g)
+
+    assert run("parent")
+    names = [("pydiff.generated", "_lock"), ("pydiff.arguments", "_passed_lock"),
+             ("pydiff.generated_grid", "_lock")]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        locks = [getattr(importlib.import_module(mod), n) for mod, n in names]
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait()
+        for lock in locks:
+            lock.release()
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        ok = run("child")  # (hung here when the child kept the parent's held locks)
+        free = not any(getattr(importlib.import_module(mod), n).locked() for mod, n in names)
+        os._exit(0 if ok and free else 3)
+    deadline = time.monotonic() + float(sys.argv[1])
+    status = None
+    while time.monotonic() < deadline:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(st)
+            break
+        time.sleep(0.2)
+    if status is None:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    release.set()
+    print(json.dumps({"child": "hung" if status is None else status}))
+    """
+)
+
+
+def test_a_forked_child_is_not_stopped_by_locks_another_parent_thread_held(tmp_path):
+    out = _run(FORK_WHILE_HELD, tmp_path / "cache", "90")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"child": 0}, out.stderr[-3000:]
+
+
+def test_renewed_locks_are_registered():
+    from pydiff import arguments, fork_locks, generated, generated_grid
+
+    found = fork_locks.registered()
+    assert found["pydiff.generated._lock"] is vars(generated)["_lock"]
+    assert found["pydiff.generated_grid._lock"] is vars(generated_grid)["_lock"]
+    assert found["pydiff.arguments._passed_lock"] is vars(arguments)["_passed_lock"]
