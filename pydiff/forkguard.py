@@ -52,7 +52,7 @@ from .errors import DeviceUnavailableError
 from .slangpy_loader import exit_hook
 
 #: Attributes an inherited device still answers (plain Python values, no native call).
-_KEPT = frozenset({"type", "ordinal", "cache_paths", "forked_from"})
+_KEPT = frozenset({"type", "ordinal", "cache_paths", "forked_from", "forked_type"})
 # SlangPy devices inherited from the parent (and its own parents): never closed nor released.
 _inherited: list = []
 # The parent's SlangPy devices, taken under SlangPy's lock just before each fork.
@@ -62,15 +62,36 @@ _ends_early: list = []
 _warned: list = []  # (that SlangPy's exit callback is unknown)
 
 
-def _refusal(owner: str, name: str) -> DeviceUnavailableError:
-    return DeviceUnavailableError(
+def refusal_message(owner: str, name: str, device_type: str) -> str:
+    """What the use of an inherited device (``owner``, e.g. ``<pydiff.Device #1 vulkan>``,
+    of type ``device_type``; the attribute ``name`` asked for) says in a forked child. A CUDA
+    device cannot be opened in a forked child (CUDA does not survive ``fork()``): only new
+    processes ('spawn', 'forkserver') are offered there."""
+    head = (
         f"{owner} was opened before this process was forked (os.fork, a multiprocessing "
         "'fork' worker, a DataLoader worker): its tensors, modules and queue cannot be used "
-        "here (the device's threads stay in the parent process; a use would hang). Open a "
-        "device in this process (pydiff.create_device(...), or pydiff.default_device(), which "
-        "now opens a new one) and create the tensors on it, or start workers with "
-        f"multiprocessing's 'spawn' or 'forkserver' start method. (Asked for: .{name})"
+        "here (the device's threads stay in the parent process; a use would hang). "
     )
+    if device_type == "cuda":
+        what = (
+            "CUDA cannot be used in a process forked from one that used it, so no CUDA device "
+            "opens here either: start the workers with multiprocessing's 'spawn' or "
+            "'forkserver' start method (multiprocessing.get_context('spawn'), "
+            "DataLoader(..., multiprocessing_context='spawn')) and open the device in each. "
+        )
+    else:
+        what = (
+            "Open a device in this process (pydiff.create_device(...), or "
+            "pydiff.default_device(), which now opens a new one) and create the tensors on it, "
+            "or start workers with multiprocessing's 'spawn' or 'forkserver' start method. "
+        )
+    return f"{head}{what}(Asked for: .{name})"
+
+
+def _refusal(obj: object, name: str) -> DeviceUnavailableError:
+    owner = object.__getattribute__(obj, "forked_from")
+    kind = object.__getattribute__(obj, "forked_type")
+    return DeviceUnavailableError(refusal_message(owner, name, kind))
 
 
 class InheritedDevice(Device):
@@ -80,7 +101,7 @@ class InheritedDevice(Device):
     def __getattribute__(self, name: str) -> Any:
         if name in _KEPT or (name.startswith("__") and name.endswith("__")):
             return object.__getattribute__(self, name)
-        raise _refusal(object.__getattribute__(self, "forked_from"), name)
+        raise _refusal(self, name)
 
     def __repr__(self) -> str:
         return f"{self.forked_from[:-1]}, opened before fork(): unusable here>"
@@ -96,9 +117,11 @@ class InheritedQueue(CommandQueue):
     """The ``CommandQueue`` of an inherited device in a forked child: every use raises."""
 
     def __getattribute__(self, name: str) -> Any:
-        if name == "forked_from" or (name.startswith("__") and name.endswith("__")):
+        if name in ("forked_from", "forked_type") or (
+            name.startswith("__") and name.endswith("__")
+        ):
             return object.__getattribute__(self, name)
-        raise _refusal(object.__getattribute__(self, "forked_from"), f"queue.{name}")
+        raise _refusal(self, f"queue.{name}")
 
 
 def close_own_devices() -> None:
@@ -164,6 +187,7 @@ def _after_in_child() -> None:
         text = f"<pydiff.Device #{dev.ordinal} {dev.type}>"  # (no native call)
         for obj, kind in ((dev.queue, InheritedQueue), (dev, InheritedDevice)):
             object.__setattr__(obj, "forked_from", text)
+            object.__setattr__(obj, "forked_type", dev.type)
             obj.__class__ = kind
     command_queue.forget_queues()
     compile_cache.forget_held()

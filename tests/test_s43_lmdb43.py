@@ -408,3 +408,63 @@ def test_renewed_locks_are_registered():
     assert found["pydiff.generated._lock"] is vars(generated)["_lock"]
     assert found["pydiff.generated_grid._lock"] is vars(generated_grid)["_lock"]
     assert found["pydiff.arguments._passed_lock"] is vars(arguments)["_passed_lock"]
+
+
+def test_the_fork_refusal_of_a_cuda_device_offers_only_new_processes():
+    import pydiff
+    from pydiff import forkguard
+
+    cuda = forkguard.refusal_message("<pydiff.Device #1 cuda>", "native", "cuda")
+    assert "<pydiff.Device #1 cuda>" in cuda and "(Asked for: .native)" in cuda
+    assert "'spawn'" in cuda and "'forkserver'" in cuda and "no CUDA device opens here" in cuda
+    assert "default_device" not in cuda and "create_device" not in cuda
+    vulkan = forkguard.refusal_message("<pydiff.Device #1 vulkan>", "native", "vulkan")
+    assert "pydiff.create_device(...)" in vulkan and "pydiff.default_device()" in vulkan
+    assert "'spawn'" in vulkan and "CUDA" not in vulkan
+
+    # A CUDA device as a forked child sees it (made without a GPU): every use says so.
+    dev = object.__new__(forkguard.InheritedDevice)
+    queue = object.__new__(forkguard.InheritedQueue)
+    for obj in (dev, queue):
+        object.__setattr__(obj, "forked_from", "<pydiff.Device #3 cuda>")
+        object.__setattr__(obj, "forked_type", "cuda")
+    object.__setattr__(dev, "type", "cuda")
+    for use in (lambda: dev.native, lambda: dev.flush(), lambda: queue.flush()):
+        with pytest.raises(pydiff.DeviceUnavailableError) as err:
+            use()
+        assert "no CUDA device opens here" in str(err.value)
+        assert "pydiff.default_device()" not in str(err.value)
+    assert dev.type == "cuda" and "unusable here" in repr(dev)
+
+
+# A parent with a Vulkan device forks; the child's use of it names the device and offers a
+# new device of the child's own (the refusal of a device that can be opened again).
+FORK_REFUSAL = textwrap.dedent(
+    """
+    import json, os, time
+    import pydiff
+    x = pydiff.tensor([1.0, 2.0])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            x.numpy()
+            text = "no error"
+        except pydiff.DeviceUnavailableError as e:
+            text = str(e)
+        os.write(w, text.encode())
+        os._exit(0)
+    os.close(w)
+    text = os.read(r, 65536).decode()
+    os.waitpid(pid, 0)
+    print(json.dumps(text))
+    """
+)
+
+
+def test_the_fork_refusal_of_a_vulkan_device_offers_a_new_device(tmp_path):
+    out = _run(FORK_REFUSAL, tmp_path / "cache")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "vulkan>" in text and "was opened before this process was forked" in text
+    assert "pydiff.default_device()" in text and "CUDA" not in text
