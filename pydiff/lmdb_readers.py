@@ -237,6 +237,6 @@ def make_room(shaders: Path) -> Outcome:
         if table is None or not table.open or table.free >= ROOM:
             continue  # (a database nobody has open is reset by LMDB when it opens)
         cleared = (clear_dead(lock) or 0) if table.dead else 0
-        after = (inspect(lock) if cleared else None) or table
+        after = inspect(lock) or table  # (read again: another process may have cleared it)
         outcome = Outcome(after, outcome.cleared + cleared, outcome.full or after.free < ROOM // 4)
     return outcome

@@ -282,6 +282,49 @@ def test_a_table_full_of_live_readers_moves_the_process_to_a_spare_folder(tmp_pa
         live.wait(timeout=30)
 
 
+def test_processes_opening_at_once_on_a_table_of_dead_readers_all_use_the_cache(
+    tmp_path, holder, monkeypatch
+):
+    """Several processes find the table full at once: one clears it, the others find it
+    cleared (none moves to a spare folder, none fails a lookup)."""
+    from pydiff import lmdb_readers
+
+    cache = tmp_path / "cache"
+    lock = _lock_file(cache)
+    # Deterministically: the slots freed by another process between the look and the clear.
+    _fill_with(lock, _dead_pids(2))
+    real = lmdb_readers.clear_dead
+
+    def cleared_by_another(path, *args):
+        real(path, *args)
+        return 0
+
+    monkeypatch.setattr(lmdb_readers, "clear_dead", cleared_by_another)
+    outcome = lmdb_readers.make_room(lock.parent.parent)
+    assert not outcome.full and outcome.table.free > 100
+    monkeypatch.undo()
+
+    for _ in range(2):
+        _fill_with(lock, _dead_pids(3))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", FRESH],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_env(cache),
+                cwd="/",
+            )
+            for _ in range(3)
+        ]
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, err[-3000:]
+            assert json.loads(out.strip().splitlines()[-1]) == _expected(5.0)
+            assert FULL not in err and "no free reader slots" not in err, err[-3000:]
+    assert holder.compute(9.0) == ["done", _expected(9.0)]
+
+
 @pytest.mark.parametrize(
     "damage", ["format", "magic", "short", "odd_size", "too_many_readers", "empty"]
 )
@@ -402,12 +445,14 @@ def test_a_forked_child_is_not_stopped_by_locks_another_parent_thread_held(tmp_p
 
 
 def test_renewed_locks_are_registered():
-    from pydiff import arguments, fork_locks, generated, generated_grid
+    from pydiff import arguments, fork_locks, generated, generated_grid, torch_passes
 
     found = fork_locks.registered()
     assert found["pydiff.generated._lock"] is vars(generated)["_lock"]
     assert found["pydiff.generated_grid._lock"] is vars(generated_grid)["_lock"]
     assert found["pydiff.arguments._passed_lock"] is vars(arguments)["_passed_lock"]
+    assert found["pydiff.torch_passes._lock"] is vars(torch_passes)["_lock"]
+    assert not any(lock.locked() for lock in found.values())
 
 
 def test_the_fork_refusal_of_a_cuda_device_offers_only_new_processes():
