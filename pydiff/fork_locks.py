@@ -3,8 +3,9 @@
 ``fork()`` copies a lock as it is: one that another thread of the parent held at that moment
 stays held in the child, where that thread does not exist, and the child's first call that
 takes it waits forever. A module keeps such a lock through ``renewed_lock``, which makes it
-now and registers it: in every forked child (``os.register_at_fork``, before pydiff's other
-fork handlers) the module's name is bound to a new lock. What the lock guarded is as the fork
+now and registers it: in every forked child (``os.register_at_fork``) the module's name is
+bound to a new lock before the child runs any code of its own (``pydiff.forkguard``'s handler
+takes none of these locks, so the handlers' order does not matter). What the lock guarded is as the fork
 left it: the caches these locks guard only ever hold complete entries (each is stored with one
 assignment), so a half-done update there is at worst an entry missing, made again.
 
