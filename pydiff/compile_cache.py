@@ -191,13 +191,13 @@ def _room_for_readers(shaders: Path) -> Path | None:
     else:
         spare = None
         _held_shaders.discard(os.path.realpath(shaders))
-    table = room.table
-    held = f"{sum(table.live.values())} slots of live processes" if table else "its slots"
-    stuck = sum(table.dead.values()) if table else 0
+    table = room.table  # (never None when full)
+    stuck = sum(table.dead.values())
     dead = f", {stuck} of dead ones that could not be freed" if stuck else ""
     _warn_once(
-        f"pydiff's compile cache: the shader database in {shaders} has no free reader slots "
-        f"({held}{dead}; LMDB's MDB_READERS_FULL); this process "
+        f"pydiff's compile cache: the shader database in {shaders} has {table.free} of its "
+        f"{table.slots} reader slots free ({sum(table.live.values())} held by live processes"
+        f"{dead}; LMDB refuses readers past them with MDB_READERS_FULL); this process "
         + (f"uses {spare} instead, compiling its kernels anew" if spare else "runs without it")
     )
     return spare

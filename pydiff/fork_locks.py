@@ -4,10 +4,11 @@
 stays held in the child, where that thread does not exist, and the child's first call that
 takes it waits forever. A module keeps such a lock through ``renewed_lock``, which makes it
 now and registers it: in every forked child (``os.register_at_fork``) the module's name is
-bound to a new lock before the child runs any code of its own (``pydiff.forkguard``'s handler
-takes none of these locks, so the handlers' order does not matter). What the lock guarded is as the fork
-left it: the caches these locks guard only ever hold complete entries (each is stored with one
-assignment), so a half-done update there is at worst an entry missing, made again.
+bound to a new lock before the child runs code of its own (``pydiff.forkguard``'s handler takes
+none of these locks: the handlers' order does not matter). What a lock guarded stays as the
+fork left it: the caches these locks guard change by single dict operations, so a change
+another thread was making leaves at worst an entry missing or one too many (made again,
+evicted later).
 
     _lock = renewed_lock(globals(), "_lock")        # threading.Lock()
 """
