@@ -219,9 +219,7 @@ def linear(
     return _Linear.apply(x, weight, bias, activation)
 
 
-def _linear_rows(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None
-) -> Tensor:
+def _linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
     """``linear`` of a 1-D or N-D x as PyTorch does it: the rows (all but the last axis) made
     one batch axis, the result shaped back; views of the same storage, so gradients flow
     through them (a non-contiguous x is cloned first, also differentiably)."""
