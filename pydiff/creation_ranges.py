@@ -82,18 +82,22 @@ def linspace(
     stop: float,
     num: int = 50,
     *,
+    endpoint: bool = True,
     dtype: Any = "float",
     device: Device | str | None = None,
     requires_grad: bool = False,
 ) -> Tensor:
-    """``num`` evenly spaced values from ``start`` to ``stop`` inclusive (``np.linspace``,
-    computed in float64, then rounded once).
+    """``num`` evenly spaced values from ``start`` to ``stop``, inclusive unless
+    ``endpoint=False`` (``np.linspace``, computed in float64, then rounded once).
 
     >>> pydiff.linspace(0.0, 1.0, 5)   # [0, 0.25, 0.5, 0.75, 1]
+    >>> pydiff.linspace(0.0, 1.0, 4, endpoint=False)   # [0, 0.25, 0.5, 0.75]
     """
     if isinstance(num, bool) or not isinstance(num, numbers.Integral) or num < 1:
         raise ValueError(f"linspace: num must be an int >= 1, got {num!r}")
-    values = np.linspace(start, stop, int(num))
+    if not isinstance(endpoint, (bool, np.bool_)):
+        raise TypeError(f"linspace: endpoint must be True or False, got {endpoint!r}")
+    values = np.linspace(start, stop, int(num), endpoint=bool(endpoint))
     return from_host(values, dtype, device, requires_grad, "pydiff.linspace")
 
 

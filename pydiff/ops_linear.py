@@ -196,12 +196,15 @@ def linear(
 ) -> Tensor:
     """``x @ weight.T + bias`` with weight of shape (out, in), as in PyTorch; with
     ``activation="relu"``, ``relu`` of that, fused into the same kernels (forward and backward).
+    x may be 1-D (in,) or N-D (..., in), as in PyTorch: the result is (out,) or (..., out).
 
     >>> y = pydiff.ops.linear(x, W, b)       # x (B, in), W (out, in), b (out,)
     >>> h = pydiff.ops.linear(x, W, b, activation="relu")   # = relu(linear(x, W, b))
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation={activation!r}; expected one of {ACTIVATIONS}")
+    if isinstance(x, Tensor) and len(x.shape) != 2 and len(x.shape) >= 1:
+        return _linear_rows(x, weight, bias, activation)
     need_2d("linear", x=x, weight=weight)
     need_float("linear", bias=bias)
     same_device("linear", x=x, weight=weight, bias=bias)
@@ -214,3 +217,25 @@ def linear(
         return _LinearNoBias.apply(x, weight, activation)
     need_vector("linear", "bias", bias, weight.shape[0])
     return _Linear.apply(x, weight, bias, activation)
+
+
+def _linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    """``linear`` of a 1-D or N-D x as PyTorch does it: the rows (all but the last axis) made
+    one batch axis, the result shaped back; views of the same storage, so gradients flow
+    through them (a non-contiguous x is cloned first, also differentiably)."""
+    need_float("linear", x=x)
+    if not isinstance(weight, Tensor) or len(weight.shape) != 2:
+        got = weight.shape if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"linear: weight must be a 2-D float tensor, got {got}")
+    features = x.shape[-1]
+    if features != weight.shape[1]:
+        raise ValueError(
+            f"linear: x of shape {x.shape} has {features} features but weight {weight.shape} "
+            f"expects {weight.shape[1]}"
+        )
+    lead = x.shape[:-1]
+    if 0 in lead:
+        raise ValueError(f"linear: x of shape {x.shape} has no rows")
+    rows = x if x.dense else x.clone()
+    out = linear(rows.reshape(-1, features), weight, bias, activation)
+    return out.reshape(*lead, weight.shape[0])
