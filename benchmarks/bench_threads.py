@@ -46,6 +46,7 @@ def child(args) -> dict:
     sys.path.insert(0, str(HERE))
     import pydiff
     from pydiff import generated, optim
+    from pydiff.module import library
     from pydiff.products import elementwise_kernel
 
     from bench_train import parallel_copy
@@ -91,6 +92,8 @@ def child(args) -> dict:
     p.grad.copy_from_numpy(rng.standard_normal(k).astype(np.float32))
     adam = optim.AdamW([p], lr=1e-3, weight_decay=0.01)
     xa = pydiff.tensor(rng.standard_normal(k).astype(np.float32))
+    xb = pydiff.tensor(rng.standard_normal(k).astype(np.float32))
+    lib = library(dev)
     dst = pydiff.tensor(np.zeros(k, np.float32))
     src_np, dst_np = np.ones(k, np.float32), np.empty(k, np.float32)
     from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +101,10 @@ def child(args) -> dict:
     pool = ThreadPoolExecutor(2)
     large = {
         "AdamW 10M step": (lambda: (adam.step(), sync()), 28),
+        "mul a * b (generated kernel) 10M": (
+            lambda: (lib.op_mul(xa, xb, _result=dst), sync()),
+            12,
+        ),
         "copy4 kernel 10M": (lambda: (elementwise_kernel("copy4", xa, x=xa, y=dst), sync()), 8),
         "NumPy copy 1 thread": (lambda: np.copyto(dst_np, src_np), 8),
         "NumPy copy 2 threads": (lambda: parallel_copy(dst_np, src_np, 2, pool), 8),
@@ -115,6 +122,7 @@ def child(args) -> dict:
     gbs = {name: nbytes * k / out[name][0] for name, (_, nbytes) in large.items()}
     copy = max(gbs["NumPy copy 1 thread"], gbs["NumPy copy 2 threads"])
     out["AdamW of the copy bandwidth"] = gbs["AdamW 10M step"] / copy
+    out["mul of the copy bandwidth"] = gbs["mul a * b (generated kernel) 10M"] / copy
     out["copy4 of the copy bandwidth"] = gbs["copy4 kernel 10M"] / copy
     return out
 

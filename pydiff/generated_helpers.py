@@ -32,6 +32,11 @@ _COMMON = (
 )
 _TYPED = "float4 pydiff_load4(Buffer<uint4> b, uint i) { return asfloat(b[i]); }\n"
 _STRUCTURED = "float4 pydiff_load4(StructuredBuffer<float4> b, uint i) { return b[i]; }\n"
+# Paired loads (kernels.float4_out_source's form): the 64-bit words as they were stored.
+_LOAD64 = (
+    "float4 pydiff_load4(StructuredBuffer<uint64_t2> b, uint i)\n{\n    uint64_t2 a = b[i];\n"
+    "    return asfloat(uint4(uint(a.x), uint(a.x >> 32), uint(a.y), uint(a.y >> 32)));\n}\n"
+)
 _STORE = "void pydiff_store4(RWStructuredBuffer<float4> b, uint i, float4 v) { b[i] = v; }\n"
 # Two 64-bit words per float4 (kernels.float4_out_source's paired form): bit for bit.
 _PAIRED = (
@@ -46,8 +51,8 @@ SOURCES = {
     "pydiff_gen_helpers": _COMMON,
     "pydiff_gen_helpers_t0p0": _STRUCTURED + _STORE,
     "pydiff_gen_helpers_t1p0": _TYPED + _STORE,
-    "pydiff_gen_helpers_t0p1": _STRUCTURED + _PAIRED,
-    "pydiff_gen_helpers_t1p1": _TYPED + _PAIRED,
+    "pydiff_gen_helpers_t0p1": _LOAD64 + _PAIRED,
+    "pydiff_gen_helpers_t1p1": _LOAD64 + _PAIRED,
 }
 _IMPORT = re.compile(r"^import (pydiff_gen_helpers\w*);$", re.M)
 
