@@ -107,3 +107,66 @@ def test_the_float4_form_on_this_device(device):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
+
+
+# The other float4 kernels that read through load4 (relu4, relu_bwd_acc4, sgd_step4) and the
+# generated backward kernels, whose loads on lavapipe are two 64-bit words too.
+
+
+def test_generated_backward_reads_words_where_stores_are_paired():
+    from pydiff.generated_helpers import SOURCES, imports
+
+    assert "StructuredBuffer<uint64_t2>" in SOURCES["pydiff_gen_helpers_w64"]
+    assert imports(True, True, words=True).endswith("import pydiff_gen_helpers_w64;\n")
+    assert "w64" not in imports(True, True)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 4097, 65])
+def test_relu_forward_and_backward_at_odd_sizes(device, n):
+    from pydiff import ops
+
+    rng = np.random.default_rng(n)
+    v = rng.standard_normal(n).astype(np.float32)
+    v[:2] = np.array([-0.0, 0.0], np.float32)[: min(n, 2)]
+    x = pydiff.tensor(v, device=device, requires_grad=True)
+    up = rng.standard_normal(n).astype(np.float32)
+    with pydiff.Tape() as tape:
+        y = ops.relu(x)
+        loss = ops.sum(y * pydiff.tensor(up, device=device))
+    tape.backward(loss)
+    assert np.array_equal(y.numpy(), np.maximum(v, 0))
+    np.testing.assert_array_equal(x.grad.numpy(), np.where(v > 0, up, 0).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 4097])
+def test_sgd_with_momentum_and_decay_at_odd_sizes(device, n):
+    rng = np.random.default_rng(n + 1)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(STEPS)]
+    p = pydiff.tensor(p0, device=device, requires_grad=True)
+    opt = optim.SGD([p], lr=LR, momentum=0.9, weight_decay=0.01)
+    for g in grads:
+        p.grad.copy_from_numpy(g)
+        opt.step()
+    want, buf = p0.astype(np.float64), None
+    for g in grads:
+        d = g.astype(np.float64) + 0.01 * want
+        buf = d if buf is None else 0.9 * buf + d
+        want = want - LR * buf
+    np.testing.assert_allclose(p.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 4097, 65])
+def test_generated_polynomial_backward_at_odd_sizes(device, n):
+    from pydiff import generated
+
+    m = pydiff.load_module(ROOT / "samples" / "polynomial.slang", device=device)
+    rng = np.random.default_rng(n + 2)
+    xs = rng.standard_normal(n).astype(np.float32)
+    ups = rng.standard_normal(n).astype(np.float32)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    up = pydiff.tensor(ups, device=device)
+    if not generated.backward(m.polynomial, [2.0, 8.0, -1.0, x], up, {3: x.grad_out}):
+        pytest.skip("this device takes SlangPy's backward")
+    want = ups.astype(np.float64) * (4.0 * xs.astype(np.float64) + 8.0)  # d/dx (2x^2 + 8x - 1)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6, atol=1e-6)
