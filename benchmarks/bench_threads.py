@@ -10,7 +10,9 @@ Lavapipe reads LP_NUM_THREADS when a device opens, so each mode runs in a child 
 its own (``--child``); the modes alternate, ``--runs`` times each, and the table gives each
 figure's median over the runs (wall time per call, and the process's CPU time: lavapipe's
 workers included). NumPy's copy reference is the faster of 1 and N threads (one slice
-each), taken in every child.
+each), taken in every child; the ratios "by CPU time" divide by NumPy's one-thread copy in
+process CPU time, steadier where other jobs share the cores (pooled, they count both
+workers: the work done, not the speed). docs/benchmarks.md, twenty-third session.
 """
 
 from __future__ import annotations
@@ -124,6 +126,11 @@ def child(args) -> dict:
     out["AdamW of the copy bandwidth"] = gbs["AdamW 10M step"] / copy
     out["mul of the copy bandwidth"] = gbs["mul a * b (generated kernel) 10M"] / copy
     out["copy4 of the copy bandwidth"] = gbs["copy4 kernel 10M"] / copy
+    # The same by process CPU time against NumPy's one-thread copy: steadier where other jobs
+    # share the cores (with the pool it counts both workers: work, not speed)
+    cpu = {name: nbytes * k / out[name][1] for name, (_, nbytes) in large.items()}
+    for name, label in (("AdamW 10M step", "AdamW"), ("copy4 kernel 10M", "copy4")):
+        out[f"{label} of the copy bandwidth, by CPU time"] = cpu[name] / cpu["NumPy copy 1 thread"]
     return out
 
 
