@@ -187,7 +187,7 @@ def backward_source(
     # where SlangPy's path, adding into memory, rounds twice: other bits).
     params.append("uniform uint pydiff_zero")
     # Paired (lavapipe): the backward reads its float4s as two 64-bit words, as they are
-    # stored: 25-30% less CPU than typed loads at 2^23 for the polynomial's backward, where
+    # stored: 25-40% less CPU than typed loads for the polynomial's backward (2^23, 10M), where
     # the forward (one input) was 5-10% slower that way and keeps its typed loads.
     return _header(fn, typed, paired, words=paired) + _kernel(
         "pydiff_gen_bwd", params, _scalar_loads(kinds), body, group
