@@ -170,3 +170,20 @@ def test_generated_polynomial_backward_at_odd_sizes(device, n):
         pytest.skip("this device takes SlangPy's backward")
     want = ups.astype(np.float64) * (4.0 * xs.astype(np.float64) + 8.0)  # d/dx (2x^2 + 8x - 1)
     np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 4097])
+def test_dropout_backward_at_odd_sizes(device, n):
+    from pydiff import ops
+
+    rng = np.random.default_rng(n + 3)
+    v = (rng.random(n) + 0.5).astype(np.float32)  # no zeros: y == 0 marks a dropped element
+    ups = rng.standard_normal(n).astype(np.float32)
+    x = pydiff.tensor(v, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = ops.dropout(x, 0.5, seed=43)
+        loss = ops.sum(y * pydiff.tensor(ups, device=device))
+    tape.backward(loss)
+    kept = y.numpy() != 0
+    np.testing.assert_array_equal(y.numpy(), np.where(kept, v * np.float32(2.0), 0))
+    np.testing.assert_array_equal(x.grad.numpy(), np.where(kept, ups * np.float32(2.0), 0))
