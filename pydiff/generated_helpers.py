@@ -32,6 +32,12 @@ _COMMON = (
 )
 _TYPED = "float4 pydiff_load4(Buffer<uint4> b, uint i) { return asfloat(b[i]); }\n"
 _STRUCTURED = "float4 pydiff_load4(StructuredBuffer<float4> b, uint i) { return b[i]; }\n"
+# Two 64-bit words per float4, as the paired form stores them: the backward kernels' loads on
+# lavapipe (generated_source), an overload beside the form's own.
+_WORDS = (
+    "float4 pydiff_load4(StructuredBuffer<uint64_t2> b, uint i)\n{\n    uint64_t2 a = b[i];\n"
+    "    return asfloat(uint4(uint(a.x), uint(a.x >> 32), uint(a.y), uint(a.y >> 32)));\n}\n"
+)
 _STORE = "void pydiff_store4(RWStructuredBuffer<float4> b, uint i, float4 v) { b[i] = v; }\n"
 # Two 64-bit words per float4 (kernels.float4_out_source's paired form): bit for bit.
 _PAIRED = (
@@ -48,17 +54,19 @@ SOURCES = {
     "pydiff_gen_helpers_t1p0": _TYPED + _STORE,
     "pydiff_gen_helpers_t0p1": _STRUCTURED + _PAIRED,
     "pydiff_gen_helpers_t1p1": _TYPED + _PAIRED,
+    "pydiff_gen_helpers_w64": _WORDS,
 }
 _IMPORT = re.compile(r"^import (pydiff_gen_helpers\w*);$", re.M)
 
 
-def imports(typed: bool | None = None, paired: bool = False) -> str:
+def imports(typed: bool | None = None, paired: bool = False, words: bool = False) -> str:
     """The import lines of a generated kernel's source: the common helpers, and with
-    ``typed`` given the float4 loads and stores of that form."""
+    ``typed`` given the float4 loads and stores of that form; ``words``: loads of two 64-bit
+    words per float4 too."""
     lines = "import pydiff_gen_helpers;\n"
     if typed is not None:
         lines += f"import pydiff_gen_helpers_t{int(typed)}p{int(paired)};\n"
-    return lines
+    return lines + ("import pydiff_gen_helpers_w64;\n" if words else "")
 
 
 def prepare(dev: Any, source: str) -> str:

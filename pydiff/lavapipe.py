@@ -24,7 +24,8 @@ except ImportError:  # not on Windows: no limit to read or raise
 # compute inline on machines this small, unless LP_NUM_THREADS is already set. Kernels over
 # millions of elements give up the second core (about 2x slower). Re-measured for issue 16:
 # a captured step's kernels cost 1.7x the CPU time pooled, large kernels the same CPU time
-# but 1.7-1.9x less wall time; the variable is read per device, so there is no per-workload
+# but 1.7-1.9x less wall time; the variable is read per device (a second device may take the
+# pool) but a tensor cannot move between devices without a copy, so there is no per-workload
 # choice inside one process: docs/devices.md#lavapipes-threads.
 LAVAPIPE_INLINE_MAX_CPUS = 2
 
