@@ -2,9 +2,12 @@
 
 Creating a buffer costs lavapipe about 40 us, more than most kernels of a small training
 step. A buffer is free when nothing but the pool refers to it: SlangPy's objects share
-Python's reference count, so tensors and views built on a buffer count too.
+Python's reference count, so tensors and views built on a buffer count too. The pool keeps
+the SlangPy tensor it made on each of its buffers last (``float4_tensor``), so a buffer that
+only that tensor refers to, itself referred to by nothing else, is free as well.
 
     buffer = device.pool.float4_buffer(256)      # 256 float4s, new or reused
+    native = device.pool.float4_tensor(float_layout(...), dtype)   # on one: float_storage
     device.pool.prune()                          # release the unused ones
 
 Every cache pydiff keeps per device is bounded (docs/ops-and-optimizers.md, "Memory"): the
