@@ -2,9 +2,12 @@
 
 Creating a buffer costs lavapipe about 40 us, more than most kernels of a small training
 step. A buffer is free when nothing but the pool refers to it: SlangPy's objects share
-Python's reference count, so tensors and views built on a buffer count too.
+Python's reference count, so tensors and views built on a buffer count too. The pool keeps
+the SlangPy tensor it made on each of its buffers last (``float4_tensor``), so a buffer that
+only that tensor refers to, itself referred to by nothing else, is free as well.
 
     buffer = device.pool.float4_buffer(256)      # 256 float4s, new or reused
+    native = device.pool.float4_tensor(float_layout(...), dtype)   # on one: float_storage
     device.pool.prune()                          # release the unused ones
 
 Every cache pydiff keeps per device is bounded (docs/ops-and-optimizers.md, "Memory"): the
@@ -96,9 +99,52 @@ class BufferPool:
         # cursor kept across steps rotated it through every free buffer of the size: 116 new
         # bound objects in 40 released training steps, the shared cache keyed by buffer).
         self._cursor: dict[int, tuple[int, int]] = {}
+        # Per buffer the pool keeps (id(buffer): the entry holds the buffer, so the id stays
+        # its own): the SlangPy tensor made on it last, with that tensor's layout and element
+        # type. A new SlangPy tensor costs 1.5-3 us, and a training step makes 7 of them on
+        # buffers it had the step before. The tensor's reference to the buffer is counted in
+        # the free test (``_free``): a buffer is free when nothing else refers to it or to
+        # that tensor.
+        self._tensors: dict[int, tuple] = {}
+
+    def float4_tensor(self, layout: tuple, dtype: Any) -> spy.Tensor:
+        """A SlangPy tensor of ``layout`` (``float_storage.float_layout``'s ``(float4s,
+        shape, strides)``) and element type ``dtype`` (a reflection) at the start of a buffer
+        from ``float4_buffer``; on a buffer the pool keeps, the one made on it last when that
+        one has this very layout and element type (SlangPy's tensors do not change)."""
+        buffer, kept = self._take(layout[0])
+        if not kept:
+            return spy.Tensor(buffer, dtype, layout[1], layout[2], 0)
+        key = id(buffer)
+        entry = self._tensors.get(key)
+        if entry is not None and entry[0] is layout and entry[1] is dtype:
+            return entry[2]
+        native = spy.Tensor(buffer, dtype, layout[1], layout[2], 0)
+        self._tensors[key] = (layout, dtype, native)
+        return native
+
+    def _free(self, buffer: Any, refs: int) -> bool:
+        """Whether ``buffer``, of which the caller counted ``refs`` references with its list's,
+        its variable's and getrefcount's argument's (3) among them, is free: nothing else
+        refers to it, or only its cached SlangPy tensor, to which nothing else refers."""
+        if refs == 3:
+            return True
+        if refs != 4:
+            return False
+        entry = self._tensors.get(id(buffer))
+        # References to the tensor: the entry's and getrefcount's argument.
+        return entry is not None and sys.getrefcount(entry[2]) == 2
+
+    def _release(self, buffer: Any) -> None:
+        """Forget a buffer the pool lets go of (its cached tensor, which refers to it)."""
+        self._tensors.pop(id(buffer), None)
 
     def float4_buffer(self, float4s: int) -> Any:
         """A buffer of ``float4s`` float4s (contents undefined), reused when one is free."""
+        return self._take(float4s)[0]
+
+    def _take(self, float4s: int) -> tuple[Any, bool]:
+        """``float4_buffer``'s buffer, and whether the pool keeps it."""
         # While kernels are appended to a batch but not submitted, a buffer freed since may
         # still be read or written by them: it must not be handed out again before they run.
         # Any thread's batch: a flush here does not submit another thread's on Vulkan.
@@ -116,15 +162,15 @@ class BufferPool:
             for buffer in islice(buffers, start, None):
                 j += 1
                 # References: the list, this loop's variable and getrefcount's argument.
-                if sys.getrefcount(buffer) == 3:
+                if (refs := sys.getrefcount(buffer)) == 3 or self._free(buffer, refs):
                     self._cursor[float4s] = (self.queue.submissions, j)
-                    return buffer
+                    return buffer, True
             j = 0
             for buffer in islice(buffers, start):
                 j += 1
-                if sys.getrefcount(buffer) == 3:
+                if (refs := sys.getrefcount(buffer)) == 3 or self._free(buffer, refs):
                     self._cursor[float4s] = (self.queue.submissions, j)
-                    return buffer
+                    return buffer, True
         try:
             buffer = self.native.create_buffer(
                 element_count=float4s,
@@ -135,21 +181,24 @@ class BufferPool:
         except RuntimeError as exc:
             raise allocation_failed(16 * float4s, exc) from None
         self.queue.allocated(16 * float4s)
+        kept = False
         if pooled:
-            self._keep(buffer, float4s)
+            kept = self._keep(buffer, float4s)
             if float4s in self._large:
                 self._trim_free_large()
-        return buffer
+                kept = kept and any(b is buffer for b in self._buffers.get(float4s, ()))
+        return buffer, kept
 
-    def _keep(self, buffer: Any, float4s: int) -> None:
+    def _keep(self, buffer: Any, float4s: int) -> bool:
         """Add a new buffer to the pool where its size's count and its class's budget allow
-        (releasing that class's free buffers first when the budget is reached)."""
+        (releasing that class's free buffers first when the budget is reached); whether it
+        was added."""
         nbytes, large = 16 * float4s, float4s in self._large
         # (large ones: any number of a size in use, e.g. an optimizer's state; free ones are
         # trimmed per size by _trim_free_large)
         budget = LARGE_POOL_MAX_BYTES if large else POOL_MAX_BYTES
         if not large and len(self._buffers.get(float4s, ())) >= _per_size(nbytes):
-            return
+            return False
         if self._class_bytes(large) + nbytes > budget:
             self.prune(large=large)
         if self._class_bytes(large) + nbytes <= budget:
@@ -158,6 +207,8 @@ class BufferPool:
             if large:  # (its class again: the prune may have dropped the size's empty list)
                 self.large_bytes += nbytes
                 self._large.setdefault(float4s, self._asked)
+            return True
+        return False
 
     def _trim_free_large(self) -> None:
         """Release free large buffers past ``LARGE_POOL_MAX_PER_SIZE`` of a size and
@@ -169,12 +220,14 @@ class BufferPool:
             kept, free_here = [], 0
             for buffer in buffers:
                 # References: the list, this loop's variable and getrefcount's argument.
-                if sys.getrefcount(buffer) == 3:
+                refs = sys.getrefcount(buffer)  # (read first: an argument of _free adds one)
+                if self._free(buffer, refs):
                     if free_here == LARGE_POOL_MAX_PER_SIZE or (
                         free + 16 * size > LARGE_POOL_MAX_FREE_BYTES
                     ):
                         self.bytes -= 16 * size
                         self.large_bytes -= 16 * size
+                        self._release(buffer)
                         continue
                     free += 16 * size
                     free_here += 1
@@ -195,8 +248,14 @@ class BufferPool:
         for size, buffers in list(self._buffers.items()):
             if large is not None and (size in self._large) != large:
                 continue
-            # References: the list, the comprehension's variable and getrefcount's argument.
-            kept = [b for b in buffers if sys.getrefcount(b) > 3]
+            # References: the list, the loop's variable and getrefcount's argument.
+            kept = []
+            for b in buffers:
+                refs = sys.getrefcount(b)  # (read first: an argument of _free would add one)
+                if self._free(b, refs):
+                    self._release(b)
+                else:
+                    kept.append(b)
             released = 16 * size * (len(buffers) - len(kept))
             self.bytes -= released
             self.large_bytes -= released * (size in self._large)

@@ -68,14 +68,12 @@ def pooled_tensor(
 
     >>> pooled_tensor(dev, (8,), dev.dtype("float"), 1, zero=True)
     """
-    float4s, shape_list, strides = float_layout(dev.type, shape, width, what)
-    buffer = dev.pool.float4_buffer(float4s)
-    native = spy.Tensor(buffer, dtype, shape_list, strides, 0)
+    native = dev.pool.float4_tensor(float_layout(dev.type, shape, width, what), dtype)
     if zero:
         # In order with the pending work (a pooled buffer may be read by unsubmitted commands
         # of an ended batch); nothing pending reads its new contents, so even inside a batch
         # (whose work runs after the deferred list) the zeroing is early enough.
-        dev.queue.defer(native.clear, (buffer,))
+        dev.queue.defer(native.clear, (native.storage,))
         rec = capturing.recording()
         if rec is not None:
             rec.record_clear(dev.queue, native)
