@@ -244,8 +244,8 @@ def main() -> None:
     out = pydiff.tensor(np.zeros(n, np.float32))  # results into one tensor: no allocation timed
     lib = library(dev)
 
-    def synced(fn):
-        return lambda: (fn(), dev.native.wait_for_idle())
+    def synced(fn):  # flush first: wait_for_idle alone leaves pydiff's deferred kernels queued
+        return lambda: (fn(), dev.flush(), dev.native.wait_for_idle())
 
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
