@@ -338,3 +338,25 @@ def known_call_error(label: str, params: list, text: str) -> Exception | None:
     >>> known_call_error("m.f", fn.signature.params, str(exc))   # ValueError or None
     """
     return grid_call_error(label, params, text) or shape_mismatch_error(label, text)
+
+
+#: The names a forward call's ``_result`` takes (SlangPy's ``return_type``).
+RESULT_NAMES = ("tensor", "numpy", "texture")
+
+
+def check_result_name(label: str, result: str) -> str:
+    """``result`` if it is a name ``_result`` takes, else a ``ValueError`` naming ``_result``
+    and the closest name (SlangPy's own said only "Unknown return type").
+
+        check_result_name("m.f", "tensr")   # ValueError: ... did you mean 'tensor'?
+    """
+    if result in RESULT_NAMES:
+        return result
+    import difflib
+
+    close = difflib.get_close_matches(result.lower(), RESULT_NAMES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"{label}: _result={result!r} is not a result kind: use _result='tensor' (a new "
+        f"pydiff tensor), 'numpy' (an array), or a tensor to write into{hint}"
+    )
