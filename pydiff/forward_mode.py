@@ -22,7 +22,7 @@ from .arguments import prepare_arguments
 from .forward_args import gives_tangent, primal_and_tangent, primals_only
 from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor, warn_dropped
 from .call_shape import param_type
-from .errors import ShaderTrapError
+from .errors import ShaderTrapError, SlangCompileError
 from .forward_call import forward_call
 from .forward_pair import direct_pair, out_entry, split_pair
 from .signature import FunctionTarget, stem
@@ -277,7 +277,12 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         return done
     types = generic_types(fn, bound)
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
-    wrapper = fwd_wrapper(fn, types)
+    try:
+        wrapper = fwd_wrapper(fn, types)
+    except SlangCompileError as e:
+        if not types:
+            raise
+        raise _specialisation_error(fn, bound, types) from e
     direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
     if direct is not None:  # one call into two contiguous tensors
         return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
@@ -296,6 +301,21 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     if want == "numpy":
         return primal.numpy(), tangent.numpy()
     return primal, tangent
+
+
+def _specialisation_error(fn: GeneratingFunction, bound: list, types: dict) -> TypeError:
+    """The refusal of a generic function whose forward mode Slang could not build at the
+    types this call's arguments give (``T : __BuiltinFloatingPointType`` at a ``float3``
+    tensor: vectors do not conform), naming the parameters; Slang's report is the cause."""
+    at = ", ".join(f"{k} = {v}" for k, v in types.items())
+    named = [p.name for p, _ in bound if p.generic and p.type_name in types]
+    return TypeError(
+        f"{fn.label}.fwds: the generic {fn.name} cannot be specialised with {at} (from "
+        f"parameter(s) {', '.join(repr(n) for n in named)}): Slang could not build its forward "
+        "mode at that type (a vector for a constraint such as __BuiltinFloatingPointType, "
+        "which takes scalars only); pass values of a type the constraint takes, or relax it "
+        "(IFloat takes vectors). Slang's report is this error's __cause__"
+    )
 
 
 def _described(value: Any) -> str:
