@@ -385,3 +385,63 @@ def test_threads_calling_one_function(mod, device):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_write_through_strided_view_counts_as_overwriting_the_base(device):
+    """The strided write goes through the base's storage: a tape that read the base refuses
+    its backward (the values it read are gone), as for any other write."""
+    x = pydiff.tensor(np.linspace(-1, 1, 16, dtype=np.float32), device=device)
+    x.requires_grad_()
+    m = pydiff.load_module_from_source("s43_breaker43_sq", SQUARE, device=device)
+    with pydiff.Tape() as tape:
+        y = m.b43_sq(x)
+    _view(x, (8,), (2,), 0, device).fill(0.0)
+    with pytest.raises(pydiff.StaleInputError, match="overwritten"):
+        tape.backward(y, grad=np.ones(16))
+
+
+SQUARE = "[Differentiable] float b43_sq(float x) { return x * x; }"
+NAMES = """
+[Differentiable] float b43_n(float x) { return x * 2.0; }
+namespace ns { [Differentiable] float b43_n(float x) { return x * 3.0; } }
+struct S { [Differentiable] static float b43_n(float x) { return x * 4.0; } };
+"""
+OTHER = "[Differentiable] float b43_n(float x) { return x * 5.0; }"
+
+
+def test_same_name_in_namespaces_structs_and_modules(device, forced):
+    """Each generated kernel calls the function it was made for: a global, a namespaced and
+    a struct's static function of one name, and one of another module, each its own."""
+    xs = np.linspace(-1, 1, 11, dtype=np.float32)
+    one = pydiff.load_module_from_source("s43_breaker43_names", NAMES, device=device)
+    two = pydiff.load_module_from_source("s43_breaker43_other", OTHER, device=device)
+    cases = [(one.b43_n, 2), (getattr(one, "ns::b43_n"), 3), (getattr(one, "S::b43_n"), 4)]
+    for fn, k in cases + [(two.b43_n, 5), (one.b43_n, 2)]:
+
+        def run():
+            x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+            y = fn(x)
+            fn.bwds(x, _result=y.with_grads(ones=True))
+            _, t = fn.fwds(x.with_tangent(np.ones(11, np.float32)))
+            return [y.numpy(), x.grad.numpy(), t.numpy()]
+
+        gen, ref, counts = run_both_paths(forced, run)
+        assert counts.get("forward") == 1 and counts.get("fwds") == 1, fn
+        _same(gen, ref)
+        _close(gen, [k * xs.astype(np.float64), np.full(11, k), np.full(11, k)])
+
+
+def test_edited_file_runs_its_new_kernel(device, forced, tmp_path):
+    path = tmp_path / "b43_edit.slang"
+    xs = np.linspace(-1, 1, 9, dtype=np.float32)
+    path.write_text("[Differentiable] float b43_e(float x) { return x * 2.0; }\n")
+    first = pydiff.load_module(path, device=device)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    _close([first.b43_e(x).numpy()], [2 * xs.astype(np.float64)])
+    path.write_text("[Differentiable] float b43_e(float x) { return x * 7.0; }\n")
+    second = pydiff.load_module(path, device=device)
+    y = second.b43_e(x)
+    second.b43_e.bwds(x, _result=y.with_grads(ones=True))
+    _close([y.numpy(), x.grad.numpy()], [7 * xs.astype(np.float64), np.full(9, 7.0)])
+    _close([first.b43_e(x).numpy()], [2 * xs.astype(np.float64)])  # the first keeps its own
+    assert generated.stats().get("forward", 0) >= 3
