@@ -18,7 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
-from .errors import check_result_name, kernel_compile_error, known_call_error
+from .errors import check_result_value, kernel_compile_error, known_call_error
 from .fixed_point_grad import dummy_fields
 from .call_shape import (
     ElementAxesError,
@@ -168,7 +168,7 @@ def check_number_result(fn: FunctionTarget, bound: list, seed: float | int) -> N
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse an unknown ``_result`` name, an integer or bool ``_result`` tensor for a float
     result (SlangPy truncates every value); its shape: ``call_shape.check_written``."""
-    if type(result) is str and check_result_name(fn.label, result) == "numpy":
+    if check_result_value(fn.label, result) == "numpy":
         returns = result_type(fn, bound)
         generic = any(p.generic for p, _ in bound)  # (an unresolved T: SlangPy decides)
         if returns != "void" and value_elements(returns) is None and not generic:

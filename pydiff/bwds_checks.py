@@ -263,7 +263,14 @@ def _refuse_read_gradient(fn: FunctionTarget, bound: list) -> None:
 def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:
     """``.bwds``'s checks of its arguments as given: written struct arguments and written
     parameters on one storage refused; copies made off a tape from tensors that want a
-    gradient (``x[:, 1:]``, ``x.T``) warned."""
+    gradient (``x[:, 1:]``, ``x.T``) warned; a ``_result`` no upstream can be refused first
+    (the forward call's refusals of such values would name no upstream)."""
+    if isinstance(result, (str, list, tuple, dict, set, bytes, complex, bool, type)):
+        raise TypeError(
+            f"{fn.bwds_label}: _result must be a pydiff.Tensor with gradients, a number or a "
+            f"slangpy.diffPair, not {type(result).__name__}; e.g. "
+            "pydiff.tensor(upstream).with_grads() and copy the upstream into its .grad"
+        )
     refuse_written_struct(fn, bound, fn.bwds_label)
     refuse_written_twice(fn, bound, result, fn.bwds_label)
     refuse_narrowed_result(fn, bound, result, fn.bwds_label)

@@ -445,3 +445,34 @@ def test_edited_file_runs_its_new_kernel(device, forced, tmp_path):
     _close([y.numpy(), x.grad.numpy()], [7 * xs.astype(np.float64), np.full(9, 7.0)])
     _close([first.b43_e(x).numpy()], [2 * xs.astype(np.float64)])  # the first keeps its own
     assert generated.stats().get("forward", 0) >= 3
+
+
+@pytest.mark.parametrize(
+    "value", [[0.0] * 8, (0.0,), True, b"tensor", 1.5j, pydiff.Tensor], ids=repr
+)
+def test_result_values_nothing_writes_into(mod, device, value):
+    """Before: SlangPy's internal errors ("Cannot read back value for non-writable type",
+    "Exception in kernel generation: Unsupported type", BoundVariableException)."""
+    x = pydiff.tensor(np.ones(8, np.float32), device=device).with_grads(zero=True)
+    with pytest.raises(TypeError, match=r"b43_f: _result=.*(nothing a call writes|a number)"):
+        mod.b43_f(1.0, x, _result=value)
+    if not isinstance(value, (bytes, complex)) and value is not pydiff.Tensor:
+        with pytest.raises(TypeError, match=r"b43_f.bwds: _result must be a pydiff.Tensor"):
+            mod.b43_f.bwds(1.0, x, _result=value)  # .bwds names the upstream it wants
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros(8))
+    out = mod.b43_f(1.0, x, _result=np.ndarray)  # SlangPy's return types stay taken
+    np.testing.assert_allclose(out, np.full(8, 1.0 + np.sin(1.0)), rtol=1e-6)
+
+
+def test_strided_write_after_pending_generated_work(mod, device, forced):
+    """A strided write lands after the generated kernels queued before it, and before the
+    ones queued after it."""
+    xs = np.linspace(-1, 1, 64, dtype=np.float32)
+    x, out = pydiff.tensor(xs, device=device), pydiff.zeros((64,), device=device)
+    for i in range(3):
+        mod.b43_f(1.5, x, _result=out)
+        _view(out, (32,), (2,), 1, device).fill(float(i))
+        z = mod.b43_f(1.0, out)
+        want = _f(1.5, xs.astype(np.float64))
+        want[1::2] = i
+        _close([out.numpy(), z.numpy()], [want, _f(1.0, want)])
