@@ -100,7 +100,23 @@ def direct_inout_source(fn: FunctionTarget) -> str | None:
     return source
 
 
+def refuse_inout_name_clash(fn: FunctionTarget) -> None:
+    """A ``ValueError`` where a parameter is named as pydiff names an ``inout`` parameter's
+    halves in its wrappers (``o__in``, ``o__out`` beside ``inout float o``): the wrapper would
+    declare one name twice (before: a raw compile error of the generated wrapper)."""
+    names = {p.name for p in fn.params}
+    for p in fn.params:
+        for half in (f"{p.name}__in", f"{p.name}__out"):
+            if p.io == "inout" and half in names:
+                raise ValueError(
+                    f"{fn.label}: parameter '{half}' has the name pydiff gives the "
+                    f"{half.rsplit('__', 1)[1]} half of inout parameter '{p.name}' in the "
+                    "wrapper its backward runs; rename one of them"
+                )
+
+
 def _source(fn: FunctionTarget, bwd: str) -> str | None:
+    refuse_inout_name_clash(fn)
     ret = fn.signature.return_type
     generics, type_args, where = generic_header(fn)
     if ret != "void" and not _float_type(ret) and ret not in type_args[1:-1].split(", "):
@@ -163,6 +179,7 @@ def inout_wrapper_source(fn: FunctionTarget) -> str:
     SlangPy 0.43's bwds never seeds the gradient of an ``inout`` value (it returns zeros);
     with the value split into an input and an ``out`` the generated backward is correct.
     """
+    refuse_inout_name_clash(fn)
     generics, type_args, where = generic_header(fn)
     params, call_args, pre, post = [], [], [], []
     for p in fn.params:

@@ -137,25 +137,27 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     need_differentiable(fn, ".fwds")
     types = types or {}
     params, args, pre, post, aliases = [], [], [], [], []
+    taken = {p.name for p in fn.params}  # (a tangent's name is no parameter's: x, x__t)
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.differentiable:
+            tn, pn = _fresh(f"{n}__t", taken), _fresh(f"{n}__p", taken)
             dt = f"{t}.Differential"
             if "[" in t:  # Slang parses no member of an array type written inline (float[3])
                 aliases.append(f"typealias {stem(fn.name)}__pydiff_{n}_type = {t};\n")
                 dt = f"{stem(fn.name)}__pydiff_{n}_type.Differential"
             if p.io == "in":
-                params += [f"{t} {n}", f"{dt} {n}__t"]
-                args.append(f"diffPair({n}, {n}__t)")
+                params += [f"{t} {n}", f"{dt} {tn}"]
+                args.append(f"diffPair({n}, {tn})")
             else:
-                params += [f"{p.io} {t} {n}", f"{p.io} {dt} {n}__t"]
+                params += [f"{p.io} {t} {n}", f"{p.io} {dt} {tn}"]
                 pre.append(
-                    f"DifferentialPair<{t}> {n}__p;"
+                    f"DifferentialPair<{t}> {pn};"
                     if p.io == "out"
-                    else f"var {n}__p = diffPair({n}, {n}__t);"
+                    else f"var {pn} = diffPair({n}, {tn});"
                 )
-                args.append(f"{n}__p")
-                post += [f"{n} = {n}__p.p;", f"{n}__t = {n}__p.d;"]
+                args.append(pn)
+                post += [f"{n} = {pn}.p;", f"{tn} = {pn}.d;"]
         else:
             io = "" if p.io == "in" else f"{p.io} "
             params.append(f"{io}{t} {n}")
@@ -193,6 +195,14 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     if rtype != "void":  # value and tangent into two outputs (forward_pair)
         source += out_entry(f"{stem(fn.name)}__pydiff_{kind}", ret, params, pre, call, post)
     return fn.generated(kind, source)
+
+
+def _fresh(name: str, taken: set) -> str:
+    """``name``, or with ``_`` appended until no parameter (nor earlier pick) has it."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
@@ -377,6 +387,7 @@ def dir_wrapper(
             f"hvp: {fn.label} returns {ret}{generic}; hvp needs a scalar (float) result"
         )
     params, call_args, aliases = [], [], []
+    taken = {p.name for p in fn.params}  # (a direction's name is no parameter's: x, x__v)
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
@@ -397,8 +408,9 @@ def dir_wrapper(
             if n in fixed:
                 call_args.append(f"diffPair({n}, {named}.dzero())")
             else:
-                params.append(f"no_diff {named}.Differential {n}__v")
-                call_args.append(f"diffPair({n}, {n}__v)")
+                vn = _fresh(f"{n}__v", taken)
+                params.append(f"no_diff {named}.Differential {vn}")
+                call_args.append(f"diffPair({n}, {vn})")
         else:
             params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
             call_args.append(n)

@@ -476,3 +476,53 @@ def test_strided_write_after_pending_generated_work(mod, device, forced):
         want = _f(1.5, xs.astype(np.float64))
         want[1::2] = i
         _close([out.numpy(), z.numpy()], [want, _f(1.0, want)])
+
+
+NAMES_CLASH = """
+[Differentiable] float b43_t(float x, float x__t) { return x * 2.0 + x__t * 3.0; }
+[Differentiable] float b43_p(float x, inout float x__p)
+{ float r = x * x__p; x__p = x__p * 2.0; return r; }
+[Differentiable] float b43_pi(inout float x, float x__p, float x__t)
+{ float r = x * x__p + x__t; x = x * x__t; return r; }
+[Differentiable] float b43_v(float x, float x__v) { return x * x * x__v; }
+[Differentiable] float b43_in(float o__in, inout float o)
+{ float r = o * o__in; o = o * 2.0; return r; }
+"""
+
+
+def test_parameters_named_like_pydiffs_wrapper_names(device, forced):
+    """Before: raw SlangCompileErrors ("conflicting declaration") of pydiff's generated
+    wrappers for .fwds (x beside x__t; inout x beside x__p) and hvp (x beside x__v)."""
+    m = pydiff.load_module_from_source("s43_breaker43_clash", NAMES_CLASH, device=device)
+    xs = np.linspace(0.5, 2, 6, dtype=np.float32)
+    x64 = xs.astype(np.float64)
+    one, ones = np.ones(6, np.float32), np.ones(6)
+    x = pydiff.tensor(xs, device=device).with_tangent(one)
+    t = pydiff.tensor(one, device=device).with_tangent(2 * one)
+    y, dy = m.b43_t.fwds(x, t)
+    _close([y.numpy(), dy.numpy()], [2 * x64 + 3, 8 * ones])
+    for gen in ("1", "0"):  # (the vector of 6 also leaves the SlangPy wrapper to run)
+        forced.setenv("PYDIFF_GENERATED", gen)
+        p = pydiff.tensor(2 * one, device=device).with_tangent(np.zeros(6, np.float32))
+        y, dy = m.b43_p.fwds(pydiff.tensor(xs, device=device).with_tangent(one), p)
+        _close(
+            [y.numpy(), dy.numpy(), p.numpy(), p.tangent.numpy()],
+            [2 * x64, 2 * ones, 4 * ones, 0 * ones],
+        )
+        xi = pydiff.tensor(xs, device=device).with_tangent(one)
+        y, dy = m.b43_pi.fwds(xi, (3.0, 0.0), (2.0, 1.0))  # r = 3x + t, x <- x t
+        _close(
+            [y.numpy(), dy.numpy(), xi.numpy(), xi.tangent.numpy()],
+            [3 * x64 + 2, 4 * ones, 2 * x64, 2 + x64],
+        )
+    forced.setenv("PYDIFF_GENERATED", "1")
+    hv = pydiff.hvp(m.b43_v, (pydiff.tensor(xs, device=device), 2.0), (one, 0.0))
+    _close([hv[0].numpy(), hv[1]], [4 * ones, np.sum(2 * x64)])  # (2 x__v, sum of 2x)
+    o = pydiff.tensor(3 * one, device=device).with_grads(
+        grad_in=pydiff.tensor(one, device=device), grad_out=pydiff.zeros((6,), device=device)
+    )
+    a = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    with pytest.raises(
+        ValueError, match=r"'o__in' has the name pydiff gives .* inout parameter 'o'"
+    ):
+        m.b43_in.bwds(a, o, _result=pydiff.zeros((6,), device=device).with_grads(ones=True))
