@@ -526,3 +526,37 @@ def test_parameters_named_like_pydiffs_wrapper_names(device, forced):
         ValueError, match=r"'o__in' has the name pydiff gives .* inout parameter 'o'"
     ):
         m.b43_in.bwds(a, o, _result=pydiff.zeros((6,), device=device).with_grads(ones=True))
+
+
+MASKS = """
+import slangpy;
+[Differentiable]
+void b43_w3(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> a,
+            IWDiffTensor<float, 1> b, IWDiffTensor<float, 1> a_b)
+{ float v = x[idx]; a[idx] = v * 2.0; b[idx] = v * 3.0; a_b[idx] = v * 5.0; }
+[Differentiable] float b43_sq(float x) { return x * x; }
+[Differentiable] float b43_add3(float a, float b, float c) { return a + b + c; }
+"""
+
+
+def test_masked_wrappers_of_parameter_sets_that_join_alike(device):
+    """The tape's backward records which elements a call wrote into tensors whose earlier
+    value it needs, through a wrapper per set of such parameters: {'a_b'} and {'a', 'b'}
+    were one wrapper name, and the second call got the first's (SlangPy refused the call)."""
+    m = pydiff.load_module_from_source("s43_breaker43_masks", MASKS, device=device)
+    n = 8
+    ps = np.arange(1, n + 1, dtype=np.float32)
+    p = pydiff.tensor(ps, device=device, requires_grad=True)
+    x0 = pydiff.tensor(np.arange(10, 10 + n, dtype=np.float32), device=device)
+    x0.requires_grad_()
+    with pydiff.Tape() as tape:
+        a, b, ab = m.b43_sq(p), m.b43_sq(p), m.b43_sq(p)
+        fresh = [pydiff.empty((n,), device=device) for _ in range(3)]
+        m.b43_w3(spy.grid((n,)), x0, fresh[0], fresh[1], ab)  # ab's old value: masked
+        m.b43_w3(spy.grid((n,)), x0, a, b, fresh[2])  # a's and b's: masked
+        out = m.b43_add3(a, b, ab)
+    tape.backward(out, grad=np.ones(n))
+    # a, b and ab were all overwritten before out read them: nothing reaches p
+    np.testing.assert_array_equal(p.grad.numpy(), np.zeros(n))
+    np.testing.assert_array_equal(x0.grad.numpy(), np.full(n, 2.0 + 3.0 + 5.0))
+    np.testing.assert_array_equal(out.numpy(), 10 * x0.numpy())
