@@ -560,3 +560,24 @@ def test_masked_wrappers_of_parameter_sets_that_join_alike(device):
     np.testing.assert_array_equal(p.grad.numpy(), np.zeros(n))
     np.testing.assert_array_equal(x0.grad.numpy(), np.full(n, 2.0 + 3.0 + 5.0))
     np.testing.assert_array_equal(out.numpy(), 10 * x0.numpy())
+
+
+@pytest.mark.parametrize("n", [16, 4100])
+def test_result_shifted_over_its_input_is_refused(mod, device, forced, n):
+    """``_result`` one element after the input on one buffer: thread i stores where thread
+    i + 1 loads (a race; before: accepted on both paths, values by the device's order). The
+    same view (each element read and written by one thread) and disjoint views still run."""
+    xs = np.linspace(-1, 1, 2 * n + 2, dtype=np.float32)
+    base = pydiff.tensor(xs, device=device)
+    x = _view(base, (n,), (1,), 0, device)
+    with pytest.raises(ValueError, match=r"_result and parameter 'x' are views of one storage"):
+        mod.b43_f(1.5, x, _result=_view(base, (n,), (1,), 1, device))
+    np.testing.assert_array_equal(base.numpy(), xs)  # nothing ran
+    with pytest.raises(ValueError, match=r"_result and parameter 'x'"):
+        mod.b43_f(1.5, x, _result=_view(base, (n,), (2,), 0, device))  # strided over x
+    mod.b43_f(1.5, x, _result=_view(base, (n,), (1,), n + 2, device))  # disjoint: runs
+    mod.b43_f(1.5, x, _result=x)  # the same view: in place, runs
+    want = xs.astype(np.float64)
+    want[n + 2 :] = _f(1.5, want[:n])
+    want[:n] = _f(1.5, want[:n])
+    _close([base.numpy()], [want])
