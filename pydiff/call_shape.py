@@ -392,6 +392,23 @@ def _element_offsets(t: Tensor) -> np.ndarray:
     return offsets.ravel()
 
 
+def _same_places(w: Tensor, r: Tensor) -> bool:
+    """Whether a written and a read view of one storage meet only where one call element
+    reads and writes the same place (the same view; ``x`` and ``x.reshape(1, n)``; disjoint)."""
+    a, b = w.native, r.native
+    if (a.offset, list(a.strides), list(a.shape)) == (b.offset, list(b.strides), list(b.shape)):
+        return True  # (in place, _result=x: no offsets to compute)
+    wo, ro = _element_offsets(w), _element_offsets(r)
+    try:
+        both = np.broadcast_shapes(w.shape, r.shape)
+        wb = np.broadcast_to(wo.reshape(w.shape), both)
+        if np.array_equal(wb, np.broadcast_to(ro.reshape(r.shape), both)):
+            return True
+    except ValueError:  # (shapes that do not broadcast: the call refuses them itself)
+        pass
+    return not (wo.size and ro.size and np.intersect1d(wo, ro).size)
+
+
 def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:
     """A forward call writing ``_result`` (or a vectorised ``out``/``inout`` value) into
     elements of a storage that a vectorised argument reads through a view of other geometry
@@ -408,19 +425,12 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
                 continue
             if not p.reads_value or p.name == name:
                 continue
-            a, b = w.native, r.native
-            if (a.offset, tuple(a.strides), tuple(a.shape)) == (
-                b.offset,
-                tuple(b.strides),
-                tuple(b.shape),
-            ):
-                continue
-            if w.numel * r.numel and np.intersect1d(_element_offsets(w), _element_offsets(r)).size:
+            if not _same_places(w, r):
                 what = "_result" if name == "_result" else f"parameter '{name}'"
                 raise ValueError(
                     f"{where}: {what} and parameter '{p.name}' are views of one storage that "
-                    f"share elements at other places (offsets {b.offset} and {a.offset}, shapes "
-                    f"{r.shape} and {w.shape}): threads would overwrite elements other threads "
-                    "still read (a race). Write into a tensor of its own, or pass the very "
-                    "same view for both (each element read and written by one thread)"
+                    f"share elements at other places (shapes {r.shape} and {w.shape}, offsets "
+                    f"{r.native.offset} and {w.native.offset}): threads would overwrite elements "
+                    "other threads still read (a race). Write into a tensor of its own, or pass "
+                    "the very same view for both (each element read and written by one thread)"
                 )
