@@ -153,7 +153,7 @@ def _source(fn: FunctionTarget, bwd: str) -> str | None:
     body = (
         [*pre, f"{call};", *post]
         if ret == "void"
-        else [*pre, f"{ret} __r = {call};", *post, "return __r;"]
+        else [*pre, f"{ret} __pydiff_r = {call};", *post, "return __pydiff_r;"]
     )
     bbody = [*bpre, f"{bwd}({', '.join(bwd_args)});", *bpost]
     name = f"{stem(fn.name)}__pydiff_inout"
@@ -198,7 +198,7 @@ def inout_wrapper_source(fn: FunctionTarget) -> str:
     if ret_name == "void":
         body += [f"{call};", *post]
     else:
-        body += [f"{ret_name} __r = {call};", *post, "return __r;"]
+        body += [f"{ret_name} __pydiff_r = {call};", *post, "return __pydiff_r;"]
     return (
         f"import {fn.module.import_spec};\n"
         f"[Differentiable]\n{ret_name} {stem(fn.name)}__pydiff_inout{generics}({', '.join(params)})"

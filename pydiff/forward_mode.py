@@ -170,10 +170,10 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         rtype = f"{ret}[2]"
         body = [
             *pre,
-            f"let __r = {call};",
+            f"let __pydiff_r = {call};",
             *post,
-            f"{ret} __o[2] = {{ __r.p, __r.d }};",
-            "return __o;",
+            f"{ret} __pydiff_o[2] = {{ __pydiff_r.p, __pydiff_r.d }};",
+            "return __pydiff_o;",
         ]
     else:
         generic = " (a generic type: pass a float tensor or number to specialise it)" * (

@@ -581,3 +581,27 @@ def test_result_shifted_over_its_input_is_refused(mod, device, forced, n):
     want[n + 2 :] = _f(1.5, want[:n])
     want[:n] = _f(1.5, want[:n])
     _close([base.numpy()], [want])
+
+
+UNDERSCORED = """
+[Differentiable] float b43_u(float __p, float __r) { return __p * __r; }
+[Differentiable] float b43_ui(float __r, inout float o)
+{ float y = o * __r; o = o * 2.0; return y; }
+"""
+
+
+def test_parameters_named_like_the_wrappers_locals(device):
+    """``__p``, ``__r`` were names of the .fwds wrapper's outputs and locals (and ``__r`` of
+    the inout wrapper's): "conflicting declaration" in the generated wrapper before."""
+    m = pydiff.load_module_from_source("s43_breaker43_under", UNDERSCORED, device=device)
+    x = pydiff.tensor(np.full(4, 2.0, np.float32), device=device).with_tangent(np.ones(4))
+    y, t = m.b43_u.fwds(x, 3.0)
+    _close([y.numpy(), t.numpy()], [np.full(4, 6.0), np.full(4, 3.0)])
+    assert m.b43_u.fwds((2.0, 1.0), 3.0) == (6.0, 3.0)
+    r = pydiff.tensor(np.full(4, 2.0, np.float32), device=device).with_grads(zero=True)
+    o = pydiff.tensor(np.full(4, 3.0, np.float32), device=device)
+    ones = pydiff.tensor(np.ones(4, np.float32), device=device)
+    o = o.with_grads(grad_in=ones, grad_out=pydiff.zeros((4,), device=device))
+    m.b43_ui.bwds(r, o, _result=pydiff.zeros((4,), device=device).with_grads(ones=True))
+    # y = o r, o' = 2 o; upstream 1 for both: dr = o = 3, do = r + 2 = 4
+    _close([r.grad.numpy(), o.grad_out.numpy()], [np.full(4, 3.0), np.full(4, 4.0)])
