@@ -17,7 +17,7 @@ import numpy as np
 import slangpy as spy
 
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
-from .errors import kernel_compile_error, known_call_error
+from .errors import check_result_value, kernel_compile_error, known_call_error
 from .fixed_point_grad import dummy_fields
 from .fork_locks import renewed_lock
 from .call_shape import (
@@ -166,10 +166,9 @@ def check_number_result(fn: FunctionTarget, bound: list, seed: float | int) -> N
 
 
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
-    """Refuse an integer or bool ``_result`` tensor for a floating-point result (SlangPy
-    truncates every value). Its shape is checked with the written parameters
-    (``call_shape.check_written``)."""
-    if type(result) is str and result == "numpy":
+    """Refuse an unknown ``_result`` name, an integer or bool ``_result`` tensor for a float
+    result (SlangPy truncates every value); its shape: ``call_shape.check_written``."""
+    if check_result_value(fn.label, result) == "numpy":
         returns = result_type(fn, bound)
         generic = any(p.generic for p, _ in bound)  # (an unresolved T: SlangPy decides)
         if returns != "void" and value_elements(returns) is None and not generic:

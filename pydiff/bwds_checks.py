@@ -20,7 +20,7 @@ import slangpy as spy
 
 from .arguments import PLAIN, map_tensors, nested_tensors
 from .backward_scope import active_scope
-from .call_shape import result_type
+from .call_shape import refuse_shifted_overlap, result_type
 from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
@@ -263,7 +263,14 @@ def _refuse_read_gradient(fn: FunctionTarget, bound: list) -> None:
 def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None:
     """``.bwds``'s checks of its arguments as given: written struct arguments and written
     parameters on one storage refused; copies made off a tape from tensors that want a
-    gradient (``x[:, 1:]``, ``x.T``) warned."""
+    gradient (``x[:, 1:]``, ``x.T``) warned; a ``_result`` no upstream can be refused first
+    (the forward call's refusals of such values would name no upstream)."""
+    if isinstance(result, (str, list, tuple, dict, set, bytes, complex, bool, type)):
+        raise TypeError(
+            f"{fn.bwds_label}: _result must be a pydiff.Tensor with gradients, a number or a "
+            f"slangpy.diffPair, not {type(result).__name__}; e.g. "
+            "pydiff.tensor(upstream).with_grads() and copy the upstream into its .grad"
+        )
     refuse_written_struct(fn, bound, fn.bwds_label)
     refuse_written_twice(fn, bound, result, fn.bwds_label)
     refuse_narrowed_result(fn, bound, result, fn.bwds_label)
@@ -341,13 +348,18 @@ def refuse_stale(scope: Any, fn: FunctionTarget, bound: list) -> None:
                 scope.check_stale(t, t.grad_out, where)
 
 
-def refuse_written_twice(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:
+def refuse_written_twice(
+    fn: FunctionTarget, bound: list, result: Any, where: str, reads: bool = False
+) -> None:
     """Two written parameters (``out``/``inout``, or one and ``_result``) on one storage (the
     same tensor, or views of it): the call keeps only the last write, while its backward
     reads the one upstream gradient for each and adds both contributions (a wrong gradient),
     so the forward call and ``.bwds`` refuse it, naming both. Two tensor parameters
     (``IRWDiffTensor``...) may write one tensor at elements of their own: their ``.bwds`` is
-    refused by ``refuse_shared_result_grad``."""
+    refused by ``refuse_shared_result_grad``. ``reads`` (a forward call): also a written
+    view shifted against one read (``call_shape.refuse_shifted_overlap``)."""
+    if reads:
+        refuse_shifted_overlap(fn, bound, result, where)
     seen: dict[int, tuple[str, bool]] = {}
     written = [(bound[j][0], bound[j][1]) for j in fn.signature.written]
     for p, value in written + [(None, result)]:

@@ -100,7 +100,23 @@ def direct_inout_source(fn: FunctionTarget) -> str | None:
     return source
 
 
+def refuse_inout_name_clash(fn: FunctionTarget) -> None:
+    """A ``ValueError`` where a parameter is named as pydiff names an ``inout`` parameter's
+    halves in its wrappers (``o__in``, ``o__out`` beside ``inout float o``): the wrapper would
+    declare one name twice (before: a raw compile error of the generated wrapper)."""
+    names = {p.name for p in fn.params}
+    for p in fn.params:
+        for half in (f"{p.name}__in", f"{p.name}__out"):
+            if p.io == "inout" and half in names:
+                raise ValueError(
+                    f"{fn.label}: parameter '{half}' has the name pydiff gives the "
+                    f"{half.rsplit('__', 1)[1]} half of inout parameter '{p.name}' in the "
+                    "wrapper its backward runs; rename one of them"
+                )
+
+
 def _source(fn: FunctionTarget, bwd: str) -> str | None:
+    refuse_inout_name_clash(fn)
     ret = fn.signature.return_type
     generics, type_args, where = generic_header(fn)
     if ret != "void" and not _float_type(ret) and ret not in type_args[1:-1].split(", "):
@@ -137,7 +153,7 @@ def _source(fn: FunctionTarget, bwd: str) -> str | None:
     body = (
         [*pre, f"{call};", *post]
         if ret == "void"
-        else [*pre, f"{ret} __r = {call};", *post, "return __r;"]
+        else [*pre, f"{ret} __pydiff_r = {call};", *post, "return __pydiff_r;"]
     )
     bbody = [*bpre, f"{bwd}({', '.join(bwd_args)});", *bpost]
     name = f"{stem(fn.name)}__pydiff_inout"
@@ -163,6 +179,7 @@ def inout_wrapper_source(fn: FunctionTarget) -> str:
     SlangPy 0.43's bwds never seeds the gradient of an ``inout`` value (it returns zeros);
     with the value split into an input and an ``out`` the generated backward is correct.
     """
+    refuse_inout_name_clash(fn)
     generics, type_args, where = generic_header(fn)
     params, call_args, pre, post = [], [], [], []
     for p in fn.params:
@@ -181,7 +198,7 @@ def inout_wrapper_source(fn: FunctionTarget) -> str:
     if ret_name == "void":
         body += [f"{call};", *post]
     else:
-        body += [f"{ret_name} __r = {call};", *post, "return __r;"]
+        body += [f"{ret_name} __pydiff_r = {call};", *post, "return __pydiff_r;"]
     return (
         f"import {fn.module.import_spec};\n"
         f"[Differentiable]\n{ret_name} {stem(fn.name)}__pydiff_inout{generics}({', '.join(params)})"

@@ -338,3 +338,49 @@ def known_call_error(label: str, params: list, text: str) -> Exception | None:
     >>> known_call_error("m.f", fn.signature.params, str(exc))   # ValueError or None
     """
     return grid_call_error(label, params, text) or shape_mismatch_error(label, text)
+
+
+#: The names a forward call's ``_result`` takes (SlangPy's ``return_type``).
+RESULT_NAMES = ("tensor", "numpy", "texture")
+
+
+def check_result_value(label: str, result: object) -> str | None:
+    """The name a string ``_result`` gives (``check_result_name``), None for any other value
+    a call may take; a ``TypeError`` naming ``_result`` for values SlangPy cannot write into
+    and reported only as its own internal errors (a list, tuple, dict, bytes, complex, bool,
+    a class other than NumPy's and SlangPy's: ``_result=pydiff.Tensor``).
+
+        check_result_value("m.f", [0.0, 0.0])   # TypeError: ... _result=[0.0, 0.0] (list)
+    """
+    if type(result) is str:
+        return check_result_name(label, result)
+    refused = (list, tuple, dict, set, bytes, bytearray, complex, bool)
+    bad = isinstance(result, refused)
+    if isinstance(result, type):  # (np.ndarray, spy.Tensor: SlangPy's return types)
+        bad = result.__module__.split(".")[0] not in ("numpy", "slangpy")
+    if bad:
+        shown = repr(result) if len(repr(result)) <= 40 else repr(result)[:37] + "..."
+        raise TypeError(
+            f"{label}: _result={shown} ({type(result).__name__}) is nothing a call writes "
+            "into: pass _result='tensor' (a new pydiff tensor), 'numpy' (an array), or a "
+            "pydiff tensor or C-contiguous NumPy array of the call's shape"
+        )
+    return None
+
+
+def check_result_name(label: str, result: str) -> str:
+    """``result`` if it is a name ``_result`` takes, else a ``ValueError`` naming ``_result``
+    and the closest name (SlangPy's own said only "Unknown return type").
+
+        check_result_name("m.f", "tensr")   # ValueError: ... did you mean 'tensor'?
+    """
+    if result in RESULT_NAMES:
+        return result
+    import difflib
+
+    close = difflib.get_close_matches(result.lower(), RESULT_NAMES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"{label}: _result={result!r} is not a result kind: use _result='tensor' (a new "
+        f"pydiff tensor), 'numpy' (an array), or a tensor to write into{hint}"
+    )

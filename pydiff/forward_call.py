@@ -123,7 +123,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
-    refuse_written_twice(fn, bound, options.get("_result"), fn.label)
+    refuse_written_twice(fn, bound, options.get("_result"), fn.label, reads=True)
     if isinstance(options.get("_result"), (bool, int, float, np.generic)):
         _check_host_result(fn, bound, options["_result"])  # not a seed (.bwds's), refused
     prepare_arguments(fn, bound, options)

@@ -22,7 +22,7 @@ from .arguments import prepare_arguments
 from .forward_args import gives_tangent, primal_and_tangent, primals_only
 from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor, warn_dropped
 from .call_shape import param_type
-from .errors import ShaderTrapError
+from .errors import ShaderTrapError, SlangCompileError
 from .forward_call import forward_call
 from .forward_pair import direct_pair, out_entry, split_pair
 from .signature import FunctionTarget, stem
@@ -137,25 +137,27 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     need_differentiable(fn, ".fwds")
     types = types or {}
     params, args, pre, post, aliases = [], [], [], [], []
+    taken = {p.name for p in fn.params}  # (a tangent's name is no parameter's: x, x__t)
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.differentiable:
+            tn, pn = _fresh(f"{n}__t", taken), _fresh(f"{n}__p", taken)
             dt = f"{t}.Differential"
             if "[" in t:  # Slang parses no member of an array type written inline (float[3])
                 aliases.append(f"typealias {stem(fn.name)}__pydiff_{n}_type = {t};\n")
                 dt = f"{stem(fn.name)}__pydiff_{n}_type.Differential"
             if p.io == "in":
-                params += [f"{t} {n}", f"{dt} {n}__t"]
-                args.append(f"diffPair({n}, {n}__t)")
+                params += [f"{t} {n}", f"{dt} {tn}"]
+                args.append(f"diffPair({n}, {tn})")
             else:
-                params += [f"{p.io} {t} {n}", f"{p.io} {dt} {n}__t"]
+                params += [f"{p.io} {t} {n}", f"{p.io} {dt} {tn}"]
                 pre.append(
-                    f"DifferentialPair<{t}> {n}__p;"
+                    f"DifferentialPair<{t}> {pn};"
                     if p.io == "out"
-                    else f"var {n}__p = diffPair({n}, {n}__t);"
+                    else f"var {pn} = diffPair({n}, {tn});"
                 )
-                args.append(f"{n}__p")
-                post += [f"{n} = {n}__p.p;", f"{n}__t = {n}__p.d;"]
+                args.append(pn)
+                post += [f"{n} = {pn}.p;", f"{tn} = {pn}.d;"]
         else:
             io = "" if p.io == "in" else f"{p.io} "
             params.append(f"{io}{t} {n}")
@@ -168,10 +170,10 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         rtype = f"{ret}[2]"
         body = [
             *pre,
-            f"let __r = {call};",
+            f"let __pydiff_r = {call};",
             *post,
-            f"{ret} __o[2] = {{ __r.p, __r.d }};",
-            "return __o;",
+            f"{ret} __pydiff_o[2] = {{ __pydiff_r.p, __pydiff_r.d }};",
+            "return __pydiff_o;",
         ]
     else:
         generic = " (a generic type: pass a float tensor or number to specialise it)" * (
@@ -193,6 +195,14 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     if rtype != "void":  # value and tangent into two outputs (forward_pair)
         source += out_entry(f"{stem(fn.name)}__pydiff_{kind}", ret, params, pre, call, post)
     return fn.generated(kind, source)
+
+
+def _fresh(name: str, taken: set) -> str:
+    """``name``, or with ``_`` appended until no parameter (nor earlier pick) has it."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
 
 
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
@@ -277,7 +287,12 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         return done
     types = generic_types(fn, bound)
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
-    wrapper = fwd_wrapper(fn, types)
+    try:
+        wrapper = fwd_wrapper(fn, types)
+    except SlangCompileError as e:
+        if not types:
+            raise
+        raise _specialisation_error(fn, bound, types) from e
     direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
     if direct is not None:  # one call into two contiguous tensors
         return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
@@ -296,6 +311,21 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     if want == "numpy":
         return primal.numpy(), tangent.numpy()
     return primal, tangent
+
+
+def _specialisation_error(fn: GeneratingFunction, bound: list, types: dict) -> TypeError:
+    """The refusal of a generic function whose forward mode Slang could not build at the
+    types this call's arguments give (``T : __BuiltinFloatingPointType`` at a ``float3``
+    tensor: vectors do not conform), naming the parameters; Slang's report is the cause."""
+    at = ", ".join(f"{k} = {v}" for k, v in types.items())
+    named = [p.name for p, _ in bound if p.generic and p.type_name in types]
+    return TypeError(
+        f"{fn.label}.fwds: the generic {fn.name} cannot be specialised with {at} (from "
+        f"parameter(s) {', '.join(repr(n) for n in named)}): Slang could not build its forward "
+        "mode at that type (a vector for a constraint such as __BuiltinFloatingPointType, "
+        "which takes scalars only); pass values of a type the constraint takes, or relax it "
+        "(IFloat takes vectors). Slang's report is this error's __cause__"
+    )
 
 
 def _described(value: Any) -> str:
@@ -357,6 +387,7 @@ def dir_wrapper(
             f"hvp: {fn.label} returns {ret}{generic}; hvp needs a scalar (float) result"
         )
     params, call_args, aliases = [], [], []
+    taken = {p.name for p in fn.params}  # (a direction's name is no parameter's: x, x__v)
     for p in fn.params:
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.is_diff_tensor or (p.tensor_kind is not None and p.access != "read"):
@@ -377,8 +408,9 @@ def dir_wrapper(
             if n in fixed:
                 call_args.append(f"diffPair({n}, {named}.dzero())")
             else:
-                params.append(f"no_diff {named}.Differential {n}__v")
-                call_args.append(f"diffPair({n}, {n}__v)")
+                vn = _fresh(f"{n}__v", taken)
+                params.append(f"no_diff {named}.Differential {vn}")
+                call_args.append(f"diffPair({n}, {vn})")
         else:
             params.append(f"{'no_diff ' if p.no_diff else ''}{t} {n}")
             call_args.append(n)

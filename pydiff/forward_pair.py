@@ -23,15 +23,18 @@ from .tensor import Tensor
 
 
 def out_entry(name: str, ret: str, params: list[str], pre: list[str], call: str, post: list) -> str:
-    """The Slang source of ``void <name>_out(params..., out R __p, out R __d)`` (its value and
-    tangent into two outputs) and ``void <name>_split(R __o[2], out R __p, out R __d)``."""
-    body = [*pre, f"let __r = {call};", *post, "__p = __r.p;", "__d = __r.d;"]
+    """The Slang source of ``void <name>_out(params..., out R __pydiff_p, out R __pydiff_d)``
+    (its value and tangent into two outputs) and ``void <name>_split(R __pydiff_o[2], out R
+    __pydiff_p, out R __pydiff_d)``. (Named apart from parameters: ``__p`` clashed with a
+    parameter ``__p``.)"""
+    p, d, r, o = "__pydiff_p", "__pydiff_d", "__pydiff_r", "__pydiff_o"
+    body = [*pre, f"let {r} = {call};", *post, f"{p} = {r}.p;", f"{d} = {r}.d;"]
     return (
-        f"void {name}_out({', '.join([*params, f'out {ret} __p', f'out {ret} __d'])})\n{{\n    "
+        f"void {name}_out({', '.join([*params, f'out {ret} {p}', f'out {ret} {d}'])})\n{{\n    "
         + "\n    ".join(body)
         + "\n}\n"
-        + f"void {name}_split({ret} __o[2], out {ret} __p, out {ret} __d)\n{{\n"
-        "    __p = __o[0];\n    __d = __o[1];\n}\n"
+        + f"void {name}_split({ret} {o}[2], out {ret} {p}, out {ret} {d})\n{{\n"
+        f"    {p} = {o}[0];\n    {d} = {o}[1];\n}}\n"
     )
 
 

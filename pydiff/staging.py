@@ -77,6 +77,11 @@ def write(
     >>> staging.write(dev.queue, x.native, np.ones(x.shape, np.float32), flush=dev.flush)
     """
     arr = arr.reshape((1,) + arr.shape) if zero_d else arr
+    if not native.is_contiguous():  # (SlangPy: "Destination tensor must be contiguous")
+        if flush is not None:
+            flush()
+        write_strided(native, arr)
+        return
     flat = arr.reshape(-1).view(np.uint8) if arr.flags.c_contiguous else None
     if flat is not None and write_in_order(queue, native, arr, flat):
         return
@@ -162,6 +167,41 @@ def read_reversed(native: spy.Tensor, read: Callable[[spy.Tensor], np.ndarray]) 
     start = flat[native.offset - low :]
     picked = np.lib.stride_tricks.as_strided(start, shape, [s * step for s in strides])
     return picked.copy()
+
+
+def write_strided(native: spy.Tensor, arr: np.ndarray) -> None:
+    """Write ``arr`` into a strided view (a transpose, every other row, negative strides) of
+    distinct elements: the span of storage it covers read, its elements set in NumPy, the span
+    written back (the rest of the span keeps its values). A view that repeats an element (a
+    stride of 0) is refused with ``ValueError``: which value would it keep? Callers hold the
+    queue's lock, its pending work submitted.
+
+    >>> staging.write_strided(view.native, np.ones(view.shape, np.float32))
+    """
+    shape, strides = list(native.shape), list(native.strides)
+    if not shape or min(shape) == 0:
+        return
+    offsets = native.offset
+    for d, s in zip(shape, strides):
+        offsets = np.add.outer(offsets, np.arange(d) * s)
+    if np.unique(offsets).size != offsets.size:
+        raise ValueError(
+            f"cannot write into a view of shape {tuple(shape)} and strides {tuple(strides)}: "
+            "it holds some elements more than once (a stride of 0 or overlapping axes); "
+            "write into a tensor of its own"
+        )
+    low, high = int(offsets.min()), int(offsets.max())
+    span = spy.Tensor(native.storage, native.dtype, [high - low + 1], [1], low)
+    flat = np.array(span.to_numpy())  # (one row per element: vector elements trailing)
+    step = flat.strides[0]
+    picked = np.lib.stride_tricks.as_strided(
+        flat[native.offset - low :],
+        tuple(shape) + flat.shape[1:],
+        tuple(s * step for s in strides) + flat.strides[1:],
+        writeable=True,
+    )
+    picked[...] = arr.reshape(picked.shape)
+    span.copy_from_numpy(flat)
 
 
 def _numel(native: spy.Tensor) -> int:

@@ -82,7 +82,10 @@ def needs_clearing(p: ParamInfo, label: str) -> bool:
 
 
 def _kind(masked: set[str]) -> str:
-    return "masked_" + "_".join(sorted(masked))
+    """The wrapper's name per set of parameters, one name per set: each name after its
+    length (``{"a_b"}``: ``masked_3a_b``, ``{"a", "b"}``: ``masked_1a_1b``; joined plainly,
+    both were ``masked_a_b``, and the second set got the first's wrapper: a call refused)."""
+    return "masked_" + "_".join(f"{len(name)}{name}" for name in sorted(masked))
 
 
 def wrapper_source(fn: GeneratingFunction, masked: set[str]) -> str:
