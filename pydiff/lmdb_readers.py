@@ -23,10 +23,10 @@ write lock on the byte of the lock file at its pid, so no lock there (``F_GETLK`
 process is gone, whatever the pid namespace; pydiff also asks that ``os.kill(pid, 0)`` find no
 such process (a pid reused here keeps its slot). Slots are cleared (``mrb_pid`` set to 0, what
 ``mdb_reader_check`` does) only under the reader-table mutex, which every LMDB process takes
-to claim a slot (``pthread_mutex_timedlock``; a holder that died is handled as LMDB does:
-``EOWNERDEAD``, the check, ``pthread_mutex_consistent``). Where that cannot be done (the mutex
-busy for seconds, no such C functions) ``make_room`` says so and the device takes another
-shader-cache folder (``compile_cache.prepare``).
+to claim a slot (``pthread_mutex_timedlock``; a holder that died is handled much as LMDB
+does: ``EOWNERDEAD``, ``pthread_mutex_consistent`` at once, the check). Where that cannot be
+done (the mutex busy for seconds, no such C functions) ``make_room`` says so and the device
+takes another shader-cache folder (``compile_cache.prepare``).
 """
 
 from __future__ import annotations
@@ -198,6 +198,12 @@ def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_cons
         rc = mutex_lock(mutex, ctypes.byref(until))
         if rc not in (0, errno.EOWNERDEAD):  # ETIMEDOUT, ENOTRECOVERABLE, ...
             return None
+        if rc == errno.EOWNERDEAD:
+            # (a process died holding it) Made consistent at once, before anything that can
+            # raise: glibc makes a robust mutex unlocked without it ENOTRECOVERABLE for good,
+            # and LMDB could then take no reader slot. A dead holder was at most claiming a
+            # slot (single stores): the table is checked below all the same.
+            mutex_consistent(mutex)
         try:
             table = _scan(mapped, fd, size)
             cleared = 0
@@ -208,8 +214,6 @@ def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_cons
                     pid.value = 0  # (one aligned store, as mdb_reader_check's)
                     cleared += 1
                 del pid
-            if rc == errno.EOWNERDEAD:  # (a process died holding it: the table is now checked)
-                mutex_consistent(mutex)
         finally:
             mutex_unlock(mutex)
         return cleared
