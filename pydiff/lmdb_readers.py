@@ -37,6 +37,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +162,28 @@ class _Timespec(ctypes.Structure):
 def clear_dead(lock: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
     """Free the slots of dead readers in ``lock`` under LMDB's reader-table mutex; the number
     freed, or None when that could not be done safely (unknown layout, the mutex not taken in
-    ``wait_s`` seconds or not recoverable, no such C functions). Same caveat as ``inspect``."""
+    ``wait_s`` seconds or not recoverable, no such C functions). Same caveat as ``inspect``.
+
+    The work runs in a thread of its own, which Python's signal handlers never interrupt: a
+    KeyboardInterrupt raised in the caller's (main) thread just after the mutex was taken would
+    leave it locked, and every LMDB process of the cache waiting for it for good (LMDB takes it
+    without a timeout; with this process's mapping gone, not even its end would free it). An
+    interrupt of the caller's wait leaves the thread to finish and unlock."""
+    done: list = []
+
+    def work() -> None:
+        try:
+            done.append(_clear_dead(lock, wait_s))
+        except BaseException:  # (reported as "could not be done")
+            done.append(None)
+
+    worker = threading.Thread(target=work, name="pydiff-lmdb-readers")
+    worker.start()
+    worker.join()
+    return done[0] if done else None
+
+
+def _clear_dead(lock: Path, wait_s: float) -> int | None:
     funcs = _libc_mutex() if _supported() else None
     if funcs is None:
         return None

@@ -126,6 +126,11 @@ HOLDER = textwrap.dedent(
     print("ready", flush=True)
     if then == "exit":
         os._exit(0)
+    if then == "release":  # (on a line from stdin)
+        sys.stdin.readline()
+        libc.pthread_mutex_unlock(ctypes.c_void_p(ctypes.addressof(anchor) + 24))
+        take = False
+        print("released", flush=True)
     sys.stdin.read()
     if take:  # (before the mapping goes: unlocked, not left to the robust list)
         libc.pthread_mutex_unlock(ctypes.c_void_p(ctypes.addressof(anchor) + 24))
@@ -252,3 +257,63 @@ def test_an_error_after_eownerdead_leaves_the_mutex_usable(lock, monkeypatch):
     rc = lock_rc(lock)
     assert rc != errno.ENOTRECOVERABLE, "the reader mutex was left unrecoverable"
     assert rc in (0, errno.EOWNERDEAD)
+
+
+def other_process_lock_rc(path: Path) -> int:
+    """pthread_mutex_trylock's result on the reader mutex, in another process (as LMDB's)."""
+    code = textwrap.dedent(
+        """
+        import ctypes, errno, mmap, os, sys
+        libc = ctypes.CDLL(None)
+        fd = os.open(sys.argv[1], os.O_RDWR)
+        mapped = mmap.mmap(fd, os.fstat(fd).st_size)
+        anchor = ctypes.c_char.from_buffer(mapped)
+        mutex = ctypes.c_void_p(ctypes.addressof(anchor) + 24)
+        rc = libc.pthread_mutex_trylock(mutex)
+        if rc == errno.EOWNERDEAD:
+            libc.pthread_mutex_consistent(mutex)
+        if rc in (0, errno.EOWNERDEAD):
+            libc.pthread_mutex_unlock(mutex)
+        print(rc)
+        os._exit(0)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    return int(out.stdout)
+
+
+def test_ctrl_c_while_waiting_for_the_mutex_never_leaves_it_locked(lock):
+    """SIGINT arriving while clear_dead waits for the mutex: Python raises KeyboardInterrupt
+    right after the C call returns, the mutex taken. Left locked, every LMDB process of the
+    cache would wait for it for good (LMDB takes it without a timeout), even after this one
+    ends (the mapping gone, the kernel cannot mark the owner dead)."""
+    import signal
+    import threading
+
+    gone = dead_pid()
+    make_lock_file(lock, [gone])
+    holder = start_holder(lock, byte=None, take=True, then="release")
+    main = threading.get_ident()
+
+    def interrupt_then_release():
+        time.sleep(0.3)
+        signal.pthread_kill(main, signal.SIGINT)  # (during the wait)
+        time.sleep(0.3)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+
+    helper = threading.Thread(target=interrupt_then_release)
+    try:
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            lmdb_readers.clear_dead(lock, wait_s=10.0)
+            time.sleep(5.0)  # (where clear_dead returned first: the interrupt comes here)
+        helper.join()
+        assert holder.stdout.readline().strip() == "released"
+        deadline = time.monotonic() + 10.0
+        while (rc := other_process_lock_rc(lock)) == errno.EBUSY and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rc == 0, f"the reader mutex was left locked (trylock: {errno.errorcode[rc]})"
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
