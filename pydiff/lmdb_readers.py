@@ -23,7 +23,8 @@ write lock on the byte of the lock file at its pid, so no lock there (``F_GETLK`
 process is gone, whatever the pid namespace; pydiff also asks that ``os.kill(pid, 0)`` find no
 such process (a pid reused here keeps its slot). Slots are cleared (``mrb_pid`` set to 0, what
 ``mdb_reader_check`` does) only under the reader-table mutex, which every LMDB process takes
-to claim a slot (``pthread_mutex_timedlock``; a holder that died is handled much as LMDB
+to claim a slot (while holding byte 0 shared, as LMDB's processes do, so that none resets the
+table meanwhile; ``pthread_mutex_timedlock``; a holder that died is handled much as LMDB
 does: ``EOWNERDEAD``, ``pthread_mutex_consistent`` at once, the check). Where that cannot be
 done (the mutex busy for seconds, no such C functions) ``make_room`` says so and the device
 takes another shader-cache folder (``compile_cache.prepare``).
@@ -194,7 +195,7 @@ def _clear_dead(lock: Path, wait_s: float) -> int | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        if not _layout_ok(os.pread(fd, HEADER, 0), size):
+        if not _layout_ok(os.pread(fd, HEADER, 0), size) or not _share_byte_0(fd):
             return None
         mapped = mmap.mmap(fd, size)  # MAP_SHARED: LMDB's own mapping of the table
         try:
@@ -207,6 +208,20 @@ def _clear_dead(lock: Path, wait_s: float) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+def _share_byte_0(fd: int) -> bool:
+    """Hold a shared fcntl lock on byte 0, as every process with the database open does (until
+    ``fd`` is closed): no process opening it meanwhile takes it exclusively and resets the
+    table (new mutexes, then new readers' pids in the records this one clears). False where a
+    process holds it exclusively now (one setting the table up)."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
+    except OSError:
+        return False
+    return True
 
 
 def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_consistent):

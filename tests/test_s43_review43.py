@@ -317,3 +317,37 @@ def test_ctrl_c_while_waiting_for_the_mutex_never_leaves_it_locked(lock):
     finally:
         holder.stdin.close()
         holder.wait(30)
+
+
+def test_no_process_can_reset_the_table_while_it_is_cleared(lock, monkeypatch):
+    """LMDB resets the lock file (mutexes initialised anew, the reader count 0, then new
+    readers' pids written into the records) when a process opening the database takes byte 0
+    of it exclusively (an fcntl write lock): no other process has it open. Every process with
+    it open holds a shared lock there; clear_dead must too while it works on the table, or a
+    process opening meanwhile resets it under the mutex it holds, claims slots with the new
+    mutex, and a slot read as dead is cleared after a live reader took it."""
+    make_lock_file(lock, [dead_pid()])
+    probe = textwrap.dedent(
+        """
+        import fcntl, os, struct, sys
+        fd = os.open(sys.argv[1], os.O_RDWR)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 1, 0))
+            print("exclusive")
+        except OSError:
+            print("shared")
+        """
+    )
+    seen = []
+    real_scan = lmdb_readers._scan
+
+    def scan_while_another_opens(*args):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(lock)], capture_output=True, text=True
+        )
+        seen.append(out.stdout.strip())
+        return real_scan(*args)
+
+    monkeypatch.setattr(lmdb_readers, "_scan", scan_while_another_opens)
+    assert lmdb_readers.clear_dead(lock) == 1
+    assert seen == ["shared"], "a process opening the database could reset its lock file"
