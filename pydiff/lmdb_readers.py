@@ -179,7 +179,10 @@ def clear_dead(lock: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
             done.append(None)
 
     worker = threading.Thread(target=work, name="pydiff-lmdb-readers")
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError:  # (no new threads: at interpreter shutdown)
+        return None
     worker.join()
     return done[0] if done else None
 
