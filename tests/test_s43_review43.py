@@ -351,3 +351,54 @@ def test_no_process_can_reset_the_table_while_it_is_cleared(lock, monkeypatch):
     monkeypatch.setattr(lmdb_readers, "_scan", scan_while_another_opens)
     assert lmdb_readers.clear_dead(lock) == 1
     assert seen == ["shared"], "a process opening the database could reset its lock file"
+
+
+# --- the pool's cached SlangPy tensors (eager43) ----------------------------------------
+
+
+def _drop():
+    import gc
+
+    gc.collect()
+
+
+def test_a_cached_tensor_repointed_through_slangpy_is_not_handed_out():
+    """``Tensor.native`` is SlangPy's tensor, whose ``point_to`` makes it refer to another
+    tensor's storage in place. The pool must not hand such a tensor out again as a new
+    tensor's: two live tensors would share one buffer (zeros() wiping another's values)."""
+    import numpy as np
+
+    import pydiff
+
+    other = pydiff.tensor(np.full(8, 7.0, np.float32))
+    for _ in range(3):  # (whichever pooled buffer the next one takes)
+        a = pydiff.tensor(np.arange(8, dtype=np.float32))
+        a.native.point_to(other.native)
+        del a
+        _drop()
+        b = pydiff.zeros((8,))
+        np.testing.assert_array_equal(b.numpy(), np.zeros(8))
+        np.testing.assert_array_equal(other.numpy(), np.full(8, 7.0))
+        assert b.native.storage is not other.native.storage
+        del b
+
+
+def test_a_cached_tensor_given_gradients_through_slangpy_is_not_handed_out():
+    """SlangPy's ``grad_in``/``grad_out`` setters change a tensor in place: a pooled tensor
+    that was given another tensor's buffers as its gradients must not come back as a new
+    tensor's (it would carry them: a new tensor with a gradient it never asked for)."""
+    import numpy as np
+
+    import pydiff
+
+    g = pydiff.tensor(np.full(8, 3.0, np.float32))
+    for _ in range(3):
+        a = pydiff.tensor(np.arange(8, dtype=np.float32))
+        a.native.grad_out = g.native
+        a.native.grad_in = g.native
+        del a
+        _drop()
+        b = pydiff.zeros((8,))
+        assert b.native.grad_out is None and b.native.grad_in is None
+        np.testing.assert_array_equal(b.numpy(), np.zeros(8))
+        del b
