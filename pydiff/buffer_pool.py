@@ -118,7 +118,15 @@ class BufferPool:
         key = id(buffer)
         entry = self._tensors.get(key)
         if entry is not None and entry[0] is layout and entry[1] is dtype:
-            return entry[2]
+            kept_native = entry[2]
+            # (as made: SlangPy's point_to and gradient setters change a tensor in place, e.g.
+            # through pydiff's Tensor.native; such a one would alias another tensor's buffers)
+            if (
+                kept_native.storage is buffer
+                and kept_native.grad_in is None
+                and kept_native.grad_out is None
+            ):
+                return kept_native
         native = spy.Tensor(buffer, dtype, layout[1], layout[2], 0)
         self._tensors[key] = (layout, dtype, native)
         return native

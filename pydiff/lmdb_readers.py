@@ -23,10 +23,11 @@ write lock on the byte of the lock file at its pid, so no lock there (``F_GETLK`
 process is gone, whatever the pid namespace; pydiff also asks that ``os.kill(pid, 0)`` find no
 such process (a pid reused here keeps its slot). Slots are cleared (``mrb_pid`` set to 0, what
 ``mdb_reader_check`` does) only under the reader-table mutex, which every LMDB process takes
-to claim a slot (``pthread_mutex_timedlock``; a holder that died is handled as LMDB does:
-``EOWNERDEAD``, the check, ``pthread_mutex_consistent``). Where that cannot be done (the mutex
-busy for seconds, no such C functions) ``make_room`` says so and the device takes another
-shader-cache folder (``compile_cache.prepare``).
+to claim a slot (while holding byte 0 shared, as LMDB's processes do, so that none resets the
+table meanwhile; ``pthread_mutex_timedlock``; a holder that died is handled much as LMDB
+does: ``EOWNERDEAD``, ``pthread_mutex_consistent`` at once, the check). Where that cannot be
+done (the mutex busy for seconds, no such C functions) ``make_room`` says so and the device
+takes another shader-cache folder (``compile_cache.prepare``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +163,31 @@ class _Timespec(ctypes.Structure):
 def clear_dead(lock: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
     """Free the slots of dead readers in ``lock`` under LMDB's reader-table mutex; the number
     freed, or None when that could not be done safely (unknown layout, the mutex not taken in
-    ``wait_s`` seconds or not recoverable, no such C functions). Same caveat as ``inspect``."""
+    ``wait_s`` seconds or not recoverable, no such C functions). Same caveat as ``inspect``.
+
+    The work runs in a thread of its own, which Python's signal handlers never interrupt: a
+    KeyboardInterrupt raised in the caller's (main) thread just after the mutex was taken would
+    leave it locked, and every LMDB process of the cache waiting for it for good (LMDB takes it
+    without a timeout; with this process's mapping gone, not even its end would free it). An
+    interrupt of the caller's wait leaves the thread to finish and unlock."""
+    done: list = []
+
+    def work() -> None:
+        try:
+            done.append(_clear_dead(lock, wait_s))
+        except BaseException:  # (reported as "could not be done")
+            done.append(None)
+
+    worker = threading.Thread(target=work, name="pydiff-lmdb-readers")
+    try:
+        worker.start()
+    except RuntimeError:  # (no new threads: at interpreter shutdown)
+        return None
+    worker.join()
+    return done[0] if done else None
+
+
+def _clear_dead(lock: Path, wait_s: float) -> int | None:
     funcs = _libc_mutex() if _supported() else None
     if funcs is None:
         return None
@@ -172,7 +198,7 @@ def clear_dead(lock: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        if not _layout_ok(os.pread(fd, HEADER, 0), size):
+        if not _layout_ok(os.pread(fd, HEADER, 0), size) or not _share_byte_0(fd):
             return None
         mapped = mmap.mmap(fd, size)  # MAP_SHARED: LMDB's own mapping of the table
         try:
@@ -187,6 +213,20 @@ def clear_dead(lock: Path, wait_s: float = LOCK_WAIT_S) -> int | None:
         os.close(fd)
 
 
+def _share_byte_0(fd: int) -> bool:
+    """Hold a shared fcntl lock on byte 0, as every process with the database open does (until
+    ``fd`` is closed): no process opening it meanwhile takes it exclusively and resets the
+    table (new mutexes, then new readers' pids in the records this one clears). False where a
+    process holds it exclusively now (one setting the table up)."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 0, 1, 0))
+    except OSError:
+        return False
+    return True
+
+
 def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_consistent):
     if not _layout_ok(mapped[:HEADER], size):  # (the file may have changed since)
         return None
@@ -198,6 +238,12 @@ def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_cons
         rc = mutex_lock(mutex, ctypes.byref(until))
         if rc not in (0, errno.EOWNERDEAD):  # ETIMEDOUT, ENOTRECOVERABLE, ...
             return None
+        if rc == errno.EOWNERDEAD:
+            # (a process died holding it) Made consistent at once, before anything that can
+            # raise: glibc makes a robust mutex unlocked without it ENOTRECOVERABLE for good,
+            # and LMDB could then take no reader slot. A dead holder was at most claiming a
+            # slot (single stores): the table is checked below all the same.
+            mutex_consistent(mutex)
         try:
             table = _scan(mapped, fd, size)
             cleared = 0
@@ -208,8 +254,6 @@ def _clear_locked(mapped, fd, size, wait_s, mutex_lock, mutex_unlock, mutex_cons
                     pid.value = 0  # (one aligned store, as mdb_reader_check's)
                     cleared += 1
                 del pid
-            if rc == errno.EOWNERDEAD:  # (a process died holding it: the table is now checked)
-                mutex_consistent(mutex)
         finally:
             mutex_unlock(mutex)
         return cleared
