@@ -50,8 +50,8 @@ _CALL = re.compile(
 )
 #: a type whose body (properties, subscripts, ``__init``, methods) may hold such code
 _TYPE = re.compile(
-    r"\b(?:(__generic\s*<[^{};]*>\s*)?(?:struct|class|interface|extension)\s*(<[^{};]*?>)?\s*)"
-    r"([A-Za-z_]\w*)([^{};]*)\{"
+    r"\b(?=__generic|struct|class|interface|extension)(?:(__generic\s*<[^{};]*>\s*)?"
+    r"(?:struct|class|interface|extension)\s*(<[^{};]*?>)?\s*)([A-Za-z_]\w*)([^{};]*)\{"
 )
 #: a function definition (lint_atomics.ANY_FUNCTION's, with parentheses nested twice in the
 #: parameter list, ``s = max(1.0, min(a, b))``, and ``operator+`` etc. as names; lanes43)
