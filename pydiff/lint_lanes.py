@@ -111,12 +111,11 @@ def lane_effects(*texts: str) -> Effects:
             members.update((p, found[name]) for p in _PROPERTY.findall(body))
             if generic and (everything is None or _worse(found[name], everything)):
                 everything = found[name]
-    typed = {t for t in found if t not in fns}
     calls = {name: {a or b for a, b in _CALL.findall(body)} for name, (_, body) in fns.items()}
     operators = _operators(fns, types)
     for name, (_, body) in fns.items():
         words = set(_WORD.findall(body))
-        calls[name] |= typed & words
+        calls[name] |= words  # (a type, interface or function named: passed as a value)
         # a user-defined operator: called by a function using its symbol on its types, a
         # type holding them, or what a function it calls returns (lanes43)
         if operators:

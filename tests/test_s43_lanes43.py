@@ -103,6 +103,8 @@ GAPS = {
     "\nfloat h(float x) { return mysum(x); }",
     "asm_braces": 'float mysum(float x) { __intrinsic_asm "({ float t = subgroupAdd($0); t; })"; }'
     "\nfloat h(float x) { return mysum(x); }",
+    "function_value": "float g(float x) { return WaveActiveSum(x); }\nfloat apply(IFunc<float, "
+    "float> f, float x) { return f(x); }\nfloat h(float x) { return apply(g, x); }",
     "paren_default": "float h(float x, float s = float(2)) { return WaveActiveSum(x) * s; }",
     "paren_default_callee": "float g(float x, float s = max(1.0, min(2.0, 3.0))) "
     "{ return WaveActiveSum(x) * s; }\nfloat h(float x) { return g(x); }",
