@@ -13,7 +13,12 @@ in a kernel that maps call elements to threads otherwise than SlangPy's does.
   (results dropped, but not an atomic add or a print).
 
 Functions are keyed by their own name (``lint_nodiff.own_name``), overloads merged; a function
-calling one that qualifies qualifies, and so does one whose hand-written derivative does.
+calling or naming one that qualifies qualifies, and so does one whose hand-written derivative
+does, one naming a type (or an interface of it) or reading a property whose code qualifies, one
+using the symbol of a user-defined operator that qualifies on its types (lanes43), and every
+function when a generic ``extension<T> T`` qualifies. Strings naming cross-lane code
+(``__intrinsic_asm "WaveActiveSum($0)"``, ``__target_intrinsic``) count. When in doubt it
+declines: declining costs only speed.
 
     lane_effects("float f(float x) { return WaveActiveSum(x); }")
     # {'f': ('cross-lane', "'WaveActiveSum' in f()")}
