@@ -67,7 +67,9 @@ _FUNCTION = re.compile(
 )
 #: a declaration without a body after ``__target_intrinsic(...)``: its name
 _DECLARED = re.compile(r"\s*(?:\[[^\]]*\]\s*)*[^(){};]*?\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\(")
-_STRING = re.compile(r'"(?:\\.|[^"\\])*"')
+_ALIAS = re.compile(
+    r"\b(?=type)(?:typealias\s+(\w+)[^=;{}]*=([^;{}]*);|typedef\b([^;{}]*)\b(\w+)\s*;)"
+)
 _PROPERTY = re.compile(r"\bproperty\s+(?:[^{};]*?\s)?([A-Za-z_]\w*)\s*[{:;]")
 _WORD = re.compile(r"\b[A-Za-z_]\w*")
 _SLANGPY = re.compile(r"^\s*(?:implementing|module)\s+slangpy\s*;", re.M)
@@ -106,10 +108,22 @@ def lane_effects(*texts: str) -> Effects:
     # reaches any function (lanes43).
     members: dict[str, tuple[str, str]] = {}  # property name -> why
     everything = None
-    for name, (body, conforms, generic) in types.items():
+    for name, (body, _, _) in types.items():
         if name not in found and (m := _CROSS_LANE.search(body) or _SIDE_EFFECT.search(body)):
             kind = "cross-lane" if _CROSS_LANE.search(body) else "side effect"
             found[name] = (kind, f"'{m.group(1).rstrip('< ')}' in {name}")
+    # a type holding one that qualifies (``p.q[0]``), an alias of it (``typealias V = S``)
+    while found.keys() & types.keys() and (
+        held := {
+            t: found[w]
+            for t, (body, _, _) in types.items()
+            if t not in found
+            for w in _WORD.findall(body)
+            if w in found and w in types
+        }
+    ):
+        found.update(held)
+    for name, (body, conforms, generic) in types.items():
         if name in found:
             for word in conforms - found.keys():
                 found[word] = found[name]
@@ -177,11 +191,14 @@ def _parse(text: str) -> tuple[tuple[tuple[str, str, str], ...], tuple[str, ...]
         fns.append((name, src[head : m.start() + 1], src[m.start() : end]))  # (with its
         prev = end  # parameters: a type named there counts)
     # ``__target_intrinsic(glsl, "subgroupAdd($0)") float f(float x);``: no body
-    for m in re.finditer(r"\b__target_intrinsic\s*\(", src):
+    for m in re.finditer(r"\b__target_intrinsic\s*\(", src) if "__target_i" in src else ():
         end = matching(src, m.end() - 1, "(", ")")
         if end >= 0 and (d := _DECLARED.match(src, end + 1)) is not None:
             fns.append((d.group(1), "", src[m.start() : d.end()]))
-    types = []
+    types = []  # (``typealias V = S;``, ``typedef S V;``: V, naming S)
+    aliases = re.finditer(_ALIAS, src) if "typealias" in src or "typedef" in src else ()
+    for m in aliases:
+        types.append((m.group(1) or m.group(4), f" {m.group(2) or m.group(3)} ", (), False))
     for m in _TYPE.finditer(src):
         if (end := matching(src, m.end() - 1, "{", "}")) >= 0:
             params = set(_WORD.findall((m.group(1) or "") + (m.group(2) or "")))

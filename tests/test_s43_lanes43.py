@@ -103,6 +103,14 @@ GAPS = {
     "\nfloat h(float x) { return mysum(x); }",
     "asm_braces": 'float mysum(float x) { __intrinsic_asm "({ float t = subgroupAdd($0); t; })"; }'
     "\nfloat h(float x) { return mysum(x); }",
+    "alias_init": "struct S { float v; __init(float x) { v = WaveActiveSum(x); } };\n"
+    "typealias V = S;\nfloat h(float x) { return V(x).v; }",
+    "typedef_init": "struct S { float v; __init(float x) { v = WaveActiveSum(x); } };\n"
+    "typedef S V;\nfloat h(float x) { return V(x).v; }",
+    "alias_operator": "struct S { float v; };\nS operator+(S a, S b) { S r; r.v = "
+    "WaveActiveSum(b.v); return r; }\ntypealias V = S;\nfloat h(V s) { return (s + s).v; }",
+    "holder_subscript": "struct S { float v; __subscript(int i) -> float { get { return "
+    "WaveActiveSum(v); } } };\nstruct P { S q; };\nfloat h(P p) { return p.q[0]; }",
     "function_value": "float g(float x) { return WaveActiveSum(x); }\nfloat apply(IFunc<float, "
     "float> f, float x) { return f(x); }\nfloat h(float x) { return apply(g, x); }",
     "paren_default": "float h(float x, float s = float(2)) { return WaveActiveSum(x) * s; }",
