@@ -401,6 +401,12 @@ def forget_open_devices() -> list[Device]:
     return found
 
 
+def refuse_type(type_name: str, message: str) -> None:
+    """Make every later open of ``type_name`` in this process fail with ``message`` (a forked
+    child of a CUDA process: ``pydiff.forkguard``); ``"auto"`` then tries the next type."""
+    _failed_types[type_name] = message
+
+
 def resolve_device(device: Device | str | None) -> Device:
     """A Device from a Device, a type name, a slangpy.Device, or None (the default one)."""
     if device is None:

@@ -47,7 +47,7 @@ import slangpy as spy
 
 from . import command_queue, compile_cache
 from .command_queue import CommandQueue
-from .device import Device, forget_open_devices
+from .device import Device, forget_open_devices, refuse_type
 from .errors import DeviceUnavailableError
 from .slangpy_loader import exit_hook
 
@@ -62,6 +62,15 @@ _ends_early: list = []
 _warned: list = []  # (that SlangPy's exit callback is unknown)
 
 
+#: Why no CUDA device opens in a child forked from a process that had one open.
+CUDA_IN_CHILD = (
+    "CUDA cannot be used in a process forked from one that used it, so no CUDA device "
+    "opens here either: start the workers with multiprocessing's 'spawn' or "
+    "'forkserver' start method (multiprocessing.get_context('spawn'), "
+    "DataLoader(..., multiprocessing_context='spawn')) and open the device in each."
+)
+
+
 def refusal_message(owner: str, name: str, device_type: str) -> str:
     """What the use of an inherited device (``owner``, e.g. ``<pydiff.Device #1 vulkan>``,
     of type ``device_type``; the attribute ``name`` asked for) says in a forked child. A CUDA
@@ -73,12 +82,7 @@ def refusal_message(owner: str, name: str, device_type: str) -> str:
         "here (the device's threads stay in the parent process; a use would hang). "
     )
     if device_type == "cuda":
-        what = (
-            "CUDA cannot be used in a process forked from one that used it, so no CUDA device "
-            "opens here either: start the workers with multiprocessing's 'spawn' or "
-            "'forkserver' start method (multiprocessing.get_context('spawn'), "
-            "DataLoader(..., multiprocessing_context='spawn')) and open the device in each. "
-        )
+        what = CUDA_IN_CHILD + " "
     else:
         what = (
             "Open a device in this process (pydiff.create_device(...), or "
@@ -185,6 +189,8 @@ def _after_in_child() -> None:
     _before_fork.clear()
     for dev in forget_open_devices():
         text = f"<pydiff.Device #{dev.ordinal} {dev.type}>"  # (no native call)
+        if dev.type == "cuda":  # (CUDA's context does not survive fork: no new one either)
+            refuse_type("cuda", "could not open a 'cuda' device: " + CUDA_IN_CHILD)
         for obj, kind in ((dev.queue, InheritedQueue), (dev, InheritedDevice)):
             object.__setattr__(obj, "forked_from", text)
             object.__setattr__(obj, "forked_type", dev.type)

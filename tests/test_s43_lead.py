@@ -1,11 +1,19 @@
 """ops.linear on 1-D and N-D inputs (PyTorch's shapes) and linspace(endpoint=False), checked
 against float64 NumPy references (closed-form gradients of a weighted sum)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import pydiff
 from pydiff import ops
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _reference(X, W, b, G, relu):
@@ -80,3 +88,50 @@ def test_linspace_endpoint_matches_numpy(device, num, endpoint):
 def test_linspace_endpoint_type_is_checked():
     with pytest.raises(TypeError, match="endpoint must be True or False"):
         pydiff.linspace(0.0, 1.0, 4, endpoint="no")
+
+
+# A parent that had a CUDA device open forks: in the child no CUDA device opens (CUDA does not
+# survive fork), with the reason; "auto" goes on to the next backend. A GPU-less stand-in: a
+# Device of type "cuda" over the parent's Vulkan device, registered as an open device.
+CUDA_PARENT_FORKS = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import pydiff
+    from pydiff import device as devices
+    vk = pydiff.create_device("vulkan")
+    devices._open_devices[("cuda", (), "stand-in")] = devices.Device(vk.native, "cuda")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            pydiff.create_device("cuda")
+            print("opened")
+        except pydiff.DeviceUnavailableError as e:
+            print("refused:", e)
+        d = pydiff.create_device("auto")
+        y = (pydiff.tensor([1.0, 2.0, 3.0], device=d) * 2.0).numpy()
+        print("auto:", d.type, y.tolist())
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_forked_child_of_a_cuda_process_opens_no_cuda_device(tmp_path):
+    env = {**os.environ, "PYDIFF_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("PYDIFF_DEVICE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CUDA_PARENT_FORKS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "refused: could not open a 'cuda' device: CUDA cannot be used" in out, out
+    assert "'spawn'" in out and "opened" not in out
+    assert "auto: vulkan [2.0, 4.0, 6.0]" in out, out
