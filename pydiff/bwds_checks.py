@@ -20,7 +20,8 @@ import slangpy as spy
 
 from .arguments import PLAIN, map_tensors, nested_tensors
 from .backward_scope import active_scope
-from .call_shape import refuse_shifted_overlap, result_type
+from .call_shape import result_type
+from .view_overlap import refuse_shifted_overlap
 from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
