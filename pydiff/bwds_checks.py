@@ -357,8 +357,7 @@ def refuse_written_twice(
     reads the one upstream gradient for each and adds both contributions (a wrong gradient),
     so the forward call and ``.bwds`` refuse it, naming both. Two tensor parameters
     (``IRWDiffTensor``...) may write one tensor at elements of their own: their ``.bwds`` is
-    refused by ``refuse_shared_result_grad``. ``reads`` (a forward call): also a written
-    view shifted against one read (``call_shape.refuse_shifted_overlap``)."""
+    refused by ``refuse_shared_result_grad``. ``reads``: ``view_overlap``'s checks too."""
     if reads:
         refuse_shifted_overlap(fn, bound, result, where)
     seen: dict[int, tuple[str, bool]] = {}
