@@ -93,3 +93,59 @@ def test_legitimate_views_of_one_storage_still_run(mod, device):
     z = pydiff.zeros((3, 4), device=device)  # an expanded view only read: runs
     mod.r43b_f(2.0, _view(read_expanded, (3, 4), (0, 1), 0, device), _result=z)
     np.testing.assert_allclose(z.numpy(), np.tile(2 * np.arange(4.0) + 1, (3, 1)))
+
+
+LANES = """
+import slangpy;
+func lane_sum(x: float) -> float { return WaveActiveSum(x); }
+float via_func(float a, float x) { return a * x + lane_sum(x); }
+float lane_deep(float x, float s = max(1.0, min(2.0, abs(0.5)))) { return s * WaveActiveSum(x); }
+float via_deep(float a, float x) { return a * x + lane_deep(x, 1.0); }
+"""
+
+
+@pytest.mark.parametrize("name", ["via_func", "via_deep"])
+def test_lane_scan_finds_modern_and_deeply_nested_definitions(device, forced, name):
+    from generated_paths import run_both_paths
+
+    m = pydiff.load_module_from_source("s43_review43b_lanes", LANES, device=device)
+    xs = np.arange(1, 41, dtype=np.float32)
+    gen, ref, counts = run_both_paths(
+        forced, lambda: [getattr(m, name)(2.0, pydiff.tensor(xs, device=device)).numpy()]
+    )
+    np.testing.assert_array_equal(gen[0], ref[0])
+    assert any(k.startswith("declined: cross-lane") for k in counts), counts
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "func g(x: float) -> float",
+        "float g(float x) throws MyError",
+        "float g(float x) : SV_Target",
+        "float g(float x, float s = max(1.0, min(2.0, abs(x))))",
+    ],
+)
+def test_lane_scan_reads_definition_heads(head):
+    from pydiff.lint_lanes import lane_effects
+
+    src = head + " { return WaveActiveSum(x); }\nfloat f(float x) { return g(x) + x; }"
+    assert lane_effects(src).get("f") == ("cross-lane", "'WaveActiveSum' in g()")
+
+
+def test_lane_scan_keeps_common_code_off_the_list():
+    from pydiff.lint_lanes import lane_effects
+
+    src = """
+    struct C { float r; float i; }
+    C operator+(C a, C b) { C o; o.r = a.r + b.r; o.i = a.i + b.i; return o; }
+    C operator*(C a, C b) { C o; o.r = a.r * b.r - a.i * b.i; o.i = a.r * b.i + a.i * b.r; return o; }
+    func sq(x: float) -> float { return x * x; }
+    float smooth(float e0, float e1, float x)
+    { float t = clamp((x - e0) / (e1 - e0), 0.0, 1.0); return t * t * (3.0 - 2.0 * t); }
+    float reduce_all(float x) { return WaveActiveSum(x); }
+    float f(float x) { C a = {x, 1.0}; return (a * a + a).r + sq(x) + smooth(0.0, 1.0, x); }
+    """
+    found = lane_effects(src)
+    assert "f" not in found and "sq" not in found and "smooth" not in found
+    assert found["reduce_all"][0] == "cross-lane"
