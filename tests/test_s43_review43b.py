@@ -139,7 +139,8 @@ def test_lane_scan_keeps_common_code_off_the_list():
     src = """
     struct C { float r; float i; }
     C operator+(C a, C b) { C o; o.r = a.r + b.r; o.i = a.i + b.i; return o; }
-    C operator*(C a, C b) { C o; o.r = a.r * b.r - a.i * b.i; o.i = a.r * b.i + a.i * b.r; return o; }
+    C operator*(C a, C b)
+    { C o; o.r = a.r * b.r - a.i * b.i; o.i = a.r * b.i + a.i * b.r; return o; }
     func sq(x: float) -> float { return x * x; }
     float smooth(float e0, float e1, float x)
     { float t = clamp((x - e0) / (e1 - e0), 0.0, 1.0); return t * t * (3.0 - 2.0 * t); }
