@@ -80,6 +80,13 @@ class GradBuffers:
         gi, go = self._grad_in, self._grad_out
         return (None if gi is None else gi.storage, None if go is None else go.storage)
 
+    @property
+    def geometry(self) -> tuple[int, list[int], list[int], bool]:
+        """The values' view as (offset, strides, shape, contiguous), in elements: no flush and
+        no handle handed out, unlike ``native`` (``view_overlap``'s checks, on every call)."""
+        n = self._native
+        return n.offset, list(n.strides), list(n.shape), n.is_contiguous()
+
     def _settle(self) -> None:
         """Zero the gradient buffer attached with ``requires_grad_(zero_later=True)`` now:
         something is about to read or bind it before a backward zeroed it."""

@@ -17,9 +17,9 @@ from .tensor import Tensor
 
 def _element_offsets(t: Tensor) -> np.ndarray:
     """The storage offsets (in elements) of a tensor's elements, flattened."""
-    n = t.native
-    offsets = np.asarray(n.offset, np.int64)
-    for d, s in zip(n.shape, n.strides):
+    offset, strides, shape, _ = t.geometry
+    offsets = np.asarray(offset, np.int64)
+    for d, s in zip(shape, strides):
         offsets = np.add.outer(offsets, np.arange(d, dtype=np.int64) * s)
     return offsets.ravel()
 
@@ -27,8 +27,7 @@ def _element_offsets(t: Tensor) -> np.ndarray:
 def holds_repeats(t: Tensor) -> bool:
     """Whether a view holds some element of its storage more than once (a stride of 0 over
     an axis longer than 1: an expanded view; overlapping axes). A contiguous view never does."""
-    n = t.native
-    if n.is_contiguous():
+    if t.geometry[3]:
         return False
     offsets = _element_offsets(t)
     return np.unique(offsets).size != offsets.size
@@ -37,9 +36,8 @@ def holds_repeats(t: Tensor) -> bool:
 def _same_places(w: Tensor, r: Tensor) -> bool:
     """Whether a written and a read view of one storage meet only where one call element
     reads and writes the same place (the same view; ``x`` and ``x.reshape(1, n)``; disjoint)."""
-    a, b = w.native, r.native
-    if (a.offset, list(a.strides), list(a.shape)) == (b.offset, list(b.strides), list(b.shape)):
-        return True  # (in place, _result=x: no offsets to compute)
+    if w.geometry[:3] == r.geometry[:3]:
+        return True  # (in place through two handles of one view: no offsets to compute)
     wo, ro = _element_offsets(w), _element_offsets(r)
     try:
         both = np.broadcast_shapes(w.shape, r.shape)
@@ -57,8 +55,10 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
     (``out`` one element after ``x`` on one buffer): one thread's store overtakes another's
     load, a race whose values depend on the device's order (the same view, ``_result=x``, is
     kept: each thread reads and writes its own element). Refused naming both."""
-    writes = [(p.name, v) for p, v in bound if p.writes_value and p.tensor_kind is None]
-    writes += [("_result", result)]
+    writes = [("_result", result)]
+    for j in fn.signature.written:  # (an IWDiffTensor... writes at indices of its own: kept)
+        if (p := bound[j][0]).tensor_kind is None:
+            writes.append((p.name, bound[j][1]))
     for name, w in writes:
         if type(w) is not Tensor:
             continue
@@ -66,12 +66,14 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
             what = "_result" if name == "_result" else f"parameter '{name}'"
             raise ValueError(
                 f"{where}: {what} is a view that holds elements more than once (shape "
-                f"{w.shape}, strides {tuple(w.native.strides)}): several threads would store "
+                f"{w.shape}, strides {tuple(w.geometry[1])}): several threads would store "
                 "into one element, which keeps whichever came last. Write into a tensor of its "
                 "own (expand the values afterwards, if needed)"
             )
         for p, r in bound:
-            if type(r) is not Tensor or r.storage is not w.storage or p.tensor_kind is not None:
+            if r is w or type(r) is not Tensor or r.storage is not w.storage:
+                continue  # (the very same tensor: each element read and written by one thread)
+            if p.tensor_kind is not None:
                 continue
             if not p.reads_value or p.name == name:
                 continue
@@ -80,7 +82,7 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
                 raise ValueError(
                     f"{where}: {what} and parameter '{p.name}' are views of one storage that "
                     f"share elements at other places (shapes {r.shape} and {w.shape}, offsets "
-                    f"{r.native.offset} and {w.native.offset}): threads would overwrite elements "
+                    f"{r.geometry[0]} and {w.geometry[0]}): threads would overwrite elements "
                     "other threads still read (a race). Write into a tensor of its own, or pass "
                     "the very same view for both (each element read and written by one thread)"
                 )
