@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import nested_tensors
 from .signature import FunctionTarget
 from .tensor import Tensor
 
@@ -70,19 +71,25 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
                 "into one element, which keeps whichever came last. Write into a tensor of its "
                 "own (expand the values afterwards, if needed)"
             )
-        for p, r in bound:
-            if r is w or type(r) is not Tensor or r.storage is not w.storage:
-                continue  # (the very same tensor: each element read and written by one thread)
-            if p.tensor_kind is not None:
+        for p, value in bound:
+            if type(value) is Tensor:
+                reads = (value,)
+            elif isinstance(value, (dict, list, tuple)):  # (a struct's fields: review43b)
+                reads = nested_tensors(value)
+            else:
                 continue
-            if not p.reads_value or p.name == name:
-                continue
-            if not _same_places(w, r):
-                what = "_result" if name == "_result" else f"parameter '{name}'"
-                raise ValueError(
-                    f"{where}: {what} and parameter '{p.name}' are views of one storage that "
-                    f"share elements at other places (shapes {r.shape} and {w.shape}, offsets "
-                    f"{r.geometry[0]} and {w.geometry[0]}): threads would overwrite elements "
-                    "other threads still read (a race). Write into a tensor of its own, or pass "
-                    "the very same view for both (each element read and written by one thread)"
-                )
+            for r in reads:
+                if r is w or r.storage is not w.storage:
+                    continue  # (the very same tensor: each element read, written by one thread)
+                if p.tensor_kind is not None or not p.reads_value or p.name == name:
+                    continue
+                if not _same_places(w, r):
+                    what = "_result" if name == "_result" else f"parameter '{name}'"
+                    raise ValueError(
+                        f"{where}: {what} and parameter '{p.name}' are views of one storage "
+                        f"that share elements at other places (shapes {r.shape} and {w.shape}, "
+                        f"offsets {r.geometry[0]} and {w.geometry[0]}): threads would overwrite "
+                        "elements other threads still read (a race). Write into a tensor of its "
+                        "own, or pass the very same view for both (each element read and "
+                        "written by one thread)"
+                    )

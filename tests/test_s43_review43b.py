@@ -150,3 +150,28 @@ def test_lane_scan_keeps_common_code_off_the_list():
     found = lane_effects(src)
     assert "f" not in found and "sq" not in found and "smooth" not in found
     assert found["reduce_all"][0] == "cross-lane"
+
+
+STRUCTS = """
+struct S { float a; float b; };
+float r43b_g(S s) { return s.a * 2.0 + s.b; }
+"""
+
+
+def test_struct_field_read_shifted_under_result_is_refused(device):
+    """A struct field read through a view one element before ``_result`` on one buffer: the
+    same race the plain-tensor case refuses (before: ran, errors up to 4.0 against the values
+    read before the call, at 4096 elements)."""
+    m = pydiff.load_module_from_source("s43_review43b_structs", STRUCTS, device=device)
+    n = 4096
+    xs = np.linspace(-1, 1, n + 1).astype(np.float32)
+    base = pydiff.tensor(xs, device=device)
+    x = _view(base, (n,), (1,), 0, device)
+    with pytest.raises(ValueError, match=r"_result and parameter 's' are views of one storage"):
+        m.r43b_g({"a": x, "b": 1.0}, _result=_view(base, (n,), (1,), 1, device))
+    np.testing.assert_array_equal(base.numpy(), xs)
+    out = pydiff.zeros((n,), device=device)  # a result of its own: runs
+    m.r43b_g({"a": x, "b": 1.0}, _result=out)
+    np.testing.assert_allclose(out.numpy(), 2 * xs[:n].astype(np.float64) + 1, rtol=1e-6)
+    m.r43b_g({"a": x, "b": 1.0}, _result=x)  # the very same view: in place, runs
+    np.testing.assert_allclose(base.numpy()[:n], 2 * xs[:n].astype(np.float64) + 1, rtol=1e-6)
