@@ -20,7 +20,8 @@ import slangpy as spy
 
 from .arguments import PLAIN, map_tensors, nested_tensors
 from .backward_scope import active_scope
-from .call_shape import refuse_shifted_overlap, result_type
+from .call_shape import result_type
+from .view_overlap import refuse_shifted_overlap
 from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
@@ -356,8 +357,7 @@ def refuse_written_twice(
     reads the one upstream gradient for each and adds both contributions (a wrong gradient),
     so the forward call and ``.bwds`` refuse it, naming both. Two tensor parameters
     (``IRWDiffTensor``...) may write one tensor at elements of their own: their ``.bwds`` is
-    refused by ``refuse_shared_result_grad``. ``reads`` (a forward call): also a written
-    view shifted against one read (``call_shape.refuse_shifted_overlap``)."""
+    refused by ``refuse_shared_result_grad``. ``reads``: ``view_overlap``'s checks too."""
     if reads:
         refuse_shifted_overlap(fn, bound, result, where)
     seen: dict[int, tuple[str, bool]] = {}

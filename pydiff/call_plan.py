@@ -41,6 +41,7 @@ from .planned_kernels import LAST_MAX_ELEMENTS, ForwardLaunch, same_tensors
 from .signature import FunctionTarget, overloaded
 from .tape import active_tape
 from .tensor import Tensor
+from .view_overlap import holds_repeats
 
 DECLINED = object()  # a plan's answer when the call must take the full path
 
@@ -308,6 +309,11 @@ class ForwardPlan:
             return False
         if len(set(map(id, written))) != len(written):
             return False  # two written arguments on one storage: the full path refuses
+        if self.result_tensor and holds_repeats(result):
+            return False  # (an expanded view written: the full path refuses it)
+        for i in self.writes:
+            if holds_repeats(args[i]):
+                return False
         for i in self.reads if written else ():
             if args[i].storage in written:  # (Storage compares by identity)
                 return False  # aliased: the full path keeps the values read

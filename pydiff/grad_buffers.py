@@ -80,6 +80,18 @@ class GradBuffers:
         gi, go = self._grad_in, self._grad_out
         return (None if gi is None else gi.storage, None if go is None else go.storage)
 
+    @property
+    def geometry(self) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
+        """The values' view as (offset, strides, shape, contiguous), in elements: no flush and
+        no handle handed out, unlike ``native`` (``view_overlap``'s checks, on every call);
+        read from SlangPy once per tensor (its view never changes)."""
+        geometry = self.__dict__.get("_geometry")
+        if geometry is None:
+            n = self._native
+            geometry = (n.offset, tuple(n.strides), tuple(n.shape), n.is_contiguous())
+            self.__dict__["_geometry"] = geometry
+        return geometry
+
     def _settle(self) -> None:
         """Zero the gradient buffer attached with ``requires_grad_(zero_later=True)`` now:
         something is about to read or bind it before a backward zeroed it."""

@@ -58,12 +58,16 @@ _TYPE = re.compile(
     r"\b(?=__generic|struct|class|interface|extension)(?:(__generic\s*<[^{};]*>\s*)?"
     r"(?:struct|class|interface|extension)\s*(<[^{};]*?>)?\s*)([A-Za-z_]\w*)([^{};]*)\{"
 )
-#: a function definition (lint_atomics.ANY_FUNCTION's, with parentheses nested twice in the
-#: parameter list, ``s = max(1.0, min(a, b))``, and ``operator+`` etc. as names; lanes43)
+_PARENS = r"\([^(){};]*\)"
+for _ in range(5):  # (parentheses nested six deep: ``s = max(1.0, min(a, abs(b)))``)
+    _PARENS = rf"\((?:[^(){{}};]|{_PARENS})*\)"
+#: a function definition (lint_atomics.ANY_FUNCTION's, with parentheses nested in the
+#: parameter list and ``operator+`` etc. as names, lanes43; ``func f(x: float) -> float``,
+#: ``throws E`` and ``: SV_Target`` before the body, review43b)
 _FUNCTION = re.compile(
     r"(?:^|[;}\]\s])(operator\s*(?:\(\s*\)|\[\s*\]|[^\w\s(){};\[\]]{1,3})|[A-Za-z_]\w*)\s*"
-    r"(<(?:[^<>(){};]|<[^<>(){};]*>)*>)?\s*\(((?:[^(){};]|\((?:[^(){};]|\([^(){};]*\))*\))*)\)"
-    r"\s*(?:where\b[^(){};]*)?\{"
+    rf"(<(?:[^<>(){{}};]|<[^<>(){{}};]*>)*>)?\s*\(((?:[^(){{}};]|{_PARENS})*)\)"
+    r"\s*(?:(?:->|throws\b|:)[^(){};=]*?)?(?:where\b[^(){};]*)?\{"
 )
 #: a declaration without a body after ``__target_intrinsic(...)``: its name
 _DECLARED = re.compile(r"\s*(?:\[[^\]]*\]\s*)*[^(){};]*?\b([A-Za-z_]\w*)\s*(?:<[^;{}()]*>\s*)?\(")

@@ -333,6 +333,17 @@ def float4_layout(native: spy.Tensor, typed_loads: bool = True) -> bool:
     )
 
 
+def bool_words(dev: "Device", native: spy.Tensor) -> spy.Tensor:
+    """A bool view as a view of its words (4 bytes; 1 on CUDA), which SlangPy reads and
+    writes as 1-byte bools (a strided write's read-back moved bytes); another view as it is.
+    Called before the queue's lock: dev.dtype may take the device's, which is held around
+    work that takes the queue's (a memo's make() creating tensors)."""
+    if native.dtype.full_name != "bool":
+        return native
+    word = dev.dtype("uint" if int(native.dtype.buffer_layout.stride) == 4 else "uint8_t")
+    return spy.Tensor(native.storage, word, list(native.shape), list(native.strides), native.offset)
+
+
 def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     """The values of ``native`` as a NumPy array, reading only the bytes its view spans.
 
@@ -342,13 +353,8 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
 
     >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer
     """
-    if native.dtype.full_name == "bool":  # words (4 bytes; 1 on CUDA) that SlangPy misreads
-        # (before the queue's lock: dev.dtype may take the device's, which is held around
-        # work that takes the queue's, e.g. a memo's make() creating tensors)
-        word = "uint" if int(native.dtype.buffer_layout.stride) == 4 else "uint8_t"
-        shape, strides = list(native.shape), list(native.strides)
-        words = spy.Tensor(native.storage, dev.dtype(word), shape, strides, native.offset)
-        return read_back(dev, words) != 0
+    if native.dtype.full_name == "bool":  # words that SlangPy misreads: bool_words
+        return read_back(dev, bool_words(dev, native)) != 0
     with dev.queue.lock:
         dev.queue.enter()
         dev.queue.flush()  # (again, under the lock: what another thread recorded since goes too)

@@ -20,7 +20,7 @@ from .policy import ZeroPolicy
 from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, copy_refusal, dims, float4_layout, has_c_strides, read_back
-from .storage import layout_element, shape_with_inferred_axis, type_name
+from .storage import bool_words, layout_element, shape_with_inferred_axis, type_name
 from .handles import handed_out, owner
 from .tensor_operators import TensorOperators
 
@@ -231,10 +231,10 @@ class Tensor(GradBuffers, TensorOperators):
         arr = host_cast(arr, up, caller, kind == "bool")
         arr = arr if has_c_strides(arr) else arr.copy(order="C")  # (a[None]: not for SlangPy)
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
-        queue = self._device.queue
+        queue, target = self._device.queue, bool_words(self._device, self._native)
         with queue.lock:
             queue.enter()
-            staging.write(queue, self._native, arr, not self._shape, self._device.flush)
+            staging.write(queue, target, arr, not self._shape, self._device.flush)
         return self.wrote_from_outside()
 
     def upload(self, data: Any, encoder: Any) -> bool:
