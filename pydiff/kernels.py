@@ -12,7 +12,7 @@ pydiff tensors, so it sits below them.
 from __future__ import annotations
 
 import hashlib
-import math
+from math import copysign
 import threading
 import weakref
 from collections import OrderedDict
@@ -240,14 +240,25 @@ class KernelCache:
                 cursor[name] = value
         else:
             for item, old in zip(scalars, last):
-                value = item[1]
-                if value is old[1] and item[0] == old[0]:
-                    continue  # (the same object: the same value, type and sign)
-                if item[0] != old[0] or not _same_value(value, old[1]):
-                    field = fields.get(item[0])
-                    if field is None:
-                        field = fields[item[0]] = cursor[item[0]]
-                    field.write(value)
+                if item is old:
+                    continue  # (the very pair: the same name, value, type and sign)
+                value, was = item[1], old[1]
+                # Unchanged: an equal pair (one C comparison; NaN never equal), one type (1, 1.0,
+                # True bind apart), a float zero's sign (0.0 == -0.0). Inline: 3.5 -> 1.7 us/22.
+                if (
+                    item == old
+                    and type(value) is type(was)
+                    and (
+                        value
+                        or type(value) is not float
+                        or copysign(1.0, value) == copysign(1.0, was)
+                    )
+                ):
+                    continue
+                field = fields.get(item[0])
+                if field is None:
+                    field = fields[item[0]] = cursor[item[0]]
+                field.write(value)
         entry[3] = scalars
         return root
 
@@ -263,7 +274,7 @@ class KernelCache:
                 held.clear()  # (its object would pin the buffers it binds)
                 held = None  # too large for the site to keep: the shared cache's rules
         # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
-        key = (kernel, *(b.native_handle.value for _, b in buffers))
+        key = (kernel, *[b.native_handle.value for _, b in buffers])  # (a list: no generator)
         if held is not None and held and held[0][0] is kernel and len(held[2]) == len(buffers):
             # The site's object, its changed buffers bound again (a new result per call):
             # bindings are copied when a dispatch is recorded, as its uniforms are, and this
@@ -435,11 +446,3 @@ def _same_objects(kept: list, buffers: list) -> bool:
         if a is not b:
             return False
     return True
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """The same uniform: equal, of one Python type (1 and 1.0 bind apart), and for floats of
-    one sign (0.0 == -0.0)."""
-    if type(a) is not type(b) or not a == b:
-        return False
-    return type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, b)
