@@ -270,9 +270,9 @@ def _plan(
 
 
 # Which float4 inputs a product reads as two 64-bit words (matmul.slang's W64: bit 1 A, 2 B, 4
-# the C added to), lavapipe only (GPUs keep float4 loads). Measured (docs/benchmarks.md): only
-# mm_nt's B read by all threads alike (cols == n), n not 8 or 16, gained (256 x 64 -> 10: 52 -> 40
-# us); the rest was as fast or slower. ``PYDIFF_MM_W64=mm_nt=2,mm_tn=1,...`` overrides (to measure).
+# the C added to), lavapipe only (GPUs keep float4 loads). Measured (docs/benchmarks.md, mm43):
+# only mm_nt's B read by all threads alike (cols == n, n % 8: no shuffle) gained (the MLP's 64 ->
+# 10 layer 48-56 -> 32 us); the rest as fast or slower. PYDIFF_MM_W64=mm_nt=2,... (docs/devices).
 def load_words(kernels: Any, entry: str, n: int = 0, cols: int = 0) -> int:
     if not kernels.paired_stores:
         return 0
