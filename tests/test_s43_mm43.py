@@ -44,8 +44,7 @@ def _layer_grads(device, batch, n_in, n_out, relu, seed):
     rng = np.random.default_rng(seed)
     xv = rng.standard_normal((batch, n_in)).astype(np.float32)
     up = rng.standard_normal((batch, n_out)).astype(np.float32)
-    layer = nn.Linear(n_in, n_out, seed=seed, activation="relu" if relu else None)
-    layer = layer.to(device) if hasattr(layer, "to") else layer
+    layer = nn.Linear(n_in, n_out, device=device, seed=seed, activation="relu" if relu else None)
     x = pydiff.tensor(xv, device=device, requires_grad=True)
     with pydiff.Tape() as tape:
         y = layer(x)
