@@ -12,12 +12,14 @@ backends).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import slangpy as spy
 
 from . import capturing
 from .creation import empty, tensor, zeros
+from .errors import PydiffError
 from .module import library
 from .tensor import Tensor, float4_ready
 
@@ -261,9 +263,28 @@ def _plan(
         C_VEC=int(c_vec),
         SHUF=int(shuf),
         SHUF_A=int(shuf_a),
+        W64=load_words(kernels, kind, n, cols),
         **sizes,
     )
     return key, kernel, (m // rows) * (n // cols), c_vec, False
+
+
+# Which float4 inputs a product reads as two 64-bit words (matmul.slang's W64: bit 1 A, 2 B, 4
+# the C added to), lavapipe only (GPUs keep float4 loads). Measured (docs/benchmarks.md, mm43):
+# only mm_nt's B read by all threads alike (cols == n, n % 8: no shuffle) gained (the MLP's 64 ->
+# 10 layer 48-56 -> 32 us); the rest as fast or slower. PYDIFF_MM_W64=mm_nt=2,... (docs/devices).
+def load_words(kernels: Any, entry: str, n: int = 0, cols: int = 0) -> int:
+    if not kernels.paired_stores:
+        return 0
+    forced = os.environ.get("PYDIFF_MM_W64")
+    if forced is None:
+        return 2 if entry == "mm_nt" and cols == n and n % 8 else 0
+    try:
+        return int(dict(x.split("=") for x in forced.split(",") if x).get(entry, 0)) & 7
+    except ValueError:
+        raise PydiffError(
+            f"PYDIFF_MM_W64={forced!r}: expected entry=bits, e.g. 'mm_nt=2'"
+        ) from None
 
 
 def _swapped(kernels: Any, kind: str, m: int, n: int, k: int, mask: bool, db: bool, sizes: dict):
@@ -299,6 +320,7 @@ def _swapped(kernels: Any, kind: str, m: int, n: int, k: int, mask: bool, db: bo
         C_T=1,
         SHUF=1,
         SHUF_A=0,
+        W64=load_words(kernels, "mm_tn_swapped"),
         **({"FIXED_M": n, "FIXED_K": k} if sizes else {}),
     )
     return key, kernel, (n // rows) * (m // cols), True, True
@@ -351,6 +373,7 @@ def linear_backward_narrow(
         CE=int(cross_entropy is not None),
         HAS_DX=int(dx is not None),
         HAS_DB=int(db is not None),
+        W64=load_words(kernels, "linear_bwd_narrow"),
         **({"FIXED_B": batch} if fixed else {}),
     )
     # absent gradients bind a buffer of the right kind that the kernel never touches
