@@ -123,10 +123,10 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if fn.module.traps:
         fn.check_traps(forward=True)  # patterns that crash even the forward kernel's build
     bound, options = bind_arguments(fn, args, kwargs)
-    refuse_written_twice(fn, bound, options.get("_result"), fn.label, reads=True)
     if isinstance(options.get("_result"), (bool, int, float, np.generic)):
         _check_host_result(fn, bound, options["_result"])  # not a seed (.bwds's), refused
     prepare_arguments(fn, bound, options)
+    refuse_written_twice(fn, bound, options.get("_result"), fn.label, reads=True)
     zero_d = scalar_numpy_result(fn, bound, options)  # SlangPy cannot write a 0-d array
     native_args = [_native_argument(fn, p, value) for p, value in bound]
     result = options.get("_result", MISSING)

@@ -28,7 +28,7 @@ from . import lint_macros, lint_sources
 #: written-mask module (shaders/), the generated kernels' helpers (generated_helpers.SOURCES).
 #: A user module under one of them hides or replaces it.
 RESERVED_NAMES = frozenset({"core", "slangpy", "pydiff", "pydiff_written_mask"}) | {
-    f"pydiff_gen_helpers{form}" for form in ("", "_t0p0", "_t1p0", "_t0p1", "_t1p1")
+    f"pydiff_gen_helpers{form}" for form in ("", "_w64", "_t0p0", "_t1p0", "_t0p1", "_t1p1")
 }
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
