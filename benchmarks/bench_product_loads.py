@@ -21,7 +21,7 @@ import numpy as np
 
 import pydiff
 
-from pydiff import nn, ops, optim
+from mlp_step import make_mlp_step
 from timing import describe
 
 
@@ -45,28 +45,11 @@ def main() -> None:
     xb = pydiff.tensor(rng.standard_normal((batch, n_in)).astype(np.float32))
     yb = pydiff.tensor(rng.integers(0, classes, batch).astype(np.int32))
 
-    def make_mlp_step(xb, yb):  # mlp_step.py's, of any widths
-        layers = [
-            nn.Linear(n_in, hidden, seed=0, activation="relu"),
-            nn.Linear(hidden, classes, seed=1),
-        ]
-        opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
-
-        def step():
-            opt.zero_grad()
-            with pydiff.Tape() as tape:
-                loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
-            tape.backward(loss, retain_graph=False)
-            opt.step()
-            return loss
-
-        return layers, step
-
     captures = []
     for v in args.variants:
         os.environ["PYDIFF_MM_W64"] = v
         dev.kernels.plans.clear()
-        _, step = make_mlp_step(xb, yb)
+        _, step = make_mlp_step(xb, yb, widths=(n_in, hidden, classes))
         step()
         captures.append(pydiff.capture(step))
     names = {id(k): f"{key[1]}" for key, k in dev.kernels._kernels.items()}

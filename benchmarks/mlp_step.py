@@ -14,9 +14,19 @@ import pydiff
 from pydiff import nn, ops, optim
 
 
-def make_mlp_step(xb: pydiff.Tensor, yb: pydiff.Tensor, retain_graph: bool = False):
-    """Fresh layers (seeded) and an optimizer, and the function that runs one step on them."""
-    layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]
+def make_mlp_step(
+    xb: pydiff.Tensor,
+    yb: pydiff.Tensor,
+    retain_graph: bool = False,
+    widths: tuple[int, int, int] = (64, 64, 10),
+):
+    """Fresh layers (seeded) and an optimizer, and the function that runs one step on them;
+    ``widths``: (inputs, hidden, classes)."""
+    n_in, hidden, classes = widths
+    layers = [
+        nn.Linear(n_in, hidden, seed=0, activation="relu"),
+        nn.Linear(hidden, classes, seed=1),
+    ]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
 
     def step():
