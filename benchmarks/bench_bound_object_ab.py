@@ -20,12 +20,11 @@ import statistics
 import textwrap
 import time
 
-import numpy as np
 
 import pydiff
 import pydiff.kernels as kernels_module
 
-from mlp_step import make_mlp_step
+from mlp_step import make_batch, make_mlp_step
 
 NAMES = ("_bound_object", "_new_or_cached_object")
 
@@ -80,9 +79,7 @@ def main() -> None:
         cache._bound_object = timed
 
     dev = pydiff.default_device()
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
     for _ in range(50):
         step()

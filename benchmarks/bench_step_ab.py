@@ -21,11 +21,10 @@ import statistics
 import textwrap
 import time
 
-import numpy as np
 
 import pydiff
 
-from mlp_step import make_mlp_step
+from mlp_step import make_batch, make_mlp_step
 
 
 def base_versions(base: str, targets: list[str]) -> tuple[list, list]:
@@ -66,9 +65,7 @@ def main() -> None:
             setattr(owner, name, fn)
 
     dev = pydiff.default_device()
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
     for which in (old, new):
         use(which)

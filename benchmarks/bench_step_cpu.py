@@ -20,11 +20,10 @@ import os
 import statistics
 import time
 
-import numpy as np
 
 import pydiff
 
-from mlp_step import make_mlp_step
+from mlp_step import make_batch, make_mlp_step
 
 
 def threads_cpu() -> dict[str, float]:
@@ -67,9 +66,7 @@ def main() -> None:
         ab(args)
         return
     dev = pydiff.default_device()
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
     for _ in range(60):
         step()
@@ -104,9 +101,7 @@ def ab(args: argparse.Namespace) -> None:
     modname, name = args.ab.split(":")
     mod = importlib.import_module(modname)
     dev = pydiff.default_device()
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
 
     def use(value: bool) -> None:

@@ -14,11 +14,10 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 
 import pydiff
 
-from mlp_step import make_mlp_step
+from mlp_step import make_batch, make_mlp_step
 from timing import describe
 
 
@@ -29,9 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = pydiff.default_device()
     native = dev.native
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
 
     step()

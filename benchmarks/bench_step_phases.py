@@ -11,17 +11,15 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
-
 import pydiff
 from pydiff import nn, ops, optim
+
+from mlp_step import make_batch
 
 
 def main() -> None:
     dev = pydiff.default_device()
-    rng = np.random.default_rng(0)
-    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
-    yb = pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
+    xb, yb = make_batch()
     layers = [nn.Linear(64, 64, seed=0, activation="relu"), nn.Linear(64, 10, seed=1)]
     opt = optim.AdamW([p for layer in layers for p in layer.parameters()], lr=1e-3)
     clock = time.thread_time

@@ -10,8 +10,20 @@ step's intermediates are then freed at once (docs/tape.md).
 
 from __future__ import annotations
 
+import numpy as np
+
 import pydiff
 from pydiff import nn, ops, optim
+
+
+def make_batch(seed: int = 0) -> tuple[pydiff.Tensor, pydiff.Tensor]:
+    """The benchmarks' batch: 256 rows of 64 standard-normal inputs and their labels (0..9).
+
+    >>> xb, yb = make_batch()
+    """
+    rng = np.random.default_rng(seed)
+    xb = pydiff.tensor(rng.standard_normal((256, 64)).astype(np.float32))
+    return xb, pydiff.tensor(rng.integers(0, 10, 256).astype(np.int32))
 
 
 def make_mlp_step(
