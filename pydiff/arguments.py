@@ -65,7 +65,8 @@ def bind_arguments(
         values[key] = value
     missing = [p.name for p in params if p.name not in values]
     if missing:
-        raise TypeError(f"{label}() is missing argument(s): {', '.join(missing)}")
+        why = "every parameter is passed: SlangPy drops Slang's default values"
+        raise TypeError(f"{label}() is missing argument(s): {', '.join(missing)} ({why})")
     return [(p, values[p.name]) for p in params], options
 
 
