@@ -244,10 +244,25 @@ def _promoting(op: Any) -> Any:
 
 def _reduction(op: Any) -> Any:
     def run(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
+        if isinstance(x, Tensor) and x.dtype in ("int", "uint"):
+            _refuse_rounded_sum(op.__name__, x)
+            capturing.on_replay(lambda: _refuse_rounded_sum(op.__name__, x))
         return op(_as_float(x), axis, keepdims)
 
     run.__name__ = op.__name__
     return run
+
+
+def _refuse_rounded_sum(name: str, x: Tensor) -> None:
+    """An int tensor's sum is computed in float32, exact only while every partial sum is at
+    most 2**24 in magnitude (NumPy and torch sum ints exactly): past that, refused."""
+    total = float(np.abs(x.numpy().astype(np.float64)).sum()) if x.numel else 0.0
+    if total > 2.0**24:
+        raise ValueError(
+            f"x.{name}(): the {x.dtype} tensor of shape {x.shape} has magnitudes summing to "
+            f"{total:.0f}, past 2**24, where float32 (the device's sum) no longer holds every "
+            f"integer; sum exactly on the host: x.numpy().astype(np.int64).{name}()"
+        )
 
 
 class _Clone(Function):
