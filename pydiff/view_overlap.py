@@ -3,6 +3,10 @@ that hold an element more than once: races refused before the call (``bwds_check
 ``refuse_written_twice`` calls ``refuse_shifted_overlap`` for a forward call).
 
     refuse_shifted_overlap(fn, bound, result, fn.label)   # ValueError naming both
+
+A whole-tensor parameter (``IDiffTensor``, ``Tensor``, ...) reads or writes any element, so
+one that shares a storage with another parameter's writes races whatever the views: the
+read side is then read from a copy taken before the call (``copy_racing_reads``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import numpy as np
 
 from .arguments import nested_tensors
 from .signature import FunctionTarget
+from .tape import active_tape
 from .tensor import Tensor
 
 
@@ -93,3 +98,37 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
                         "own, or pass the very same view for both (each element read and "
                         "written by one thread)"
                     )
+    copy_racing_reads(fn, bound, result, where)
+
+
+def copy_racing_reads(fn: FunctionTarget, bound: list, result: Any, where: str) -> None:
+    """Where a parameter reads a storage that another parameter (or ``_result``) writes, and
+    either of the two is a whole-tensor parameter (``blur(grid, img, img)``: neighbours read
+    while results are stored), the reading parameter gets a copy of the values taken before
+    the call (in ``bound``, in place): the values the math asks for, on any device order. A
+    tensor with gradient buffers off a tape is refused instead (an explicit ``.bwds`` would
+    need the copy's gradients); on a tape the forward call refuses the aliasing itself."""
+    writers = [
+        (j, bound[j][0].name, bound[j][0].tensor_kind, bound[j][1]) for j in fn.signature.written
+    ]
+    if type(result) is Tensor:  # (an elementwise writer, as a vectorised out parameter)
+        writers.append((-1, "_result", None, result))
+    for i, (p, value) in enumerate(bound):
+        if type(value) is not Tensor or not p.reads_value or p.writes_value:
+            continue
+        for j, name, kind, w in writers:
+            if j == i or type(w) is not Tensor or w.storage is not value.storage:
+                continue
+            if p.tensor_kind is None and kind is None:
+                continue  # (elementwise on both sides: refuse_shifted_overlap's case)
+            if not value.requires_grad:
+                bound[i] = (p, value.copy_values())
+            elif active_tape() is None:
+                what = "_result" if j == -1 else f"parameter '{name}'"
+                raise ValueError(
+                    f"{where}: {what}, which the call writes, shares its storage with parameter "
+                    f"'{p.name}', which it reads at any element: threads would overwrite values "
+                    "others still read (a race). Pass a tensor of its own to write into, or a "
+                    f"copy to read ({p.name}.detach().clone())"
+                )
+            break

@@ -39,3 +39,57 @@ def test_int_tensor_sums_are_exact_or_refused(device):
     unsigned = pydiff.tensor(np.array([2**31, 2**31], dtype=np.uint32), device=device)
     with pytest.raises(ValueError, match="uint tensor"):
         unsigned.sum()
+
+
+STENCIL = """import slangpy;
+[Differentiable]
+void s44_blur(int2 px, float a, IDiffTensor<float, 2> img, IWDiffTensor<float, 2> result)
+{
+    int h = int(img.shape[0]);
+    int w = int(img.shape[1]);
+    int r = px.y;
+    int c = px.x;
+    float s = 0.5 * img[r, c] + 0.2 * img[r, max(c - 1, 0)] + 0.1 * img[r, min(c + 1, w - 1)]
+        + 0.15 * img[max(r - 1, 0), c] + 0.05 * img[min(r + 1, h - 1), c];
+    result[r, c] = a * s;
+}
+float s44_left(int i, Tensor<float, 1> v) { return v[max(i - 1, 0)] * 2.0; }
+"""
+
+
+def _blur64(img, a):
+    p = np.pad(img.astype(np.float64), 1, mode="edge")
+    s = (
+        0.5 * p[1:-1, 1:-1] + 0.2 * p[1:-1, :-2] + 0.1 * p[1:-1, 2:]
+        + 0.15 * p[:-2, 1:-1] + 0.05 * p[2:, 1:-1]
+    )  # fmt: skip
+    return a * s
+
+
+@pytest.mark.parametrize("path", ["generated", "slangpy"])
+def test_a_stencil_writing_the_image_it_reads_gives_the_math(device, forced, path):
+    """``blur(grid, a, img, img)``: results stored while neighbours are read. Was a race
+    (max error 0.69 against the float64 stencil); the read side now reads a copy."""
+    import slangpy as spy
+
+    forced.setenv("PYDIFF_GENERATED", "1" if path == "generated" else "0")
+    m = pydiff.load_module_from_source("s44_lead_stencil", STENCIL, device=device)
+    xs = np.random.default_rng(5).standard_normal((64, 48)).astype(np.float32)
+    for _ in range(2):  # (a second call: any plan made by the first)
+        img = pydiff.tensor(xs, device=device)
+        m.s44_blur(spy.grid((64, 48)), 1.5, img, img)
+        np.testing.assert_allclose(img.numpy(), _blur64(xs, 1.5), rtol=1e-5, atol=1e-5)
+    # A whole-tensor read of the storage _result writes: the same.
+    v = np.arange(1, 301, dtype=np.float32)
+    t = pydiff.tensor(v, device=device)
+    m.s44_left(pydiff.arange(300, device=device).astype("int"), t, _result=t)
+    np.testing.assert_array_equal(t.numpy(), 2.0 * np.concatenate([[1.0], v[:-1]]))
+
+
+def test_a_racing_read_with_gradients_off_a_tape_is_refused(device):
+    import slangpy as spy
+
+    m = pydiff.load_module_from_source("s44_lead_stencil", STENCIL, device=device)
+    img = pydiff.tensor(np.ones((8, 8), np.float32), device=device).requires_grad_()
+    with pytest.raises(ValueError, match=r"parameter 'result'.*parameter 'img'.*race"):
+        m.s44_blur(spy.grid((8, 8)), 1.5, img, img)
