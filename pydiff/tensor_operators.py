@@ -243,6 +243,16 @@ class TensorOperators:
         """A copy converted to ``dtype`` (float <-> half carry gradients)."""
         return tensor_methods.call("astype", self, dtype)
 
+    def to(self, device: Any) -> Any:
+        """The tensor on ``device`` (a ``pydiff.Device`` or a type name): itself if it is there
+        already, else a copy through the host. On a tape a float tensor's copy is recorded: the
+        gradient goes back to this tensor on its own device (a model split over two devices
+        trains as on one). ``pydiff.tensor(x.numpy(), device=d)`` copies the values only.
+
+        >>> h = layer1(x).to(dev2)
+        """
+        return tensor_methods.call("to", self, device)
+
     def __deepcopy__(self, memo: dict) -> Any:
         """``copy.deepcopy(x)`` (of a layer, an optimizer, a dict holding tensors): a copy on
         the same device, ``requires_grad`` kept, a fresh gradient (``tensor_pickle``)."""
