@@ -88,3 +88,66 @@ def test_mixed_device_error_names_the_copy_that_keeps_the_gradient(second_device
     msg = str(err.value)
     assert ".to(device)" in msg
     assert "pydiff.tensor(t.numpy()" not in msg or "no gradient" in msg
+
+
+def _native_write(t, values):
+    # A write through SlangPy itself, which pydiff's version counter does not see (docs/tape.md);
+    # on CUDA, a torch tensor from to_torch(t) writing the shared memory is the same.
+    t.native.copy_from_numpy(np.asarray(values, np.int32))
+
+
+@pytest.mark.parametrize("classes", [3, 40])  # registers (C <= 32) and the looped rows
+def test_labels_out_of_range_behind_the_version_counter_give_nan(classes):
+    rng = np.random.default_rng(1)
+    zv = rng.standard_normal((4, classes)).astype(np.float32)
+    z = pydiff.tensor(zv, requires_grad=True)
+    labels = pydiff.tensor(np.array([0, 1, 2, 0], np.int32))
+    ops.cross_entropy(z, labels).item()  # range-checked once for this version of the values
+    _native_write(labels, [0, classes + 5, 2, -1])  # unseen: the host check is skipped
+    with pydiff.Tape() as tape:
+        loss = ops.cross_entropy(z, labels)
+    tape.backward(loss)
+    # Before: a finite loss (an out-of-range row read logit 0, or past the row) and a gradient
+    # of softmax alone in those rows: silently wrong. Now the kernel makes such a row NaN.
+    assert np.isnan(loss.item())
+    g = z.grad.numpy()
+    assert np.isnan(g[1]).all() and np.isnan(g[3]).all()
+    # rows 0 and 2 are not NaN (the mean's gradient is the same per row)
+    zt = torch.tensor(zv, dtype=torch.float64, requires_grad=True)
+    torch.nn.functional.cross_entropy(zt[[0, 2]], torch.tensor([0, 2])).backward()
+    np.testing.assert_allclose(g[[0, 2]], zt.grad.numpy()[[0, 2]] / 2, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_head_and_replay_with_labels_out_of_range_behind_the_counter():
+    rng = np.random.default_rng(2)
+    layer = nn.Linear(64, 10, seed=0)  # a classifier head: its backward fuses the loss's
+    opt = optim.SGD(layer.parameters(), lr=0.1)
+    xb = pydiff.tensor(rng.standard_normal((8, 64)).astype(np.float32))
+    yb = pydiff.tensor(rng.integers(0, 10, 8).astype(np.int32))
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layer(xb), yb)
+        tape.backward(loss, retain_graph=False)
+        opt.step()
+        return loss
+
+    step()
+    captured = pydiff.capture(step)
+    assert np.isfinite(captured.replay().item())
+    _native_write(yb, [0, 1, 2, 3, 4, 5, 6, 99])
+    assert np.isnan(captured.replay().item())
+    assert np.isnan(layer.weight.numpy()).any()  # the step's update is NaN, not silently off
+
+
+def test_slangpy_path_labels_out_of_range_give_nan():
+    # logits that are a view off the start of their buffer take SlangPy's cross_entropy_rows
+    base = pydiff.tensor(np.random.default_rng(3).standard_normal(13).astype(np.float32))
+    logits = pydiff.Tensor(base.native.view((4, 3), (3, 1), 1), base.device)
+    labels = pydiff.tensor(np.array([0, 1, 2, 0], np.int32))
+    zv = base.numpy()[1:].reshape(4, 3).astype(np.float64)
+    lse = np.log(np.exp(zv).sum(1))
+    assert abs(ops.cross_entropy(logits, labels).item() - np.mean(lse - zv[range(4), [0, 1, 2, 0]])) < 1e-6
+    _native_write(labels, [0, 7, 2, -3])
+    assert np.isnan(ops.cross_entropy(logits, labels).item())  # before: 1.31, from other logits
