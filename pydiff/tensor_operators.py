@@ -42,6 +42,20 @@ def _comparison(symbol: str, other: Any) -> str:
     )
 
 
+def copy_refusal(dst: Any, src: Any) -> Exception:
+    """The error of ``dst.copy_(src)`` for a ``src`` that is not a tensor of ``dst``'s shape and
+    dtype (host values go through ``copy_from_numpy``).
+
+    >>> raise copy_refusal(x, np.ones(3))    # TypeError: ... use x.copy_from_numpy(values)
+    """
+    if not hasattr(src, "native"):
+        return TypeError(
+            f"copy_: the source is a {type(src).__name__}, not a pydiff Tensor; copy host "
+            "values with dst.copy_from_numpy(values)"
+        )
+    return ValueError(f"copy_: {src!r} does not match {dst!r}")
+
+
 class TensorOperators:
     """Mixed into ``Tensor``: operators, indexing and math methods."""
 

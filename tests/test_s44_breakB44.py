@@ -148,6 +148,86 @@ def test_slangpy_path_labels_out_of_range_give_nan():
     labels = pydiff.tensor(np.array([0, 1, 2, 0], np.int32))
     zv = base.numpy()[1:].reshape(4, 3).astype(np.float64)
     lse = np.log(np.exp(zv).sum(1))
-    assert abs(ops.cross_entropy(logits, labels).item() - np.mean(lse - zv[range(4), [0, 1, 2, 0]])) < 1e-6
+    want = np.mean(lse - zv[range(4), [0, 1, 2, 0]])
+    assert abs(ops.cross_entropy(logits, labels).item() - want) < 1e-6
     _native_write(labels, [0, 7, 2, -3])
     assert np.isnan(ops.cross_entropy(logits, labels).item())  # before: 1.31, from other logits
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_captured_backward_then_eager_step_after_zero_grad(micro_batches):
+    """A capture of the forward + backward only (gradient accumulation, clipping or a
+    schedule between backward and step), replayed after the default zero_grad(): the replay
+    did not mark the gradients it wrote, so the eager opt.step() skipped every parameter as
+    if none had a gradient. The parameters silently never moved again."""
+    rng = np.random.default_rng(4)
+    layers = [nn.Linear(8, 12, seed=0, activation="relu"), nn.Linear(12, 3, seed=1)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = optim.SGD(params, lr=0.05, momentum=0.9)
+    tparams = [torch.tensor(p.numpy(), dtype=torch.float64, requires_grad=True) for p in params]
+    topt = torch.optim.SGD(tparams, lr=0.05, momentum=0.9)
+    xb, yb = pydiff.empty((16, 8)), pydiff.empty((16,), dtype="int")
+
+    def forward_backward():
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layers[1](layers[0](xb)), yb)
+        tape.backward(loss, retain_graph=False)
+        return loss
+
+    captured = None
+    for i in range(5):
+        opt.zero_grad()  # set_to_none=True: a parameter nothing writes is skipped
+        topt.zero_grad()
+        for _ in range(micro_batches):
+            x = rng.standard_normal((16, 8)).astype(np.float32)
+            y = rng.integers(0, 3, 16).astype(np.int32)
+            xb.copy_from_numpy(x)
+            yb.copy_from_numpy(y)
+            if i == 0:
+                forward_backward()
+            elif captured is None:
+                captured = pydiff.capture(forward_backward)
+            else:
+                captured.replay()
+            w1, b1, w2, b2 = tparams
+            h = torch.relu(torch.tensor(x, dtype=torch.float64) @ w1.T + b1)
+            z = h @ w2.T + b2
+            torch.nn.functional.cross_entropy(z, torch.tensor(y, dtype=torch.int64)).backward()
+        opt.step()
+        topt.step()
+    assert opt.param_steps == [5, 5, 5, 5]
+    for p, t in zip(params, tparams):
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=0, atol=1e-6)
+
+
+def test_captured_user_function_backward_then_eager_step_after_zero_grad():
+    # a .bwds in Tape.backward marks its gradient without a version move (no Storage.wrote)
+    m = pydiff.load_module_from_source(
+        "breakb44_sq",
+        "[Differentiable] float sq_err(float w, float x) { return (w - x) * (w - x); }",
+    )
+    n = 64
+    w = pydiff.zeros((n,), requires_grad=True)
+    x = pydiff.tensor(np.linspace(-1, 1, n).astype(np.float32))
+    seed = pydiff.ones((n,))
+    opt = optim.SGD([w], lr=0.25)
+
+    def forward_backward():
+        with pydiff.Tape() as tape:
+            y = m.sq_err(w, x, _result="tensor")
+        tape.backward(y, grad=seed, retain_graph=False)
+
+    opt.zero_grad()
+    forward_backward()
+    opt.step()
+    opt.zero_grad()
+    captured = pydiff.capture(forward_backward)
+    opt.step()
+    for _ in range(3):
+        opt.zero_grad()
+        captured.replay()
+        opt.step()
+    # w <- w - 0.25 * 2 (w - x): halves the distance to x each step; five steps
+    want = np.linspace(-1, 1, n) * (1 - 0.5**5)
+    assert opt.param_steps == [5]
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-6, atol=1e-7)
