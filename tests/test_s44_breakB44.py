@@ -5,6 +5,20 @@ Defects found and fixed here:
   ``pydiff.tensor(t.numpy(), device=...)``, which on a tape silently gives every layer before
   the copy no gradient (the optimizer then skips them). ``Tensor.to(device)`` is a copy the
   tape differentiates (the gradient goes back to the source device), and the error names it.
+- cross_entropy labels out of range written where the host's once-per-version range check
+  cannot see them (``t.native``, torch's CUDA view): a finite loss from another logit (or
+  read past the row) and a gradient without its -1. The kernel now makes such a row NaN.
+- a captured forward + backward replayed after ``opt.zero_grad()``, then an eager
+  ``opt.step()``: the replay did not mark the gradients it wrote, so the step skipped every
+  parameter (the model silently stopped training). A replay now marks them as the eager
+  step does.
+
+Checked against PyTorch float64 and held (not kept as tests, see the report): odd widths,
+batch 1, one class, one feature, 4097 wide, 70,000 rows; SGD/Adam/AdamW with lr, momentum,
+betas and weight decay changed mid-run, freeze/unfreeze, state_dict round trips, two captures
+of two batch sizes interleaved with eager steps, replays from another thread, four trainings
+in four threads, the fused classifier head's variants, NaN/inf through fused and unfused
+paths, views at odd offsets, torch autograd both ways, flat memory over thousands of steps.
 """
 
 from __future__ import annotations
