@@ -425,8 +425,8 @@ class CapturedStep:
                 else:  # host state for the dispatches after it (their uniforms are read now)
                     command[1]()
             device.submit_command_buffer(encoder.finish())
-        for st, *left in self._bumps:
-            st.replayed(*left)  # (the step's writes and marks, again: see _writes)
+        for st, moved, mark, writer in self._bumps:  # the step's writes and marks, again
+            st.replayed(moved, mark, writer)
         self.replays += 1
         return self.result
 
