@@ -23,6 +23,8 @@ paths, views at odd offsets, torch autograd both ways, flat memory over thousand
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -33,10 +35,10 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
-def second_device(tmp_path_factory):
+def second_device():
     # Devices are cached per (type, include paths, cache folder): another include path is
-    # another device.
-    return pydiff.create_device("vulkan", include_paths=[str(tmp_path_factory.mktemp("dev2"))])
+    # another device (a fixed one: the persistent compile cache serves its kernels next time).
+    return pydiff.create_device("vulkan", include_paths=[str(Path(__file__).parent)])
 
 
 def _torch_mlp_step(tparams, topt, x, y):
