@@ -336,7 +336,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
             return False
     if generated_calls.call_backward(fn, bound, options, result):
         for grad in written:
-            grad.storage.holds_result_of = fn.bwds_label
+            grad.storage.mark_result(fn.bwds_label)
         return True
     if type(result) is Tensor and result.grad_in is not None and result.device is dev:
         options["_result"] = upstream_arg(dev, result)
@@ -347,7 +347,7 @@ def _fast_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) 
     except Exception as exc:
         raise backward_failures.kept(fn, resolve_error(fn, exc)) from None
     for grad in written:
-        grad.storage.holds_result_of = fn.bwds_label
+        grad.storage.mark_result(fn.bwds_label)
     return True
 
 

@@ -145,7 +145,7 @@ class BackwardPlan:
         label = fn.bwds_label
         if launch is not None and launch.run(fn, args, grad_in, grads):
             for g in grads.values():
-                g.storage.holds_result_of = label
+                g.storage.mark_result(label)
             return None
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
@@ -173,7 +173,7 @@ class BackwardPlan:
             except Exception as exc:
                 raise resolve_error(fn, exc) from None
         for g in grads.values():
-            g.storage.holds_result_of = label
+            g.storage.mark_result(label)
         return None
 
     def _in_scope(

@@ -186,7 +186,7 @@ class BackwardScope:
 
     def finish(self) -> None:
         for grad in self._written:
-            grad.storage.holds_result_of = self.label
+            grad.storage.mark_result(self.label)
         self.run_checks()
 
 

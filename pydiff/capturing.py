@@ -299,7 +299,9 @@ class CapturedStep:
                 self._queue.flush()
         if self._queue is None:
             raise CaptureError("pydiff.capture: the function issued no GPU work to record")
-        self._bumps = [(st, st.version - v) for st, v in self._writes.values() if st.version > v]
+        self._bumps = [  # what the step left in each storage it wrote (Storage.replayed)
+            (s, s.version - v, s.holds_result_of, s.last_writer) for s, v in self._writes.values()
+        ]
         self._writes.clear()
 
     # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
@@ -423,8 +425,8 @@ class CapturedStep:
                 else:  # host state for the dispatches after it (their uniforms are read now)
                     command[1]()
             device.submit_command_buffer(encoder.finish())
-        for st, moved in self._bumps:
-            st.version += moved  # (the step's writes, counted again: see _writes)
+        for st, moved, mark, writer in self._bumps:  # the step's writes and marks, again
+            st.replayed(moved, mark, writer)
         self.replays += 1
         return self.result
 

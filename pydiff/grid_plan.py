@@ -178,7 +178,7 @@ class GridBackwardPlan:
             raise kept(fn, resolve_error(fn, exc)) from None
         label = fn.bwds_label
         for i in self.reads:
-            args[i].grad_out.storage.holds_result_of = label
+            args[i].grad_out.storage.mark_result(label)
         return None
 
     def _bind(self, dev: Any, args: tuple, native: list, flush: bool) -> None:

@@ -52,8 +52,9 @@ def same_device(name: str, **values: Any) -> Device:
         elif v.device is not first[1] and v.device != first[1]:
             raise ValueError(
                 f"{name}: {first[0]} is on {first[1]!r} but {arg} is on {v.device!r}; "
-                "tensors of one op must be on one device (create them there, or copy with "
-                "pydiff.tensor(t.numpy(), device=...))"
+                "tensors of one op must be on one device: create them there, or move one with "
+                "t.to(device), a copy the tape differentiates (pydiff.tensor(t.numpy(), "
+                "device=...) copies the values only: no gradient flows back through it)"
             )
     if first is None:
         raise TypeError(f"{name}: expected at least one pydiff.Tensor argument")

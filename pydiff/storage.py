@@ -111,20 +111,6 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
     return arr.astype(np_type, copy=False)
 
 
-def copy_refusal(dst: Any, src: Any) -> Exception:
-    """The error of ``dst.copy_(src)`` for a ``src`` that is not a tensor of ``dst``'s shape and
-    dtype (host values go through ``copy_from_numpy``).
-
-    >>> raise copy_refusal(x, np.ones(3))    # TypeError: ... use x.copy_from_numpy(values)
-    """
-    if not hasattr(src, "native"):
-        return TypeError(
-            f"copy_: the source is a {type(src).__name__}, not a pydiff Tensor; copy host "
-            "values with dst.copy_from_numpy(values)"
-        )
-    return ValueError(f"copy_: {src!r} does not match {dst!r}")
-
-
 class Storage:
     """What every view of one buffer shares.
 
@@ -200,6 +186,22 @@ class Storage:
         self.before = None
         self.read_by_writer = ()
         self.reread = False
+
+    def mark_result(self, label: str) -> None:
+        """The values are now the result of the backward ``label`` (``holds_result_of``); a
+        capture records it, so that each replay marks them again (``replayed``)."""
+        self.holds_result_of = label
+        if (rec := capturing.recording()) is not None:
+            rec.record_write(self)
+
+    def replayed(self, moved: int, mark: str | None, writer: str) -> None:
+        """A replay of a captured step wrote the values again: ``moved`` more versions, and the
+        mark and last writer the step left, as an eager step does (optimizers step gradients
+        marked since ``zero_grad``: unmarked, an eager step after the replay skipped them)."""
+        self.holds_result_of = mark
+        if moved:
+            self.version += moved
+            self.last_writer = writer
 
     def written_since_zeroed(self) -> bool:
         """Whether anything wrote the values since they were allocated or last zeroed

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import capturing, numpy_functions, ops, tensor_methods, tensor_pickle  # noqa: F401
 from .creation import empty, ones, tensor as make_tensor
+from .device import Device, resolve_device
 from .function import Function
 from .lost_derivative import refuse_lost_copy
 from .storage import COPY_FROM_GRAPH, UPLOAD_NUMPY, dtype_name, element_shape
@@ -292,6 +293,38 @@ def clone(x: Tensor) -> Tensor:
     return x.copy_values()
 
 
+class _ToDevice(Function):
+    """``x.to(device)`` of a float tensor on a tape: a copy through the host onto ``device``
+    whose gradient goes back to ``x`` on its own device (as ``torch.Tensor.to``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, device: Any) -> Tensor:
+        return make_tensor(x.detach().numpy(), dtype=x.dtype, device=device)
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
+        return _ToDevice.apply(t, ctx.args[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return grad.numpy()  # added into x's gradient on x's device
+
+
+def to_device(x: Tensor, device: Any) -> Tensor:
+    """``x.to(device)``: ``x`` itself on its own device, else a copy on ``device`` (through the
+    host) that a tape differentiates for float tensors; ints and other dtypes: the values."""
+    if not isinstance(device, (Device, str)):
+        raise TypeError(
+            f"Tensor.to: device={device!r}; expected a pydiff.Device or a device type name"
+        )
+    dev = resolve_device(device)
+    if dev is x.device:
+        return x
+    if x.dtype in _FLOATS:
+        return _ToDevice.apply(x, dev)
+    return make_tensor(x.detach().numpy(), dtype=x.dtype, device=dev)
+
+
 def _struct_dtype(layout: Any) -> np.dtype | None:
     """The NumPy structured dtype of a Slang struct's buffer layout (scalar and struct
     fields); None when a field has no NumPy scalar (vectors, arrays)."""
@@ -340,6 +373,7 @@ for _name, _implementation in {
     "clone": clone,
     "transpose": transpose,
     "astype": astype,
+    "to": to_device,
     "pow": power,
     "matmul": matmul,
     "values_text": values_text,

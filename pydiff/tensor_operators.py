@@ -42,6 +42,20 @@ def _comparison(symbol: str, other: Any) -> str:
     )
 
 
+def copy_refusal(dst: Any, src: Any) -> Exception:
+    """The error of ``dst.copy_(src)`` for a ``src`` that is not a tensor of ``dst``'s shape and
+    dtype (host values go through ``copy_from_numpy``).
+
+    >>> raise copy_refusal(x, np.ones(3))    # TypeError: ... use x.copy_from_numpy(values)
+    """
+    if not hasattr(src, "native"):
+        return TypeError(
+            f"copy_: the source is a {type(src).__name__}, not a pydiff Tensor; copy host "
+            "values with dst.copy_from_numpy(values)"
+        )
+    return ValueError(f"copy_: {src!r} does not match {dst!r}")
+
+
 class TensorOperators:
     """Mixed into ``Tensor``: operators, indexing and math methods."""
 
@@ -242,6 +256,16 @@ class TensorOperators:
     def astype(self, dtype: Any) -> Any:
         """A copy converted to ``dtype`` (float <-> half carry gradients)."""
         return tensor_methods.call("astype", self, dtype)
+
+    def to(self, device: Any) -> Any:
+        """The tensor on ``device`` (a ``pydiff.Device`` or a type name): itself if it is there
+        already, else a copy through the host. On a tape a float tensor's copy is recorded: the
+        gradient goes back to this tensor on its own device (a model split over two devices
+        trains as on one). ``pydiff.tensor(x.numpy(), device=d)`` copies the values only.
+
+        >>> h = layer1(x).to(dev2)
+        """
+        return tensor_methods.call("to", self, device)
 
     def __deepcopy__(self, memo: dict) -> Any:
         """``copy.deepcopy(x)`` (of a layer, an optimizer, a dict holding tensors): a copy on
