@@ -324,6 +324,8 @@ class Tape:
                 "tape.backward: the output has no gradient buffer, so nothing it depends on "
                 "requires a gradient (create inputs with requires_grad=True)"
             )
+        for t in (t for entry in entries for t in entry.writes):  # (owed: made unzeroed here,
+            t.make_owed()  # outside the batch, where the pool reuses buffers; zeroed below)
         upstream = output.grad_in
         want = output.expected_numpy_shape()
         if grad is None:
