@@ -110,14 +110,15 @@ class GradBuffers:
             self._bound = None
         self.zero_grad()
 
-    def make_owed(self) -> None:
+    def make_owed(self) -> bool:
         """Make the gradient buffer ``zero_later`` left owed, its zeroing still owed (the next
-        ``zero_grad`` or read does it): ``tape.backward`` makes its results' before its batch
-        opens, where the pool hands out free buffers (inside a batch each is a new one, ~2x
-        the host time), then zeroes them in its own command list."""
+        ``zero_grad`` or read does it); whether its zeroing is owed now. ``tape.backward``
+        makes its results' before its batch opens, where the pool hands out free buffers
+        (inside a batch each is a new one, ~2x the host time), then zeroes them."""
         if self._zero_pending and self._grad_in is None and self._grad_out is None:
             self._grad_in = self._grad_out = self.new_grad_buffer(zero=False)
             self._bound = None
+        return self._zero_pending
 
     def _sync_view(self) -> None:
         """A view's gradient buffers: its base's current ones, viewed in its shape."""

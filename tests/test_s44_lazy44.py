@@ -238,3 +238,30 @@ def test_a_steady_step_makes_no_new_buffers(device, monkeypatch):
     for _ in range(5):
         step().numpy()
     assert made == []
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_the_outputs_upstream_zeroed_once(device, monkeypatch, read_first):
+    xv, x = _x(device, (16,), seed=8)
+    gv = np.linspace(-2.0, 2.0, 16).astype(np.float32)
+    with pydiff.Tape() as tape:
+        y = ops.exp(x)
+        z = ops.mul(y, y)
+    if read_first:  # made and zeroed by the read, then holding other values: zeroed again
+        z.grad.fill(3.0)
+    zeroed = []
+    zero = pydiff.Tensor.zero_
+
+    def counting(self, *args, **kwargs):
+        zeroed.append(self.storage)
+        return zero(self, *args, **kwargs)
+
+    monkeypatch.setattr(pydiff.Tensor, "zero_", counting)
+    tape.backward(z, grad=gv)
+    # z's upstream: zeroed once by its first read, then seeded (twice before this session)
+    assert sum(s is z.grad.storage for s in zeroed) == 1
+    assert sum(s is y.grad.storage for s in zeroed) == 1
+    y64 = np.exp(xv.astype(np.float64))
+    np.testing.assert_allclose(z.grad.numpy(), gv, rtol=0)
+    np.testing.assert_allclose(y.grad.numpy(), 2 * y64 * gv, rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * y64 * y64 * gv, rtol=1e-5)
