@@ -32,7 +32,7 @@ class GradBuffers:
     _viewed: tuple
     _bound: Any
     _zero_policy: Any  # (tensor.py's zero_policy property: a tensor with a base reads its base's)
-    _zero_pending: bool  # attached with zero_later: zeroed before anything reads them
+    _zero_pending: bool  # zero_later: the buffers are owed, made zeroed when first needed
 
     @property
     def base(self) -> "Self | None":
@@ -44,7 +44,7 @@ class GradBuffers:
     def requires_grad(self) -> bool:
         if self._base is not None:
             self._sync_view()
-        return self._grad_out is not None or self._grad_in is not None
+        return self._grad_out is not None or self._grad_in is not None or self._zero_pending
 
     @property
     def grad(self) -> "Self | None":
@@ -71,6 +71,13 @@ class GradBuffers:
             self._settle()
         return self._grad_out
 
+    def grad_flags(self) -> tuple[bool, bool]:
+        """Whether it has ``grad_in`` and ``grad_out`` (a view: its base's, synced by the
+        caller), owed ones (``zero_later``: one shared buffer, made when bound) included:
+        ``Tensor.layout``'s, which call plans key on."""
+        owed = self._zero_pending
+        return (owed or self._grad_in is not None, owed or self._grad_out is not None)
+
     def grad_storages(self) -> tuple:
         """The storages of ``(grad_in, grad_out)`` (None where absent) without zeroing a
         buffer attached with ``zero_later`` (``grad_in`` would, as a read): what a check of
@@ -93,10 +100,25 @@ class GradBuffers:
         return geometry
 
     def _settle(self) -> None:
-        """Zero the gradient buffer attached with ``requires_grad_(zero_later=True)`` now:
-        something is about to read or bind it before a backward zeroed it."""
+        """Make the zeroed gradient buffer ``requires_grad_(zero_later=True)`` owes, now:
+        something is about to read or bind it (the backward writing or reading it, a user's
+        ``.grad``). Zeroed in order with the pending work (``zero_grad``), as the backward's
+        own zeroing of its results' buffers would have been."""
         self._zero_pending = False
+        if self._grad_in is None and self._grad_out is None:
+            self._grad_in = self._grad_out = self.new_grad_buffer(zero=False)
+            self._bound = None
         self.zero_grad()
+
+    def make_owed(self) -> bool:
+        """Make the gradient buffer ``zero_later`` left owed, its zeroing still owed (the next
+        ``zero_grad`` or read does it); whether its zeroing is owed now. ``tape.backward``
+        makes its results' before its batch opens, where the pool hands out free buffers
+        (inside a batch each is a new one, ~2x the host time), then zeroes them."""
+        if self._zero_pending and self._grad_in is None and self._grad_out is None:
+            self._grad_in = self._grad_out = self.new_grad_buffer(zero=False)
+            self._bound = None
+        return self._zero_pending
 
     def _sync_view(self) -> None:
         """A view's gradient buffers: its base's current ones, viewed in its shape."""
@@ -139,7 +161,8 @@ class GradBuffers:
 
     def new_grad_buffer(self, zero: bool = True) -> "Self":
         """A new tensor shaped for this tensor's gradient (zeroed unless ``zero=False``)."""
-        return type(self)(allocate(self._device, self._shape, self.grad_dtype, zero), self._device)
+        native = allocate(self._device, self._shape, self.grad_dtype, zero)
+        return type(self)(native, self._device, shape=self._shape)
 
     def check_grad(self, grad: Any, name: str) -> "Self":
         if not isinstance(grad, GradBuffers):
@@ -241,9 +264,11 @@ class GradBuffers:
 
     def requires_grad_(self, flag: bool = True, *, zero_later: bool = False) -> "Self":
         """Attach (or drop) a zeroed shared gradient buffer in place; returns self (a view:
-        its base's, which it shares). ``zero_later``: the buffer is zeroed when first read
-        or bound, or by ``zero_grad`` (a tape's backward zeroes its outputs' buffers in its
-        own command list): a separate zeroing submission costs ~50 us on lavapipe.
+        its base's, which it shares). ``zero_later``: the buffer is made (zeroed, in order
+        with the pending work) only when first read or bound: a recorded call's results
+        (``requires_grad`` is True at once; ``zero_grad`` leaves it owed). A backward that
+        never reaches a result makes none (a new pooled buffer is ~10 us of host time), and
+        a separate zeroing submission (~50 us on lavapipe) is never needed.
 
         >>> y.requires_grad_(True, zero_later=True)   # y.grad reads zeros, as always
         """
@@ -252,8 +277,10 @@ class GradBuffers:
             self._sync_view()
             return self
         if flag and not self.requires_grad:
-            self._grad_in = self._grad_out = self.new_grad_buffer(zero=not zero_later)
-            self._zero_pending = zero_later
+            if zero_later:  # (made by _settle when first needed)
+                self._zero_pending = True
+            else:
+                self._grad_in = self._grad_out = self.new_grad_buffer()
         elif not flag:
             self._grad_in = self._grad_out = None
             self._zero_pending = False
@@ -263,7 +290,10 @@ class GradBuffers:
     def zero_grad(self, encoder: Any = None) -> "Self":
         """Zero the gradient buffers (grad_in and grad_out) in order with the commands of
         ``encoder``, else of this context's batch or the device's deferred list (see
-        ``Tensor.zero_``); returns self."""
+        ``Tensor.zero_``); returns self. A buffer still owed (``zero_later``) stays owed: it
+        is zeroed when made."""
+        if self._zero_pending and self._grad_in is None and self._grad_out is None:
+            return self
         self._zero_pending = False  # (zeroed here: not again when first read)
         grad_in, grad_out = self.grad_in, self.grad_out
         if grad_in is not None:

@@ -324,7 +324,11 @@ class Tape:
                 "tape.backward: the output has no gradient buffer, so nothing it depends on "
                 "requires a gradient (create inputs with requires_grad=True)"
             )
+        # Owed gradient buffers made here, outside the batch (the pool reuses buffers there),
+        # zeroed below; the output's by the read of its upstream (not twice).
+        owed = [t for entry in entries for t in entry.writes if t.make_owed()]
         upstream = output.grad_in
+        zeroed = output if any(t is output for t in owed) else None
         want = output.expected_numpy_shape()
         if grad is None:
             seed = None  # 1 (one element): copied on the device where it can be (copy_one)
@@ -362,7 +366,8 @@ class Tape:
                 encoder = queue.encoder()
                 for entry in entries:
                     for t in entry.writes:
-                        t.zero_grad(encoder)
+                        if t is not zeroed:
+                            t.zero_grad(encoder)
                 if seed is None and encoder is not None and copy_one(upstream, encoder):
                     pass
                 elif encoder is None or not upstream.upload(seed_or_ones(seed, want), encoder):

@@ -59,8 +59,9 @@ class Tensor(GradBuffers, TensorOperators):
         storage: Storage | None = None,
         zero_policy: ZeroPolicy | str | None = None,
         base: "Tensor | None" = None,
+        shape: tuple | None = None,  # (the caller's: a new pooled tensor's, from its shape)
     ):
-        self._shape = dims(native.shape)
+        self._shape = dims(native.shape) if shape is None else shape
         if not self._shape:  # 0-d: kept as a (1,) view, what SlangPy calls are given
             native = native.view((1,))
         self._native = native
@@ -75,7 +76,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
         self._dtype: str | None = None  # the element type's name, found once
-        self._zero_pending = False  # gradient buffers attached with zero_later (grad_buffers)
+        self._zero_pending = False  # gradient buffers owed (zero_later): made when needed
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
         self._viewed: tuple = (None, None)  # the base's buffers its own grads view
         self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
@@ -165,7 +166,7 @@ class Tensor(GradBuffers, TensorOperators):
         """
         if self._base is not None:
             self._sync_view()
-        return (self._shape, self._layout_el, self._grad_in is not None, self._grad_out is not None)
+        return (self._shape, self._layout_el) + self.grad_flags()
 
     @property
     def differentiable(self) -> bool:
@@ -196,7 +197,7 @@ class Tensor(GradBuffers, TensorOperators):
     def __repr__(self) -> str:
         self._sync_view()
         shared = ", grad=shared" if self._grad_in is self._grad_out else ", grad=separate"
-        grads = "" if self._grad_out is None else shared
+        grads = "" if self._grad_out is None and not self._zero_pending else shared
         return (
             f"pydiff.Tensor({tensor_methods.call('values_text', self)}, shape={self.shape}, "
             f"dtype={self.dtype}, device={self._device.type}{grads})"
