@@ -56,10 +56,19 @@ def wrapper_header(fn: GeneratingFunction) -> str:
 
 
 def need_differentiable(fn: GeneratingFunction, what: str) -> None:
+    """Refuse forward mode (``what``: .fwds, hvp) of a function that is not differentiable,
+    or whose forward derivative Slang gets wrong (``Finding.wrong_jvp``: pow, fmod, a call of
+    a function with a hand-written backward and no forward derivative)."""
     if not fn.differentiable:
         raise TypeError(
             f"{fn.label} is not differentiable: mark it [Differentiable] in {fn.module.file} "
             f"to use {what}"
+        )
+    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
+    if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
+        raise ShaderTrapError(
+            f"{fn.label}{what if what.startswith('.') else ' ' + what} refused: Slang's "
+            "derivative is wrong here:\n  " + "\n  ".join(wrong)
         )
 
 
@@ -208,11 +217,6 @@ def _fresh(name: str, taken: set) -> str:
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
     need_differentiable(fn, ".fwds")
-    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
-    if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
-        raise ShaderTrapError(
-            f"{fn.label}.fwds refused: Slang's derivative is wrong here:\n  " + "\n  ".join(wrong)
-        )
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)

@@ -2,7 +2,9 @@
 function with an ``inout`` parameter whose ``bw`` reads that parameter's primal (``v.p``),
 and a ``bw`` that never sets the derivative of one of its ``inout DifferentialPair``
 parameters (``UNSET_KIND``: that gradient is then undefined, NaN through SlangPy's kernels
-and 0 through pydiff's generated ones, so the function's ``.bwds`` is refused).
+and 0 through pydiff's generated ones, so the function's ``.bwds`` is refused), and a
+function with a hand-written backward but no forward derivative (``lint.BWD_ONLY_KIND``:
+Slang's forward mode of a caller drops its calls, so forward mode is refused).
 
 Called directly (``f.bwds``), pydiff runs such a backward through a wrapper that calls it
 without Slang's autodiff (``custom_backward``), and it is right. Called from *another*
@@ -17,13 +19,20 @@ from __future__ import annotations
 
 import re
 
-from .lint import Finding
+from .lint import BWD_ONLY_KIND, Finding
 from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
 UNSET_KIND = "custom-bwd-unset-derivative"
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+# attributes that give the function they mark a forward derivative (Slang's own from its
+# body, or a hand-written one), and the attribute naming the function it is the forward of
+_FORWARD = re.compile(
+    r"\[\s*(?:Differentiable|BackwardDifferentiable|ForwardDifferentiable|ForwardDerivative)\b"
+    r"[^\]]*\]"
+)
+_FWD_OF = re.compile(r"\[\s*ForwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _BRACE = re.compile(r"\s*(?:where\b[^{};()]*)?\{")  # (a generic's where clause)
 _HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
@@ -101,10 +110,50 @@ def _crashing(src: str, defs: dict) -> dict[str, str]:
     return found
 
 
+def _declared_after(src: str, end: int) -> str | None:
+    """The function an attribute ending at ``end`` marks: the name after any further
+    attributes (``[ForwardDerivative(f)][BackwardDerivative(b)] float g(...)``: g)."""
+    while True:
+        at = len(src) - len(src[end:].lstrip())
+        if not src.startswith("[", at):
+            return _name_after(src, at)
+        close = matching(src, at, "[", "]")
+        if close < 0:
+            return None
+        end = close + 1
+
+
+def _backward_only(src: str, defs: dict, file: str) -> list[Finding]:
+    """Functions with a hand-written backward (``[BackwardDerivative(bw)]``, or a
+    ``[BackwardDerivativeOf(f)]`` naming them) and no forward derivative: not marked
+    ``[Differentiable]`` (nor ``[ForwardDifferentiable]``) and without a
+    ``[ForwardDerivative]``/``[ForwardDerivativeOf]``. Slang's forward mode of a function
+    calling one drops the call: value and tangent come out as if it returned 0 (SlangPy
+    0.43, no error), and its own ``.fwds`` fails to compile. Their ``.bwds`` is right."""
+    forward = {_declared_after(src, m.end()) for m in _FORWARD.finditer(src)}
+    forward |= {m.group(1) for m in _FWD_OF.finditer(src)}
+    findings, seen = [], set()
+    for f, bw in _pairs(src):
+        if not f or f in forward or f in seen or f not in defs:
+            continue
+        seen.add(f)
+        message = (
+            f"{f}() has a hand-written backward ({bw}) but no forward derivative: Slang's "
+            f"forward mode (.fwds, jvp, jacfwd, hvp) of {f}() fails to build, and of a "
+            f"function calling it drops the call without an error (value and tangent as if "
+            f"{f}() returned 0; SlangPy 0.43); .bwds is right. Mark {f}() [Differentiable] "
+            "(Slang then differentiates its body forward and keeps your backward), or give "
+            "it a [ForwardDerivative]"
+        )
+        line = src.count("\n", 0, defs[f][0][0]) + 1
+        findings.append(Finding(file, line, f, BWD_ONLY_KIND, message))
+    return findings
+
+
 def _pairs(src: str) -> list[tuple[str | None, str | None]]:
     """(function, its hand-written backward) of every BackwardDerivative(Of) attribute."""
-    pairs = [(_name_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
-    return pairs + [(m.group(1), _name_after(src, m.end())) for m in _BWD_OF.finditer(src)]
+    pairs = [(_declared_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
+    return pairs + [(m.group(1), _declared_after(src, m.end())) for m in _BWD_OF.finditer(src)]
 
 
 def _sets(body: str, name: str) -> bool:
@@ -157,7 +206,7 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     functions whose hand-written backward leaves a derivative unset."""
     src = _blank_comments(source)
     defs = _definitions(src)
-    findings = _unset_derivatives(src, defs, file)
+    findings = _unset_derivatives(src, defs, file) + _backward_only(src, defs, file)
     crashing = _crashing(src, defs)
     if not crashing:
         return findings

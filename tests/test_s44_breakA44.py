@@ -1,0 +1,203 @@
+"""Session 44, breakA44: a new user's functions on the generated kernels and SlangPy's path,
+checked against closed forms in float64 NumPy (and both paths against each other).
+
+Fixed here (each test failed before):
+- Forward mode (``.fwds``, ``jvp``, ``jacfwd``, ``hvp``, ``gradcheck``) of a ``[Differentiable]``
+  function calling a function that has a hand-written ``[BackwardDerivative]`` (or is named by a
+  ``[BackwardDerivativeOf]``) but is neither ``[Differentiable]`` nor given a forward
+  derivative: Slang drops the call in ``fwd_diff`` without an error, so ``caller(a, x) =
+  cb(a, x) + x`` gave value ``x`` and tangent ``1`` (``a x^2 + x`` and ``2 a x + 1`` are right),
+  on both paths and in raw SlangPy. ``.fwds`` of ``cb`` itself raised a raw
+  ``SlangCompileError`` of pydiff's wrapper. Both now raise ``ShaderTrapError`` naming
+  ``cb``'s file and line and the fix; ``.bwds`` (right) is unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import generated
+
+SOURCE = """
+import slangpy;
+[BackwardDerivative(a44_cb_bwd)]
+float a44_cb(float a, float x) { return a * x * x; }
+void a44_cb_bwd(inout DifferentialPair<float> a, inout DifferentialPair<float> x, float d)
+{ a = diffPair(a.p, x.p * x.p * d); x = diffPair(x.p, 2.0 * a.p * x.p * d); }
+[Differentiable] float a44_caller(float a, float x) { return a44_cb(a, x) + x; }
+[Differentiable] float a44_outer(float x) { return a44_caller(2.0, x) * 2.0; }
+float a44_of(float x) { return x * x; }
+[BackwardDerivativeOf(a44_of)]
+void a44_of_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[Differentiable] float a44_of_caller(float x) { return a44_of(x) + x; }
+// the forms that have a forward derivative: not refused
+[Differentiable][BackwardDerivative(a44_d_bwd)]
+float a44_d(float x) { return x * x; }
+void a44_d_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[ForwardDerivative(a44_fb_fwd)][BackwardDerivative(a44_fb_bwd)]
+float a44_fb(float x) { return x * x; }
+DifferentialPair<float> a44_fb_fwd(DifferentialPair<float> x)
+{ return diffPair(x.p * x.p, 2.0 * x.p * x.d); }
+void a44_fb_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[BackwardDerivative(a44_fo_bwd)]
+float a44_fo(float x) { return x * x; }
+void a44_fo_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[ForwardDerivativeOf(a44_fo)]
+DifferentialPair<float> a44_fo_fwd(DifferentialPair<float> x)
+{ return diffPair(x.p * x.p, 2.0 * x.p * x.d); }
+[ForwardDifferentiable][BackwardDerivative(a44_fd_bwd)]
+float a44_fd(float x) { return x * x; }
+void a44_fd_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[Differentiable] float a44_ok_caller(float x)
+{ return a44_d(x) + a44_fb(x) + a44_fo(x) + a44_fd(x) + x; }
+[Differentiable] float a44_f2(float a, float x) { return a * x * x + sin(x); }
+[Differentiable] float a44_g3(float a, float b, float x) { return a * exp(b * x); }
+"""
+
+
+@pytest.fixture
+def mod(device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pydiff.ShaderTrapWarning)
+        return pydiff.load_module_from_source("s44_breakA44", SOURCE, device=device)
+
+
+@pytest.fixture(params=["default", "forced"])
+def paths(request, monkeypatch):
+    """Each test twice: at the default threshold and with every covered call generated."""
+    if request.param == "forced":
+        monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    generated.reset_stats()
+    return request.param
+
+
+def _close(got, want, tol=2e-4) -> None:
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+
+
+XS = np.array([-1.5, -0.25, 0.5, 1.0, 2.0, 3.0], np.float32)
+X = XS.astype(np.float64)
+
+
+# ------------------------------------------------------------------------------------------
+# fixed: forward mode through a function with a hand-written backward only
+
+
+@pytest.mark.parametrize("name", ["a44_caller", "a44_outer", "a44_of_caller", "a44_cb"])
+def test_forward_mode_through_a_backward_only_function_is_refused(mod, device, paths, name):
+    """Before: ``.fwds`` of the callers gave value x and tangent 1 (the call dropped);
+    ``.fwds`` of ``a44_cb`` a raw SlangCompileError of the generated wrapper."""
+    fn = getattr(mod, name)
+    args = (1.5,) if name in ("a44_caller", "a44_cb") else ()
+    where = "a44_of()" if name == "a44_of_caller" else "a44_cb()"
+    with pytest.raises(pydiff.ShaderTrapError, match=r"no forward derivative") as info:
+        fn.fwds(*args, pydiff.tensor(XS).with_tangent(np.ones(XS.shape)))
+    assert where in str(info.value) and "<s44_breakA44>:" in str(info.value)
+    x = pydiff.tensor(XS)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"no forward derivative"):
+        pydiff.jvp(fn, (*args, x), (*(0.0 for _ in args), pydiff.ones(XS.shape)))
+    with pytest.raises(pydiff.ShaderTrapError, match=r"hvp refused"):
+        pydiff.hvp(fn, (*args, x), (*(0.0 for _ in args), pydiff.ones(XS.shape)))
+
+
+def test_backward_through_a_backward_only_function_still_runs(mod, device, paths):
+    """Reverse mode is right: caller = a x^2 + x, outer = 2 caller(2, x)."""
+    a = pydiff.tensor([1.5], requires_grad=True)
+    x = pydiff.tensor(XS, requires_grad=True)
+    y = mod.a44_caller(a, x, _result="tensor")
+    _close(y.numpy(), 1.5 * X * X + X)
+    mod.a44_caller.bwds(a, x, _result=y.with_grads(ones=True))
+    _close(x.grad.numpy(), 3.0 * X + 1.0)
+    _close(a.grad.numpy(), [np.sum(X * X)])
+    x2 = pydiff.tensor(XS, requires_grad=True)
+    z = mod.a44_outer(x2, _result="tensor")
+    mod.a44_outer.bwds(x2, _result=z.with_grads(ones=True))
+    _close(x2.grad.numpy(), 2.0 * (4.0 * X + 1.0))
+
+
+def test_functions_with_a_forward_derivative_keep_forward_mode(mod, device, paths):
+    """[Differentiable] + [BackwardDerivative], [ForwardDerivative] + [BackwardDerivative],
+    [ForwardDerivativeOf], [ForwardDifferentiable] + [BackwardDerivative]: 4 x^2 + x."""
+    v, dv = mod.a44_ok_caller.fwds(pydiff.tensor(XS).with_tangent(np.full(XS.shape, 0.5)))
+    _close(v.numpy(), 4 * X * X + X)
+    _close(dv.numpy(), 0.5 * (8 * X + 1))
+    x = pydiff.tensor(XS, requires_grad=True)
+    y = mod.a44_ok_caller(x, _result="tensor")
+    mod.a44_ok_caller.bwds(x, _result=y.with_grads(ones=True))
+    _close(x.grad.numpy(), 8 * X + 1)
+
+
+def test_the_finding_is_reported_at_load(device):
+    with pytest.warns(pydiff.ShaderTrapWarning, match=r"a44w_cb\(\).*forward mode of it"):
+        pydiff.load_module_from_source(
+            "s44_breakA44_warn",
+            SOURCE.replace("a44_", "a44w_"),
+            device=device,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# held (closed forms; both paths)
+
+
+@pytest.mark.parametrize("xshape, ashape", [((64, 80), (1, 1)), ((64, 80), (80,)), ((5000,), ())])
+def test_broadcast_coefficient_gradients(mod, device, paths, xshape, ashape):
+    rng = np.random.default_rng(44)
+    xn = rng.standard_normal(xshape).astype(np.float32)
+    an = rng.standard_normal(ashape).astype(np.float32)
+    x = pydiff.tensor(xn, requires_grad=True)
+    a = pydiff.tensor(an, requires_grad=True)
+    y = mod.a44_f2(a, x, _result="tensor")
+    xd, ad = xn.astype(np.float64), an.astype(np.float64)
+    _close(y.numpy(), ad * xd * xd + np.sin(xd))
+    g = rng.standard_normal(xshape).astype(np.float32)
+    up = pydiff.tensor(y.numpy()).with_grads()
+    up.grad.copy_from_numpy(g)
+    mod.a44_f2.bwds(a, x, _result=up)
+    _close(x.grad.numpy(), g * (2 * ad * xd + np.cos(xd)))
+    da = g * xd * xd
+    want = da.sum() if ashape in ((), (1, 1)) else da.sum(axis=0)
+    _close(a.grad.numpy(), np.reshape(want, ashape), 2e-3)
+
+
+def test_one_tensor_at_two_broadcast_parameters(mod, device, paths):
+    """g3(a, a, x) = a exp(a x) with a (1,): da = sum(exp(a x) (1 + a x))."""
+    xn = np.linspace(-1, 1, 5000, dtype=np.float32)
+    xd = xn.astype(np.float64)
+    x = pydiff.tensor(xn, requires_grad=True)
+    a = pydiff.tensor([0.5], requires_grad=True)
+    y = mod.a44_g3(a, a, x, _result="tensor")
+    mod.a44_g3.bwds(a, a, x, _result=y.with_grads(ones=True))
+    _close(a.grad.numpy(), [np.sum(np.exp(0.5 * xd) * (1 + 0.5 * xd))], 1e-3)
+    _close(x.grad.numpy(), 0.25 * np.exp(0.5 * xd))
+
+
+def test_threads_adding_into_one_shared_gradient(mod, device, paths):
+    """Four threads, each ten .bwds of f2(a, x) with the same a and x (ACCUMULATE)."""
+    xn = np.linspace(-2, 2, 5000, dtype=np.float32)
+    xd = xn.astype(np.float64)
+    x = pydiff.tensor(xn, requires_grad=True)
+    a = pydiff.tensor([0.5], requires_grad=True)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(10):
+                y = mod.a44_f2(a, x, _result="tensor")
+                mod.a44_f2.bwds(a, x, _result=y.with_grads(ones=True))
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    _close(a.grad.numpy(), [40 * np.sum(xd * xd)], 1e-3)
+    _close(x.grad.numpy(), 40 * (xd + np.cos(xd)), 1e-3)
