@@ -203,7 +203,23 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     )
     if rtype != "void":  # value and tangent into two outputs (forward_pair)
         source += out_entry(f"{stem(fn.name)}__pydiff_{kind}", ret, params, pre, call, post)
-    return fn.generated(kind, source)
+    return _compiled(fn, kind, source)
+
+
+def _compiled(fn: GeneratingFunction, kind: str, source: str) -> GeneratingFunction:
+    """``fn.generated(kind, source)``; a function with a hand-written backward and no forward
+    derivative (Slang: "'fwd_diff' is not a member of 'f'") is a TypeError saying so."""
+    try:
+        return fn.generated(kind, source)
+    except SlangCompileError as exc:
+        if f"'fwd_diff' is not a member of '{fn.name}'" not in str(exc):
+            raise
+        raise TypeError(
+            f"{fn.label} has no forward derivative (a hand-written [BackwardDerivative] only, "
+            f"not [Differentiable]), so forward mode (.fwds, jvp, hvp) cannot run: mark it "
+            f"[Differentiable] in {fn.module.file} (Slang keeps your backward and derives "
+            "the forward from the body) or give it a [ForwardDerivative]"
+        ) from exc
 
 
 def _fresh(name: str, taken: set) -> str:
@@ -426,4 +442,4 @@ def dir_wrapper(
         + f"[Differentiable]\n{ret} {stem(fn.name)}__pydiff_{kind}({', '.join(params)})\n{{\n"
         f"    return fwd_diff({fn.name})({', '.join(call_args)}).d;\n}}\n"
     )
-    return fn.generated(kind, source)
+    return _compiled(fn, kind, source)

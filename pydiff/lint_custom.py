@@ -139,15 +139,27 @@ def _backward_only(src: str, defs: dict, file: str) -> list[Finding]:
         seen.add(f)
         message = (
             f"{f}() has a hand-written backward ({bw}) but no forward derivative: Slang's "
-            f"forward mode (.fwds, jvp, jacfwd, hvp) of {f}() fails to build, and of a "
-            f"function calling it drops the call without an error (value and tangent as if "
-            f"{f}() returned 0; SlangPy 0.43); .bwds is right. Mark {f}() [Differentiable] "
+            f"forward mode (.fwds, jvp, jacfwd, hvp) of a function calling it drops the call "
+            "without an error (wrong values and tangents: 'cb(a, x) + x' gave x and 1; "
+            f"SlangPy 0.43), and of {f}() itself fails to build; .bwds is right. Mark {f}() "
+            "[Differentiable] "
             "(Slang then differentiates its body forward and keeps your backward), or give "
             "it a [ForwardDerivative]"
         )
         line = src.count("\n", 0, defs[f][0][0]) + 1
         findings.append(Finding(file, line, f, BWD_ONLY_KIND, message))
     return findings
+
+
+def called_by_others(texts: list[str], name: str) -> bool:
+    """Whether a function other than ``name`` calls ``name`` in one of ``texts`` (a
+    backward-only function no one calls keeps its finding out of the scan: its own forward
+    mode fails to build, which forward_mode reports)."""
+    for text in texts:
+        for other, found in _definitions(_blank_comments(text)).items():
+            if other != name and any(call_at(body, name) >= 0 for _, _, body, _ in found):
+                return True
+    return False
 
 
 def _pairs(src: str) -> list[tuple[str | None, str | None]]:

@@ -164,6 +164,13 @@ def scan_module(
             writers.setdefault(helper, []).extend(found)
     for text, name, own in every:
         (result.own if own else result.imported).extend(lint_calls.scan_source(text, name, writers))
+    texts_read = [text for text, _, _ in every]
+    for kept in (result.own, result.imported):  # a backward-only function: where called
+        kept[:] = [
+            f for f in kept
+            if f.kind != lint.BWD_ONLY_KIND
+            or lint_custom.called_by_others(texts_read, f.function)
+        ]  # fmt: skip
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
     return result

@@ -132,6 +132,27 @@ def test_functions_with_a_forward_derivative_keep_forward_mode(mod, device, path
     _close(x.grad.numpy(), 8 * X + 1)
 
 
+def test_fwds_of_an_uncalled_backward_only_function_says_why(device):
+    """Nothing calls it: no load-time finding (its .bwds is all one may use); its own forward
+    mode cannot build. Before: a raw SlangCompileError of pydiff's wrapper."""
+    src = SOURCE.split("[Differentiable] float a44_caller")[0].replace("a44_", "a44s_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydiff.ShaderTrapWarning)
+        m = pydiff.load_module_from_source("s44_breakA44_alone", src, device=device)
+    for call in (
+        lambda: m.a44s_cb.fwds(1.5, pydiff.tensor(XS).with_tangent(np.ones(XS.shape))),
+        lambda: pydiff.hvp(m.a44s_cb, (1.5, pydiff.tensor(XS)), (0.0, pydiff.ones(XS.shape))),
+    ):
+        with pytest.raises(
+            TypeError, match=r"a44s_cb has no forward derivative.*\[Differentiable\]"
+        ):
+            call()
+    x = pydiff.tensor(XS, requires_grad=True)
+    y = m.a44s_cb(1.5, x, _result="tensor")
+    m.a44s_cb.bwds(1.5, x, _result=y.with_grads(ones=True))
+    _close(x.grad.numpy(), 3.0 * X)
+
+
 def test_the_finding_is_reported_at_load(device):
     with pytest.warns(pydiff.ShaderTrapWarning, match=r"a44w_cb\(\).*forward mode of it"):
         pydiff.load_module_from_source(
