@@ -53,6 +53,11 @@ _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s
 #: a function with a hand-written backward and no forward derivative (lint_custom): Slang's
 #: forward mode drops its calls (value and tangent), its backward is right
 BWD_ONLY_KIND = "custom-bwd-no-forward"
+#: a [Differentiable] function with a hand-written derivative one way only, whose body cuts a
+#: derivative (no_diff(...), detach(...)): the way Slang derives from the body is wrong
+#: (lint_custom): the backward (hand-written forward only) or forward mode (backward only)
+DERIVED_BWD_KIND = "custom-fwd-derived-backward"
+DERIVED_FWD_KIND = "custom-bwd-derived-forward"
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,17 @@ class Finding:
     @property
     def refuses_bwds(self) -> bool:
         """Whether .bwds must be refused (a crash or wrong gradient), not only warned about."""
-        return self.kind not in ("vector-index-order", POW_WARN_KIND, BWD_ONLY_KIND)
+        return self.kind not in (
+            "vector-index-order",
+            POW_WARN_KIND,
+            BWD_ONLY_KIND,
+            DERIVED_FWD_KIND,
+        )
 
     @property
     def wrong_jvp(self) -> bool:
         """Whether forward mode (.fwds, jvp) gets the same wrong derivative rule."""
-        return self.kind in (POW_KIND, FMOD_KIND, BWD_ONLY_KIND)
+        return self.kind in (POW_KIND, FMOD_KIND, BWD_ONLY_KIND, DERIVED_FWD_KIND)
 
     @property
     def crashes_call(self) -> bool:

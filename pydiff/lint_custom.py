@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from .lint import BWD_ONLY_KIND, Finding
+from .lint import BWD_ONLY_KIND, DERIVED_BWD_KIND, DERIVED_FWD_KIND, Finding
 from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
@@ -151,6 +151,44 @@ def _backward_only(src: str, defs: dict, file: str) -> list[Finding]:
     return findings
 
 
+_CUT = re.compile(r"\b(no_diff|detach)\s*\(")
+_FWD = re.compile(r"\[\s*ForwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+
+
+def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
+    """[Differentiable] functions with a hand-written derivative one way only, whose body
+    holds ``no_diff(...)`` or ``detach(...)`` (as the build rule for non-differentiable
+    helpers asks): Slang derives the other way from that body, where the cut part has
+    derivative 0 (SlangPy 0.43: ``no_diff(helper(x))`` with ``[ForwardDerivative]`` gave
+    ``.bwds`` 0, with ``[BackwardDerivative]`` ``.fwds`` 0; 2x right). Conservative: a cut
+    part that depends on no differentiable input would be right, and is refused too."""
+    diff = {_declared_after(src, m.end()) for m in _DIFF.finditer(src)}
+    bwd = {f for f, _ in _pairs(src)}
+    fwd = {_declared_after(src, m.end()) for m in _FWD.finditer(src)}
+    fwd |= {m.group(1) for m in _FWD_OF.finditer(src)}
+    findings = []
+    for f in sorted((bwd ^ fwd) & diff):
+        for _, _, body, body_at in defs.get(f, ()):
+            cut = _CUT.search(body)
+            if cut is None:
+                continue
+            written, derived = ("backward", "forward") if f in bwd else ("forward", "backward")
+            kind = DERIVED_FWD_KIND if f in bwd else DERIVED_BWD_KIND
+            uses = ".fwds, jvp, hvp" if f in bwd else ".bwds, tapes"
+            message = (
+                f"'{cut.group(1)}(...)' in {f}(), which has a hand-written {written} "
+                f"derivative only: Slang derives its {derived} derivative from this body, "
+                f"where the part under {cut.group(1)} counts 0 ({uses} of {f}() and its "
+                f"callers silently wrong: no_diff(helper(x)) gave 0 where 2x is right, "
+                f"SlangPy 0.43); write the {derived} derivative by hand too "
+                f"([{derived.capitalize()}Derivative]), or compute the part differentiably"
+            )
+            line = src.count("\n", 0, body_at + cut.start()) + 1
+            findings.append(Finding(file, line, f, kind, message))
+            break
+    return findings
+
+
 def called_by_others(texts: list[str], name: str) -> bool:
     """Whether a function other than ``name`` calls ``name`` in one of ``texts`` (a
     backward-only function no one calls keeps its finding out of the scan: its own forward
@@ -219,6 +257,7 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     src = _blank_comments(source)
     defs = _definitions(src)
     findings = _unset_derivatives(src, defs, file) + _backward_only(src, defs, file)
+    findings += _derived_through_cut(src, defs, file)
     crashing = _crashing(src, defs)
     if not crashing:
         return findings

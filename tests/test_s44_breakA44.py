@@ -9,7 +9,14 @@ Fixed here (each test failed before):
   cb(a, x) + x`` gave value ``x`` and tangent ``1`` (``a x^2 + x`` and ``2 a x + 1`` are right),
   on both paths and in raw SlangPy. ``.fwds`` of ``cb`` itself raised a raw
   ``SlangCompileError`` of pydiff's wrapper. Both now raise ``ShaderTrapError`` naming
-  ``cb``'s file and line and the fix; ``.bwds`` (right) is unchanged.
+  ``cb``'s file and line and the fix (an uncalled ``cb``: a ``TypeError`` saying why);
+  ``.bwds`` (right) is unchanged.
+- A ``[Differentiable]`` function with a hand-written derivative one way only whose body wraps
+  a helper in ``no_diff(...)`` (the build rule docs/traps.md gives): Slang derives the other
+  way from the body, where the helper counts 0. ``[ForwardDerivative]`` only: ``.bwds`` gave
+  0 where 2x is right (silently wrong gradients, callers too); ``[BackwardDerivative]`` only:
+  ``.fwds`` 0. The derived direction is now refused (``ShaderTrapError`` at the ``no_diff``'s
+  line), the hand-written one runs.
 """
 
 from __future__ import annotations
@@ -151,6 +158,51 @@ def test_fwds_of_an_uncalled_backward_only_function_says_why(device):
     y = m.a44s_cb(1.5, x, _result="tensor")
     m.a44s_cb.bwds(1.5, x, _result=y.with_grads(ones=True))
     _close(x.grad.numpy(), 3.0 * X)
+
+
+CUT = """
+import slangpy;
+float a44c_helper(float x) { return x * x; }
+[Differentiable][ForwardDerivative(a44c_fw_fwd)]
+float a44c_fw(float x) { return no_diff(a44c_helper(x)); }
+DifferentialPair<float> a44c_fw_fwd(DifferentialPair<float> x)
+{ return diffPair(a44c_helper(x.p), 2.0 * x.p * x.d); }
+[Differentiable][BackwardDerivative(a44c_bw_bwd)]
+float a44c_bw(float x) { return no_diff(a44c_helper(x)); }
+void a44c_bw_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.0 * x.p * d); }
+[Differentiable] float a44c_fw_caller(float x) { return a44c_fw(x) + x; }
+[Differentiable] float a44c_bw_caller(float x) { return a44c_bw(x) + x; }
+"""
+
+
+def test_derivative_slang_derives_through_no_diff_is_refused(device, paths):
+    """The build rule for hand-written derivatives (docs/traps.md) wraps a non-differentiable
+    helper in no_diff(...); Slang then derives the other direction from that body, where the
+    helper counts 0. Before: .bwds of a44c_fw (forward hand-written) gave 0 and of its caller
+    1 (2x and 2x + 1 are right); .fwds of a44c_bw likewise. Now each is refused; the
+    hand-written direction still runs and is right."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pydiff.ShaderTrapWarning)
+        m = pydiff.load_module_from_source("s44_breakA44_cut", CUT, device=device)
+    for name in ("a44c_fw", "a44c_fw_caller"):
+        x = pydiff.tensor(XS, requires_grad=True)
+        y = getattr(m, name)(x, _result="tensor")
+        with pytest.raises(pydiff.ShaderTrapError, match=r"no_diff\(\.\.\.\)' in a44c_fw\(\)"):
+            getattr(m, name).bwds(x, _result=y.with_grads(ones=True))
+        add = 1.0 if name.endswith("caller") else 0.0
+        v, dv = getattr(m, name).fwds(pydiff.tensor(XS).with_tangent(np.ones(XS.shape)))
+        _close(v.numpy(), X * X + add * X)
+        _close(dv.numpy(), 2 * X + add)
+    for name in ("a44c_bw", "a44c_bw_caller"):
+        with pytest.raises(pydiff.ShaderTrapError, match=r"no_diff\(\.\.\.\)' in a44c_bw\(\)"):
+            getattr(m, name).fwds(pydiff.tensor(XS).with_tangent(np.ones(XS.shape)))
+        add = 1.0 if name.endswith("caller") else 0.0
+        x = pydiff.tensor(XS, requires_grad=True)
+        y = getattr(m, name)(x, _result="tensor")
+        getattr(m, name).bwds(x, _result=y.with_grads(ones=True))
+        _close(x.grad.numpy(), 2 * X + add)
+    # gradcheck (check_forward=None) checks the backward alone where forward mode is refused
+    assert pydiff.gradcheck(m.a44c_bw, (pydiff.tensor([0.5, 1.5], requires_grad=True),))
 
 
 def test_the_finding_is_reported_at_load(device):
