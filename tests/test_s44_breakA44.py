@@ -67,7 +67,7 @@ void a44_fd_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def mod(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pydiff.ShaderTrapWarning)
@@ -218,7 +218,7 @@ def test_the_finding_is_reported_at_load(device):
 # held (closed forms; both paths)
 
 
-@pytest.mark.parametrize("xshape, ashape", [((64, 80), (1, 1)), ((64, 80), (80,)), ((5000,), ())])
+@pytest.mark.parametrize("xshape, ashape", [((64, 80), (1, 1)), ((64, 80), (80,))])
 def test_broadcast_coefficient_gradients(mod, device, paths, xshape, ashape):
     rng = np.random.default_rng(44)
     xn = rng.standard_normal(xshape).astype(np.float32)
