@@ -58,6 +58,9 @@ BWD_ONLY_KIND = "custom-bwd-no-forward"
 #: (lint_custom): the backward (hand-written forward only) or forward mode (backward only)
 DERIVED_BWD_KIND = "custom-fwd-derived-backward"
 DERIVED_FWD_KIND = "custom-bwd-derived-forward"
+#: fwd_diff(f) written in a function's own Slang, f's forward derivative wrong (wrong_jvp):
+#: the function's values are wrong, its forward call refused (lint_custom.fwd_diff_users)
+FWD_DIFF_OF_WRONG_KIND = "fwd-diff-of-wrong-forward"
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,10 @@ class Finding:
     @property
     def crashes_call(self) -> bool:
         """Whether even a forward call must be refused (the kernel's build crashes)."""
-        return self.kind in ("do-while-break", "struct-interface-tensor", "double-intrinsic")
+        return self.kind in (
+            "do-while-break", "struct-interface-tensor", "double-intrinsic",
+            FWD_DIFF_OF_WRONG_KIND,
+        )  # fmt: skip
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import re
 
-from .lint import BWD_ONLY_KIND, DERIVED_BWD_KIND, DERIVED_FWD_KIND, Finding
+from .lint import BWD_ONLY_KIND, DERIVED_BWD_KIND, DERIVED_FWD_KIND, FWD_DIFF_OF_WRONG_KIND
+from .lint import Finding
 from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
@@ -187,6 +188,35 @@ def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
             findings.append(Finding(file, line, f, kind, message))
             break
     return findings
+
+
+_FWD_DIFF_OF = re.compile(
+    r"\bfwd_diff\s*\(\s*(?:[A-Za-z_]\w*\s*(?:::|\.)\s*)*([A-Za-z_]\w*)\s*[<)]"
+)
+
+
+def fwd_diff_users(texts: list[tuple[str, str]], traps: dict) -> list[Finding]:
+    """Functions (of any kind) whose own Slang calls ``fwd_diff(f)`` of a function ``f`` whose
+    forward derivative Slang gets wrong (``traps[f]`` holds a ``wrong_jvp`` finding): their
+    values are wrong, so their forward call is refused (``texts``: (text, file) pairs)."""
+    found = []
+    for text, file in texts:
+        src = _blank_comments(text)
+        for name, defs in _definitions(src).items():
+            for _, _, body, body_at in defs:
+                for m in _FWD_DIFF_OF.finditer(body):
+                    wrong = [f for f in traps.get(m.group(1)) or () if f.wrong_jvp]
+                    if not wrong or m.group(1) == name:
+                        continue
+                    line = src.count("\n", 0, body_at + m.start()) + 1
+                    message = (
+                        f"'fwd_diff({m.group(1)})' in {name}(): Slang's forward derivative of "
+                        f"{m.group(1)}() is wrong ({wrong[0].file}:{wrong[0].line}: "
+                        f"{wrong[0].message})"
+                    )
+                    found.append(Finding(file, line, name, FWD_DIFF_OF_WRONG_KIND, message))
+                    break
+    return found
 
 
 def called_by_others(texts: list[str], name: str) -> bool:

@@ -173,4 +173,10 @@ def scan_module(
         ]  # fmt: skip
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
+    users = lint_custom.fwd_diff_users([(t, n) for t, n, _ in every], result.traps)
+    if users:  # fwd_diff(f) written by hand, f's forward wrong: those functions' values too
+        for f in users:
+            (result.own if f.file == file else result.imported).append(f)
+        findings = result.own + result.imported
+        result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
     return result

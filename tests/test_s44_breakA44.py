@@ -10,7 +10,8 @@ Fixed here (each test failed before):
   on both paths and in raw SlangPy. ``.fwds`` of ``cb`` itself raised a raw
   ``SlangCompileError`` of pydiff's wrapper. Both now raise ``ShaderTrapError`` naming
   ``cb``'s file and line and the fix (an uncalled ``cb``: a ``TypeError`` saying why);
-  ``.bwds`` (right) is unchanged.
+  ``.bwds`` (right) is unchanged. So is the forward call of a function of the user's own
+  Slang calling ``fwd_diff(caller)`` (before: tangent 1 where 3x + 1 is right).
 - A ``[Differentiable]`` function with a hand-written derivative one way only whose body wraps
   a helper in ``no_diff(...)`` (the build rule docs/traps.md gives): Slang derives the other
   way from the body, where the helper counts 0. ``[ForwardDerivative]`` only: ``.bwds`` gave
@@ -110,6 +111,21 @@ def test_forward_mode_through_a_backward_only_function_is_refused(mod, device, p
         pydiff.jvp(fn, (*args, x), (*(0.0 for _ in args), pydiff.ones(XS.shape)))
     with pytest.raises(pydiff.ShaderTrapError, match=r"hvp refused"):
         pydiff.hvp(fn, (*args, x), (*(0.0 for _ in args), pydiff.ones(XS.shape)))
+
+
+def test_fwd_diff_written_in_slang_of_such_a_caller_is_refused(device):
+    """A directional-derivative helper of the user's own, fwd_diff(a44j_caller) in Slang.
+    Before: its forward call gave 1 (the tangent without cb's 2 a x term; 3x + 1 is right)."""
+    src = SOURCE.split("[Differentiable] float a44_outer")[0].replace("a44_", "a44j_")
+    src += (
+        "float a44j_dir(float a, float x, float t)\n"
+        "{ return fwd_diff(a44j_caller)(diffPair(a, 0.0), diffPair(x, t)).d; }\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pydiff.ShaderTrapWarning)
+        m = pydiff.load_module_from_source("s44_breakA44_dir", src, device=device)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"fwd_diff\(a44j_caller\)' in a44j_dir"):
+        m.a44j_dir(1.5, pydiff.tensor(XS), 1.0, _result="numpy")
 
 
 def test_backward_through_a_backward_only_function_still_runs(mod, device, paths):
