@@ -68,7 +68,7 @@ def need_differentiable(fn: GeneratingFunction, what: str) -> None:
     if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
         raise ShaderTrapError(
             f"{fn.label}{what if what.startswith('.') else ' ' + what} refused: Slang's "
-            "derivative is wrong here:\n  " + "\n  ".join(wrong)
+            "derivative is wrong here: " + "\n  ".join(wrong)  # (the first: pydiff check's line)
         )
 
 
