@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import capturing, generated, generated_switch
+from . import capturing, generated, generated_switch, lint
 from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
 from .command_queue import DEFER
@@ -106,7 +106,7 @@ def deferrable(queue: Any) -> bool:
 
 
 def plannable(fn: FunctionTarget) -> bool:
-    return not fn.module.traps.get(fn.name) and not overloaded(fn)
+    return not lint.refusing(fn.module.traps.get(fn.name)) and not overloaded(fn)
 
 
 def may_generate(plan: Any, large: bool) -> bool:

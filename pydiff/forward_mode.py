@@ -56,10 +56,19 @@ def wrapper_header(fn: GeneratingFunction) -> str:
 
 
 def need_differentiable(fn: GeneratingFunction, what: str) -> None:
+    """Refuse forward mode (``what``: .fwds, hvp) of a function that is not differentiable,
+    or whose forward derivative Slang gets wrong (``Finding.wrong_jvp``: pow, fmod, a call of
+    a function with a hand-written backward and no forward derivative)."""
     if not fn.differentiable:
         raise TypeError(
             f"{fn.label} is not differentiable: mark it [Differentiable] in {fn.module.file} "
             f"to use {what}"
+        )
+    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
+    if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
+        raise ShaderTrapError(
+            f"{fn.label}{what if what.startswith('.') else ' ' + what} refused: Slang's "
+            "derivative is wrong here: " + "\n  ".join(wrong)  # (the first: pydiff check's line)
         )
 
 
@@ -194,7 +203,23 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
     )
     if rtype != "void":  # value and tangent into two outputs (forward_pair)
         source += out_entry(f"{stem(fn.name)}__pydiff_{kind}", ret, params, pre, call, post)
-    return fn.generated(kind, source)
+    return _compiled(fn, kind, source)
+
+
+def _compiled(fn: GeneratingFunction, kind: str, source: str) -> GeneratingFunction:
+    """``fn.generated(kind, source)``; a function with a hand-written backward and no forward
+    derivative (Slang: "'fwd_diff' is not a member of 'f'") is a TypeError saying so."""
+    try:
+        return fn.generated(kind, source)
+    except SlangCompileError as exc:
+        if f"'fwd_diff' is not a member of '{fn.name}'" not in str(exc):
+            raise
+        raise TypeError(
+            f"{fn.label} has no forward derivative (a hand-written [BackwardDerivative] only, "
+            f"not [Differentiable]), so forward mode (.fwds, jvp, hvp) cannot run: mark it "
+            f"[Differentiable] in {fn.module.file} (Slang keeps your backward and derives "
+            "the forward from the body) or give it a [ForwardDerivative]"
+        ) from exc
 
 
 def _fresh(name: str, taken: set) -> str:
@@ -208,11 +233,6 @@ def _fresh(name: str, taken: set) -> str:
 def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     """``fn.fwds(...)``: see ForwardFunction."""
     need_differentiable(fn, ".fwds")
-    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
-    if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
-        raise ShaderTrapError(
-            f"{fn.label}.fwds refused: Slang's derivative is wrong here:\n  " + "\n  ".join(wrong)
-        )
     capturing.refuse(f"{fn.module.name}.{fn.name}.fwds (SlangPy)")
     fn.module.device.flush()  # kernels queued in a batched backward run first
     bound, options = bind_arguments(fn, args, kwargs)
@@ -422,4 +442,4 @@ def dir_wrapper(
         + f"[Differentiable]\n{ret} {stem(fn.name)}__pydiff_{kind}({', '.join(params)})\n{{\n"
         f"    return fwd_diff({fn.name})({', '.join(call_args)}).d;\n}}\n"
     )
-    return fn.generated(kind, source)
+    return _compiled(fn, kind, source)

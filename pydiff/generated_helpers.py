@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from . import lint
 from .lint_nodiff import own_name
 from .signature import FunctionTarget, overloaded
 
@@ -89,7 +90,7 @@ def left_to_slangpy(fn: FunctionTarget, elementwise: bool = False) -> str | None
     lanes) also cross-lane code and side effects (wave intrinsics, groupshared, atomics,
     printf: lint_lanes; the vector and grid kernels map elements to lanes as SlangPy's do).
     None: it may."""
-    if fn.module.traps.get(fn.name):
+    if lint.refusing(fn.module.traps.get(fn.name)):  # (forward mode's alone: refused there)
         return "trap findings"
     state = getattr(fn.module, "thread_state", None)  # (modules pydiff scanned)
     if state:

@@ -192,6 +192,8 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
         return check_forward
     if not isinstance(fn, ShaderFunction) or not fn.differentiable or _nested(inputs):
         return False
+    if any(f.wrong_jvp for f in fn.module.traps.get(fn.name, ())):
+        return False  # (forward mode refused: Slang's is wrong there; the backward checked)
     # Automatic only where forward mode can see every input's derivative.
     return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)
 

@@ -50,6 +50,17 @@ _DIFF_ATTR = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]
 _IDENT_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
 _VECTOR_EXTENSION = re.compile(r"\bextension\s+((?:float|half|double)[2-4])\s*[^{;]*\{")
 _INTERFACE_DIFF_TENSOR = re.compile(r"\bI(RW|W)?DiffTensor\s*<[^,<>]+,\s*(\d+)\s*>")
+#: a function with a hand-written backward and no forward derivative (lint_custom): Slang's
+#: forward mode drops its calls (value and tangent), its backward is right
+BWD_ONLY_KIND = "custom-bwd-no-forward"
+#: a [Differentiable] function with a hand-written derivative one way only, whose body cuts a
+#: derivative (no_diff(...), detach(...)): the way Slang derives from the body is wrong
+#: (lint_custom): the backward (hand-written forward only) or forward mode (backward only)
+DERIVED_BWD_KIND = "custom-fwd-derived-backward"
+DERIVED_FWD_KIND = "custom-bwd-derived-forward"
+#: fwd_diff(f) written in a function's own Slang, f's forward derivative wrong (wrong_jvp):
+#: the function's values are wrong, its forward call refused (lint_custom.fwd_diff_users)
+FWD_DIFF_OF_WRONG_KIND = "fwd-diff-of-wrong-forward"
 
 
 @dataclass(frozen=True)
@@ -65,17 +76,25 @@ class Finding:
     @property
     def refuses_bwds(self) -> bool:
         """Whether .bwds must be refused (a crash or wrong gradient), not only warned about."""
-        return self.kind not in ("vector-index-order", POW_WARN_KIND)
+        return self.kind not in (
+            "vector-index-order",
+            POW_WARN_KIND,
+            BWD_ONLY_KIND,
+            DERIVED_FWD_KIND,
+        )
 
     @property
     def wrong_jvp(self) -> bool:
         """Whether forward mode (.fwds, jvp) gets the same wrong derivative rule."""
-        return self.kind in (POW_KIND, FMOD_KIND)
+        return self.kind in (POW_KIND, FMOD_KIND, BWD_ONLY_KIND, DERIVED_FWD_KIND)
 
     @property
     def crashes_call(self) -> bool:
         """Whether even a forward call must be refused (the kernel's build crashes)."""
-        return self.kind in ("do-while-break", "struct-interface-tensor", "double-intrinsic")
+        return self.kind in (
+            "do-while-break", "struct-interface-tensor", "double-intrinsic",
+            FWD_DIFF_OF_WRONG_KIND,
+        )  # fmt: skip
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: in {self.function}(): {self.message}"
@@ -354,14 +373,15 @@ def affected_functions(
     imported: tuple[str, ...] = (),
     defines: Defines | None = None,
 ) -> dict[str, list[Finding]]:
-    """Map each differentiable function to the refusing findings its backward would hit.
+    """Map each differentiable function to the refusing findings its backward would hit (and
+    those its forward mode would: ``Finding.wrong_jvp``; ``refusing`` tells them apart).
 
     A function inherits the findings of the differentiable functions it calls, in
     ``source`` or in the ``imported`` texts (already preprocessed); calls are matched by
     name, so a function reaching none of a finding's functions does not inherit it.
     """
     own: dict[str, list[Finding]] = {}
-    for f in (f for f in findings if f.refuses_bwds):
+    for f in (f for f in findings if f.refuses_bwds or f.wrong_jvp):
         own.setdefault(f.function, []).append(f)
     bodies: dict[str, str] = {}
     for text in (preprocess(source, defines).text, *imported):
@@ -383,6 +403,12 @@ def affected_functions(
                             result[name].append(f)
                             changed = True
     return {k: v for k, v in result.items() if v}
+
+
+def refusing(findings: list[Finding] | None) -> bool:
+    """Whether ``findings`` (a trap map's entry) refuse the function's ``.bwds``: those that
+    refuse forward mode only leave its forward calls and ``.bwds`` to the generated kernels."""
+    return any(f.refuses_bwds for f in findings or ())
 
 
 _scanned: dict[str, str] = {}  # file label -> source text, for modules compiled from a string

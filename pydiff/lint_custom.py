@@ -2,7 +2,9 @@
 function with an ``inout`` parameter whose ``bw`` reads that parameter's primal (``v.p``),
 and a ``bw`` that never sets the derivative of one of its ``inout DifferentialPair``
 parameters (``UNSET_KIND``: that gradient is then undefined, NaN through SlangPy's kernels
-and 0 through pydiff's generated ones, so the function's ``.bwds`` is refused).
+and 0 through pydiff's generated ones, so the function's ``.bwds`` is refused), and a
+function with a hand-written backward but no forward derivative (``lint.BWD_ONLY_KIND``:
+Slang's forward mode of a caller drops its calls, so forward mode is refused).
 
 Called directly (``f.bwds``), pydiff runs such a backward through a wrapper that calls it
 without Slang's autodiff (``custom_backward``), and it is right. Called from *another*
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from .lint import BWD_ONLY_KIND, DERIVED_BWD_KIND, DERIVED_FWD_KIND, FWD_DIFF_OF_WRONG_KIND
 from .lint import Finding
 from .lint_flow import call_at, matching
 
@@ -24,6 +27,13 @@ KIND = "custom-bwd-inout-primal"
 UNSET_KIND = "custom-bwd-unset-derivative"
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+# attributes that give the function they mark a forward derivative (Slang's own from its
+# body, or a hand-written one), and the attribute naming the function it is the forward of
+_FORWARD = re.compile(
+    r"\[\s*(?:Differentiable|BackwardDifferentiable|ForwardDifferentiable|ForwardDerivative)\b"
+    r"[^\]]*\]"
+)
+_FWD_OF = re.compile(r"\[\s*ForwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _DIFF = re.compile(r"\[\s*(Differentiable|BackwardDifferentiable)\s*(\([^)]*\))?\s*\]")
 _BRACE = re.compile(r"\s*(?:where\b[^{};()]*)?\{")  # (a generic's where clause)
 _HEAD = re.compile(r"([A-Za-z_]\w*)\s*(<(?:[^<>()]|<[^<>()]*>)*>)?\s*\($")
@@ -101,10 +111,129 @@ def _crashing(src: str, defs: dict) -> dict[str, str]:
     return found
 
 
+def _declared_after(src: str, end: int) -> str | None:
+    """The function an attribute ending at ``end`` marks: the name after any further
+    attributes (``[ForwardDerivative(f)][BackwardDerivative(b)] float g(...)``: g)."""
+    while True:
+        at = len(src) - len(src[end:].lstrip())
+        if not src.startswith("[", at):
+            return _name_after(src, at)
+        close = matching(src, at, "[", "]")
+        if close < 0:
+            return None
+        end = close + 1
+
+
+def _backward_only(src: str, defs: dict, file: str) -> list[Finding]:
+    """Functions with a hand-written backward (``[BackwardDerivative(bw)]``, or a
+    ``[BackwardDerivativeOf(f)]`` naming them) and no forward derivative: not marked
+    ``[Differentiable]`` (nor ``[ForwardDifferentiable]``) and without a
+    ``[ForwardDerivative]``/``[ForwardDerivativeOf]``. Slang's forward mode of a function
+    calling one drops the call: value and tangent come out as if it returned 0 (SlangPy
+    0.43, no error), and its own ``.fwds`` fails to compile. Their ``.bwds`` is right."""
+    forward = {_declared_after(src, m.end()) for m in _FORWARD.finditer(src)}
+    forward |= {m.group(1) for m in _FWD_OF.finditer(src)}
+    findings, seen = [], set()
+    for f, bw in _pairs(src):
+        if not f or f in forward or f in seen or f not in defs:
+            continue
+        seen.add(f)
+        message = (
+            f"{f}() has a hand-written backward ({bw}) but no forward derivative: Slang's "
+            f"forward mode (.fwds, jvp, jacfwd, hvp) of a function calling it drops the call "
+            "without an error (wrong values and tangents: 'cb(a, x) + x' gave x and 1; "
+            f"SlangPy 0.43), and of {f}() itself fails to build; .bwds is right. Mark {f}() "
+            "[Differentiable] "
+            "(Slang then differentiates its body forward and keeps your backward), or give "
+            "it a [ForwardDerivative]"
+        )
+        line = src.count("\n", 0, defs[f][0][0]) + 1
+        findings.append(Finding(file, line, f, BWD_ONLY_KIND, message))
+    return findings
+
+
+_CUT = re.compile(r"\b(no_diff|detach)\s*\(")
+_FWD = re.compile(r"\[\s*ForwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+
+
+def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
+    """[Differentiable] functions with a hand-written derivative one way only, whose body
+    holds ``no_diff(...)`` or ``detach(...)`` (as the build rule for non-differentiable
+    helpers asks): Slang derives the other way from that body, where the cut part has
+    derivative 0 (SlangPy 0.43: ``no_diff(helper(x))`` with ``[ForwardDerivative]`` gave
+    ``.bwds`` 0, with ``[BackwardDerivative]`` ``.fwds`` 0; 2x right). Conservative: a cut
+    part that depends on no differentiable input would be right, and is refused too."""
+    diff = {_declared_after(src, m.end()) for m in _DIFF.finditer(src)}
+    bwd = {f for f, _ in _pairs(src)}
+    fwd = {_declared_after(src, m.end()) for m in _FWD.finditer(src)}
+    fwd |= {m.group(1) for m in _FWD_OF.finditer(src)}
+    findings = []
+    for f in sorted((bwd ^ fwd) & diff):
+        for _, _, body, body_at in defs.get(f, ()):
+            cut = _CUT.search(body)
+            if cut is None:
+                continue
+            written, derived = ("backward", "forward") if f in bwd else ("forward", "backward")
+            kind = DERIVED_FWD_KIND if f in bwd else DERIVED_BWD_KIND
+            uses = ".fwds, jvp, hvp" if f in bwd else ".bwds, tapes"
+            message = (
+                f"'{cut.group(1)}(...)' in {f}(), which has a hand-written {written} "
+                f"derivative only: Slang derives its {derived} derivative from this body, "
+                f"where the part under {cut.group(1)} counts 0 ({uses} of {f}() and its "
+                f"callers silently wrong: no_diff(helper(x)) gave 0 where 2x is right, "
+                f"SlangPy 0.43); write the {derived} derivative by hand too "
+                f"([{derived.capitalize()}Derivative]), or compute the part differentiably"
+            )
+            line = src.count("\n", 0, body_at + cut.start()) + 1
+            findings.append(Finding(file, line, f, kind, message))
+            break
+    return findings
+
+
+_FWD_DIFF_OF = re.compile(
+    r"\bfwd_diff\s*\(\s*(?:[A-Za-z_]\w*\s*(?:::|\.)\s*)*([A-Za-z_]\w*)\s*[<)]"
+)
+
+
+def fwd_diff_users(texts: list[tuple[str, str]], traps: dict) -> list[Finding]:
+    """Functions (of any kind) whose own Slang calls ``fwd_diff(f)`` of a function ``f`` whose
+    forward derivative Slang gets wrong (``traps[f]`` holds a ``wrong_jvp`` finding): their
+    values are wrong, so their forward call is refused (``texts``: (text, file) pairs)."""
+    found = []
+    for text, file in texts:
+        src = _blank_comments(text)
+        for name, defs in _definitions(src).items():
+            for _, _, body, body_at in defs:
+                for m in _FWD_DIFF_OF.finditer(body):
+                    wrong = [f for f in traps.get(m.group(1)) or () if f.wrong_jvp]
+                    if not wrong or m.group(1) == name:
+                        continue
+                    line = src.count("\n", 0, body_at + m.start()) + 1
+                    message = (
+                        f"'fwd_diff({m.group(1)})' in {name}(): Slang's forward derivative of "
+                        f"{m.group(1)}() is wrong ({wrong[0].file}:{wrong[0].line}: "
+                        f"{wrong[0].message})"
+                    )
+                    found.append(Finding(file, line, name, FWD_DIFF_OF_WRONG_KIND, message))
+                    break
+    return found
+
+
+def called_by_others(texts: list[str], name: str) -> bool:
+    """Whether a function other than ``name`` calls ``name`` in one of ``texts`` (a
+    backward-only function no one calls keeps its finding out of the scan: its own forward
+    mode fails to build, which forward_mode reports)."""
+    for text in texts:
+        for other, found in _definitions(_blank_comments(text)).items():
+            if other != name and any(call_at(body, name) >= 0 for _, _, body, _ in found):
+                return True
+    return False
+
+
 def _pairs(src: str) -> list[tuple[str | None, str | None]]:
     """(function, its hand-written backward) of every BackwardDerivative(Of) attribute."""
-    pairs = [(_name_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
-    return pairs + [(m.group(1), _name_after(src, m.end())) for m in _BWD_OF.finditer(src)]
+    pairs = [(_declared_after(src, m.end()), m.group(1)) for m in _BWD.finditer(src)]
+    return pairs + [(m.group(1), _declared_after(src, m.end())) for m in _BWD_OF.finditer(src)]
 
 
 def _sets(body: str, name: str) -> bool:
@@ -157,7 +286,8 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     functions whose hand-written backward leaves a derivative unset."""
     src = _blank_comments(source)
     defs = _definitions(src)
-    findings = _unset_derivatives(src, defs, file)
+    findings = _unset_derivatives(src, defs, file) + _backward_only(src, defs, file)
+    findings += _derived_through_cut(src, defs, file)
     crashing = _crashing(src, defs)
     if not crashing:
         return findings

@@ -164,6 +164,19 @@ def scan_module(
             writers.setdefault(helper, []).extend(found)
     for text, name, own in every:
         (result.own if own else result.imported).extend(lint_calls.scan_source(text, name, writers))
+    texts_read = [text for text, _, _ in every]
+    for kept in (result.own, result.imported):  # a backward-only function: where called
+        kept[:] = [
+            f for f in kept
+            if f.kind != lint.BWD_ONLY_KIND
+            or lint_custom.called_by_others(texts_read, f.function)
+        ]  # fmt: skip
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
+    users = lint_custom.fwd_diff_users([(t, n) for t, n, _ in every], result.traps)
+    if users:  # fwd_diff(f) written by hand, f's forward wrong: those functions' values too
+        for f in users:
+            (result.own if f.file == file else result.imported).append(f)
+        findings = result.own + result.imported
+        result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
     return result

@@ -102,7 +102,11 @@ class Module:
         if source is not None and lint_source:
             doubles = double_math.findings(device, source, file, options.defines, scan)
             for f in scan.own + scan.imported + doubles:
-                consequence = " (.bwds of it will raise)" if f.refuses_bwds else ""
+                consequence = (
+                    " (.bwds of it will raise)" if f.refuses_bwds
+                    else " (forward mode of it and of its callers will raise)" if f.wrong_jvp
+                    else ""
+                )  # fmt: skip
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
             merged = double_math.with_findings(scan.traps, doubles)
             self.traps = double_math.DoubleTraps(merged, device, source, file, options.defines)
@@ -322,7 +326,8 @@ class ShaderFunction:
     def check_traps(self, forward: bool = False) -> None:
         """Raise ShaderTrapError if the load-time scan found a trap in this function (with
         ``forward``: only one that crashes the forward call too)."""
-        found = [f for f in self.module.traps.get(self.name, ()) if f.crashes_call or not forward]
+        found = self.module.traps.get(self.name, ())
+        found = [f for f in found if (f.crashes_call if forward else f.refuses_bwds)]
         if found:
             lines = "\n  ".join(str(f) for f in found)
             device = all(f.kind == "double-intrinsic" for f in found)  # not SlangPy's doing
