@@ -256,6 +256,8 @@ class CommandQueue:
         with self._lock:
             if self.held is not None:
                 self._record_held()
+                if self._count >= DEFER_MAX:  # (bounded as deferred_added bounds the list)
+                    self._submit([])
             self.held = (record, buffers, key, payload)
             self.deferred = True  # (every "anything pending?" test sees it: flush first)
 
