@@ -149,6 +149,7 @@ class CommandQueue:
         self.staging: dict = {}
         #: The command held back (``hold``): (record, buffers, key, payload), or None.
         self.held: Any = None
+        self._keep_held = False  # (``keeping_held``: submissions leave it held)
         _queues.add(self)
 
     def allocated(self, nbytes: int) -> None:
@@ -272,6 +273,18 @@ class CommandQueue:
             self.deferred = self._deferred is not None or bool(self._finished)
             return held[3]
 
+    def keeping_held(self, read: Callable[[], Any], key: Any) -> Any:
+        """``read()``, a host read of values other than those of ``key`` (a storage), with the
+        held-back command left held by its submissions unless it was held with ``key``: the
+        command issued before it, neither written nor read by it, still runs before anything
+        issued later (a cross-entropy's label check between the head and its loss)."""
+        with self._lock:
+            self._keep_held = self.held is not None and self.held[2] is not key
+            try:
+                return read()
+            finally:
+                self._keep_held = False
+
     def _record_held(self) -> None:
         """Record the held-back command at the end of the deferred list (lock held)."""
         if self.held is None:  # (recorded by another thread meanwhile)
@@ -327,7 +340,7 @@ class CommandQueue:
         the lock (``deferred``, ``flush``) must wait for this submission, not overtake it; so
         does a batch taken from another thread (its owner, finding it gone, waits too)."""
         self.enter()
-        if self.held is not None:
+        if self.held is not None and not self._keep_held:
             self._record_held()
         buffers = list(self._finished)
         if self._deferred is not None:
@@ -350,7 +363,7 @@ class CommandQueue:
             self.submissions += 1
         self._finished = []
         self._deferred = None
-        self.deferred = False
+        self.deferred = self.held is not None
         # Submitted: later work runs after these commands, so their buffers may be reused.
         self._held.clear()
         self._count = 0

@@ -35,8 +35,7 @@ def head_defines(kind: str, m: int, n: int, rows: int, cols: int, fixed: bool, g
     ``mm_nt`` of whole rows per thread (``cols == n``), sizes constant (a hot shape),
     within the limits above; lavapipe's plans (a GPU's blocks split the rows)."""
     return (
-        HOLD_HEADS
-        and kind == "mm_nt"
+        kind == "mm_nt"
         and fixed
         and not gpu
         and cols == n
@@ -60,10 +59,10 @@ class HeldProduct:
 def hold(kernel: Any, defines: dict, threads: int, buffers: list, scalars: list, out: Any) -> bool:
     """Hold the dispatch of ``kernel`` (a plan's, of ``defines``) into ``out`` back in the
     queue (True), or False (nothing done: record it as usual) inside a capture or a batch,
-    or with PYDIFF_DEFER=0."""
+    with PYDIFF_DEFER=0 or ``HOLD_HEADS`` False."""
     kernels = out.device.kernels
     queue = kernels.queue
-    if capturing.recording() is not None or queue.batching or not command_queue.DEFER:
+    if not (HOLD_HEADS and command_queue.DEFER) or queue.batching or capturing.recording():
         return False
 
     def record(encoder: Any) -> None:

@@ -301,7 +301,9 @@ def _check_labels(labels: Tensor, logits_shape: tuple) -> None:
     """Range-check an int label tensor on the host, once per version of its values."""
     stamp = (labels.storage.version, "labels", logits_shape)
     if labels.storage.checked != stamp:
-        _check_label_values(labels.numpy(), logits_shape)
+        # (a head's product held back for this loss stays held: pydiff.head_fusion)
+        values = labels.device.queue.keeping_held(labels.numpy, labels.storage)
+        _check_label_values(values, logits_shape)
         labels.storage.checked = stamp
 
 

@@ -140,8 +140,6 @@ def test_fused_and_two_kernels_give_the_same_bits(device, hot, monkeypatch, batc
     runs = []
     for hold in (True, False, True):
         monkeypatch.setattr(head_fusion, "HOLD_HEADS", hold)
-        products_plans = device.kernels.plans
-        products_plans.clear()  # (the plans keep the hold decision)
         runs.append(_bits(*_head_step(device, x, w, b, labels)))
     assert runs[0] == runs[1] == runs[2]
     assert hot == [True, False, True] if not device.kernels.gpu else True
@@ -192,7 +190,6 @@ def test_mlp_steps_bit_identical_fused_or_not(monkeypatch):
     a = _steps(60, read_every=7)
     assert _steps(60, read_every=7) == a
     monkeypatch.setattr(head_fusion, "HOLD_HEADS", False)
-    pydiff.default_device().kernels.plans.clear()
     assert _steps(60, read_every=7) == a
 
 
@@ -356,3 +353,42 @@ def test_no_holding_without_deferral(monkeypatch, recorded):
         recorded[0] = 0
         step()
     assert recorded[0] == 6
+
+
+def _loop_with_new_batches(recorded, steps=8):
+    """The MLP step with new inputs and labels copied in before each step (a training
+    loop's): the dispatches of the last step, the parameters' bits, the losses."""
+    xb, yb = make_batch()
+    layers, step = make_mlp_step(xb, yb)
+    rng = np.random.default_rng(3)
+    losses = []
+    for _ in range(steps):
+        xb.copy_from_numpy(rng.standard_normal((256, 64)).astype(np.float32))
+        yb.copy_from_numpy(rng.integers(0, 10, 256).astype(np.int32))
+        recorded[0] = 0
+        losses.append(step().item())
+    return recorded[0], _bits(*[p.numpy() for layer in layers for p in layer.parameters()]), losses
+
+
+def test_new_labels_each_step_still_fused(recorded, monkeypatch):
+    """Labels copied in before each step are range-checked by a host read between the head
+    and its loss: the head stays held (5 dispatches), the same bits as the two kernels."""
+    count, bits, losses = _loop_with_new_batches(recorded)
+    assert count == 5
+    monkeypatch.setattr(head_fusion, "HOLD_HEADS", False)
+    assert _loop_with_new_batches(recorded) == (6, bits, losses)
+
+
+def test_labels_refused_with_a_product_held(device, hot):
+    """Labels out of range, checked while the head is held: refused, and the product still
+    runs in the eager order (its values right, the next op's too)."""
+    h, head, labels, yt = _head(device)
+    z0, want0 = _want(h, head, labels)
+    bad = pydiff.tensor(np.full(256, 10, np.int32), device=device)
+    z = head(h)
+    with pytest.raises(ValueError, match="labels must lie in"):
+        ops.cross_entropy(z, bad)
+    assert device.queue.held is not None or device.kernels.gpu  # (the check read no logits)
+    np.testing.assert_allclose(ops.cross_entropy(z, yt).item(), want0, rtol=1e-5)
+    np.testing.assert_allclose(z.numpy(), z0, rtol=1e-5, atol=1e-5)
+    assert device.kernels.gpu or hot[-1] is True
