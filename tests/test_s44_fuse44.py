@@ -22,6 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from mlp_step import make_batch, make_mlp_step  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_shape_counts():
+    """Each test starts with no hot shapes (other tests' fill ``FIXED_SHAPES_MAX``)."""
+    kernels = pydiff.default_device().kernels
+    kernels.fixed_shapes.clear()
+    kernels.shape_uses.clear()
+    kernels.plans.clear()
+
+
 @pytest.fixture
 def hot(monkeypatch):
     """Every product shape's kernels take constant sizes at once (a training loop's after
