@@ -30,47 +30,64 @@ MAX_CLASSES = 32
 MAX_THREADS = 256  # one workgroup: every row's loss term in its shared memory
 
 
-def head_defines(kind: str, m: int, n: int, rows: int, cols: int, fixed: bool, gpu: bool):
-    """Whether a product of this plan may be held back for a cross-entropy: a forward
-    ``mm_nt`` of whole rows per thread (``cols == n``), sizes constant (a hot shape),
-    within the limits above; lavapipe's plans (a GPU's blocks split the rows)."""
-    return (
-        kind == "mm_nt"
-        and fixed
-        and not gpu
-        and cols == n
-        and n <= MAX_CLASSES
-        and m <= MAX_ROWS
-        and m // rows <= MAX_THREADS
-    )
+class HeadPlan:
+    """What a product's plan keeps for holding it back: its kernel's ``defines`` and
+    ``threads``, and the fused kernel once built (``fused_kernel``)."""
+
+    __slots__ = ("defines", "threads", "fused")
+
+    def __init__(self, defines: dict, threads: int) -> None:
+        self.defines, self.threads = defines, threads
+        self.fused: tuple | None = None  # (key, kernel), replaced whole (threads read it)
+
+    def fused_kernel(self, kernels: Any) -> Any:
+        """The product's kernel with the cross-entropy (``CE``), built once (19 defines: a
+        lookup by them cost ~9 us a step), again when the cache evicted it."""
+        fused = self.fused
+        if fused is None or not kernels.touch(fused[0]):
+            defines = dict(self.defines, CE=1, TG=self.threads)
+            fused = self.fused = kernels.get_keyed("ops/matmul.slang", "mm_nt", **defines)
+        return fused[1]
+
+
+def head_plan(kind: str, m: int, n: int, rows: int, cols: int, fixed: bool, gpu: bool, defines):
+    """A ``HeadPlan`` where a product of this plan may be held back for a cross-entropy: a
+    forward ``mm_nt`` of whole rows per thread (``cols == n``), sizes constant (a hot shape),
+    within the limits above, on lavapipe's plans (a GPU's blocks split the rows); else None."""
+    threads = m // rows
+    fits = kind == "mm_nt" and fixed and not gpu and cols == n
+    if fits and n <= MAX_CLASSES and m <= MAX_ROWS and threads <= MAX_THREADS:
+        return HeadPlan(defines, threads)
+    return None
 
 
 class HeldProduct:
-    """A held-back product: what the fused kernel needs (the product's defines, buffers and
-    uniforms) and its output's storage and shape (what the cross-entropy checks)."""
+    """A held-back product: its plan's ``HeadPlan``, kernel, buffers and uniforms, and its
+    output's storage and shape (what the cross-entropy checks); called, records the product."""
 
-    __slots__ = ("kernels", "defines", "threads", "buffers", "scalars", "storage", "shape")
+    __slots__ = ("plan", "kernels", "kernel", "buffers", "scalars", "shape")
 
-    def __init__(self, kernels, defines, threads, buffers, scalars, storage, shape) -> None:
-        self.kernels, self.defines, self.threads = kernels, defines, threads
-        self.buffers, self.scalars, self.storage, self.shape = buffers, scalars, storage, shape
+    def __init__(self, plan, kernels, kernel, buffers, scalars, shape) -> None:
+        self.plan, self.kernels, self.kernel = plan, kernels, kernel
+        self.buffers, self.scalars, self.shape = buffers, scalars, shape
+
+    def __call__(self, encoder: Any) -> None:
+        with capturing.paused():  # (issued before any capture now recording)
+            self.kernels.dispatch_split(
+                self.kernel, self.plan.threads, self.buffers, self.scalars, encoder=encoder
+            )
 
 
-def hold(kernel: Any, defines: dict, threads: int, buffers: list, scalars: list, out: Any) -> bool:
-    """Hold the dispatch of ``kernel`` (a plan's, of ``defines``) into ``out`` back in the
-    queue (True), or False (nothing done: record it as usual) inside a capture or a batch,
-    with PYDIFF_DEFER=0 or ``HOLD_HEADS`` False."""
+def hold(kernel: Any, plan: HeadPlan, buffers: list, scalars: list, out: Any) -> bool:
+    """Hold the dispatch of ``kernel`` (``plan``'s product) into ``out`` back in the queue
+    (True), or False (nothing done: record it as usual) inside a capture or a batch, with
+    PYDIFF_DEFER=0 or ``HOLD_HEADS`` False."""
     kernels = out.device.kernels
     queue = kernels.queue
     if not (HOLD_HEADS and command_queue.DEFER) or queue.batching or capturing.recording():
         return False
-
-    def record(encoder: Any) -> None:
-        with capturing.paused():  # (issued before any capture now recording)
-            kernels.dispatch_split(kernel, threads, buffers, scalars, encoder=encoder)
-
-    held = HeldProduct(kernels, defines, threads, buffers, scalars, out.storage, out.shape)
-    queue.hold(record, buffers, out.storage, held)
+    held = HeldProduct(plan, kernels, kernel, buffers, scalars, out.shape)
+    queue.hold(held, buffers, out.storage, held)
     return True
 
 
@@ -85,12 +102,7 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
     held = queue.take_held(logits.storage, lambda p: p.shape == shape)
     if held is None:
         return False
-    defines = dict(held.defines, CE=1, TG=held.threads)
-    kernel = held.kernels.get("ops/matmul.slang", "mm_nt", **defines)
-    buffers = held.buffers + [
-        ("labels", labels.buffer),
-        ("lse", lse.buffer),
-        ("loss", loss.buffer),
-    ]
-    held.kernels.dispatch_split(kernel, held.threads, buffers, held.scalars)
+    kernel = held.plan.fused_kernel(held.kernels)
+    buffers = held.buffers + [("labels", labels.buffer), ("lse", lse.buffer), ("loss", loss.buffer)]
+    held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
     return True

@@ -182,7 +182,7 @@ def fast_product(
         buffers.append(("db", db.buffer))
         db.storage.wrote(kind)
     # held back where a cross-entropy may finish it in the same kernel (pydiff.head_fusion)
-    if head is None or beta or not hold_head(kernel, head, threads, buffers, scalars, out):
+    if head is None or beta or not hold_head(kernel, head, buffers, scalars, out):
         kernels.dispatch_split(kernel, threads, buffers, scalars)
     out.storage.wrote(kind)
     return True
@@ -266,8 +266,8 @@ def _plan(
         **sizes,
     )
     key, kernel = kernels.get_keyed("ops/matmul.slang", kind, **defines)
-    head = head_fusion.head_defines(kind, m, n, rows, cols, fixed, gpu) and defines
-    return key, kernel, (m // rows) * (n // cols), c_vec, False, head or None
+    head = head_fusion.head_plan(kind, m, n, rows, cols, fixed, gpu, defines)
+    return key, kernel, (m // rows) * (n // cols), c_vec, False, head
 
 
 # Which float4 inputs a product reads as two 64-bit words (matmul.slang's W64: bit 1 A, 2 B, 4
