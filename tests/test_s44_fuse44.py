@@ -401,3 +401,25 @@ def test_labels_refused_with_a_product_held(device, hot):
     np.testing.assert_allclose(ops.cross_entropy(z, yt).item(), want0, rtol=1e-5)
     np.testing.assert_allclose(z.numpy(), z0, rtol=1e-5, atol=1e-5)
     assert device.kernels.gpu or hot[-1] is True
+
+
+@pytest.mark.parametrize("bias, activation", [(False, None), (True, "relu"), (False, "relu")])
+def test_heads_without_bias_or_with_relu(device, hot, bias, activation):
+    """A head without bias, or with the relu fused (the loss of relu(x W^T + b)): fused, and
+    the loss and the weight's gradient against float64 NumPy."""
+    x, w, b, labels = _data(64, 16, 6, 21)
+    xt = pydiff.tensor(x, device=device)
+    wt = pydiff.tensor(w, device=device, requires_grad=True)
+    bt = pydiff.tensor(b, device=device) if bias else None
+    yt = _checked(device, labels, 6)
+    with pydiff.Tape() as tape:
+        loss = ops.cross_entropy(ops.linear(xt, wt, bt, activation=activation), yt)
+    tape.backward(loss)
+    pre = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0.0)
+    z = np.maximum(pre, 0.0) if activation else pre
+    want, dz = _ce64(z, labels)
+    if activation:
+        dz = np.where(pre > 0, dz, 0.0)
+    np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
+    np.testing.assert_allclose(wt.grad.numpy(), dz.T @ x, rtol=1e-4, atol=1e-6)
+    assert device.kernels.gpu or hot == [True]
