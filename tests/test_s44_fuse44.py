@@ -348,7 +348,14 @@ def test_retained_graph_second_backward_and_no_backward(device, hot):
     np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
     lone = ops.cross_entropy(ops.linear(xt, wt, bt), yt)  # no tape, no backward
     np.testing.assert_allclose(lone.item(), want, rtol=1e-5)
-    assert hot[-2:] == [True, True] or device.kernels.gpu
+    wt.grad.zero_()
+    with pydiff.Tape() as tape:  # the loss read before its backward
+        loss = ops.cross_entropy(ops.linear(xt, wt, bt), yt)
+    np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
+    tape.backward(loss, retain_graph=False)
+    np.testing.assert_allclose(wt.grad.numpy(), dz.T @ x, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(bt.grad.numpy(), 3 * dz.sum(0), rtol=1e-4, atol=1e-6)
+    assert hot[-3:] == [True, True, True] or device.kernels.gpu
 
 
 def test_no_holding_without_deferral(monkeypatch, recorded):
