@@ -2,11 +2,7 @@
 its own, many times in one command list, timed by process CPU time (lavapipe computes in
 this process, so the figure hardly depends on other load).
 
-python benchmarks/bench_step_kernels.py [--reps 200] [--held-heads]
-
-``--held-heads``: the capture holds the head's product back as an eager step does
-(pydiff.head_fusion, which a capture otherwise leaves alone), so the list shows the fused
-head + cross-entropy kernel an eager step runs.
+python benchmarks/bench_step_kernels.py [--reps 200]
 
 It reads the capture's command list and the device's kernel cache (private to pydiff: this
 is a measuring tool, not an API).
@@ -29,16 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200, help="replays of each command per timing")
     ap.add_argument("--rounds", type=int, default=7, help="timings per command (median)")
-    ap.add_argument("--held-heads", action="store_true", help="the eager step's fused head")
     args = ap.parse_args()
-    if args.held_heads:  # (a measuring tool's patch: hold() sees no capture)
-        import types
-
-        from pydiff import capturing, head_fusion
-
-        head_fusion.capturing = types.SimpleNamespace(
-            recording=lambda: None, paused=capturing.paused
-        )
     dev = pydiff.default_device()
     native = dev.native
     xb, yb = make_batch()

@@ -65,11 +65,12 @@ class HeldProduct:
     """A held-back product: its plan's ``HeadPlan``, kernel, buffers and uniforms, and its
     output's storage and shape (what the cross-entropy checks); called, records the product."""
 
-    __slots__ = ("plan", "kernels", "kernel", "buffers", "scalars", "shape")
+    __slots__ = ("plan", "kernels", "kernel", "buffers", "scalars", "shape", "capture")
 
-    def __init__(self, plan, kernels, kernel, buffers, scalars, shape) -> None:
+    def __init__(self, plan, kernels, kernel, buffers, scalars, shape, capture) -> None:
         self.plan, self.kernels, self.kernel = plan, kernels, kernel
         self.buffers, self.scalars, self.shape = buffers, scalars, shape
+        self.capture = capture  # the capture recording when it was issued (or None)
 
     def __call__(self, encoder: Any) -> None:
         with capturing.paused():  # (issued before any capture now recording)
@@ -80,13 +81,17 @@ class HeldProduct:
 
 def hold(kernel: Any, plan: HeadPlan, buffers: list, scalars: list, out: Any) -> bool:
     """Hold the dispatch of ``kernel`` (``plan``'s product) into ``out`` back in the queue
-    (True), or False (nothing done: record it as usual) inside a capture or a batch, with
-    PYDIFF_DEFER=0 or ``HOLD_HEADS`` False."""
+    (True), or False (nothing done: record it as usual) inside a batch, with PYDIFF_DEFER=0
+    or ``HOLD_HEADS`` False. A capture records the product now, in order (``HeldProduct``
+    records natively only), and drops it where the cross-entropy records the fused kernel."""
     kernels = out.device.kernels
     queue = kernels.queue
-    if not (HOLD_HEADS and command_queue.DEFER) or queue.batching or capturing.recording():
+    if not (HOLD_HEADS and command_queue.DEFER) or queue.batching:
         return False
-    held = HeldProduct(plan, kernels, kernel, buffers, scalars, out.shape)
+    rec = capturing.recording()
+    if rec is not None:
+        rec.record_dispatch(queue, kernel, plan.threads, buffers, scalars, None)
+    held = HeldProduct(plan, kernels, kernel, buffers, scalars, out.shape, rec)
     queue.hold(held, buffers, out.storage, held)
     return True
 
@@ -98,8 +103,14 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
     queue = logits.device.queue
     if queue.held is None:
         return False
-    shape = logits.shape
-    held = queue.take_held(logits.storage, lambda p: p.shape == shape)
+    shape, rec = logits.shape, capturing.recording()
+
+    def fits(p: HeldProduct) -> bool:  # (in a capture: the product issued in it, dropped)
+        return (
+            p.shape == shape and p.capture is rec and (rec is None or rec.drop_dispatch(p.kernel))
+        )
+
+    held = queue.take_held(logits.storage, fits)
     if held is None:
         return False
     kernel = held.plan.fused_kernel(held.kernels)

@@ -202,14 +202,18 @@ def test_mlp_steps_bit_identical_fused_or_not(monkeypatch):
     assert _steps(60, read_every=7) == a
 
 
-def test_capture_replays_match_eager():
-    """A captured step (two kernels: no holding inside a capture) replayed against eager
-    fused steps: the same bits."""
+@pytest.mark.parametrize("hold", [True, False])
+def test_capture_replays_match_eager(monkeypatch, hold):
+    """A captured step (5 dispatches: the fused head recorded, the product it replaced
+    dropped; 6 with HOLD_HEADS False) replayed against eager fused steps: the same bits."""
+    monkeypatch.setattr(head_fusion, "HOLD_HEADS", hold)
     xb, yb = make_batch()
     layers, step = make_mlp_step(xb, yb)
     for _ in range(4):
         step()
     captured = pydiff.capture(step)
+    monkeypatch.setattr(head_fusion, "HOLD_HEADS", True)
+    assert sum(c[0] == "dispatch" for c in captured._commands) == (5 if hold else 6)
     for _ in range(5):
         captured.replay()
     got = _bits(*[p.numpy() for layer in layers for p in layer.parameters()])
@@ -300,7 +304,7 @@ def test_held_product_never_consumed(device, hot):
 
 def test_held_product_before_a_capture(device, hot):
     """A product held when a capture starts is recorded with the capture's first command,
-    not into the capture: its replays run only the step's own work."""
+    not into the capture: its replays run only the step's own work (fused: 5 dispatches)."""
     xb, yb = make_batch()
     layers, step = make_mlp_step(xb, yb)
     for _ in range(4):
@@ -311,7 +315,7 @@ def test_held_product_before_a_capture(device, hot):
     captured = pydiff.capture(step)
     np.testing.assert_allclose(z.numpy(), z0, rtol=1e-5, atol=1e-5)
     dispatches = [c for c in captured._commands if c[0] == "dispatch"]
-    assert len(dispatches) == 6  # the step's two-kernel form, no head of this test
+    assert len(dispatches) == 5  # the step's own, no head of this test
     captured.replay()
     assert _bits(*[p.numpy() for layer in layers for p in layer.parameters()]) == _steps(6)[0]
 
@@ -430,3 +434,32 @@ def test_heads_without_bias_or_with_relu(device, hot, bias, activation):
     np.testing.assert_allclose(loss.item(), want, rtol=1e-5)
     np.testing.assert_allclose(wt.grad.numpy(), dz.T @ x, rtol=1e-4, atol=1e-6)
     assert device.kernels.gpu or hot == [True]
+
+
+def test_capture_claims_only_its_own_held_product(device, hot):
+    """A product held before a capture is not fused into it (a replay would recompute logits
+    made outside the step): the capture records the cross-entropy's own kernel; a capture that
+    ends with its head held records the product (its replays recompute the logits)."""
+    h, head, labels, yt = _head(pydiff.default_device())
+    z0, want0 = _want(h, head, labels)
+    z = head(h)
+    captured = pydiff.capture(lambda: ops.cross_entropy(z, yt))
+    assert [c[0] for c in captured._commands if c[0] != "host"] == ["dispatch"]
+    np.testing.assert_allclose(captured.result.item(), want0, rtol=1e-5)
+    np.testing.assert_allclose(z.numpy(), z0, rtol=1e-5, atol=1e-5)
+    only = pydiff.capture(lambda: head(h))  # held at the capture's end
+    assert [c[0] for c in only._commands] == ["dispatch"]
+    np.testing.assert_allclose(only.result.numpy(), z0, rtol=1e-5, atol=1e-5)
+    h.copy_from_numpy(h.numpy() * 2.0)
+    only.replay()
+    np.testing.assert_allclose(
+        only.result.numpy(),
+        2.0 * (z0 - head.bias.numpy()) + head.bias.numpy(),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    both = pydiff.capture(lambda: ops.cross_entropy(head(h), yt))  # fused inside
+    assert [c[0] for c in both._commands if c[0] != "host"] == ["dispatch"]
+    h.copy_from_numpy(h.numpy() / 2.0)
+    both.replay()
+    np.testing.assert_allclose(both.result.item(), want0, rtol=1e-5)
