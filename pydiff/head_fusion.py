@@ -9,7 +9,9 @@ then claims it (``with_cross_entropy``) and records the fused kernel: logits, ro
 and mean loss, the same bits as the two kernels (ce_forward's operations and order). Any
 other use of the queue first records the product as it was issued (command_queue), so a
 read, another op, a flush, a capture, or a product that no cross-entropy reads sees exactly
-what the eager order gives.
+what the eager order gives (the labels' range check reads through
+``CommandQueue.keeping_held``: it leaves the product held). Inside ``pydiff.capture`` the
+product is recorded into the capture when issued and dropped from it when fused.
 
     out = empty((256, 10)); fast_product("mm_nt", h, w, out, 0.0, b)   # held back
     head_fusion.with_cross_entropy(out, labels, lse, loss)             # True: one dispatch
