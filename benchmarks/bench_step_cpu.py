@@ -4,6 +4,7 @@ kernels when compute is inline), with the wall time; medians of rounds of 50 ste
 back and one device wait, as a training loop (``--wait-each``: a wait after every step).
 
 python benchmarks/bench_step_cpu.py [--rounds 12] [--wait-each] [--ab pydiff.products:MASKED_SWAP]
+(``--ab pydiff.head_fusion:HOLD_HEADS``: the head and its loss in one kernel, or two)
 
 Run it in separate processes for two checkouts, alternating (``PYTHONPATH=<tree>``): the
 process CPU per step is the figure that holds when another process takes the second core

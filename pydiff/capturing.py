@@ -221,8 +221,7 @@ def refuse_full_path(label: str, planned: bool, first: str) -> None:
 def on_replay(action: Callable[[], None]) -> None:
     """Run ``action`` at this point of every replay of the capture in progress (host state
     that advances per step, e.g. an optimizer's step count). No-op outside a capture."""
-    rec = _recording.get()
-    if rec is not None:
+    if (rec := _recording.get()) is not None:
         rec.record_host(action)
 
 
@@ -262,14 +261,11 @@ def same_objects(recorded: dict[str, Any], current: Callable[[], dict[str, Any]]
 
 
 _MISSING = object()
-
-
 _REPLAY_GUARDS: list[Callable[[], str | None]] = []
 
 
 def guard_replays(check: Callable[[], str | None]) -> None:
-    """Have every ``replay()`` call ``check()`` first (the layers above): why it cannot run
-    here, or None."""
+    """Have every ``replay()`` call ``check()`` first: why it cannot run here, or None."""
     _REPLAY_GUARDS.append(check)
 
 
@@ -331,6 +327,14 @@ class CapturedStep:
         # The buffers ride along: their memory must outlive the capture, and Python must
         # not hand them to other tensors (pydiff's pool checks their reference counts).
         self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
+
+    def drop_dispatch(self, kernel: Any) -> bool:
+        """Forget the latest command but host actions if it dispatches ``kernel`` (a held-back
+        product whose consumer records a fused kernel instead: pydiff.head_fusion)."""
+        at = max((i for i, c in enumerate(self._commands) if c[0] != "host"), default=-1)
+        if at < 0 or self._commands[at][:2] != ("dispatch", kernel):
+            return False
+        return self._commands.pop(at) is not None
 
     def record_write(self, storage: Any) -> None:
         """A write of ``storage``'s values (``Storage.wrote``), before its version moves."""

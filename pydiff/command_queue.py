@@ -32,6 +32,14 @@ to user code) all do; a flush from any thread submits the whole list, so a tenso
 another thread reads right. The deferred list is also submitted when it holds
 ``DEFER_MAX`` commands (a loop of ops that never reads anything back).
 
+One command may be *held back* (``hold``): the dispatch of a product whose consumer may do its
+work in the same kernel (``pydiff.head_fusion``: a classifier head's logits and the
+cross-entropy that reads them). It is recorded into the deferred list, before anything else,
+at the next use of the queue by any thread (a command recorded, a batch's encoder fetched or
+ended, a submission: every flush, read, write and SlangPy call), unless its consumer claims it
+first (``take_held``) and records the fused kernel instead; so the device sees the commands in
+the order they were issued either way.
+
     token = device.queue.begin_batch()
     device.kernels.dispatch(kernel, 1024, x=buffer)   # appended to the batch
     device.queue.flush()                              # before reading results back
@@ -139,6 +147,9 @@ class CommandQueue:
         self.unwaited_bytes = 0  # new buffers' bytes since the host last waited (allocated)
         #: Buffers of large host transfers (pydiff.staging), used under the lock.
         self.staging: dict = {}
+        #: The command held back (``hold``): (record, buffers, key, payload), or None.
+        self.held: Any = None
+        self._keep_held = False  # (``keeping_held``: submissions leave it held)
         _queues.add(self)
 
     def allocated(self, nbytes: int) -> None:
@@ -182,6 +193,8 @@ class CommandQueue:
         if batch is None:
             return
         with self._lock:  # (another thread's submission may have taken the encoder)
+            if self.held is not None:
+                self._record_held()
             if batch.encoder is None:
                 return
             if self._deferred is not None:
@@ -197,6 +210,9 @@ class CommandQueue:
         """The open batch's command encoder (created on first use), or None outside a batch:
         callers then defer their work (``defer``) or record and submit it themselves. Call it
         and record with the lock held (another thread's submission may take the encoder)."""
+        if self.held is not None:
+            with self._lock:
+                self._record_held()
         batch = self._batch.get()
         if batch is None:
             return None
@@ -226,10 +242,61 @@ class CommandQueue:
         """The deferred list's encoder (created on first use), for a caller holding the lock
         that records one command into it and then calls ``deferred_added`` (``defer`` without
         a closure: pydiff's kernels, on every call)."""
+        if self.held is not None:
+            self._record_held()
         if self._deferred is None:
             self._deferred = self.native.create_command_encoder()
             self.deferred = True
         return self._deferred
+
+    def hold(self, record: Callable[[Any], None], buffers: Any, key: Any, payload: Any) -> None:
+        """Hold one command back (outside a batch): ``record(encoder)`` records it (native
+        calls only, lock held), ``buffers`` are held until it is submitted; ``take_held(key)``
+        claims ``payload`` instead. Any other use of the queue records it first (module
+        docstring); a command held before is recorded now."""
+        with self._lock:
+            if self.held is not None:
+                self._record_held()
+                if self._count >= DEFER_MAX:  # (bounded as deferred_added bounds the list)
+                    self._submit([])
+            self.held = (record, buffers, key, payload)
+            self.deferred = True  # (every "anything pending?" test sees it: flush first)
+
+    def take_held(self, key: Any, accept: Callable[[Any], bool]) -> Any:
+        """The held-back command's payload, now not to be recorded, if it was held with ``key``
+        (by identity) and ``accept(payload)``; else None (nothing changed)."""
+        with self._lock:
+            held = self.held
+            if held is None or held[2] is not key or not accept(held[3]):
+                return None
+            self.held = None
+            self.deferred = self._deferred is not None or bool(self._finished)
+            return held[3]
+
+    def keeping_held(self, read: Callable[[], Any], key: Any) -> Any:
+        """``read()``, a host read of values other than those of ``key`` (a storage), with the
+        held-back command left held by its submissions unless it was held with ``key``: the
+        command issued before it, neither written nor read by it, still runs before anything
+        issued later (a cross-entropy's label check between the head and its loss)."""
+        with self._lock:
+            self._keep_held = self.held is not None and self.held[2] is not key
+            try:
+                return read()
+            finally:
+                self._keep_held = False
+
+    def _record_held(self) -> None:
+        """Record the held-back command at the end of the deferred list (lock held)."""
+        if self.held is None:  # (recorded by another thread meanwhile)
+            return
+        record, buffers, _, _ = self.held
+        self.held = None
+        if self._deferred is None:
+            self._deferred = self.native.create_command_encoder()
+        self.deferred = True
+        record(self._deferred)
+        self._held.append(buffers)
+        self._count += 1
 
     def deferred_added(self, held: Any) -> None:
         """One command recorded into ``deferred_encoder()`` (lock held); ``held`` (anything
@@ -273,6 +340,8 @@ class CommandQueue:
         the lock (``deferred``, ``flush``) must wait for this submission, not overtake it; so
         does a batch taken from another thread (its owner, finding it gone, waits too)."""
         self.enter()
+        if self.held is not None and not self._keep_held:
+            self._record_held()
         buffers = list(self._finished)
         if self._deferred is not None:
             buffers.append(self._deferred.finish())
@@ -294,7 +363,7 @@ class CommandQueue:
             self.submissions += 1
         self._finished = []
         self._deferred = None
-        self.deferred = False
+        self.deferred = self.held is not None
         # Submitted: later work runs after these commands, so their buffers may be reused.
         self._held.clear()
         self._count = 0

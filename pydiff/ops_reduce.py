@@ -16,6 +16,7 @@ import slangpy as spy
 from . import capturing
 from .creation import empty, tensor
 from .function import Function
+from .head_fusion import with_cross_entropy
 from .module import library
 from .ops_args import need_2d, need_float, same_device
 from .ops_elementwise import div, exp, mul, neg, sub
@@ -202,6 +203,9 @@ class _CrossEntropy(Function):
         if _ce_fast(logits, labels):
             # lse: each row's (max, log-sum) kept apart (shaders/ops/cross_entropy.slang)
             lse, loss = empty((batch, 2), device=logits.device), empty((), device=logits.device)
+            ctx.save_for_backward(logits, labels, lse)
+            if with_cross_entropy(logits, labels, lse, loss):  # the head's product's kernel
+                return loss
             threads = _ce_forward_threads(batch)
             kernel = logits.device.kernels.get(
                 "ops/cross_entropy.slang", "ce_forward", C=logits.shape[1], TG=threads
@@ -215,7 +219,6 @@ class _CrossEntropy(Function):
                 loss=loss.buffer,
                 B=batch,
             )
-            ctx.save_for_backward(logits, labels, lse)
             return loss
         lib = library(logits.device)
         lse, rows = empty((batch, 2), device=logits.device), empty((batch,), device=logits.device)
@@ -298,7 +301,9 @@ def _check_labels(labels: Tensor, logits_shape: tuple) -> None:
     """Range-check an int label tensor on the host, once per version of its values."""
     stamp = (labels.storage.version, "labels", logits_shape)
     if labels.storage.checked != stamp:
-        _check_label_values(labels.numpy(), logits_shape)
+        # (a head's product held back for this loss stays held: pydiff.head_fusion)
+        values = labels.device.queue.keeping_held(labels.numpy, labels.storage)
+        _check_label_values(values, logits_shape)
         labels.storage.checked = stamp
 
 

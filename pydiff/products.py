@@ -17,7 +17,8 @@ from typing import Any
 
 import slangpy as spy
 
-from . import capturing
+from . import capturing, head_fusion
+from .head_fusion import hold as hold_head
 from .creation import empty, tensor, zeros
 from .errors import PydiffError
 from .module import library
@@ -164,7 +165,7 @@ def fast_product(
         kernels.plans[key] = plan
     if not plan:
         return False
-    _, kernel, threads, c_vec, swap = plan
+    _, kernel, threads, c_vec, swap, head = plan
     # (dispatch's bindings given apart: buffers, then numbers, in a fixed order per plan)
     c = out.buffer
     if swap:  # dW as (x^T g')^T: the mask on the shared side (see _swapped)
@@ -180,7 +181,9 @@ def fast_product(
     if db is not None:
         buffers.append(("db", db.buffer))
         db.storage.wrote(kind)
-    kernels.dispatch_split(kernel, threads, buffers, scalars)
+    # held back where a cross-entropy may finish it in the same kernel (pydiff.head_fusion)
+    if head is None or beta or not hold_head(kernel, head, buffers, scalars, out):
+        kernels.dispatch_split(kernel, threads, buffers, scalars)
     out.storage.wrote(kind)
     return True
 
@@ -224,7 +227,7 @@ def _plan(
             SHUF_A=0,
             **sizes,
         )
-        return key, kernel, (m // rows) * (n // cols) * split, False, False
+        return key, kernel, (m // rows) * (n // cols) * split, False, False, None
     swapped = _swapped(kernels, kind, m, n, k, mask, db, sizes)
     if swapped:
         return swapped
@@ -242,14 +245,10 @@ def _plan(
         and (m // rows) % 8 == 0
         and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
     )
-    # M and K are uniforms, not defines: the batch is M (mm_nt, mm_nn) or K (mm_tn) of a layer's
-    # products, and a kernel per batch size cost a compile and 1.5-2.5 MB each; as constants they
-    # made no difference to the products' speed (bench_step_kernels.py, within its noise). What
-    # they decide at compile time is the blocking only: RB divides M, KU divides K.
+    # M and K are uniforms, not defines (FIXED_M/FIXED_K for hot shapes): a kernel per batch
+    # size cost a compile and 1.5-2.5 MB; at compile time only RB divides M, KU divides K.
     ku = {} if kind == "mm_nt" else {"KU": 4 if k % 4 == 0 else (2 if k % 2 == 0 else 1)}
-    key, kernel = kernels.get_keyed(
-        "ops/matmul.slang",
-        kind,
+    defines = dict(
         N=n,
         **ku,
         RB=rows,
@@ -266,7 +265,9 @@ def _plan(
         W64=load_words(kernels, kind, n, cols),
         **sizes,
     )
-    return key, kernel, (m // rows) * (n // cols), c_vec, False
+    key, kernel = kernels.get_keyed("ops/matmul.slang", kind, **defines)
+    head = head_fusion.head_plan(kind, m, n, rows, cols, fixed, gpu, defines)
+    return key, kernel, (m // rows) * (n // cols), c_vec, False, head
 
 
 # Which float4 inputs a product reads as two 64-bit words (matmul.slang's W64: bit 1 A, 2 B, 4
@@ -323,7 +324,7 @@ def _swapped(kernels: Any, kind: str, m: int, n: int, k: int, mask: bool, db: bo
         W64=load_words(kernels, "mm_tn_swapped"),
         **({"FIXED_M": n, "FIXED_K": k} if sizes else {}),
     )
-    return key, kernel, (n // rows) * (m // cols), True, True
+    return key, kernel, (n // rows) * (m // cols), True, True, None
 
 
 # The one-dispatch backward of a narrow linear layer (matmul.slang's linear_bwd_narrow): up to
