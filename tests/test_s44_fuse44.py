@@ -463,3 +463,27 @@ def test_capture_claims_only_its_own_held_product(device, hot):
     h.copy_from_numpy(h.numpy() / 2.0)
     both.replay()
     np.testing.assert_allclose(both.result.item(), want0, rtol=1e-5)
+
+
+def test_fused_head_labels_out_of_range_behind_the_counter_give_nan(device, hot):
+    """Labels written where the host's once-per-version range check cannot see them (through
+    SlangPy's own handle): the fused head's loss and those rows' gradients are NaN, as
+    ce_forward makes them (breakB44), not a finite loss from logit 0 (before the merge)."""
+    x, w, b, labels = _data(16, 8, 5, 6)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    wt = pydiff.tensor(w, device=device, requires_grad=True)
+    bt = pydiff.tensor(b, device=device, requires_grad=True)
+    yt = _checked(device, labels, 5)
+    bad = labels.astype(np.int32).copy()
+    bad[[3, 9]] = [5, 1 << 20]
+    yt.native.copy_from_numpy(bad)  # (unseen by the version counter)
+    with pydiff.Tape() as tape:
+        loss = ops.cross_entropy(ops.linear(xt, wt, bt), yt)
+    tape.backward(loss)
+    assert hot[-1:] == [True] or device.kernels.gpu  # (the fused kernel ran)
+    assert np.isnan(loss.item())
+    g = xt.grad.numpy()
+    assert np.isnan(g[[3, 9]]).all()
+    keep = [i for i in range(16) if i not in (3, 9)]
+    _, dz = _ce64(x @ w.T + b, labels)
+    np.testing.assert_allclose(g[keep], (dz @ w)[keep] * 16 / 16, rtol=1e-4, atol=1e-6)
