@@ -300,8 +300,10 @@ def _bridge() -> Any:
                     )
                 outputs[k] = on_tape(out, tape, inputs)
             # The torch inputs are saved so that torch refuses a second backward without
-            # retain_graph, as for its own functions.
-            ctx.save_for_backward(*[a for a in args if is_torch_tensor(a)])
+            # retain_graph, as for its own functions; not inference tensors (data made under
+            # torch.inference_mode, which torch refuses to save: the values were copied).
+            saved = [a for a in (_anchor, *args) if is_torch_tensor(a) and not a.is_inference()]
+            ctx.save_for_backward(*saved)
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
             ctx.anchored = _anchor is not None
             ctx.from_torch = [is_torch_tensor(a) for a in args]

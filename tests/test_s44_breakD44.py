@@ -1,0 +1,69 @@
+"""breakD44: pydiff with torch (inference-mode data) and torch.distributed (STRICT after an
+all-reduce). References are closed forms and NumPy float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+torch = pytest.importorskip("torch")
+from ranks import free_port  # noqa: E402
+
+SRC = "[Differentiable] float f(float a, float b) { return a * a * b; }"
+
+
+def test_data_made_under_inference_mode_is_taken_as_torch_takes_it(device):
+    # torch.sin(d) of an inference tensor d works outside inference_mode; pydiff's calls
+    # saved every torch input for backward, which torch refuses for inference tensors.
+    m = pydiff.load_module_from_source("bd44_inference", SRC)
+    with torch.inference_mode():
+        d = torch.tensor([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(ops.mul(d, d).numpy(), [1.0, 4.0, 9.0])
+    np.testing.assert_allclose(m.f(d, d).numpy(), [1.0, 8.0, 27.0])
+    # beside a pydiff parameter (torch's own d * w refuses here; pydiff copied d's values)
+    w = pydiff.tensor([3.0, 4.0, 5.0], device=device, requires_grad=True)
+    y = m.f(w, d)
+    y.sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), 2 * np.array([3.0, 4.0, 5.0]) * [1, 2, 3])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()  # still refused without retain_graph, as for torch's functions
+    # beside a torch tensor that requires grad
+    a = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    m.f(a, d).sum().backward()
+    torch.testing.assert_close(a.grad, 2 * a.detach() * d.clone())
+
+
+@pytest.fixture
+def group_of_one():
+    dist = pytest.importorskip("torch.distributed")
+    pydiff.distributed.init_process_group(
+        "gloo", timeout=30.0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_strict_refuses_a_backward_onto_an_all_reduced_gradient(device, group_of_one):
+    # all_reduce_grads wrote the mean back as a host write, which dropped STRICT's mark: a
+    # second backward without zero_grad silently added onto the averaged gradient.
+    x = np.array([1.0, 4.0], np.float32)
+    w = pydiff.tensor([2.0, 3.0], device=device, requires_grad=True)
+    w.zero_policy = pydiff.ZeroPolicy.STRICT
+
+    def backward():
+        with pydiff.Tape() as tape:
+            loss = ops.sum(ops.mul(w, pydiff.tensor(x, device=device)))
+        tape.backward(loss)
+
+    backward()
+    pydiff.distributed.all_reduce_grads([w])
+    np.testing.assert_array_equal(w.grad.numpy(), x)
+    with pytest.raises(pydiff.StaleGradientError, match="all_reduce_grads"):
+        backward()
+    np.testing.assert_array_equal(w.grad.numpy(), x)  # refused: left as it was
+    w.zero_grad()
+    backward()
+    np.testing.assert_array_equal(w.grad.numpy(), x)
