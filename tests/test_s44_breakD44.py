@@ -67,3 +67,26 @@ def test_strict_refuses_a_backward_onto_an_all_reduced_gradient(device, group_of
     w.zero_grad()
     backward()
     np.testing.assert_array_equal(w.grad.numpy(), x)
+
+
+def test_torch_tensors_go_to_the_device_of_the_module_or_of_the_pydiff_arguments(device):
+    # A second device (another include path): torch tensors in its module's calls, its ops
+    # and its .bwds were converted onto the default device and refused as "on another device".
+    other = pydiff.create_device(
+        device.type, include_paths=[str(__import__("pathlib").Path(__file__).parent / "shaders")]
+    )
+    assert other is not pydiff.default_device()
+    m = pydiff.load_module_from_source("bd44_other_device", SRC, device=other)
+    a = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    w = pydiff.tensor([3.0, 4.0, 5.0], device=other, requires_grad=True)
+    m.f(a, w).sum().backward()  # d(a^2 w)/da = 2 a w, d/dw = a^2
+    torch.testing.assert_close(a.grad, 2 * a.detach() * torch.tensor([3.0, 4.0, 5.0]))
+    np.testing.assert_allclose(w.grad.numpy(), [1.0, 4.0, 0.25])
+    v = pydiff.tensor([2.0, 3.0, 4.0], device=other, requires_grad=True)
+    ops.mul(torch.tensor([1.0, 2.0, 3.0]), v).sum().backward()
+    np.testing.assert_allclose(v.grad.numpy(), [1.0, 2.0, 3.0])
+    x = pydiff.tensor([3.0, 4.0], device=other, requires_grad=True)
+    m.f.bwds(
+        x, torch.tensor([3.0, 5.0]), _result=pydiff.zeros((2,), device=other).with_grads(ones=True)
+    )
+    np.testing.assert_allclose(x.grad.numpy(), [18.0, 40.0])
