@@ -29,7 +29,7 @@ from .lost_derivative import refuse_lost_copy
 from .tape import Tape, active_tape
 from .tensor import Tensor
 from .torch_args import describe
-from .torch_passes import accumulates_leaves, pass_without_leaves, torch_pass
+from .torch_passes import accumulates_leaves, pass_without_leaves, running_pass, torch_pass
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
 FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
@@ -300,7 +300,7 @@ def _bridge() -> Any:
             saved = [a for a in (_anchor, *args) if is_torch_tensor(a) and not a.is_inference()]
             ctx.save_for_backward(*saved)
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
-            ctx.anchored = _anchor is not None
+            ctx.anchored, ctx.within = _anchor is not None, running_pass()
             ctx.from_torch = [is_torch_tensor(a) for a in args]
             ctx.torch_devices = [a.device if is_torch_tensor(a) else None for a in args]
             home = next((d for d in ctx.torch_devices if d is not None), None)
@@ -336,7 +336,7 @@ def _bridge() -> Any:
             # tensors': pydiff's leaves (on ctx.tape, never named) then get fresh buffers.
             if not ctx.anchored or accumulates_leaves(ctx.next_functions[0][0]):
                 # The zeroing policy acts once per torch pass, not once per pydiff node in it.
-                scope: Any = torch_pass()
+                scope: Any = torch_pass(ctx.within)
             else:
                 scope = pass_without_leaves(ctx.tape, leaves)
             with scope:

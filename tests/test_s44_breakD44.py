@@ -90,3 +90,25 @@ def test_torch_tensors_go_to_the_device_of_the_module_or_of_the_pydiff_arguments
         x, torch.tensor([3.0, 5.0]), _result=pydiff.zeros((2,), device=other).with_grads(ones=True)
     )
     np.testing.assert_allclose(x.grad.numpy(), [18.0, 40.0])
+
+
+@pytest.mark.parametrize("policy", ["reset", "strict"])
+def test_a_reentrant_checkpoint_shares_its_outer_pass_zeroing(device, policy):
+    # torch.utils.checkpoint(use_reentrant=True) recomputes its forward inside the outer
+    # pass's backward and runs a nested pass of its own: RESET zeroed the pydiff parameter's
+    # gradient again there (keeping one use's share only: off by 3.8), STRICT refused it.
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(5, 3, dtype=torch.float64, generator=gen)
+    w64 = torch.randn(4, 3, dtype=torch.float64, generator=gen)
+    w = pydiff.tensor(w64.float().numpy(), device=device, requires_grad=True)
+    w.zero_policy = policy
+    x = x64.float().requires_grad_()
+    y = checkpoint(lambda a: ops.tanh(ops.linear(a, w)), x, use_reentrant=True)
+    y2 = ops.tanh(ops.linear(x, w))  # a second use of w, outside the checkpoint
+    (torch.tanh(y) ** 2 + y2).sum().backward()
+    xr, wr = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    (torch.tanh(torch.tanh(xr @ wr.T)) ** 2 + torch.tanh(xr @ wr.T)).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), rtol=1e-5, atol=1e-6)
