@@ -293,7 +293,7 @@ def _bridge() -> Any:
                         f"{label} with torch tensors returned {type(out).__name__} (output {k}); "
                         "it must return pydiff tensors"
                     )
-                outputs[k] = on_tape(out, tape, inputs)
+                outputs[k] = on_tape(out, tape, inputs, closed=True)
             # The torch inputs are saved so that torch refuses a second backward without
             # retain_graph, as for its own functions; not inference tensors (data made under
             # torch.inference_mode, which torch refuses to save: the values were copied).

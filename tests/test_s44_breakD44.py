@@ -112,3 +112,17 @@ def test_a_reentrant_checkpoint_shares_its_outer_pass_zeroing(device, policy):
     (torch.tanh(torch.tanh(xr @ wr.T)) ** 2 + torch.tanh(xr @ wr.T)).sum().backward()
     np.testing.assert_allclose(w.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_torch_function_returns_itself_gets_its_gradient(device):
+    # torch_function(lambda t: (f(t, w), w)): the output that is w itself (a learned scale,
+    # a log-variance handed to a torch loss) lost its gradient without a word (0, and the
+    # product's share only).
+    w = pydiff.tensor([1.0, 2.0], device=device, requires_grad=True)
+    f = pydiff.torch_function(lambda t: (ops.mul(t, w), w, w.reshape((2, 1))))
+    t = torch.tensor([5.0, 7.0], requires_grad=True)
+    prod, same, column = f(t)
+    c = torch.tensor([3.0, 4.0])
+    (prod.sum() + (same * c).sum() + (column[:, 0] * c * 2).sum()).backward()
+    np.testing.assert_allclose(w.grad.numpy(), [5.0 + 9.0, 7.0 + 12.0])  # t + 3 c
+    torch.testing.assert_close(t.grad, torch.tensor([1.0, 2.0]))
