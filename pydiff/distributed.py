@@ -434,4 +434,7 @@ def all_reduce_grads(
     def collective(buf: Any) -> None:
         _run("all_reduce_grads", dist, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
 
-    return _exchange(_torch(), grads, bucket_bytes, collective, n if op == "mean" else 1)
+    sent = _exchange(_torch(), grads, bucket_bytes, collective, n if op == "mean" else 1)
+    for g in grads:  # a backward's result still (STRICT refuses adding to it: zero_grad first)
+        g.storage.mark_result(f"pydiff.distributed.all_reduce_grads ({op} over {n} ranks)")
+    return sent

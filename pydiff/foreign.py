@@ -25,7 +25,7 @@ class _Registration(NamedTuple):
     call: Callable[[Any, tuple, dict], Any]
     name: str
     advice: str
-    data: Callable[[Any, str], Any] | None
+    data: Callable[..., Any] | None  # (value, where, device=None)
     needs_grad: Callable[[Any], bool]
 
 
@@ -37,7 +37,7 @@ def register(
     call: Callable[[Any, tuple, dict], Any],
     name: str = "foreign",
     advice: str = "",
-    data: Callable[[Any, str], Any] | None = None,
+    data: Callable[..., Any] | None = None,
     needs_grad: Callable[[Any], bool] = lambda value: False,
 ) -> None:
     """Run calls with an argument of one of ``classes()`` (the classes loaded now: () while
@@ -135,6 +135,7 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
     if not kinds or not _holds_foreign((*args, *kwargs.values()), kinds):
         return args, kwargs  # (every .bwds/.fwds call: one lookup while torch is not loaded)
     names = [p.name for p in fn.params]
+    device = getattr(getattr(fn, "module", None), "device", None)
     written = {p.name for p in fn.params if p.writes_value}
 
     def convert(value: Any, name: str) -> Any:
@@ -161,7 +162,7 @@ def as_data(fn: Any, args: tuple, kwargs: dict, use: str) -> tuple[tuple, dict]:
                 f"values, or call the function itself on {reg.name} tensors ({reg.name} "
                 "autograd)"
             )
-        return reg.data(value, f"{use}: {where}")
+        return reg.data(value, f"{use}: {where}", device)  # (on fn's module's device)
 
     new_args = tuple(
         convert(a, names[k] if k < len(names) else f"argument {k}") for k, a in enumerate(args)

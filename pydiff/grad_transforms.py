@@ -25,12 +25,14 @@ from .tape import Tape
 from .tensor import Tensor
 
 
-def on_tape(out: Tensor, tape: Tape, inputs: Sequence[Any]) -> Tensor:
+def on_tape(out: Tensor, tape: Tape, inputs: Sequence[Any], closed: bool = False) -> Tensor:
     """``out``, or a recorded copy of it where it is an input or a view of one (nothing on
-    ``tape`` produced it, so a backward from it would not reach the input)."""
+    ``tape`` produced it, so a backward from it would not reach the input); with ``closed``,
+    also where it is any other tensor that requires grad (one the function closes over:
+    ``torch_function(lambda t: w)``, whose gradient torch's backward hands to it)."""
     if out.producer is tape or not out.requires_grad:
         return out
-    if any(isinstance(i, Tensor) and i.storage is out.storage for i in inputs):
+    if closed or any(isinstance(i, Tensor) and i.storage is out.storage for i in inputs):
         with tape:
             return out.clone()  # recorded (requires grad, a tape records): identity backward
     return out

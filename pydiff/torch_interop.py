@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import foreign, forward_trace
+from . import foreign, forward_trace, torch_args
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .errors import OpDtypeError
@@ -28,7 +28,8 @@ from .host_values import to_float32
 from .lost_derivative import refuse_lost_copy
 from .tape import Tape, active_tape
 from .tensor import Tensor
-from .torch_passes import accumulates_leaves, pass_without_leaves, torch_pass
+from .torch_args import describe
+from .torch_passes import accumulates_leaves, pass_without_leaves, running_pass, torch_pass
 
 #: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
 FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
@@ -229,16 +230,10 @@ def _shared_anchor() -> Any:
     return torch_module().ones((), requires_grad=True)
 
 
-def _describe(fn: Any, k: int) -> str:
-    params = getattr(getattr(fn, "signature", None), "params", None)
-    if params is not None and k < len(params):
-        return f"argument {k} (parameter {params[k].name!r})"
-    return f"argument {k}"
-
-
-def _convert_arg(value: Any, where: str, nested: str = "") -> Any:
-    """A torch tensor argument as a pydiff tensor (int64 narrowed where it fits: torch's
-    labels), and torch tensors inside lists, tuples and dicts (they cannot need gradients)."""
+def _convert_arg(value: Any, where: str, nested: str = "", device: Any = None) -> Any:
+    """A torch tensor argument as a pydiff tensor on ``device`` (the call's: ``torch_args``;
+    int64 narrowed where it fits: torch's labels), and torch tensors inside lists, tuples
+    and dicts (they cannot need gradients)."""
     if is_torch_tensor(value):
         if nested and value.requires_grad:
             raise ValueError(
@@ -253,15 +248,14 @@ def _convert_arg(value: Any, where: str, nested: str = "") -> Any:
             )
         narrow = "int" if name == "int64" else None
         try:
-            return from_torch(
-                value, requires_grad=value.is_floating_point() and value.requires_grad, dtype=narrow
-            )
+            grad = value.is_floating_point() and value.requires_grad
+            return from_torch(value, device=device, requires_grad=grad, dtype=narrow)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
     if isinstance(value, (list, tuple)):
-        return type(value)(_convert_arg(v, where, type(value).__name__) for v in value)
+        return type(value)(_convert_arg(v, where, type(value).__name__, device) for v in value)
     if isinstance(value, dict):
-        return {k: _convert_arg(v, where, "dict") for k, v in value.items()}
+        return {k: _convert_arg(v, where, "dict", device) for k, v in value.items()}
     return value
 
 
@@ -273,7 +267,8 @@ def _bridge() -> Any:
         @staticmethod
         def forward(ctx: Any, fn: Any, kwargs: dict, _anchor: Any, *args: Any) -> Any:
             label = getattr(fn, "__name__", None) or repr(fn)
-            inputs = [_convert_arg(a, _describe(fn, k)) for k, a in enumerate(args)]
+            dev = torch_args.home_device(fn, args, kwargs)
+            inputs = [_convert_arg(a, describe(fn, k), "", dev) for k, a in enumerate(args)]
             named = {}
             for name, value in kwargs.items():
                 if is_torch_tensor(value) and value.requires_grad:
@@ -282,7 +277,7 @@ def _bridge() -> Any:
                         "torch autograd gives gradients to positional arguments only: pass it "
                         "positionally"
                     )
-                named[name] = _convert_arg(value, f"keyword argument {name!r}")
+                named[name] = _convert_arg(value, f"keyword argument {name!r}", "", dev)
             with Tape(reads_other_tapes=True) as tape:
                 result = _run(fn, inputs, named, (*args, *kwargs.values()))
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
@@ -298,12 +293,14 @@ def _bridge() -> Any:
                         f"{label} with torch tensors returned {type(out).__name__} (output {k}); "
                         "it must return pydiff tensors"
                     )
-                outputs[k] = on_tape(out, tape, inputs)
+                outputs[k] = on_tape(out, tape, inputs, closed=True)
             # The torch inputs are saved so that torch refuses a second backward without
-            # retain_graph, as for its own functions.
-            ctx.save_for_backward(*[a for a in args if is_torch_tensor(a)])
+            # retain_graph, as for its own functions; not inference tensors (data made under
+            # torch.inference_mode, which torch refuses to save: the values were copied).
+            saved = [a for a in (_anchor, *args) if is_torch_tensor(a) and not a.is_inference()]
+            ctx.save_for_backward(*saved)
             ctx.tape, ctx.inputs, ctx.outputs = tape, inputs, outputs
-            ctx.anchored = _anchor is not None
+            ctx.anchored, ctx.within = _anchor is not None, running_pass()
             ctx.from_torch = [is_torch_tensor(a) for a in args]
             ctx.torch_devices = [a.device if is_torch_tensor(a) else None for a in args]
             home = next((d for d in ctx.torch_devices if d is not None), None)
@@ -339,7 +336,7 @@ def _bridge() -> Any:
             # tensors': pydiff's leaves (on ctx.tape, never named) then get fresh buffers.
             if not ctx.anchored or accumulates_leaves(ctx.next_functions[0][0]):
                 # The zeroing policy acts once per torch pass, not once per pydiff node in it.
-                scope: Any = torch_pass()
+                scope: Any = torch_pass(ctx.within)
             else:
                 scope = pass_without_leaves(ctx.tape, leaves)
             with scope:
@@ -383,7 +380,7 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
     if autograd and not foreign.taking_data():
         return torch_function(fn)(*args, **kwargs)
     label = getattr(fn, "__name__", None) or repr(fn)
-    places = [(_describe(fn, k), a) for k, a in enumerate(args)]
+    places = [(describe(fn, k), a) for k, a in enumerate(args)]
     places += [(f"keyword argument {name!r}", v) for name, v in kwargs.items()]
     for where, value in places:
         if _needs_torch_grad(value):
@@ -396,8 +393,9 @@ def _call_with_torch(fn: Any, args: tuple, kwargs: dict) -> Any:
                 "pydiff tape, or run the pydiff code outside any pydiff tape through "
                 "pydiff.torch_function(fn) (torch autograd)"
             )
-    inputs = [_convert_arg(a, where) for where, a in places[: len(args)]]
-    named = {name: _convert_arg(v, where) for (where, v), name in zip(places[len(args) :], kwargs)}
+    home = torch_args.home_device(fn, args, kwargs)
+    inputs = [_convert_arg(a, where, "", home) for where, a in places[: len(args)]]
+    named = {n: _convert_arg(v, w, "", home) for (w, v), n in zip(places[len(args) :], kwargs)}
     return _run(fn, inputs, named, (*args, *kwargs.values()))
 
 
@@ -436,6 +434,6 @@ foreign.register(
     "convert the torch tensor with pydiff.from_torch(t) for a pydiff result, or the pydiff "
     "tensor with pydiff.to_torch(x) for a torch one (pydiff.torch_function(fn) runs pydiff "
     "code inside torch autograd)",
-    data=lambda value, where: _convert_arg(value, where),
+    data=lambda value, where, device=None: _convert_arg(value, where, "", device),
     needs_grad=_needs_torch_grad,
 )

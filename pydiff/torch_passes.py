@@ -36,11 +36,40 @@ _NATIVE, _TASK_ID, _ENGINE = "_C", "_current_graph_task_id", "_execution_engine"
 _WILL_EXECUTE = "_will_engine_execute_node"
 
 
-def torch_pass() -> Any:
-    """A context for one torch node's pydiff backward: joined to the other pydiff nodes of
-    the running torch backward pass, if torch names one (else on its own).
+def running_pass() -> int | None:
+    """The torch backward pass running now (its graph task id), or None: a pydiff call made
+    inside one (a reentrant ``torch.utils.checkpoint`` recomputing its forward in the outer
+    pass's backward, then running a nested pass of its own) belongs to that outer pass, so
+    its node's backward joins it (``torch_pass(within=...)``): a nested pass of its own
+    would apply RESET again, zeroing the outer pass's share of a shared parameter."""
+    import torch
 
-    >>> with torch_pass():
+    current = getattr(getattr(torch, _NATIVE), _TASK_ID, None)
+    engine = getattr(torch.autograd.Variable, _ENGINE, None)
+    task = current() if current is not None and engine is not None else -1
+    if task < 0:
+        return None
+    _seen_for(task, engine)  # (its end reported to _close: we are inside it)
+    return task
+
+
+def _seen_for(task: int, engine: Any) -> set[int]:
+    with _lock:
+        seen = _open.get(task)
+        if seen is None:
+            seen = _open[task] = set()
+            engine.queue_callback(lambda: _close(task))
+            while len(_open) > _MAX_OPEN:
+                _open.popitem(last=False)
+    return seen
+
+
+def torch_pass(within: int | None = None) -> Any:
+    """A context for one torch node's pydiff backward: joined to the other pydiff nodes of
+    the running torch backward pass, if torch names one (else on its own), or to the pass
+    ``within`` that made the node (``running_pass``) while that one still runs.
+
+    >>> with torch_pass(ctx.within):
     ...     ctx.tape.backward(out, grad=g)
     """
     import torch
@@ -63,14 +92,12 @@ def torch_pass() -> Any:
     task = current()
     if task < 0:  # not inside a torch backward (a node's backward called by hand)
         return shared_pass(set())
-    with _lock:
-        seen = _open.get(task)
-        if seen is None:
-            seen = _open[task] = set()
-            engine.queue_callback(lambda: _close(task))
-            while len(_open) > _MAX_OPEN:
-                _open.popitem(last=False)
-    return shared_pass(seen)
+    if within is not None and within != task:
+        with _lock:
+            outer = _open.get(within)
+        if outer is not None:  # a nested pass of the pass that made the node, which runs
+            return shared_pass(outer)
+    return shared_pass(_seen_for(task, engine))
 
 
 def _close(task: int) -> None:
