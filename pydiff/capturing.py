@@ -141,7 +141,7 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     kernel (``launch`` None) or a gradient buffer of ``args`` has the STRICT policy (a data
     tensor's own policy, left from buffers it dropped, acts on nothing). A replay refuses
     where the gradient buffers it binds are no longer the tensors' (_same_grads)."""
-    if _recording.get() is None:
+    if (rec := _recording.get()) is None:
         return
     if launch is None:
         refuse_planned(label, plan)
@@ -149,9 +149,8 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
     reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]
-    _recording.get().record_reads(label, [*reads, (f"{label}: upstream", result.grad_in.storage)])
+    rec.record_reads(label, [*reads, (f"{label}: upstream", result.grad_in.storage)])
     advice = "The replay adds into (and zeroes) the gradient buffers as at the capture: "
-    rec = _recording.get()
     rec.record_check(label, _same_grads(named, rec.policy), advice + "restore it or capture again.")
 
 
@@ -329,8 +328,7 @@ class CapturedStep:
         self._commands.append(("dispatch", kernel, root, cursor, threads, dynamic, buffers))
 
     def drop_dispatch(self, kernel: Any) -> bool:
-        """Forget the latest command but host actions if it dispatches ``kernel`` (a held-back
-        product whose consumer records a fused kernel instead: pydiff.head_fusion)."""
+        """Forget the latest non-host command if it dispatches ``kernel`` (head_fusion)."""
         at = max((i for i, c in enumerate(self._commands) if c[0] != "host"), default=-1)
         if at < 0 or self._commands[at][:2] != ("dispatch", kernel):
             return False
