@@ -84,3 +84,11 @@ def test_pydiff_check_fails_a_forward_derivative_with_a_wrong_value(tmp_path):
     assert forward["sq_right"].status == "PASS"
     # the tangents themselves are right: every backward and adjoint row passes
     assert all(r.status == "PASS" for r in rows if r.mode != "forward")
+
+
+def test_module_jvp_names_a_tangent_of_the_wrong_shape(mod):
+    x = pydiff.tensor(X)
+    with pytest.raises(ValueError, match=r"jvp: tangents\[0\] \(for .*sq_right's parameter 'x'\)"):
+        pydiff.jvp(mod.sq_right, (x,), (np.ones(1),))
+    _, t = pydiff.jvp(mod.sq_right, (x,), (np.ones(4),))
+    np.testing.assert_allclose(t.numpy(), 2 * X, rtol=1e-6)
