@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pydiff
+from pydiff import ops
 from pydiff import modcheck
 
 SRC = """
@@ -92,3 +93,50 @@ def test_module_jvp_names_a_tangent_of_the_wrong_shape(mod):
         pydiff.jvp(mod.sq_right, (x,), (np.ones(1),))
     _, t = pydiff.jvp(mod.sq_right, (x,), (np.ones(4),))
     np.testing.assert_allclose(t.numpy(), 2 * X, rtol=1e-6)
+
+
+class _ExpInPlace(pydiff.Function):
+    """exp written into its input (no mark_dirty in pydiff), then returned."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = pydiff.tensor(np.exp(x.numpy()))
+        x.copy_(y)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return ops.mul(y, g)
+
+
+def test_function_writing_an_input_that_requires_grad_is_refused():
+    # before: x0.grad came back 0 (the gradient for the intermediate x never reached x0),
+    # where d/dx0 sum(exp(x0)^2) = 2 exp(2 x0)
+    x0 = pydiff.tensor(X, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"_ExpInPlace.forward wrote input 0 .* in place"):
+        with pydiff.Tape():
+            _ExpInPlace.apply(ops.mul(x0, 1.0))
+    with pytest.raises(RuntimeError, match="wrote input 0"):  # a leaf too, as torch refuses
+        with pydiff.Tape():
+            _ExpInPlace.apply(x0)
+    # held fixed or off a tape it is just a call
+    c = pydiff.tensor(X)
+    with pydiff.Tape():
+        _ExpInPlace.apply(c)
+    np.testing.assert_allclose(c.numpy(), np.exp(X), rtol=1e-6)
+
+    class ExpFresh(_ExpInPlace):  # the fix the message gives: a new tensor
+        @staticmethod
+        def forward(ctx, x):
+            y = pydiff.tensor(np.exp(x.numpy()))
+            ctx.save_for_backward(y)
+            return y
+
+    x0 = pydiff.tensor(X, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = ExpFresh.apply(ops.mul(x0, 1.0))
+        loss = ops.sum(ops.mul(y, y))
+    tape.backward(loss)
+    np.testing.assert_allclose(x0.grad.numpy(), 2 * np.exp(2 * X), rtol=1e-5)
