@@ -296,6 +296,10 @@ def bound_args(name: str, forward: Callable[..., Any], args: tuple, kwargs: dict
     return tuple(bound.args[1:])
 
 
+def _no_check(saved: dict[int, int]) -> None:
+    pass
+
+
 def forward_writes(name: str, inputs: list, on_tape: Any) -> Callable[[dict], None]:
     """A check, after a Function's ``forward`` (with a ``backward``) on a tape, that it wrote
     no tensor input that requires a gradient in place: the tape's record of that input's
@@ -305,10 +309,12 @@ def forward_writes(name: str, inputs: list, on_tape: Any) -> Callable[[dict], No
 
     check = forward_writes("Exp", [(0, x)], True); Exp.forward(ctx, x); check(ctx.saved_versions)
     """
+    if not on_tape:
+        return _no_check
     before = [(k, t, t.storage.version) for k, (_, t) in enumerate(inputs) if t.requires_grad]
 
     def check(saved: dict[int, int]) -> None:
-        for k, t, version in before if on_tape else ():
+        for k, t, version in before:
             now = t.storage.version
             if now != version and saved.get(id(t.storage), now) == now:
                 raise RuntimeError(
