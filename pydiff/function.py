@@ -25,7 +25,7 @@ from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, check_reached, gradients, own_outputs, refuse_nested
-from .function_checks import bound_args, nested_tensors, tangent_in_dtype
+from .function_checks import bound_args, forward_writes, nested_tensors, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
@@ -223,12 +223,14 @@ class Function:
             return _passed_through(cls, tape, result, inputs, ctx, sources), ctx
         if tape is not None:
             refuse_nested(name, args, lambda t: t.requires_grad, "requires grad", "gradients")
+        own = cls.__module__.startswith(_OWN_OPS)
+        check_writes = forward_writes(name, inputs, tape is not None and not own)
         with suspend_recording():
             result = cls.forward(ctx, *args)
+        check_writes(ctx.saved_versions)
         outputs_tuple = isinstance(result, tuple)
         items = result if outputs_tuple else (result,)
-        device = inputs[0][1].device if inputs else None
-        outputs = own_outputs(cls, items, inputs, device)
+        outputs = own_outputs(cls, items, inputs, inputs[0][1].device if inputs else None)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
         marked = ctx.marked if ctx.non_differentiable else None
         constant = set()
@@ -275,15 +277,14 @@ class Function:
                 _run_backward(cls, ctx, [t for _, t in inputs], outputs, constant)
 
             writes = [o for k, o in enumerate(outputs) if k not in constant]
-            refuse = not cls.__module__.startswith(_OWN_OPS)  # (a user's backward: restoring)
-            tape.record(
+            tape.record(  # may_refuse: a user's backward (restoring)
                 f"{name}.apply",
                 reads,
                 writes,
                 run_backward,
                 function=cls,
                 ctx=ctx,
-                may_refuse=refuse,
+                may_refuse=not own,
             )
         ctx.outputs = outputs
         return (outputs if outputs_tuple else outputs[0]), ctx

@@ -294,3 +294,35 @@ def bound_args(name: str, forward: Callable[..., Any], args: tuple, kwargs: dict
             "arguments (keywords bound to named parameters, as torch does)"
         )
     return tuple(bound.args[1:])
+
+
+def _no_check(saved: dict[int, int]) -> None:
+    pass
+
+
+def forward_writes(name: str, inputs: list, on_tape: Any) -> Callable[[dict], None]:
+    """A check, after a Function's ``forward`` (with a ``backward``) on a tape, that it wrote
+    no tensor input that requires a gradient in place: the tape's record of that input's
+    values is gone and the gradient ``backward`` returns for it silently never reached what
+    computed it (0 for an intermediate; torch's ``mark_dirty`` case, not offered here). An
+    input saved before the write is left to the backward's overwrite check, which names it.
+
+    check = forward_writes("Exp", [(0, x)], True); Exp.forward(ctx, x); check(ctx.saved_versions)
+    """
+    if not on_tape:
+        return _no_check
+    before = [(k, t, t.storage.version) for k, (_, t) in enumerate(inputs) if t.requires_grad]
+
+    def check(saved: dict[int, int]) -> None:
+        for k, t, version in before:
+            now = t.storage.version
+            if now != version and saved.get(id(t.storage), now) == now:
+                raise RuntimeError(
+                    f"{name}.forward wrote input {k} (shape {t.shape}) in place, and it "
+                    "requires a gradient on a tape: the gradient backward returns for it would "
+                    "not reach what computed it (pydiff has no mark_dirty). Write the result "
+                    "into a new tensor and return that (x.clone() first, or pydiff.empty_like), "
+                    "or pass x.detach() where no gradient is wanted"
+                )
+
+    return check

@@ -204,6 +204,7 @@ def _check_forward(
     state: _Inputs,
     us: dict,
     fd_ju: np.ndarray,
+    want: np.ndarray,
     v_flat: np.ndarray,
     u_jtv: float,
     atol: float,
@@ -217,15 +218,14 @@ def _check_forward(
         xs, ts = prepare("gradcheck", inputs, dirs, "directions")
         primal, out = traced(as_callable(fn), xs, ts, "gradcheck")
         pairs = zip(primal, out) if isinstance(out, tuple) else [(primal, out)]
-        tangents = [t for p, t in pairs if p.differentiable]  # as _outputs: integers left out
+        pairs = [(p, t) for p, t in pairs if p.differentiable]  # as _outputs: no integers
     else:
-        tangents = _shader_tangents(fn, inputs, state, us)
-    jvp = np.concatenate(
-        [
-            np.asarray(t.numpy() if isinstance(t, Tensor) else t, np.float64).ravel()
-            for t in tangents
-        ]
-    )
+        pairs = _shader_pairs(fn, inputs, state, us)
+    got, jvp = (np.concatenate([_flat(pt[k]) for pt in pairs]) for k in (0, 1))
+    # forward mode's value must be fn's own (a [ForwardDerivative]'s wrong primal passed before)
+    i, excess = fd.worst_excess(got, want, atol, rtol)
+    if excess > 0:
+        return excess, f"forward mode: value element {i} is {got[i]:.6g}, fn gives {want[i]:.6g}"
     i, excess = fd.worst_excess(jvp, fd_ju, atol, rtol)
     if excess > 0:
         return (
@@ -243,7 +243,11 @@ def _check_forward(
     return None
 
 
-def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, us: dict) -> list:
+def _flat(t: Any) -> np.ndarray:
+    return np.asarray(t.numpy() if isinstance(t, Tensor) else t, np.float64).ravel()
+
+
+def _shader_pairs(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, us: dict) -> list:
     # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
     # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
     def with_direction(t: Tensor) -> Tensor:
@@ -254,10 +258,9 @@ def _shader_tangents(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, 
 
     args = [map_tensors(a, with_direction) for a in inputs]  # struct (dict) fields too
     result = fn.fwds(*args)
-    tangents = [] if result is None else [result[1]]
+    pairs = [] if result is None else [tuple(result)]
     written = [args[i] for i in fn.signature.written if isinstance(args[i], Tensor)]
-    tangents += [w.tangent for w in written if w.differentiable]  # as _outputs
-    return tangents
+    return pairs + [(w, w.tangent) for w in written if w.differentiable]  # as _outputs
 
 
 def _element_message(
@@ -428,9 +431,10 @@ def gradcheck(
         gap = fd.adjoint_gap(ju_v, u_jtv, atol, rtol)
         if gap > 0 and worst is None:
             worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
-        state.restore()  # forward mode runs at x itself
         if worst is None and _wants_forward(fn, inputs, check_forward):
-            worst = _check_forward(fn, inputs, state, us, fd_ju, v_flat, u_jtv, atol, rtol)
+            want = evaluate(originals)  # f(x), which forward mode's value must be
+            state.restore()  # forward mode runs at x itself
+            worst = _check_forward(fn, inputs, state, us, fd_ju, want, v_flat, u_jtv, atol, rtol)
     finally:
         state.restore(finish=True)
     if worst is None:

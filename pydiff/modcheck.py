@@ -190,7 +190,7 @@ def check_function(
         results.append(CheckResult(name, "(all)", "forward", "SKIPPED", why=forward))
     elif forward or not backward:
         results.append(
-            _forward_row(layout, device, values, u, d1, d2, valid, points, atol, rtol, finite)
+            _forward_row(layout, device, values, u, d1, d2, valid, points, atol, rtol, finite, base)
         )
     return results
 
@@ -218,7 +218,7 @@ def _check_with_tensors(
 
 
 def _forward_row(
-    layout: Layout, device, values, u, d1, d2, valid, points, atol, rtol, finite
+    layout: Layout, device, values, u, d1, d2, valid, points, atol, rtol, finite, base
 ) -> CheckResult:
     fn = layout.fn
     args, made = layout.arguments(values, points, device)
@@ -227,24 +227,23 @@ def _forward_row(
     try:
         result = fn.fwds(*args)
     except Exception as exc:  # e.g. a result type forward mode cannot return
-        return CheckResult(
-            fn.name,
-            "(all)",
-            "forward",
-            "SKIPPED",
-            why=f"forward mode unavailable: {str(exc).splitlines()[0]}",
-        )
-    tangents = []
-    if fn.signature.return_type != "void":
-        tangents.append(result[1].numpy().astype(np.float64).reshape(points, -1))
-    for leaf in layout.outputs():
-        tangent = made[leaf.key].tangent
-        tangents.append(tangent.numpy().astype(np.float64).reshape(points, -1))
-    jvp = np.concatenate(tangents, axis=1)
+        why = f"forward mode unavailable: {str(exc).splitlines()[0]}"
+        return CheckResult(fn.name, "(all)", "forward", "SKIPPED", why=why)
+    pairs = [tuple(result)] if fn.signature.return_type != "void" else []
+    pairs += [(made[leaf.key], made[leaf.key].tangent) for leaf in layout.outputs()]
+    got, jvp = (
+        np.concatenate([p[k].numpy().astype(np.float64).reshape(points, -1) for p in pairs], 1)
+        for k in (0, 1)
+    )
     fd_u, small = np.concatenate(d1, axis=1), np.concatenate(d2, axis=1)
     ok = valid & np.all(fd.smooth(fd_u, small, atol, rtol), axis=1)
     cmp = fd.compare(jvp, fd_u, np.repeat(ok[:, None], fd_u.shape[1], axis=1), atol, rtol)
-    return _row(fn.name, "(all)", "forward", cmp, ok, finite)
+    row = _row(fn.name, "(all)", "forward", cmp, ok, finite)
+    want = np.concatenate(base, axis=1)  # its value too: a wrong one passed before
+    off = fd.compare(got, want, np.repeat(finite[:, None], want.shape[1], axis=1), atol, rtol)
+    if off is not None and off.failed:
+        row.status, row.why = "FAIL", f"forward value is not the function's (off {off.max_abs:.3g})"
+    return row
 
 
 def _row(

@@ -110,6 +110,12 @@ def jvp(
         if isinstance(x, Tensor):
             if not isinstance(t, Tensor):  # (refused naming jvp's argument, not with_tangent)
                 t = seed_values(t, f"jvp: tangents[{k}]", x.scalar_type)
+                if t.shape != x.expected_numpy_shape():  # (with_tangent's would name neither)
+                    name = f.params[k].name if k < len(f.params) else f"#{k}"
+                    raise ValueError(
+                        f"jvp: tangents[{k}] (for {f.label}'s parameter '{name}') has shape "
+                        f"{t.shape}; primal {k} has shape {x.expected_numpy_shape()}"
+                    )
             view = x.detach()
             args.append(view.with_tangent(t))
         else:
