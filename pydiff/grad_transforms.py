@@ -140,6 +140,11 @@ def value_and_grad(
                 f"{what}: fn returned a tensor of shape {out.shape}; grad needs a one-element "
                 "result (reduce it with ops.sum or ops.mean)"
             )
+        if out.dtype not in ("float", "half"):  # (zeros before: torch refuses it too)
+            raise TypeError(
+                f"{what}: fn returned a tensor of dtype {out.dtype}, which has no derivative; "
+                "return a float result (the loss before any rounding or conversion to int)"
+            )
         out = on_tape(out, tape, list(leaves.values()))
         refuse_copied(out, what)
         if out.requires_grad and out.producer is tape:
