@@ -80,3 +80,16 @@ def test_a_racing_read_with_gradients_off_a_tape_is_refused(device):
     img = pydiff.tensor(np.ones((8, 8), np.float32), device=device).requires_grad_()
     with pytest.raises(ValueError, match=r"parameter 'result'.*parameter 'img'.*race"):
         m.blur(spy.grid((8, 8)), 1.5, img, img)
+
+
+def test_grad_of_an_integer_result_is_refused(device):
+    """breakC44 found ``pydiff.grad`` of a function returning an int tensor gave zeros
+    (torch refuses: an integer has no derivative)."""
+    from pydiff import ops
+
+    x = pydiff.tensor(np.array([1.0, -3.0], np.float32), device=device)
+    with pytest.raises(TypeError, match="dtype int, which has no derivative"):
+        pydiff.grad(lambda t: ops.sum(ops.mul(t, t)).astype("int"))(x)
+    # the float result's gradient is the closed form 2x
+    g = pydiff.grad(lambda t: ops.sum(ops.mul(t, t)))(x)
+    np.testing.assert_array_equal(g.numpy(), [2.0, -6.0])
