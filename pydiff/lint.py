@@ -408,7 +408,7 @@ def affected_functions(
 def refusing(findings: list[Finding] | None) -> bool:
     """Whether ``findings`` (a trap map's entry) refuse the function's ``.bwds``: those that
     refuse forward mode only leave its forward calls and ``.bwds`` to the generated kernels."""
-    return any(f.refuses_bwds for f in findings or ())
+    return any(getattr(f, "refuses_bwds", True) for f in findings or ())  # (other: refusing)
 
 
 _scanned: dict[str, str] = {}  # file label -> source text, for modules compiled from a string

@@ -77,6 +77,7 @@ def test_double(m):
     np.testing.assert_allclose(dy.numpy(), 1.5 * xs**2, rtol=1e-12)
 
 
+@pytest.mark.usefixtures("auto_sizes")  # (a small call, as by default in every mode)
 def test_small_fwds_is_one_slangpy_call(m, monkeypatch):
     x = pydiff.tensor(np.arange(16, dtype=np.float32)).with_tangent(np.ones(16, np.float32))
     m.cube.fwds(x)  # (compiles the wrapper)
