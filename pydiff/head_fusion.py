@@ -112,6 +112,11 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
             p.shape == shape and p.capture is rec and (rec is None or rec.drop_dispatch(p.kernel))
         )
 
+    # The fused kernel built (a compile, seconds the first time) before the product is claimed:
+    # an exception or KeyboardInterrupt there leaves it held, recorded as issued, not lost.
+    peek = queue.held
+    if peek is not None and isinstance(peek[3], HeldProduct) and peek[2] is logits.storage:
+        peek[3].plan.fused_kernel(peek[3].kernels)
     held = queue.take_held(logits.storage, fits)
     if held is None:
         return False

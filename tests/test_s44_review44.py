@@ -27,3 +27,42 @@ def test_copy_copy_of_an_output_with_owed_gradient_shares_it():
     np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-6, atol=1e-6)
     assert y.grad is yc.grad
     np.testing.assert_allclose(y.grad.numpy(), 2.0 * np.maximum(x64, 0.0), rtol=1e-6)
+
+
+def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch):
+    """A KeyboardInterrupt (or a compile error) while the fused kernel is built, the first
+    time a head's shape meets a cross-entropy: the product had already been claimed, so it was
+    never recorded and the logits kept the pooled buffer's old values. Now built before the
+    claim: the product stays held and its values are right."""
+    from pydiff import head_fusion, nn, ops_reduce, products
+
+    monkeypatch.setattr(products, "HOT_SHAPE_USES", 1)
+    monkeypatch.setattr(products, "FIXED_SHAPES_MAX", 1 << 10)
+    dev = pydiff.default_device()
+    dev.kernels.plans.clear()
+    rng = np.random.default_rng(7)
+    hn = rng.standard_normal((64, 16)).astype(np.float32)
+    h = pydiff.tensor(hn, device=dev)
+    head = nn.Linear(16, 5, seed=3, device=dev)
+    labels = rng.integers(0, 5, 64)
+    yt = pydiff.tensor(labels.astype(np.int32), device=dev)
+    ops_reduce._check_labels(yt, (64, 5))
+    warm = pydiff.tensor(np.full((64, 16), 3.0, np.float32), device=dev)
+    for _ in range(3):  # (other values in the pool's buffers of this shape)
+        head(warm).numpy()
+    junk = [pydiff.tensor(np.full((64, 5), 7.0, np.float32), device=dev) for _ in range(3)]
+    del junk
+    z = head(h)
+    assert dev.kernels.gpu or dev.queue.held is not None
+
+    def interrupted(self, kernels):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(head_fusion.HeadPlan, "fused_kernel", interrupted)
+    try:
+        ops.cross_entropy(z, yt)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
+    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
