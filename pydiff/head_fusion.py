@@ -120,7 +120,11 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
     held = queue.take_held(logits.storage, fits)
     if held is None:
         return False
-    kernel = held.plan.fused_kernel(held.kernels)
     buffers = held.buffers + [("labels", labels.buffer), ("lse", lse.buffer), ("loss", loss.buffer)]
-    held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
+    try:
+        kernel = held.plan.fused_kernel(held.kernels)
+        held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
+    except BaseException:  # (claimed, not recorded: the product as issued, then the error)
+        held.kernels.dispatch_split(held.kernel, held.plan.threads, held.buffers, held.scalars)
+        raise
     return True

@@ -66,3 +66,45 @@ def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch)
     monkeypatch.undo()
     want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
     np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_error_recording_the_fused_kernel_keeps_the_product(monkeypatch):
+    """An exception (a KeyboardInterrupt) while the claimed product's fused kernel is recorded:
+    the product was neither recorded nor held any more, so the logits kept stale values. Now
+    the product is recorded as issued before the error propagates."""
+    from pydiff import kernels, nn, ops_reduce, products
+
+    monkeypatch.setattr(products, "HOT_SHAPE_USES", 1)
+    monkeypatch.setattr(products, "FIXED_SHAPES_MAX", 1 << 10)
+    dev = pydiff.default_device()
+    dev.kernels.plans.clear()
+    rng = np.random.default_rng(8)
+    hn = rng.standard_normal((32, 8)).astype(np.float32)
+    h = pydiff.tensor(hn, device=dev)
+    head = nn.Linear(8, 6, seed=4, device=dev)
+    labels = rng.integers(0, 6, 32)
+    yt = pydiff.tensor(labels.astype(np.int32), device=dev)
+    ops_reduce._check_labels(yt, (32, 6))
+    warm = pydiff.tensor(np.full((32, 8), 3.0, np.float32), device=dev)
+    for _ in range(3):  # (other values in the pool's buffers of this shape)
+        head(warm).numpy()
+        ops.cross_entropy(head(warm), yt).item()  # (the fused kernel built)
+    junk = [pydiff.tensor(np.full((32, 6), 7.0, np.float32), device=dev) for _ in range(3)]
+    del junk
+    z = head(h)
+    assert dev.kernels.gpu or dev.queue.held is not None
+    real = kernels.KernelCache.dispatch_split
+
+    def interrupted(self, kernel, threads, buffers, *args, **kwargs):
+        if any(name == "labels" for name, _ in buffers):
+            raise KeyboardInterrupt
+        return real(self, kernel, threads, buffers, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.KernelCache, "dispatch_split", interrupted)
+    try:
+        ops.cross_entropy(z, yt)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
+    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
