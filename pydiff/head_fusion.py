@@ -112,10 +112,19 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
             p.shape == shape and p.capture is rec and (rec is None or rec.drop_dispatch(p.kernel))
         )
 
+    # The fused kernel built (a compile, seconds the first time) before the product is claimed:
+    # an exception or KeyboardInterrupt there leaves it held, recorded as issued, not lost.
+    peek = queue.held
+    if peek is not None and isinstance(peek[3], HeldProduct) and peek[2] is logits.storage:
+        peek[3].plan.fused_kernel(peek[3].kernels)
     held = queue.take_held(logits.storage, fits)
     if held is None:
         return False
-    kernel = held.plan.fused_kernel(held.kernels)
     buffers = held.buffers + [("labels", labels.buffer), ("lse", lse.buffer), ("loss", loss.buffer)]
-    held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
+    try:
+        kernel = held.plan.fused_kernel(held.kernels)
+        held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
+    except BaseException:  # (claimed, not recorded: the product as issued, then the error)
+        held.kernels.dispatch_split(held.kernel, held.plan.threads, held.buffers, held.scalars)
+        raise
     return True

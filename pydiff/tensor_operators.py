@@ -278,7 +278,10 @@ class TensorOperators:
 
     def __copy__(self) -> Any:
         """``copy.copy(x)``: another Tensor object on the same storage and gradient buffers
-        (as before ``__reduce_ex__`` existed; torch's ``copy.copy`` shares storage too)."""
+        (as before ``__reduce_ex__`` existed; torch's ``copy.copy`` shares storage too).
+        Gradient buffers still owed (``zero_later``) are made first: each copy would make its
+        own, and a backward would add into one that the other's producer never reads."""
+        _ = self.grad_in  # (owed: made and zeroed now; else just read)
         other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         return other
