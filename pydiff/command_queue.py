@@ -149,7 +149,7 @@ class CommandQueue:
         self.staging: dict = {}
         #: The command held back (``hold``): (record, buffers, key, payload), or None.
         self.held: Any = None
-        self._keep_held = False  # (``keeping_held``: submissions leave it held)
+        self._keep_held: int | None = None  # (``keeping_held``'s thread: its submissions leave it)
         _queues.add(self)
 
     def allocated(self, nbytes: int) -> None:
@@ -278,12 +278,15 @@ class CommandQueue:
         held-back command left held by its submissions unless it was held with ``key``: the
         command issued before it, neither written nor read by it, still runs before anything
         issued later (a cross-entropy's label check between the head and its loss)."""
-        with self._lock:
-            self._keep_held = self.held is not None and self.held[2] is not key
-            try:
-                return read()
-            finally:
-                self._keep_held = False
+        # Not under the lock (the read waits for the device and may take the device's own
+        # lock: an order another thread takes the other way round); the mark is this thread's,
+        # other threads' submissions still record the held command first.
+        keep = self.held is not None and self.held[2] is not key
+        self._keep_held = threading.get_ident() if keep else None
+        try:
+            return read()
+        finally:
+            self._keep_held = None
 
     def _record_held(self) -> None:
         """Record the held-back command at the end of the deferred list (lock held)."""
@@ -340,7 +343,7 @@ class CommandQueue:
         the lock (``deferred``, ``flush``) must wait for this submission, not overtake it; so
         does a batch taken from another thread (its owner, finding it gone, waits too)."""
         self.enter()
-        if self.held is not None and not self._keep_held:
+        if self.held is not None and self._keep_held != threading.get_ident():
             self._record_held()
         buffers = list(self._finished)
         if self._deferred is not None:
