@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from cpu_watch import run_watched
 
 import pydiff
 from pydiff import lint, lint_sources
@@ -187,16 +188,14 @@ LOOP_GRAD = "8.125,4.75,2.5"  # d/da of the issue-15 loop cases at a = 1, 2, 3
 def _oracle(
     params: str, body: str, shape: str, expected: str = "", prefix: str = "", include: str = ""
 ) -> str:
-    try:
-        out = subprocess.run(
-            [sys.executable, ORACLE, params, body, shape, prefix, expected],
-            capture_output=True,
-            text=True,
-            timeout=45,  # a healthy variant takes about 3 s; a hung kernel never returns
-            env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
-        )
-    except subprocess.TimeoutExpired:
+    done = run_watched(
+        [sys.executable, ORACLE, params, body, shape, prefix, expected],
+        cpu_budget=45,  # CPU seconds: a healthy variant uses about 3; a hung kernel never returns
+        env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
+    )
+    if done is None:
         return "hang"
+    out = subprocess.CompletedProcess(done[0], done[0], done[1], done[2])
     if out.returncode != 0:
         if out.returncode < 0 or out.returncode in (139, 134):
             return "crash" if "forward ok" in out.stdout else "crash forward"

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from cpu_watch import run_watched
 
 import pydiff
 from pydiff import lint, lint_sources
@@ -41,17 +42,15 @@ def kinds(src: str, fn: str = "f", search_paths=()) -> set[str]:
 def _oracle(params, body, shape, expected="", prefix="", include="", timeout=90, nice=False) -> str:
     """Raw SlangPy's verdict on f(params, x, y){body}: ok, wrong, crash or hang. ``nice``
     runs the child at the lowest priority (a compile expected to spin until the timeout)."""
-    try:
-        out = subprocess.run(
-            [sys.executable, ORACLE, params, body, shape, prefix, expected],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
-            preexec_fn=(lambda: os.nice(19)) if nice else None,
-        )
-    except subprocess.TimeoutExpired:
+    done = run_watched(
+        [sys.executable, ORACLE, params, body, shape, prefix, expected],
+        cpu_budget=timeout,  # CPU seconds of the child's own: load cannot fake a hang
+        env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
+        preexec_fn=(lambda: os.nice(19)) if nice else None,
+    )
+    if done is None:
         return "hang"
+    out = subprocess.CompletedProcess(done[0], done[0], done[1], done[2])
     if out.returncode != 0:
         if out.returncode < 0 or out.returncode in (134, 139):
             return "crash" if "forward ok" in out.stdout else "crash forward"

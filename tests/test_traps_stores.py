@@ -12,15 +12,14 @@ in the store's own statement and `t.shape` are fine.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
-import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import zip_longest
 
 import numpy as np
 import pytest
+from cpu_watch import run_watched
 
 import pydiff
 from pydiff import lint_sources
@@ -152,28 +151,11 @@ def _model_vjp(model: str) -> str:
     return ",".join(f"{g:.9g}" for g in grad)
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next((x for x in f if x.startswith("VmRSS:")), "VmRSS: 0 kB")
-    except OSError:
-        return 0
-    return int(line.split()[1]) * 1024
-
-
 def _run_watched(args: list[str], timeout: float = 60, max_rss: int = 3 << 29):
-    """(returncode, stdout, stderr), or None when the child ran past ``timeout`` or its
-    resident memory passed ``max_rss`` (then it is killed: the runaway compile)."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    start = time.monotonic()
-    while proc.poll() is None:
-        if time.monotonic() - start > timeout or _rss_bytes(proc.pid) > max_rss:
-            proc.kill()
-            proc.communicate()
-            return None
-        time.sleep(0.1)
-    out, err = proc.communicate()
-    return proc.returncode, out, err
+    """(returncode, stdout, stderr), or None when the child used ``timeout`` seconds of its
+    own CPU time or its resident memory passed ``max_rss`` (then it is killed: the runaway
+    compile). CPU time, not wall time: under load a healthy compile is slow, not a hang."""
+    return run_watched(args, cpu_budget=timeout, max_rss=max_rss)
 
 
 def _verdict(script: str, body: str, expected: str = "") -> str:
