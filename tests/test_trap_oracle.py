@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from cpu_watch import run_watched
+from cpu_watch import run_remembered
 
 import pydiff
 from pydiff import lint, lint_sources
@@ -188,10 +188,10 @@ LOOP_GRAD = "8.125,4.75,2.5"  # d/da of the issue-15 loop cases at a = 1, 2, 3
 def _oracle(
     params: str, body: str, shape: str, expected: str = "", prefix: str = "", include: str = ""
 ) -> str:
-    done = run_watched(
+    done = run_remembered(
         [sys.executable, ORACLE, params, body, shape, prefix, expected],
         cpu_budget=45,  # CPU seconds: a healthy variant uses about 3; a hung kernel never returns
-        env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
+        include=include,
     )
     if done is None:
         return "hang"

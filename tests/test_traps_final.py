@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from cpu_watch import run_watched
+from cpu_watch import run_remembered
 
 import pydiff
 from pydiff import lint, lint_sources
@@ -42,10 +42,10 @@ def kinds(src: str, fn: str = "f", search_paths=()) -> set[str]:
 def _oracle(params, body, shape, expected="", prefix="", include="", timeout=90, nice=False) -> str:
     """Raw SlangPy's verdict on f(params, x, y){body}: ok, wrong, crash or hang. ``nice``
     runs the child at the lowest priority (a compile expected to spin until the timeout)."""
-    done = run_watched(
+    done = run_remembered(
         [sys.executable, ORACLE, params, body, shape, prefix, expected],
         cpu_budget=timeout,  # CPU seconds of the child's own: load cannot fake a hang
-        env=dict(os.environ, TRAP_ORACLE_INCLUDE=include),
+        include=include,
         preexec_fn=(lambda: os.nice(19)) if nice else None,
     )
     if done is None:

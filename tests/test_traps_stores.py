@@ -19,7 +19,7 @@ from itertools import zip_longest
 
 import numpy as np
 import pytest
-from cpu_watch import run_watched
+from cpu_watch import run_remembered, run_watched
 
 import pydiff
 from pydiff import lint_sources
@@ -161,7 +161,11 @@ def _run_watched(args: list[str], timeout: float = 60, max_rss: int = 3 << 29):
 def _verdict(script: str, body: str, expected: str = "") -> str:
     """'ok', 'wrong ...', 'hang' (no result in 60 s, or past 1.5 GB of memory: the runaway
     compiles grow by about 150 MB/s) or 'error ...'."""
-    done = _run_watched([sys.executable, "-c", script, _source(body), expected])
+    args = [sys.executable, "-c", script, _source(body), expected]
+    if script is _RAW:  # (raw SlangPy's verdict, remembered; pydiff's own runs each time)
+        done = run_remembered(args, cpu_budget=60, max_rss=3 << 29)
+    else:
+        done = _run_watched(args)
     if done is None:
         return "hang"
     rc, out, err = done
