@@ -29,31 +29,47 @@ def test_copy_copy_of_an_output_with_owed_gradient_shares_it():
     np.testing.assert_allclose(y.grad.numpy(), 2.0 * np.maximum(x64, 0.0), rtol=1e-6)
 
 
-def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch):
-    """A KeyboardInterrupt (or a compile error) while the fused kernel is built, the first
-    time a head's shape meets a cross-entropy: the product had already been claimed, so it was
-    never recorded and the logits kept the pooled buffer's old values. Now built before the
-    claim: the product stays held and its values are right."""
-    from pydiff import head_fusion, nn, ops_reduce, products
+def _held_head(monkeypatch, rows, n_in, classes, seed, build_fused):
+    """A head's product held back over stale pooled buffers of its shape (three warm-up
+    calls, junk freed), with range-checked labels: ``(dev, inputs, head, labels, logits)``.
+    ``build_fused``: the warm-up builds the fused kernel too."""
+    from pydiff import nn, ops_reduce, products
 
     monkeypatch.setattr(products, "HOT_SHAPE_USES", 1)
     monkeypatch.setattr(products, "FIXED_SHAPES_MAX", 1 << 10)
     dev = pydiff.default_device()
     dev.kernels.plans.clear()
-    rng = np.random.default_rng(7)
-    hn = rng.standard_normal((64, 16)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    hn = rng.standard_normal((rows, n_in)).astype(np.float32)
     h = pydiff.tensor(hn, device=dev)
-    head = nn.Linear(16, 5, seed=3, device=dev)
-    labels = rng.integers(0, 5, 64)
-    yt = pydiff.tensor(labels.astype(np.int32), device=dev)
-    ops_reduce._check_labels(yt, (64, 5))
-    warm = pydiff.tensor(np.full((64, 16), 3.0, np.float32), device=dev)
+    head = nn.Linear(n_in, classes, seed=seed - 4, device=dev)
+    yt = pydiff.tensor(rng.integers(0, classes, rows).astype(np.int32), device=dev)
+    ops_reduce._check_labels(yt, (rows, classes))
+    warm = pydiff.tensor(np.full((rows, n_in), 3.0, np.float32), device=dev)
     for _ in range(3):  # (other values in the pool's buffers of this shape)
         head(warm).numpy()
-    junk = [pydiff.tensor(np.full((64, 5), 7.0, np.float32), device=dev) for _ in range(3)]
+        if build_fused:
+            ops.cross_entropy(head(warm), yt).item()
+    junk = [pydiff.tensor(np.full((rows, classes), 7.0, np.float32), device=dev) for _ in range(3)]
     del junk
     z = head(h)
     assert dev.kernels.gpu or dev.queue.held is not None
+    return dev, hn, head, yt, z
+
+
+def _assert_logits(z, hn, head):
+    want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
+    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch):
+    """A KeyboardInterrupt (or a compile error) while the fused kernel is built, the first
+    time a head's shape meets a cross-entropy: the product had already been claimed, so it was
+    never recorded and the logits kept the pooled buffer's old values. Now built before the
+    claim: the product stays held and its values are right."""
+    from pydiff import head_fusion
+
+    _, hn, head, yt, z = _held_head(monkeypatch, 64, 16, 5, 7, build_fused=False)
 
     def interrupted(self, kernels):
         raise KeyboardInterrupt
@@ -64,35 +80,16 @@ def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch)
     except KeyboardInterrupt:
         pass
     monkeypatch.undo()
-    want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
-    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
+    _assert_logits(z, hn, head)
 
 
 def test_error_recording_the_fused_kernel_keeps_the_product(monkeypatch):
     """An exception (a KeyboardInterrupt) while the claimed product's fused kernel is recorded:
     the product was neither recorded nor held any more, so the logits kept stale values. Now
     the product is recorded as issued before the error propagates."""
-    from pydiff import kernels, nn, ops_reduce, products
+    from pydiff import kernels
 
-    monkeypatch.setattr(products, "HOT_SHAPE_USES", 1)
-    monkeypatch.setattr(products, "FIXED_SHAPES_MAX", 1 << 10)
-    dev = pydiff.default_device()
-    dev.kernels.plans.clear()
-    rng = np.random.default_rng(8)
-    hn = rng.standard_normal((32, 8)).astype(np.float32)
-    h = pydiff.tensor(hn, device=dev)
-    head = nn.Linear(8, 6, seed=4, device=dev)
-    labels = rng.integers(0, 6, 32)
-    yt = pydiff.tensor(labels.astype(np.int32), device=dev)
-    ops_reduce._check_labels(yt, (32, 6))
-    warm = pydiff.tensor(np.full((32, 8), 3.0, np.float32), device=dev)
-    for _ in range(3):  # (other values in the pool's buffers of this shape)
-        head(warm).numpy()
-        ops.cross_entropy(head(warm), yt).item()  # (the fused kernel built)
-    junk = [pydiff.tensor(np.full((32, 6), 7.0, np.float32), device=dev) for _ in range(3)]
-    del junk
-    z = head(h)
-    assert dev.kernels.gpu or dev.queue.held is not None
+    _, hn, head, yt, z = _held_head(monkeypatch, 32, 8, 6, 8, build_fused=True)
     real = kernels.KernelCache.dispatch_split
 
     def interrupted(self, kernel, threads, buffers, *args, **kwargs):
@@ -106,5 +103,4 @@ def test_error_recording_the_fused_kernel_keeps_the_product(monkeypatch):
     except KeyboardInterrupt:
         pass
     monkeypatch.undo()
-    want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
-    np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
+    _assert_logits(z, hn, head)
