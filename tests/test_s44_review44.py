@@ -57,7 +57,14 @@ def _held_head(monkeypatch, rows, n_in, classes, seed, build_fused):
     return dev, hn, head, yt, z
 
 
-def _assert_logits(z, hn, head):
+def _interrupted_then_logits(monkeypatch, z, yt, hn, head):
+    """The cross-entropy interrupted (the patches in force), then the patches undone and the
+    logits checked against float64 NumPy: the held product ran, in order."""
+    try:
+        ops.cross_entropy(z, yt)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
     want = hn.astype(np.float64) @ head.weight.numpy().T.astype(np.float64) + head.bias.numpy()
     np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
 
@@ -75,12 +82,7 @@ def test_interrupt_building_the_fused_kernel_keeps_the_held_product(monkeypatch)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(head_fusion.HeadPlan, "fused_kernel", interrupted)
-    try:
-        ops.cross_entropy(z, yt)
-    except KeyboardInterrupt:
-        pass
-    monkeypatch.undo()
-    _assert_logits(z, hn, head)
+    _interrupted_then_logits(monkeypatch, z, yt, hn, head)
 
 
 def test_error_recording_the_fused_kernel_keeps_the_product(monkeypatch):
@@ -98,9 +100,4 @@ def test_error_recording_the_fused_kernel_keeps_the_product(monkeypatch):
         return real(self, kernel, threads, buffers, *args, **kwargs)
 
     monkeypatch.setattr(kernels.KernelCache, "dispatch_split", interrupted)
-    try:
-        ops.cross_entropy(z, yt)
-    except KeyboardInterrupt:
-        pass
-    monkeypatch.undo()
-    _assert_logits(z, hn, head)
+    _interrupted_then_logits(monkeypatch, z, yt, hn, head)
