@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import products
+from pydiff import kernels, products
 
 RNG = np.random.default_rng(31)
 
@@ -24,8 +24,11 @@ def _forget_plans(kernels) -> None:
 
 @pytest.fixture
 def gpu_shapes(device, monkeypatch):
-    """The device's fast kernels take a GPU's shapes for this test (PYDIFF_KERNEL_SHAPES=gpu)."""
+    """The device's fast kernels take a GPU's shapes for this test (PYDIFF_KERNEL_SHAPES=gpu).
+    The kernel cache is unbounded meanwhile: a kernel built past ``KERNELS_MAX`` empties the
+    plans that ``_entries`` reads, and the worker's earlier tests may have filled the cache."""
     monkeypatch.setattr(device.kernels, "gpu", True)
+    monkeypatch.setattr(kernels, "KERNELS_MAX", 1 << 20)
     _forget_plans(device.kernels)
     yield device
     _forget_plans(device.kernels)
