@@ -63,7 +63,8 @@ class BackwardRun:
         if self._writers is None:
             self._writers = {}
             for e in self.recorded:
-                for w in {id(w.storage) for w in e.writes}:
+                ws = e.writes  # (one write, as most calls: no set to drop repeats)
+                for w in (id(ws[0].storage),) if len(ws) == 1 else {id(w.storage) for w in ws}:
                     self._writers.setdefault(w, []).append(e)
                 for _, r, _ in e.reads:
                     self._readers.setdefault(id(r.storage), []).append(e)

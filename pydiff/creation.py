@@ -113,7 +113,8 @@ def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) ->
     dev = device if type(device) is Device else resolve_device(device)
     if dtype == "float" and _plain_shape(shape):
         # The ops' fast path: the size is checked there (once per shape).
-        out = Tensor(allocate(dev, shape, "float", what=f"{what}(dtype='float')"), dev, shape=shape)
+        native = allocate(dev, shape or (1,), "float", what=f"{what}(dtype='float')")
+        out = Tensor(native, dev, shape=shape, float4=True)  # (pooled: storage.allocate)
     else:
         try:
             shape = shape_tuple(shape)

@@ -31,8 +31,8 @@ from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
 
 
-# pydiff's ops, whose backwards run fixed kernels that refuse nothing part-way: a tape holding
-# only those keeps no copies of the gradients (grad_restore.restoring).
+# pydiff's ops, whose backwards run fixed kernels that refuse nothing part-way: a tape of only
+# those keeps no copies of the gradients (grad_restore.restoring).
 _OWN_OPS = ("pydiff.ops_", "pydiff.tensor_api")
 
 
@@ -47,7 +47,7 @@ class FunctionCtx:
         self.saved_tensors: tuple = ()
         #: The tensor inputs of ``forward``, in order, and which of them need a gradient.
         self.inputs: list[Tensor] = list(inputs or [])
-        self.needs_input_grad: tuple[bool, ...] = tuple(t.requires_grad for t in self.inputs)
+        self.needs_input_grad: tuple[bool, ...] = tuple([t.requires_grad for t in self.inputs])
         #: The Function's class name (for messages).
         self.name = name
         #: Inputs whose gradient ``backward`` added itself through ``grad_target``.
@@ -95,11 +95,11 @@ class FunctionCtx:
         x = self.inputs[self._input_index(k, "grad_target")]
         if not x.requires_grad:
             return None
-        scope = active_scope()
+        scope, grad = active_scope(), x.grad_out  # (the policy zeroes it in place)
         if scope is not None and k not in self.targets:
-            scope.before_accumulate(x, x.grad_out, f"input {k} of {self.name}")
+            scope.before_accumulate(x, grad, f"input {k} of {self.name}")
         self.targets.add(k)
-        return x.grad_out
+        return grad
 
     def producer(self, k: int) -> Claim | None:
         """In ``backward`` under ``Tape.backward``: the recorded Function call that produced
@@ -121,6 +121,8 @@ class FunctionCtx:
         """``k`` checked as the index of a tensor input (no negative indices: input k is the
         k-th tensor argument of ``forward``, and -1 would alias another)."""
         n = len(self.inputs)
+        if type(k) is int and 0 <= k < n:
+            return k  # (pydiff's own backwards: every call)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < n:
             raise IndexError(
                 f"{self.name}: ctx.{where}({k!r}): k must be the index of a tensor input of "
@@ -148,10 +150,9 @@ class Function:
     ...         return m.p3_grad(ctx.saved_tensors[0], g, _result="tensor")
     """
 
-    #: Submit the backward's pending kernels before ``backward`` runs, so that it may hand
-    #: its upstream gradients to raw SlangPy. pydiff's own ops, whose backward only appends
-    #: pydiff kernels or calls what flushes by itself (host reads, SlangPy calls), set False:
-    #: one submission per backward instead of one per op.
+    #: Submit the backward's pending kernels before ``backward`` runs, so that it may hand its
+    #: upstream gradients to raw SlangPy. pydiff's own ops (their backward only appends pydiff
+    #: kernels or calls what flushes by itself) set False: a submission per backward, not op.
     flush_before_backward = True
 
     @staticmethod
@@ -228,8 +229,7 @@ class Function:
         with suspend_recording():
             result = cls.forward(ctx, *args)
         check_writes(ctx.saved_versions)
-        outputs_tuple = isinstance(result, tuple)
-        items = result if outputs_tuple else (result,)
+        items = result if (outputs_tuple := isinstance(result, tuple)) else (result,)
         outputs = own_outputs(cls, items, inputs, inputs[0][1].device if inputs else None)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
         marked = ctx.marked if ctx.non_differentiable else None

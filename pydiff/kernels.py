@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from math import copysign
+from operator import is_, itemgetter
 import threading
 import weakref
 from collections import OrderedDict
@@ -440,9 +441,5 @@ class HeldObject(list):
 
 def _same_objects(kept: list, buffers: list) -> bool:
     """``buffers`` binds exactly the buffer objects ``kept``, in order."""
-    if len(kept) != len(buffers):
-        return False
-    for a, (_, b) in zip(kept, buffers):
-        if a is not b:
-            return False
-    return True
+    # (C loops: the optimizer's site binds 28 buffers)
+    return len(kept) == len(buffers) and all(map(is_, kept, map(itemgetter(1), buffers)))

@@ -7,6 +7,7 @@ opt.zero_grad(); tape.backward(loss); opt.step()
 from __future__ import annotations
 
 import functools
+from operator import is_
 from typing import Any, Iterable
 
 from . import capturing
@@ -389,8 +390,9 @@ class Adam(Optimizer):
             made = ((chunk, len(slots)), bufs, *_four_bindings(slots, bufs, chunk))
             self._bindings[key] = made
         _, _, buffers, fixed, end = made
+        writer = f"{type(self).__name__}.step"
         for slot in slots:
-            slot[1].storage.wrote(f"{type(self).__name__}.step")
+            slot[1].storage.wrote(writer)
         batch.join(slots[0][1])
         kernel = dev.kernels.get(
             "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
@@ -403,7 +405,7 @@ class Adam(Optimizer):
 
 def _same(kept: list, bufs: list) -> bool:
     """``bufs`` are exactly the buffer objects ``kept``, in order."""
-    return len(kept) == len(bufs) and all(a is b for a, b in zip(kept, bufs))
+    return len(kept) == len(bufs) and all(map(is_, kept, bufs))  # (no generator frames)
 
 
 def _four_bindings(slots: list, bufs: list, chunk: int) -> tuple[list, list, int]:

@@ -263,18 +263,22 @@ class Tape:
         needed = {id(output.storage)}
         chosen = []
         for entry in reversed(self._entries):
-            hit = [(t, n) for t, n in zip(entry.writes, entry.replaced) if id(t.storage) in needed]
-            if any(t.storage.replaced[0] == n for t, n in hit):
-                chosen.append(entry)
-                needed.update(id(t.storage) for _, t, _ in entry.reads)
-                continue
-            writer = hit[0][0].storage.replaced[1] if hit else None
-            if writer == COPY_FROM_GRAPH:
-                raise RuntimeError(
-                    f"tape.backward: the values call #{entry.index} ({entry.label}) wrote were "
-                    f"replaced by {writer}, so no gradient would reach what they were copied "
-                    "from; compute the value with pydiff calls (or ops) instead of copy_"
-                )
+            hit = None  # (the first needed write; loops, not a list and a generator per entry)
+            for t, n in zip(entry.writes, entry.replaced):
+                if id(t.storage) in needed:
+                    hit = t if hit is None else hit
+                    if t.storage.replaced[0] == n:
+                        chosen.append(entry)
+                        needed.update(id(t.storage) for _, t, _ in entry.reads)
+                        break
+            else:
+                writer = hit.storage.replaced[1] if hit is not None else None
+                if writer == COPY_FROM_GRAPH:
+                    raise RuntimeError(
+                        f"tape.backward: the values call #{entry.index} ({entry.label}) wrote "
+                        f"were replaced by {writer}, so no gradient would reach what they were "
+                        "copied from; compute the value with pydiff calls (or ops) instead of copy_"
+                    )
         return chosen[::-1], needed
 
     def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:
@@ -396,9 +400,10 @@ class Tape:
         refusal of any leaf comes first, before a node changes a gradient."""
         kept = []
         written = {id(t.storage) for entry in entries for t in entry.writes}
-        for desc, t, _ in (r for entry in entries for r in entry.reads):
-            if t.requires_grad and id(t.storage) not in written:
-                scope.check_stale(t, t.grad_out, desc)
+        for entry in entries:
+            for desc, t, _ in entry.reads:
+                if t.requires_grad and id(t.storage) not in written:
+                    scope.check_stale(t, t.grad_out, desc)
         leaves = [t for key, t in self._leaves.items() if key in written and t.requires_grad]
         for t in leaves:  # (all checked before RESET zeroes any: a refusal changes none)
             scope.check_stale(t, t.grad, f"tape.backward: tensor {t.shape} overwritten")

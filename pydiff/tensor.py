@@ -59,10 +59,11 @@ class Tensor(GradBuffers, TensorOperators):
         storage: Storage | None = None,
         zero_policy: ZeroPolicy | str | None = None,
         base: "Tensor | None" = None,
-        shape: tuple | None = None,  # (the caller's: a new pooled tensor's, from its shape)
+        shape: tuple | None = None,  # (the caller's: a new pooled tensor's; (1,)-shaped for ())
+        float4: bool | None = None,  # (the allocator's: float4_layout's answer, None: unknown)
     ):
         self._shape = dims(native.shape) if shape is None else shape
-        if not self._shape:  # 0-d: kept as a (1,) view, what SlangPy calls are given
+        if not self._shape and shape is None:  # 0-d: kept as a (1,) view, as SlangPy takes it
             native = native.view((1,))
         self._native = native
         self._device = device
@@ -74,7 +75,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
-        self._float4: bool | None = None  # float4_ready, found once (the layout is fixed)
+        self._float4: bool | None = float4  # float4_ready, found once (the layout is fixed)
         self._dtype: str | None = None  # the element type's name, found once
         self._zero_pending = False  # gradient buffers owed (zero_later): made when needed
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
