@@ -35,13 +35,19 @@ UNRECORDED_ON_TAPE: dict[int, tuple] = {}
 FROM_COPIED: dict[int, tuple] = {}
 
 
-def note_unrecorded(tensors: Any, label: str, reads: Any = ()) -> None:
+def note_unrecorded(tensors: Any, label: str, reads: Any = (), whole: Any = ()) -> None:
     """Remember that ``label`` wrote ``tensors`` on a tape that did not record it; where it
     read (``reads``: tensors) values ``copy_`` took from a gradient path (``copied_from``),
-    its results hold such values too.
+    its results hold such values too. ``whole``: those it wrote every value of (its result,
+    ``out`` values): where a recorded call made them, they now hold constants, as after a
+    host write (the gradient stops there: before, the backward sent it on to that call).
 
-    >>> note_unrecorded([y], "m.f", [x])   # in forward_call, a call with no gradient to give
+    >>> note_unrecorded([y], "m.f", [x], [y])   # in forward_call, no gradient to give
     """
+    for t in whole:
+        if isinstance(t, Tensor) and t.producer is not None:
+            why = "a call no tape recorded (none of its inputs requires a gradient)"
+            t.storage.wrote(f"{label}, {why}", everything=True)
     copied = next((c for c in map(copied_from, reads) if c is not None), None)
     for t in tensors:
         gone = lambda _, i=id(t): UNRECORDED_ON_TAPE.pop(i, None)  # noqa: E731
