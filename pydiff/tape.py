@@ -24,7 +24,7 @@ from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import copy_one, prepare_one, seed_or_ones, seed_values, tensor_seed
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
-from .unrecorded import check_versions, copied_from, not_recorded
+from .unrecorded import check_versions, copied_from, not_recorded, partly_written
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -275,6 +275,8 @@ class Tape:
                     f"replaced by {writer}, so no gradient would reach what they were copied "
                     "from; compute the value with pydiff calls (or ops) instead of copy_"
                 )
+            if (refusal := partly_written(entry.index, entry.label, writer)) is not None:
+                raise refusal
         return chosen[::-1], needed
 
     def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:

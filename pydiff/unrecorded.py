@@ -35,6 +35,31 @@ UNRECORDED_ON_TAPE: dict[int, tuple] = {}
 FROM_COPIED: dict[int, tuple] = {}
 
 
+#: What a call no tape recorded (none of its inputs requires a gradient) left in a tensor a
+#: recorded call made, written through its result or an ``out`` value (every value: constants,
+#: the gradient stops there) or a tensor parameter (``IWDiffTensor``: perhaps only some
+#: values, so a backward that needs the earlier call's values refuses, ``tape._needed``).
+WHOLE_UNRECORDED = "a call no tape recorded (none of its inputs requires a gradient)"
+PARTLY_UNRECORDED = (
+    "a call no tape recorded (none of its inputs requires a gradient), writing through a "
+    "tensor parameter"
+)
+
+
+def partly_written(index: int, label: str, writer: str | None) -> RuntimeError | None:
+    """The refusal of a backward that needs the values recorded call #``index`` (``label``)
+    wrote, where ``writer`` then wrote them through a tensor parameter without being
+    recorded (``PARTLY_UNRECORDED``: perhaps some values only); None for other writers."""
+    if writer is None or not writer.endswith(PARTLY_UNRECORDED):
+        return None
+    return RuntimeError(
+        f"tape.backward: the values call #{index} ({label}) wrote were then written by "
+        f"{writer}, perhaps in part: the gradient cannot stop just where it wrote. Give that "
+        "call an input that requires a gradient (it is then recorded, and its backward clears "
+        "the gradient where it wrote)"
+    )
+
+
 def note_unrecorded(tensors: Any, label: str, reads: Any = (), whole: Any = ()) -> None:
     """Remember that ``label`` wrote ``tensors`` on a tape that did not record it; where it
     read (``reads``: tensors) values ``copy_`` took from a gradient path (``copied_from``),
@@ -44,9 +69,10 @@ def note_unrecorded(tensors: Any, label: str, reads: Any = (), whole: Any = ()) 
 
     >>> note_unrecorded([y], "m.f", [x], [y])   # in forward_call, no gradient to give
     """
-    for t in whole:
+    for t in tensors:  # (tensor parameters it writes may be written in part: refused later)
         if isinstance(t, Tensor) and t.producer is not None:
-            why = "a call no tape recorded (none of its inputs requires a gradient)"
+            whole_ = any(t is w for w in whole)
+            why = WHOLE_UNRECORDED if whole_ else PARTLY_UNRECORDED
             t.storage.wrote(f"{label}, {why}", everything=True)
     copied = next((c for c in map(copied_from, reads) if c is not None), None)
     for t in tensors:

@@ -11,6 +11,8 @@ Defects found and fixed here:
   or an ``out`` parameter): z then holds constants, but the backward still sent z's gradient
   to the call that made the old values (x.grad = 2x, the head's dW and dh nonzero). Such a
   write now counts as a write from outside a call, as ``fill`` does: the gradient stops.
+  Through a write-only tensor parameter (``IWDiffTensor``, perhaps some values only) the
+  backward that needs the earlier values now refuses, naming both calls.
 
 Checked against PyTorch float64 and held (not kept as tests): labels out of range, negative,
 float, int64, wrong length; classes 1, 2, 31-33; batches 1, 2047-2049, 4096, 4097; logits read
@@ -157,3 +159,37 @@ def test_head_logits_overwritten_by_an_unrecorded_call_before_the_loss():
         np.testing.assert_allclose(z.grad.numpy(), zt.grad.numpy(), rtol=1e-5, atol=1e-7)
         for g in (h.grad, head.weight.grad, head.bias.grad):
             np.testing.assert_array_equal(g.numpy(), 0.0)
+
+
+def test_recorded_result_written_in_part_by_an_unrecorded_call_is_refused():
+    """The same through a write-only tensor parameter (``IWDiffTensor``), which may write some
+    values only: the gradient should stop at z[1] alone (x.grad = [2, 0, 6], as torch's
+    ``z[1] = 9.0`` gives); it used to pass through (x.grad = 2x). The tape cannot tell which
+    values the unrecorded call wrote, so a backward that needs z's earlier values refuses;
+    recorded (an input requiring a gradient), the call's backward clears z[1]'s gradient."""
+    m = pydiff.load_module_from_source(
+        "s45_partly",
+        "import slangpy;\n"
+        "[Differentiable] float sq(float x) { return x * x; }\n"
+        "[Differentiable] void put(float v, int i, IWDiffTensor<float, 1> z) { z[i] = v; }\n",
+    )
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with pydiff.Tape() as tape:
+        z = m.sq(x, _result="tensor")
+        m.put(9.0, 1, z)  # no input requires a gradient: not recorded
+        loss = ops.sum(z)
+    np.testing.assert_array_equal(z.numpy(), [1.0, 9.0, 9.0])
+    with pytest.raises(RuntimeError, match="s45_partly.put.*perhaps in part"):
+        tape.backward(loss)
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)  # refused before anything ran
+    v = pydiff.tensor([9.0], requires_grad=True)  # recorded: the gradient stops at z[1]
+    with pydiff.Tape() as tape:
+        z = m.sq(x, _result="tensor")
+        m.put(v, 1, z)
+        loss = ops.sum(z)
+    tape.backward(loss)
+    xt = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    zt = xt * xt
+    zt[1] = 9.0
+    zt.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), xt.grad.numpy())
