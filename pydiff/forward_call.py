@@ -368,8 +368,8 @@ def _record(
             plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
     if type(out) is Tensor:
         writes.append(out)
-    if not needs_grad:  # constants to gradients; its result and `out` values written whole
-        whole = [out] + [v for p, v in bound if p.tensor_kind is None and p.io == "out"]
+    if not needs_grad:  # constants to gradients; its result, out and inout values: written whole
+        whole = [out] + [v for p, v in bound if p.tensor_kind is None and p.io != "in"]
         note_unrecorded(writes, fn.label, [t for _, t in reads], whole)
         return
     # Tensors it only writes whose values before it are in the graph (a leaf wanting a gradient,

@@ -107,10 +107,11 @@ _OVERWRITE = """
 [Differentiable] float sq(float x) { return x * x; }
 [Differentiable] float dbl(float x) { return 2.0 * x; }
 [Differentiable] void dbl_out(float x, out float y) { y = 2.0 * x; }
+[Differentiable] void twice(inout float x) { x = 2.0 * x; }
 """
 
 
-@pytest.mark.parametrize("into", ["_result", "out"])
+@pytest.mark.parametrize("into", ["_result", "out", "inout"])
 def test_recorded_result_overwritten_by_an_unrecorded_call_carries_no_gradient(into):
     """z = sq(x) on a tape, then a call whose inputs need no gradient (so the tape does not
     record it) writes all of z: z holds constants, d sum(z) / dx = 0. The backward used to
@@ -123,14 +124,17 @@ def test_recorded_result_overwritten_by_an_unrecorded_call_carries_no_gradient(i
         z = m.sq(x, _result="tensor")
         if into == "_result":
             m.dbl(o, _result=z)  # no input requires a gradient: not recorded
-        else:
+        elif into == "out":
             m.dbl_out(o, z)
+        else:  # in place on a detached alias: values made from constants
+            m.twice(z.detach())
         loss = ops.add(ops.sum(z), ops.sum(ops.mul(w, x)))  # x still reaches the loss: w
     tape.backward(loss)
-    np.testing.assert_allclose(loss.item(), 2 * (0.5 - 1.0 + 4.0) + (5 + 12 + 21), rtol=1e-6)
+    z_sum = 2 * (1 + 4 + 9) if into == "inout" else 2 * (0.5 - 1.0 + 4.0)
+    np.testing.assert_allclose(loss.item(), z_sum + (5 + 12 + 21), rtol=1e-6)
     np.testing.assert_array_equal(x.grad.numpy(), [5.0, 6.0, 7.0])  # w only: z is constant
     np.testing.assert_array_equal(w.grad.numpy(), [1.0, 2.0, 3.0])
-    with pytest.raises(RuntimeError, match="s45_overwrite.dbl"):  # a backward from z itself
+    with pytest.raises(RuntimeError, match="s45_overwrite.(dbl|twice).*constants"):  # from z
         tape.backward(z, grad=np.ones(3))
 
 
