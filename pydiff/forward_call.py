@@ -368,12 +368,12 @@ def _record(
             plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
     if type(out) is Tensor:
         writes.append(out)
-    if not needs_grad:
-        note_unrecorded(writes, fn.label, [t for _, t in reads])  # constants to gradients
+    if not needs_grad:  # constants to gradients; its result, out and inout values: written whole
+        whole = [out] + [v for p, v in bound if p.tensor_kind is None and p.io != "in"]
+        note_unrecorded(writes, fn.label, [t for _, t in reads], whole)
         return
-    # Tensors this call only writes whose values before it are in the graph (a leaf wanting a
-    # gradient, or an earlier call's result): none of the gradient reaches those values where
-    # the call wrote, so the backward clears it there.
+    # Tensors it only writes whose values before it are in the graph (a leaf wanting a gradient,
+    # or an earlier call's result): no gradient reaches those where it wrote (cleared there).
     overwritten = [v for p, v in bound if p.writes_value and not p.reads_value]
     overwritten += [out] if type(out) is Tensor else []
     prior = frozenset(

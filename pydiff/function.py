@@ -24,15 +24,15 @@ import numpy as np
 from . import foreign, forward_trace
 from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
-from .function_checks import as_tensor, check_reached, gradients, own_outputs, refuse_nested
-from .function_checks import bound_args, forward_writes, nested_tensors, tangent_in_dtype
+from .function_checks import as_tensor, bound_args, check_reached, gradients, own_outputs
+from .function_checks import captured_reads, forward_writes, nested_tensors, refuse_nested
+from .function_checks import tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
 
 
-# pydiff's ops, whose backwards run fixed kernels that refuse nothing part-way: a tape of only
-# those keeps no copies of the gradients (grad_restore.restoring).
+# pydiff's ops: fixed backward kernels, nothing refused part-way (grad_restore.restoring)
 _OWN_OPS = ("pydiff.ops_", "pydiff.tensor_api")
 
 
@@ -121,8 +121,8 @@ class FunctionCtx:
         """``k`` checked as the index of a tensor input (no negative indices: input k is the
         k-th tensor argument of ``forward``, and -1 would alias another)."""
         n = len(self.inputs)
-        if type(k) is int and 0 <= k < n:
-            return k  # (pydiff's own backwards: every call)
+        if type(k) is int and 0 <= k < n:  # (pydiff's own backwards: every call)
+            return k
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < n:
             raise IndexError(
                 f"{self.name}: ctx.{where}({k!r}): k must be the index of a tensor input of "
@@ -150,9 +150,9 @@ class Function:
     ...         return m.p3_grad(ctx.saved_tensors[0], g, _result="tensor")
     """
 
-    #: Submit the backward's pending kernels before ``backward`` runs, so that it may hand its
-    #: upstream gradients to raw SlangPy. pydiff's own ops (their backward only appends pydiff
-    #: kernels or calls what flushes by itself) set False: a submission per backward, not op.
+    #: Submit the pending kernels before ``backward`` runs (it may hand its upstream to raw
+    #: SlangPy). pydiff's own ops set False (their backwards append pydiff kernels or call what
+    #: flushes by itself: host reads, SlangPy calls): one submission per backward, not per op.
     flush_before_backward = True
 
     @staticmethod
@@ -226,6 +226,7 @@ class Function:
             refuse_nested(name, args, lambda t: t.requires_grad, "requires grad", "gradients")
         own = cls.__module__.startswith(_OWN_OPS)
         check_writes = forward_writes(name, inputs, tape is not None and not own)
+        captured_reads(name, inputs)  # (in a capture: a replay refuses once one is dropped)
         with suspend_recording():
             result = cls.forward(ctx, *args)
         check_writes(ctx.saved_versions)
@@ -242,9 +243,8 @@ class Function:
                 o.detach() if k in constant and o.requires_grad else o
                 for k, o in enumerate(outputs)
             )
-        writer = f"{name}.forward"
         for o in outputs:
-            o.storage.wrote(writer)
+            o.storage.wrote(f"{name}.forward")
         needs = any(ctx.needs_input_grad)
         if tape is not None and not needs:
             note_unrecorded(outputs, name, [t for _, t in inputs])

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import foreign
+from . import capturing, foreign
 from .creation import tensor as make_tensor
 from .errors import GradientOverflowError, warn_once
 from .tensor import Tensor
@@ -326,3 +326,15 @@ def forward_writes(name: str, inputs: list, on_tape: Any) -> Callable[[dict], No
                 )
 
     return check
+
+
+def captured_reads(name: str, inputs: list) -> None:
+    """In ``pydiff.capture``: the tensor inputs of a Function call (pydiff's ops: linear,
+    matmul, relu, cross_entropy, dropout) are what its recorded kernels read, so a replay
+    refuses once one that came from outside the step was dropped (``xb =
+    pydiff.tensor(batch)`` re-binding the name): it would read the old buffer, which nothing
+    writes any more, and train on the captured batch without a word."""
+    if (rec := capturing.recording()) is not None:
+        rec.record_reads(
+            name, [(f"its argument {i}, shape {t.shape}", t.storage) for i, t in inputs]
+        )

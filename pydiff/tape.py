@@ -22,9 +22,8 @@ from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import copy_one, prepare_one, seed_or_ones, seed_values, tensor_seed
-from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
-from .unrecorded import check_versions, copied_from, not_recorded
+from .unrecorded import check_versions, copied_from, not_recorded, overwritten_refusal
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -273,12 +272,8 @@ class Tape:
                         break
             else:
                 writer = hit.storage.replaced[1] if hit is not None else None
-                if writer == COPY_FROM_GRAPH:
-                    raise RuntimeError(
-                        f"tape.backward: the values call #{entry.index} ({entry.label}) wrote "
-                        f"were replaced by {writer}, so no gradient would reach what they were "
-                        "copied from; compute the value with pydiff calls (or ops) instead of copy_"
-                    )
+                if (refusal := overwritten_refusal(entry.index, entry.label, writer)) is not None:
+                    raise refusal
         return chosen[::-1], needed
 
     def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:

@@ -35,13 +35,52 @@ UNRECORDED_ON_TAPE: dict[int, tuple] = {}
 FROM_COPIED: dict[int, tuple] = {}
 
 
-def note_unrecorded(tensors: Any, label: str, reads: Any = ()) -> None:
+#: What a call no tape recorded (none of its inputs requires a gradient) left in a tensor a
+#: recorded call made, written through its result or an ``out`` value (every value: constants,
+#: the gradient stops there) or a tensor parameter (``IWDiffTensor``: perhaps only some
+#: values, so a backward that needs the earlier call's values refuses, ``tape._needed``).
+WHOLE_UNRECORDED = "a call no tape recorded (none of its inputs requires a gradient)"
+PARTLY_UNRECORDED = (
+    "a call no tape recorded (none of its inputs requires a gradient), writing through a "
+    "tensor parameter"
+)
+
+
+def overwritten_refusal(index: int, label: str, writer: str | None) -> RuntimeError | None:
+    """The refusal of a backward that needs the values recorded call #``index`` (``label``)
+    wrote, where ``writer`` replaced them: ``copy_`` of values with a gradient path (no
+    gradient would reach their source), or a call no tape recorded writing through a tensor
+    parameter (``PARTLY_UNRECORDED``: perhaps some values only); None for other writers."""
+    if writer == COPY_FROM_GRAPH:
+        return RuntimeError(
+            f"tape.backward: the values call #{index} ({label}) wrote were replaced by "
+            f"{writer}, so no gradient would reach what they were copied from; compute the "
+            "value with pydiff calls (or ops) instead of copy_"
+        )
+    if writer is None or not writer.endswith(PARTLY_UNRECORDED):
+        return None
+    return RuntimeError(
+        f"tape.backward: the values call #{index} ({label}) wrote were then written by "
+        f"{writer}, perhaps in part: the gradient cannot stop just where it wrote. Give that "
+        "call an input that requires a gradient (it is then recorded, and its backward clears "
+        "the gradient where it wrote)"
+    )
+
+
+def note_unrecorded(tensors: Any, label: str, reads: Any = (), whole: Any = ()) -> None:
     """Remember that ``label`` wrote ``tensors`` on a tape that did not record it; where it
     read (``reads``: tensors) values ``copy_`` took from a gradient path (``copied_from``),
-    its results hold such values too.
+    its results hold such values too. ``whole``: those it wrote every value of (its result,
+    ``out`` values): where a recorded call made them, they now hold constants, as after a
+    host write (the gradient stops there: before, the backward sent it on to that call).
 
-    >>> note_unrecorded([y], "m.f", [x])   # in forward_call, a call with no gradient to give
+    >>> note_unrecorded([y], "m.f", [x], [y])   # in forward_call, no gradient to give
     """
+    for t in tensors:  # (tensor parameters it writes may be written in part: refused later)
+        if isinstance(t, Tensor) and t.producer is not None:
+            whole_ = any(t is w for w in whole)
+            why = WHOLE_UNRECORDED if whole_ else PARTLY_UNRECORDED
+            t.storage.wrote(f"{label}, {why}", everything=True)
     copied = next((c for c in map(copied_from, reads) if c is not None), None)
     for t in tensors:
         gone = lambda _, i=id(t): UNRECORDED_ON_TAPE.pop(i, None)  # noqa: E731
