@@ -1,0 +1,96 @@
+"""The eager MLP step waited on after each step (``step(); wait``), against PyTorch-CPU eager
+(one thread) and the captured step, timed two ways in alternating rounds of 20 steps: back
+to back, and each round after an idle pause (as ``timing.interleaved`` and
+``bench_train.py``'s "each step waited on" lines do), to tell whether the pause decides
+the ratio (docs/benchmarks.md, twenty-fifth session: on the 2-vCPU VM it moved every
+contender, and the ratio stayed 1.5-1.75x either way).
+
+python benchmarks/bench_step_pause.py [--rounds 8] [--pause 0.25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import pydiff
+
+from mlp_step import make_batch, make_mlp_step
+from timing import describe
+
+
+def torch_step_fn():
+    """PyTorch's eager step of the same shapes (one thread), or None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    layers = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)]
+    opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(layers[1](torch.relu(layers[0](x))), y).backward()
+        opt.step()
+
+    return step
+
+
+def per_step_ms(fn, steps: int = 20, pause: float = 0.0) -> float:
+    if pause:
+        time.sleep(pause)
+        fn()  # (one untimed call after the pause, as timing.interleaved)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--pause", type=float, default=0.25)
+    args = ap.parse_args()
+    dev = pydiff.default_device()
+    xb, yb = make_batch()
+    _, eager = make_mlp_step(xb, yb)
+    _, to_capture = make_mlp_step(xb, yb)
+    to_capture()  # (the optimizer's state made before the capture)
+    captured = pydiff.capture(to_capture)
+    contenders = {
+        "pydiff eager": lambda: (eager(), dev.native.wait_for_idle()),
+        "pydiff captured": lambda: (captured.replay(), dev.native.wait_for_idle()),
+    }
+    torch_step = torch_step_fn()
+    if torch_step is not None:
+        contenders["PyTorch-CPU (1 thread)"] = torch_step
+    for fn in contenders.values():
+        for _ in range(50):
+            fn()
+    times = {(name, p): [] for name in contenders for p in (0.0, args.pause)}
+    for _ in range(args.rounds):
+        for name, fn in contenders.items():
+            for pause in (0.0, args.pause):
+                times[name, pause].append(per_step_ms(fn, pause=pause))
+    print(f"device: {describe(dev)}")
+    print(f"MLP step waited on each time, ms (median of {args.rounds} rounds of 20 steps):")
+    torch_name = "PyTorch-CPU (1 thread)"
+    base = (
+        {p: statistics.median(times[torch_name, p]) for p in (0.0, args.pause)}
+        if torch_step
+        else {}
+    )
+    for name in contenders:
+        cells = []
+        for pause, label in ((0.0, "back to back"), (args.pause, f"after {args.pause} s idle")):
+            ms = statistics.median(times[name, pause])
+            ratio = f" = {ms / base[pause]:.2f}x PyTorch" if torch_step is not None else ""
+            cells.append(f"{label} {ms:.3f}{ratio}")
+        print(f"  {name}: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
