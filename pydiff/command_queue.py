@@ -242,8 +242,8 @@ class CommandQueue:
         """The deferred list's encoder (created on first use), for a caller holding the lock
         that records one command into it and then calls ``deferred_added`` (``defer`` without
         a closure: pydiff's kernels, on every call)."""
-        if self.held is not None:
-            self._record_held()
+        if self.held is not None and self._keep_held != threading.get_ident():
+            self._record_held()  # (not in ``keeping_held``: its commands neither read nor write it)
         if self._deferred is None:
             self._deferred = self.native.create_command_encoder()
             self.deferred = True
@@ -274,10 +274,11 @@ class CommandQueue:
             return held[3]
 
     def keeping_held(self, read: Callable[[], Any], key: Any) -> Any:
-        """``read()``, a host read of values other than those of ``key`` (a storage), with the
-        held-back command left held by its submissions unless it was held with ``key``: the
-        command issued before it, neither written nor read by it, still runs before anything
-        issued later (a cross-entropy's label check between the head and its loss)."""
+        """``read()``, a host read of values other than those of ``key`` (a storage), or an
+        upload into a new tensor, with the held-back command left held by its commands and
+        submissions unless it was held with ``key``: the command issued before it, neither
+        written nor read by it, still runs before anything issued later (a cross-entropy's
+        label check, or its NumPy labels' upload, between the head and its loss)."""
         # Not under the lock (the read waits for the device and may take the device's own
         # lock: an order another thread takes the other way round); the mark is this thread's,
         # other threads' submissions still record the held command first.

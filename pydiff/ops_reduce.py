@@ -294,7 +294,10 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
         return _CrossEntropy.apply(logits, labels)
     lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
     _check_label_values(lab, logits.shape)
-    return _CrossEntropy.apply(logits, tensor(lab.astype(np.int32), device=logits.device))
+    # (uploaded to a new buffer, which a head product held for these logits neither reads nor
+    # writes: it stays held, for the loss to finish it: pydiff.head_fusion)
+    upload = lambda: tensor(lab.astype(np.int32), device=logits.device)  # noqa: E731
+    return _CrossEntropy.apply(logits, logits.device.queue.keeping_held(upload, None))
 
 
 def _check_labels(labels: Tensor, logits_shape: tuple) -> None:

@@ -487,3 +487,19 @@ def test_fused_head_labels_out_of_range_behind_the_counter_give_nan(device, hot)
     keep = [i for i in range(16) if i not in (3, 9)]
     _, dz = _ce64(x @ w.T + b, labels)
     np.testing.assert_allclose(g[keep], (dz @ w)[keep] * 16 / 16, rtol=1e-4, atol=1e-6)
+
+
+def test_numpy_labels_are_fused_too(device, hot):
+    """Labels given as a NumPy array (the docs' first training example) are uploaded after the
+    head was issued; the upload, of a new buffer the product neither reads nor writes, leaves
+    it held, so the loss is fused as with a label tensor (twenty-fifth session)."""
+    x, w, b, labels = _data(256, 64, 10, 25)
+    xt, wt, bt = (pydiff.tensor(v, device=device, requires_grad=True) for v in (x, w, b))
+    with pydiff.Tape() as tape:
+        loss = ops.cross_entropy(ops.linear(xt, wt, bt), labels.astype(np.int64))
+    tape.backward(loss)
+    want, dz = _ce64(x.astype(np.float64) @ w.T.astype(np.float64) + b, labels)
+    np.testing.assert_allclose(loss.item(), want, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(wt.grad.numpy(), dz.T @ x.astype(np.float64), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(xt.grad.numpy(), dz @ w.astype(np.float64), rtol=1e-4, atol=1e-6)
+    assert hot == [device.kernels.gpu is False]
