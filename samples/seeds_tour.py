@@ -49,9 +49,9 @@ m.linear_layer.bwds(spy.grid((3,)), w_t, b_t, v_t, y)
 print("  dL/dinput     ", v_t.grad.numpy(), " numpy:", W.sum(axis=0).astype(np.float32))
 
 # 5. The same polynomial over 2^20 elements: large calls over a grid run kernels pydiff
-#    generates (SlangPy's own tensor types, called per thread; docs/devices.md), about three
-#    times faster than SlangPy's generic kernel on lavapipe. pydiff.generated.stats() says
-#    which path each call took.
+#    generates (SlangPy's own tensor types, called per thread; docs/generated-kernels.md),
+#    about three times faster than SlangPy's generic kernel on lavapipe.
+#    pydiff.generated.stats() says which path each call took.
 n = 1 << 20
 xs = np.linspace(-1.0, 1.0, n, dtype=np.float32)
 x = pydiff.tensor(xs).with_grads(zero=True)

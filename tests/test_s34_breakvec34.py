@@ -103,7 +103,7 @@ def test_nan_results_at_the_same_elements_other_bits_equal(device, monkeypatch):
     strict=True,
     reason="the NaN sign bit differs between the generated kernel and SlangPy's for a NaN "
     "input: the compiler places negations differently in the two kernels; the values are "
-    "NaN on both (docs/devices.md, Float vectors)",
+    "NaN on both (docs/generated-kernels.md, Float vectors)",
 )
 def test_nan_sign_bits_match_slangpy(device, monkeypatch):
     gen, ref = _nan_tangents(device, monkeypatch)
