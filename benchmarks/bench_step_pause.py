@@ -2,7 +2,7 @@
 (one thread) and the captured step, timed two ways in alternating rounds of 20 steps: back
 to back, and each round after an idle pause (as ``timing.interleaved`` and
 ``bench_train.py``'s "each step waited on" lines do), to tell whether the pause decides
-the ratio (docs/benchmarks.md, twenty-fifth session: on the 2-vCPU VM it moved every
+the ratio (docs/benchmarks-history.md, twenty-fifth session: on the 2-vCPU VM it moved every
 contender, and the ratio stayed 1.5-1.75x either way).
 
 python benchmarks/bench_step_pause.py [--rounds 8] [--pause 0.25]

@@ -12,7 +12,7 @@ figure's median over the runs (wall time per call, and the process's CPU time: l
 workers included). NumPy's copy reference is the faster of 1 and N threads (one slice
 each), taken in every child; the ratios "by CPU time" divide by NumPy's one-thread copy in
 process CPU time, steadier where other jobs share the cores (pooled, they count both
-workers: the work done, not the speed). docs/benchmarks.md, twenty-third session.
+workers: the work done, not the speed). docs/benchmarks-history.md, twenty-third session.
 """
 
 from __future__ import annotations

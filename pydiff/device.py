@@ -247,7 +247,7 @@ def _create_native(type_name: str, paths: list, caches: tuple | None, validation
     slang-rhi's validation layer and SlangPy's shader hot reload: both on by default, they
     wrap every command and submission (validation) and poll the shader files at every
     submission (hot reload), 60-70 us of CPU in an eager MLP step of 0.9-1.0 ms on lavapipe
-    (docs/benchmarks.md, "Host cost per op"). ``PYDIFF_RHI_VALIDATION=1`` turns validation
+    (docs/benchmarks-history.md, "Host cost per op"). ``PYDIFF_RHI_VALIDATION=1`` turns validation
     back on, to debug pydiff's own use of the device."""
     options: dict[str, Any] = {
         "enable_rhi_validation": validation,

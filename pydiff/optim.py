@@ -344,7 +344,7 @@ class Adam(Optimizer):
         fast: dict[int, list] = {}  # per device: (k, p, m, v) for the four-parameter kernel
         # The pending work (a backward's kernels) is submitted first, to run while this step
         # records: a step that is waited for at once measured 3-10% faster (lavapipe; one
-        # submission more: docs/benchmarks.md, training loop).
+        # submission more: docs/benchmarks-history.md, training loop).
         for dev in {id(p.device): p.device for p in self.params}.values():
             dev.queue.flush_deferred()
         self._make_state()

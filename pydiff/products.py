@@ -64,7 +64,7 @@ GPU_BLOCK_ACCUMULATORS = 8
 # kernel per size cost a compile and 1.5-2.5 MB). A shape used HOT_SHAPE_USES times gets
 # kernels of its own with the sizes as constants, for at most FIXED_SHAPES_MAX shapes per
 # device: a training step's products ran 60 us faster of a 0.41 ms captured MLP step
-# (lavapipe; docs/benchmarks.md).
+# (lavapipe; docs/benchmarks-history.md).
 HOT_SHAPE_USES = 3
 FIXED_SHAPES_MAX = 8
 # Split-K A^T B (matmul.slang's mm_tn_split) on a GPU: a weight gradient's few output blocks
@@ -271,7 +271,7 @@ def _plan(
 
 
 # Which float4 inputs a product reads as two 64-bit words (matmul.slang's W64: bit 1 A, 2 B, 4
-# the C added to), lavapipe only (GPUs keep float4 loads). Measured (docs/benchmarks.md, mm43):
+# the C added to), lavapipe only (GPUs keep float4 loads). Measured (benchmarks-history.md, mm43):
 # only mm_nt's B read by all threads alike (cols == n, n % 8: no shuffle) gained (the MLP's 64 ->
 # 10 layer 48-56 -> 32 us); the rest as fast or slower. PYDIFF_MM_W64=mm_nt=2,... (docs/devices).
 def load_words(kernels: Any, entry: str, n: int = 0, cols: int = 0) -> int:

@@ -344,7 +344,7 @@ class Tape:
             )
         # The forward pass's kernels start now, on lavapipe's queue thread, while the backward
         # is recorded here: on an idle second core the step's wall time drops 0.78 -> 0.68 ms
-        # (MLP step; one more submission, ~35 us of CPU: docs/benchmarks.md, Host cost per op).
+        # (MLP step; one more submission, ~35 us of CPU; benchmarks-history.md, Host cost per op).
         output.device.flush()
         prepare_one(output.device)
         # A captured backward is batched whatever PYDIFF_TAPE_BATCH says: its seed is then a
