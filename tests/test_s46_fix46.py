@@ -5,6 +5,8 @@ NumPy, closed forms and central differences, never pydiff's own output."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,75 @@ def test_eviction_drops_only_the_evicted_kernels_plans(device, monkeypatch):
     assert built[-1] == 8 and _plans_of(device, 8)
     _matmul_checked(device, 40, 12, 4, 6)
     assert kernels.sizes()["kernels"] <= 3
+
+
+# ---------------------------------------------------------------- captured inputs re-bound
+
+
+def _sgd_reference(w0, b0, xs, ys, lr):
+    """float64 SGD steps of mean cross-entropy(x @ w.T + b, y) over the batches (closed-form
+    gradient: (softmax - one-hot) / B)."""
+    w, b = w0.astype(np.float64), b0.astype(np.float64)
+    for x, y in zip(xs, ys):
+        z = x.astype(np.float64) @ w.T + b
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        dz = p / len(y)
+        w, b = w - lr * dz.T @ x.astype(np.float64), b - lr * dz.sum(axis=0)
+    return w, b
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_replay_refuses_a_rebound_input_while_the_retained_tape_keeps_the_old(device, retain):
+    """``tape.backward(loss, retain_graph=True)`` (the default) inside a captured step keeps
+    the tape, and so the old input tensor, alive through the loss the step returns: the
+    replay's check of dropped inputs used to pass, and the replay trained on the captured
+    batch without a word. Refused now; copying into the captured tensor stays right."""
+    rng = np.random.default_rng(7)
+    layer = pydiff.nn.Linear(8, 4, seed=3, device=device)
+    w0, b0 = layer.weight.numpy(), layer.bias.numpy()
+    opt = pydiff.optim.SGD([layer.weight, layer.bias], lr=0.5)
+    state: dict = {}
+    xs: list = []
+    ys: list = []
+
+    def new_batch():
+        x = rng.standard_normal((16, 8)).astype(np.float32)
+        y = rng.integers(0, 4, 16).astype(np.int32)
+        state["x"], state["y"] = pydiff.tensor(x, device=device), pydiff.tensor(y, device=device)
+        return x, y
+
+    def step():
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layer(state["x"]), state["y"])
+        tape.backward(loss, retain_graph=retain)
+        opt.step()
+        return loss
+
+    def check():
+        w, b = _sgd_reference(w0, b0, xs, ys, 0.5)
+        np.testing.assert_allclose(layer.weight.numpy(), w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(layer.bias.numpy(), b, rtol=1e-4, atol=1e-5)
+
+    for k in range(2):  # eager, then the capture (each on its batch)
+        x, y = new_batch()
+        xs.append(x), ys.append(y)
+        step() if k == 0 else (captured := pydiff.capture(step))
+    check()
+    x, y = new_batch()  # the names re-bound: a replay would read the captured batch
+    gc.collect()
+    with pytest.raises(pydiff.CaptureError, match="dropped|re-bound"):
+        captured.replay()
+    check()  # refused before anything ran
+    captured = pydiff.capture(step)  # capturing again works
+    xs.append(x), ys.append(y)
+    check()
+    x = rng.standard_normal((16, 8)).astype(np.float32)  # the supported way: copied in
+    y = rng.integers(0, 4, 16).astype(np.int32)
+    state["x"].copy_from_numpy(x)
+    state["y"].copy_from_numpy(y)
+    captured.replay()
+    xs.append(x), ys.append(y)
+    check()
