@@ -136,3 +136,45 @@ def test_replay_refuses_a_rebound_input_while_the_retained_tape_keeps_the_old(de
     captured.replay()
     xs.append(x), ys.append(y)
     check()
+
+
+# ---------------------------------------------------------------- forward mode: number primals
+
+FWD_SRC = """
+import slangpy;
+[Differentiable] float f(float a, float x) { return a * x * x + sin(a * x); }
+"""
+
+
+def _f(a, x):
+    return a * x * x + np.sin(a * x)
+
+
+@pytest.fixture
+def fwd_module(device):
+    return pydiff.load_module_from_source("s46_fwd", FWD_SRC, device=device)
+
+
+def test_number_primal_takes_one_direction_whatever_the_tangents_type(device, fwd_module):
+    """The directional derivative of f(a, x) along a number a is (df/da) * da with one da:
+    the tangent lives in a's space, shape (). A (5,) tangent (one direction per call
+    element) is the derivative of another function (a copied per element): NumPy arrays
+    were refused, pydiff tensors of that shape broadcast; both refused now, naming 'a'."""
+    xs = np.linspace(-1.5, 2.0, 5).astype(np.float32)
+    x = pydiff.tensor(xs, device=device)
+    a0, da, eps = 1.3, 0.7, 1e-6
+    x64 = xs.astype(np.float64)
+    want = da * (_f(a0 + eps, x64) - _f(a0 - eps, x64)) / (2 * eps)  # central differences
+    for tangent in (da, np.float32(da), pydiff.tensor(np.float32(da), device=device)):
+        y, dy = fwd_module.f.fwds((a0, tangent), x)
+        np.testing.assert_allclose(y.numpy(), _f(a0, x64), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dy.numpy(), want, rtol=1e-4, atol=1e-5)
+    for tangent in (np.full(5, da, np.float32), pydiff.tensor(np.full(5, da, np.float32))):
+        with pytest.raises(ValueError, match=r"parameter 'a'.*tangent has shape \(5,\).*\(\)"):
+            fwd_module.f.fwds((a0, tangent), x)
+    # one direction per element: a tensor as the value, its tangent of its shape
+    dirs = np.linspace(0.5, -0.5, 5)
+    a = pydiff.tensor(np.full(5, a0, np.float32), device=device)
+    _, dy = fwd_module.f.fwds((a, pydiff.tensor(dirs.astype(np.float32), device=device)), x)
+    want = dirs * (_f(a0 + eps, x64) - _f(a0 - eps, x64)) / (2 * eps)
+    np.testing.assert_allclose(dy.numpy(), want, rtol=1e-4, atol=1e-5)
