@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 import pydiff
+import slangpy as spy
+
+from pydiff import generated
 from pydiff import kernels as kernels_module
 from pydiff import ops
 
@@ -178,3 +181,151 @@ def test_number_primal_takes_one_direction_whatever_the_tangents_type(device, fw
     _, dy = fwd_module.f.fwds((a, pydiff.tensor(dirs.astype(np.float32), device=device)), x)
     want = dirs * (_f(a0 + eps, x64) - _f(a0 - eps, x64)) / (2 * eps)
     np.testing.assert_allclose(dy.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- grid calls reading neighbours
+
+GRID_SRC = """
+import slangpy;
+[Differentiable]
+void nxt(int2 px, IRWDiffTensor<float, 2> x)
+{
+    int j = px.x;
+    int i = px.y;
+    float a = x[i, j];
+    float b = x[i, min(j + 1, 7)];
+    x[i, j] = a * b;
+}
+void nxt_plain(int2 px, RWTensor<float, 2> x)
+{
+    x[px.y, px.x] = x[px.y, px.x] * x[px.y, clamp(px.x + 1, 0, 7)];
+}
+void prev_1d(int i, RWTensor<float, 1> x) { x[i] = x[i] + x[max(i - 1, 0)]; }
+[Differentiable]
+void blur(int2 px, IDiffTensor<float, 2> s, IWDiffTensor<float, 2> d)
+{
+    int j = px.x;
+    int i = px.y;
+    d[i, j] = s[i, j] * s[i, min(j + 1, 7)];
+}
+[Differentiable]
+void pairs(int2 px, IRWDiffTensor<float, 2> x)
+{
+    int i = px.y;
+    int j = 2 * px.x;
+    float a = x[i, j + 1];
+    x[i, j] = x[i, j] * a;
+}
+[Differentiable]
+void sq_own(int2 px, IRWDiffTensor<float, 2> x)
+{
+    float v = x[px.y, px.x];
+    x[px.y, px.x] = v * v;
+}
+void halves(int2 px, RWTensor<float, 2> x) { x[px.y, px.x / 2] = 2.0 * x[px.y, px.x / 2]; }
+float at(RWTensor<float, 2> t, int i, int j) { return t[i, j]; }
+void through_helper(int2 px, RWTensor<float, 2> x)
+{
+    x[px.y, px.x] = at(x, px.y, px.x + 1);
+}
+"""
+
+
+@pytest.fixture
+def grid_module(device):
+    return pydiff.load_module_from_source("s46_grid", GRID_SRC, device=device)
+
+
+def _next_product(x):
+    """float64: y[i, j] = x[i, j] * x[i, min(j + 1, 7)], every x read before the call."""
+    return x * np.concatenate([x[:, 1:], x[:, -1:]], axis=1)
+
+
+@pytest.fixture(params=["generated", "slangpy"])
+def path(request, forced):
+    """Both paths: pydiff's generated grid kernels (every covered call) and SlangPy's."""
+    forced.setenv("PYDIFF_GENERATED", "1" if request.param == "generated" else "0")
+    return request.param
+
+
+@pytest.mark.parametrize("name", ["nxt", "nxt_plain"])
+def test_in_place_grid_call_reading_a_neighbour_is_refused(device, grid_module, path, name):
+    """x[i, j] stored while the thread of (i, j - 1) loads it: a race (lavapipe happened to
+    give the values before the call, a GPU need not). Refused before anything ran, naming
+    the parameter and two threads that race; with requires_grad, on a tape too."""
+    x0 = np.random.default_rng(1).uniform(0.5, 2.0, (4, 8)).astype(np.float32)
+    for grad in (False, True):
+        x = pydiff.tensor(x0, device=device, requires_grad=grad and name == "nxt")
+        with pytest.raises(ValueError, match=r"parameter 'x'.*\(0, 0\) loads its element \(0, 1\)"):
+            getattr(grid_module, name)(spy.grid((4, 8)), x)
+        np.testing.assert_array_equal(x.numpy(), x0)
+        if x.requires_grad:
+            with pydiff.Tape(), pytest.raises(ValueError, match="a race"):
+                grid_module.nxt(spy.grid((4, 8)), x)
+    x = pydiff.tensor(np.arange(6, dtype=np.float32), device=device)
+    with pytest.raises(ValueError, match=r"thread \(1,\) loads its element \(0,\)"):
+        grid_module.prev_1d(spy.grid((6,)), x)
+
+
+def test_the_same_tensor_as_input_and_output_reads_the_values_before(device, grid_module, path):
+    """The tensor passed as both the read and the written parameter: the read is given a copy
+    taken before the call, so the values are the non-aliased ones (float64 reference),
+    across workgroups too (rows of 8, 4096 rows)."""
+    for rows in (4, 4096):
+        x0 = np.random.default_rng(rows).uniform(0.5, 2.0, (rows, 8)).astype(np.float32)
+        x = pydiff.tensor(x0, device=device)
+        grid_module.blur(spy.grid((rows, 8)), x, x)
+        np.testing.assert_allclose(x.numpy(), _next_product(x0.astype(np.float64)), rtol=1e-6)
+    if path == "generated":  # (pydiff's generated grid kernel ran them)
+        assert generated.stats().get("forward: grid", 0) == 2
+
+
+def test_race_free_grid_calls_run_and_are_right(device, grid_module, path):
+    """Loads of elements no other thread stores (each thread's own, or a neighbour nobody
+    writes) are kept: forward and .bwds against float64 NumPy and central differences."""
+    rng = np.random.default_rng(5)
+    x0 = rng.uniform(0.5, 2.0, (3, 8)).astype(np.float32)
+    x = pydiff.tensor(x0, device=device)
+    grid_module.pairs(spy.grid((3, 4)), x)  # stores even columns, loads the odd ones
+    want = x0.astype(np.float64).copy()
+    want[:, 0::2] = want[:, 0::2] * want[:, 1::2]
+    np.testing.assert_allclose(x.numpy(), want, rtol=1e-6)
+    x = pydiff.tensor(x0, device=device, requires_grad=True)
+    up = rng.uniform(-1, 1, (3, 8))
+    with pydiff.Tape() as tape:
+        grid_module.sq_own(spy.grid((3, 8)), x)
+    np.testing.assert_allclose(x.numpy(), x0.astype(np.float64) ** 2, rtol=1e-6)
+    tape.backward(x, grad=up.astype(np.float32))
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x0 * up, rtol=1e-5)
+    if path == "generated":  # (pairs: the one off a tape)
+        assert generated.stats().get("forward: grid", 0) == 1
+
+
+def test_explicit_bwds_of_a_neighbour_reading_function_is_right(device, grid_module, path):
+    """``.bwds`` reads the primal values and adds gradients into a buffer of their own (the
+    upstream read from another): no race, the gradient of the non-aliased function, which
+    central differences give, and x left unchanged."""
+    rng = np.random.default_rng(9)
+    x0 = rng.uniform(0.5, 2.0, (4, 8))
+    up = rng.uniform(-1.0, 1.0, (4, 8))
+    x = pydiff.tensor(x0.astype(np.float32), device=device, requires_grad=True)
+    x.grad.copy_from_numpy(up.astype(np.float32))
+    grid_module.nxt.bwds(spy.grid((4, 8)), x)
+    eps, want = 1e-6, np.zeros_like(x0)
+    for k in np.ndindex(x0.shape):
+        e = np.zeros_like(x0)
+        e[k] = eps
+        want[k] = np.sum(up * (_next_product(x0 + e) - _next_product(x0 - e))) / (2 * eps)
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(x.numpy(), x0, rtol=1e-7)
+
+
+def test_stores_of_one_element_by_several_threads_and_unreadable_text_are_refused(
+    device, grid_module, path
+):
+    x = pydiff.tensor(np.ones((2, 8), np.float32), device=device)
+    with pytest.raises(ValueError, match=r"threads \(0, 0\) and \(0, 1\) both store"):
+        grid_module.halves(spy.grid((2, 8)), x)
+    with pytest.raises(ValueError, match="cannot tell which of its elements.*'x' is used other"):
+        grid_module.through_helper(spy.grid((2, 8)), x)
+    np.testing.assert_array_equal(x.numpy(), 1.0)
