@@ -206,30 +206,48 @@ def _thread(k: int, sizes: list) -> tuple:
 
 
 def _subscripts(body: str, name: str, dims: int, grid: str) -> tuple[list, list]:
-    """The loads and stores of ``name`` in ``body``: (index text, [index expressions]) each,
-    the expressions None for the grid index itself (``x[px]``)."""
+    """The loads and stores of ``name`` in ``body`` (``x[i, j]``, ``x.load({i, j})``,
+    ``x.store({i, j}, v)``): (index text, [index expressions]) each, the expressions None for
+    the grid index itself (``x[px]``). Its sizes (``x.dim(0)``, ``x.shape``) are neither."""
     loads, stores = [], []
     for m in re.finditer(rf"(?<![\w.])\b{re.escape(name)}\b", body):
-        at = m.end() + len(body[m.end() :]) - len(body[m.end() :].lstrip())
-        if at >= len(body) or body[at] != "[":
-            raise _Unknown(f"'{name}' is used other than by subscripts (x[i, j])")
-        end = matching(body, at, "[", "]")
-        if end < 0:
-            raise _Unknown(f"a subscript of '{name}' pydiff cannot read")
-        text = re.sub(r"\s+", "", body[at + 1 : end])
-        parts = split_top(text)
-        index = parts if len(parts) == dims else None
-        if index is None and len(parts) != 1:
-            raise _Unknown(f"'{name}[{text}]' has another count of indices than its dimensions")
-        after = body[end + 1 :]
-        entry = (text, index if index is not None else None)
-        if index is None and text != grid:
-            raise _Unknown(f"'{name}[{text}]': a vector index pydiff does not evaluate")
-        if re.match(r"\s*=(?!=)", after):
-            stores.append(entry)
-        elif re.match(_ASSIGNED, after):
-            stores.append(entry), loads.append(entry)
+        after = body[m.end() :]
+        method = re.match(r"\s*\.\s*(\w+)\s*(\()?", after)
+        if method and method.group(1) in ("dim", "shape", "dims"):
+            continue
+        if method and method.group(1) in ("load", "store") and method.group(2):
+            at = m.end() + method.end() - 1
+            end = matching(body, at, "(", ")")
+            args = split_top(body[at + 1 : end]) if end > 0 else []
+            if not args:
+                raise _Unknown(f"a {method.group(1)} of '{name}' pydiff cannot read")
+            text = re.sub(r"\s+", "", args[0])
+            parts = split_top(text[1:-1]) if text[:1] == "{" and text[-1:] == "}" else [text]
+            kind = method.group(1)
         else:
+            at = m.end() + len(after) - len(after.lstrip())
+            if at >= len(body) or body[at] != "[":
+                raise _Unknown(f"'{name}' is used other than by subscripts (x[i, j])")
+            end = matching(body, at, "[", "]")
+            if end < 0:
+                raise _Unknown(f"a subscript of '{name}' pydiff cannot read")
+            text = re.sub(r"\s+", "", body[at + 1 : end])
+            parts = split_top(text)
+            rest = body[end + 1 :]
+            kind = (
+                "store"
+                if re.match(r"\s*=(?!=)", rest)
+                else "both"
+                if re.match(_ASSIGNED, rest)
+                else "load"
+            )
+        index = parts if len(parts) == dims else None
+        if index is None and (len(parts) != 1 or text != grid):
+            raise _Unknown(f"'{name}' indexed by '{text}', which pydiff does not evaluate")
+        entry = (text, index)
+        if kind in ("store", "both"):
+            stores.append(entry)
+        if kind in ("load", "both"):
             loads.append(entry)
     return loads, stores
 

@@ -222,6 +222,7 @@ void sq_own(int2 px, IRWDiffTensor<float, 2> x)
     float v = x[px.y, px.x];
     x[px.y, px.x] = v * v;
 }
+void put(int2 px, IWTensor<float, 2> y) { y[px.y, px.x] = float(px.y * 10 + px.x); }
 void halves(int2 px, RWTensor<float, 2> x) { x[px.y, px.x / 2] = 2.0 * x[px.y, px.x / 2]; }
 float at(RWTensor<float, 2> t, int i, int j) { return t[i, j]; }
 void through_helper(int2 px, RWTensor<float, 2> x)
@@ -329,3 +330,18 @@ def test_stores_of_one_element_by_several_threads_and_unreadable_text_are_refuse
     with pytest.raises(ValueError, match="cannot tell which of its elements.*'x' is used other"):
         grid_module.through_helper(spy.grid((2, 8)), x)
     np.testing.assert_array_equal(x.numpy(), 1.0)
+
+
+@pytest.mark.parametrize("name", ["sq_own", "put"])
+def test_a_written_tensor_parameter_given_a_view_holding_elements_twice_is_refused(
+    device, grid_module, path, name
+):
+    """Each thread stores its own element of the view, but a view with a stride of 0 holds
+    one storage element at several: three threads store (and sq_own reads) it, whichever
+    comes last kept (it ran: sq_own applied 2 -> 26, three times in turn, put kept the last
+    row; NumPy's broadcast_to is read-only for the same reason)."""
+    x = pydiff.tensor(np.full(4, 2.0, np.float32), device=device)
+    repeated = pydiff.Tensor(x.native.view(shape=(3, 4), strides=(0, 1), offset=0), device)
+    with pytest.raises(ValueError, match=r"holds elements more than once.*strides \(0, 1\)"):
+        getattr(grid_module, name)(spy.grid((3, 4)), repeated)
+    np.testing.assert_array_equal(x.numpy(), 2.0)
