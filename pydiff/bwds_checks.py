@@ -21,6 +21,7 @@ import slangpy as spy
 from .arguments import PLAIN, map_tensors, nested_tensors
 from .backward_scope import active_scope
 from .call_shape import result_type
+from .grid_races import refuse_grid_races
 from .view_overlap import refuse_shifted_overlap
 from .creation import tensor as make_tensor
 from .errors import warn_once
@@ -352,13 +353,12 @@ def refuse_stale(scope: Any, fn: FunctionTarget, bound: list) -> None:
 def refuse_written_twice(
     fn: FunctionTarget, bound: list, result: Any, where: str, reads: bool = False
 ) -> None:
-    """Two written parameters (``out``/``inout``, or one and ``_result``) on one storage (the
-    same tensor, or views of it): the call keeps only the last write, while its backward
-    reads the one upstream gradient for each and adds both contributions (a wrong gradient),
-    so the forward call and ``.bwds`` refuse it, naming both. Two tensor parameters
-    (``IRWDiffTensor``...) may write one tensor at elements of their own: their ``.bwds`` is
-    refused by ``refuse_shared_result_grad``. ``reads``: ``view_overlap``'s checks too."""
+    """Two written parameters (``out``/``inout``, or one and ``_result``) on one storage: the
+    call keeps the last write, its backward adds the gradients of both (wrong): the forward
+    call and ``.bwds`` refuse it, naming both (``IRWDiffTensor``s: ``refuse_shared_result_grad``;
+    ``reads``, the forward call's: grid_races' and view_overlap's checks too)."""
     if reads:
+        refuse_grid_races(fn, bound, where)
         refuse_shifted_overlap(fn, bound, result, where)
     seen: dict[int, tuple[str, bool]] = {}
     written = [(bound[j][0], bound[j][1]) for j in fn.signature.written]

@@ -116,7 +116,7 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
                 t.copy_(before)
         raise
     reads = [
-        (f"{fn.label}: parameter '{p.name}'", v.storage)
+        (f"{fn.label}: parameter '{p.name}'", v)
         for p, v in zip(fn.signature.params, args)
         if type(v) is Tensor and p.reads_value
     ]

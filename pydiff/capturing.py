@@ -43,6 +43,7 @@ import numpy as np
 
 import slangpy as spy
 
+from .capture_inputs import CapturedInputs
 from .errors import CaptureError
 from .policy import ZeroPolicy, get_zero_policy
 
@@ -148,8 +149,8 @@ def planned_bwds(label: str, plan: Any, launch: Any, args: tuple, result: Any) -
     refuse_strict(label, [args[i].zero_policy or get_zero_policy() for i in plan.with_grads])
     named = [(plan.descs[i], args[i], "grad_out") for i in plan.tensors]
     named.append((f"{label}: _result", result, "grad_in"))
-    reads = [(plan.descs[i], args[i].storage) for i in plan.tensors]
-    rec.record_reads(label, [*reads, (f"{label}: upstream", result.grad_in.storage)])
+    reads = [(plan.descs[i], args[i]) for i in plan.tensors]
+    rec.record_reads(label, [*reads, (f"{label}: upstream", result.grad_in)])
     advice = "The replay adds into (and zeroes) the gradient buffers as at the capture: "
     rec.record_check(label, _same_grads(named, rec.policy), advice + "restore it or capture again.")
 
@@ -285,6 +286,7 @@ class CapturedStep:
         self.policy = get_zero_policy()  # around the capture (a replay's must be the same)
         # The step kept: tensors only its closure holds stay valid inputs (record_reads).
         self._step = (fn, args, kwargs)
+        self._inputs = CapturedInputs()  # the tensors it read from outside (record_reads)
         token = _recording.set(self)
         try:
             self.result = fn(*args, **kwargs)
@@ -294,9 +296,12 @@ class CapturedStep:
                 self._queue.flush()
         if self._queue is None:
             raise CaptureError("pydiff.capture: the function issued no GPU work to record")
-        self._bumps = [  # what the step left in each storage it wrote (Storage.replayed)
-            (s, s.version - v, s.holds_result_of, s.last_writer) for s, v in self._writes.values()
+        self._bumps = [  # what the step left in each storage it wrote (Storage.replayed), held
+            # weakly: a later capture's count of references to its inputs must not fall by ours
+            (weakref.ref(s), s.version - v, s.holds_result_of, s.last_writer)
+            for s, v in self._writes.values()
         ]
+        self._inputs.settle(self._writes)
         self._writes.clear()
 
     # --- recording (called by pydiff's kernels, tensors and optimizers) -----------------
@@ -343,26 +348,13 @@ class CapturedStep:
         self._writes.setdefault(id(storage), (storage, storage.version))
 
     def record_reads(self, what: str, read: list) -> None:
-        """``read``: ``(description, storage)`` a recorded call reads. Those the step neither
-        made nor wrote before are its inputs: a replay refuses once one was dropped (e.g. its
-        name re-bound to a new tensor): it would read the old buffer, written by nothing."""
-        outside = [(d, weakref.ref(st)) for d, st in read if id(st) not in self._writes]
-        if not outside:
-            return
-
-        def still_same() -> str | None:
-            for desc, ref in outside:
-                if ref() is None:
-                    return (
-                        f"{desc}: the tensor it read was dropped (no tensor left on its "
-                        "storage: a name re-bound to a new tensor?); the replay would read "
-                        "the old buffer, which nothing writes any more"
-                    )
-            return None
-
-        self.record_check(
-            what, still_same, "Copy new values into the captured tensors, or capture again."
-        )
+        """``read``: ``(description, tensor)`` a recorded call reads. Those the step neither
+        made nor wrote before are its inputs: a replay refuses once one was dropped (its name
+        re-bound to a new tensor: ``capture_inputs``), as it would read the old buffer."""
+        still_same = self._inputs.add(read, self._writes)
+        if still_same is not None:
+            advice = "Copy new values into the captured tensors, or capture again."
+            self.record_check(what, still_same, advice)
 
     def record_host(self, action: Callable[[], None]) -> None:
         """Host code to run at this point of every replay."""
@@ -427,8 +419,9 @@ class CapturedStep:
                 else:  # host state for the dispatches after it (their uniforms are read now)
                     command[1]()
             device.submit_command_buffer(encoder.finish())
-        for st, moved, mark, writer in self._bumps:  # the step's writes and marks, again
-            st.replayed(moved, mark, writer)
+        for ref, moved, mark, writer in self._bumps:  # the step's writes and marks, again
+            if (st := ref()) is not None:
+                st.replayed(moved, mark, writer)
         self.replays += 1
         return self.result
 

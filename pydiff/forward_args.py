@@ -119,13 +119,16 @@ def _split_pair(fn: FunctionTarget, p: ParamInfo, value: tuple, path: str) -> tu
         except ValueError as exc:
             raise ValueError(f"{fn.label}.fwds: {at}: {exc}") from None
         return view, view.tangent
-    if isinstance(primal, np.ndarray) or isinstance(tangent, np.ndarray):
-        a, b = np.asarray(primal), np.asarray(tangent)
-        if a.shape != b.shape:
-            raise ValueError(
-                f"{fn.label}.fwds: {at}: tangent has shape {b.shape} but the value has shape "
-                f"{a.shape}"
-            )
+    # The direction's space is the value's: a number's tangent is one number, whatever the
+    # call's shape (a (5,) tangent would be 5 directions, one per call element: the
+    # derivative of another function, the value copied per element), a tensor's too.
+    shape = tangent.shape if isinstance(tangent, Tensor) else np.shape(tangent)
+    if np.shape(primal) != shape:
+        raise ValueError(
+            f"{fn.label}.fwds: {at}: tangent has shape {shape} but the value has shape "
+            f"{np.shape(primal)}: a tangent is a direction of the value's own shape (pass a "
+            "tensor as the value for one direction per element)"
+        )
     return primal, tangent
 
 

@@ -335,6 +335,4 @@ def captured_reads(name: str, inputs: list) -> None:
     pydiff.tensor(batch)`` re-binding the name): it would read the old buffer, which nothing
     writes any more, and train on the captured batch without a word."""
     if (rec := capturing.recording()) is not None:
-        rec.record_reads(
-            name, [(f"its argument {i}, shape {t.shape}", t.storage) for i, t in inputs]
-        )
+        rec.record_reads(name, [(f"its argument {i}, shape {t.shape}", t) for i, t in inputs])

@@ -130,7 +130,7 @@ class KernelCache:
         self._objects: OrderedDict = OrderedDict()
         self._held_sites: weakref.WeakSet = weakref.WeakSet()  # (new_held's)
         #: Callers' memos of which kernel a call takes (``products.fast_product``'s plans):
-        #: they hold kernels, so they go whenever a kernel is evicted.
+        #: falsy (no kernel fits) or a tuple led by its kernel's key, dropped with it (``_evict``).
         self.plans: dict = {}
         #: ``products.sizes_fixed``'s counts: uses of each shape, and the shapes whose kernels
         #: take their sizes as constants (no kernels held: they outlive evictions).
@@ -174,8 +174,7 @@ class KernelCache:
         if kernel is None:
             kernel = self._kernels[key] = self._build(file, entry, defines)
             while len(self._kernels) > KERNELS_MAX:
-                self._drop_objects_of(self._kernels.popitem(last=False)[1])
-                self.plans.clear()
+                self._evict(*self._kernels.popitem(last=False))
         else:
             self._kernels.move_to_end(key)
         return kernel
@@ -311,10 +310,13 @@ class KernelCache:
                 self._objects_bytes -= self._objects.popitem(last=False)[1][2]
         return entry
 
-    def _drop_objects_of(self, kernel: Any) -> None:
-        """Forget the bound objects of an evicted kernel (they would keep it alive)."""
-        for key in [k for k in self._objects if k[0] is kernel]:
-            self._objects_bytes -= self._objects.pop(key)[2]
+    def _evict(self, key: tuple, kernel: Any) -> None:
+        """Forget an evicted kernel's bound objects and plans (other plans stay: past
+        ``KERNELS_MAX`` kernels only the evicted one's products are planned again)."""
+        for name in [k for k, plan in self.plans.items() if plan and plan[0] == key]:
+            del self.plans[name]
+        for name in [k for k in self._objects if k[0] is kernel]:  # (they keep it alive)
+            self._objects_bytes -= self._objects.pop(name)[2]
 
     def new_held(self) -> HeldObject:
         """A list for ``dispatch(held=)`` that ``release_objects`` (``empty_cache``) empties,

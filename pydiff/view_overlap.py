@@ -62,8 +62,9 @@ def refuse_shifted_overlap(fn: FunctionTarget, bound: list, result: Any, where: 
     load, a race whose values depend on the device's order (the same view, ``_result=x``, is
     kept: each thread reads and writes its own element). Refused naming both."""
     writes = [("_result", result)]
-    for j in fn.signature.written:  # (an IWDiffTensor... writes at indices of its own: kept)
-        if (p := bound[j][0]).tensor_kind is None:
+    for j in fn.signature.written:  # (an IWDiffTensor... writes at indices of its own: kept,
+        p = bound[j][0]  # unless its view holds an element twice: two threads' own elements)
+        if p.tensor_kind is None or (type(bound[j][1]) is Tensor and holds_repeats(bound[j][1])):
             writes.append((p.name, bound[j][1]))
     for name, w in writes:
         if type(w) is not Tensor:
