@@ -1,0 +1,130 @@
+"""Session 46 (break46): forward mode, transforms and torch interop probed at edge inputs,
+each checked against an independent reference (closed forms, PyTorch float64 autograd)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def poly():
+    return pydiff.load_module("samples/polynomial.slang")
+
+
+def test_fwds_size_one_tensor_closed_form(poly):
+    x = pydiff.tensor([0.5]).with_tangent([2.0])
+    _, dy = poly.polynomial.fwds(2.0, 8.0, -1.0, x)
+    np.testing.assert_allclose(dy.numpy(), [(4 * 0.5 + 8) * 2.0], rtol=1e-6)
+
+
+def test_grad_of_function_using_tensor_twice():
+    # f(x) = sum(x*x) + sum(x*x*x): grad 2x + 3x^2 (closed form)
+    x0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+    def f(x):
+        return ops.add(ops.sum(ops.mul(x, x)), ops.sum(ops.mul(ops.mul(x, x), x)))
+
+    g = np.asarray(pydiff.grad(f)(x0))
+    np.testing.assert_allclose(g, 2 * x0 + 3 * x0**2, rtol=1e-5)
+
+
+def test_torch_function_non_contiguous_input_against_torch_float64():
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4.0
+    t = base.t()  # non-contiguous (3, 2)
+    assert not t.is_contiguous()
+    t = t.detach().requires_grad_(True)
+    fn = pydiff.torch_function(lambda a: ops.sum(ops.mul(a, a)))
+    out = fn(t)
+    out.backward()
+    ref = t.detach().double().requires_grad_(True)
+    (ref * ref).sum().backward()
+    want = float((ref.detach() ** 2).sum())
+    np.testing.assert_allclose(float(out.detach()), want, rtol=1e-5)
+    np.testing.assert_allclose(t.grad.numpy(), ref.grad.numpy(), rtol=1e-5)
+
+
+def test_hvp_of_python_function_closed_form():
+    # f(a, b) = sum(a^2 b^2); H_bb = diag(2 a^2), H_ba = diag(4 a b)
+    a = np.array([1.0, 2.0], dtype=np.float32)
+    b = np.array([0.5, 3.0], dtype=np.float32)
+    v = np.array([1.0, -2.0], dtype=np.float32)
+    _, hv = pydiff.hvp(lambda a, b: (a * a * b * b).sum(), (a, b), (None, v))
+    hv_b = np.asarray(hv[1] if isinstance(hv, tuple) else hv)
+    np.testing.assert_allclose(hv_b, 2.0 * a.astype(np.float64) ** 2 * v, rtol=1e-5)
+
+
+def test_jvp_tangent_of_wrong_shape_is_a_clear_error(poly):
+    x = pydiff.tensor([1.0, 2.0, 3.0])
+    with pytest.raises((ValueError, TypeError)):
+        x.with_tangent([1.0, 1.0])
+
+
+def test_torch_function_used_twice_in_one_graph_retain_graph():
+    # y = g(t) + g(t) with g = sum(t^3): dy/dt = 6 t^2; backward twice with retain_graph
+    t = torch.tensor([0.5, -1.5, 2.0], requires_grad=True)
+    g = pydiff.torch_function(lambda a: ops.sum(ops.mul(ops.mul(a, a), a)))
+    y = g(t) + g(t)
+    y.backward(retain_graph=True)
+    y.backward()
+    ref = 2 * 6 * t.detach().double().numpy() ** 2
+    np.testing.assert_allclose(t.grad.numpy(), ref, rtol=1e-5)
+
+
+def test_zero_d_inputs_grad_closed_form():
+    f = pydiff.grad(lambda x: ops.sum(ops.mul(x, x)))
+    np.testing.assert_allclose(float(np.asarray(f(np.float32(3.0)))), 6.0, rtol=1e-6)
+    np.testing.assert_allclose(float(f(pydiff.tensor(3.0)).numpy()), 6.0, rtol=1e-6)
+
+
+def test_fwds_broadcast_closed_form(poly):
+    a = pydiff.tensor([[1.0], [2.0]])  # (2, 1) against x (1, 3)
+    xs = np.array([[1.0, 2.0, 3.0]], dtype=np.float32)
+    x = pydiff.tensor(xs).with_tangent(np.ones((1, 3), np.float32))
+    y, dy = poly.polynomial.fwds(a, 8.0, -1.0, x)
+    av = np.array([[1.0], [2.0]])
+    np.testing.assert_allclose(y.numpy(), av * xs**2 + 8 * xs - 1, rtol=1e-6)
+    np.testing.assert_allclose(dy.numpy(), 2 * av * xs + 8, rtol=1e-6)
+
+
+def test_empty_and_wrong_dtype_inputs_are_clear_errors(poly):
+    with pytest.raises(ValueError, match="zero-size"):
+        pydiff.tensor(np.zeros(0, np.float32))
+    with pytest.raises(TypeError, match="float64"):
+        t = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+        pydiff.torch_function(lambda a: ops.sum(ops.mul(a, a)))(t)
+    with pytest.raises(TypeError, match="bool"):
+        pydiff.from_torch(torch.tensor([True, False]))
+
+
+def test_jvp_of_grad_is_refused_loudly():
+    g = pydiff.grad(lambda x: ops.sum(ops.mul(ops.mul(x, x), x)))
+    x = np.array([1.0, 2.0], np.float32)
+    with pytest.raises(NotImplementedError, match="hvp"):
+        pydiff.jvp(g, (x,), (np.ones(2, np.float32),))
+
+
+def test_two_threads_differentiate_at_once():
+    res = {}
+
+    def work(i):
+        try:
+            x = np.arange(1, 5, dtype=np.float32) * (i + 1)
+            for _ in range(10):
+                g = np.asarray(pydiff.grad(lambda x: ops.sum(ops.mul(x, x)))(x))
+                np.testing.assert_allclose(g, 2.0 * x.astype(np.float64), rtol=1e-5)
+            res[i] = "ok"
+        except Exception as e:  # reported below
+            res[i] = repr(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert res == {0: "ok", 1: "ok"}
