@@ -128,3 +128,52 @@ def test_two_threads_differentiate_at_once():
     for t in ts:
         t.join(120)
     assert res == {0: "ok", 1: "ok"}
+
+
+class _Cube(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return ops.mul(ops.mul(x, x), x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return ops.mul(g, ops.mul(ops.mul(x, x), 3.0))
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return ops.mul(t, ops.mul(ops.mul(x, x), 3.0))
+
+
+class _BadShape(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return ops.mul(x, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return pydiff.tensor([1.0])
+
+
+def test_custom_function_used_twice_and_nested_closed_form():
+    x0 = np.array([0.5, -1.0, 2.0], np.float32)
+    xd = x0.astype(np.float64)
+
+    def f(x):
+        return ops.add(ops.sum(_Cube.apply(x)), ops.sum(_Cube.apply(_Cube.apply(x))))
+
+    # d/dx (x^3 + x^9) = 3x^2 + 9x^8
+    np.testing.assert_allclose(np.asarray(pydiff.grad(f)(x0)), 3 * xd**2 + 9 * xd**8, rtol=1e-5)
+    _, t = pydiff.jvp(_Cube.apply, (x0,), (np.ones(3, np.float32),))
+    np.testing.assert_allclose(np.asarray(t.numpy()), 3 * xd**2, rtol=1e-6)
+    (hv,) = pydiff.hvp(lambda x: ops.sum(_Cube.apply(x)), (x0,), (np.ones(3, np.float32),))
+    np.testing.assert_allclose(np.asarray(hv), 6 * xd, rtol=1e-6)
+    assert pydiff.gradcheck(_Cube, (pydiff.tensor(x0, requires_grad=True),))
+
+
+def test_custom_backward_of_wrong_shape_names_the_shapes():
+    x0 = np.array([0.5, -1.0, 2.0], np.float32)
+    with pytest.raises(RuntimeError, match=r"shape \(1,\).*shape \(3,\)"):
+        pydiff.grad(lambda x: ops.sum(_BadShape.apply(x)))(x0)
