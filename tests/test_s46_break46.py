@@ -177,3 +177,12 @@ def test_custom_backward_of_wrong_shape_names_the_shapes():
     x0 = np.array([0.5, -1.0, 2.0], np.float32)
     with pytest.raises(RuntimeError, match=r"shape \(1,\).*shape \(3,\)"):
         pydiff.grad(lambda x: ops.sum(_BadShape.apply(x)))(x0)
+
+
+@pytest.mark.xfail(strict=True, reason="known limit (docs/forward-mode.md): 0 * inf tangent")
+def test_fwds_at_infinite_primal_matches_torch(poly):
+    x = pydiff.tensor([np.inf, 1.0]).with_tangent([1.0, 1.0])
+    _, dy = poly.polynomial.fwds(2.0, 8.0, -1.0, x)
+    xt = torch.tensor([np.inf, 1.0], dtype=torch.float64, requires_grad=True)
+    (2 * xt * xt + 8 * xt - 1).sum().backward()
+    np.testing.assert_allclose(dy.numpy(), xt.grad.numpy(), rtol=1e-6)
