@@ -186,3 +186,44 @@ def test_fwds_at_infinite_primal_matches_torch(poly):
     xt = torch.tensor([np.inf, 1.0], dtype=torch.float64, requires_grad=True)
     (2 * xt * xt + 8 * xt - 1).sum().backward()
     np.testing.assert_allclose(dy.numpy(), xt.grad.numpy(), rtol=1e-6)
+
+
+def test_fixed_point_grad_and_jvp_closed_form():
+    av = np.array([0.1, 0.5, -0.3], np.float32)
+    bv = np.array([1.0, 2.0, -1.0], np.float32)
+    ad, bd = av.astype(np.float64), bv.astype(np.float64)
+    a = pydiff.tensor(av, requires_grad=True)
+    b = pydiff.tensor(bv, requires_grad=True)
+    with pydiff.Tape() as tape:
+        x = pydiff.fixed_point(lambda x, a, b: a * x + b, np.zeros(3), a, b)
+        loss = ops.sum(ops.mul(x, x))
+    tape.backward(loss)
+    xs = bd / (1 - ad)  # x* = b / (1 - a); L = sum(x*^2)
+    np.testing.assert_allclose(a.grad.numpy(), 2 * xs * bd / (1 - ad) ** 2, rtol=1e-4)
+    np.testing.assert_allclose(b.grad.numpy(), 2 * xs / (1 - ad), rtol=1e-4)
+
+    def solve(a):
+        return pydiff.fixed_point(lambda x, a: a * x + 1.0, np.zeros(3), a)
+
+    _, t = pydiff.jvp(solve, (av,), (np.ones(3, np.float32),))
+    np.testing.assert_allclose(t.numpy(), 1 / (1 - ad) ** 2, rtol=1e-4)
+
+
+def test_fixed_point_bad_inputs_are_clear_errors():
+    a = pydiff.tensor([1.5], requires_grad=True)
+    with pytest.raises(pydiff.ConvergenceError, match="max_iter=50"):
+        pydiff.fixed_point(lambda x, a: a * x + 1.0, np.zeros(1), a, max_iter=50)
+    a3 = pydiff.tensor([0.1, 0.2, 0.3], requires_grad=True)
+    with pytest.raises(ValueError, match=r"shape \(\)"):
+        pydiff.fixed_point(lambda x, a: ops.sum(a * x), np.zeros(3), a3)
+
+
+def test_torch_function_stride_zero_and_transposed_grad_outputs():
+    g = pydiff.torch_function(lambda a: ops.mul(a, a))
+    t = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    g(t).backward(torch.ones(1).expand(3))  # stride-0 grad_output
+    np.testing.assert_allclose(t.grad.numpy(), [2.0, 4.0, 6.0], rtol=1e-6)
+    m = np.array([[1.0, 2.0], [3.0, 4.0]])
+    t2 = torch.tensor(m, dtype=torch.float32, requires_grad=True)
+    g(t2).backward(torch.tensor(m, dtype=torch.float32).t())  # non-contiguous grad_output
+    np.testing.assert_allclose(t2.grad.numpy(), 2 * m * m.T, rtol=1e-6)
