@@ -227,3 +227,28 @@ def test_torch_function_stride_zero_and_transposed_grad_outputs():
     t2 = torch.tensor(m, dtype=torch.float32, requires_grad=True)
     g(t2).backward(torch.tensor(m, dtype=torch.float32).t())  # non-contiguous grad_output
     np.testing.assert_allclose(t2.grad.numpy(), 2 * m * m.T, rtol=1e-6)
+
+
+def _sq(x):
+    return ops.sum(ops.mul(x, x))
+
+
+def test_transforms_edge_values_closed_form():
+    np.testing.assert_allclose(pydiff.grad(_sq)([1, 2]), [2.0, 4.0], rtol=1e-6)  # ints: numbers
+    np.testing.assert_allclose(pydiff.grad(_sq)(np.array([1e30], np.float32)), [2e30], rtol=1e-6)
+    np.testing.assert_allclose(pydiff.jacrev(lambda x: ops.mul(x, x))(np.float32(3.0)), 6.0)
+    np.testing.assert_allclose(pydiff.jacfwd(lambda x: ops.mul(x, x))(np.float32([3.0])), [[6.0]])
+    np.testing.assert_allclose(np.asarray(pydiff.hessian(_sq, (np.float32(3.0),))).ravel(), [2.0])
+
+
+def test_transforms_bad_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="argument 0 holds booleans"):
+        pydiff.grad(_sq)(np.array([True, False]))
+    with pytest.raises(ValueError, match="overflow"):
+        pydiff.grad(_sq)(np.array([1e300]))
+    with pytest.raises(ValueError, match=r"tangents\[0\] has shape \(2,\)"):
+        pydiff.jvp(_sq, (np.ones(3, np.float32),), (np.ones(2, np.float32),))
+    with pytest.raises(ValueError, match="1 primals but 0 tangents"):
+        pydiff.jvp(_sq, (np.ones(3, np.float32),), ())
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        pydiff.grad(lambda x: ops.mul(x, x))(np.ones(3, np.float32))
