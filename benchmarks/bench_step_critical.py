@@ -1,0 +1,148 @@
+"""The eager MLP step waited on each time (``step(); wait``), split along its critical path:
+the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
+the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
+overlap (calling + others - wall: what the second core took off the step); the wall and the
+calling thread's CPU inside each submission; then the same step under four device waits in
+alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
+step's last submission, a spin on ``is_submit_finished``, and a 100 us spin then the block.
+Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
+``benchmarks/``).
+
+python benchmarks/bench_step_critical.py [--rounds 6] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import pydiff
+
+from mlp_step import make_batch, make_mlp_step
+from timing import describe
+
+
+class _Submissions:
+    """Stands for the queue's SlangPy device: counts each submission's wall and calling-thread
+    CPU and keeps the last submission's id (for ``wait_for_submit``)."""
+
+    def __init__(self, native) -> None:
+        self._native = native
+        self.last = 0
+        self.wall_ns = 0
+        self.cpu_ns = 0
+        self.count = 0
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    def _timed(self, submit, buffers):
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        self.last = submit(buffers)
+        self.cpu_ns += time.thread_time_ns() - c0
+        self.wall_ns += time.perf_counter_ns() - w0
+        self.count += 1
+        return self.last
+
+    def submit_command_buffer(self, buffer):
+        return self._timed(self._native.submit_command_buffer, buffer)
+
+    def submit_command_buffers(self, buffers):
+        return self._timed(self._native.submit_command_buffers, buffers)
+
+
+def others_cpu_ns(me: int) -> int:
+    """CPU time (ns) of the process's threads other than ``me`` (schedstat's first field)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:  # (a thread that ended meanwhile)
+                pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    dev = pydiff.default_device()
+    native = dev.native
+    subs = _Submissions(native)
+    dev.queue.native = subs  # (the queue's submissions only; everything else is SlangPy's)
+    xb, yb = make_batch()
+    _, step = make_mlp_step(xb, yb)
+    for _ in range(100):
+        step()
+        native.wait_for_idle()
+    me = threading.get_native_id()
+
+    def spin():
+        last = subs.last
+        while not native.is_submit_finished(last):
+            pass
+
+    def spin_then_block():
+        last, until = subs.last, time.perf_counter() + 100e-6
+        while time.perf_counter() < until:
+            if native.is_submit_finished(last):
+                return
+        native.wait_for_submit(last)
+
+    waits = {
+        "wait_for_idle": native.wait_for_idle,
+        "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
+        "spin": spin,
+        "spin 100 us, then block": spin_then_block,
+    }
+    split = {k: [] for k in ("wall", "calling", "others", "overlap", "sub_wall", "sub_cpu")}
+    walls: dict[str, list] = {k: [] for k in waits}
+    n = args.steps
+    for _ in range(args.rounds):
+        for name, wait in waits.items():
+            time.sleep(0.05)
+            step()
+            wait()
+            s0, sw0, sc0 = subs.count, subs.wall_ns, subs.cpu_ns
+            o0, c0, w0 = others_cpu_ns(me), time.thread_time_ns(), time.perf_counter_ns()
+            for _ in range(n):
+                step()
+                wait()
+            w1, c1, o1 = time.perf_counter_ns(), time.thread_time_ns(), others_cpu_ns(me)
+            wall = (w1 - w0) / n / 1e3
+            walls[name].append(wall)
+            if name == "wait_for_idle":
+                calling, others = (c1 - c0) / n / 1e3, (o1 - o0) / n / 1e3
+                per = max(subs.count - s0, 1)
+                for key, value in (
+                    ("wall", wall),
+                    ("calling", calling),
+                    ("others", others),
+                    ("overlap", calling + others - wall),
+                    ("sub_wall", (subs.wall_ns - sw0) / per / 1e3),
+                    ("sub_cpu", (subs.cpu_ns - sc0) / per / 1e3),
+                ):
+                    split[key].append(value)
+                submissions = (subs.count - s0) / n
+    med = statistics.median
+    print(f"device: {describe(dev)}; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"waited step (wait_for_idle), us, median of {args.rounds} rounds of {n} steps: "
+        f"wall {med(split['wall']):.0f} = calling thread CPU {med(split['calling']):.0f} "
+        f"+ other threads' CPU {med(split['others']):.0f} - overlap {med(split['overlap']):.0f}; "
+        f"{submissions:.2f} submissions a step, each {med(split['sub_wall']):.0f} us wall "
+        f"({med(split['sub_cpu']):.0f} us calling-thread CPU)"
+    )
+    for name, values in walls.items():
+        values = sorted(values)
+        print(f"  {name}: {med(values):.0f} us a step [{values[0]:.0f}..{values[-1]:.0f}]")
+
+
+if __name__ == "__main__":
+    main()
