@@ -6,9 +6,10 @@ calling thread's CPU inside each submission; then the same step under four devic
 alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
 step's last submission, a spin on ``is_submit_finished``, and a 100 us spin then the block.
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
-``benchmarks/``).
+``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
+device threads' CPU it took (what each of the step's submissions puts on the device).
 
-python benchmarks/bench_step_critical.py [--rounds 6] [--steps 50]
+python benchmarks/bench_step_critical.py [--rounds 6] [--steps 50] [--per-submission]
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class _Submissions:
     """Stands for the queue's SlangPy device: counts each submission's wall and calling-thread
     CPU and keeps the last submission's id (for ``wait_for_submit``)."""
 
-    def __init__(self, native) -> None:
+    def __init__(self, native, me: int, each: bool = False) -> None:
         self._native = native
+        self._me = me
+        self.each: list | None = [] if each else None  # (device CPU, wall) of each, waited on
         self.last = 0
         self.wall_ns = 0
         self.cpu_ns = 0
@@ -40,6 +43,13 @@ class _Submissions:
         return getattr(self._native, name)
 
     def _timed(self, submit, buffers):
+        if self.each is not None:
+            o0, w0 = others_cpu_ns(self._me), time.perf_counter_ns()
+            self.last = submit(buffers)
+            self._native.wait_for_submit(self.last)
+            w1 = time.perf_counter_ns()
+            self.each.append(((others_cpu_ns(self._me) - o0) / 1e3, (w1 - w0) / 1e3))
+            return self.last
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         self.last = submit(buffers)
         self.cpu_ns += time.thread_time_ns() - c0
@@ -67,21 +77,41 @@ def others_cpu_ns(me: int) -> int:
     return total
 
 
+def per_submission(step, native, subs: _Submissions, steps: int) -> None:
+    """Each submission of ``steps`` steps waited on at once: its device threads' CPU, wall."""
+    rows = []
+    for _ in range(steps):
+        subs.each.clear()
+        step()
+        native.wait_for_idle()
+        rows.append(list(subs.each))
+    count = statistics.mode(len(r) for r in rows)
+    print(f"each submission waited on at once, median of {steps} steps ({count} a step):")
+    for j in range(count):
+        cpu = statistics.median(r[j][0] for r in rows if len(r) > j)
+        wall = statistics.median(r[j][1] for r in rows if len(r) > j)
+        print(f"  submission {j}: device threads' CPU {cpu:.0f} us, submit + wait {wall:.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--per-submission", action="store_true")
     args = ap.parse_args()
     dev = pydiff.default_device()
     native = dev.native
-    subs = _Submissions(native)
+    me = threading.get_native_id()
+    subs = _Submissions(native, me, each=args.per_submission)
     dev.queue.native = subs  # (the queue's submissions only; everything else is SlangPy's)
     xb, yb = make_batch()
     _, step = make_mlp_step(xb, yb)
     for _ in range(100):
         step()
         native.wait_for_idle()
-    me = threading.get_native_id()
+    if args.per_submission:
+        per_submission(step, native, subs, args.rounds * args.steps)
+        return
 
     def spin():
         last = subs.last
