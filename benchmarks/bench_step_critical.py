@@ -2,9 +2,10 @@
 the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
 the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
 overlap (calling + others - wall: what the second core took off the step); the wall and the
-calling thread's CPU inside each submission; then the same step under four device waits in
+calling thread's CPU inside each submission; then the same step under five device waits in
 alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
-step's last submission, a spin on ``is_submit_finished``, and a 100 us spin then the block.
+step's last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), and
+a 300 us spin then ``wait_for_idle``.
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
 ``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
 device threads' CPU it took (what each of the step's submissions puts on the device).
@@ -118,18 +119,24 @@ def main() -> None:
         while not native.is_submit_finished(last):
             pass
 
+    def spin_yield():
+        last = subs.last
+        while not native.is_submit_finished(last):
+            os.sched_yield()
+
     def spin_then_block():
-        last, until = subs.last, time.perf_counter() + 100e-6
+        last, until = subs.last, time.perf_counter() + 300e-6
         while time.perf_counter() < until:
             if native.is_submit_finished(last):
                 return
-        native.wait_for_submit(last)
+        native.wait_for_idle()
 
     waits = {
         "wait_for_idle": native.wait_for_idle,
         "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
         "spin": spin,
-        "spin 100 us, then block": spin_then_block,
+        "spin, sched_yield each poll": spin_yield,
+        "spin 300 us, then wait_for_idle": spin_then_block,
     }
     split = {k: [] for k in ("wall", "calling", "others", "overlap", "sub_wall", "sub_cpu")}
     walls: dict[str, list] = {k: [] for k in waits}
