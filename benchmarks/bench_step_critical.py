@@ -2,10 +2,10 @@
 the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
 the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
 overlap (calling + others - wall: what the second core took off the step); the wall and the
-calling thread's CPU inside each submission; then the same step under five device waits in
-alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
-step's last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), and
-a 300 us spin then ``wait_for_idle``.
+calling thread's CPU inside each submission; then the same step under six device waits in
+alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``Device.wait()`` (pydiff's:
+polls, then blocks), ``wait_for_submit`` of the step's last submission, a spin on
+``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us spin then ``wait_for_idle``.
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
 ``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
 device threads' CPU it took (what each of the step's submissions puts on the device).
@@ -133,6 +133,7 @@ def main() -> None:
 
     waits = {
         "wait_for_idle": native.wait_for_idle,
+        "pydiff Device.wait()": dev.wait,
         "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
         "spin": spin,
         "spin, sched_yield each poll": spin_yield,

@@ -62,6 +62,7 @@ def main() -> None:
     captured = pydiff.capture(to_capture)
     contenders = {
         "pydiff eager": lambda: (eager(), dev.native.wait_for_idle()),
+        "pydiff eager, Device.wait()": lambda: (eager(), dev.wait()),
         "pydiff captured": lambda: (captured.replay(), dev.native.wait_for_idle()),
     }
     torch_step = torch_step_fn()

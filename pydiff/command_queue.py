@@ -49,7 +49,9 @@ the order they were issued either way.
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -71,6 +73,14 @@ DEFER = env_flag("PYDIFF_DEFER", True)
 # 16 MiB reached 5.3 GB after 300 calls (raw SlangPy's calls too), past a laptop's memory
 # for larger tensors. Waiting each ``INFLIGHT_MAX_BYTES`` of new buffers bounds that.
 INFLIGHT_MAX_BYTES = 1 << 30
+
+# A host wait (``Device.wait``) first polls the last submission, yielding the CPU between
+# polls, for up to WAIT_SPIN_S, then blocks: a thread blocked in the wait is woken late on a VM
+# whose other vCPU idles (2-vCPU VM, waited MLP step 0.83 -> 0.71 ms; docs/benchmarks.md,
+# twenty-sixth session). PYDIFF_WAIT_SPIN=0 blocks at once.
+WAIT_SPIN = env_flag("PYDIFF_WAIT_SPIN", True)
+WAIT_SPIN_S = 0.002
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
@@ -142,8 +152,9 @@ class CommandQueue:
         #: Commands wait in the deferred list (any thread's): set with them under the lock and
         #: cleared when their submission returns; an attribute, as every SlangPy call reads it.
         self.deferred = False
-        #: Submissions made (for tests and measurements).
+        #: Submissions made (for tests and measurements), and SlangPy's id of the last one.
         self.submissions = 0
+        self.last_submission: int | None = None
         self.unwaited_bytes = 0  # new buffers' bytes since the host last waited (allocated)
         #: Buffers of large host transfers (pydiff.staging), used under the lock.
         self.staging: dict = {}
@@ -151,6 +162,17 @@ class CommandQueue:
         self.held: Any = None
         self._keep_held: int | None = None  # (``keeping_held``'s thread: its submissions leave it)
         _queues.add(self)
+
+    def wait_idle(self) -> None:
+        """Wait until the device has run all submitted work (``Device.wait``, after a flush):
+        polls the queue's last submission for up to ``WAIT_SPIN_S``, yielding the CPU between
+        polls, then SlangPy's ``wait_for_idle`` (which also covers submissions made elsewhere)."""
+        last = self.last_submission
+        if WAIT_SPIN and last is not None:
+            finished, until = self.native.is_submit_finished, time.perf_counter() + WAIT_SPIN_S
+            while not finished(last) and time.perf_counter() < until:
+                _yield()
+        self.native.wait_for_idle()
 
     def allocated(self, nbytes: int) -> None:
         """Count a new device buffer of ``nbytes``: past ``INFLIGHT_MAX_BYTES`` since the last
@@ -361,9 +383,9 @@ class CommandQueue:
         buffers.extend(e.finish() for e in after)
         if buffers:
             if len(buffers) == 1:
-                self.native.submit_command_buffer(buffers[0])
+                self.last_submission = self.native.submit_command_buffer(buffers[0])
             else:
-                self.native.submit_command_buffers(buffers)
+                self.last_submission = self.native.submit_command_buffers(buffers)
             self.submissions += 1
         self._finished = []
         self._deferred = None
