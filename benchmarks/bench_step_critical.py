@@ -141,6 +141,7 @@ def main() -> None:
     }
     split = {k: [] for k in ("wall", "calling", "others", "overlap", "sub_wall", "sub_cpu")}
     walls: dict[str, list] = {k: [] for k in waits}
+    cpus: dict[str, list] = {k: [] for k in waits}  # process CPU per step
     n = args.steps
     for _ in range(args.rounds):
         for name, wait in waits.items():
@@ -148,11 +149,13 @@ def main() -> None:
             step()
             wait()
             s0, sw0, sc0 = subs.count, subs.wall_ns, subs.cpu_ns
+            p0 = time.process_time_ns()
             o0, c0, w0 = others_cpu_ns(me), time.thread_time_ns(), time.perf_counter_ns()
             for _ in range(n):
                 step()
                 wait()
             w1, c1, o1 = time.perf_counter_ns(), time.thread_time_ns(), others_cpu_ns(me)
+            cpus[name].append((time.process_time_ns() - p0) / n / 1e3)
             wall = (w1 - w0) / n / 1e3
             walls[name].append(wall)
             if name == "wait_for_idle":
@@ -179,7 +182,10 @@ def main() -> None:
     )
     for name, values in walls.items():
         values = sorted(values)
-        print(f"  {name}: {med(values):.0f} us a step [{values[0]:.0f}..{values[-1]:.0f}]")
+        print(
+            f"  {name}: {med(values):.0f} us a step [{values[0]:.0f}..{values[-1]:.0f}], "
+            f"process CPU {med(cpus[name]):.0f} us"
+        )
 
 
 if __name__ == "__main__":

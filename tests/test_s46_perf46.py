@@ -124,3 +124,24 @@ def test_mlp_step_gradients_unchanged_by_the_wait(device, monkeypatch):
         np.testing.assert_allclose(grads, (p / 32).T @ x, rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def _child(code: str, value: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYDIFF_WAIT_SPIN": value, "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+
+
+def test_wait_spin_switch_read_at_import():
+    code = "from pydiff import command_queue as q; print(q.WAIT_SPIN)"
+    assert _child(code, "0").stdout.strip() == "False"
+    assert _child(code, "on").stdout.strip() == "True"
+    bad = _child(code, "sometimes")
+    assert bad.returncode != 0 and "PYDIFF_WAIT_SPIN" in bad.stderr
