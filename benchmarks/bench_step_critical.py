@@ -22,6 +22,7 @@ import threading
 import time
 
 import pydiff
+from pydiff import command_queue
 
 from mlp_step import make_batch, make_mlp_step
 from timing import describe
@@ -131,9 +132,17 @@ def main() -> None:
                 return
         native.wait_for_idle()
 
+    def device_wait_short():  # (Device.wait with a 0.5 ms poll instead of WAIT_SPIN_S)
+        bound, command_queue.WAIT_SPIN_S = command_queue.WAIT_SPIN_S, 0.0005
+        try:
+            dev.wait()
+        finally:
+            command_queue.WAIT_SPIN_S = bound
+
     waits = {
         "wait_for_idle": native.wait_for_idle,
         "pydiff Device.wait()": dev.wait,
+        "Device.wait(), 0.5 ms poll": device_wait_short,
         "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
         "spin": spin,
         "spin, sched_yield each poll": spin_yield,
