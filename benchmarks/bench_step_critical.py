@@ -2,10 +2,11 @@
 the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
 the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
 overlap (calling + others - wall: what the second core took off the step); the wall and the
-calling thread's CPU inside each submission; then the same step under six device waits in
-alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``Device.wait()`` (pydiff's:
-polls, then blocks), ``wait_for_submit`` of the step's last submission, a spin on
-``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us spin then ``wait_for_idle``.
+calling thread's CPU inside each submission; then the same step under seven device waits in
+alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``Device.wait()`` with
+``PYDIFF_WAIT_SPIN=1`` (polls, then blocks; two bounds), ``wait_for_submit`` of the step's
+last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us
+spin then ``wait_for_idle``.
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
 ``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
 device threads' CPU it took (what each of the step's submissions puts on the device).
@@ -132,17 +133,21 @@ def main() -> None:
                 return
         native.wait_for_idle()
 
-    def device_wait_short():  # (Device.wait with a 0.5 ms poll instead of WAIT_SPIN_S)
-        bound, command_queue.WAIT_SPIN_S = command_queue.WAIT_SPIN_S, 0.0005
-        try:
-            dev.wait()
-        finally:
-            command_queue.WAIT_SPIN_S = bound
+    def device_wait(bound: float):  # (Device.wait, PYDIFF_WAIT_SPIN=1 with that poll bound)
+        def wait():
+            saved = command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S
+            command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S = True, bound
+            try:
+                dev.wait()
+            finally:
+                command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S = saved
+
+        return wait
 
     waits = {
         "wait_for_idle": native.wait_for_idle,
-        "pydiff Device.wait()": dev.wait,
-        "Device.wait(), 0.5 ms poll": device_wait_short,
+        "Device.wait(), PYDIFF_WAIT_SPIN=1": device_wait(0.002),
+        "Device.wait(), PYDIFF_WAIT_SPIN=1, 0.5 ms poll": device_wait(0.0005),
         "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
         "spin": spin,
         "spin, sched_yield each poll": spin_yield,

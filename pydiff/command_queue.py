@@ -74,11 +74,12 @@ DEFER = env_flag("PYDIFF_DEFER", True)
 # for larger tensors. Waiting each ``INFLIGHT_MAX_BYTES`` of new buffers bounds that.
 INFLIGHT_MAX_BYTES = 1 << 30
 
-# A host wait (``Device.wait``) first polls the last submission, yielding the CPU between
-# polls, for up to WAIT_SPIN_S, then blocks: a thread blocked in the wait is woken late on a VM
-# whose other vCPU idles (2-vCPU VM, waited MLP step 0.83 -> 0.71 ms; docs/benchmarks.md,
-# twenty-sixth session). PYDIFF_WAIT_SPIN=0 blocks at once.
-WAIT_SPIN = env_flag("PYDIFF_WAIT_SPIN", True)
+# PYDIFF_WAIT_SPIN=1: a host wait (``Device.wait``) first polls the last submission, yielding
+# the CPU between polls, for up to WAIT_SPIN_S, then blocks. On a 2-vCPU VM whose other vCPU
+# idles, a blocked wait is woken late (a waited MLP step 10-20% faster polled); where other
+# processes hold both vCPUs the yields hand the core away (7-55% slower): off by default
+# (docs/benchmarks.md, twenty-sixth session).
+WAIT_SPIN = env_flag("PYDIFF_WAIT_SPIN", False)
 WAIT_SPIN_S = 0.002
 _yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
@@ -165,8 +166,9 @@ class CommandQueue:
 
     def wait_idle(self) -> None:
         """Wait until the device has run all submitted work (``Device.wait``, after a flush):
-        polls the queue's last submission for up to ``WAIT_SPIN_S``, yielding the CPU between
-        polls, then SlangPy's ``wait_for_idle`` (which also covers submissions made elsewhere)."""
+        SlangPy's ``wait_for_idle`` (which also covers submissions made elsewhere), with
+        ``WAIT_SPIN`` (PYDIFF_WAIT_SPIN=1) after polling the queue's last submission for up to
+        ``WAIT_SPIN_S``, yielding the CPU between polls."""
         last = self.last_submission
         if WAIT_SPIN and last is not None:
             finished, until = self.native.is_submit_finished, time.perf_counter() + WAIT_SPIN_S

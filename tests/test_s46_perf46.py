@@ -1,13 +1,15 @@
-"""``Device.wait()`` polls the queue's last submission (yielding the CPU between polls) for up
-to ``command_queue.WAIT_SPIN_S`` before it blocks in SlangPy's ``wait_for_idle`` (twenty-sixth
-session, helper ``perf46``: a blocked wait is woken late on a 2-vCPU VM). Each test checks the
-wait against SlangPy's own submission query and the values against float64 NumPy; the poll
-is bounded, and ``PYDIFF_WAIT_SPIN=0`` (``WAIT_SPIN``) blocks at once.
+"""With ``PYDIFF_WAIT_SPIN=1`` (``command_queue.WAIT_SPIN``), ``Device.wait()`` polls the
+queue's last submission (yielding the CPU between polls) for up to ``WAIT_SPIN_S`` before it
+blocks in SlangPy's ``wait_for_idle`` (twenty-sixth session, helper ``perf46``: a blocked wait
+is woken late on a 2-vCPU VM); off by default. Each test checks the wait against SlangPy's own
+submission query and the values against float64 NumPy; the poll is bounded, and with the
+switch off the wait blocks at once.
 """
 
 import time
 
 import numpy as np
+import pytest
 
 import pydiff
 from pydiff import command_queue, ops
@@ -38,7 +40,9 @@ def _values(device, n=1 << 20, seed=0):
     return a, b, ops.add(ops.mul(ta, tb), ta)
 
 
-def test_wait_leaves_the_last_submission_finished(device):
+@pytest.mark.parametrize("spin", [True, False])
+def test_wait_leaves_the_last_submission_finished(device, monkeypatch, spin):
+    monkeypatch.setattr(command_queue, "WAIT_SPIN", spin)
     a, b, out = _values(device)
     queue = device.queue
     before = queue.submissions
@@ -54,6 +58,7 @@ def test_wait_polls_a_bounded_time_then_blocks(device, monkeypatch):
     queue = device.queue
     fake = _Native(queue.native, never=True)
     monkeypatch.setattr(queue, "native", fake)
+    monkeypatch.setattr(command_queue, "WAIT_SPIN", True)
     monkeypatch.setattr(command_queue, "WAIT_SPIN_S", 0.01)
     a, b, out = _values(device, seed=1)
     t0 = time.perf_counter()
@@ -82,6 +87,7 @@ def test_wait_on_a_queue_that_never_submitted(device, monkeypatch):
     queue = device.queue
     fake = _Native(queue.native)
     monkeypatch.setattr(queue, "native", fake)
+    monkeypatch.setattr(command_queue, "WAIT_SPIN", True)
     monkeypatch.setattr(queue, "last_submission", None)
     device.flush()
     monkeypatch.setattr(queue, "last_submission", None)
@@ -141,6 +147,7 @@ def _child(code: str, value: str):
 
 def test_wait_spin_switch_read_at_import():
     code = "from pydiff import command_queue as q; print(q.WAIT_SPIN)"
+    assert _child(code, "").stdout.strip() == "False"  # (the default)
     assert _child(code, "0").stdout.strip() == "False"
     assert _child(code, "on").stdout.strip() == "True"
     bad = _child(code, "sometimes")
