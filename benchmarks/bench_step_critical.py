@@ -2,16 +2,15 @@
 the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
 the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
 overlap (calling + others - wall: what the second core took off the step); the wall and the
-calling thread's CPU inside each submission; then the same step under seven device waits in
-alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``Device.wait()`` with
-``PYDIFF_WAIT_SPIN=1`` (polls, then blocks; two bounds), ``wait_for_submit`` of the step's
-last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us
+calling thread's CPU inside each submission; then the same step under five device waits in
+alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
+step's last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us
 spin then ``wait_for_idle``.
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
 ``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
 device threads' CPU it took (what each of the step's submissions puts on the device).
 
-python benchmarks/bench_step_critical.py [--rounds 6] [--steps 50] [--per-submission]
+python benchmarks/bench_step_critical.py [--rounds 6] [--steps 50] [--per-submission] [--reverse]
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import threading
 import time
 
 import pydiff
-from pydiff import command_queue
 
 from mlp_step import make_batch, make_mlp_step
 from timing import describe
@@ -101,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--per-submission", action="store_true")
+    ap.add_argument("--reverse", action="store_true", help="the waits' rounds in reverse order")
     args = ap.parse_args()
     dev = pydiff.default_device()
     native = dev.native
@@ -133,26 +132,15 @@ def main() -> None:
                 return
         native.wait_for_idle()
 
-    def device_wait(bound: float):  # (Device.wait, PYDIFF_WAIT_SPIN=1 with that poll bound)
-        def wait():
-            saved = command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S
-            command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S = True, bound
-            try:
-                dev.wait()
-            finally:
-                command_queue.WAIT_SPIN, command_queue.WAIT_SPIN_S = saved
-
-        return wait
-
     waits = {
         "wait_for_idle": native.wait_for_idle,
-        "Device.wait(), PYDIFF_WAIT_SPIN=1": device_wait(0.002),
-        "Device.wait(), PYDIFF_WAIT_SPIN=1, 0.5 ms poll": device_wait(0.0005),
         "wait_for_submit(last)": lambda: native.wait_for_submit(subs.last),
         "spin": spin,
         "spin, sched_yield each poll": spin_yield,
         "spin 300 us, then wait_for_idle": spin_then_block,
     }
+    if args.reverse:
+        waits = dict(reversed(waits.items()))
     split = {k: [] for k in ("wall", "calling", "others", "overlap", "sub_wall", "sub_cpu")}
     walls: dict[str, list] = {k: [] for k in waits}
     cpus: dict[str, list] = {k: [] for k in waits}  # process CPU per step

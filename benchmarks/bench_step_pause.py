@@ -15,7 +15,6 @@ import statistics
 import time
 
 import pydiff
-from pydiff import command_queue
 
 from mlp_step import make_batch, make_mlp_step
 from timing import describe
@@ -61,17 +60,8 @@ def main() -> None:
     _, to_capture = make_mlp_step(xb, yb)
     to_capture()  # (the optimizer's state made before the capture)
     captured = pydiff.capture(to_capture)
-
-    def polled_wait():  # (PYDIFF_WAIT_SPIN=1's Device.wait)
-        command_queue.WAIT_SPIN = True
-        try:
-            dev.wait()
-        finally:
-            command_queue.WAIT_SPIN = False
-
     contenders = {
         "pydiff eager": lambda: (eager(), dev.native.wait_for_idle()),
-        "pydiff eager, Device.wait() polled": lambda: (eager(), polled_wait()),
         "pydiff captured": lambda: (captured.replay(), dev.native.wait_for_idle()),
     }
     torch_step = torch_step_fn()

@@ -49,9 +49,7 @@ the order they were issued either way.
 from __future__ import annotations
 
 import contextvars
-import os
 import threading
-import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -73,15 +71,6 @@ DEFER = env_flag("PYDIFF_DEFER", True)
 # 16 MiB reached 5.3 GB after 300 calls (raw SlangPy's calls too), past a laptop's memory
 # for larger tensors. Waiting each ``INFLIGHT_MAX_BYTES`` of new buffers bounds that.
 INFLIGHT_MAX_BYTES = 1 << 30
-
-# PYDIFF_WAIT_SPIN=1: a host wait (``Device.wait``) first polls the last submission, yielding
-# the CPU between polls, for up to WAIT_SPIN_S, then blocks. On a 2-vCPU VM whose other vCPU
-# idles, a blocked wait is woken late (a waited MLP step 10-20% faster polled); where other
-# processes hold both vCPUs the yields hand the core away (7-55% slower): off by default
-# (docs/benchmarks.md, twenty-sixth session).
-WAIT_SPIN = env_flag("PYDIFF_WAIT_SPIN", False)
-WAIT_SPIN_S = 0.002
-_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
@@ -153,9 +142,8 @@ class CommandQueue:
         #: Commands wait in the deferred list (any thread's): set with them under the lock and
         #: cleared when their submission returns; an attribute, as every SlangPy call reads it.
         self.deferred = False
-        #: Submissions made (for tests and measurements), and SlangPy's id of the last one.
+        #: Submissions made (for tests and measurements).
         self.submissions = 0
-        self.last_submission: int | None = None
         self.unwaited_bytes = 0  # new buffers' bytes since the host last waited (allocated)
         #: Buffers of large host transfers (pydiff.staging), used under the lock.
         self.staging: dict = {}
@@ -163,18 +151,6 @@ class CommandQueue:
         self.held: Any = None
         self._keep_held: int | None = None  # (``keeping_held``'s thread: its submissions leave it)
         _queues.add(self)
-
-    def wait_idle(self) -> None:
-        """Wait until the device has run all submitted work (``Device.wait``, after a flush):
-        SlangPy's ``wait_for_idle`` (which also covers submissions made elsewhere), with
-        ``WAIT_SPIN`` (PYDIFF_WAIT_SPIN=1) after polling the queue's last submission for up to
-        ``WAIT_SPIN_S``, yielding the CPU between polls."""
-        last = self.last_submission
-        if WAIT_SPIN and last is not None:
-            finished, until = self.native.is_submit_finished, time.perf_counter() + WAIT_SPIN_S
-            while not finished(last) and time.perf_counter() < until:
-                _yield()
-        self.native.wait_for_idle()
 
     def allocated(self, nbytes: int) -> None:
         """Count a new device buffer of ``nbytes``: past ``INFLIGHT_MAX_BYTES`` since the last
@@ -385,9 +361,9 @@ class CommandQueue:
         buffers.extend(e.finish() for e in after)
         if buffers:
             if len(buffers) == 1:
-                self.last_submission = self.native.submit_command_buffer(buffers[0])
+                self.native.submit_command_buffer(buffers[0])
             else:
-                self.last_submission = self.native.submit_command_buffers(buffers)
+                self.native.submit_command_buffers(buffers)
             self.submissions += 1
         self._finished = []
         self._deferred = None

@@ -129,7 +129,7 @@ class Device:
         >>> dev.wait()        # e.g. before timing, or before reading buffers through SlangPy
         """
         self.flush()
-        self.queue.wait_idle()
+        self._native.wait_for_idle()
 
     @property
     def scratch(self) -> dict:
