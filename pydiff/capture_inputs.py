@@ -18,8 +18,36 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
+import time
 import weakref
 from typing import Callable
+
+
+def _collect_all_garbage(patience_s: float = 5.0) -> None:
+    """A full collection of reference cycles, run by this thread. ``gc.collect()`` does
+    nothing while another thread's collection is under way (it lets the GIL go while running
+    finalizers), and the cycles that collection is freeing still hold what they refer to
+    (found under eight threads: a first step's tape, freed later, counted as a holder of the
+    batch, so a replay was refused). So collect until this thread's own collection ran."""
+    me, ran = threading.get_ident(), []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start" and info.get("generation") == 2 and threading.get_ident() == me:
+            ran.append(True)
+
+    deadline = time.monotonic() + patience_s
+    gc.callbacks.append(seen)
+    try:
+        pause = 0.0005
+        while True:
+            gc.collect()
+            if ran or time.monotonic() > deadline:  # (then counted anyway: a refusal is loud)
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+    finally:
+        gc.callbacks.remove(seen)
 
 
 def _references(ref: weakref.ref) -> int:
@@ -65,6 +93,6 @@ class CapturedInputs:
         it wrote, by id), after collecting garbage in reference cycles."""
         if not self._refs:
             return
-        gc.collect()
+        _collect_all_garbage()
         data = [(t, st) for t, st in self._refs if id(st()) not in written]
         self._held.update((id(r), _references(r)) for pair in data for r in pair)
