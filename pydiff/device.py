@@ -129,7 +129,7 @@ class Device:
         >>> dev.wait()        # e.g. before timing, or before reading buffers through SlangPy
         """
         self.flush()
-        self._native.wait_for_idle()
+        self.queue.wait()
 
     @property
     def scratch(self) -> dict:
