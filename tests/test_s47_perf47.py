@@ -127,3 +127,84 @@ def test_waited_training_steps_match_numpy(dev):
         ref = ref - 1e-3 * g
         w.copy_from_numpy(ref.astype(np.float32))
         dev.wait()
+
+
+# --- small reads (pydiff.staging.read_small): the copy joins the pending work's submission ---
+
+
+@pytest.mark.parametrize("n", [1, 7, 1024, 1025])  # 1024 floats: SMALL_READ_BYTES; 1025: past it
+def test_small_reads_after_pending_work_match_numpy(dev, n):
+    rng = np.random.default_rng(10 + n)
+    x = rng.standard_normal(n).astype(np.float32)
+    t = pydiff.tensor(x, device=dev)
+    y = ops.tanh(t * 2.0 - 0.5)  # pending in the deferred list when read
+    np.testing.assert_allclose(y.numpy(), np.tanh(x.astype(np.float64) * 2 - 0.5), rtol=1e-5)
+    s = y.sum()
+    assert s.item() == pytest.approx(np.tanh(x.astype(np.float64) * 2 - 0.5).sum(), rel=1e-4)
+
+
+def test_small_reads_of_views_and_integer_tensors(dev):
+    rng = np.random.default_rng(20)
+    a = rng.standard_normal((6, 8)).astype(np.float32)
+    t = pydiff.tensor(a, device=dev) * 3.0
+    np.testing.assert_allclose(t[2].numpy(), a[2].astype(np.float64) * 3, rtol=1e-6)
+    np.testing.assert_allclose(t[1:3].numpy(), a[1:3].astype(np.float64) * 3, rtol=1e-6)
+    labels = rng.integers(-5, 5, 37).astype(np.int32)
+    np.testing.assert_array_equal(pydiff.tensor(labels, device=dev).numpy(), labels)
+    words = rng.integers(0, 2**31, 9).astype(np.uint32)
+    np.testing.assert_array_equal(pydiff.tensor(words, device=dev).numpy(), words)
+
+
+def test_small_reads_on_threads_each_see_their_own_work(dev):
+    """Four threads read their own small results while the others queue work: the shared
+    read-back buffer is used under the queue's lock, each read after its own work."""
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(20):
+                x = rng.standard_normal(64).astype(np.float32)
+                y = ops.relu(pydiff.tensor(x, device=dev) * 1.5)
+                ref = np.maximum(x.astype(np.float64) * 1.5, 0)
+                np.testing.assert_allclose(y.numpy(), ref, rtol=1e-6)
+                assert y.sum().item() == pytest.approx(ref.sum(), rel=1e-4, abs=1e-5)
+        except Exception as exc:  # (reported on the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(30 + k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+
+
+def test_loss_item_each_step_matches_torch_float64(dev):
+    """``loss.item()`` after each eager step of the benchmarks' MLP (the waited step) reads
+    that step's loss: against PyTorch in float64 on the same weights."""
+    torch = pytest.importorskip("torch")
+    from pydiff import nn, optim
+
+    rng = np.random.default_rng(40)
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    y = rng.integers(0, 5, 32).astype(np.int32)
+    layers = [nn.Linear(16, 16, seed=0, activation="relu"), nn.Linear(16, 5, seed=1)]
+    params = [p for layer in layers for p in layer.parameters()]
+    tparams = [torch.tensor(p.numpy(), dtype=torch.float64, requires_grad=True) for p in params]
+    opt = optim.AdamW(params, lr=1e-2)
+    topt = torch.optim.AdamW(tparams, lr=1e-2)
+    xt, yt = pydiff.tensor(x, device=dev), pydiff.tensor(y, device=dev)
+    tx, ty = torch.tensor(x, dtype=torch.float64), torch.tensor(y.astype(np.int64))
+    for _ in range(4):
+        opt.zero_grad()
+        with pydiff.Tape() as tape:
+            loss = ops.cross_entropy(layers[1](layers[0](xt)), yt)
+        tape.backward(loss)
+        opt.step()
+        topt.zero_grad()
+        w1, b1, w2, b2 = tparams
+        tloss = torch.nn.functional.cross_entropy(torch.relu(tx @ w1.T + b1) @ w2.T + b2, ty)
+        tloss.backward()
+        topt.step()
+        assert loss.item() == pytest.approx(tloss.item(), rel=1e-4)
