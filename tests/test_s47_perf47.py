@@ -208,3 +208,29 @@ def test_loss_item_each_step_matches_torch_float64(dev):
         tloss.backward()
         topt.step()
         assert loss.item() == pytest.approx(tloss.item(), rel=1e-4)
+
+
+def test_poll_wait_switch(dev):
+    """PYDIFF_POLL_WAIT=0: no tracker, the blocking waits and reads (the same values);
+    a value it does not take stops the import, naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, pydiff\n"
+        "d = pydiff.default_device()\n"
+        "assert d.queue.submits is None\n"
+        "x = pydiff.tensor(np.arange(5, dtype=np.float32), device=d) * 2.0\n"
+        "d.wait()\n"
+        "print(x.sum().item())\n"
+    )
+    env = dict(os.environ, PYDIFF_POLL_WAIT="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) == 20.0
+    env["PYDIFF_POLL_WAIT"] = "maybe"
+    out = subprocess.run(
+        [sys.executable, "-c", "import pydiff"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "PYDIFF_POLL_WAIT" in out.stderr
