@@ -78,9 +78,10 @@ INFLIGHT_MAX_BYTES = 1 << 30
 POLL_WAIT = env_flag("PYDIFF_POLL_WAIT", True)
 # How long ``wait()`` polls the device's last submission, yielding the CPU between polls,
 # before it blocks on it (a long wait then costs no CPU). The MLP step waited on each time,
-# one process, alternating rounds (2026-11-29, Xeon VM, load ~1.1): wait_for_idle 732-739
-# us; polls of 0.2, 0.5, 1, 2 ms 651-682 us; blocking on the last id at once 785 us.
-POLL_MAX_S = 0.001
+# one process, alternating rounds (2026-11-29, Xeon VM): load ~1.1, wait_for_idle 732-739
+# us, polls of 0.2, 0.5, 1, 2 ms 651-682 us, blocking on the last id at once 785 us; other
+# processes on 1.3 vCPUs, all within 1598-1666 us (wait_for_idle 1598, 1606).
+POLL_MAX_S = 0.0005
 
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
