@@ -9,7 +9,7 @@ The contenders' order rotates from round to round (``--rounds``: a multiple of t
 gives each position equally). ``dev.wait()`` and ``loss.item()`` poll the device's last
 submission on Vulkan (pydiff.command_queue, 2026-11-29).
 
-python benchmarks/bench_step_pause.py [--rounds 8] [--pause 0.25]
+python benchmarks/bench_step_pause.py [--rounds 10] [--pause 0.25]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def per_step_ms(fn, steps: int = 20, pause: float = 0.0) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--pause", type=float, default=0.25)
     args = ap.parse_args()
     dev = pydiff.default_device()
@@ -64,9 +64,12 @@ def main() -> None:
     _, to_capture = make_mlp_step(xb, yb)
     to_capture()  # (the optimizer's state made before the capture)
     captured = pydiff.capture(to_capture)
+    wait_for_idle = dev.native.wait_for_idle
     contenders = {
         "pydiff eager, dev.wait()": lambda: (eager(), dev.wait()),
         "pydiff eager, loss.item()": lambda: eager().item(),
+        # (the blocking wait of pydiff before 2026-11-29, for an A/B in one process)
+        "pydiff eager, flush + wait_for_idle": lambda: (eager(), dev.flush(), wait_for_idle()),
         "pydiff captured": lambda: (captured.replay(), dev.wait()),
     }
     torch_step = torch_step_fn()
