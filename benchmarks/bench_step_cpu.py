@@ -51,9 +51,9 @@ def timed_round(step, dev, wait_each: bool, steps: int = 50) -> tuple[float, flo
     for _ in range(steps):
         step()
         if wait_each:
-            dev.native.wait_for_idle()
+            dev.wait()
     c1 = time.thread_time()
-    dev.native.wait_for_idle()
+    dev.wait()
     return (time.process_time() - p0) / steps, (c1 - c0) / steps, (time.perf_counter() - w0) / steps
 
 

@@ -2,10 +2,10 @@
 the calling thread's CPU, the CPU of the process's other threads (lavapipe's queue thread runs
 the kernels there: ``/proc/self/task/*/schedstat``, nanoseconds), the wall time, and their
 overlap (calling + others - wall: what the second core took off the step); the wall and the
-calling thread's CPU inside each submission; then the same step under five device waits in
+calling thread's CPU inside each submission; then the same step under six device waits in
 alternating rounds: ``wait_for_idle`` (the benchmarks' wait), ``wait_for_submit`` of the
 step's last submission, a spin on ``is_submit_finished`` (plain, and with ``sched_yield``), a 300 us
-spin then ``wait_for_idle``.
+spin then ``wait_for_idle``, and ``dev.wait()`` (pydiff's own poll on Vulkan: command_queue).
 Linux only (schedstat). Run it for two checkouts alternating (``PYTHONPATH=<tree>``, from
 ``benchmarks/``). ``--per-submission``: instead, each submission waited on at once, and the
 device threads' CPU it took (what each of the step's submissions puts on the device).
@@ -138,6 +138,7 @@ def main() -> None:
         "spin": spin,
         "spin, sched_yield each poll": spin_yield,
         "spin 300 us, then wait_for_idle": spin_then_block,
+        "dev.wait() (pydiff: poll, sched_yield, up to POLL_MAX_S)": dev.wait,
     }
     if args.reverse:
         waits = dict(reversed(waits.items()))

@@ -5,7 +5,11 @@ to back, and each round after an idle pause (as ``timing.interleaved`` and
 the ratio (docs/benchmarks-history.md, twenty-fifth session: on the 2-vCPU VM it moved every
 contender, and the ratio stayed 1.5-1.75x either way).
 
-python benchmarks/bench_step_pause.py [--rounds 8] [--pause 0.25]
+The contenders' order rotates from round to round (``--rounds``: a multiple of their count
+gives each position equally). ``dev.wait()`` and ``loss.item()`` poll the device's last
+submission on Vulkan (pydiff.command_queue, 2026-11-29).
+
+python benchmarks/bench_step_pause.py [--rounds 10] [--pause 0.25]
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def per_step_ms(fn, steps: int = 20, pause: float = 0.0) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--pause", type=float, default=0.25)
     args = ap.parse_args()
     dev = pydiff.default_device()
@@ -60,9 +64,13 @@ def main() -> None:
     _, to_capture = make_mlp_step(xb, yb)
     to_capture()  # (the optimizer's state made before the capture)
     captured = pydiff.capture(to_capture)
+    wait_for_idle = dev.native.wait_for_idle
     contenders = {
-        "pydiff eager": lambda: (eager(), dev.native.wait_for_idle()),
-        "pydiff captured": lambda: (captured.replay(), dev.native.wait_for_idle()),
+        "pydiff eager, dev.wait()": lambda: (eager(), dev.wait()),
+        "pydiff eager, loss.item()": lambda: eager().item(),
+        # (the blocking wait of pydiff before 2026-11-29, for an A/B in one process)
+        "pydiff eager, flush + wait_for_idle": lambda: (eager(), dev.flush(), wait_for_idle()),
+        "pydiff captured": lambda: (captured.replay(), dev.wait()),
     }
     torch_step = torch_step_fn()
     if torch_step is not None:
@@ -71,10 +79,14 @@ def main() -> None:
         for _ in range(50):
             fn()
     times = {(name, p): [] for name in contenders for p in (0.0, args.pause)}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    for r in range(args.rounds):
+        # The order rotates each round: the first pydiff contender after PyTorch's rounds ran
+        # ~12% slower than an identical one after it (2026-11-28), so each
+        # contender follows each other equally often.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             for pause in (0.0, args.pause):
-                times[name, pause].append(per_step_ms(fn, pause=pause))
+                times[name, pause].append(per_step_ms(contenders[name], pause=pause))
     print(f"device: {describe(dev)}")
     print(f"MLP step waited on each time, ms (median of {args.rounds} rounds of 20 steps):")
     torch_name = "PyTorch-CPU (1 thread)"

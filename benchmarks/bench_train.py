@@ -164,11 +164,11 @@ def main() -> None:
 
     def pydiff_step():
         eager_step()
-        dev.native.wait_for_idle()
+        dev.wait()  # (polls the last submission on Vulkan: pydiff.command_queue)
 
     def pydiff_captured_step():
         captured.replay()
-        dev.native.wait_for_idle()
+        dev.wait()
 
     W1, b1 = layers[0].weight.numpy(), layers[0].bias.numpy()
     W2, b2 = layers[1].weight.numpy(), layers[1].bias.numpy()

@@ -49,7 +49,9 @@ the order they were issued either way.
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -72,6 +74,15 @@ DEFER = env_flag("PYDIFF_DEFER", True)
 # for larger tensors. Waiting each ``INFLIGHT_MAX_BYTES`` of new buffers bounds that.
 INFLIGHT_MAX_BYTES = 1 << 30
 
+# PYDIFF_POLL_WAIT=0: ``wait()`` blocks in SlangPy's ``wait_for_idle`` (as before 2026-11-29).
+POLL_WAIT = env_flag("PYDIFF_POLL_WAIT", True)
+# How long ``wait()`` polls the device's last submission, yielding the CPU between polls,
+# before it blocks on it (a long wait then costs no CPU). The MLP step waited on each time,
+# one process, alternating rounds (2026-11-29, Xeon VM): load ~1.1, wait_for_idle 732-739
+# us, polls of 0.2, 0.5, 1, 2 ms 651-682 us, blocking on the last id at once 785 us; other
+# processes on 1.3 vCPUs, all within 1598-1666 us (wait_for_idle 1598, 1606).
+POLL_MAX_S = 0.0005
+
 # Every queue, for flush_all_deferred (a SlangPy call whose device pydiff does not know).
 _queues: "weakref.WeakSet[CommandQueue]" = weakref.WeakSet()
 
@@ -89,6 +100,28 @@ def forget_queues() -> None:
     """In a forked child (``pydiff.forkguard``): the queues of the devices inherited from the
     parent are not this process's to submit (``flush_all_deferred`` skips them)."""
     _queues.clear()
+
+
+class _Submissions:
+    """The id of the device's last submission, whoever made it: SlangPy reports each new
+    command buffer submitted (pydiff's, its own calls', user code's) to
+    ``_Submissions.seen``, registered with the device. Ids are the values the device's one
+    timeline fence is signalled with, in submission order, so the last one finished means
+    everything submitted before it has. ``exact``: nothing before the registration is pending
+    (false until a ``wait_for_idle`` after it)."""
+
+    __slots__ = ("last", "exact", "lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.exact = False
+        self.lock = threading.Lock()
+
+    def seen(self, event: Any) -> None:
+        submit_id = event.submit_id
+        with self.lock:  # (two threads' callbacks: the larger id stays)
+            if submit_id > self.last:
+                self.last = submit_id
 
 
 class _Batch:
@@ -150,7 +183,40 @@ class CommandQueue:
         #: The command held back (``hold``): (record, buffers, key, payload), or None.
         self.held: Any = None
         self._keep_held: int | None = None  # (``keeping_held``'s thread: its submissions leave it)
+        #: The device's last submission (``wait``): polled on Vulkan, where the submission
+        #: ids are one in-order queue's; elsewhere (CUDA streams, interop) None.
+        self.submits: _Submissions | None = None
+        if POLL_WAIT and native_device.info.type == spy.DeviceType.vulkan:
+            self.submits = _Submissions()
+            # (the callback holds the tracker, not the queue: no cycle through the device)
+            native_device.register_command_recording_submitted_callback(self.submits.seen)
         _queues.add(self)
+
+    def wait(self) -> None:
+        """Wait until the device has finished the work submitted so far, by anyone (not what
+        is still pending here: ``flush`` first). On Vulkan it polls the last submission's id,
+        yielding the CPU between polls, for up to ``POLL_MAX_S``, then blocks on it: a thread
+        blocked in ``wait_for_idle`` is woken late on a VM whose other vCPU is halted (100-250
+        us a step, docs/benchmarks-history.md, twenty-sixth session). Elsewhere, and before the
+        first wait, ``wait_for_idle``.
+
+        >>> dev.queue.flush(); dev.queue.wait()
+        """
+        submits = self.submits
+        if submits is None or not submits.exact:
+            self.native.wait_for_idle()
+            if submits is not None:
+                submits.exact = True  # (later submissions are all reported to it)
+            return
+        native, last = self.native, submits.last
+        if native.is_submit_finished(last):
+            return
+        deadline = time.perf_counter() + POLL_MAX_S
+        while time.perf_counter() < deadline:
+            os.sched_yield()
+            if native.is_submit_finished(last):
+                return
+        native.wait_for_submit(last)
 
     def allocated(self, nbytes: int) -> None:
         """Count a new device buffer of ``nbytes``: past ``INFLIGHT_MAX_BYTES`` since the last

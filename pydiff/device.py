@@ -129,7 +129,7 @@ class Device:
         >>> dev.wait()        # e.g. before timing, or before reading buffers through SlangPy
         """
         self.flush()
-        self._native.wait_for_idle()
+        self.queue.wait()
 
     @property
     def scratch(self) -> dict:
@@ -220,7 +220,8 @@ class Device:
         self.kernels.release()
         self.pool.prune()
         self.queue.staging.clear()
-        self.wait()  # slang-rhi frees a released buffer once the work before it has finished
+        self.flush()  # slang-rhi frees a released buffer once the work before it has finished,
+        self._native.wait_for_idle()  # (as its queue's wait_for_idle retires that work)
 
     def __repr__(self) -> str:
         # The ordinal tells two devices of one type and adapter apart in error messages.

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
+from . import capturing
 from .command_queue import CommandQueue
 
 STAGING_MIN_BYTES = 1 << 20
@@ -29,6 +30,9 @@ CHUNK_BYTES = 4 << 20  # (16 MiB chunks read back slower: to_numpy copies the wh
 #: Host writes up to this size are recorded in order with pending work (``write_in_order``):
 #: up to ``command_queue.DEFER_MAX`` of them held at once.
 IN_ORDER_MAX_BYTES = 64 << 10
+#: Reads up to this size (a loss, a metric) copy into a kept read-back buffer in the same
+#: submission as the work before them, waited for by polling (``read_small``).
+SMALL_READ_BYTES = 4 << 10
 
 
 def _staged(queue: CommandQueue, native: Any, nbytes: int) -> bool:
@@ -40,17 +44,17 @@ def _staged(queue: CommandQueue, native: Any, nbytes: int) -> bool:
     )
 
 
-def _buffer(queue: CommandQueue, kind: str) -> Any:
-    """The queue's staging buffer of ``kind`` ("upload" or "read_back"), made on first use
-    (``empty_cache`` releases them: ``queue.staging``)."""
+def _buffer(queue: CommandQueue, kind: str, size: int = CHUNK_BYTES) -> Any:
+    """The queue's staging buffer of ``kind`` ("upload", "read_back" or "read_small") and
+    ``size``, made on first use (``empty_cache`` releases them: ``queue.staging``)."""
     buffer = queue.staging.get(kind)
-    if buffer is None or buffer.size != CHUNK_BYTES:  # (CHUNK_BYTES changed since: remade)
+    if buffer is None or buffer.size != size:  # (the size changed since: remade)
         usage, memory = (
             (spy.BufferUsage.copy_source, spy.MemoryType.upload)
             if kind == "upload"
             else (spy.BufferUsage.copy_destination, spy.MemoryType.read_back)
         )
-        buffer = queue.native.create_buffer(size=CHUNK_BYTES, usage=usage, memory_type=memory)
+        buffer = queue.native.create_buffer(size=size, usage=usage, memory_type=memory)
         queue.staging[kind] = buffer
     return buffer
 
@@ -147,6 +151,33 @@ def read(queue: CommandQueue, native: spy.Tensor, reader: Callable) -> np.ndarra
         _copy(queue, staging, 0, native.storage, at + start, n)
         out[start : start + n] = staging.to_numpy()[:n]
     return out.view(SCALARS[native.dtype.full_name]).reshape(tuple(native.shape))
+
+
+def read_small(queue: CommandQueue, native: spy.Tensor) -> np.ndarray | None:
+    """``native``'s values as a new array, for a contiguous view of up to ``SMALL_READ_BYTES``
+    of ``SCALARS`` on Vulkan, outside a batch and a capture; else None (nothing done). The
+    copy into a kept read-back buffer joins the deferred list, submitted with the work before
+    it, and the read waits by polling (``CommandQueue.wait``) then maps the buffer: SlangPy's
+    ``to_numpy`` would submit a copy of its own and block in ``vkQueueWaitIdle`` (a thread
+    woken late on a VM). Callers hold the queue's lock.
+
+    >>> staging.read_small(dev.queue, loss.native)      # array of shape (), float32
+    """
+    if queue.submits is None or queue.batching or capturing.recording() is not None:
+        return None
+    kind = SCALARS.get(native.dtype.full_name)
+    nbytes = 4 * _numel(native)
+    if kind is None or not 0 < nbytes <= SMALL_READ_BYTES or not native.is_contiguous():
+        return None
+    buffer, storage, at = (
+        _buffer(queue, "read_small", SMALL_READ_BYTES),
+        native.storage,
+        4 * native.offset,
+    )
+    queue.defer(lambda enc: enc.copy_buffer(buffer, 0, storage, at, nbytes), (storage,))
+    queue.flush()
+    queue.wait()
+    return buffer.to_numpy()[:nbytes].view(kind).reshape(tuple(native.shape))
 
 
 def read_reversed(native: spy.Tensor, read: Callable[[spy.Tensor], np.ndarray]) -> Any:

@@ -350,15 +350,15 @@ def read_back(dev: "Device", native: spy.Tensor) -> np.ndarray:
     """The values of ``native`` as a NumPy array, reading only the bytes its view spans.
 
     SlangPy's ``to_numpy`` reads a view from its offset to the end of the storage (16 elements
-    at the start of a 64 MB buffer: ~110 ms); a view spanning less than half its buffer is
-    first copied on the device into a buffer of its own.
-
-    >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer
-    """
+    at the start of a 64 MB buffer: ~110 ms): a view spanning less than half its buffer is first
+    copied on the device into a buffer of its own; a small one, ``staging.read_small``.
+    >>> read_back(dev, big.native.view((16,)))     # copies 64 bytes, not the whole buffer"""
     if native.dtype.full_name == "bool":  # words that SlangPy misreads: bool_words
         return read_back(dev, bool_words(dev, native)) != 0
     with dev.queue.lock:
         dev.queue.enter()
+        if (values := staging.read_small(dev.queue, native)) is not None:
+            return values  # (the copy submitted with the pending work: one submission)
         dev.queue.flush()  # (again, under the lock: what another thread recorded since goes too)
         return _read_back(dev, native)
 
