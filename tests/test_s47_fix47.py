@@ -167,3 +167,33 @@ def test_inexact_integer_through_creation_apis_refused():
             make()
     np.testing.assert_array_equal(pydiff.full((2,), BIG + 1).numpy(), [float(BIG + 1)] * 2)
     np.testing.assert_array_equal(pydiff.full((2,), 7, dtype="int").numpy(), [7, 7])
+
+
+# -- grid-race check: its cache key (grid shape, stride, offset as tuples) --------------------
+
+
+def test_grid_race_verdict_follows_the_grid_stride():
+    """nxt_plain reads x[i, j + 1]: over a grid of stride 2 along x no thread stores what
+    another loads (allowed; float64 closed form), over the same shape with stride 1 one does
+    (refused), whichever verdict was cached first."""
+    import slangpy as spy
+
+    src = """
+import slangpy;
+void nxt_plain(int2 px, RWTensor<float, 2> x)
+{
+    x[px.y, px.x] = x[px.y, px.x] * x[px.y, clamp(px.x + 1, 0, 7)];
+}
+"""
+    m = pydiff.load_module_from_source("s47_grid", src)
+    x0 = np.random.default_rng(2).uniform(0.5, 2.0, (4, 8)).astype(np.float32)
+    for _ in range(2):
+        x = pydiff.tensor(x0)
+        m.nxt_plain(spy.grid((4, 4), stride=(1, 2)), x)
+        want = x0.astype(np.float64)
+        want[:, 0::2] *= x0[:, 1::2]
+        np.testing.assert_allclose(x.numpy(), want, rtol=1e-6)
+        with pytest.raises(ValueError, match=r"parameter 'x'.*read and written"):
+            m.nxt_plain(spy.grid((4, 4)), pydiff.tensor(x0))
+        with pytest.raises(ValueError, match=r"parameter 'x'.*read and written"):
+            m.nxt_plain(spy.grid((4, 4), offset=(0, 1)), pydiff.tensor(x0))
