@@ -80,10 +80,11 @@ def primals_only(value: Any) -> Any:
     return value
 
 
-#: The tangent slot of a differentiable input given no tangent at all (``held_fixed``): the
+#: The tangent slot of a differentiable input given no tangent at all (``input_pair``): the
 #: wrapper takes no tangent for it and passes Slang a literal zero (``diffPair(x,
-#: T.dzero())``), which the compiler folds away: at x = inf the product rule's ``0 * inf``
-#: gave a NaN tangent where the derivative is infinite (PyTorch: inf).
+#: T.dzero())``). Slang still emits ``0 * x`` for it (SPIR-V ``OpFMul %float_0``); the
+#: driver's compiler folds that (lavapipe's NIR does, where a zero passed in at run time
+#: gave ``0 * inf = NaN`` at x = inf; PyTorch: inf). See docs/forward-mode.md.
 NO_TANGENT: Any = type("NoTangent", (), {"__repr__": lambda self: "NO_TANGENT"})()
 
 

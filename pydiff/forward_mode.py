@@ -145,7 +145,7 @@ def fwd_wrapper(
     differentiable value split into its primal and tangent; a result comes back as
     {primal, tangent}. ``types`` specialises a generic function's type parameters (one
     wrapper per specialisation: ``f__pydiff_fwd_float``); inputs in ``fixed`` take no
-    tangent: ``T.dzero()``, folded, so no ``0 * inf`` NaN (``f__pydiff_fwd_c0111``)."""
+    tangent: ``T.dzero()``, for the driver to fold (no ``0 * inf`` NaN): ``f__pydiff_fwd_c0111``."""
     need_differentiable(fn, ".fwds")
     types = types or {}
     params, args, pre, post, aliases = [], [], [], [], []
