@@ -117,6 +117,8 @@ def full(
     # float64 holds every float and int value exactly enough to check; complex stays complex
     # (refused then, not its imaginary part dropped)
     wide = np.complex128 if np.iscomplexobj(fill_value) else np.float64
+    if isinstance(fill_value, numbers.Integral) and not isinstance(fill_value, (bool, np.bool_)):
+        wide = np.int64 if -(2**63) <= fill_value < 2**63 else wide  # (2**24 + 1 kept exact)
     values = np.full(_shape((shape,), "full"), fill_value, dtype=wide)
     return from_host(values, dtype, device, requires_grad, "pydiff.full: fill_value")
 

@@ -9,6 +9,10 @@ than a reused one (lavapipe: ~7 ms for a fresh 12 MB ``float3`` result of 2^20 e
 
     native = pooled_tensor(dev, (1024,), dev.dtype("float3"), 3)     # 768 float4s
     FLOAT_WIDTHS["vector<float,3>"], FLOAT_WIDTHS["float3"]          # 3, 3
+    refuse_rounded_ints(np.array([2**24 + 1]), np.float32, "pydiff.tensor")  # ValueError
+
+A float holds every integer only up to 2^24 (half: 2^11, double: 2^53): an integer past
+that which it cannot hold exactly is refused (``refuse_rounded_ints``), as an overflow is.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import slangpy as spy
 
 from . import capturing
@@ -78,3 +83,34 @@ def pooled_tensor(
         if rec is not None:
             rec.record_clear(dev.queue, native)
     return native
+
+
+def refuse_rounded_ints(values: np.ndarray, dtype: Any, where: str, out: Any = None) -> None:
+    """ValueError naming ``where``, the first integer of ``values`` (an integer array) that
+    float ``dtype`` cannot hold exactly and what it would become (16777217 -> 16777216.0 in
+    float32: a silently wrong count or id); nothing for exact ones (2^25, 3, -7). ``out``:
+    ``values`` cast to ``dtype`` already."""
+    if values.dtype.kind not in "iu" or not values.size:
+        return
+    limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to here is exact
+    big = values > limit if values.dtype.kind == "u" else (values > limit) | (values < -limit)
+    if not big.any():
+        return
+    wide = values[big]
+    with np.errstate(over="ignore"):
+        back = (values.astype(dtype) if out is None else out)[big].astype(np.float64)
+    info = np.iinfo(values.dtype)  # (floats in its range convert back exactly)
+    kept = (back >= float(info.min)) & (back < float(info.max) + 1.0)
+    same = np.zeros(wide.shape, bool)
+    same[kept] = back[kept].astype(values.dtype) == wide[kept]
+    if same.all():
+        return
+    v, f = wide[~same].flat[0].item(), back[~same].flat[0].item()
+    name = {2: "half", 4: "float", 8: "double"}[np.dtype(dtype).itemsize]
+    wider = ", or dtype='double' (exact up to 2**53)" if name != "double" else ""
+    raise ValueError(
+        f"{where}: the integer {v} has no exact {name} value (it would become {f!r}; {name} "
+        f"holds every integer only up to {limit} in magnitude): keep it an integer (dtype="
+        f"'int'){wider}, or "
+        "convert the values to floats yourself (np.asarray(x, float)) to accept the rounding"
+    )

@@ -80,6 +80,44 @@ def primals_only(value: Any) -> Any:
     return value
 
 
+#: The tangent slot of a differentiable input given no tangent at all (``input_pair``): the
+#: wrapper takes no tangent for it and passes Slang a literal zero (``diffPair(x,
+#: T.dzero())``). Slang still emits ``0 * x`` for it (SPIR-V ``OpFMul %float_0``); the
+#: driver's compiler folds that (lavapipe's NIR does, where a zero passed in at run time
+#: gave ``0 * inf = NaN`` at x = inf; PyTorch: inf). See docs/forward-mode.md.
+NO_TANGENT: Any = type("NoTangent", (), {"__repr__": lambda self: "NO_TANGENT"})()
+
+
+def input_pair(fn: FunctionTarget, p: ParamInfo, value: Any) -> list:
+    """``[primal, tangent]`` of differentiable input ``p`` (``primal_and_tangent``), or
+    ``[value, NO_TANGENT]`` where ``value`` gives no tangent anywhere: a tensor without one,
+    a number, an array, a SlangPy value (not a struct (dict), list or pair).
+
+    >>> input_pair(fn, p, 2.0), input_pair(fn, p, (2.0, 1.0))
+    ([2.0, NO_TANGENT], [2.0, 1.0])
+    """
+    if isinstance(value, Tensor):
+        check_device(fn, value, f"parameter '{p.name}'")
+        if value.tangent is None:
+            return [value, NO_TANGENT]
+    elif not isinstance(value, (dict, list, tuple)):
+        return [value, NO_TANGENT]
+    return list(primal_and_tangent(fn, p, value))
+
+
+def described(value: Any) -> str:
+    """``a numpy.ndarray of shape (3,)``: a value's type (and shape) for a message."""
+    shape = getattr(value, "shape", None)
+    return f"a {type(value).__module__}.{type(value).__name__}" + (
+        f" of shape {tuple(shape)}" if shape is not None else ""
+    )
+
+
+def given(call_args: list) -> tuple:
+    """``call_args`` without the NO_TANGENT slots (the wrapper takes no tangent there)."""
+    return tuple(a for a in call_args if a is not NO_TANGENT)
+
+
 def primal_and_tangent(fn: FunctionTarget, p: ParamInfo, value: Any) -> tuple[Any, Any]:
     """What ``fn.fwds`` passes for differentiable input ``p``: its primal and its tangent.
 

@@ -19,7 +19,7 @@ import numpy as np
 from . import capturing, foreign, generated_calls
 from .arguments import bind_arguments, check_device, fwd_tensor_struct
 from .arguments import prepare_arguments
-from .forward_args import gives_tangent, primal_and_tangent, primals_only
+from .forward_args import NO_TANGENT, described, gives_tangent, given, input_pair, primals_only
 from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor, warn_dropped
 from .call_shape import param_type
 from .errors import ShaderTrapError, SlangCompileError
@@ -138,11 +138,14 @@ def _sized_type(fn: GeneratingFunction, p: Any, value: Any, sized: Any, what: st
 _SLANGPY_ELEMENTS = ("float", "half", "double")
 
 
-def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> GeneratingFunction:
+def fwd_wrapper(
+    fn: GeneratingFunction, types: dict[str, str] | None = None, fixed: frozenset = frozenset()
+) -> GeneratingFunction:
     """``void/R[2] f__pydiff_fwd(primal, tangent, ...)``: fwd_diff(f) with every
     differentiable value split into its primal and tangent; a result comes back as
     {primal, tangent}. ``types`` specialises a generic function's type parameters (one
-    wrapper per specialisation: ``f__pydiff_fwd_float``)."""
+    wrapper per specialisation: ``f__pydiff_fwd_float``); inputs in ``fixed`` take no
+    tangent: ``T.dzero()``, for the driver to fold (no ``0 * inf`` NaN): ``f__pydiff_fwd_c0111``."""
     need_differentiable(fn, ".fwds")
     types = types or {}
     params, args, pre, post, aliases = [], [], [], [], []
@@ -151,11 +154,14 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
         n, t = p.name, types.get(p.type_name, p.type_name)
         if p.differentiable:
             tn, pn = _fresh(f"{n}__t", taken), _fresh(f"{n}__p", taken)
-            dt = f"{t}.Differential"
+            named = f"{stem(fn.name)}__pydiff_{n}_type" if "[" in t else t
             if "[" in t:  # Slang parses no member of an array type written inline (float[3])
-                aliases.append(f"typealias {stem(fn.name)}__pydiff_{n}_type = {t};\n")
-                dt = f"{stem(fn.name)}__pydiff_{n}_type.Differential"
-            if p.io == "in":
+                aliases.append(f"typealias {named} = {t};\n")
+            dt = f"{named}.Differential"
+            if p.io == "in" and n in fixed:
+                params.append(f"{t} {n}")
+                args.append(f"diffPair({n}, {named}.dzero())")
+            elif p.io == "in":
                 params += [f"{t} {n}", f"{dt} {tn}"]
                 args.append(f"diffPair({n}, {tn})")
             else:
@@ -194,6 +200,7 @@ def fwd_wrapper(fn: GeneratingFunction, types: dict[str, str] | None = None) -> 
             "parameter"
         )
     kind = "fwd" + "".join("_" + re.sub(r"\W+", "_", types[k]).strip("_") for k in sorted(types))
+    kind += "_c" + "".join("01"[p.name in fixed] for p in fn.params) if fixed else ""
     source = (
         wrapper_header(fn)
         + "".join(aliases)
@@ -242,7 +249,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         raise ValueError(f"{fn.label}.fwds: _result={want!r}; use 'tensor' or 'numpy'")
     if type(want) is not str:
         raise TypeError(
-            f"{fn.label}.fwds: _result is {_described(want)}; .fwds returns a new (value, "
+            f"{fn.label}.fwds: _result is {described(want)}; .fwds returns a new (value, "
             "tangent) pair and writes into nothing given: use _result='tensor' (the default) "
             "or 'numpy', then copy the value where you want it (y.copy_(value))"
         )
@@ -253,12 +260,14 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     if options:
         raise TypeError(f"{fn.label}.fwds: unsupported options {sorted(options)}")
     call_args: list[Any] = []
+    fixed: list[str] = []  # inputs given no tangent
     any_array = False
     for p, value in bound:
         any_array = any_array or isinstance(value, (Tensor, np.ndarray))
         if p.differentiable:
             if p.io == "in":
-                call_args += list(primal_and_tangent(fn, p, value))
+                call_args += input_pair(fn, p, value)
+                fixed += [p.name] * (call_args[-1] is NO_TANGENT)  # see fwd_wrapper
                 continue
             if not isinstance(value, Tensor):
                 raise TypeError(
@@ -308,7 +317,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     types = generic_types(fn, bound)
     ret = types.get(fn.signature.return_type, fn.signature.return_type)
     try:
-        wrapper = fwd_wrapper(fn, types)
+        wrapper = fwd_wrapper(fn, types, frozenset(fixed))
     except SlangCompileError as e:
         if not types:
             raise
@@ -318,7 +327,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
     with suspend_recording():
         out = forward_call(
-            wrapper, tuple(call_args), {"_result": "tensor"} if ret != "void" else {}
+            wrapper, given(call_args), {"_result": "tensor"} if ret != "void" else {}
         )
     if ret == "void":
         return None
@@ -345,13 +354,6 @@ def _specialisation_error(fn: GeneratingFunction, bound: list, types: dict) -> T
         "mode at that type (a vector for a constraint such as __BuiltinFloatingPointType, "
         "which takes scalars only); pass values of a type the constraint takes, or relax it "
         "(IFloat takes vectors). Slang's report is this error's __cause__"
-    )
-
-
-def _described(value: Any) -> str:
-    shape = getattr(value, "shape", None)
-    return f"a {type(value).__module__}.{type(value).__name__}" + (
-        f" of shape {tuple(shape)}" if shape is not None else ""
     )
 
 

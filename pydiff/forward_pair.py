@@ -15,6 +15,7 @@ comes back as ``R[2]`` and ``split_pair`` copies it into two tensors on the devi
 from __future__ import annotations
 
 from .call_shape import ElementAxesError, argument_shape
+from .forward_args import NO_TANGENT, given
 from .forward_call import forward_call
 from .signature import FunctionTarget
 from .storage import allocate
@@ -50,7 +51,7 @@ def direct_shape(bound: list, call_args: list, types: dict[str, str]) -> tuple |
             return None
         type_name = types.get(p.type_name, p.type_name)
         for value in [next(it, None)] + ([next(it, None)] if p.differentiable else []):
-            if type(value) in (float, int):
+            if type(value) in (float, int) or value is NO_TANGENT:
                 continue
             if type(value) is not Tensor:
                 return None
@@ -82,7 +83,7 @@ def direct_pair(
     tangent = Tensor(allocate(dev, shape, element), dev)
     entry = getattr(wrapper.module, f"{wrapper.name}_out")
     with suspend_recording():
-        forward_call(entry, (*call_args, primal, tangent), {})
+        forward_call(entry, (*given(call_args), primal, tangent), {})
     return primal, tangent
 
 

@@ -393,8 +393,8 @@ def variables(primals: Sequence[Any]) -> list[tuple[int, tuple]]:
 
 
 def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: int) -> np.ndarray:
-    """The (n, n) Hessian of a scalar Python function w.r.t. its float primals, flattened and
-    concatenated: one ``program_hvp`` per input (see pydiff.hessian)."""
+    """The Hessian of a scalar Python function w.r.t. its float primals (shapes: see
+    pydiff.hessian): one ``program_hvp`` per input element."""
     refuse_inside_tape("hessian")
     primals = tuple(primals)
     for k, x in enumerate(primals):  # (variables() would hold it fixed, silently)
@@ -425,8 +425,10 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
 
 
 def hessian_by_columns(shapes: Sequence[Any], hvp_of: Callable[[list], Sequence[Any]]) -> Any:
-    """The (n, n) Hessian from n HVPs along the unit vectors: ``shapes`` holds each primal's
-    shape (None: held fixed, direction None), ``hvp_of(directions)`` one H v per primal."""
+    """The Hessian from n HVPs along the unit vectors: ``shapes`` holds each primal's shape
+    (None: held fixed, direction None), ``hvp_of(directions)`` one H v per primal. One primal
+    differentiated: of shape ``x.shape + x.shape`` (PyTorch's, JAX's: () for a 0-d x);
+    several: (n, n), flattened and concatenated."""
     sizes = [0 if s is None else int(np.prod(s)) for s in shapes]
     n = sum(sizes)
     H = np.zeros((n, n))
@@ -444,4 +446,5 @@ def hessian_by_columns(shapes: Sequence[Any], hvp_of: Callable[[list], Sequence[
                 if h is not None
             ]
         )
-    return H
+    live = [tuple(s) for s in shapes if s is not None]
+    return H.reshape(live[0] * 2) if len(live) == 1 else H

@@ -20,6 +20,7 @@ from .grid_args import is_grid
 from .bwds_checks import warn_no_gradient
 from .call_shape import zero_d_call
 from .determinism import is_deterministic
+from .forward_args import NO_TANGENT
 from .signature import FunctionTarget
 from .tape import active_tape
 from .tensor import Tensor
@@ -177,6 +178,7 @@ def call_fwds(fn: FunctionTarget, bound: list, call_args: list, want: str) -> An
     for p, _ in bound:
         args.append(next(it, None))
         tangent = next(it, None) if p.differentiable and p.io == "in" else None
+        tangent = None if tangent is NO_TANGENT else tangent  # a literal zero: no 0 * inf
         if tangent is not None and not (type(tangent) is Tensor or type(tangent) is float):
             return None  # NumPy tangents and the like: SlangPy's path converts them
         tangents.append(tangent)

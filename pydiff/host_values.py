@@ -24,6 +24,7 @@ import numpy as np
 import slangpy as spy
 
 from .creation import tensor
+from .float_storage import refuse_rounded_ints
 from .foreign import as_array
 from .handles import owner
 from .call_shape import short_name, value_elements, display_name
@@ -221,6 +222,8 @@ def _number(label: str, p: ParamInfo, base: str, v: bool | int | float) -> bool 
             )
         if abs(v) > top and math.isfinite(v):
             return top if v > 0 else -top  # rounds to the largest value (not a tie to inf)
+        if type(v) is int and abs(v) < 2**64:  # (2**24 + 1 for a float: 2**24, refused)
+            refuse_rounded_ints(np.array([v]), dtype, _where(label, p))
         return float(v)
     if base in _INTS:
         info = np.iinfo(SCALAR_NUMPY[base])
@@ -265,6 +268,7 @@ def _array(label: str, p: ParamInfo, base: str, arr: np.ndarray) -> np.ndarray:
                 f"{where}: element {i} = {arr[i].item()!r} is beyond the largest {base} and would "
                 "become inf"
             )
+        refuse_rounded_ints(arr, target, where, out)
     elif base in _INTS:
         info = np.iinfo(target)
         bad = (arr != np.round(arr)) if k == "f" else np.zeros(arr.shape, bool)

@@ -19,7 +19,7 @@ import slangpy as spy
 
 from . import capturing, staging
 from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
-from .float_storage import FLOAT_WIDTHS, pooled_tensor
+from .float_storage import FLOAT_WIDTHS, pooled_tensor, refuse_rounded_ints
 
 if TYPE_CHECKING:
     from .device import Device
@@ -69,7 +69,8 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
     """``arr`` as ``np_type`` for an upload, refusing what NumPy's cast would change silently:
     complex values (the imaginary part dropped), and, for an integer type, values that are
     not whole numbers (NaN, inf, 2.7) or do not fit (int64 2**32 + 1 wraps to 1 in int32:
-    a label that passes its range check as another class). ``truth``: a bool tensor's words,
+    a label that passes its range check as another class); for a float type, overflow and
+    integers it cannot hold exactly (2**24 + 1). ``truth``: a bool tensor's words,
     non-zero (NaN too) is true, as NumPy and C convert.
 
     >>> host_cast(np.array([3, 4]), np.int32, "copy_from_numpy")     # array([3, 4], int32)
@@ -100,13 +101,12 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
         with np.errstate(over="ignore"):
             out = arr.astype(np_type, copy=False)
         overflow = np.isinf(out) & np.isfinite(arr)
-        if overflow.any():
-            # NumPy's cast would give inf (with a RuntimeWarning from here): refused, as a
-            # call's scalar argument beyond the float range is.
+        if overflow.any():  # (NumPy's cast: inf, a warning; refused, as a call's scalar is)
             raise ValueError(
                 f"{where}: {arr[overflow].flat[0].item()!r} is beyond the largest {target} "
                 f"({float(np.finfo(target).max):.6g}); it would become inf"
             )
+        refuse_rounded_ints(arr, target, where, out)  # (2**24 + 1 -> float32: 2**24)
         return out
     return arr.astype(np_type, copy=False)
 

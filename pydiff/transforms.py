@@ -391,12 +391,13 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
 def hessian(
     fn: Shader | Callable[..., Any], primals: Sequence[Any], max_inputs: int = 1024
 ) -> np.ndarray:
-    """The Hessian of a scalar-valued function, flattened and concatenated over its inputs:
-    one HVP per input. A Slang function (of the sum over a vectorised call): w.r.t. all its
-    differentiable arguments; a Python function: w.r.t. its float primals (tensors, float
-    arrays, floats; ints and int tensors held fixed).
+    """The Hessian of a scalar-valued function, one HVP per input element: of shape
+    ``x.shape + x.shape`` for one differentiated input ``x`` (PyTorch's, JAX's: () for a
+    0-d x), (n, n) flattened and concatenated over several. A Slang function (of the sum
+    over a vectorised call): w.r.t. all its differentiable arguments; a Python function:
+    w.r.t. its float primals (tensors, float arrays, floats; ints and int tensors held fixed).
 
-    >>> H = pydiff.hessian(m.energy, (x,))        # (n, n) float64, n = x's element count
+    >>> H = pydiff.hessian(m.energy, (x,))        # float64, x.shape + x.shape
     >>> H = pydiff.hessian(lambda x: (x * x * x).sum(), (x,))
     """
     primals = arguments(primals, "hessian", "primals")

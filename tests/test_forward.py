@@ -97,10 +97,11 @@ def test_hvp_and_hessian_of_a_scalar_function_of_a_vector(device, load):
     np.testing.assert_allclose(
         hv.numpy(), np.stack([hess(p) @ v for p, v in zip(P, V)]), rtol=1e-5, atol=1e-6
     )
-    H = pydiff.hessian(m.energy, (_t(device, P[:1], "float3"),))
-    np.testing.assert_allclose(H, hess(P[0]), rtol=1e-5, atol=1e-6)
+    H = pydiff.hessian(m.energy, (_t(device, P[:1], "float3"),))  # x.shape + x.shape
+    assert H.shape == (1, 3, 1, 3)
+    np.testing.assert_allclose(H.reshape(3, 3), hess(P[0]), rtol=1e-5, atol=1e-6)
     # the sum over a vectorised call: block diagonal
-    H2 = pydiff.hessian(m.energy, (_t(device, P[:2], "float3"),))
+    H2 = pydiff.hessian(m.energy, (_t(device, P[:2], "float3"),)).reshape(6, 6)
     np.testing.assert_allclose(H2[:3, 3:], 0.0)
     np.testing.assert_allclose(H2[3:, 3:], hess(P[1]), rtol=1e-5, atol=1e-6)
 
