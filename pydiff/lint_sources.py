@@ -168,8 +168,9 @@ def scan_module(
     for kept in (result.own, result.imported):  # a backward-only function: where called
         kept[:] = [
             f for f in kept
-            if f.kind != lint.BWD_ONLY_KIND
+            if f.kind not in (lint.BWD_ONLY_KIND, lint.FWD_NOT_REVERSE_KIND)
             or lint_custom.called_by_others(texts_read, f.function)
+            and (kept is result.own or f.kind == lint.BWD_ONLY_KIND)  # (hvp: own file only)
         ]  # fmt: skip
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
