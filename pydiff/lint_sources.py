@@ -169,9 +169,8 @@ def scan_module(
         kept[:] = [
             f for f in kept
             if f.kind not in (lint.BWD_ONLY_KIND, lint.FWD_NOT_REVERSE_KIND)
-            or lint_custom.called_by_others(texts_read, f.function)
-            and (kept is result.own or f.kind == lint.BWD_ONLY_KIND)  # (hvp: own file only)
-        ]  # fmt: skip
+            or lint_custom.called_by_others(texts_read, f.function)  # (hvp: imports' too,
+        ]  # fmt: skip  # op_silu's: its callers' hvp segfaulted; module.py warns of own ones)
     findings = result.own + result.imported
     result.traps = lint.affected_functions(source, findings, tuple(texts), defines)
     users = lint_custom.fwd_diff_users([(t, n) for t, n, _ in every], result.traps)

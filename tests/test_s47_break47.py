@@ -158,3 +158,36 @@ def test_bwds_through_a_raw_strided_view_of_a_grad_tensor_is_not_silent(exps):
     want = np.zeros(8)
     want[::2] = np.exp(xs[::2].astype(np.float64))  # d exp(x)/dx, closed form
     assert warned or np.allclose(got, want, rtol=1e-5)
+
+
+SILU_CHILD = r"""
+import numpy as np, pydiff, warnings
+warnings.simplefilter("error", pydiff.ShaderTrapWarning)  # (the library's finding: no warning)
+m = pydiff.load_module_from_source("s47_silu", '''import slangpy;
+import pydiff;
+[Differentiable] float g(float x) { return op_silu(x) * 2.0; }
+''')
+X = np.array([-2.0, -0.5, 0.5, 2.0])
+print("VALUE", *m.g(pydiff.tensor(X), _result="numpy").tolist())
+try:
+    pydiff.hvp(m.g, (pydiff.tensor(X),), (np.ones(4),))
+    print("HVP ran")
+except pydiff.ShaderTrapError as e:
+    print("REFUSED", str(e).replace("\n", " "))
+"""
+
+
+def test_hvp_of_a_user_function_calling_the_library_op_silu_is_refused(tmp_path):
+    # op_silu (shaders/ops/elementwise.slang) has a [ForwardDerivative] that is not
+    # [Differentiable]: hvp of a user function calling it segfaulted the process.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [sys.executable, "-c", SILU_CHILD],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    lines = {ln.split()[0]: ln for ln in run.stdout.splitlines() if ln.strip()}
+    X = np.array([-2.0, -0.5, 0.5, 2.0])
+    value = np.array(lines["VALUE"].split()[1:], dtype=float)
+    np.testing.assert_allclose(value, 2 * X / (1 + np.exp(-X)), rtol=1e-5)  # 2 silu(x)
+    assert "REFUSED" in lines and "op_silu_fwd()" in lines["REFUSED"]
