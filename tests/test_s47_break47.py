@@ -191,3 +191,19 @@ def test_hvp_of_a_user_function_calling_the_library_op_silu_is_refused(tmp_path)
     value = np.array(lines["VALUE"].split()[1:], dtype=float)
     np.testing.assert_allclose(value, 2 * X / (1 + np.exp(-X)), rtol=1e-5)  # 2 silu(x)
     assert "REFUSED" in lines and "op_silu_fwd()" in lines["REFUSED"]
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_an_empty_numpy_argument_is_refused_naming_the_parameter(shape):
+    # A zero-size NumPy array at a float parameter: SlangPy's raw "Assertion failed:
+    # m_desc.size > 0" (sgl resource.cpp) for (0,), and an empty (3, 0) result for (3, 0),
+    # where pydiff.tensor of the same data raises (no zero-size tensors). Now a ValueError.
+    m = pydiff.load_module("samples/polynomial.slang")
+    with pytest.raises(ValueError, match=r"parameter 'x'.*no elements"):
+        m.polynomial(2.0, 8.0, -1.0, np.zeros(shape, np.float32), _result="numpy")
+    with pytest.raises(ValueError, match=r"parameter 'x'.*no elements"):
+        m.polynomial.fwds(2.0, 8.0, -1.0, (np.zeros(shape, np.float32), np.zeros(shape)))
+    # a non-empty array still runs: closed form 2x^2 + 8x - 1
+    xs = np.array([0.5, -1.5], np.float32)
+    y = m.polynomial(2.0, 8.0, -1.0, xs, _result="numpy")
+    np.testing.assert_allclose(y, 2 * xs.astype(np.float64) ** 2 + 8 * xs - 1, rtol=1e-6)
