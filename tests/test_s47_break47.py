@@ -207,3 +207,27 @@ def test_an_empty_numpy_argument_is_refused_naming_the_parameter(shape):
     xs = np.array([0.5, -1.5], np.float32)
     y = m.polynomial(2.0, 8.0, -1.0, xs, _result="numpy")
     np.testing.assert_allclose(y, 2 * xs.astype(np.float64) ** 2 + 8 * xs - 1, rtol=1e-6)
+
+
+STRUCT_SRC = """
+struct P : IDifferentiable { float a; float b; };
+[Differentiable] P mk(float x) { P p; p.a = x * x; p.b = sin(x); return p; }
+"""
+
+
+def test_bwds_and_gradcheck_of_a_struct_result_refuse_with_a_type_error():
+    # A function returning a struct: gradcheck (and .bwds with y.with_grads()) bound the
+    # struct result with gradient buffers and failed with SlangPy's raw BoundVariableException
+    # "Type 'RWDiffTensor<P, 1>' not found" and the tensor's bytes; a struct tensor at a
+    # parameter was already refused by name (docs/traps.md). Now the same TypeError.
+    m = pydiff.load_module_from_source("s47_struct_result", STRUCT_SRC)
+    xs = np.array([0.3, -0.7, 1.1], np.float32)
+    x = pydiff.tensor(xs, requires_grad=True)
+    y = m.mk(x, _result="tensor")
+    vals = y.numpy().view(np.float32)  # (the struct's bytes) the forward is right: x^2, sin x
+    np.testing.assert_allclose(vals[:, 0], xs.astype(np.float64) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(vals[:, 1], np.sin(xs.astype(np.float64)), rtol=1e-6)
+    with pytest.raises(TypeError, match="'_result'.*struct P"):
+        m.mk.bwds(x, _result=y.with_grads(ones=True))
+    with pytest.raises(TypeError, match="'_result'.*struct P"):
+        pydiff.gradcheck(m.mk, (pydiff.tensor(xs, requires_grad=True),))
