@@ -179,8 +179,7 @@ def _listed(value: Any) -> bool:
 
 
 def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -> bool:
-    if check_forward and _nested(inputs):
-        # a module function's fwds takes tangents of tensors in struct (dict) fields
+    if check_forward and _nested(inputs):  # (a module function's fwds: tensors in dicts)
         if not isinstance(fn, ShaderFunction) or any(_listed(a) for a in inputs):
             raise TypeError(
                 "gradcheck: check_forward=True with struct (dict) or list arguments of "
@@ -190,12 +189,13 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
             )
     if check_forward is not None:
         return check_forward
+    if isinstance(fn, type) and issubclass(fn, Function):  # a hand-written jvp: checked too
+        return fn.jvp is not Function.jvp and not _nested(inputs)
     if not isinstance(fn, ShaderFunction) or not fn.differentiable or _nested(inputs):
         return False
     if any(f.wrong_jvp for f in fn.module.traps.get(fn.name, ())):
         return False  # (forward mode refused: Slang's is wrong there; the backward checked)
-    # Automatic only where forward mode can see every input's derivative.
-    return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)
+    return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)  # (all seen)
 
 
 def _check_forward(

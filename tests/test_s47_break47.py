@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import pydiff
+from pydiff import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,3 +232,32 @@ def test_bwds_and_gradcheck_of_a_struct_result_refuse_with_a_type_error():
         m.mk.bwds(x, _result=y.with_grads(ones=True))
     with pytest.raises(TypeError, match="'_result'.*struct P"):
         pydiff.gradcheck(m.mk, (pydiff.tensor(xs, requires_grad=True),))
+
+
+class _CubeWrongJvp(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return ops.mul(ops.mul(x, x), x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return ops.mul(g, ops.mul(ops.mul(x, x), 3.0))
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return ops.mul(t, ops.mul(ops.mul(x, x), 2.0))  # wrong: 2x^2 where 3x^2 is right
+
+
+def test_gradcheck_of_a_function_checks_its_hand_written_jvp_by_default():
+    # A pydiff.Function's jvp rule (what pydiff.jvp, jacfwd and hvp use) was checked only with
+    # check_forward=True: gradcheck(Cube, (x,)) passed with a jvp giving 2x^2 (a right backward).
+    xs = np.array([0.3, -0.7, 1.1], np.float32)
+    _, jv = pydiff.jvp(_CubeWrongJvp.apply, (pydiff.tensor(xs),), (np.ones(3),))
+    assert not np.allclose(jv.numpy(), 3 * xs.astype(np.float64) ** 2, rtol=1e-3)  # closed form
+    x = pydiff.tensor(xs, requires_grad=True)
+    with pytest.raises(pydiff.GradcheckError, match="forward mode: JVP"):
+        pydiff.gradcheck(_CubeWrongJvp, (x,))
+    assert pydiff.gradcheck(_CubeWrongJvp, (x,), check_forward=False)  # the backward is right
