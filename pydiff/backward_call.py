@@ -12,6 +12,7 @@ policies and plain numbers as upstream gradients.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import slangpy as spy
@@ -387,6 +388,8 @@ def backward_call(
     refuse_shared_result_grad(fn, bound, kwargs.get("_result"))
     prepare_arguments(fn, bound, options)
     result = options.pop("_result", MISSING)
+    if type(result) is Tensor:  # (a struct result: SlangPy's raw "RWDiffTensor<P, 1>")
+        refuse_struct_grads(fn.label, SimpleNamespace(name="_result"), result)
     if not (fn.signature.has_diff_inout or prior) and _fast_backward(fn, bound, options, result):
         return remember_bwds(fn, key, args, bound, result, prior)
     deterministic = is_deterministic()

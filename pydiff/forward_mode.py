@@ -64,11 +64,12 @@ def need_differentiable(fn: GeneratingFunction, what: str) -> None:
             f"{fn.label} is not differentiable: mark it [Differentiable] in {fn.module.file} "
             f"to use {what}"
         )
-    wrong = [str(f) for f in fn.module.traps.get(fn.name, ()) if f.wrong_jvp]
+    found = fn.module.traps.get(fn.name, ())
+    wrong = [str(f) for f in found if f.wrong_jvp or (what == "hvp" and f.crashes_hvp)]
     if wrong:  # pow/fmod: Slang's forward derivative rule is the backward's, wrong the same way
         raise ShaderTrapError(
             f"{fn.label}{what if what.startswith('.') else ' ' + what} refused: Slang's "
-            "derivative is wrong here: " + "\n  ".join(wrong)  # (the first: pydiff check's line)
+            "derivative is wrong (or crashes) here: " + "\n  ".join(wrong)  # (first: check's)
         )
 
 

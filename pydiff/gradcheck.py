@@ -179,8 +179,7 @@ def _listed(value: Any) -> bool:
 
 
 def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -> bool:
-    if check_forward and _nested(inputs):
-        # a module function's fwds takes tangents of tensors in struct (dict) fields
+    if check_forward and _nested(inputs):  # (a module function's fwds: tensors in dicts)
         if not isinstance(fn, ShaderFunction) or any(_listed(a) for a in inputs):
             raise TypeError(
                 "gradcheck: check_forward=True with struct (dict) or list arguments of "
@@ -190,12 +189,13 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
             )
     if check_forward is not None:
         return check_forward
+    if isinstance(fn, type) and issubclass(fn, Function):  # a hand-written jvp: checked too
+        return fn.jvp is not Function.jvp and not _nested(inputs)
     if not isinstance(fn, ShaderFunction) or not fn.differentiable or _nested(inputs):
         return False
     if any(f.wrong_jvp for f in fn.module.traps.get(fn.name, ())):
         return False  # (forward mode refused: Slang's is wrong there; the backward checked)
-    # Automatic only where forward mode can see every input's derivative.
-    return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)
+    return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)  # (all seen)
 
 
 def _check_forward(
@@ -404,13 +404,13 @@ def gradcheck(
             state.load(values)
             return _flat_outputs(f, inputs)
 
-        def project(values: dict[str, np.ndarray]) -> float:  # <v, f(values)>
-            return float(v_flat @ evaluate(values))
+        def project(difference: np.ndarray) -> float:  # <v, f(x+he) - f(x-he)> / 2h: (an
+            return float(v_flat @ difference)  # unmoved output cancels; <v,f+> - <v,f-> lost it)
 
         # x +- eps as the inputs hold them: the quotients divide by the step really taken
         held = {k: _HOLDS[t.scalar_type] for k, t in checked if t.scalar_type in _HOLDS}
         for k, _ in checked:
-            numeric = fd.per_element(project, originals, k, eps, held=held)
+            numeric = fd.per_element(evaluate, originals, k, eps, project=project, held=held)
             ad = analytic[k].ravel()
             i, excess = fd.worst_excess(ad, numeric, atol, rtol)
             if excess > 0 and (worst is None or excess > worst[0]):

@@ -149,6 +149,11 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
             return _array(label, p, base, arr).tolist()  # one vector, as SlangPy takes it
         value = arr
     if isinstance(value, np.ndarray):
+        if value.size == 0:  # (SlangPy's raw "Assertion failed: m_desc.size > 0", or a (3, 0))
+            raise ValueError(
+                f"{_where(label, p)}: got an array of shape {value.shape}, with no elements; "
+                "pydiff has no zero-size tensors: skip the call when there is nothing to compute"
+            )
         if value.ndim == 0 and not p.writes_value:
             return convert(label, p, value[()], device)
         if axes and value.shape[max(value.ndim - len(axes), 0) :] != axes:

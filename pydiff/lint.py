@@ -61,6 +61,9 @@ DERIVED_FWD_KIND = "custom-bwd-derived-forward"
 #: fwd_diff(f) written in a function's own Slang, f's forward derivative wrong (wrong_jvp):
 #: the function's values are wrong, its forward call refused (lint_custom.fwd_diff_users)
 FWD_DIFF_OF_WRONG_KIND = "fwd-diff-of-wrong-forward"
+#: a [ForwardDerivative(g)] whose g is not [Differentiable], called by another function:
+#: hvp (reverse of forward) of a caller segfaults the compiler (lint_custom), so it is refused
+FWD_NOT_REVERSE_KIND = "custom-fwd-not-differentiable"
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,18 @@ class Finding:
             POW_WARN_KIND,
             BWD_ONLY_KIND,
             DERIVED_FWD_KIND,
+            FWD_NOT_REVERSE_KIND,
         )
 
     @property
     def wrong_jvp(self) -> bool:
         """Whether forward mode (.fwds, jvp) gets the same wrong derivative rule."""
         return self.kind in (POW_KIND, FMOD_KIND, BWD_ONLY_KIND, DERIVED_FWD_KIND)
+
+    @property
+    def crashes_hvp(self) -> bool:
+        """Whether hvp (reverse mode of forward mode) must be refused: its build crashes."""
+        return self.kind == FWD_NOT_REVERSE_KIND
 
     @property
     def crashes_call(self) -> bool:
@@ -381,7 +390,7 @@ def affected_functions(
     name, so a function reaching none of a finding's functions does not inherit it.
     """
     own: dict[str, list[Finding]] = {}
-    for f in (f for f in findings if f.refuses_bwds or f.wrong_jvp):
+    for f in (f for f in findings if f.refuses_bwds or f.wrong_jvp or f.crashes_hvp):
         own.setdefault(f.function, []).append(f)
     bodies: dict[str, str] = {}
     for text in (preprocess(source, defines).text, *imported):

@@ -20,11 +20,13 @@ from __future__ import annotations
 import re
 
 from .lint import BWD_ONLY_KIND, DERIVED_BWD_KIND, DERIVED_FWD_KIND, FWD_DIFF_OF_WRONG_KIND
+from .lint import FWD_NOT_REVERSE_KIND
 from .lint import Finding
 from .lint_flow import call_at, matching
 
 KIND = "custom-bwd-inout-primal"
 UNSET_KIND = "custom-bwd-unset-derivative"
+READS_KIND = "custom-bwd-reads-derivative"  # the incoming .d is undefined too (NaN or 0)
 _BWD = re.compile(r"\[\s*BackwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 _BWD_OF = re.compile(r"\[\s*BackwardDerivativeOf\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
 # attributes that give the function they mark a forward derivative (Slang's own from its
@@ -190,6 +192,30 @@ def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
     return findings
 
 
+def _forward_not_reverse(src: str, defs: dict, file: str) -> list[Finding]:
+    """Functions whose hand-written forward derivative (``[ForwardDerivative(g)]``, or a
+    ``[ForwardDerivativeOf(f)]`` on g) is not ``[Differentiable]``: hvp, reverse mode of
+    that forward derivative, fails to build for the function itself (E41022, which pydiff
+    reports) and segfaults the compiler for a function calling it (SlangPy 0.43.1: hvp of
+    ``2 * softplus(x)``); lint_sources keeps the finding only where another function calls it."""
+    diff = {_declared_after(src, m.end()) for m in _DIFF.finditer(src)}
+    pairs = [(_declared_after(src, m.end()), m.group(1)) for m in _FWD.finditer(src)]
+    pairs += [(m.group(1), _declared_after(src, m.end())) for m in _FWD_OF.finditer(src)]
+    findings = []
+    for f, fw in pairs:  # (diff-tensor parameters: hvp refuses them first, pydiff's fdt_load)
+        tensors = f in defs and any(re.search(r"DiffTensor\b", p) for p in defs[f][0][1])
+        if f and fw and f in defs and fw not in diff and not tensors:
+            message = (
+                f"{f}() has a hand-written forward derivative {fw}() that is not "
+                f"[Differentiable]: hvp/hessian (reverse mode of forward mode) of a function "
+                f"calling {f}() would crash the Slang compiler (SlangPy 0.43); mark {fw}() "
+                "[Differentiable] for second derivatives"
+            )
+            line = src.count("\n", 0, defs[f][0][0]) + 1
+            findings.append(Finding(file, line, f, FWD_NOT_REVERSE_KIND, message))
+    return findings
+
+
 _FWD_DIFF_OF = re.compile(
     r"\bfwd_diff\s*\(\s*(?:[A-Za-z_]\w*\s*(?:::|\.)\s*)*([A-Za-z_]\w*)\s*[<)]"
 )
@@ -251,14 +277,15 @@ def _unset_derivatives(src: str, defs: dict, file: str) -> list[Finding]:
     for f, bw in _pairs(src):
         if not f or not bw or bw not in defs:
             continue
+        own = defs[f][0][1] if f in defs else []  # f's parameters: an inout one's d is read
         for at, params, body, _ in defs[bw]:
-            for p in params:
+            for k, p in enumerate(params):
                 words = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
-                if (
-                    "inout" not in words
-                    or "DifferentialPair" not in words
-                    or _sets(body, words[-1])
-                ):
+                if "inout" not in words or "DifferentialPair" not in words:
+                    continue
+                if _sets(body, words[-1]):  # (f's inout parameter: .d is its upstream gradient)
+                    if k < len(own) and "inout" not in re.findall(r"[A-Za-z_]\w*", own[k]):
+                        findings += _reads_incoming(src, file, f, bw, at, body, words[-1])
                     continue
                 name = words[-1]
                 message = (
@@ -271,6 +298,25 @@ def _unset_derivatives(src: str, defs: dict, file: str) -> list[Finding]:
                 line = src.count("\n", 0, at) + 1
                 findings.append(Finding(file, line, f, UNSET_KIND, message))
     return findings
+
+
+def _reads_incoming(src: str, file: str, f: str, bw: str, at: int, body: str, name: str) -> list:
+    """A backward reading its pair's incoming derivative (``x = diffPair(x.p, x.d + g)``)
+    before (or while) setting it: undefined, NaN through SlangPy's kernels, 0 through the
+    generated ones (SlangPy 0.43.1): the two paths disagree, so its ``.bwds`` is refused."""
+    n = re.escape(name)
+    first = re.search(rf"\b{n}\s*(\.\s*d\s*)?=(?!=)|[(,]\s*{n}\s*[,)]", body)
+    end = body.find(";", first.end()) if first else len(body)
+    read = re.search(rf"\b{n}\s*\.\s*(d\b(?!\s*=(?!=))|getDifferential\s*\()", body)
+    if read is None or read.start() > (end if end >= 0 else len(body)):
+        return []
+    message = (
+        f"its hand-written backward {bw}() reads the incoming derivative of '{name}' "
+        f"('{name}.d') before setting it: that value is undefined (NaN through SlangPy's "
+        f"kernels, 0 through pydiff's generated ones); set {name} = diffPair({name}.p, "
+        "gradient) from the upstream gradient alone: pydiff adds it into the buffer"
+    )
+    return [Finding(file, src.count("\n", 0, at) + 1, f, READS_KIND, message)]
 
 
 def inout_primal_reads(source: str) -> dict[str, str]:
@@ -287,7 +333,7 @@ def scan_source(source: str, file: str = "<source>") -> list[Finding]:
     src = _blank_comments(source)
     defs = _definitions(src)
     findings = _unset_derivatives(src, defs, file) + _backward_only(src, defs, file)
-    findings += _derived_through_cut(src, defs, file)
+    findings += _derived_through_cut(src, defs, file) + _forward_not_reverse(src, defs, file)
     crashing = _crashing(src, defs)
     if not crashing:
         return findings

@@ -101,7 +101,7 @@ class Module:
             self.lane_effects = lane_effects(*texts)
         if source is not None and lint_source:
             doubles = double_math.findings(device, source, file, options.defines, scan)
-            for f in scan.own + scan.imported + doubles:
+            for f in scan.own + [f for f in scan.imported if not f.crashes_hvp] + doubles:
                 consequence = (
                     " (.bwds of it will raise)" if f.refuses_bwds
                     else " (forward mode of it and of its callers will raise)" if f.wrong_jvp
