@@ -16,7 +16,8 @@ from typing import Any
 from . import capturing, generated
 from .arguments import resolve_error
 from .backward_scope import active_scope
-from .bwds_checks import upstream_arg, warn_made_off_tape
+from .bwds_checks import upstream_arg
+from .unrecorded import warn_made_off_tape
 from .call_plan import (
     DECLINED,
     may_generate,

@@ -27,7 +27,7 @@ from .creation import tensor as make_tensor
 from .errors import warn_once
 from .host_values import element_base
 from .policy import ZeroPolicy, get_zero_policy
-from .unrecorded import made_off_tape
+from .unrecorded import warn_made_off_tape
 from .signature import FunctionTarget, ParamInfo, field_at
 from .stale_reads import refuse_stale_reads
 from .storage import allocate
@@ -281,22 +281,6 @@ def bwds_arguments_checked(fn: FunctionTarget, bound: list, result: Any) -> None
         if type(value) is not Tensor or value.grad_out is not None or not p.differentiable:
             continue
         warn_made_off_tape(fn, p.name, value)
-
-
-def warn_made_off_tape(fn: FunctionTarget, name: str, value: Tensor) -> None:
-    """Warn (once per call site) when the data tensor ``value`` given to parameter ``name``
-    of ``.bwds`` was computed off a tape from a tensor that requires a gradient (``x[1:]``):
-    also at a call plan's calls (backward_plan), which skip ``bwds_arguments_checked``."""
-    made_by = made_off_tape(value)
-    if made_by is not None:
-        warn_once(
-            f"{fn.bwds_label}: parameter '{name}' is given a tensor that {made_by} "
-            "(indexing, .T, transpose, astype) computed off a tape from a tensor that "
-            "requires a gradient: a copy without gradient buffers or a path back, so "
-            ".bwds gives the tensor it came from no gradient. Compute it and call the "
-            "function on a pydiff.Tape (tape.backward carries the gradient back), or "
-            "pass .detach() of it to say no gradient is wanted"
-        )
 
 
 _FLOAT_BITS = {"half": 16, "float": 32, "double": 64}

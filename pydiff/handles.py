@@ -5,8 +5,12 @@ count (``m.f(z, _result=x.native)``, or a ``Tensor(view, device)`` with a storag
 left ``x``'s version unchanged: a tape's backward differentiated at the new values
 (``tape.backward`` of ``y = x * x`` gave 18 everywhere where 2x is right; s42).
 
-    native = handed_out(x.storage, x_native)  # in Tensor.native
-    owner(view.storage) is x.storage          # a view of the handle: x's storage
+A ``Tensor(view, device)`` of such a handle shares ``x``'s values, not its gradient buffers:
+``.bwds`` through it gives ``x`` no gradient, so it is noted (``grad_handle_of``) and warned of.
+
+    native = handed_out(x.storage, x_native, x)  # in Tensor.native
+    owner(view.storage, t) is x.storage          # a view of the handle: x's storage
+    grad_handle_of(t)                            # x, if x requires a gradient
 """
 
 from __future__ import annotations
@@ -19,26 +23,55 @@ from typing import Any
 #: their values: ``Tensor(view, device)`` shares the storage (its writes count on ``x``'s
 #: version), and a forward call refuses it as ``_result`` (a write no version would count).
 _HANDED: dict[int, weakref.ref] = {}
+#: The tensors that handed each buffer out, by id(buffer): {id(tensor): weak reference}.
+_HANDERS: dict[int, dict[int, weakref.ref]] = {}
+#: Tensors made from a handed-out handle (``Tensor(x.native.view(...), dev)``), by id: the
+#: buffer's key. By id: tensors refuse ``==``.
+_WRAPS: dict[int, tuple[weakref.ref, int]] = {}
 
 
-def handed_out(storage: Any, native: Any) -> Any:
-    """Note that ``storage``'s buffer was handed out as ``native`` (``Tensor.native``);
-    returns ``native``."""
+def handed_out(storage: Any, native: Any, by: Any = None) -> Any:
+    """Note that ``storage``'s buffer was handed out as ``native`` (``Tensor.native`` of
+    tensor ``by``); returns ``native``."""
     key = id(storage.buffer)
     ref = _HANDED.get(key)
     if ref is None or ref() is not storage:
         _HANDED[key] = weakref.ref(storage, lambda r, k=key: _drop(k, r))
+        _HANDERS.pop(key, None)  # (a dead storage's buffer id reused)
+    if by is not None and id(by) not in (handers := _HANDERS.setdefault(key, {})):
+        handers[id(by)] = weakref.ref(by, lambda r, k=id(by), h=handers: h.pop(k, None))
     return native
 
 
 def _drop(key: int, ref: weakref.ref) -> None:
     if _HANDED.get(key) is ref:  # (not a newer storage's entry)
         del _HANDED[key]
+        _HANDERS.pop(key, None)
 
 
-def owner(buffer: Any) -> Any:
+def owner(buffer: Any, made: Any = None) -> Any:
     """The live storage whose ``buffer`` this is and whose buffer ``Tensor.native`` handed out,
-    or None (never handed out: a buffer SlangPy or the user made)."""
+    or None (never handed out: a buffer SlangPy or the user made). ``made``: the tensor being
+    made from it (noted for ``grad_handle_of``)."""
     ref = _HANDED.get(id(buffer)) if _HANDED else None
     found = ref() if ref is not None else None
-    return found if found is not None and found.buffer is buffer else None
+    if found is None or found.buffer is not buffer:
+        return None
+    if made is not None:
+        _WRAPS[id(made)] = (
+            weakref.ref(made, lambda r, k=id(made): _WRAPS.pop(k, None)),
+            id(buffer),
+        )
+    return found
+
+
+def grad_handle_of(t: Any) -> Any:
+    """A tensor requiring a gradient whose handle ``t`` was made from (``Tensor(x.native.view(
+    ...), dev)``: ``t`` shares ``x``'s values, not its gradient buffers), or None."""
+    wrap = _WRAPS.get(id(t)) if _WRAPS else None
+    if wrap is None or wrap[0]() is not t:
+        return None
+    for ref in list(_HANDERS.get(wrap[1], {}).values()):
+        if (hander := ref()) is not None and hander is not t and hander.requires_grad:
+            return hander
+    return None

@@ -71,7 +71,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._layout_el = layout_element(self._element)  # (fixed, as the native is)
         self._grad_in = grad_in
         self._grad_out = grad_out
-        self.storage = storage or owner(buf := native.storage) or Storage(buf)  # (handles.py)
+        self.storage = storage or owner(buf := native.storage, self) or Storage(buf)  # (handles.py)
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
@@ -119,7 +119,7 @@ class Tensor(GradBuffers, TensorOperators):
         (a Function ``backward``'s batch too); a handle kept over later calls is not: retake it."""
         if (queue := self._device.queue).deferred or queue.open_batches or queue.pending:
             queue.flush()
-        return handed_out(self.storage, self._native)
+        return handed_out(self.storage, self._native, self)
 
     def native_view(self) -> spy.Tensor:
         """``native`` in this tensor's shape (0-d too): to make a Tensor of the same values.

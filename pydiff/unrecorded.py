@@ -12,7 +12,8 @@ import weakref
 from typing import Any
 
 from . import tensor_methods
-from .errors import StaleInputError
+from .errors import StaleInputError, warn_once
+from .handles import grad_handle_of
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -266,3 +267,28 @@ def _refuse_gradients_read(entries: list) -> None:
         for desc, t, _ in entry.reads:
             if (g := t.grad_storages()[1]) is not None:
                 written.setdefault(id(g), (entry, desc))
+
+
+def warn_made_off_tape(fn: Any, name: str, value: Tensor) -> None:
+    """Warn (once per call site) when the data tensor ``value`` given to parameter ``name``
+    of ``.bwds`` was computed off a tape from a tensor that requires a gradient (``x[1:]``):
+    or made from the handle of one (``pydiff.Tensor(x.native.view(...), dev)``); also at a
+    call plan's calls (backward_plan), which skip ``bwds_arguments_checked``."""
+    made_by = made_off_tape(value)
+    if made_by is None and (hander := grad_handle_of(value)) is not None:
+        warn_once(
+            f"{fn.bwds_label}: parameter '{name}' is given a tensor made from the SlangPy "
+            f"handle of a tensor of shape {hander.shape} that requires a gradient "
+            "(pydiff.Tensor(x.native.view(...), device)): it shares that tensor's values, not "
+            "its gradient buffers, so .bwds gives it no gradient. Index the tensor itself "
+            "(x[::2], x.T) on a pydiff.Tape, or pass .detach() to say no gradient is wanted"
+        )
+    elif made_by is not None:
+        warn_once(
+            f"{fn.bwds_label}: parameter '{name}' is given a tensor that {made_by} "
+            "(indexing, .T, transpose, astype) computed off a tape from a tensor that "
+            "requires a gradient: a copy without gradient buffers or a path back, so "
+            ".bwds gives the tensor it came from no gradient. Compute it and call the "
+            "function on a pydiff.Tape (tape.backward carries the gradient back), or "
+            "pass .detach() of it to say no gradient is wanted"
+        )
