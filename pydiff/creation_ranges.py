@@ -118,7 +118,8 @@ def full(
     # (refused then, not its imaginary part dropped)
     wide = np.complex128 if np.iscomplexobj(fill_value) else np.float64
     if isinstance(fill_value, numbers.Integral) and not isinstance(fill_value, (bool, np.bool_)):
-        wide = np.int64 if -(2**63) <= fill_value < 2**63 else wide  # (2**24 + 1 kept exact)
+        # (2**24 + 1 kept exact; past 64 bits a Python int, checked as pydiff.tensor's are)
+        wide = np.int64 if -(2**63) <= fill_value < 2**63 else object
     values = np.full(_shape((shape,), "full"), fill_value, dtype=wide)
     return from_host(values, dtype, device, requires_grad, "pydiff.full: fill_value")
 

@@ -89,7 +89,11 @@ def refuse_rounded_ints(values: np.ndarray, dtype: Any, where: str, out: Any = N
     """ValueError naming ``where``, the first integer of ``values`` (an integer array) that
     float ``dtype`` cannot hold exactly and what it would become (16777217 -> 16777216.0 in
     float32: a silently wrong count or id); nothing for exact ones (2^25, 3, -7). ``out``:
-    ``values`` cast to ``dtype`` already."""
+    ``values`` cast to ``dtype`` already. An object array's Python ints (past 64 bits:
+    ``[2**64 + 1]``) are checked one by one, and one past the float range is refused too."""
+    if values.dtype.kind == "O":
+        _refuse_rounded_objects(values, dtype, where)
+        return
     if values.dtype.kind not in "iu" or not values.size:
         return
     limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to here is exact
@@ -105,7 +109,39 @@ def refuse_rounded_ints(values: np.ndarray, dtype: Any, where: str, out: Any = N
     same[kept] = back[kept].astype(values.dtype) == wide[kept]
     if same.all():
         return
-    v, f = wide[~same].flat[0].item(), back[~same].flat[0].item()
+    _refuse(wide[~same].flat[0].item(), back[~same].flat[0].item(), dtype, where, limit)
+
+
+def _refuse_rounded_objects(values: np.ndarray, dtype: Any, where: str) -> None:
+    """``refuse_rounded_ints`` of an object array: its ints, however large (NumPy makes an
+    object array of ``[2**64 + 1]``, whose cast to float rounds silently); for an integer
+    ``dtype``, those it cannot hold (NumPy's cast would raise a bare OverflowError)."""
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        for v in values.flat:
+            if isinstance(v, int) and not info.min <= v <= info.max:
+                raise ValueError(f"{where}: {v} does not fit {dtype} ({info.min} to {info.max})")
+        return
+    if np.dtype(dtype).kind != "f":
+        return
+    limit = 2 ** (np.finfo(dtype).nmant + 1)
+    for v in values.flat:
+        if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            v = int(v)
+            if -limit <= v <= limit:
+                continue
+            with np.errstate(over="ignore"):
+                f = np.array([v], dtype=object).astype(dtype)[0].item()
+            if not math.isfinite(f):
+                raise ValueError(
+                    f"{where}: the integer {v} is beyond the largest {np.dtype(dtype)} "
+                    f"({float(np.finfo(dtype).max):.6g}); it would become inf"
+                )
+            if int(f) != v:
+                _refuse(v, f, dtype, where, limit)
+
+
+def _refuse(v: int, f: float, dtype: Any, where: str, limit: int) -> None:
     name = {2: "half", 4: "float", 8: "double"}[np.dtype(dtype).itemsize]
     wider = ", or dtype='double' (exact up to 2**53)" if name != "double" else ""
     raise ValueError(

@@ -68,10 +68,14 @@ def owner(buffer: Any, made: Any = None) -> Any:
 def grad_handle_of(t: Any) -> Any:
     """A tensor requiring a gradient whose handle ``t`` was made from (``Tensor(x.native.view(
     ...), dev)``: ``t`` shares ``x``'s values, not its gradient buffers), or None."""
+    return next((h for h in handers_of(t) if h.requires_grad), None)
+
+
+def handers_of(t: Any) -> list:
+    """The live tensors whose handle ``t`` was made from (``Tensor(s.native, dev)``: ``[s]``),
+    ``t`` itself left out; [] for a tensor made otherwise."""
     wrap = _WRAPS.get(id(t)) if _WRAPS else None
     if wrap is None or wrap[0]() is not t:
-        return None
-    for ref in list(_HANDERS.get(wrap[1], {}).values()):
-        if (hander := ref()) is not None and hander is not t and hander.requires_grad:
-            return hander
-    return None
+        return []
+    found = (ref() for ref in list(_HANDERS.get(wrap[1], {}).values()))
+    return [h for h in found if h is not None and h is not t]

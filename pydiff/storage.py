@@ -67,12 +67,11 @@ def upload_numpy_type(native: spy.Tensor, scalar_type: str) -> Any:
 
 def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) -> np.ndarray:
     """``arr`` as ``np_type`` for an upload, refusing what NumPy's cast would change silently:
-    complex values (the imaginary part dropped), and, for an integer type, values that are
-    not whole numbers (NaN, inf, 2.7) or do not fit (int64 2**32 + 1 wraps to 1 in int32:
-    a label that passes its range check as another class); for a float type, overflow and
-    integers it cannot hold exactly (2**24 + 1). ``truth``: a bool tensor's words,
-    non-zero (NaN too) is true, as NumPy and C convert.
-
+    complex values (the imaginary part dropped), and, for an integer type, values that are not
+    whole numbers (NaN, inf, 2.7) or do not fit (int64 2**32 + 1 wraps to 1 in int32: a label
+    that passes its range check as another class); for a float type, overflow and integers it
+    cannot hold exactly (2**24 + 1). ``truth``: a bool tensor's words, non-zero (NaN too) is
+    true, as NumPy and C convert.
     >>> host_cast(np.array([3, 4]), np.int32, "copy_from_numpy")     # array([3, 4], int32)
     """
     if np_type is None or arr.dtype == np_type:
@@ -94,9 +93,10 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
         low, high = (arr.min(), arr.max()) if arr.dtype.kind != "b" else (0, 1)
         if float(low) < info.min or float(high) > info.max:  # (float: no float16 overflow)
             raise ValueError(
-                f"{where}: values from {low} to {high} do not fit {target} "
-                f"({info.min} to {info.max})"
+                f"{where}: values from {low} to {high} do not fit {target} ({info.min}..{info.max})"
             )
+    if arr.dtype.kind == "O":  # (Python ints past 64 bits, [2**64 + 1]: refuse_rounded_ints)
+        refuse_rounded_ints(arr, target, where)
     if target.kind == "f" and arr.dtype.kind in "fiu" and arr.size:
         with np.errstate(over="ignore"):
             out = arr.astype(np_type, copy=False)

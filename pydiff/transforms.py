@@ -367,7 +367,7 @@ def hvp(fn: Shader | Callable[..., Any], primals: Sequence[Any], v: Sequence[Any
             u_arr = u_arr.reshape(want)  # one value given for one value
         direction = (
             make_tensor(u_arr.astype(np.float32), dtype=leaf.dtype, device=dev)
-            if leaf.shape
+            if u_arr.ndim  # (a 0-d float3 tensor too: its direction is a float3)
             else float(u_arr)
         )
         call_args += [leaf, direction]

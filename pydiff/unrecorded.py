@@ -13,7 +13,7 @@ from typing import Any
 
 from . import tensor_methods
 from .errors import StaleInputError, warn_once
-from .handles import grad_handle_of
+from .handles import grad_handle_of, handers_of
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -275,7 +275,10 @@ def warn_made_off_tape(fn: Any, name: str, value: Tensor) -> None:
     or made from the handle of one (``pydiff.Tensor(x.native.view(...), dev)``); also at a
     call plan's calls (backward_plan), which skip ``bwds_arguments_checked``."""
     made_by = made_off_tape(value)
-    if made_by is None and (hander := grad_handle_of(value)) is not None:
+    hander = grad_handle_of(value) if made_by is None else None
+    if made_by is None and hander is None:  # (the handle of x[1:], itself made off a tape)
+        made_by = next(filter(None, map(made_off_tape, handers_of(value))), None)
+    if hander is not None:
         warn_once(
             f"{fn.bwds_label}: parameter '{name}' is given a tensor made from the SlangPy "
             f"handle of a tensor of shape {hander.shape} that requires a gradient "
