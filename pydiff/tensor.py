@@ -170,10 +170,6 @@ class Tensor(GradBuffers, TensorOperators):
         return (self._shape, self._layout_el) + self.grad_flags()
 
     @property
-    def differentiable(self) -> bool:
-        return bool(getattr(self._element, "differentiable", False))
-
-    @property
     def zero_policy(self) -> ZeroPolicy | None:
         """The policy of this tensor's gradient buffers (None: the global/context one); a view
         reads and sets its base's: ``x.reshape((6,)).zero_policy = "strict"`` sets x's."""
