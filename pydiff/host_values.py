@@ -227,7 +227,8 @@ def _number(label: str, p: ParamInfo, base: str, v: bool | int | float) -> bool 
             )
         if abs(v) > top and math.isfinite(v):
             return top if v > 0 else -top  # rounds to the largest value (not a tie to inf)
-        if type(v) is int:  # (2**24 + 1 for a float: 2**24, refused; 2**64 + 1 too)
+        if type(v) is int and abs(v) > 2048:  # (2**24 + 1 for a float: 2**24, refused;
+            # 2**64 + 1 too; up to 2**11 every float type holds it: no array made per call)
             big = abs(v) >= 2**63
             refuse_rounded_ints(np.array([v], object if big else None), dtype, _where(label, p))
         return float(v)
