@@ -273,24 +273,23 @@ class KernelCache:
             if any(b.size > held_max for _, b in buffers):
                 held.clear()  # (its object would pin the buffers it binds)
                 held = None  # too large for the site to keep: the shared cache's rules
-        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
-        key = (kernel, *[b.native_handle.value for _, b in buffers])  # (a list: no generator)
         if held is not None and held and held[0][0] is kernel and len(held[2]) == len(buffers):
             # The site's object, its changed buffers bound again (a new result per call):
             # bindings are copied when a dispatch is recorded, as its uniforms are, and this
-            # costs a fraction of a new object.
+            # costs a fraction of a new object. (No key: a site's is its kernel alone.)
             entry = held[1]
             cursor = entry[1]
             for (name, buffer), old in zip(buffers, held[2]):
                 if buffer is not old and buffer.native_handle.value != old.native_handle.value:
                     cursor[name] = buffer
-            held[0], held[2] = key, [b for _, b in buffers]
+            held[2] = [b for _, b in buffers]
             return entry
-        else:
-            entry = self._objects.get(key)
-            if entry is not None:
-                self._objects.move_to_end(key)
-                return entry
+        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
+        key = (kernel, *[b.native_handle.value for _, b in buffers])  # (a list: no generator)
+        entry = self._objects.get(key)
+        if entry is not None:
+            self._objects.move_to_end(key)
+            return entry
         if held is None and any(b.size > OBJECT_MAX_BUFFER for _, b in buffers):
             return None
         size = sum({id(b): b.size for _, b in buffers}.values())

@@ -6,7 +6,7 @@ opt.zero_grad(); tape.backward(loss); opt.step()
 
 from __future__ import annotations
 
-import functools
+from functools import partial
 from operator import is_
 from typing import Any, Iterable
 
@@ -26,6 +26,7 @@ from .tensor import Tensor, float4_ready
 # small model's 4.8K parameters alike; groups of 64-1024 threads alike.
 OPTIM_CHUNK = 4  # lavapipe's; the kernels take device.kernels.chunk (1 on a GPU)
 ADAM_GROUP = 256
+_ADAM4 = ("optim/adamw.slang", "adamw_step4_multi")  # the four-parameter kernel
 # The four-parameter Adam kernel's ratios of each slot's bias correction to slot 0's while
 # their step counts agree.
 _SAME_STEP = {f"{name}{slot}": 1.0 for name in ("step_ratio", "bias2_ratio") for slot in (1, 2, 3)}
@@ -266,7 +267,7 @@ class SGD(Optimizer):
                     buf=buf.buffer,
                     buf_in=buf.buffer,
                     count=count,
-                    dynamic=functools.partial(self._hyper, k),
+                    dynamic=partial(self._hyper, k),
                     held=self._held.setdefault(k, []),
                 )
                 p.storage.wrote("SGD.step")
@@ -376,10 +377,12 @@ class Adam(Optimizer):
     def _dispatch_four(self, slots: list, batch: _Batch, site: int) -> None:
         """One kernel updating up to four parameters (threads split by float4 ranges)."""
         dev = slots[0][1].device
-        chunk = dev.kernels.chunk
+        kernels = dev.kernels
+        chunk = kernels.chunk
         # The bound buffers: (p, grad, m, v) of each slot (unused slots repeat the last one,
         # with an empty range). A step that binds the very buffers of the site's last one
-        # reuses its binding lists (the names, ranges and order follow from the buffers).
+        # reuses its binding lists (the names, ranges and order follow from the buffers), and
+        # its kernel while the cache still holds it (``touch``: else built or found anew).
         bufs = []
         for k in range(4):
             _, p, m, v = slots[min(k, len(slots) - 1)]
@@ -387,20 +390,22 @@ class Adam(Optimizer):
         key = (id(dev), site)
         made = self._bindings.get(key)
         if made is None or made[0] != (chunk, len(slots)) or not _same(made[1], bufs):
-            made = ((chunk, len(slots)), bufs, *_four_bindings(slots, bufs, chunk))
+            made = None
+        if made is None or not kernels.touch(made[5]):
+            found = kernels.get_keyed(_ADAM4[0], _ADAM4[1], CHUNK=chunk, TG=ADAM_GROUP)
+            made = ((chunk, len(slots)), bufs, *_four_bindings(slots, bufs, chunk), *found)
             self._bindings[key] = made
-        _, _, buffers, fixed, end = made
+        _, _, buffers, fixed, end, _, kernel = made
         writer = f"{type(self).__name__}.step"
         for slot in slots:
             slot[1].storage.wrote(writer)
         batch.join(slots[0][1])
-        kernel = dev.kernels.get(
-            "optim/adamw.slang", "adamw_step4_multi", CHUNK=chunk, TG=ADAM_GROUP
-        )
-        hyper = functools.partial(self._hyper_four, tuple(slot[0] for slot in slots))
-        scalars = fixed + list(hyper().items())  # (as dispatch(dynamic=) binds them)
+        ks = tuple([slot[0] for slot in slots])
+        scalars = fixed + list(self._hyper_four(ks).items())  # (as dispatch(dynamic=) binds)
+        # A capture re-reads the uniforms at each replay (``dynamic``): only made for one.
+        hyper = None if capturing.recording() is None else partial(self._hyper_four, ks)
         held = self._held.setdefault(key, [])
-        dev.kernels.dispatch_split(kernel, end, buffers, scalars, dynamic=hyper, held=held)
+        kernels.dispatch_split(kernel, end, buffers, scalars, dynamic=hyper, held=held)
 
 
 def _same(kept: list, bufs: list) -> bool:

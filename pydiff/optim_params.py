@@ -6,6 +6,7 @@ opt.params.append(q); opt.step() # ValueError naming params[1], before anything 
 
 from __future__ import annotations
 
+from operator import is_
 from typing import Any, Sequence
 
 from . import foreign
@@ -59,7 +60,7 @@ def check_unchanged(owner: str, params: Sequence[Any], created_with: tuple[Tenso
     """Refuse (ValueError) a public ``opt.params`` list changed since the optimizer was
     created: its state (momentum, Adam's moments, step counts) is one entry per parameter of
     that list, so a step over another list would update some parameters and then fail."""
-    if len(params) == len(created_with) and all(map(_same, params, created_with)):
+    if len(params) == len(created_with) and all(map(is_, params, created_with)):
         return
     n, now = len(created_with), len(params)
     k = next((i for i in range(min(now, n)) if params[i] is not created_with[i]), None)
@@ -75,10 +76,6 @@ def check_unchanged(owner: str, params: Sequence[Any], created_with: tuple[Tenso
         f"of parameters, create a new optimizer over it, e.g. {owner}([w, b, q], ...) (its state "
         f"starts anew); or put {owner}.params back as it was."
     )
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b
 
 
 def _kind(p: Any) -> str:
