@@ -414,6 +414,24 @@ def affected_functions(
     return {k: v for k, v in result.items() if v}
 
 
+def no_diff_undecided(traps: dict, file: str, line: int, function: str, params: set) -> None:
+    """Add to ``traps`` the refusal of ``function``'s ``.bwds``: definitions with these very
+    parameters mark ``params`` ``no_diff`` in some and not in others (both branches of an
+    ``#if`` the scan cannot decide), so which gradient is right is unknown (before break48
+    the marking of the dropped branch counted: a gradient silently dropped)."""
+    names = ", ".join(f"'{p}'" for p in sorted(params))
+    why = (
+        f"parameter(s) {names} are no_diff in one definition of {function}() and not in "
+        "another with the same parameters, under a preprocessor condition pydiff cannot "
+        "decide (a macro neither the source nor the device's defines set): which one Slang "
+        "compiled, and so which gradient is right, is unknown. Define the macro in the "
+        "source or in the device's compiler defines, or rename one definition's parameters"
+    )
+    found = Finding(file, line, function, "no-diff-undecided", why)
+    if found not in traps.setdefault(function, []):
+        traps[function].append(found)
+
+
 def refusing(findings: list[Finding] | None) -> bool:
     """Whether ``findings`` (a trap map's entry) refuse the function's ``.bwds``: those that
     refuse forward mode only leave its forward calls and ``.bwds`` to the generated kernels."""

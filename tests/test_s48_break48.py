@@ -1,0 +1,129 @@
+"""break48: cases a new user met, each against an independent reference (float64 NumPy closed
+forms), each failing before its fix.
+
+- Overloads of one name merged their ``no_diff`` markings (lint_nodiff keyed parameters by
+  the function's name): ``f(idx, x, no_diff y, s)`` beside ``f(idx, x, y)`` made the second
+  overload's ``y`` no_diff too, and its ``.bwds`` gave ``x.grad`` = 0 where 2x is right,
+  with a GradientFlowWarning claiming ``y`` is no_diff. Each overload now takes the markings
+  of the definition with its own parameters (``lint_nodiff.marked_params``).
+- Definitions with the same parameters that mark ``no_diff`` differently under an ``#if`` the
+  scan cannot decide: which one Slang compiled is unknown, so ``.bwds`` (and a tape's
+  backward through the call) is refused by name (``ShaderTrapError``, file and line) where
+  the dropped branch's marking silently dropped the gradient (test_s34_break34's xfail).
+- A tensor of the wrong dtype at a ``double``/``int64_t``/``uint64_t`` parameter was told to
+  convert with ``pydiff.tensor(x.numpy().astype(np.float64))``, which makes a float (int)
+  tensor again: the same TypeError. The advice now names ``dtype=`` and works.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import slangpy as spy
+
+import pydiff
+from pydiff.errors import GradientFlowWarning
+
+OVERLOADS = """import slangpy;
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y, float s)
+{ float v = x[idx]; y[idx] = v * s; }
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+"""
+
+
+@pytest.fixture
+def xs():
+    return np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+
+
+def test_an_overload_keeps_its_own_no_diff_markings(device, xs):
+    m = pydiff.load_module_from_source("s48_overloads", OVERLOADS, device=device)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((64,), device=device).with_grads(ones=True)
+    m.f(spy.grid((64,)), x, y)
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientFlowWarning)  # (y is not no_diff here)
+        m.f.bwds(spy.grid((64,)), x, y)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs.astype(np.float64), rtol=1e-6, atol=1e-7)
+
+
+def test_the_no_diff_overload_still_gives_no_gradient_through_its_output(device, xs):
+    m = pydiff.load_module_from_source("s48_overloads_b", OVERLOADS, device=device)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((64,), device=device).with_grads(ones=True)
+    m.f(spy.grid((64,)), x, y, 3.0)
+    np.testing.assert_allclose(y.numpy(), 3.0 * xs.astype(np.float64), rtol=1e-6)
+    with pytest.warns(GradientFlowWarning, match="'y' is no_diff"):
+        m.f.bwds(spy.grid((64,)), x, y, 3.0)
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)  # y = 3x stored no_diff: nothing to x
+
+
+def test_an_overload_on_a_tape_gets_its_gradient(device, xs):
+    m = pydiff.load_module_from_source("s48_overloads_c", OVERLOADS, device=device)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((64,), device=device, requires_grad=True)
+        m.f(spy.grid((64,)), x, y)
+    tape.backward(y, grad=pydiff.ones((64,), device=device))
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs.astype(np.float64), rtol=1e-6, atol=1e-7)
+
+
+UNDECIDED = """import slangpy;
+#ifdef S48_NEVER_DEFINED
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+#else
+[Differentiable]
+void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
+{ float v = x[idx]; y[idx] = v * v; }
+#endif
+[Differentiable] float sq(float x) { return x * x; }
+"""
+
+
+def test_an_undecided_no_diff_is_refused_on_a_tape_too(device, xs):
+    m = pydiff.load_module_from_source("s48_undecided", UNDECIDED, device=device)
+    x = pydiff.tensor(xs, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = pydiff.zeros((64,), device=device, requires_grad=True)
+        m.f(spy.grid((64,)), x, y)  # (the forward call is fine: no_diff changes no value)
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, rtol=1e-6)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"<s48_undecided>:4: in f\(\).*'y'"):
+        tape.backward(y, grad=pydiff.ones((64,), device=device))
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)
+    # the module's other functions are untouched
+    x.zero_grad()
+    s = m.sq(x, _result="tensor").with_grads(ones=True)
+    m.sq.bwds(x, _result=s)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs.astype(np.float64), rtol=1e-6)
+
+
+CASTS = """
+double twice_d(double x) { return 2.0 * x; }
+int64_t twice_l(int64_t k) { return 2 * k; }
+uint64_t twice_u(uint64_t k) { return 2 * k; }
+"""
+
+
+@pytest.mark.parametrize(
+    "name, given",
+    [("twice_d", np.float32), ("twice_l", np.int32), ("twice_u", np.int32), ("twice_d", np.int32)],
+)
+def test_the_conversion_advice_works_as_written(device, name, given):
+    m = pydiff.load_module_from_source("s48_casts", CASTS, device=device)
+    values = np.array([1, 3, 5, 2**20], dtype=given)
+    x = pydiff.tensor(values, device=device)
+    with pytest.raises(TypeError, match=r"Convert it first") as err:
+        getattr(m, name)(x, _result="tensor")
+    advice = re.search(r"e\.g\. (pydiff\.tensor\(.*\))$", str(err.value)).group(1)
+    converted = eval(advice, {"pydiff": pydiff, "np": np, "x": x})  # what the message says
+    out = getattr(m, name)(converted, _result="tensor")
+    np.testing.assert_array_equal(out.numpy(), 2 * values.astype(np.float64))
