@@ -197,21 +197,24 @@ def no_diff_definitions(source: str, imported: Iterable[str] = ()) -> dict[str, 
 
 def marked_params(defs: dict, name: str, params: list[str]) -> tuple[set[str], set[str], int]:
     """For the function ``name`` whose reflected parameters are named ``params``: the names
-    marked ``no_diff`` in its definition, those that definitions with these very parameters
-    mark differently (both branches of an ``#if`` the scan cannot decide: which one Slang
-    compiled is unknown), and the line of the first such definition. Another overload's
-    markings are not this one's (before break48 they were merged: its ``no_diff`` dropped
-    the gradient of this overload's parameter of the same name). Where no definition has
-    these names (a name a macro builds), every definition's markings count, as before.
+    marked ``no_diff`` in its definition; those that definitions of as many parameters mark
+    at other positions (overloads of one arity, which SlangPy picks between by the values'
+    types while pydiff reads the first; or both branches of an ``#if`` the scan cannot
+    decide: which definition runs is unknown); and the line of its definition. An overload
+    of another arity is not this one (before break48 every definition's markings were
+    merged: one overload's ``no_diff`` dropped another's gradient, silently). Where no
+    definition has as many parameters (a name a macro builds), every marking counts.
 
     >>> defs = no_diff_definitions("void f(int i, no_diff T x) {} void f(T x) {}")
     >>> marked_params(defs, "f", ["x"])
     (set(), set(), 1)
     """
     entries = defs.get(name, [])
-    same = [(marked, line) for names, marked, line in entries if names == tuple(params)]
+    same = [(names, marked, line) for names, marked, line in entries if len(names) == len(params)]
     if not same:
         return set().union(*(marked for _, marked, _ in entries)), set(), 0
-    sure = set(same[0][0]).intersection(*(marked for marked, _ in same))
-    unsure = set().union(*(marked for marked, _ in same)) - sure
-    return sure, unsure, same[0][1]
+    at = [{i for i, n in enumerate(names) if n in marked} for names, marked, _ in same]
+    sure = set.intersection(*at)
+    unsure = set.union(*at) - sure
+    own = [line for names, _, line in same if names == tuple(params)]
+    return {params[i] for i in sure}, {params[i] for i in unsure}, (own or [same[0][2]])[0]

@@ -6,10 +6,11 @@ forms), each failing before its fix.
   overload's ``y`` no_diff too, and its ``.bwds`` gave ``x.grad`` = 0 where 2x is right,
   with a GradientFlowWarning claiming ``y`` is no_diff. Each overload now takes the markings
   of the definition with its own parameters (``lint_nodiff.marked_params``).
-- Definitions with the same parameters that mark ``no_diff`` differently under an ``#if`` the
-  scan cannot decide: which one Slang compiled is unknown, so ``.bwds`` (and a tape's
-  backward through the call) is refused by name (``ShaderTrapError``, file and line) where
-  the dropped branch's marking silently dropped the gradient (test_s34_break34's xfail).
+- Definitions of as many parameters that mark ``no_diff`` differently (overloads of one
+  arity, which SlangPy picks between by type; both branches of an ``#if`` the scan cannot
+  decide): which one runs is unknown, so ``.bwds`` (and a tape's backward through the call)
+  is refused by name (``ShaderTrapError``, file and line) where the other's marking
+  silently dropped the gradient (test_s34_break34's xfail).
 - A tensor of the wrong dtype at a ``double``/``int64_t``/``uint64_t`` parameter was told to
   convert with ``pydiff.tensor(x.numpy().astype(np.float64))``, which makes a float (int)
   tensor again: the same TypeError. The advice now names ``dtype=`` and works.
@@ -104,6 +105,31 @@ def test_an_undecided_no_diff_is_refused_on_a_tape_too(device, xs):
     s = m.sq(x, _result="tensor").with_grads(ones=True)
     m.sq.bwds(x, _result=s)
     np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs.astype(np.float64), rtol=1e-6)
+
+
+SAME_ARITY = """import slangpy;
+[Differentiable]
+void f(int i, IDiffTensor<float, 1> x, no_diff IWDiffTensor<float, 1> y)
+{ float v = x[i]; y[i] = v * 3.0; }
+[Differentiable]
+void f(int i, IDiffTensor<half, 1> x, IWDiffTensor<half, 1> y)
+{ half v = x[i]; y[i] = v * v; }
+"""
+
+
+def test_same_arity_overloads_marking_no_diff_differently_are_refused(device):
+    # SlangPy picks the half overload by the tensors' types; pydiff read the float one's
+    # no_diff y for it: x.grad = 0 where 2x is right, with a GradientFlowWarning saying y is
+    # no_diff. Which overload runs is SlangPy's choice: refused by name.
+    m = pydiff.load_module_from_source("s48_same_arity", SAME_ARITY, device=device)
+    xs = np.linspace(-1.0, 1.0, 12).astype(np.float16)
+    x = pydiff.tensor(xs, device=device).with_grads(zero=True)
+    y = pydiff.zeros((12,), dtype="half", device=device).with_grads(ones=True)
+    m.f(spy.grid((12,)), x, y)
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 2, atol=1e-3)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"'y' are no_diff.*overloads"):
+        m.f.bwds(spy.grid((12,)), x, y)
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)
 
 
 CASTS = """
