@@ -18,7 +18,7 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
-from . import capture_calls, module_session
+from . import capture_calls, module_session, overload_select
 from . import slang_compile
 from .arguments import overload_listing
 from .backward_function import BackwardFunction
@@ -400,12 +400,10 @@ class OverloadedFunction:
         return self.overloads[0].name
 
     def select(self, args: tuple, kwargs: dict) -> ShaderFunction:
+        if (fn := overload_select.select(self.overloads, args, kwargs)) is not None:
+            return fn  # (by arity, then by the tensors' element types: as SlangPy picks)
         names = {k for k in kwargs if not k.startswith("_")}
         count = len(args) + len(names)
-        for fn in self.overloads:
-            params = [p.name for p in fn.params]
-            if len(params) == count and names <= set(params[len(args) :]):
-                return fn
         raise TypeError(
             f"{self.overloads[0].label}: no overload takes {count} argument(s)"
             f"{' named ' + ', '.join(sorted(names)) if names else ''}; "

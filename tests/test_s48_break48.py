@@ -153,3 +153,73 @@ def test_the_conversion_advice_works_as_written(device, name, given):
     converted = eval(advice, {"pydiff": pydiff, "np": np, "x": x})  # what the message says
     out = getattr(m, name)(converted, _result="tensor")
     np.testing.assert_array_equal(out.numpy(), 2 * values.astype(np.float64))
+
+
+# Overloads of one arity: the call goes to the one that takes the tensors' element types (as
+# SlangPy picks), and pydiff's bookkeeping follows it. Before break48 the first overload of the
+# arity was taken: the half one's signature (x only read) for a call SlangPy ran on the float
+# inout overload, so x's version never moved.
+INOUT_OVERLOADS = """
+[Differentiable] void k(float a, inout float x) { x = a * x * x; }
+[Differentiable] half k(half a, half x) { return a * x; }
+[Differentiable] float cube(float x) { return x * x * x; }
+"""
+XF = np.array([0.5, 1.0, 1.5, 2.0], np.float32)
+
+
+def test_an_inout_overload_write_is_seen_by_a_tape(device):
+    m = pydiff.load_module_from_source("s48_inout_overloads", INOUT_OVERLOADS, device=device)
+    x = pydiff.tensor(XF, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = m.cube(x)
+    m.k(2.0, x)  # off the tape: x = 2 x^2 in place
+    np.testing.assert_allclose(x.numpy(), 2.0 * XF.astype(np.float64) ** 2)
+    # (before: x.grad = 3 (2 x^2)^2, the gradient at the overwritten values, silently)
+    with pytest.raises(pydiff.StaleInputError, match=r"'x'.*overwritten by s48_inout_overloads\.k"):
+        tape.backward(y, grad=pydiff.ones((4,), device=device))
+    y = m.cube(x, _result="tensor").with_grads(ones=True)
+    m.k(2.0, x)
+    with pytest.raises(ValueError, match=r"parameter 'x'"):
+        m.cube.bwds(x, _result=y)
+
+
+def test_an_inout_overload_gets_its_gradients(device):
+    m = pydiff.load_module_from_source("s48_inout_overloads_b", INOUT_OVERLOADS, device=device)
+    xs = XF.astype(np.float64)
+    a = pydiff.tensor(np.full(4, 2.0, np.float32), device=device, requires_grad=True)
+    x = pydiff.tensor(XF, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        m.k(a, x)
+    tape.backward(x, grad=pydiff.ones((4,), device=device))
+    np.testing.assert_allclose(x.grad.numpy(), 4.0 * xs, rtol=1e-6)  # d(a x^2)/dx = 2 a x
+    np.testing.assert_allclose(a.grad.numpy(), xs**2, rtol=1e-6)
+
+
+VALUE_OVERLOADS = """
+[Differentiable] float k(float a, float x) { return a * x; }
+[Differentiable] void k(half a, inout half x) { x = a * x * x; }
+"""
+
+
+def test_the_float_overload_runs_for_float_tensors(device):
+    # (before: the half inout overload's wrapper was called: SlangPy's raw TypeError)
+    m = pydiff.load_module_from_source("s48_value_overloads", VALUE_OVERLOADS, device=device)
+    a = pydiff.tensor(np.full(4, 2.0, np.float32), device=device, requires_grad=True)
+    x = pydiff.tensor(XF, device=device, requires_grad=True)
+    r = m.k(a, x, _result="tensor").with_grads(ones=True)
+    np.testing.assert_allclose(r.numpy(), 2.0 * XF.astype(np.float64))
+    m.k.bwds(a, x, _result=r)
+    np.testing.assert_allclose(x.grad.numpy(), 2.0)
+    np.testing.assert_allclose(a.grad.numpy(), XF.astype(np.float64))
+
+
+def test_overloads_fitting_alike_that_write_differently_are_refused(device):
+    src = """
+[Differentiable] void w(half a, inout float x) { x = float(a) * x; }
+[Differentiable] float w(float a, float x) { return a * x; }
+"""
+    m = pydiff.load_module_from_source("s48_unclear_overloads", src, device=device)
+    x = pydiff.tensor(XF, device=device)
+    with pytest.raises(TypeError, match=r"differ in whether the call writes parameter 1 \('x'\)"):
+        m.w(2.0, x)
+    np.testing.assert_array_equal(x.numpy(), XF)  # nothing ran
