@@ -290,7 +290,7 @@ def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
         return
     if got == base and (dtype == base or axes):
         return  # its scalar: the element axes are checked with the shapes (own_shape)
-    art = "an" if base[0] in "aeiou" else "a"
+    art = "an" if base[0] in "aeio" else "a"  # (a uint)
     takes = f"{art} {base} tensor" + (
         f" whose last axes are {axes}" + ("" if array else f", or a {name} tensor") if axes else ""
     )
@@ -300,9 +300,9 @@ def check_tensor_type(fn: FunctionTarget, p: ParamInfo, t: Tensor) -> None:
             f". Convert it first with x.astype('{base}'), which the tape differentiates (a "
             f"torch tensor: t.{base}() before the call)"
         )
-    elif got != base and base in SCALAR_NUMPY:
-        target = np.dtype(SCALAR_NUMPY[base]).name
-        fix = f". Convert it first, e.g. pydiff.tensor(x.numpy().astype(np.{target}))"
+    elif got != base and base in SCALAR_NUMPY:  # (not NumPy's astype: pydiff.tensor makes
+        # float64 data float, int64 int: the advice gave the same error again before break48)
+        fix = f". Convert it first, e.g. pydiff.tensor(x.numpy(), dtype='{base}')"
     raise TypeError(
         f"{fn.label}: parameter '{p.name}' ({name}) got a tensor of dtype {t.dtype}, which "
         f"SlangPy does not convert to {name}; it takes {takes}, or host values (NumPy "

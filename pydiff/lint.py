@@ -414,6 +414,25 @@ def affected_functions(
     return {k: v for k, v in result.items() if v}
 
 
+def no_diff_undecided(traps: dict, file: str, line: int, function: str, params: set) -> None:
+    """Add to ``traps`` the refusal of ``function``'s ``.bwds``: definitions of as many
+    parameters mark ``params`` ``no_diff`` in some and not in others (same-arity overloads,
+    or both branches of an ``#if`` the scan cannot decide), so which gradient is right is
+    unknown (before break48 the markings were merged: a gradient silently dropped)."""
+    names = ", ".join(f"'{p}'" for p in sorted(params))
+    why = (
+        f"parameter(s) {names} are no_diff in one definition of {function}() and not in "
+        "another of as many parameters: overloads SlangPy picks between by the values' "
+        "types, or both branches of a preprocessor condition pydiff cannot decide (a macro "
+        "neither the source nor the device's defines set). Which one runs, and so which "
+        "gradient is right, pydiff cannot tell. Give the overloads different names (or "
+        "define the macro in the source or the device's compiler defines)"
+    )
+    found = Finding(file, line, function, "no-diff-undecided", why)
+    if found not in traps.setdefault(function, []):
+        traps[function].append(found)
+
+
 def refusing(findings: list[Finding] | None) -> bool:
     """Whether ``findings`` (a trap map's entry) refuse the function's ``.bwds``: those that
     refuse forward mode only leave its forward calls and ``.bwds`` to the generated kernels."""

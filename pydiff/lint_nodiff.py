@@ -88,16 +88,20 @@ def _split_params(params: str) -> list[str]:
 
 
 def _marked(params: str) -> set[str]:
-    names = set()
+    return {name for name, marked in _named(params) if marked}
+
+
+def _named(params: str) -> list[tuple[str, bool]]:
+    """Each parameter's name (where one is read) and whether it is written ``no_diff``."""
+    named = []
     for param in _split_params(params):
-        words = param.split()
-        if "no_diff" in words and (m := _NAME.search(param.strip())) is not None:
-            names.add(m.group(1))
-    return names
+        if (m := _NAME.search(param.strip())) is not None:
+            named.append((m.group(1), "no_diff" in param.split()))
+    return named
 
 
-def _scan(text: str, found: dict[str, set[str]], fields: dict[str, set[str]]) -> None:
-    text = _COMMENTS.sub(" ", text)
+def _scan(text: str, found: dict, fields: dict, defs: dict | None = None) -> None:
+    text = _COMMENTS.sub(lambda c: re.sub(r"[^\n]", " ", c.group()), text)  # (lines kept)
     # a (name, kind) per open brace: a namespace's or a struct's, else None
     scopes: list[tuple[str, str] | None] = []
     in_body = 0  # braces open inside a function's body
@@ -127,6 +131,13 @@ def _scan(text: str, found: dict[str, set[str]], fields: dict[str, set[str]]) ->
             names = _marked(header[1])
             if names:
                 found.setdefault(_qualified(scopes, header[0]), set()).update(names)
+            if defs is not None:  # every definition, its parameters' names and markings
+                named = _named(header[1])
+                named_at = re.search(rf"\b{header[0]}\s*[<(]", head)  # (its name's line)
+                at = brace.start() - len(head) + (named_at.start() if named_at else 0)
+                line = text.count("\n", 0, at) + 1
+                entry = (tuple(n for n, _ in named), frozenset(n for n, m in named if m), line)
+                defs.setdefault(_qualified(scopes, header[0]), []).append(entry)
             in_body = 1
             continue
         named = (scope.group(2).replace(".", "::"), scope.group(1)) if scope else None
@@ -158,9 +169,52 @@ def no_diff_fields(source: str, imported: Iterable[str] = ()) -> dict[str, set[s
     return _scan_all(source, imported)[1]
 
 
-def _scan_all(source: str, imported: Iterable[str]) -> tuple[dict, dict]:
+def _scan_all(source: str, imported: Iterable[str], defs: dict | None = None) -> tuple:
     found: dict[str, set[str]] = {}
     fields: dict[str, set[str]] = {}
-    for text in (source, *imported):
-        _scan(text, found, fields)
+    for k, text in enumerate((source, *imported)):
+        own: dict = {}
+        _scan(text, found, fields, own)
+        for name, entries in own.items() if defs is not None else ():
+            # (a line of an imported text is not the module's: 0)
+            defs.setdefault(name, []).extend(e if k == 0 else (*e[:2], 0) for e in entries)
     return found, fields
+
+
+def no_diff_definitions(source: str, imported: Iterable[str] = ()) -> dict[str, list]:
+    """Per function (named as ``no_diff_tensors`` names it), each of its definitions in
+    ``source`` and the ``imported`` texts: ``(parameter names, those marked no_diff, line)``
+    (the line in ``source``; 0 in an imported text). Overloads are told apart by their
+    parameters (``marked_params``), not merged.
+
+    >>> no_diff_definitions("void f(int i, no_diff IDiffTensor<float, 1> x) { }")
+    {'f': [(('i', 'x'), frozenset({'x'}), 1)]}
+    """
+    defs: dict[str, list] = {}
+    _scan_all(source, imported, defs)
+    return defs
+
+
+def marked_params(defs: dict, name: str, params: list[str]) -> tuple[set[str], set[str], int]:
+    """For the function ``name`` whose reflected parameters are named ``params``: the names
+    marked ``no_diff`` in its definition; those that definitions of as many parameters mark
+    at other positions (overloads of one arity, which SlangPy picks between by the values'
+    types while pydiff reads the first; or both branches of an ``#if`` the scan cannot
+    decide: which definition runs is unknown); and the line of its definition. An overload
+    of another arity is not this one (before break48 every definition's markings were
+    merged: one overload's ``no_diff`` dropped another's gradient, silently). Where no
+    definition has as many parameters (a name a macro builds), every marking counts.
+
+    >>> defs = no_diff_definitions("void f(int i, no_diff T x) {} void f(T x) {}")
+    >>> marked_params(defs, "f", ["x"])
+    (set(), set(), 1)
+    """
+    entries = defs.get(name, [])
+    same = [(names, marked, line) for names, marked, line in entries if len(names) == len(params)]
+    if not same:
+        return set().union(*(marked for _, marked, _ in entries)), set(), 0
+    at = [{i for i, n in enumerate(names) if n in marked} for names, marked, _ in same]
+    sure = set.intersection(*at)
+    unsure = set.union(*at) - sure
+    own = [line for names, _, line in same if names == tuple(params)]
+    return {params[i] for i in sure}, {params[i] for i in unsure}, (own or [same[0][2]])[0]

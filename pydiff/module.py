@@ -18,7 +18,7 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
-from . import capture_calls, module_session
+from . import capture_calls, module_session, overload_select
 from . import slang_compile
 from .arguments import overload_listing
 from .backward_function import BackwardFunction
@@ -27,7 +27,7 @@ from .device import Device, resolve_device, shader_dir
 from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
-from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
+from .lint_nodiff import generic_base, marked_params, no_diff_definitions, no_diff_fields
 from .lint_lanes import lane_effects
 from .lint_statics import imported_names, thread_state
 from .signature import ParamInfo, Signature, stem
@@ -72,8 +72,8 @@ class Module:
         self.source_files: list[str] = []
         #: Trap findings per function name (``.bwds`` of these is refused).
         self.traps = lint.TrapMap()
-        #: Parameters marked no_diff, per function and its namespaces (lint_nodiff).
-        self.no_diff_tensors = no_diff_tensors(source) if source is not None else {}
+        #: Each definition's parameters and those marked no_diff, per function (lint_nodiff).
+        self.no_diff_tensors = no_diff_definitions(source) if source is not None else {}
         self.no_diff_fields = no_diff_fields(source) if source is not None else {}
         #: Thread state (mutable statics, SlangPy's call id) and cross-lane or side-effecting
         #: functions (lint_lanes): generated kernels keep off them.
@@ -111,7 +111,7 @@ class Module:
             merged = double_math.with_findings(scan.traps, doubles)
             self.traps = double_math.DoubleTraps(merged, device, source, file, options.defines)
             self.source_files = list(scan.files)
-            self.no_diff_tensors = no_diff_tensors(scan.own_text, scan.imported_texts)
+            self.no_diff_tensors = no_diff_definitions(scan.own_text, scan.imported_texts)
             self.no_diff_fields = no_diff_fields(scan.own_text, scan.imported_texts)
 
     def function_names(self) -> list[str]:
@@ -266,9 +266,12 @@ class ShaderFunction:
         self.native = native
         # Reflection is read once here: these sit on every call's path.
         self.signature = Signature.reflect(name, reflected)
-        # (reflection cannot tell them; a specialisation f<2> has the parameters of f)
-        marked = module.no_diff_tensors.get(generic_base(name), set())
+        # (reflection cannot tell them; f<2> has f's; an overload its own: marked_params)
+        params, base = [p.name for p in self.signature.params], generic_base(name)
+        marked, unsure, line = marked_params(module.no_diff_tensors, base, params)
         self.signature = self.signature.with_no_diff_tensors(marked, module.no_diff_fields)
+        if unsure:  # (an #if the scan cannot decide: which definition Slang kept is unknown)
+            lint.no_diff_undecided(module.traps, module.file, line, base, unsure)
         self.label = f"{module.name}.{name}"
         self.call_label = f"{self.label} (forward call)"
         self.bwds_label = f"{self.label}.bwds"
@@ -397,12 +400,10 @@ class OverloadedFunction:
         return self.overloads[0].name
 
     def select(self, args: tuple, kwargs: dict) -> ShaderFunction:
+        if (fn := overload_select.select(self.overloads, args, kwargs)) is not None:
+            return fn  # (by arity, then by the tensors' element types: as SlangPy picks)
         names = {k for k in kwargs if not k.startswith("_")}
         count = len(args) + len(names)
-        for fn in self.overloads:
-            params = [p.name for p in fn.params]
-            if len(params) == count and names <= set(params[len(args) :]):
-                return fn
         raise TypeError(
             f"{self.overloads[0].label}: no overload takes {count} argument(s)"
             f"{' named ' + ', '.join(sorted(names)) if names else ''}; "

@@ -286,13 +286,6 @@ def test_a_numpy_array_at_a_tensor_parameter_of_a_grid_call_says_what_to_do(devi
     np.testing.assert_array_equal(y.numpy(), 2.0 * xs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lint_nodiff reads no_diff from the text the trap scanner's preprocessor keeps, "
-    "which keeps both branches of an #ifdef it cannot decide (a name neither the source nor "
-    "the device defines): a no_diff in the branch Slang drops marks the parameter of the "
-    "function Slang keeps, whose gradient is then dropped",
-)
 def test_a_no_diff_in_an_undecided_ifdef_branch(device):
     source = """import slangpy;
 #ifdef B34_UNDEFINED_FLAG
@@ -309,7 +302,8 @@ void f(int idx, IDiffTensor<float, 1> x, IWDiffTensor<float, 1> y)
     xs = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
     x = pydiff.tensor(xs, device=device).with_grads(zero=True)
     y = pydiff.zeros((64,), device=device).with_grads(ones=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GradientFlowWarning)
+    # (was a strict xfail: the dropped branch's no_diff dropped x's gradient, silently.
+    # Which branch Slang compiled is unknown to the scan: refused by name since break48)
+    with pytest.raises(pydiff.ShaderTrapError, match=r"'y' are no_diff in one definition of f"):
         m.f.bwds(spy.grid((64,)), x, y)
-    np.testing.assert_allclose(x.grad.numpy(), 2.0 * xs, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(x.grad.numpy(), 0.0)  # nothing ran
