@@ -12,7 +12,9 @@ than a reused one (lavapipe: ~7 ms for a fresh 12 MB ``float3`` result of 2^20 e
     refuse_rounded_ints(np.array([2**24 + 1]), np.float32, "pydiff.tensor")  # ValueError
 
 A float holds every integer only up to 2^24 (half: 2^11, double: 2^53): an integer past
-that which it cannot hold exactly is refused (``refuse_rounded_ints``), as an overflow is.
+that which it cannot hold exactly is refused (``refuse_rounded_ints``), as an overflow is;
+in a Python list too, which NumPy makes float64 when it holds floats or ints past int64
+(``refuse_rounded_list``: ``[2**63 + 1, 0]`` became 2**63 without a word).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _refuse_rounded_objects(values: np.ndarray, dtype: Any, where: str) -> None:
         info = np.iinfo(dtype)
         for v in values.flat:
             if isinstance(v, int) and not info.min <= v <= info.max:
-                raise ValueError(f"{where}: {v} does not fit {dtype} ({info.min} to {info.max})")
+                raise ValueError(f"{where}: {v} does not fit {np.dtype(dtype)} ({info.min} to {info.max})")
         return
     if np.dtype(dtype).kind != "f":
         return
@@ -150,3 +152,26 @@ def _refuse(v: int, f: float, dtype: Any, where: str, limit: int) -> None:
         f"'int'){wider}, or "
         "convert the values to floats yourself (np.asarray(x, float)) to accept the rounding"
     )
+
+
+def refuse_rounded_list(data: Any, arr: np.ndarray, dtype: Any, where: str) -> None:
+    """``refuse_rounded_ints`` for the Python ints of a (nested) list or tuple ``data`` that
+    NumPy made the float or object array ``arr``: each must be exact in ``arr`` (ints mixed
+    with floats, ``[2**53 + 1, 0.5]``, or past int64, ``[2**63 + 1, 0]``, became float64,
+    rounded without a word) and in ``dtype``, the values' target (``[2**24 + 1, 0.5]`` for a
+    float). Integer arrays are checked where they are cast (``refuse_rounded_ints``)."""
+    if type(data) not in (list, tuple) or arr.dtype.kind not in "fO":
+        return
+    big, stack = [], [data]
+    while stack:
+        for v in stack.pop():
+            if type(v) in (list, tuple):
+                stack.append(v)
+            elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+                if abs(int(v)) > 2048:  # (up to 2**11 every float type holds it)
+                    big.append(int(v))
+    if big:
+        ints = np.array(big, dtype=object)
+        if arr.dtype.kind == "f":
+            refuse_rounded_ints(ints, arr.dtype, f"{where} (a list NumPy made {arr.dtype})")
+        refuse_rounded_ints(ints, dtype, where)

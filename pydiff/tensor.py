@@ -21,6 +21,7 @@ from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, dims, float4_layout, has_c_strides, read_back
 from .storage import bool_words, layout_element, shape_with_inferred_axis, type_name
+from .float_storage import refuse_rounded_list
 from .handles import handed_out, owner
 from .tensor_operators import TensorOperators, copy_refusal
 
@@ -159,8 +160,7 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> labels.dense        # True for pydiff.tensor(array)
         """
-        n = self._native
-        return n.offset == 0 and n.is_contiguous()
+        return (n := self._native).offset == 0 and n.is_contiguous()
 
     @property
     def layout(self) -> tuple:
@@ -222,14 +222,14 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
         """
-        arr = np.asarray(data)
-        want = self.expected_numpy_shape()
+        arr, want = np.asarray(data), self.expected_numpy_shape()
         if arr.shape != want:
             raise ValueError(
                 f"{caller}: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
         up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
+        refuse_rounded_list(data, arr, up, caller)  # ([2**63 + 1, 0]: rounded by NumPy)
         arr = host_cast(arr, up, caller, kind == "bool")
         arr = arr if has_c_strides(arr) else arr.copy(order="C")  # (a[None]: not for SlangPy)
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")

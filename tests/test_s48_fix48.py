@@ -52,3 +52,57 @@ def test_handle_of_a_detached_tensor_is_not_warned_of(device, exps, taken):
     got = _flow_warnings(lambda: exps.ex.bwds(wrapped, _result=1.0))
     assert any("handle" in m and f"({n},)" in m for m in got), got
     del kept
+
+
+IDENTITY = """
+import slangpy;
+float f(float x) { return x; }
+int g(int x) { return x; }
+int64_t h(int64_t x) { return x; }
+"""
+
+# Lists NumPy rounds on conversion (float64: ints mixed with floats, or past int64), or whose
+# int a float cannot hold: each int checked against exact Python integer arithmetic.
+ROUNDED = [
+    [2**63 + 1, 0],
+    [[2**63 + 1], [0]],
+    [2**63 + 1, 0.5],
+    [2**53 + 1, 0.5],
+    [[2**24 + 1, 0.5], [1, 2]],
+]
+
+
+def _inexact(values, dtype) -> bool:
+    """Whether some int of the nested list does not survive dtype (Python ints: exact)."""
+    flat = [v for row in values for v in (row if isinstance(row, (list, tuple)) else [row])]
+    return any(int(np.array(v, dtype=object).astype(dtype)) != v for v in flat if type(v) is int)
+
+
+@pytest.fixture
+def ids(device):
+    return pydiff.load_module_from_source("s48_fix48_ids", IDENTITY, device=device)
+
+
+@pytest.mark.parametrize("values", ROUNDED, ids=str)
+def test_a_list_whose_ints_numpy_or_the_dtype_rounds_is_refused(device, ids, values):
+    assert _inexact(values, np.float32)  # (the premise: float32 cannot hold them)
+    with pytest.raises(ValueError, match=r"parameter 'x'.*integer \d+ has no exact"):
+        ids.f(values)
+    with pytest.raises(ValueError, match=r"pydiff.tensor: data.*integer \d+ has no exact"):
+        pydiff.tensor(values, device=device)
+    with pytest.raises(ValueError, match=r"copy_from_numpy.*integer \d+ has no exact"):
+        pydiff.tensor(np.zeros(np.shape(values)), device=device).copy_from_numpy(values)
+    with pytest.raises(ValueError, match=r"jvp: primal 0.*integer \d+ has no exact"):
+        pydiff.jvp(lambda v: v * 2.0, (values,), (np.ones(np.shape(values)).tolist(),))
+    if _inexact(values, np.float64):  # (NumPy's own float64 rounded it: an int64 too)
+        with pytest.raises(ValueError, match=r"parameter 'x'.*NumPy made float64"):
+            ids.h(values)
+
+
+def test_lists_of_exact_ints_still_pass(device, ids):
+    assert ids.f([2**63, 0.5], _result="numpy").tolist() == [2.0**63, 0.5]
+    assert ids.f([2**64, 0], _result="numpy").tolist() == [2.0**64, 0.0]  # (NumPy: objects)
+    assert ids.h([2**53 + 1, 0], _result="numpy").tolist() == [2**53 + 1, 0]  # (int64: exact)
+    assert pydiff.tensor([2**24, 0.5], device=device).numpy().tolist() == [2.0**24, 0.5]
+    with pytest.raises(ValueError, match=r"18446744073709551617 does not fit int32"):
+        ids.g([2**64 + 1, 0])
