@@ -275,7 +275,7 @@ class ShaderFunction:
         self.native_bwds = native.bwds
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
-        self._generated: dict[str, ShaderFunction] = {}
+        self._generated: dict[tuple, ShaderFunction] = {}
         #: The backward (reverse-mode) version of this function (an attribute: no property's
         #: frame on every ``m.f.bwds(...)``).
         self.bwds = BackwardFunction(self)
@@ -342,7 +342,8 @@ class ShaderFunction:
     def generated(self, kind: str, source: str) -> "ShaderFunction":
         """Compile generated Slang ``source`` defining ``<name>__pydiff_<kind>`` (a wrapper of
         this function: forward mode, directional derivative, ...) once, as a ShaderFunction."""
-        if kind not in self._generated:
+        if (key := (kind, source)) not in self._generated:  # (by source too: two wrappers
+            # can share a kind, dir_fixed_a_fixed_b for fixed {a_fixed_b} and {a, b}: s48)
             digest = hashlib.sha1(source.encode()).hexdigest()[:12]
             try:
                 with warnings.catch_warnings():  # (its scan finds this module's traps again:
@@ -362,8 +363,8 @@ class ShaderFunction:
                         line=exc.line,
                     ) from None
                 raise
-            self._generated[kind] = getattr(module, f"{stem(self.name)}__pydiff_{kind}")
-        return self._generated[kind]
+            self._generated[key] = getattr(module, f"{stem(self.name)}__pydiff_{kind}")
+        return self._generated[key]
 
     def _inout(self) -> Any:
         """The SlangPy function of the generated ``inout`` wrapper (see inout_wrapper_source)."""

@@ -106,3 +106,27 @@ def test_lists_of_exact_ints_still_pass(device, ids):
     assert pydiff.tensor([2**24, 0.5], device=device).numpy().tolist() == [2.0**24, 0.5]
     with pytest.raises(ValueError, match=r"18446744073709551617 does not fit int32"):
         ids.g([2**64 + 1, 0])
+
+
+THREE = """
+import slangpy;
+[Differentiable]
+float f3(float a, float b, float a_fixed_b) { return a * a * b + b * a_fixed_b * a_fixed_b; }
+"""
+
+
+def test_directional_wrappers_whose_kinds_read_alike_are_not_shared(device):
+    # dir_wrapper names a wrapper by its fixed parameters: {a_fixed_b} and {a, b} both gave
+    # "dir_fixed_a_fixed_b", and the second call reused the first's kernel (another
+    # signature: directions for a and b, none for a_fixed_b).
+    from pydiff.forward_mode import dir_wrapper
+
+    m = pydiff.load_module_from_source("s48_fix48_three", THREE, device=device)
+    one = dir_wrapper(m.f3, (), frozenset({"a_fixed_b"}))
+    two = dir_wrapper(m.f3, (), frozenset({"a", "b"}))
+    names = [p.name for p in two.params]
+    assert names == ["a", "b", "a_fixed_b", "a_fixed_b__v"], names
+    assert [p.name for p in one.params] == ["a", "a__v", "b", "b__v", "a_fixed_b"]
+    # d/dc (a^2 b + b c^2) along v = 2 b c v (closed form) at a=1.5, b=2, c=3, v=0.5
+    got = two(1.5, 2.0, 3.0, 0.5)
+    assert got == pytest.approx(2 * 2.0 * 3.0 * 0.5, rel=1e-6)
