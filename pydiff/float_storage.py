@@ -122,7 +122,9 @@ def _refuse_rounded_objects(values: np.ndarray, dtype: Any, where: str) -> None:
         info = np.iinfo(dtype)
         for v in values.flat:
             if isinstance(v, int) and not info.min <= v <= info.max:
-                raise ValueError(f"{where}: {v} does not fit {np.dtype(dtype)} ({info.min} to {info.max})")
+                raise ValueError(
+                    f"{where}: {v} does not fit {np.dtype(dtype)} ({info.min} to {info.max})"
+                )
         return
     if np.dtype(dtype).kind != "f":
         return

@@ -24,7 +24,7 @@ from .arguments import overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir
-from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
+from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError, taken_wrapper_name
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import generic_base, no_diff_fields, no_diff_tensors
@@ -344,6 +344,7 @@ class ShaderFunction:
         this function: forward mode, directional derivative, ...) once, as a ShaderFunction."""
         if (key := (kind, source)) not in self._generated:  # (by source too: two wrappers
             # can share a kind, dir_fixed_a_fixed_b for fixed {a_fixed_b} and {a, b}: s48)
+            name = taken_wrapper_name(self.module, f"{stem(self.name)}__pydiff_{kind}", self.label)
             digest = hashlib.sha1(source.encode()).hexdigest()[:12]
             try:
                 with warnings.catch_warnings():  # (its scan finds this module's traps again:
@@ -363,7 +364,7 @@ class ShaderFunction:
                         line=exc.line,
                     ) from None
                 raise
-            self._generated[key] = getattr(module, f"{stem(self.name)}__pydiff_{kind}")
+            self._generated[key] = getattr(module, name)
         return self._generated[key]
 
     def _inout(self) -> Any:

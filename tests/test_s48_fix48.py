@@ -130,3 +130,25 @@ def test_directional_wrappers_whose_kinds_read_alike_are_not_shared(device):
     # d/dc (a^2 b + b c^2) along v = 2 b c v (closed form) at a=1.5, b=2, c=3, v=0.5
     got = two(1.5, 2.0, 3.0, 0.5)
     assert got == pytest.approx(2 * 2.0 * 3.0 * 0.5, rel=1e-6)
+
+
+def test_a_user_function_named_like_a_generated_wrapper_is_refused(device):
+    # The wrapper imports the user's module: two f__pydiff_dir overloads, and SlangPy's error
+    # listed two identical signatures. hvp of x^3 is 6x (closed form) once renamed.
+    src = """
+import slangpy;
+[Differentiable]
+float cube(float x) { return x * x * x; }
+[Differentiable]
+float cube__pydiff_dir(float x, no_diff float x__v) { return 42.0 * x; }
+"""
+    m = pydiff.load_module_from_source("s48_fix48_taken", src, device=device)
+    with pytest.raises(ValueError, match=r"defines cube__pydiff_dir.*rename it"):
+        pydiff.hvp(m.cube, (np.float32(2.0),), (np.float32(1.0),))
+    ok = pydiff.load_module_from_source(
+        "s48_fix48_free", src.replace("cube__pydiff_dir", "cube_dir"), device=device
+    )
+    got = pydiff.hvp(ok.cube, (np.float32(2.0),), (np.float32(1.0),))
+    assert float(np.asarray(got[0] if isinstance(got, (tuple, list)) else got)) == pytest.approx(
+        12.0
+    )
