@@ -214,7 +214,7 @@ def load_module(
         try:
             native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
         except spy.SlangCompileError as exc:
-            raise slang_compile.compile_error(exc, str(file), None) from None
+            raise slang_compile.compile_error(exc, str(file), None, source=source) from None
         module_session.record(dev, str(file), now)
         spec = '"' + str(file).replace("\\", "/") + '"'
         loaded[:] = [Module(native, dev, file.stem, source, str(file), spec, lint)]
@@ -226,7 +226,7 @@ def load_module(
     try:
         slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
     except spy.SlangCompileError as exc:
-        raise slang_compile.compile_error(exc, str(file), None, alias) from None
+        raise slang_compile.compile_error(exc, str(file), None, alias, source) from None
     native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
     loaded[:] = [Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)]
     return loaded[0]

@@ -152,3 +152,58 @@ float cube__pydiff_dir(float x, no_diff float x__v) { return 42.0 * x; }
     assert float(np.asarray(got[0] if isinstance(got, (tuple, list)) else got)) == pytest.approx(
         12.0
     )
+
+
+FWD_RETURNS_FLOAT = """import slangpy;
+
+float sq_fwd(DifferentialPair<float> x)
+{
+    return 2.0 * x.p * x.d;
+}
+
+[ForwardDerivative(sq_fwd)]
+float sq(float x) { return x * x; }
+"""
+
+BWD_TAKES_FLOAT = """import slangpy;
+
+void sq_bwd(float x, float dOut)
+{
+}
+
+[Differentiable]
+[BackwardDerivative(sq_bwd)]
+float sq(float x) { return x * x; }
+"""
+
+
+@pytest.mark.parametrize(
+    "source, want",
+    [
+        (
+            FWD_RETURNS_FLOAT,
+            r"sq_fwd \((?P<f>.*):3\), the \[ForwardDerivative\] of sq "
+            r"\((?P=f):9\), returns float, not DifferentialPair<float>",
+        ),
+        (
+            BWD_TAKES_FLOAT,
+            r"sq_bwd \((?P<f>.*):3\), the \[BackwardDerivative\] of sq "
+            r"\((?P=f):9\), takes float at parameter 0, not inout DifferentialPair<float>",
+        ),
+    ],
+    ids=["forward-returns-float", "backward-takes-float"],
+)
+def test_a_derivative_of_the_wrong_signature_is_named(device, tmp_path, source, want):
+    # Slang said only "return type mismatch ... interface requirement" (or a parameter type
+    # mismatch at the attribute): pydiff names the derivative, what it derives, both lines.
+    path = tmp_path / "wrong_derivative.slang"
+    path.write_text(source)
+    with pytest.raises(pydiff.SlangCompileError, match=want) as caught:
+        pydiff.load_module(path, device=device)
+    assert str(path) in str(caught.value) and "error[E" in str(caught.value)  # (Slang's too)
+    name = "s48_fix48_fwd" if "Forward" in source else "s48_fix48_bwd"
+    with pytest.raises(
+        pydiff.SlangCompileError,
+        match=want.replace(r"(?P<f>.*)", "<" + name + ">").replace("(?P=f)", "<" + name + ">"),
+    ):
+        pydiff.load_module_from_source(name, source, device=device)
