@@ -11,6 +11,7 @@ A ``Tensor(view, device)`` of such a handle shares ``x``'s values, not its gradi
     native = handed_out(x.storage, x_native, x)  # in Tensor.native
     owner(view.storage, t) is x.storage          # a view of the handle: x's storage
     grad_handle_of(t)                            # x, if x requires a gradient
+    handle_note(t)                               # '_Take' for Tensor(x[2:5].native, dev)
 """
 
 from __future__ import annotations
@@ -36,9 +37,44 @@ _HANDERS: dict[int, dict[int, tuple[Any, dict[int, weakref.ref]]]] = {}
 _WRAPS: dict[int, tuple[weakref.ref, int, Any]] = {}
 
 
+#: Handles handed out by a tensor noted by the ``describe_with`` hook (a slice made off a tape,
+#: ``x[2:5].native``), by id(handle): (handle, its storage, the note, the storage's version
+#: then). The storage is held with the handle, so a ``Tensor(handle, dev)`` made after the
+#: tensor died (at once, for a temporary) shares it and its note (s48); dropped once only
+#: these tables hold the handle (checked at each ``handed_out`` and ``owner`` while any).
+_NOTED: dict[int, tuple[Any, Any, str, int]] = {}
+_DESCRIBE: list = []  # (the hook: tensor -> note or None; unrecorded's made_off_tape)
+
+
+def describe_with(describe: Any) -> None:
+    """Note, with each handle a tensor hands out, ``describe(tensor)`` (a str, or None):
+    ``handle_note`` gives it for a tensor made from the handle, after that tensor died too."""
+    _DESCRIBE[:] = [describe]
+
+
+def handle_note(t: Any) -> str | None:
+    """The note (``describe_with``) of the handle ``t`` was made from, or of any handle of its
+    buffer for a view of one, while its storage holds the values it held then; else None."""
+    wrap = _WRAPS.get(id(t)) if _WRAPS and _NOTED else None
+    if wrap is None or wrap[0]() is not t:
+        return None
+    for handle, storage, note, version in list(_NOTED.values()):
+        if id(storage.buffer) == wrap[1] and (wrap[2] is None or wrap[2][0] is handle):
+            if storage.version == version:
+                return note
+    return None
+
+
+def _sweep() -> None:
+    for k in [k for k, kept in _NOTED.items() if sys.getrefcount(kept[0]) <= 4]:
+        del _NOTED[k]  # (only _NOTED and _HANDERS hold the handle: nothing can wrap it)
+
+
 def handed_out(storage: Any, native: Any, by: Any = None) -> Any:
     """Note that ``storage``'s buffer was handed out as ``native`` (``Tensor.native`` of
     tensor ``by``); returns ``native``."""
+    if _NOTED:
+        _sweep()
     key = id(storage.buffer)
     ref = _HANDED.get(key)
     if ref is None or ref() is not storage:
@@ -54,6 +90,8 @@ def handed_out(storage: Any, native: Any, by: Any = None) -> Any:
         entry = handles[id(native)] = (native, {})
     if id(by) not in (handers := entry[1]):
         handers[id(by)] = weakref.ref(by, lambda r, k=id(by), h=handers: h.pop(k, None))
+        if _DESCRIBE and (note := _DESCRIBE[0](by)) is not None:
+            _NOTED[id(native)] = (native, storage, note, storage.version)
     return native
 
 
@@ -67,6 +105,8 @@ def owner(buffer: Any, made: Any = None, native: Any = None) -> Any:
     """The live storage whose ``buffer`` this is and whose buffer ``Tensor.native`` handed out,
     or None (never handed out: a buffer SlangPy or the user made). ``made``: the tensor being
     made from it, from SlangPy tensor ``native`` (noted for ``grad_handle_of``)."""
+    if _NOTED:
+        _sweep()
     ref = _HANDED.get(id(buffer)) if _HANDED else None
     found = ref() if ref is not None else None
     if found is None or found.buffer is not buffer:
