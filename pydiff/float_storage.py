@@ -20,6 +20,7 @@ in a Python list too, which NumPy makes float64 when it holds floats or ints pas
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -164,16 +165,28 @@ def refuse_rounded_list(data: Any, arr: np.ndarray, dtype: Any, where: str) -> N
     float). Integer arrays are checked where they are cast (``refuse_rounded_ints``)."""
     if type(data) not in (list, tuple) or arr.dtype.kind not in "fO":
         return
-    big, stack = [], [data]
-    while stack:
-        for v in stack.pop():
-            if type(v) in (list, tuple):
-                stack.append(v)
-            elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-                if abs(int(v)) > 2048:  # (up to 2**11 every float type holds it)
-                    big.append(int(v))
+    big: list = []
+    _big_ints(data, big)
     if big:
         ints = np.array(big, dtype=object)
         if arr.dtype.kind == "f":
             refuse_rounded_ints(ints, arr.dtype, f"{where} (a list NumPy made {arr.dtype})")
         refuse_rounded_ints(ints, dtype, where)
+
+
+def _big_ints(data: Any, out: list) -> None:
+    """Append to ``out`` the ints past 2**11 (every float type holds those up to it) in the
+    nested lists/tuples ``data``; rows of floats only are passed over at C speed."""
+    while (kinds := set(map(type, data))) <= {list, tuple} and kinds:
+        data = list(chain.from_iterable(data))  # (one level of nesting at a time)
+    if kinds <= _FLOAT_TYPES:
+        return
+    for v in data:
+        t = type(v)
+        if t is list or t is tuple:
+            _big_ints(v, out)
+        elif (t is int or isinstance(v, np.integer)) and abs(int(v)) > 2048:
+            out.append(int(v))
+
+
+_FLOAT_TYPES = {float, np.float64, np.float32, np.float16}

@@ -73,8 +73,6 @@ def _sweep() -> None:
 def handed_out(storage: Any, native: Any, by: Any = None) -> Any:
     """Note that ``storage``'s buffer was handed out as ``native`` (``Tensor.native`` of
     tensor ``by``); returns ``native``."""
-    if _NOTED:
-        _sweep()
     key = id(storage.buffer)
     ref = _HANDED.get(key)
     if ref is None or ref() is not storage:
@@ -82,16 +80,20 @@ def handed_out(storage: Any, native: Any, by: Any = None) -> Any:
         _HANDERS.pop(key, None)  # (a dead storage's buffer id reused)
     if by is None:
         return native
+    entry = (_HANDERS.get(key) or {}).get(id(native))
+    if entry is not None and entry[0] is native and id(by) in entry[1]:
+        return native  # (the common case: handed out by this tensor before)
+    if _NOTED:
+        _sweep()
     handles = _HANDERS.setdefault(key, {})
-    entry = handles.get(id(native))
     if entry is None or entry[0] is not native:
         for k in [k for k, (h, hs) in handles.items() if not hs and sys.getrefcount(h) <= 3]:
             del handles[k]  # (held here only: nothing can wrap it any more)
         entry = handles[id(native)] = (native, {})
-    if id(by) not in (handers := entry[1]):
-        handers[id(by)] = weakref.ref(by, lambda r, k=id(by), h=handers: h.pop(k, None))
-        if _DESCRIBE and (note := _DESCRIBE[0](by)) is not None:
-            _NOTED[id(native)] = (native, storage, note, storage.version)
+    handers = entry[1]
+    handers[id(by)] = weakref.ref(by, lambda r, k=id(by), h=handers: h.pop(k, None))
+    if _DESCRIBE and (note := _DESCRIBE[0](by)) is not None:
+        _NOTED[id(native)] = (native, storage, note, storage.version)
     return native
 
 
