@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from . import tensor_methods
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
-from .float_storage import refuse_rounded_list
+from .exact_ints import refuse_rounded_list
 from .foreign import as_array
 from .storage import (
     NUMPY_TO_SLANG,

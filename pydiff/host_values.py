@@ -24,7 +24,7 @@ import numpy as np
 import slangpy as spy
 
 from .creation import tensor
-from .float_storage import refuse_rounded_ints, refuse_rounded_list
+from .exact_ints import refuse_rounded_ints, refuse_rounded_list
 from .foreign import as_array
 from .handles import owner
 from .call_shape import short_name, value_elements, display_name

@@ -21,7 +21,7 @@ from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, dims, float4_layout, has_c_strides, read_back
 from .storage import bool_words, layout_element, shape_with_inferred_axis, type_name
-from .float_storage import refuse_rounded_list
+from .exact_ints import refuse_rounded_list
 from .handles import handed_out, owner
 from .tensor_operators import TensorOperators, copy_refusal
 

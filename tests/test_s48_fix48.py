@@ -92,6 +92,13 @@ def test_a_list_whose_ints_numpy_or_the_dtype_rounds_is_refused(device, ids, val
         pydiff.tensor(values, device=device)
     with pytest.raises(ValueError, match=r"copy_from_numpy.*integer \d+ has no exact"):
         pydiff.tensor(np.zeros(np.shape(values)), device=device).copy_from_numpy(values)
+    with pytest.raises(ValueError, match=r"with_tangent: tangent.*integer \d+ has no exact"):
+        pydiff.tensor(np.zeros(np.shape(values)), device=device).with_tangent(values)
+    x = pydiff.tensor(np.ones(np.shape(values)), device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = x * 2.0
+    with pytest.raises(ValueError, match=r"tape.backward: grad.*integer \d+ has no exact"):
+        tape.backward(y, values)
     with pytest.raises(ValueError, match=r"jvp: primal 0.*integer \d+ has no exact"):
         pydiff.jvp(lambda v: v * 2.0, (values,), (np.ones(np.shape(values)).tolist(),))
     if _inexact(values, np.float64):  # (NumPy's own float64 rounded it: an int64 too)
