@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from . import tensor_methods
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
+from .exact_ints import refuse_rounded_list
 from .foreign import as_array
 from .storage import (
     NUMPY_TO_SLANG,
@@ -88,7 +89,9 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     kind = out.scalar_type
     # (bind(False, False): its dtype only; .native would submit the pending work, which the
     # write below joins rather than submits: staging.write_in_order)
-    arr = host_cast(arr, upload_numpy_type(out.bind(False, False), kind), where, kind == "bool")
+    up = upload_numpy_type(out.bind(False, False), kind)
+    refuse_rounded_list(data, arr, up, where)  # ([2**63 + 1, 0]: float64, rounded by NumPy)
+    arr = host_cast(arr, up, where, kind == "bool")
     out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()), caller=where)
     if requires_grad:
         out.requires_grad_(True)

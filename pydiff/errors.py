@@ -9,6 +9,7 @@ except pydiff.SlangCompileError as exc:
 from __future__ import annotations
 
 import inspect
+import typing
 import os
 import re
 import warnings
@@ -384,3 +385,15 @@ def check_result_name(label: str, result: str) -> str:
         f"{label}: _result={result!r} is not a result kind: use _result='tensor' (a new "
         f"pydiff tensor), 'numpy' (an array), or a tensor to write into{hint}"
     )
+
+
+def taken_wrapper_name(module: "typing.Any", name: str, label: str) -> str:
+    """``name``, a generated wrapper's (``f__pydiff_dir``), unless the user's ``module``
+    defines it already: a ValueError then (the wrapper, which imports the module, made an
+    ambiguous overload, and SlangPy's error listed two identical signatures; s48)."""
+    if module.native.layout.find_function_by_name(name) is not None:
+        raise ValueError(
+            f"{module.file} defines {name}, the name pydiff gives its generated wrapper of "
+            f"{label}: rename it (names holding '__pydiff_' are pydiff's)"
+        )
+    return name

@@ -9,10 +9,8 @@ than a reused one (lavapipe: ~7 ms for a fresh 12 MB ``float3`` result of 2^20 e
 
     native = pooled_tensor(dev, (1024,), dev.dtype("float3"), 3)     # 768 float4s
     FLOAT_WIDTHS["vector<float,3>"], FLOAT_WIDTHS["float3"]          # 3, 3
-    refuse_rounded_ints(np.array([2**24 + 1]), np.float32, "pydiff.tensor")  # ValueError
 
-A float holds every integer only up to 2^24 (half: 2^11, double: 2^53): an integer past
-that which it cannot hold exactly is refused (``refuse_rounded_ints``), as an overflow is.
+An integer a float cannot hold exactly is refused (``exact_ints.refuse_rounded_ints``).
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import slangpy as spy
 
 from . import capturing
 from .buffer_pool import check_size
+from .exact_ints import refuse_rounded_ints as refuse_rounded_ints  # (storage's import)
 
 if TYPE_CHECKING:
     from .device import Device
@@ -83,70 +81,3 @@ def pooled_tensor(
         if rec is not None:
             rec.record_clear(dev.queue, native)
     return native
-
-
-def refuse_rounded_ints(values: np.ndarray, dtype: Any, where: str, out: Any = None) -> None:
-    """ValueError naming ``where``, the first integer of ``values`` (an integer array) that
-    float ``dtype`` cannot hold exactly and what it would become (16777217 -> 16777216.0 in
-    float32: a silently wrong count or id); nothing for exact ones (2^25, 3, -7). ``out``:
-    ``values`` cast to ``dtype`` already. An object array's Python ints (past 64 bits:
-    ``[2**64 + 1]``) are checked one by one, and one past the float range is refused too."""
-    if values.dtype.kind == "O":
-        _refuse_rounded_objects(values, dtype, where)
-        return
-    if values.dtype.kind not in "iu" or not values.size:
-        return
-    limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to here is exact
-    big = values > limit if values.dtype.kind == "u" else (values > limit) | (values < -limit)
-    if not big.any():
-        return
-    wide = values[big]
-    with np.errstate(over="ignore"):
-        back = (values.astype(dtype) if out is None else out)[big].astype(np.float64)
-    info = np.iinfo(values.dtype)  # (floats in its range convert back exactly)
-    kept = (back >= float(info.min)) & (back < float(info.max) + 1.0)
-    same = np.zeros(wide.shape, bool)
-    same[kept] = back[kept].astype(values.dtype) == wide[kept]
-    if same.all():
-        return
-    _refuse(wide[~same].flat[0].item(), back[~same].flat[0].item(), dtype, where, limit)
-
-
-def _refuse_rounded_objects(values: np.ndarray, dtype: Any, where: str) -> None:
-    """``refuse_rounded_ints`` of an object array: its ints, however large (NumPy makes an
-    object array of ``[2**64 + 1]``, whose cast to float rounds silently); for an integer
-    ``dtype``, those it cannot hold (NumPy's cast would raise a bare OverflowError)."""
-    if np.dtype(dtype).kind in "iu":
-        info = np.iinfo(dtype)
-        for v in values.flat:
-            if isinstance(v, int) and not info.min <= v <= info.max:
-                raise ValueError(f"{where}: {v} does not fit {dtype} ({info.min} to {info.max})")
-        return
-    if np.dtype(dtype).kind != "f":
-        return
-    limit = 2 ** (np.finfo(dtype).nmant + 1)
-    for v in values.flat:
-        if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-            v = int(v)
-            if -limit <= v <= limit:
-                continue
-            with np.errstate(over="ignore"):
-                f = np.array([v], dtype=object).astype(dtype)[0].item()
-            if not math.isfinite(f):
-                raise ValueError(
-                    f"{where}: the integer {v} is beyond the largest {np.dtype(dtype)} "
-                    f"({float(np.finfo(dtype).max):.6g}); it would become inf"
-                )
-            if int(f) != v:
-                _refuse(v, f, dtype, where, limit)
-
-
-def _refuse(v: int, f: float, dtype: Any, where: str, limit: int) -> None:
-    name = {2: "half", 4: "float", 8: "double"}[np.dtype(dtype).itemsize]
-    wider = ", or dtype='double' (exact up to 2**53)" if name != "double" else ""
-    raise ValueError(
-        f"{where}: the integer {v} has no exact {name} value (it would become {f!r}; {name} "
-        f"holds every integer only up to {limit} in magnitude): keep it an integer (dtype="
-        f"'int'){wider}, or "
-        "convert the values to floats yourself (np.asarray(x, float)) to accept the rounding"
-    )

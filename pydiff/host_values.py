@@ -24,7 +24,7 @@ import numpy as np
 import slangpy as spy
 
 from .creation import tensor
-from .float_storage import refuse_rounded_ints
+from .exact_ints import refuse_rounded_ints, refuse_rounded_list
 from .foreign import as_array
 from .handles import owner
 from .call_shape import short_name, value_elements, display_name
@@ -66,6 +66,9 @@ def differentiated_values(value: Any, what: str) -> np.ndarray:
     except ValueError as exc:  # (ragged: as_array's message names what)
         raise TypeError(str(exc)) from None
     kind = arr.dtype.kind
+    refuse_rounded_list(value, arr, np.float32, what)  # (the values become float32: ints
+    if kind in "iu":  # past 2**24 not held exactly refused, as a call's float argument's)
+        refuse_rounded_ints(arr, np.float32, what)
     if kind == "b":
         raise TypeError(
             f"{what} holds booleans; differentiate float values (np.asarray(v, dtype=float) "
@@ -137,6 +140,9 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         return _number(label, p, base, value)  # for a vector: every component, as Slang does
     if kind is list:  # (a tuple is .fwds's (value, tangent) pair)
         arr = as_array(value, _where(label, p))
+        refuse_rounded_list(value, arr, SCALAR_NUMPY[base], _where(label, p))  # (NumPy's)
+        if arr.dtype == object and arr.size and all(type(v) in (int, float) for v in arr.flat):
+            arr = arr.astype(SCALAR_NUMPY[base])  # ([2**64, 0]: exact, checked above)
         if arr.dtype == object or arr.dtype.kind in "USV":
             return value  # not numbers: SlangPy reports it
         if axes and arr.shape[len(arr.shape) - len(axes) :] != axes:

@@ -24,7 +24,7 @@ from .arguments import overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir
-from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError
+from .errors import ShaderTrapError, ShaderTrapWarning, SlangCompileError, taken_wrapper_name
 from .forward_call import forward_call
 from .forward_mode import ForwardFunction
 from .lint_nodiff import generic_base, marked_params, no_diff_definitions, no_diff_fields
@@ -214,7 +214,7 @@ def load_module(
         try:
             native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
         except spy.SlangCompileError as exc:
-            raise slang_compile.compile_error(exc, str(file), None) from None
+            raise slang_compile.compile_error(exc, str(file), None, source=source) from None
         module_session.record(dev, str(file), now)
         spec = '"' + str(file).replace("\\", "/") + '"'
         loaded[:] = [Module(native, dev, file.stem, source, str(file), spec, lint)]
@@ -226,7 +226,7 @@ def load_module(
     try:
         slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
     except spy.SlangCompileError as exc:
-        raise slang_compile.compile_error(exc, str(file), None, alias) from None
+        raise slang_compile.compile_error(exc, str(file), None, alias, source) from None
     native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
     loaded[:] = [Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)]
     return loaded[0]
@@ -278,7 +278,7 @@ class ShaderFunction:
         self.native_bwds = native.bwds
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
-        self._generated: dict[str, ShaderFunction] = {}
+        self._generated: dict[tuple, ShaderFunction] = {}
         #: The backward (reverse-mode) version of this function (an attribute: no property's
         #: frame on every ``m.f.bwds(...)``).
         self.bwds = BackwardFunction(self)
@@ -345,7 +345,9 @@ class ShaderFunction:
     def generated(self, kind: str, source: str) -> "ShaderFunction":
         """Compile generated Slang ``source`` defining ``<name>__pydiff_<kind>`` (a wrapper of
         this function: forward mode, directional derivative, ...) once, as a ShaderFunction."""
-        if kind not in self._generated:
+        if (key := (kind, source)) not in self._generated:  # (by source too: two wrappers
+            # can share a kind, dir_fixed_a_fixed_b for fixed {a_fixed_b} and {a, b}: s48)
+            name = taken_wrapper_name(self.module, f"{stem(self.name)}__pydiff_{kind}", self.label)
             digest = hashlib.sha1(source.encode()).hexdigest()[:12]
             try:
                 with warnings.catch_warnings():  # (its scan finds this module's traps again:
@@ -365,8 +367,8 @@ class ShaderFunction:
                         line=exc.line,
                     ) from None
                 raise
-            self._generated[kind] = getattr(module, f"{stem(self.name)}__pydiff_{kind}")
-        return self._generated[kind]
+            self._generated[key] = getattr(module, name)
+        return self._generated[key]
 
     def _inout(self) -> Any:
         """The SlangPy function of the generated ``inout`` wrapper (see inout_wrapper_source)."""

@@ -18,6 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing, foreign
+from .exact_ints import refuse_rounded_ints, refuse_rounded_list
 
 #: The NumPy type whose range a seed of each tensor element type must fit.
 _LIMITS = {"float": np.float32, "half": np.float16, "double": np.float64}
@@ -54,6 +55,10 @@ def seed_values(value: Any, what: str, scalar_type: str = "float") -> np.ndarray
             f"{what}: got {name} ({_short(value)}); a gradient seed or direction holds float "
             "values: pass a number or a NumPy array of numbers"
         )
+    exact = _LIMITS.get(scalar_type, np.float32)  # (ints it would round: refused, s48)
+    refuse_rounded_list(value, arr, exact, what)
+    if arr.dtype.kind in "iu":
+        refuse_rounded_ints(arr, exact, what)
     with np.errstate(invalid="ignore"):  # a signalling NaN comes out quiet: no warning
         wide = np.asarray(arr, dtype=np.float64)
     top = float(np.finfo(_LIMITS.get(scalar_type, np.float32)).max)

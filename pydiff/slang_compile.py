@@ -9,6 +9,8 @@ fresh alias for a reloaded file, and prepends a line), as a ``SlangCompileError`
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 from typing import Any
 
 import slangpy as spy
@@ -17,11 +19,83 @@ from .errors import SlangCompileError
 
 
 def compile_error(
-    exc: Exception, display_name: str, hashed_name: str | None, alias: str = ""
+    exc: Exception, display_name: str, hashed_name: str | None, alias: str = "", source: str = ""
 ) -> SlangCompileError:
     """SlangPy's compile error as a ``SlangCompileError`` naming ``display_name`` and the line
-    (``alias``: the fresh name a reloaded file was compiled under)."""
-    return SlangCompileError.from_slang(str(exc), display_name, bool(hashed_name), alias=alias)
+    (``alias``: the fresh name a reloaded file was compiled under); a user derivative of the
+    wrong signature (``source``: the module's text) is said in pydiff's words first."""
+    error = SlangCompileError.from_slang(str(exc), display_name, bool(hashed_name), alias=alias)
+    what = derivative_mismatch(str(error), source, display_name)
+    if what is None:
+        return error
+    return SlangCompileError.from_slang(
+        str(exc), display_name, bool(hashed_name), what=what, alias=alias
+    )
+
+
+_RETURN = re.compile(
+    r"--> (?P<file>[^\n]+?):(?P<line>\d+):\d+\n(?:.*\n){0,3}?.*member '(?P<fn>\w+)' "
+    r"return type '(?P<got>[^']+)' does not match interface requirement return type "
+    r"'(?P<want>[^']+)'"
+)
+_PARAM = re.compile(
+    r"--> (?P<file>[^\n]+?):(?P<line>\d+):\d+\n(?:.*\n){0,3}?.*invalid custom derivative\. "
+    r"parameter type mismatch at position (?P<pos>\d+)\. expected '(?P<want>[^']+)', got "
+    r"'(?P<got>[^']+)'"
+)
+_PRIMAL = (  # (the attribute naming the derivative, further attributes, the function it derives)
+    r"\[(?P<kind>Forward|Backward)Derivative\(\s*{}\s*\)\]\s*(?:\[[^\]]*\]\s*)*"
+    r"[\w<>:, ]+?\s(?P<primal>\w+)\s*\("
+)
+_SHAPES = {
+    "Forward": "returns DifferentialPair<R> (return diffPair(value, derivative)) and takes "
+    "DifferentialPair<T> for each differentiable parameter T",
+    "Backward": "returns void and takes inout DifferentialPair<T> for each differentiable "
+    "parameter T, then the upstream gradient (R dOut) of the result",
+}
+
+
+def derivative_mismatch(text: str, source: str, display_name: str) -> str | None:
+    """pydiff's headline for Slang's diagnostic ``text`` of a user ``[ForwardDerivative(g)]``
+    or ``[BackwardDerivative(g)]`` whose ``g`` has the wrong signature (a forward derivative
+    returning ``float``, not ``DifferentialPair<float>``: "E38106 return type mismatch"; a
+    parameter of the wrong type: E31149), naming g, the function it derives, files and lines;
+    None for other errors. ``source``: the text of ``display_name`` (else read from the file
+    the diagnostic names)."""
+    m = _RETURN.search(text) or _PARAM.search(text)
+    if m is None:
+        return None
+    file, line = m.group("file"), int(m.group("line"))
+    if file != display_name or not source:
+        try:
+            source = Path(file).read_text()
+        except OSError:
+            return None
+    if "fn" in m.groupdict():
+        found = re.search(_PRIMAL.format(re.escape(m.group("fn"))), source)
+    else:  # (E31149 points at the attribute: its line names the derivative)
+        lines = source.splitlines()
+        attr = re.search(
+            r"(Forward|Backward)Derivative\(\s*(\w+)",
+            lines[line - 1] if 0 < line <= len(lines) else "",
+        )
+        found = attr and re.search(_PRIMAL.format(re.escape(attr.group(2))), source)
+    if not found:
+        return None
+    name = m.group("fn") if "fn" in m.groupdict() else attr.group(2)
+    kind, primal = found.group("kind"), found.group("primal")
+    at = source.count("\n", 0, found.start("primal")) + 1
+    defined = re.search(rf"(?m)^[ \t]*(?!return\b)[\w<>:, ]+\s{re.escape(name)}\s*\(", source)
+    line = source.count("\n", 0, defined.start()) + 1 if defined else line  # (E31149: the use)
+    wrong = (
+        f"returns {m.group('got')}, not {m.group('want')}"
+        if "fn" in m.groupdict()
+        else f"takes {m.group('got')} at parameter {m.group('pos')}, not {m.group('want')}"
+    )
+    return (
+        f"{name} ({file}:{line}), the [{kind}Derivative] of {primal} ({file}:{at}), {wrong}: "
+        f"a {kind.lower()} derivative {_SHAPES[kind]} (docs/custom-derivatives.md). Slang says"
+    )
 
 
 #: Sources that failed to compile, by (device, name, source digest): the Slang session keeps
@@ -48,6 +122,6 @@ def load_source(native_device: Any, name: str, source: str, link: list) -> Any:
                 file=f"<{name}>",
                 line=None,
             ) from None
-        error = compile_error(exc, f"<{name}>", name)
+        error = compile_error(exc, f"<{name}>", name, source=source)
         _FAILED_SOURCES[failed_key] = (str(error), error.file, error.line)
         raise error from None

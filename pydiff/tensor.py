@@ -21,6 +21,7 @@ from .seeds import seed_values
 from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
 from .storage import ZEROED, dims, float4_layout, has_c_strides, read_back
 from .storage import bool_words, layout_element, shape_with_inferred_axis, type_name
+from .exact_ints import refuse_rounded_list
 from .handles import handed_out, owner
 from .tensor_operators import TensorOperators, copy_refusal
 
@@ -61,6 +62,7 @@ class Tensor(GradBuffers, TensorOperators):
         base: "Tensor | None" = None,
         shape: tuple | None = None,  # (the caller's: a new pooled tensor's; (1,)-shaped for ())
         float4: bool | None = None,  # (the allocator's: float4_layout's answer, None: unknown)
+        detached: bool = False,  # (detach(): ``native`` hands out a handle of its own)
     ):
         self._shape = dims(native.shape) if shape is None else shape
         if not self._shape and shape is None:  # 0-d: kept as a (1,) view, as SlangPy takes it
@@ -71,7 +73,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._layout_el = layout_element(self._element)  # (fixed, as the native is)
         self._grad_in = grad_in
         self._grad_out = grad_out
-        self.storage = storage or owner(buf := native.storage, self) or Storage(buf)  # (handles.py)
+        self.storage = storage or owner(buf := native.storage, self, native) or Storage(buf)
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
         self._bound: spy.Tensor | None = None
         self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
@@ -81,6 +83,7 @@ class Tensor(GradBuffers, TensorOperators):
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
         self._viewed: tuple = (None, None)  # the base's buffers its own grads view
         self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
+        self._handle: Any = False if detached else None  # detach(): its own handle, made once
 
     # --- description -------------------------------------------------------------------
     @property
@@ -119,7 +122,9 @@ class Tensor(GradBuffers, TensorOperators):
         (a Function ``backward``'s batch too); a handle kept over later calls is not: retake it."""
         if (queue := self._device.queue).deferred or queue.open_batches or queue.pending:
             queue.flush()
-        return handed_out(self.storage, self._native, self)
+        if (handle := self._handle) is False:  # (detach(): its own, not its source's: handles.py)
+            handle = self._handle = (n := self._native).view(n.shape, n.strides, n.offset)
+        return handed_out(self.storage, self._native if handle is None else handle, self)
 
     def native_view(self) -> spy.Tensor:
         """``native`` in this tensor's shape (0-d too): to make a Tensor of the same values.
@@ -155,8 +160,7 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> labels.dense        # True for pydiff.tensor(array)
         """
-        n = self._native
-        return n.offset == 0 and n.is_contiguous()
+        return (n := self._native).offset == 0 and n.is_contiguous()
 
     @property
     def layout(self) -> tuple:
@@ -218,14 +222,14 @@ class Tensor(GradBuffers, TensorOperators):
 
         >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
         """
-        arr = np.asarray(data)
-        want = self.expected_numpy_shape()
+        arr, want = np.asarray(data), self.expected_numpy_shape()
         if arr.shape != want:
             raise ValueError(
                 f"{caller}: data has shape {arr.shape}, tensor of dtype {self.dtype} "
                 f"and shape {self.shape} needs {want}"
             )
         up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
+        refuse_rounded_list(data, arr, up, caller)  # ([2**63 + 1, 0]: rounded by NumPy)
         arr = host_cast(arr, up, caller, kind == "bool")
         arr = arr if has_c_strides(arr) else arr.copy(order="C")  # (a[None]: not for SlangPy)
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
@@ -325,7 +329,7 @@ class Tensor(GradBuffers, TensorOperators):
     def detach(self) -> "Tensor":
         """The same values (same storage) without gradient buffers."""
         native = self._native if self._shape else self._native.view(())  # (no flush)
-        return Tensor(native, self._device, storage=self.storage)
+        return Tensor(native, self._device, storage=self.storage, detached=True)
 
     def fill(self, value: float) -> "Tensor":
         """Set every component to ``value``; returns self."""

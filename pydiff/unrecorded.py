@@ -13,7 +13,7 @@ from typing import Any
 
 from . import tensor_methods
 from .errors import StaleInputError, warn_once
-from .handles import grad_handle_of, handers_of
+from .handles import describe_with, grad_handle_of, handers_of, handle_note
 from .storage import COPY_FROM_GRAPH
 from .tensor import Tensor
 
@@ -138,6 +138,9 @@ def made_off_tape(t: Tensor) -> str | None:
     >>> made_off_tape(x[1:])     # '_Take' for an x that requires a gradient, off a tape
     """
     return _still_holding(MADE_OFF_TAPE, t)
+
+
+describe_with(made_off_tape)  # (handles keeps the note with a handle such a tensor gives out)
 
 
 def not_recorded(
@@ -276,8 +279,9 @@ def warn_made_off_tape(fn: Any, name: str, value: Tensor) -> None:
     call plan's calls (backward_plan), which skip ``bwds_arguments_checked``."""
     made_by = made_off_tape(value)
     hander = grad_handle_of(value) if made_by is None else None
-    if made_by is None and hander is None:  # (the handle of x[1:], itself made off a tape)
-        made_by = next(filter(None, map(made_off_tape, handers_of(value))), None)
+    if made_by is None and hander is None:  # (the handle of x[1:], itself made off a tape;
+        made_by = next(filter(None, map(made_off_tape, handers_of(value))), handle_note(value))
+        # handle_note: of a temporary x[2:5] too, dead by the time its handle was wrapped)
     if hander is not None:
         warn_once(
             f"{fn.bwds_label}: parameter '{name}' is given a tensor made from the SlangPy "
