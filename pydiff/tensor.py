@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import capturing, forward_trace, staging, tensor_methods
+from . import capturing, forward_trace, staging, temporary_copies, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
@@ -216,12 +216,14 @@ class Tensor(GradBuffers, TensorOperators):
             return self._shape
         return self._shape + element_shape(self._element)
 
-    def copy_from_numpy(self, data: Any, *, caller: str = "copy_from_numpy") -> "Tensor":
+    def copy_from_numpy(self, data: Any, *, caller: str = "", count: bool = True) -> "Tensor":
         """Overwrite the values from host data of the same shape; returns self. ``caller``:
-        the API its errors name (pydiff's own callers pass theirs, e.g. ``"Tensor.fill"``).
+        the API its errors name (pydiff's own callers pass theirs, e.g. ``"Tensor.fill"``);
+        ``count`` False: the caller counts the write (``x[k] = v``, a write of part).
 
         >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
         """
+        caller or temporary_copies.refuse(self, caller := "copy_from_numpy")
         arr, want = np.asarray(data), self.expected_numpy_shape()
         if arr.shape != want:
             raise ValueError(
@@ -237,7 +239,7 @@ class Tensor(GradBuffers, TensorOperators):
         with queue.lock:
             queue.enter()
             staging.write(queue, target, arr, not self._shape, self._device.flush)
-        return self.wrote_from_outside()
+        return self.wrote_from_outside() if count else self
 
     def upload(self, data: Any, encoder: Any) -> bool:
         """Record a copy of float ``data`` (of this tensor's shape) into ``encoder``, in order
@@ -263,6 +265,7 @@ class Tensor(GradBuffers, TensorOperators):
     def copy_(self, src: "Tensor") -> "Tensor":
         """Copy ``src``'s values (same shape and dtype) into this tensor on the device:
         ``before.copy_(x)``. Values with a gradient path (or copied from such) are marked."""
+        temporary_copies.refuse(self, "copy_")
         if not isinstance(src, Tensor) or (self.shape, self.dtype) != (src.shape, src.dtype):
             raise copy_refusal(self, src)
         graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
@@ -331,14 +334,10 @@ class Tensor(GradBuffers, TensorOperators):
         native = self._native if self._shape else self._native.view(())  # (no flush)
         return Tensor(native, self._device, storage=self.storage, detached=True)
 
-    def fill(self, value: float) -> "Tensor":
-        """Set every component to ``value``; returns self."""
-        arr = np.full(self.expected_numpy_shape(), value)
-        return self.copy_from_numpy(arr, caller="Tensor.fill")
-
     def zero_(self, encoder: Any = None, *, batch: bool = True) -> "Tensor":
         """Zero the values in order with the commands of ``encoder``, of this context's batch
         (not if ``batch`` is False: new storage), or else of the deferred list; returns self."""
+        temporary_copies.refuse(self, "zero_")
         queue = self._device.queue
         native = self._native
         with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import capturing, numpy_functions, ops, tensor_methods, tensor_pickle  # noqa: F401
+from . import tensor_setitem  # noqa: F401  (provides x[key] = value)
 from .creation import empty, ones, tensor as make_tensor
 from .device import Device, resolve_device
 from .function import Function
@@ -26,6 +27,7 @@ from .lost_derivative import refuse_lost_copy
 from .storage import COPY_FROM_GRAPH, UPLOAD_NUMPY, dtype_name, element_shape
 from .tape import active_tape
 from .tensor import Tensor
+from .temporary_copies import key_text, mark
 from .unrecorded import copied_from
 
 _FLOATS = ("float", "half")
@@ -87,7 +89,9 @@ def getitem(x: Tensor, key: Any) -> Tensor:
     where = np.asarray(where)
     if where.size == 0:
         raise IndexError(f"Tensor[{key!r}] of a tensor of shape {x.shape} selects no elements")
-    return _Take.apply(x, where)
+    t = _Take.apply(x, where)
+    mark(t, f"x[{key_text(key)}]")  # (a copy: x[1:3].fill(0) would write nothing of x's)
+    return t
 
 
 class _Transpose(Function):
@@ -117,7 +121,9 @@ def transpose(x: Tensor, axes: tuple) -> Tensor:
     axes = tuple(range(n))[::-1] if not axes else tuple(axes)
     if sorted(a % n if isinstance(a, int) and -n <= a < n else -1 for a in axes) != list(range(n)):
         raise ValueError(f"transpose: axes {axes} are not a permutation of {n} axes")
-    return _Transpose.apply(x, tuple(a % n for a in axes))
+    t = _Transpose.apply(x, tuple(a % n for a in axes))
+    mark(t, "x.T")
+    return t
 
 
 class _AsType(Function):

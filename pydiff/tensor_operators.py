@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import foreign, tensor_methods
+from . import foreign, temporary_copies, tensor_methods
 
 # Operands of the arithmetic operators; anything else gives Python's TypeError.
 _OPERANDS = (numbers.Real, np.ndarray, np.generic, list, tuple)
@@ -68,6 +68,13 @@ class TensorOperators:
 
     def __getitem__(self, key: Any) -> Any:
         return tensor_methods.call("getitem", self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``x[key] = value``: the elements ``x[key]`` selects written in place (the keys of
+        ``x[key]``; a number, NumPy array or tensor broadcast as NumPy): see
+        ``pydiff.tensor_setitem``."""
+        temporary_copies.refuse(self, "__setitem__")  # (x[1:3][0] = v: a copy nothing holds)
+        tensor_methods.call("setitem", self, key, value)
 
     def __add__(self, other: Any) -> Any:
         if not _operand(other, "+"):
@@ -211,6 +218,12 @@ class TensorOperators:
 
     def __contains__(self, value: Any) -> bool:
         return bool(np.any(self.numpy() == value))  # type: ignore[attr-defined]
+
+    def fill(self, value: float) -> Any:
+        """Set every component to ``value``; returns self (``copy_from_numpy`` of them)."""
+        temporary_copies.refuse(self, "fill")  # (x[1:3].fill(0): a copy nothing holds)
+        arr = np.full(self.expected_numpy_shape(), value)  # type: ignore[attr-defined]
+        return self.copy_from_numpy(arr, caller="Tensor.fill")  # type: ignore[attr-defined]
 
     def exp(self) -> Any:
         return tensor_methods.call("exp", self)

@@ -1,0 +1,136 @@
+"""In-place writes of a copy nothing else holds: ``x[1:3].fill(3.0)``. pydiff's indexing and
+``x.T`` return copies (never views, unlike PyTorch), so such a write could never be seen:
+``x`` keeps its values and the written copy dies with the call. The in-place methods refuse
+it (``TypeError`` naming the method and ``x[key] = value``); a named copy (``y = x[1:3];
+y.fill(0)``) is written as any tensor.
+
+How a temporary is told from a named copy: ``mark`` notes, when the copy is made, how many
+references it has (the tape's records of it, if any, and the one local and call that hold it
+then); ``refuse``, called first thing in the in-place method, counts again from the same depth
+of calls. A temporary has exactly as many (the caller's evaluation stack handed its reference
+to the method's ``self``); a named copy has one more per name, list, ... holding it. The
+holders pydiff adds later only add references (a named copy is never refused for them); a
+tape that forgot its recording dropped its references, and its copies' producer changed, so
+those are not compared. Calibrated on this interpreter at import (``ENABLED``): where a
+temporary and a named object count alike (a Python that borrows references), nothing is
+refused. ``t = x[1:3].fill(3.0)`` counts as the temporary it is at the call: refused too.
+
+    t = _Take.apply(x, where); mark(t, f"x[{key!r}]")      # in getitem
+    refuse(self, "fill")                                    # first thing in Tensor.fill
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+#: Marked copies by id: (weak reference, references at marking, id of the producer then, what
+#: made it). By id, with the reference checked: tensors refuse ``==``.
+_MARKS: dict[int, tuple[weakref.ref, int, int, str]] = {}
+#: Whether this interpreter's reference counts tell a temporary from a named object.
+ENABLED = True
+#: References a slot call (``x[1:3][0] = v``: ``__setitem__`` called by the interpreter, the
+#: arguments not handed over) adds to a method call's, measured at import.
+SLOT_EXTRA = 0
+
+
+def mark(t: Any, what: str) -> None:
+    """Note that ``t`` (a local of the caller, returned next) is a copy made by ``what``
+    (``"x[1:3]"``, ``"x.T"``). Call it as ``mark(t, ...)`` with ``t`` held by one local."""
+    if not ENABLED:
+        return
+    count = sys.getrefcount(t)  # (the caller's local, this parameter, getrefcount's argument)
+    key = id(t)
+    ref = weakref.ref(t, lambda r, k=key: _drop(k, r))
+    _MARKS[key] = (ref, count, id(getattr(t, "producer", None)), what)
+
+
+def _drop(key: int, ref: weakref.ref) -> None:
+    if (held := _MARKS.get(key)) is not None and held[0] is ref:
+        del _MARKS[key]
+
+
+def refuse(t: Any, method: str) -> None:
+    """A ``TypeError`` if ``t`` is a marked copy that nothing but this call of ``method`` holds
+    (call it as ``refuse(self, "fill")`` first thing in the method)."""
+    held = _MARKS.get(id(t)) if _MARKS else None
+    if held is None or held[0]() is not t:
+        return
+    count = sys.getrefcount(t)  # (the method's self, this parameter, getrefcount's argument)
+    extra = SLOT_EXTRA if method.startswith("__") else 0  # (__setitem__: a slot's call)
+    if count != held[1] + extra or id(getattr(t, "producer", None)) != held[2]:
+        return
+    what = held[3]
+    if what.endswith(".T"):
+        advice = f"{what[:-2]}.copy_(values.T)"
+    else:
+        advice = f"{what} = value (a number, a NumPy array or a tensor, broadcast as NumPy)"
+    call = f"{what}[...] = value" if method == "__setitem__" else f"{what}.{method}(...)"
+    named = "y[...] = value" if method == "__setitem__" else f"y.{method}(...)"
+    raise TypeError(
+        f"{call} writes a temporary copy: pydiff's indexing and .T return copies, not views, "
+        "and nothing else holds this one, so the write would never be seen (the tensor keeps "
+        f"its values). To change the tensor, write into it: {advice}. To write a copy, name "
+        f"it first: y = {what}; {named}"
+    )
+
+
+def key_text(key: Any) -> str:
+    """An index as written between brackets: ``slice(1, 3)`` -> ``"1:3"``, ``(0, ...)`` ->
+    ``"0, ..."``."""
+    if isinstance(key, tuple):
+        return ", ".join(key_text(k) for k in key) if key else "()"
+    if isinstance(key, slice):
+        parts = ["" if v is None else repr(v) for v in (key.start, key.stop, key.step)]
+        return ":".join(parts if key.step is not None else parts[:2])
+    return "..." if key is Ellipsis else repr(key)
+
+
+class _Probe:
+    def write(self) -> bool:
+        try:
+            refuse(self, "write")
+        except TypeError:
+            return True
+        return False
+
+    def __setitem__(self, key: Any, value: list) -> None:
+        try:
+            refuse(self, "__setitem__")
+        except TypeError:
+            value.append(True)
+
+
+def _made() -> _Probe:
+    p = _Probe()
+    mark(p, "probe")
+    return p
+
+
+def _slot_refused(named: bool) -> bool:
+    seen: list = []
+    if named:
+        p = _made()
+        p[0] = seen
+    else:
+        _made()[0] = seen
+    return bool(seen)
+
+
+def _calibrate() -> bool:
+    """Whether a temporary is refused and a named object (a local, a list's) is not here, by
+    a method and by ``__setitem__`` (``SLOT_EXTRA`` found)."""
+    global SLOT_EXTRA
+    temporary = _made().write()
+    named = _made()
+    kept = [_made()]
+    ok = temporary and not named.write() and not kept[0].write()
+    for SLOT_EXTRA in (0, 1, 2, None):  # noqa: B007 (the global kept)
+        if SLOT_EXTRA is None or (_slot_refused(False) and not _slot_refused(True)):
+            break
+    _MARKS.clear()
+    return ok and SLOT_EXTRA is not None
+
+
+ENABLED = _calibrate()
