@@ -228,3 +228,28 @@ def test_setitem_under_jvp_with_tangent_refused(device):
 
     with pytest.raises(RuntimeError, match="pydiff.jvp"):
         pydiff.jvp(f, (_t([1.0, 2.0], device),), (np.ones(2),))
+
+
+def test_setitem_bool_and_half(device):
+    b = pydiff.tensor(np.array([True, False, True]), dtype="bool", device=device)
+    b[1] = True
+    b[0] = 0
+    np.testing.assert_array_equal(b.numpy(), [False, True, True])
+    h = pydiff.tensor(np.arange(4.0, dtype=np.float16), dtype="half", device=device)
+    h[1:] = 0.25
+    np.testing.assert_array_equal(h.numpy(), np.array([0.0, 0.25, 0.25, 0.25], np.float16))
+    with pytest.raises(ValueError, match="float16"):
+        h[0] = 1e6
+
+
+def test_setitem_value_with_gradient_path_off_tape_marked_as_copy_(device):
+    """Off a tape the write is kept and marked as copy_ marks values with a gradient path:
+    a tape reading x later refuses it (its gradient to a would be a silent 0)."""
+    a = _t([1.0, 2.0], device, requires_grad=True)
+    x = _t(np.zeros(4), device)
+    x[1:3] = a
+    np.testing.assert_array_equal(x.numpy(), [0.0, 1.0, 2.0, 0.0])
+    w = _t(np.ones(4), device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="gradient path"):
+        with pydiff.Tape():
+            _ = x * w
