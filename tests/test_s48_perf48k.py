@@ -223,3 +223,104 @@ def test_narrow_kernels_compile_without_warnings(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert "warning" not in (run.stdout + run.stderr).lower(), run.stdout + run.stderr
+
+
+# mm_nn / mm_tn with B's rows shared (SHUF): the KU rows of a step spread over a run's 8 threads,
+# B_ELEMS = KU * CB / 4 elements: 1, 2, 3 (duplicates past the last), 8, 16; masked (relu).
+_SPREAD_SHAPES = [
+    # (m, k, n): C = A B is m x n, the sum over k; dB = A^T g is k x n, summed over m
+    (64, 64, 64),
+    (128, 3, 4),
+    (64, 6, 8),
+    (256, 257, 16),
+    (512, 2, 12),
+    (64, 1, 20),
+    (96, 130, 64),
+]
+
+
+@pytest.mark.parametrize("m, k, n", _SPREAD_SHAPES)
+@pytest.mark.parametrize("relu", [False, True])
+def test_products_with_spread_b_rows(device, monkeypatch, m, k, n, relu):
+    """matmul's forward (mm_nn) and backward (dA = g B^T, dB = A^T g: mm_nt, mm_tn) and a relu
+    layer's masked dW, against float64, with the sizes as uniforms and as constants."""
+    rng = np.random.default_rng(m * 7 + k * 3 + n)
+    av = rng.standard_normal((m, k)).astype(np.float32)
+    bv = rng.standard_normal((k, n)).astype(np.float32)
+    up = rng.standard_normal((m, n)).astype(np.float32)
+    seen = []
+    real = device.kernels.get_keyed
+
+    def get_keyed(file, entry, **defines):
+        seen.append((entry, defines))
+        return real(file, entry, **defines)
+
+    monkeypatch.setattr(device.kernels, "get_keyed", get_keyed)
+    device.kernels.plans.clear()
+    z = av.astype(np.float64) @ bv.astype(np.float64)
+    g = up * (z > 0) if relu else up.astype(np.float64)
+    want = {"c": np.maximum(z, 0) if relu else z, "a": g @ bv.T, "b": av.T @ g}
+    runs = []
+    for _ in range(4):
+        a = pydiff.tensor(av, device=device, requires_grad=True)
+        b = pydiff.tensor(bv, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            c = ops.matmul(a, b)
+            if relu:
+                c = ops.relu(c)
+            loss = ops.sum(c * pydiff.tensor(up, device=device))
+        tape.backward(loss)
+        got = {"c": c.numpy(), "a": a.grad.numpy(), "b": b.grad.numpy()}
+        for name in want:
+            np.testing.assert_allclose(
+                got[name], want[name], rtol=2e-5, atol=3e-5 * np.sqrt(max(m, k)), err_msg=name
+            )
+        runs.append(got)
+    for name in want:
+        np.testing.assert_array_equal(runs[0][name], runs[3][name], err_msg=name)
+
+
+def test_spread_b_rows_kernels_are_exercised(device, monkeypatch):
+    """The shapes above reach mm_nn / mm_tn kernels with SHUF and B_ELEMS (KU * CB / 4, a power
+    of two) of fewer than 8 (threads past the last element load duplicates) and of several
+    rounds."""
+    if not _lavapipe(device):
+        pytest.skip("the shuffled kernels are lavapipe's plan")
+    used = []
+    real = device.kernels.get_keyed
+
+    def get_keyed(file, entry, **defines):
+        used.append((entry, defines))
+        return real(file, entry, **defines)
+
+    monkeypatch.setattr(device.kernels, "get_keyed", get_keyed)
+    device.kernels.plans.clear()
+    rng = np.random.default_rng(0)
+    for m, k, n in _SPREAD_SHAPES:
+        a = pydiff.tensor(rng.standard_normal((m, k)).astype(np.float32), requires_grad=True)
+        b = pydiff.tensor(rng.standard_normal((k, n)).astype(np.float32), requires_grad=True)
+        with pydiff.Tape() as tape:
+            loss = ops.sum(ops.relu(ops.matmul(a, b)))
+        tape.backward(loss)
+    elems = {
+        d["KU"] * d["CB"] // 4
+        for e, d in used
+        if e in ("mm_nn", "mm_tn") and d.get("SHUF") == 1 and not d.get("MASK_B")
+    }
+    assert min(elems) < 8 and max(elems) > 8, elems
+
+
+@pytest.mark.parametrize(
+    "batch, n_in, n_out", [(255, 64, 64), (8, 128, 32), (1024, 64, 16), (4, 64, 8)]
+)
+def test_relu_layer_masked_dw(device, monkeypatch, batch, n_in, n_out):
+    """A relu layer's dW + db (mm_tn through the relu's mask; on lavapipe its swapped form, B
+    the masked gradient, its rows spread over the threads) against float64, uniform and
+    constant sizes, the same bits both ways."""
+    used = entries_used(device, monkeypatch)
+    runs = [_linear_grads(device, batch, n_in, n_out, True, seed=n_out) for _ in range(4)]
+    assert "mm_tn" in used or "linear_bwd_narrow" in used
+    for got, want in runs:
+        _close(got, want, scale=np.sqrt(batch))
+    for name in runs[0][0]:
+        np.testing.assert_array_equal(runs[0][0][name], runs[3][0][name], err_msg=name)
