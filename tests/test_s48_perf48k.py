@@ -319,7 +319,8 @@ def test_relu_layer_masked_dw(device, monkeypatch, batch, n_in, n_out):
     constant sizes, the same bits both ways."""
     used = entries_used(device, monkeypatch)
     runs = [_linear_grads(device, batch, n_in, n_out, True, seed=n_out) for _ in range(4)]
-    assert "mm_tn" in used or "linear_bwd_narrow" in used
+    if _lavapipe(device):
+        assert "mm_tn" in used or "linear_bwd_narrow" in used
     for got, want in runs:
         _close(got, want, scale=np.sqrt(batch))
     for name in runs[0][0]:
