@@ -231,10 +231,10 @@ def _plan(
     swapped = _swapped(kernels, kind, m, n, k, mask, db, sizes)
     if swapped:
         return swapped
-    # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their
-    # row blocks fit: mm_nt loads whole B rows (cols % 8 == 0), the others float4s of one row.
-    # mm_nn and mm_tn reading A as floats share A instead (SHUF_A), in blocks of 16 (or all m
-    # below 16) x 8 where they fit: runs of 8 threads cover 64 columns.
+    # Runs of 8 threads share B through subgroup shuffles (matmul.slang, SHUF) where their row
+    # blocks fit: mm_nt loads B rows (cols % 8 == 0, or all on lavapipe: a 256 x 64 -> 10 head 34
+    # -> 29 us), the others float4s of one row; mm_nn and mm_tn reading A as floats share A instead
+    # (SHUF_A), in blocks of 16 (or all m below 16) x 8 where they fit (8 threads: 64 columns).
     shuf_a = not gpu and kind != "mm_nt" and not a_vec and (m % 16 == 0 or m < 16) and n % 64 == 0
     if shuf_a:
         rows, cols = min(m, 16), 8
@@ -243,7 +243,7 @@ def _plan(
     shuf = (
         not shuf_a
         and (m // rows) % 8 == 0
-        and (cols % 8 == 0 if kind == "mm_nt" else 8 % (cols // 4) == 0)
+        and (cols % 8 == 0 or cols == n and not gpu if kind == "mm_nt" else 8 % (cols // 4) == 0)
     )
     # M and K are uniforms, not defines (FIXED_M/FIXED_K for hot shapes): a kernel per batch
     # size cost a compile and 1.5-2.5 MB; at compile time only RB divides M, KU divides K.
