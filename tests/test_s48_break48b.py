@@ -1,0 +1,124 @@
+"""break48b: forward mode, transforms, torch interop, Functions and gradcheck broken as a
+demanding user would. References: closed forms checked by float64 central differences
+(numpy), never pydiff's own output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+SOURCE = """
+import slangpy;
+// x*x with a hand-written backward 2% off: 2.04 x instead of 2 x
+[Differentiable] [BackwardDerivative(sqw_bwd)] float sqw(float x) { return x * x; }
+void sqw_bwd(inout DifferentialPair<float> x, float d) { x = diffPair(x.p, 2.04 * x.p * d); }
+[Differentiable] float sq(float x) { return x * x; }
+// x*x*h with the derivative in x 2% off, beside a half parameter
+[Differentiable] [BackwardDerivative(mixw_bwd)]
+float mixw(float x, half h) { return x * x * float(h); }
+void mixw_bwd(inout DifferentialPair<float> x, inout DifferentialPair<half> h, float d)
+{
+    x = diffPair(x.p, 2.04 * x.p * float(h.p) * d);
+    h = diffPair(h.p, half(x.p * x.p * d));
+}
+[Differentiable] float mix(float x, half h) { return x * x * float(h); }
+"""
+
+X = np.array([0.5, -1.5, 2.0, 1.0])
+
+
+@pytest.fixture
+def m(device):
+    return pydiff.load_module_from_source("s48_break48b", SOURCE, device=device)
+
+
+def _central(f, x, h=1e-6):
+    """float64 central differences of an elementwise f (the reference derivative)."""
+    return (f(x + h) - f(x - h)) / (2 * h)
+
+
+def test_reference_derivatives_differ_from_the_wrong_ones():
+    # the references the gradcheck cases below rest on: d(x^2)/dx = 2x, not 2.04x / 2.08x
+    np.testing.assert_allclose(_central(lambda x: x * x, X), 2 * X, rtol=1e-8)
+    assert np.all(np.abs(2.04 * X - _central(lambda x: x * x, X)) > 1e-2 * np.abs(2 * X))
+
+
+def test_gradcheck_half_output_does_not_loosen_a_float_output(m):
+    """A half output beside a float32 one raised the tolerances for every output: a float32
+    gradient 2% off passed once the function also returned a half value."""
+    x = pydiff.tensor(X, requires_grad=True, device=m.device)
+    assert not pydiff.gradcheck(m.sqw, (x,), raise_exception=False)  # alone: caught
+
+    def with_half_aux(x):
+        return m.sqw(x, _result="tensor"), ops.mul(x, 0.5).astype("half")
+
+    assert not pydiff.gradcheck(with_half_aux, (x,), raise_exception=False)
+
+    def right_with_half_aux(x):
+        return m.sq(x, _result="tensor"), ops.mul(x, x).astype("half")
+
+    assert pydiff.gradcheck(right_with_half_aux, (x,))
+
+
+def test_gradcheck_half_input_does_not_loosen_a_float_input(m):
+    """A checked half input raised the tolerances for every input: the float input's
+    gradient 2% off passed beside it."""
+    x = pydiff.tensor(X, requires_grad=True, device=m.device)
+    h = pydiff.tensor([1.0, 0.5, -1.0, 2.0], dtype="half", requires_grad=True, device=m.device)
+    assert not pydiff.gradcheck(m.mixw, (x, h), raise_exception=False)
+    assert pydiff.gradcheck(m.mix, (x, h))
+
+
+class _SquareOverwrites(pydiff.Function):
+    """x * x whose backward *writes* 2 x g into ctx.grad_target(0) instead of adding it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return ops.mul(x, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        target = ctx.grad_target(0)
+        if target is not None:
+            target.copy_(ops.mul(ops.mul(x, 2.0), g))  # the bug: copy_, not an add
+        return None
+
+
+class _SquareAdds(pydiff.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return ops.mul(x, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        target = ctx.grad_target(0)
+        if target is not None:
+            target.copy_(ops.add(target, ops.mul(ops.mul(x, 2.0), g)))
+        return None
+
+
+def test_gradcheck_catches_a_backward_overwriting_its_grad_target(device):
+    """gradcheck lent zeroed gradient buffers, so a backward that overwrote
+    ctx.grad_target(k) instead of adding passed, while in use the gradient came out wrong
+    as soon as another contribution was there first (here sin(x) beside it)."""
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        y = ops.add(_SquareOverwrites.apply(x), ops.sin(x))
+        s = ops.sum(y)
+    tape.backward(s)
+    want = _central(lambda v: v * v + np.sin(v), X)  # float64 reference: 2x + cos x
+    assert not np.allclose(x.grad.numpy(), want, rtol=1e-3)  # wrong in use ...
+    assert not pydiff.gradcheck(_SquareOverwrites, (x,), raise_exception=False)  # ... caught
+    assert pydiff.gradcheck(_SquareAdds, (x,))
+    x2 = pydiff.tensor(X, requires_grad=True, device=device)
+    with pydiff.Tape() as tape:
+        s = ops.sum(ops.add(_SquareAdds.apply(x2), ops.sin(x2)))
+    tape.backward(s)
+    np.testing.assert_allclose(x2.grad.numpy(), want, rtol=1e-5, atol=1e-6)
