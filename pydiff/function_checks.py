@@ -336,3 +336,12 @@ def captured_reads(name: str, inputs: list) -> None:
     writes any more, and train on the captured batch without a word."""
     if (rec := capturing.recording()) is not None:
         rec.record_reads(name, [(f"its argument {i}, shape {t.shape}", t) for i, t in inputs])
+
+
+def detach_marked(result: Any, marked: Callable[[Any], bool]) -> Any:
+    """``result`` (one output or a tuple) with every output ``marked`` non-differentiable
+    replaced by a detached view: under ``pydiff.jvp`` it carries no tangent, as it carries no
+    gradient on a tape (before 2026-11-29 jacfwd gave 3 I where jacrev gave 0)."""
+    items = result if isinstance(result, tuple) else (result,)
+    out = tuple(o.detach() if isinstance(o, Tensor) and marked(o) else o for o in items)
+    return out if isinstance(result, tuple) else out[0]

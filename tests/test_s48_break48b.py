@@ -122,3 +122,56 @@ def test_gradcheck_catches_a_backward_overwriting_its_grad_target(device):
         s = ops.sum(ops.add(_SquareAdds.apply(x2), ops.sin(x2)))
     tape.backward(s)
     np.testing.assert_allclose(x2.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+class _MarkedP1(pydiff.Function):
+    """Pattern 1 (no backward): y = x^2, and z = 3x marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y, z = ops.mul(x, x), ops.mul(x, 3.0)
+        ctx.mark_non_differentiable(z)
+        return y, z
+
+
+class _MarkedP2(pydiff.Function):
+    """Pattern 2 (backward and jvp): the same, the jvp rule returning 3u for z as well."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        y, z = ops.mul(x, x), ops.mul(x, 3.0)
+        ctx.mark_non_differentiable(z)
+        return y, z
+
+    @staticmethod
+    def backward(ctx, gy, gz):
+        (x,) = ctx.saved_tensors
+        return ops.mul(ops.mul(x, 2.0), gy)
+
+    @staticmethod
+    def jvp(ctx, u):
+        (x,) = ctx.saved_tensors
+        return ops.mul(ops.mul(x, 2.0), u), ops.mul(u, 3.0)
+
+
+@pytest.mark.parametrize("cls", [_MarkedP1, _MarkedP2])
+def test_forward_mode_of_a_marked_output_agrees_with_reverse_mode(device, cls):
+    """An output given to ctx.mark_non_differentiable is a constant (detached): reverse
+    mode gave it a zero derivative, forward mode passed the tangent through (jacfwd 3 I
+    where jacrev gave 0, and jvp of sum(z * x) counted z's tangent)."""
+    x = pydiff.tensor(X, device=device)
+    jr = pydiff.jacrev(lambda x: cls.apply(x)[1])(x)
+    jf = pydiff.jacfwd(lambda x: cls.apply(x)[1])(x)
+    np.testing.assert_array_equal(jr, np.zeros((4, 4)))
+    np.testing.assert_array_equal(jf, np.zeros((4, 4)))
+    # f(x) = sum(stop(3x) * x): df . u = sum(3x * u) with z held (float64 by hand)
+    u = np.array([1.0, -2.0, 0.5, 3.0])
+    _, slope = pydiff.jvp(lambda x: ops.sum(ops.mul(cls.apply(x)[1], x)), (x,), (u,))
+    np.testing.assert_allclose(slope.numpy(), np.sum(3 * X * u), rtol=1e-6)
+    (g,) = [pydiff.grad(lambda x: ops.sum(ops.mul(cls.apply(x)[1], x)))(X)]
+    np.testing.assert_allclose(g, 3 * X, rtol=1e-6)
+    # y keeps its derivative: 2x u
+    _, (ty, tz) = pydiff.jvp(cls.apply, (x,), (u,))
+    np.testing.assert_allclose(ty.numpy(), 2 * X * u, rtol=1e-6)
+    np.testing.assert_array_equal(tz.numpy(), np.zeros(4))
