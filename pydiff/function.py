@@ -26,7 +26,7 @@ from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, bound_args, check_reached, gradients, own_outputs
 from .function_checks import captured_reads, forward_writes, nested_tensors, refuse_nested
-from .function_checks import detach_marked, tangent_in_dtype
+from .function_checks import detach_marked, note_marked, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
@@ -71,13 +71,13 @@ class FunctionCtx:
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
         """In ``forward``: these outputs get no gradient (returned without gradient buffers;
-        ``backward`` gets None for them), as integer and bool outputs. Without a backward, it
-        also says that they do not depend on the inputs (no check that recorded calls made
-        them from the inputs).
+        ``backward`` gets None; no tangent; gradcheck leaves them out), as integer and bool
+        outputs. Without a backward, they need not depend on the inputs (not checked).
 
         >>> ctx.mark_non_differentiable(counts)
         """
         self.non_differentiable += outputs
+        note_marked(outputs)
 
     def marked(self, output: Any) -> bool:
         """Whether ``output`` (that object) was given to ``mark_non_differentiable``."""
@@ -355,7 +355,7 @@ def _passed_through(
     outputs, checked = [], []
     for k, o in enumerate(result if many else (result,)):
         if isinstance(o, Tensor) and ctx.marked(o):
-            o = o.detach() if o.requires_grad else o
+            o = detach_marked(o, ctx.marked)  # (no tangent, left out by gradcheck)
         elif isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
             with suspend_recording():
                 copy = o.copy_values()

@@ -18,6 +18,7 @@ from .backward_scope import separate_backward
 from .errors import GradcheckError
 from .forward_program import lent_grads, prepare, refuse_inside_tape, traced
 from .function import Function
+from .function_checks import is_marked
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape
@@ -73,7 +74,7 @@ def _outputs(value: Any) -> list[Tensor]:
     found = leaves(value, "output")
     if not found:
         raise TypeError("gradcheck: fn returned no pydiff.Tensor")
-    outs = [t for _, t in found if t.differentiable]
+    outs = [t for _, t in found if t.differentiable and not is_marked(t)]
     if not outs:
         kinds = ", ".join(f"{label} ({t.dtype})" for label, t in found)
         raise ValueError(
@@ -218,7 +219,7 @@ def _check_forward(
         xs, ts = prepare("gradcheck", inputs, dirs, "directions")
         primal, out = traced(as_callable(fn), xs, ts, "gradcheck")
         pairs = zip(primal, out) if isinstance(out, tuple) else [(primal, out)]
-        pairs = [(p, t) for p, t in pairs if p.differentiable]  # as _outputs: no integers
+        pairs = [(p, t) for p, t in pairs if p.differentiable and not is_marked(p)]  # as _outputs
     else:
         pairs = _shader_pairs(fn, inputs, state, us)
     got, jvp = (np.concatenate([_flat(pt[k]) for pt in pairs]) for k in (0, 1))

@@ -175,3 +175,22 @@ def test_forward_mode_of_a_marked_output_agrees_with_reverse_mode(device, cls):
     _, (ty, tz) = pydiff.jvp(cls.apply, (x,), (u,))
     np.testing.assert_allclose(ty.numpy(), 2 * X * u, rtol=1e-6)
     np.testing.assert_array_equal(tz.numpy(), np.zeros(4))
+
+
+@pytest.mark.parametrize("cls", [_MarkedP1, _MarkedP2])
+def test_gradcheck_leaves_out_a_marked_output(device, cls):
+    """gradcheck failed a right Function with a marked output: it took the output as one
+    no input reaches (a zero Jacobian) while its finite differences are 3 (torch's
+    gradcheck leaves outputs without a gradient out). y = x^2 is still checked."""
+    x = pydiff.tensor(X, requires_grad=True, device=device)
+    assert pydiff.gradcheck(cls, (x,))
+    assert pydiff.gradcheck(cls, (x,), check_forward=True)
+
+    class WrongY(cls):
+        @staticmethod
+        def backward(ctx, gy, gz):
+            (x,) = ctx.saved_tensors
+            return ops.mul(ops.mul(x, 2.1), gy)  # 5% off: still caught
+
+    if cls is _MarkedP2:
+        assert not pydiff.gradcheck(WrongY, (x,), raise_exception=False)
