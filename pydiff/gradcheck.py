@@ -192,8 +192,8 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
         return check_forward
     if isinstance(fn, type) and issubclass(fn, Function):  # a hand-written jvp: checked too
         return fn.jvp is not Function.jvp and not _nested(inputs)
-    if not isinstance(fn, ShaderFunction) or not fn.differentiable or _nested(inputs):
-        return False
+    if not isinstance(fn, ShaderFunction) or not fn.differentiable or any(map(_listed, inputs)):
+        return False  # (struct (dict) arguments checked too: a wrong one passed to 2026-11-29)
     if any(f.wrong_jvp for f in fn.module.traps.get(fn.name, ())):
         return False  # (forward mode refused: Slang's is wrong there; the backward checked)
     return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)  # (all seen)

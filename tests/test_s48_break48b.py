@@ -25,6 +25,16 @@ void mixw_bwd(inout DifferentialPair<float> x, inout DifferentialPair<half> h, f
     h = diffPair(h.p, half(x.p * x.p * d));
 }
 [Differentiable] float mix(float x, half h) { return x * x * float(h); }
+// a * x^2 + b with a struct parameter, and a [ForwardDerivative] wrong in x (3 a x, not 2 a x)
+struct P : IDifferentiable { float a; float b; };
+[Differentiable] [ForwardDerivative(stw_fwd)] float stw(P p, float x) { return p.a * x * x + p.b; }
+[Differentiable]
+DifferentialPair<float> stw_fwd(DifferentialPair<P> p, DifferentialPair<float> x)
+{
+    float d = p.d.a * x.p * x.p + p.p.a * 3.0 * x.p * x.d + p.d.b;
+    return diffPair(p.p.a * x.p * x.p + p.p.b, d);
+}
+[Differentiable] float st(P p, float x) { return p.a * x * x + p.b; }
 """
 
 X = np.array([0.5, -1.5, 2.0, 1.0])
@@ -194,3 +204,20 @@ def test_gradcheck_leaves_out_a_marked_output(device, cls):
 
     if cls is _MarkedP2:
         assert not pydiff.gradcheck(WrongY, (x,), raise_exception=False)
+
+
+def test_gradcheck_checks_forward_mode_with_struct_arguments(m):
+    """With a struct (dict) argument, gradcheck's default skipped forward mode: a wrong
+    [ForwardDerivative] (which pydiff.jvp and .fwds then use) passed unless
+    check_forward=True was given. Reference: d(a x^2 + b) = x^2 da + 2 a x dx + db."""
+    x = pydiff.tensor([0.5, -1.0, 2.0], requires_grad=True, device=m.device)
+    a = pydiff.tensor([1.0, 2.0, 0.5], requires_grad=True, device=m.device)
+    b = pydiff.tensor([0.1, 0.2, 0.3], requires_grad=True, device=m.device)
+    xs = np.array([0.5, -1.0, 2.0])
+    _, t = pydiff.jvp(
+        m.stw, ({"a": 1.0, "b": 0.0}, pydiff.tensor(xs, device=m.device)), (None, np.ones(3))
+    )
+    want = _central(lambda v: 1.0 * v * v, xs)  # 2x, float64
+    assert np.abs(t.numpy() - want).max() > 0.4  # jvp uses the wrong derivative ...
+    assert not pydiff.gradcheck(m.stw, ({"a": a, "b": b}, x), raise_exception=False)  # caught
+    assert pydiff.gradcheck(m.st, ({"a": a, "b": b}, x))
