@@ -221,3 +221,30 @@ def test_gradcheck_checks_forward_mode_with_struct_arguments(m):
     assert np.abs(t.numpy() - want).max() > 0.4  # jvp uses the wrong derivative ...
     assert not pydiff.gradcheck(m.stw, ({"a": a, "b": b}, x), raise_exception=False)  # caught
     assert pydiff.gradcheck(m.st, ({"a": a, "b": b}, x))
+
+
+MIXED_CHECK = """
+// x^2 h with the derivative in x 2% off (2.04 x h), beside a half parameter
+[Differentiable] [BackwardDerivative(mixw_bwd)]
+float mixw(float x, half h) { return x * x * float(h); }
+void mixw_bwd(inout DifferentialPair<float> x, inout DifferentialPair<half> h, float d)
+{
+    x = diffPair(x.p, 2.04 * x.p * float(h.p) * d);
+    h = diffPair(h.p, half(x.p * x.p * d));
+}
+[Differentiable] float mix(float x, half h) { return x * x * float(h); }
+"""
+
+
+def test_pydiff_check_keeps_float_tolerances_for_a_float_parameter(device, tmp_path):
+    """`pydiff check` raised every parameter's tolerances to half's once one parameter was
+    half: x's derivative 2% off passed (its reference: the float64 central differences
+    pydiff check itself takes, 2 x h)."""
+    from pydiff.modcheck import check_module
+
+    path = tmp_path / "mixed.slang"
+    path.write_text(MIXED_CHECK)
+    rows = {(r.function, r.parameter, r.mode): r.status for r in check_module(path, device=device)}
+    assert rows[("mixw", "x", "backward")] == "FAIL", rows
+    assert rows[("mixw", "h", "backward")] == "PASS", rows
+    assert all(s == "PASS" for (f, *_), s in rows.items() if f == "mix"), rows
