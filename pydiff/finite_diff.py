@@ -313,3 +313,27 @@ def dot(a: Any, b: Any, axis: int | None = None) -> Any:
     """
     pairs = ((a[k], b[k]) for k in a) if isinstance(a, Mapping) else zip(a, b)
     return sum(np.sum(x * y, axis=axis) for x, y in pairs)
+
+
+def element_message(
+    label: str, index: tuple, ad: float, num: float, atol: float, rtol: float, stuck: str = ""
+) -> str:
+    """The failure message for one element: a difference beyond the tolerance, a point with
+    no step, a non-finite difference or gradient (gradcheck's)."""
+    where = f"{label}, element {index}"
+    if stuck:
+        return (
+            f"{where}: {stuck} rounds to one value as the input holds it (float32): there is "
+            "no step to take a difference over; raise eps (about 1e-3 * |x|)"
+        )
+    if not np.isfinite(num):
+        return (
+            f"{where}: the finite difference is {num:.6g} (the function is not finite near "
+            "this point, so its derivative cannot be checked here; move the point)"
+        )
+    if not np.isfinite(ad):
+        return f"{where}: analytic {ad:.6g} where the finite difference is finite ({num:.6g})"
+    return (
+        f"{where}: analytic {ad:.6g}, numeric {num:.6g} (|diff| {abs(ad - num):.3g} > "
+        f"atol + rtol*|numeric| = {atol + rtol * abs(num):.3g})"
+    )

@@ -26,7 +26,7 @@ from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, bound_args, check_reached, gradients, own_outputs
 from .function_checks import captured_reads, forward_writes, nested_tensors, refuse_nested
-from .function_checks import tangent_in_dtype
+from .function_checks import detach_marked, note_marked, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
 from .unrecorded import MADE_OFF_TAPE, note_unrecorded
@@ -71,13 +71,13 @@ class FunctionCtx:
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
         """In ``forward``: these outputs get no gradient (returned without gradient buffers;
-        ``backward`` gets None for them), as integer and bool outputs. Without a backward, it
-        also says that they do not depend on the inputs (no check that recorded calls made
-        them from the inputs).
+        ``backward`` gets None; no tangent; gradcheck leaves them out), as integer and bool
+        outputs. Without a backward, they need not depend on the inputs (not checked).
 
         >>> ctx.mark_non_differentiable(counts)
         """
         self.non_differentiable += outputs
+        note_marked(outputs)
 
     def marked(self, output: Any) -> bool:
         """Whether ``output`` (that object) was given to ``mark_non_differentiable``."""
@@ -239,10 +239,8 @@ class Function:
             if not o.differentiable or (marked is not None and (marked(item) or marked(o))):
                 constant.add(k)
         if constant:
-            outputs = tuple(
-                o.detach() if k in constant and o.requires_grad else o
-                for k, o in enumerate(outputs)
-            )
+            detach = [k in constant and o.requires_grad for k, o in enumerate(outputs)]
+            outputs = tuple(o.detach() if d else o for d, o in zip(detach, outputs))
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
         needs = any(ctx.needs_input_grad)
@@ -301,7 +299,8 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
                 f"hessian) cannot pass through it. Define @staticmethod jvp(ctx, *tangents) "
                 "returning one tangent per output (see pydiff.Function.jvp)"
             )
-        return cls._run(args)[0]  # the calls inside carry the tangents
+        result, ctx = cls._run(args)  # the calls inside carry the tangents; marked: none
+        return detach_marked(result, ctx.marked) if ctx.non_differentiable else result
     trace = forward_trace.active()
     with forward_trace.suspended():
         result, ctx = cls._run(args)
@@ -315,6 +314,7 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
             f"{len(ctx.outputs)} outputs; return one per output (None: zero)"
         )
     for k, (o, t) in enumerate(zip(ctx.outputs, got)):
+        t = None if ctx.marked(o) else t  # a constant, as in reverse mode (before 11-29: not)
         if t is not None and not isinstance(t, Tensor):
             tangent_in_dtype(t, o, name, k, None)  # booleans refused
             first_order_only(ctx, f"{name}.jvp() returned a {type(t).__name__}, not pydiff ops")
@@ -355,7 +355,7 @@ def _passed_through(
     outputs, checked = [], []
     for k, o in enumerate(result if many else (result,)):
         if isinstance(o, Tensor) and ctx.marked(o):
-            o = o.detach() if o.requires_grad else o
+            o = detach_marked(o, ctx.marked)  # (no tangent, left out by gradcheck)
         elif isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
             with suspend_recording():
                 copy = o.copy_values()

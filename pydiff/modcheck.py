@@ -148,6 +148,7 @@ def check_function(
     checked = layout.checked()
     if not checked:
         return [CheckResult(name, "-", "-", "SKIPPED", why="no differentiable parameter")]
+    given = (atol, rtol)  # a float leaf's tolerances (Layout.half_leaf)
     eps, second, atol, rtol = fd.for_precision(eps, atol, rtol, layout.half_precision())
     no_bwds = layout.no_gradients() if backward else _ONE_SIDED["forward"]  # double inputs
     backward = backward and no_bwds is None
@@ -164,14 +165,14 @@ def check_function(
     results: list[CheckResult] = []
     analytic = _analytic_vjp(layout, device, values, upstream, points) if backward else {}
     for leaf in checked if backward else ():
-        # one component at every point at once, with steps eps and eps/4
+        lt = (atol, rtol) if layout.half_leaf(leaf) else given  # steps eps, eps/4: all points
         d1, d2 = (
             fd.per_element(sampler.run, values, leaf.key, h, batch=1, project=project)
             for h in (eps, second)
         )
-        valid = finite & np.all(fd.smooth(d1, d2, atol, rtol), axis=1)
+        valid = finite & np.all(fd.smooth(d1, d2, *lt), axis=1)
         cmp = fd.compare(
-            analytic[leaf.key], d1, np.repeat(valid[:, None], d1.shape[1], axis=1), atol, rtol
+            analytic[leaf.key], d1, np.repeat(valid[:, None], d1.shape[1], axis=1), *lt
         )
         results.append(_row(name, leaf.key, "backward", cmp, valid, finite))
 

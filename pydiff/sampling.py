@@ -170,6 +170,14 @@ class Layout:
         types = [leaf.dtype for leaves in self.leaves.values() for leaf in leaves]
         return any(d.startswith("half") for d in types + ([ret[0]] if ret else []))
 
+    def half_leaf(self, leaf: Leaf) -> bool:
+        """Whether ``leaf``'s gradient is checked at half's tolerances: it is half, or an
+        output (the result, an out value) is. A float leaf beside a half parameter keeps the
+        float tolerances (before 2026-11-29 its gradient 2% off passed)."""
+        ret = value_shape(self.fn.signature.return_type)
+        outs = [o.dtype for o in self.outputs()] + ([ret[0]] if ret else [])
+        return any(d.startswith("half") for d in [leaf.dtype, *outs])
+
     def arguments(
         self, values: dict[str, np.ndarray], points: int, device: Any, grads: bool = False
     ) -> tuple[list[Any], dict[str, Any]]:

@@ -67,7 +67,11 @@ def test_gradcheck_checks_forward_mode_through_struct_fields(m):
     b = pydiff.tensor([0.1, 0.2, 0.3], requires_grad=True)
     x = pydiff.tensor([1.5, -0.5, 2.0], requires_grad=True)
     assert pydiff.gradcheck(m.sq, ({"a": a, "b": b}, x), check_forward=True)
-    assert pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x))  # the backward alone is right
+    # the backward alone is right, and forward mode is checked by default too (break48b:
+    # before, the default left it out with struct arguments and the wrong one passed)
+    with pytest.raises(pydiff.GradcheckError, match="forward mode"):
+        pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x))
+    assert pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x), check_forward=False)
     with pytest.raises(pydiff.GradcheckError, match="forward mode"):
         pydiff.gradcheck(m.sqw, ({"a": a, "b": b}, x), check_forward=True)
 
