@@ -18,8 +18,7 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
-from . import capture_calls, module_session, overload_select
-from . import slang_compile
+from . import capture_calls, module_session, overload_select, slang_compile, temporary_copies
 from .arguments import overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -300,6 +299,7 @@ class ShaderFunction:
 
     # -- forward ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        temporary_copies.refuse_written(self, args, kwargs)  # (m.f(x[1:3]) writing a copy)
         if capturing.recording() is not None:  # the plan's generated kernel, or refused
             return capture_calls.forward(self, args, kwargs)
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
@@ -394,8 +394,7 @@ class OverloadedFunction:
 
     def __init__(self, overloads: list[ShaderFunction]):
         self.overloads = overloads
-        self.bwds = _OverloadedBackward(self)
-        self.fwds = _OverloadedForward(self)
+        self.bwds, self.fwds = _OverloadedMode(self, "bwds"), _OverloadedMode(self, "fwds")
 
     @property
     def name(self) -> str:
@@ -413,26 +412,21 @@ class OverloadedFunction:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.select(args, kwargs)(*args, **kwargs)
+        temporary_copies.refuse_written(fn := self.select(args, kwargs), args, kwargs)
+        return fn(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<pydiff overloaded function {self.name} ({len(self.overloads)} overloads)>"
 
 
-class _OverloadedBackward:
-    def __init__(self, fn: OverloadedFunction):
-        self._fn = fn
+class _OverloadedMode:
+    """``.bwds`` / ``.fwds`` of an overloaded function: the selected overload's."""
+
+    def __init__(self, fn: OverloadedFunction, mode: str):
+        self._fn, self._mode = fn, mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn.select(args, kwargs).bwds(*args, **kwargs)
-
-
-class _OverloadedForward:
-    def __init__(self, fn: OverloadedFunction):
-        self._fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn.select(args, kwargs).fwds(*args, **kwargs)
+        return getattr(self._fn.select(args, kwargs), self._mode)(*args, **kwargs)
 
 
 def library(device: Device) -> Module:

@@ -33,6 +33,10 @@ ENABLED = True
 #: References a slot call (``x[1:3][0] = v``: ``__setitem__`` called by the interpreter, the
 #: arguments not handed over) adds to a method call's, measured at import.
 SLOT_EXTRA = 0
+#: References a shader function's call adds to a fresh mark's, for a positional argument
+#: (``m.f(x[1:3])``) and a keyword one (``m.f(y=x[1:3])``: ``refuse_written``), measured at
+#: import; None: not told apart here (nothing refused).
+CALL_EXTRA: tuple[int, int] | None = None
 
 
 def mark(t: Any, what: str) -> None:
@@ -73,6 +77,40 @@ def refuse(t: Any, method: str) -> None:
         "and nothing else holds this one, so the write would never be seen (the tensor keeps "
         f"its values). To change the tensor, write into it: {advice}. To write a copy, name "
         f"it first: y = {what}; {named}"
+    )
+
+
+def refuse_written(fn: Any, args: tuple, kwargs: dict) -> None:
+    """A ``TypeError`` if this call of ``fn`` (a shader function: ``params`` with ``io``) writes
+    a marked copy nothing but the call holds, through an ``out``/``inout`` parameter or
+    ``_result=``: ``m.scale(x[1:3])`` would write the copy and drop it (``x`` unchanged).
+    Call it as ``refuse_written(self, args, kwargs)`` first thing in ``__call__(self, *args,
+    **kwargs)``: the counts are calibrated on that shape of call (``CALL_EXTRA``)."""
+    if not _MARKS or CALL_EXTRA is None:
+        return
+    params = fn.params
+    for i, value in enumerate(args):
+        if id(value) in _MARKS and i < len(params) and params[i].io != "in":
+            _refuse_argument(value, sys.getrefcount(value) - CALL_EXTRA[0], params[i].name, fn)
+    for name, value in kwargs.items():
+        if id(value) in _MARKS:
+            if name == "_result" or next((p.io for p in params if p.name == name), "in") != "in":
+                _refuse_argument(value, sys.getrefcount(value) - CALL_EXTRA[1], name, fn)
+
+
+def _refuse_argument(value: Any, count: int, name: str, fn: Any) -> None:
+    held = _MARKS.get(id(value))
+    if held is None or held[0]() is not value or count != held[1]:
+        return
+    if id(getattr(value, "producer", None)) != held[2]:
+        return
+    what = held[3]
+    back = f"{what[:-2]}.copy_(c.T)" if what.endswith(".T") else f"{what} = c"
+    raise TypeError(
+        f"{getattr(fn, 'label', fn)}: parameter '{name}' would write {what}, a temporary copy: "
+        "pydiff's indexing and .T return copies, not views, and nothing else holds this one, "
+        "so the values the call writes would never be seen (the tensor keeps its values). Name "
+        f"the copy, call, then write it back: c = {what}; f(..., c); {back}"
     )
 
 
@@ -118,6 +156,33 @@ def _slot_refused(named: bool) -> bool:
     return bool(seen)
 
 
+class _CallProbe:
+    params = (type("P", (), {"io": "inout", "name": "x"})(),)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> bool:
+        try:
+            refuse_written(self, args, kwargs)
+        except TypeError:
+            return True
+        return False
+
+
+def _call_extra() -> tuple[int, int] | None:
+    """The references a call ``f(t)`` / ``f(x=t)`` of a ``__call__(self, *args, **kwargs)``
+    adds over a fresh mark's, where a temporary and a named argument are told apart."""
+    global CALL_EXTRA
+    probe, found = _CallProbe(), {}
+    for extra in range(8):  # (each call as written, no helper frame: it would hold one more)
+        CALL_EXTRA = (extra, extra)
+        named = _made()
+        if "args" not in found and probe(_made()) and not probe(named):
+            found["args"] = extra
+        if "kwargs" not in found and probe(x=_made()) and not probe(x=named):
+            found["kwargs"] = extra
+    CALL_EXTRA = (found["args"], found["kwargs"]) if len(found) == 2 else None
+    return CALL_EXTRA
+
+
 def _calibrate() -> bool:
     """Whether a temporary is refused and a named object (a local, a list's) is not here, by
     a method and by ``__setitem__`` (``SLOT_EXTRA`` found)."""
@@ -129,6 +194,7 @@ def _calibrate() -> bool:
     for SLOT_EXTRA in (0, 1, 2, None):  # noqa: B007 (the global kept)
         if SLOT_EXTRA is None or (_slot_refused(False) and not _slot_refused(True)):
             break
+    _call_extra()
     _MARKS.clear()
     return ok and SLOT_EXTRA is not None
 
