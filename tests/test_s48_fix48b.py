@@ -1,0 +1,90 @@
+"""fix48b: user traps a breaker met, each against an independent reference (NumPy's own
+``astype`` in float64, closed forms), each failing before its fix.
+
+- ``x.astype("double")`` (and ``np.float64``) was refused ("pydiff has no float64 tensors")
+  while ``pydiff.tensor(..., dtype="double")`` made one; an explicit ``dtype=np.float64``
+  in the constructors made a float32 tensor. ``astype`` now takes every dtype the
+  constructors do, an explicit float64 is ``double`` in both, and a tensor that needs a
+  gradient on a tape is refused by name (a double tensor cannot carry one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+
+VALUES = np.array([0.1, -2.5, 3.75, 1e-3, -7.9, 12345.678], np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["double", np.float64, "float64", np.dtype(np.float64)])
+def test_astype_double_matches_numpy(dtype):
+    x = pydiff.tensor(VALUES)
+    y = x.astype(dtype)
+    assert y.dtype == "double"
+    got = y.numpy()
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, VALUES.astype(np.float64))  # float32 -> float64: exact
+
+
+def test_astype_from_double_matches_numpy():
+    v = np.array([0.1, -2.5, 1.0 / 3.0, 2049.0, -7.9, 1e-7, 65504.0], np.float64)
+    d = pydiff.tensor(v, dtype="double")
+    np.testing.assert_array_equal(d.astype("float").numpy(), v.astype(np.float32))
+    np.testing.assert_array_equal(d.astype("half").numpy(), v.astype(np.float16))
+    np.testing.assert_array_equal(d.astype("int").numpy(), np.trunc(v).astype(np.int32))
+    np.testing.assert_array_equal(d.astype("double").numpy(), v)
+
+
+def test_astype_double_vectors_and_ints():
+    v = np.arange(6.0).reshape(2, 3) * 1.25 - 3.0
+    got = pydiff.tensor(v, dtype="float3").astype("double3").numpy()
+    np.testing.assert_array_equal(got, v.astype(np.float32).astype(np.float64))
+    i = pydiff.tensor(np.array([-3, 0, 2**24 + 1], np.int32))  # exact in float64, not float32
+    np.testing.assert_array_equal(i.astype("double").numpy(), [-3.0, 0.0, 2.0**24 + 1])
+
+
+def test_astype_from_double_refuses_what_the_constructor_refuses():
+    d = pydiff.tensor([1e39, 1.0], dtype="double")
+    with pytest.raises(ValueError, match="Tensor.astype"):
+        d.astype("float")  # NumPy gives inf
+    with pytest.raises(ValueError, match="Tensor.astype"):
+        pydiff.tensor([2.0**31, 0.0], dtype="double").astype("int")  # NumPy wraps
+
+
+@pytest.mark.parametrize("make", ["tensor", "zeros", "full"])
+def test_explicit_float64_dtype_is_double(make):
+    f = {
+        "tensor": lambda dt: pydiff.tensor([0.1, 2.0**53], dtype=dt),
+        "zeros": lambda dt: pydiff.zeros((2,), dtype=dt),
+        "full": lambda dt: pydiff.full((2,), 0.1, dtype=dt),
+    }[make]
+    for dt in (np.float64, "float64"):
+        t = f(dt)
+        assert t.dtype == "double", (make, dt, t.dtype)
+        assert t.numpy().dtype == np.float64
+    if make == "tensor":
+        np.testing.assert_array_equal(f(np.float64).numpy(), [0.1, 2.0**53])  # not rounded
+
+
+def test_astype_double_on_tape_with_gradient_is_refused_by_name():
+    x = pydiff.tensor(VALUES, requires_grad=True)
+    with pydiff.Tape():
+        with pytest.raises(TypeError, match=r"astype\('double'\).*cannot carry"):
+            x.astype("double")
+        y = x.detach().astype("double")  # the values only: allowed
+    np.testing.assert_array_equal(y.numpy(), VALUES.astype(np.float64))
+    off = x.astype(np.float64)  # off a tape: a copy without a gradient, as astype('float')
+    assert off.dtype == "double" and not off.requires_grad
+
+
+def test_astype_float_half_gradient_still_carried():
+    # d/dx sum(2 * half(x)) = 2 wherever half(x) is finite: a central difference of that sum.
+    x = pydiff.tensor(np.array([0.5, -1.25, 3.0], np.float32), requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = (x.astype("half").astype("float") * 2.0).sum()
+    tape.backward(y)
+    h = 1e-2
+    fd = [(2.0 * (np.float16(v + h)) - 2.0 * np.float16(v - h)) / (2 * h) for v in x.numpy()]
+    np.testing.assert_allclose(x.grad.numpy(), np.array(fd, np.float64), rtol=0.05)
