@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,53 @@ def test_astype_float_half_gradient_still_carried():
     h = 1e-2
     fd = [(2.0 * (np.float16(v + h)) - 2.0 * np.float16(v - h)) / (2 * h) for v in x.numpy()]
     np.testing.assert_allclose(x.grad.numpy(), np.array(fd, np.float64), rtol=0.05)
+
+
+# - A module function named as a Slang built-in (``lerp``, ``saturate``) failed at its call
+#   with SlangPy's raw overload listing and a hint after it; it now raises
+#   ``pydiff.BuiltinNameError`` (a TypeError) naming the function, the file and line of its
+#   definition and the rename, with SlangPy's report attached.
+
+BUILTIN_SRC = """// a user's helpers
+float lerp(float a, float b, float t) { return a + (b - a) * t; }
+
+[Differentiable]
+float saturate(float x) { return x < 0.0 ? 0.0 : (x > 1.0 ? 1.0 : x); }
+float my_mix(float a, float b, float t) { return a + (b - a) * t; }
+"""
+
+
+def test_builtin_named_function_error_names_file_line_and_rename(tmp_path):
+    path = tmp_path / "helpers48.slang"
+    path.write_text(BUILTIN_SRC)
+    m = pydiff.load_module(str(path))
+    a = pydiff.tensor([0.0, 2.0])
+    with pytest.raises(pydiff.BuiltinNameError) as info:
+        m.lerp(a, a, a, _result="tensor")
+    msg = str(info.value)
+    assert isinstance(info.value, TypeError)  # (as the overload errors before)
+    assert f"{path}:2" in msg, msg
+    assert "Rename your function" in msg and "my_lerp" in msg, msg
+    assert "SlangPy's report:" in msg and "Could not call function 'lerp'" in msg, msg
+    x = pydiff.tensor([-0.5, 0.25, 3.0], requires_grad=True)
+    with pytest.raises(pydiff.BuiltinNameError, match=rf"{re.escape(str(path))}:5"):
+        m.saturate(x, _result="tensor")
+    # the same body under another name: a + (b - a) t in closed form
+    t = np.array([0.0, 0.5, 1.0], np.float32)
+    got = m.my_mix(pydiff.tensor([1.0] * 3), pydiff.tensor([3.0] * 3), pydiff.tensor(t))
+    np.testing.assert_allclose(np.asarray(got), 1.0 + 2.0 * t.astype(np.float64), rtol=1e-6)
+
+
+def test_builtin_named_function_from_source_names_its_line():
+    m = pydiff.load_module_from_source("fix48b_builtins", BUILTIN_SRC)
+    with pytest.raises(TypeError, match=r"Slang built-in.*<fix48b_builtins>:2\)") as info:
+        m.lerp(pydiff.tensor([1.0]), pydiff.tensor([2.0]), pydiff.tensor([0.5]))
+    assert "Slang built-in functions" in str(info.value)
+
+
+def test_own_names_get_no_builtin_error():
+    m = pydiff.load_module_from_source("fix48b_own", BUILTIN_SRC)
+    with pytest.raises(TypeError) as info:  # an int tensor where every overload takes float
+        m.my_mix(pydiff.zeros((2, 2, 2), dtype="int"), 1, 2, 3, _result="tensor")
+    assert not isinstance(info.value, pydiff.BuiltinNameError)
+    assert "built-in" not in str(info.value)
