@@ -140,3 +140,40 @@ def test_own_names_get_no_builtin_error():
         m.my_mix(pydiff.zeros((2, 2, 2), dtype="int"), 1, 2, 3, _result="tensor")
     assert not isinstance(info.value, pydiff.BuiltinNameError)
     assert "built-in" not in str(info.value)
+
+
+# - A tape's backward run again (the same recorded calls) copied every gradient buffer it
+#   writes each time (31 device copies for 10 calls), to restore them if a call refused
+#   part-way: the entries were marked "may refuse" at recording, when their backward had never
+#   run. That is now asked again at each backward: once the layouts ran, nothing is kept.
+
+CHAIN_SRC = """
+[Differentiable] float sq48(float x) { return x * x; }
+[Differentiable] float sn48(float x) { return sin(x); }
+"""
+
+
+def test_second_backward_of_a_tape_keeps_no_gradient_copies(monkeypatch):
+    from pydiff import grad_restore
+
+    m = pydiff.load_module_from_source("fix48b_chain", CHAIN_SRC)  # (never ran .bwds)
+    xs = np.linspace(-1.0, 1.0, 16).astype(np.float32)
+    x = pydiff.tensor(xs, requires_grad=True)
+    with pydiff.Tape() as tape:
+        h = m.sn48(m.sq48(x, _result="tensor"), _result="tensor")
+    kept = []
+    keep = grad_restore.GradSnapshot.keep
+    monkeypatch.setattr(
+        grad_restore.GradSnapshot, "keep", lambda self, g: (kept.append(g), keep(self, g))[1]
+    )
+    x64 = xs.astype(np.float64)
+    want = np.cos(x64**2) * 2.0 * x64  # d/dx sin(x^2)
+    tape.backward(h, grad=np.ones(16))
+    first = len(kept)
+    assert first > 0  # the first backward may refuse part-way: its buffers are kept
+    np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    for _ in range(2):
+        x.zero_grad()
+        tape.backward(h, grad=np.ones(16))
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert len(kept) == first, (first, len(kept))
