@@ -17,6 +17,7 @@ import numpy as np
 import slangpy as spy
 
 from .buffer_pool import MAX_BUFFER_BYTES, MAX_ELEMENTS, allocation_failed, check_size
+from .builtin_names import collision_error, is_builtin_name
 from .errors import check_result_value, kernel_compile_error, known_call_error
 from .fixed_point_grad import dummy_fields
 from .fork_locks import renewed_lock
@@ -385,66 +386,8 @@ def resolve_error(fn: FunctionTarget, exc: Exception) -> Exception:
     lines = str(exc).splitlines()
     head = "\n".join(lines[:12])
     more = f"\n... ({len(lines) - 12} more lines of SlangPy's report)" if len(lines) > 12 else ""
-    hint = ""
-    if is_builtin_name(fn.module.device, fn.name):
-        hint = (
-            f"\nHint: '{fn.name}' is also the name of Slang built-in functions, which SlangPy "
-            "cannot tell apart from yours; rename your function."
-        )
+    if (collision := collision_error(fn, head + more)) is not None:
+        return collision  # (a name of Slang's built-ins: its overloads SlangPy could not pick)
     return TypeError(
-        f"{fn.label}: SlangPy could not match the arguments to the function:\n{head}{more}{hint}"
+        f"{fn.label}: SlangPy could not match the arguments to the function:\n{head}{more}"
     )
-
-
-def _builtin_probe(device: Any) -> Any:
-    """An empty module compiled once per device: what its reflection finds is Slang's own."""
-    return device.cached(
-        "pydiff-builtin-probe",
-        lambda: device.native.load_module_from_source("pydiff_builtin_probe", ""),
-    )
-
-
-def is_builtin_name(device: Any, name: str) -> bool:
-    """Whether Slang's core module defines a function ``name`` (found by reflection in an
-    empty module compiled once per device); False when that cannot be told."""
-    try:
-        return _builtin_probe(device).layout.find_function_by_name(name) is not None
-    except Exception:  # a device without source loading: no hint rather than a wrong one
-        return False
-
-
-def builtin_signatures(device: Any, name: str) -> set[str]:
-    """The signatures (as ``str(Signature)`` writes them) of Slang's built-in functions called
-    ``name``; empty when there are none or that cannot be told."""
-    try:
-        found = _builtin_probe(device).layout.find_function_by_name(name)
-        if found is None:
-            return set()
-        overloads = found.overloads if found.is_overloaded else [found]
-        return {
-            f"{o.return_type.full_name if o.return_type is not None else 'void'} {name}("
-            + ", ".join(f"{p.type.full_name} {p.name}" for p in o.parameters)
-            + ")"
-            for o in overloads
-        }
-    except Exception:  # no reflection to tell: nothing is called built-in
-        return set()
-
-
-def overload_listing(fns: list) -> str:
-    """The overloads of one name, each once, the module's own apart from Slang's built-ins
-    (a module sees the built-ins of a name it defines as further overloads)."""
-    shown: dict[str, Any] = {}
-    for f in fns:
-        shown.setdefault(str(f.signature), f)
-    builtin = builtin_signatures(fns[0].module.device, fns[0].name)
-    own = [repr(f) for s, f in shown.items() if s not in builtin]
-    theirs = [s for s in shown if s in builtin]
-    text = "overloads:\n  " + "\n  ".join(own) if own else "no overload of the module's own"
-    if theirs:
-        text += (
-            f"\nSlang built-in functions also named '{fns[0].name}' (Slang's, not the module's; "
-            "SlangPy offers them as overloads too: rename your function to keep them apart):"
-            "\n  " + "\n  ".join(theirs)
-        )
-    return text

@@ -121,6 +121,11 @@ class ShaderTrapError(PydiffError, RuntimeError):
     """A shader uses a pattern SlangPy 0.43 mis-differentiates or crashes on."""
 
 
+class BuiltinNameError(PydiffError, TypeError):
+    """A module function named as Slang built-ins (``lerp``), whose overloads SlangPy offers
+    beside it and cannot tell apart from it: rename the function."""
+
+
 class DeviceUnavailableError(PydiffError, RuntimeError):
     """No device of the requested type could be opened on this machine."""
 

@@ -34,7 +34,7 @@ from .plan_layout import layout_key, remember
 from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
 from .bwds_checks import reads_a_gradient, with_values_of
 from .errors import warn_once
-from .grad_restore import may_refuse
+from .grad_restore import unran
 from .host_values import element_base, refuse_handed_out
 from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
@@ -402,8 +402,8 @@ def _record(
 
     had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
     refuse = written_mask.may_be_counted(fn, bound, prior, key)  # (restoring)
-    refuse = refuse or may_refuse(fn, layout_key(bwd_values, extra))  # (the backward's layout)
     refuse = refuse or reads_a_gradient(bwd_values, out)  # (refusals of aliased buffers)
+    refuse = refuse or unran(fn, layout_key(bwd_values, extra))  # (asked again at backward)
     tape.record(
         fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, may_refuse=refuse
     )

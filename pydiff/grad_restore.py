@@ -172,6 +172,22 @@ def may_refuse(fn: Any, layout: Any) -> bool:
     return done is None or layout not in done or may_overflow(fn)
 
 
+def unran(fn: Any, layout: Any) -> Any:
+    """A tape entry's ``may_refuse`` for a call of ``fn`` whose backward has layout
+    ``layout``: False where ``may_refuse`` says no, else ``(fn, layout)``, which ``restoring``
+    asks again at each backward (a tape's first backward runs the layout: the next ones of
+    the same tape need not keep every gradient buffer).
+
+    >>> unran(m.square, key)     # (m.square, key) before square.bwds ran for key; then False
+    """
+    return may_refuse(fn, layout) and (fn, layout)
+
+
+def _refuses(flag: Any) -> bool:
+    """Whether a tape entry's ``may_refuse`` (True, False or ``unran``'s pair) holds now."""
+    return may_refuse(*flag) if type(flag) is tuple else bool(flag)
+
+
 def may_overflow(fn: Any) -> bool:
     """Whether ``fn.bwds`` adds a ``FwdDiffTensor``'s gradient through a fixed-point
     accumulator, whose check (at the end of the backward) refuses a sum out of range after
@@ -194,7 +210,7 @@ class restoring:
 
     def __init__(self, scope: Any, entries: list, upstream: Tensor):
         counted = scope.keeper is None and (
-            any(e.payload.get("may_refuse") for e in entries)
+            any(_refuses(e.payload.get("may_refuse")) for e in entries)
             or capturing.recording() is not None  # (a layout without a plan refuses there)
         )
         self.scope, self.entries, self.upstream = scope, entries, upstream

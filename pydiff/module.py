@@ -19,7 +19,7 @@ import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
 from . import capture_calls, module_session, overload_select, slang_compile, temporary_copies
-from .arguments import overload_listing
+from .builtin_names import overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir

@@ -234,9 +234,9 @@ def dtype_name(dtype: Any) -> str:
     if dtype is int:
         return "int"
     if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        return NUMPY_TO_SLANG[np.dtype(dtype)]
-    if isinstance(dtype, str) and dtype.strip():
-        return dtype.strip()
+        return "double" if np.dtype(dtype) == np.float64 else NUMPY_TO_SLANG[np.dtype(dtype)]
+    if isinstance(dtype, str) and dtype.strip():  # (an explicit float64 is double, since s48)
+        return "double" if dtype.strip() == "float64" else dtype.strip()
     raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 

@@ -142,11 +142,8 @@ class _AsType(Function):
 
 
 def astype(x: Tensor, dtype: Any) -> Tensor:
-    """A copy converted to ``dtype``; between float and half the gradient converts back."""
-    if dtype in (np.float64, "float64", "double") or (
-        isinstance(dtype, np.dtype) and dtype == np.float64
-    ):
-        raise TypeError("astype: pydiff has no float64 tensors (float, half, int, uint)")
+    """A copy converted to ``dtype`` (every dtype ``pydiff.tensor`` takes: ``double`` and
+    ``np.float64`` too); between float and half the gradient converts back."""
     try:
         name = dtype_name(dtype)
         native = x.device.dtype(name)
@@ -159,9 +156,15 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
     if x.dtype in _FLOATS and name in _FLOATS:  # the same dtype too: a copy on the tape
         return _AsType.apply(x, name)
-    out = empty(x.shape, dtype=name, device=x.device)  # no gradient: ints
+    out = empty(x.shape, dtype=name, device=x.device)  # no gradient: ints, double
+    if out.scalar_type == "double" and x.requires_grad and active_tape() is not None:
+        raise TypeError(
+            f"astype({name!r}): x requires a gradient on this tape and a double tensor cannot "
+            "carry one (Slang has no double atomics); astype('float') keeps the gradient, "
+            f"x.detach().astype({name!r}) takes the values only"
+        )
     values = x.detach().numpy()
-    if values.dtype.kind == "f" and out.scalar_type not in (*_FLOATS, "bool"):
+    if values.dtype.kind == "f" and out.scalar_type not in (*_FLOATS, "double", "bool"):
         values = np.trunc(values)  # NumPy's and C's conversion to an integer: toward zero
     return out.copy_from_numpy(values, caller="Tensor.astype")
 
