@@ -13,7 +13,10 @@ holders pydiff adds later only add references (a named copy is never refused for
 tape that forgot its recording dropped its references, and its copies' producer changed, so
 those are not compared. Calibrated on this interpreter at import (``ENABLED``): where a
 temporary and a named object count alike (a Python that borrows references), nothing is
-refused. ``t = x[1:3].fill(3.0)`` counts as the temporary it is at the call: refused too.
+refused. The in-place methods return ``self``: where the caller uses the result (``t =
+x[1:3].fill(3.0)``, ``f(x[1:3].zero_())``, ``x[1:3].fill(1).numpy()``) the written copy is
+seen, so only a call whose result the caller's next instruction drops (``POP_TOP``, or the
+REPL's ``PRINT_EXPR``, a store to ``_``) is refused (``_dropped``: read from the caller's bytecode).
 
     t = _Take.apply(x, where); mark(t, f"x[{key!r}]")      # in getitem
     refuse(self, "fill")                                    # first thing in Tensor.fill
@@ -21,6 +24,8 @@ refused. ``t = x[1:3].fill(3.0)`` counts as the temporary it is at the call: ref
 
 from __future__ import annotations
 
+import dis
+import inspect
 import sys
 import weakref
 from typing import Any
@@ -65,6 +70,8 @@ def refuse(t: Any, method: str) -> None:
     extra = SLOT_EXTRA if method.startswith("__") else 0  # (__setitem__: a slot's call)
     if count != held[1] + extra or id(getattr(t, "producer", None)) != held[2]:
         return
+    if not method.startswith("__") and not _dropped(inspect.currentframe()):  # (t = x[1:3].fill(0))
+        return
     what = held[3]
     if what.endswith(".T"):
         advice = f"{what[:-2]}.copy_(values.T)"
@@ -78,6 +85,18 @@ def refuse(t: Any, method: str) -> None:
         f"its values). To change the tensor, write into it: {advice}. To write a copy, name "
         f"it first: y = {what}; {named}"
     )
+
+
+def _dropped(frame: Any) -> bool:
+    """Whether the in-place method's caller (``frame``: ``refuse``'s) drops the value of the
+    call it is in: its next instruction is ``POP_TOP`` (a statement ``x[1:3].fill(0)``),
+    ``PRINT_EXPR`` or a store to ``_``."""
+    frame = frame.f_back.f_back
+    for ins in dis.get_instructions(frame.f_code):  # (f_lasti: the call's, or its cache's)
+        if ins.offset > frame.f_lasti:
+            named_ = ins.opname.startswith("STORE_") and ins.argval == "_"  # (_ = ...: dropped)
+            return ins.opname in ("POP_TOP", "PRINT_EXPR") or named_
+    return False
 
 
 def refuse_written(fn: Any, args: tuple, kwargs: dict) -> None:
@@ -126,12 +145,12 @@ def key_text(key: Any) -> str:
 
 
 class _Probe:
-    def write(self) -> bool:
+    def write(self, seen: list) -> "_Probe":
         try:
             refuse(self, "write")
         except TypeError:
-            return True
-        return False
+            seen.append(True)
+        return self
 
     def __setitem__(self, key: Any, value: list) -> None:
         try:
@@ -187,10 +206,13 @@ def _calibrate() -> bool:
     """Whether a temporary is refused and a named object (a local, a list's) is not here, by
     a method and by ``__setitem__`` (``SLOT_EXTRA`` found)."""
     global SLOT_EXTRA
-    temporary = _made().write()
-    named = _made()
-    kept = [_made()]
-    ok = temporary and not named.write() and not kept[0].write()
+    temporary: list = []
+    _made().write(temporary)  # (a statement: its result dropped)
+    named, kept, used = _made(), [_made()], []
+    named.write(used)
+    kept[0].write(used)
+    kept.append(_made().write(used))  # (the result used: the copy is kept)
+    ok = bool(temporary) and not used
     for SLOT_EXTRA in (0, 1, 2, None):  # noqa: B007 (the global kept)
         if SLOT_EXTRA is None or (_slot_refused(False) and not _slot_refused(True)):
             break
