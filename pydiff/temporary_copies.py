@@ -47,7 +47,7 @@ CALL_EXTRA: tuple[int, int] | None = None
 def mark(t: Any, what: str) -> None:
     """Note that ``t`` (a local of the caller, returned next) is a copy made by ``what``
     (``"x[1:3]"``, ``"x.T"``). Call it as ``mark(t, ...)`` with ``t`` held by one local."""
-    if not ENABLED:
+    if not ENABLED or _traced():
         return
     count = sys.getrefcount(t)  # (the caller's local, this parameter, getrefcount's argument)
     key = id(t)
@@ -64,7 +64,7 @@ def refuse(t: Any, method: str) -> None:
     """A ``TypeError`` if ``t`` is a marked copy that nothing but this call of ``method`` holds
     (call it as ``refuse(self, "fill")`` first thing in the method)."""
     held = _MARKS.get(id(t)) if _MARKS else None
-    if held is None or held[0]() is not t:
+    if held is None or held[0]() is not t or _traced():
         return
     count = sys.getrefcount(t)  # (the method's self, this parameter, getrefcount's argument)
     extra = SLOT_EXTRA if method.startswith("__") else 0  # (__setitem__: a slot's call)
@@ -99,13 +99,31 @@ def _dropped(frame: Any) -> bool:
     return False
 
 
+def _traced() -> bool:
+    """Whether a tracer or profiler runs (a debugger, coverage): Python then calls functions
+    another way, with other reference counts (a named copy could count as a temporary)."""
+    return sys.gettrace() is not None or sys.getprofile() is not None
+
+
+def _star_call(frame: Any) -> bool:
+    """Whether ``refuse_written``'s caller was called as ``f(*args)`` / ``f(**kwargs)``: the
+    caller's tuple is passed on, so a named copy counts as a temporary (``m.f(*[y])``)."""
+    frame = frame.f_back.f_back
+    op = ""
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti:
+            break
+        op = ins.opname
+    return op == "CALL_FUNCTION_EX"
+
+
 def refuse_written(fn: Any, args: tuple, kwargs: dict) -> None:
     """A ``TypeError`` if this call of ``fn`` (a shader function: ``params`` with ``io``) writes
     a marked copy nothing but the call holds, through an ``out``/``inout`` parameter or
     ``_result=``: ``m.scale(x[1:3])`` would write the copy and drop it (``x`` unchanged).
     Call it as ``refuse_written(self, args, kwargs)`` first thing in ``__call__(self, *args,
     **kwargs)``: the counts are calibrated on that shape of call (``CALL_EXTRA``)."""
-    if not _MARKS or CALL_EXTRA is None:
+    if not _MARKS or CALL_EXTRA is None or _traced() or _star_call(inspect.currentframe()):
         return
     params = fn.params
     for i, value in enumerate(args):

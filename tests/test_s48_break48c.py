@@ -40,3 +40,42 @@ def test_fill_result_dropped_still_refused(device):
         x.T.zero_()
     with pytest.raises(TypeError, match="temporary copy"):
         x[1:3][0] = 1.0
+
+
+SOURCE = """
+void scale(inout float x) { x = 2 * x; }
+"""
+
+
+def _scale_named(m, x, star):
+    y = x[1:3]
+    if star:
+        m.scale(*[y])
+    else:
+        m.scale(y)
+    return y.numpy()
+
+
+def test_named_copy_through_star_call_not_refused(device):
+    m = pydiff.load_module_from_source("s48_break48c", SOURCE, device=device)
+    x = _t(np.arange(6.0), device)
+    np.testing.assert_array_equal(_scale_named(m, x, star=True), 2 * np.arange(1.0, 3.0))
+
+
+def test_named_copy_under_tracer_not_refused(device):
+    import sys
+
+    m = pydiff.load_module_from_source("s48_break48c", SOURCE, device=device)
+    x = _t(np.arange(6.0), device)
+
+    def tracer(frame, event, arg):
+        frame.f_locals  # (as a debugger does)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        got = _scale_named(m, x, star=False)
+    finally:
+        sys.settrace(None)
+    np.testing.assert_array_equal(got, 2 * np.arange(1.0, 3.0))
+    np.testing.assert_array_equal(x.numpy(), np.arange(6.0))
