@@ -92,6 +92,8 @@ def _dropped(frame: Any) -> bool:
     call it is in: its next instruction is ``POP_TOP`` (a statement ``x[1:3].fill(0)``),
     ``PRINT_EXPR`` or a store to ``_``."""
     frame = frame.f_back.f_back
+    if frame is None:  # (called from C: nothing to read)
+        return False
     for ins in dis.get_instructions(frame.f_code):  # (f_lasti: the call's, or its cache's)
         if ins.offset > frame.f_lasti:
             named_ = ins.opname.startswith("STORE_") and ins.argval == "_"  # (_ = ...: dropped)
@@ -109,6 +111,8 @@ def _star_call(frame: Any) -> bool:
     """Whether ``refuse_written``'s caller was called as ``f(*args)`` / ``f(**kwargs)``: the
     caller's tuple is passed on, so a named copy counts as a temporary (``m.f(*[y])``)."""
     frame = frame.f_back.f_back
+    if frame is None:
+        return True  # (called from C: not told apart, nothing refused)
     op = ""
     for ins in dis.get_instructions(frame.f_code):
         if ins.offset > frame.f_lasti:
