@@ -127,7 +127,7 @@ def refuse_written(fn: Any, args: tuple, kwargs: dict) -> None:
     ``_result=``: ``m.scale(x[1:3])`` would write the copy and drop it (``x`` unchanged).
     Call it as ``refuse_written(self, args, kwargs)`` first thing in ``__call__(self, *args,
     **kwargs)``: the counts are calibrated on that shape of call (``CALL_EXTRA``)."""
-    if not _MARKS or CALL_EXTRA is None or _traced() or _star_call(inspect.currentframe()):
+    if not _MARKS or CALL_EXTRA is None:
         return
     params = fn.params
     for i, value in enumerate(args):
@@ -145,6 +145,8 @@ def _refuse_argument(value: Any, count: int, name: str, fn: Any) -> None:
         return
     if id(getattr(value, "producer", None)) != held[2]:
         return
+    if _traced() or _star_call(inspect.currentframe().f_back):  # (refuse_written's frame;
+        return  # asked only here: reading the caller's bytecode costs, every call would pay)
     what = held[3]
     back = f"{what[:-2]}.copy_(c.T)" if what.endswith(".T") else f"{what} = c"
     raise TypeError(
