@@ -26,10 +26,10 @@ from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, bound_args, check_reached, gradients, own_outputs
 from .function_checks import captured_reads, forward_writes, nested_tensors, refuse_nested
-from .function_checks import detach_marked, note_marked, tangent_in_dtype
+from .function_checks import detach_marked, tangent_in_dtype
 from .tape import active_tape, suspend_recording
 from .tensor import Tensor, float4_ready
-from .unrecorded import MADE_OFF_TAPE, note_unrecorded
+from .unrecorded import MADE_OFF_TAPE, note_marked, note_unrecorded
 
 
 # pydiff's ops: fixed backward kernels, nothing refused part-way (grad_restore.restoring)
@@ -77,7 +77,7 @@ class FunctionCtx:
         >>> ctx.mark_non_differentiable(counts)
         """
         self.non_differentiable += outputs
-        note_marked(outputs)
+        note_marked(outputs, self.name)
 
     def marked(self, output: Any) -> bool:
         """Whether ``output`` (that object) was given to ``mark_non_differentiable``."""
@@ -233,14 +233,13 @@ class Function:
         items = result if (outputs_tuple := isinstance(result, tuple)) else (result,)
         outputs = own_outputs(cls, items, inputs, inputs[0][1].device if inputs else None)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
-        marked = ctx.marked if ctx.non_differentiable else None
-        constant = set()
-        for k, (item, o) in enumerate(zip(items, outputs)):
-            if not o.differentiable or (marked is not None and (marked(item) or marked(o))):
-                constant.add(k)
+        marked = ctx.marked
+        chosen = [k for k, (i, o) in enumerate(zip(items, outputs)) if marked(i) or marked(o)]
+        constant = set(chosen) | {k for k, o in enumerate(outputs) if not o.differentiable}
         if constant:
             detach = [k in constant and o.requires_grad for k, o in enumerate(outputs)]
             outputs = tuple(o.detach() if d else o for d, o in zip(detach, outputs))
+        note_marked([outputs[k] for k in chosen], name)  # (own_outputs' copies, detached views)
         for o in outputs:
             o.storage.wrote(f"{name}.forward")
         needs = any(ctx.needs_input_grad)
@@ -300,7 +299,7 @@ def _forward_mode(cls: type, args: tuple, tangents: tuple) -> Any:
                 "returning one tangent per output (see pydiff.Function.jvp)"
             )
         result, ctx = cls._run(args)  # the calls inside carry the tangents; marked: none
-        return detach_marked(result, ctx.marked) if ctx.non_differentiable else result
+        return detach_marked(result, ctx) if ctx.non_differentiable else result
     trace = forward_trace.active()
     with forward_trace.suspended():
         result, ctx = cls._run(args)
@@ -355,7 +354,7 @@ def _passed_through(
     outputs, checked = [], []
     for k, o in enumerate(result if many else (result,)):
         if isinstance(o, Tensor) and ctx.marked(o):
-            o = detach_marked(o, ctx.marked)  # (no tangent, left out by gradcheck)
+            o = detach_marked(o, ctx)  # (no tangent, left out by gradcheck)
         elif isinstance(o, Tensor) and id(o.storage) in taken and o.requires_grad:
             with suspend_recording():
                 copy = o.copy_values()

@@ -12,7 +12,6 @@ outputs no recorded call connects to its inputs), and the gradients ``backward``
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -21,6 +20,7 @@ from . import capturing, foreign
 from .creation import tensor as make_tensor
 from .errors import GradientOverflowError, warn_once
 from .tensor import Tensor
+from .unrecorded import note_marked
 
 
 def nested_tensors(value: Any, label: str) -> list[tuple[str, Tensor]]:
@@ -339,29 +339,11 @@ def captured_reads(name: str, inputs: list) -> None:
         rec.record_reads(name, [(f"its argument {i}, shape {t.shape}", t) for i, t in inputs])
 
 
-# The outputs given to ``ctx.mark_non_differentiable`` and their detached views, while
-# they live: ``gradcheck`` leaves them out (as torch's leaves out outputs without a
-# gradient; before 2026-11-29 it failed a right Function: "no input reaches it" yet FD 3).
-_MARKED: dict[int, weakref.ref] = {}  # id: the tensor (a WeakSet would compare with ==)
-
-
-def note_marked(outputs: Sequence[Any]) -> None:
-    for o in outputs:
-        if isinstance(o, Tensor):
-            _MARKED[id(o)] = weakref.ref(o, lambda _, i=id(o): _MARKED.pop(i, None))
-
-
-def is_marked(t: Any) -> bool:
-    """Whether ``t`` is an output marked non-differentiable (see ``note_marked``)."""
-    ref = _MARKED.get(id(t))
-    return ref is not None and ref() is t
-
-
-def detach_marked(result: Any, marked: Callable[[Any], bool]) -> Any:
-    """``result`` (one output or a tuple) with every output ``marked`` non-differentiable
+def detach_marked(result: Any, ctx: Any) -> Any:
+    """``result`` (one output or a tuple) with every output ``ctx.marked`` non-differentiable
     replaced by a detached view: under ``pydiff.jvp`` it carries no tangent, as it carries no
     gradient on a tape (before 2026-11-29 jacfwd gave 3 I where jacrev gave 0)."""
     items = result if isinstance(result, tuple) else (result,)
-    out = tuple(o.detach() if isinstance(o, Tensor) and marked(o) else o for o in items)
-    note_marked([o for o, i in zip(out, items) if o is not i])
+    out = tuple(o.detach() if isinstance(o, Tensor) and ctx.marked(o) else o for o in items)
+    note_marked([o for o, i in zip(out, items) if o is not i], ctx.name)
     return out if isinstance(result, tuple) else out[0]

@@ -18,11 +18,11 @@ from .backward_scope import separate_backward
 from .errors import GradcheckError
 from .forward_program import lent_grads, prepare, refuse_inside_tape, traced
 from .function import Function
-from .function_checks import is_marked
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
 from .tape import Tape
 from .tensor import Tensor
+from .unrecorded import is_marked
 
 
 def as_callable(fn: Any) -> Callable[..., Any]:

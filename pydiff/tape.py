@@ -23,7 +23,8 @@ from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import copy_one, prepare_one, seed_or_ones, seed_values, tensor_seed
 from .tensor import Tensor
-from .unrecorded import check_versions, copied_from, not_recorded, overwritten_refusal
+from .unrecorded import check_versions, copied_from, marked_refusal, not_recorded
+from .unrecorded import overwritten_refusal
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
 _BATCH = env_flag("PYDIFF_TAPE_BATCH", True)
@@ -320,7 +321,8 @@ class Tape:
             )
         if not output.requires_grad:
             raise RuntimeError(
-                "tape.backward: the output has no gradient buffer, so nothing it depends on "
+                marked_refusal("tape.backward", output)
+                or "tape.backward: the output has no gradient buffer, so nothing it depends on "
                 "requires a gradient (create inputs with requires_grad=True)"
             )
         # Owed gradient buffers made here, outside the batch (the pool reuses buffers there),

@@ -143,6 +143,45 @@ def made_off_tape(t: Tensor) -> str | None:
 describe_with(made_off_tape)  # (handles keeps the note with a handle such a tensor gives out)
 
 
+# The outputs given to ``ctx.mark_non_differentiable``, and the detached views or copies
+# ``Function.apply`` returned for them, while they live: {id: (weakref, Function name)}.
+# ``gradcheck`` leaves them out (as torch's leaves out outputs without a gradient); a
+# backward from one says it was marked (before 2026-11-29: "computed ... off a tape").
+MARKED: dict[int, tuple] = {}  # (by id: a WeakSet would compare tensors with ==)
+
+
+def note_marked(outputs: Any, name: str) -> None:
+    """Remember ``outputs`` (the tensors among them) as marked non-differentiable by the
+    Function ``name``."""
+    for o in outputs:
+        if isinstance(o, Tensor):
+            MARKED[id(o)] = (weakref.ref(o, lambda _, i=id(o): MARKED.pop(i, None)), name)
+
+
+def is_marked(t: Any) -> bool:
+    """Whether ``t`` is an output marked non-differentiable (that object)."""
+    found = MARKED.get(id(t))
+    return found is not None and found[0]() is t
+
+
+def marked_refusal(where: str, output: Tensor) -> str | None:
+    """The refusal of a backward from ``output`` (or a view of one) when it is an output a
+    Function marked non-differentiable; None otherwise.
+
+    >>> marked_refusal("tape.backward", z)   # '...: output of Counts, marked non-differentiable ...'
+    """
+    t = output if is_marked(output) else output.base if is_marked(output.base) else None
+    if t is None:
+        return None
+    name = MARKED[id(t)][1]
+    return (
+        f"{where}: the output is an output of the Function {name} that {name}.forward marked "
+        f"non-differentiable (ctx.mark_non_differentiable): it carries no gradient, so no "
+        f"backward can start from it. Call backward on an output {name} did not mark (or "
+        "leave it unmarked and give it a gradient in backward)"
+    )
+
+
 def not_recorded(
     where: str, output: Tensor, this_tape: Any = None, recorded: int = 1, overwritten: bool = False
 ) -> str:
@@ -158,6 +197,8 @@ def not_recorded(
         else f"{where}: this tensor was not produced by a call recorded on a pydiff.Tape"
     )
     producer, storage = output.producer, output.storage
+    if (marked := marked_refusal(where, output)) is not None:
+        return marked
     if overwritten:
         return (
             f"{head} (its values were overwritten by {storage.replaced[1]} after a recorded "
