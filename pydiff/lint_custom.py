@@ -155,7 +155,7 @@ def _backward_only(src: str, defs: dict, file: str) -> list[Finding]:
 
 
 _CUT = re.compile(r"\b(no_diff|detach)\s*\(")
-_FWD = re.compile(r"\[\s*ForwardDerivative\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]")
+_FWD = re.compile(r"\[\s*ForwardDerivative\s*\(\s*([A-Za-z_][\w.:]*)\s*\)\s*\]")  # (A.g, A::g)
 
 
 def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
@@ -195,21 +195,25 @@ def _derived_through_cut(src: str, defs: dict, file: str) -> list[Finding]:
 def _forward_not_reverse(src: str, defs: dict, file: str) -> list[Finding]:
     """Functions whose hand-written forward derivative (``[ForwardDerivative(g)]``, or a
     ``[ForwardDerivativeOf(f)]`` on g) is not ``[Differentiable]``: hvp, reverse mode of
-    that forward derivative, fails to build for the function itself (E41022, which pydiff
-    reports) and segfaults the compiler for a function calling it (SlangPy 0.43.1: hvp of
-    ``2 * softplus(x)``); lint_sources keeps the finding only where another function calls it."""
+    that forward derivative, fails to build for the function itself (E41022) and segfaults
+    the compiler for a function calling it (SlangPy 0.43.1: hvp of ``2 * softplus(x)``).
+    lint_sources keeps the finding of an imported file only where another function calls
+    it; of the module's own file always (its load warns: before 2026-11-29 nothing did)."""
     diff = {_declared_after(src, m.end()) for m in _DIFF.finditer(src)}
     pairs = [(_declared_after(src, m.end()), m.group(1)) for m in _FWD.finditer(src)]
     pairs += [(m.group(1), _declared_after(src, m.end())) for m in _FWD_OF.finditer(src)]
     findings = []
     for f, fw in pairs:  # (diff-tensor parameters: hvp refuses them first, pydiff's fdt_load)
         tensors = f in defs and any(re.search(r"DiffTensor\b", p) for p in defs[f][0][1])
-        if f and fw and f in defs and fw not in diff and not tensors:
+        own = re.split(r"\.|::", fw)[-1] if fw else fw  # (a namespace's A.g: g's mark)
+        if f and fw and f in defs and own not in diff and not tensors:
             message = (
                 f"{f}() has a hand-written forward derivative {fw}() that is not "
-                f"[Differentiable]: hvp/hessian (reverse mode of forward mode) of a function "
-                f"calling {f}() would crash the Slang compiler (SlangPy 0.43); mark {fw}() "
-                "[Differentiable] for second derivatives"
+                f"[Differentiable]: hvp/hessian (reverse mode of forward mode) of {f}() "
+                f"cannot be built (Slang: E41022, no reverse mode through {fw}()), and of a "
+                f"function calling {f}() would crash the Slang compiler (SlangPy 0.43); mark "
+                f"{fw}() [Differentiable] for second derivatives (.bwds, .fwds and jvp are "
+                "unaffected)"
             )
             line = src.count("\n", 0, defs[f][0][0]) + 1
             findings.append(Finding(file, line, f, FWD_NOT_REVERSE_KIND, message))

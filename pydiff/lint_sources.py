@@ -169,6 +169,7 @@ def scan_module(
         kept[:] = [
             f for f in kept
             if f.kind not in (lint.BWD_ONLY_KIND, lint.FWD_NOT_REVERSE_KIND)
+            or (f.kind == lint.FWD_NOT_REVERSE_KIND and kept is result.own)  # (its own hvp)
             or lint_custom.called_by_others(texts_read, f.function)  # (hvp: imports' too,
         ]  # fmt: skip  # op_silu's: its callers' hvp segfaulted; module.py warns of own ones)
     findings = result.own + result.imported

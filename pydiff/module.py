@@ -19,7 +19,7 @@ import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
 from . import capture_calls, module_session, overload_select, slang_compile, temporary_copies
-from .builtin_names import overload_listing
+from .builtin_names import definition_lines, overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
 from .device import Device, resolve_device, shader_dir
@@ -104,6 +104,7 @@ class Module:
                 consequence = (
                     " (.bwds of it will raise)" if f.refuses_bwds
                     else " (forward mode of it and of its callers will raise)" if f.wrong_jvp
+                    else " (hvp/hessian of it and of its callers will raise)" if f.crashes_hvp
                     else ""
                 )  # fmt: skip
                 warnings.warn(f"{f}{consequence}", ShaderTrapWarning, stacklevel=3)
@@ -359,12 +360,16 @@ class ShaderFunction:
                     )
             except SlangCompileError as exc:
                 if kind.startswith("dir") and "E41022" in str(exc):  # hvp: reverse of forward
+                    g = re.search(r"non-backward-differentiable function `([^`]+)`", str(exc))
+                    at = definition_lines(self.module, self.name)  # (the trap scan missed it)
                     raise SlangCompileError(
-                        f"hvp: {self.label}: its forward derivative is not differentiable in "
-                        "reverse mode (a [ForwardDerivative] function must itself be "
+                        (f"{self.module.file}:{at[0]}: " if at else "")
+                        + f"hvp: {self.label}: its forward derivative "
+                        f"{g.group(1) + '() ' if g else ''}is not differentiable in reverse "
+                        "mode (a [ForwardDerivative] function must itself be "
                         f"[Differentiable] for second derivatives)\n{exc}",
-                        file=exc.file,
-                        line=exc.line,
+                        file=self.module.file if at else exc.file,
+                        line=at[0] if at else exc.line,
                     ) from None
                 raise
             self._generated[key] = getattr(module, name)

@@ -204,22 +204,29 @@ def test_transforms_with_a_tape_of_their_own_refuse_inside_a_recording_tape(devi
     run()  # outside the block it runs
 
 
-def test_hvp_retried_after_a_failed_wrapper_raises_again(device):
+def test_hvp_retried_after_a_failed_wrapper_raises_again(device, tmp_path):
     # the Slang session keeps a module that failed to compile; loading the same name again
     # handed back the half-built module and the second hvp crashed the interpreter
-    m = pydiff.load_module_from_source(
-        "hvp_retry",
-        """
+    src = """
 [Differentiable][ForwardDerivative(softplus_fwd)]
 float softplus(float x) { return log(1.0 + exp(x)); }
 DifferentialPair<float> softplus_fwd(DifferentialPair<float> x)
 { return diffPair(log(1.0 + exp(x.p)), x.d / (1.0 + exp(-x.p))); }
-""",
-        device=device,
-    )
+"""
+    with pytest.warns(pydiff.ShaderTrapWarning, match="softplus_fwd"):  # (since fix49b:
+        m = pydiff.load_module_from_source("hvp_retry", src, device=device)  # refused first)
     x = pydiff.tensor([-1.0, 0.0, 0.5, 2.0], device=device)
+    with pytest.raises(pydiff.ShaderTrapError, match="softplus_fwd\\(\\) \\[Differentiable\\]"):
+        pydiff.hvp(m.softplus, (x,), (np.ones(4),))
+    path = tmp_path / "hvp_retry_nolint.slang"
+    path.write_text(src)
+    m = pydiff.load_module(path, device=device, lint=False)  # the build itself fails
     for _ in range(3):
-        with pytest.raises(pydiff.SlangCompileError, match="must itself be \\[Differentiable\\]"):
+        with pytest.raises(
+            pydiff.SlangCompileError,
+            match=r"hvp_retry_nolint.slang:3: hvp: .*softplus_fwd\(\) is not differentiable.*"
+            r"must itself be \[Differentiable\]",
+        ):
             pydiff.hvp(m.softplus, (x,), (np.ones(4),))
     with pytest.raises(pydiff.SlangCompileError, match="hvp_retry_broken"):
         pydiff.load_module_from_source("hvp_retry_broken", "float f( {", device=device)
