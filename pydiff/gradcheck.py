@@ -13,10 +13,10 @@ import numpy as np
 
 from . import finite_diff as fd
 from . import foreign
-from .arguments import map_tensors
 from .backward_scope import separate_backward
 from .errors import GradcheckError
-from .forward_program import lent_grads, prepare, refuse_inside_tape, traced
+from . import gradcheck_blocks as gb
+from .forward_program import lent_grads, refuse_inside_tape
 from .function import Function
 from .module import OverloadedFunction, ShaderFunction
 from .policy import zero_policy
@@ -199,71 +199,6 @@ def _wants_forward(fn: Any, inputs: Sequence[Any], check_forward: bool | None) -
     return all(p.tensor_kind in (None, "fwd", "plain") for p in fn.params)  # (all seen)
 
 
-def _check_forward(
-    fn: ShaderFunction,
-    inputs: Sequence[Any],
-    state: _Inputs,
-    us: dict,
-    fd_ju: np.ndarray,
-    want: np.ndarray,
-    v_flat: np.ndarray,
-    u_jtv: float,
-    atol: Any,  # per output element (half ones looser)
-    rtol: Any,
-) -> tuple[float, str] | None:
-    if not isinstance(fn, ShaderFunction):  # a Python function or Function: pydiff.jvp's
-        dirs = [
-            us[state.label_of(a)] if isinstance(a, Tensor) and state.label_of(a) in us else None
-            for a in inputs
-        ]
-        xs, ts = prepare("gradcheck", inputs, dirs, "directions")
-        primal, out = traced(as_callable(fn), xs, ts, "gradcheck")
-        pairs = zip(primal, out) if isinstance(out, tuple) else [(primal, out)]
-        pairs = [(p, t) for p, t in pairs if p.differentiable and not is_marked(p)]  # as _outputs
-    else:
-        pairs = _shader_pairs(fn, inputs, state, us)
-    got, jvp = (np.concatenate([_flat(pt[k]) for pt in pairs]) for k in (0, 1))
-    # forward mode's value must be fn's own (a [ForwardDerivative]'s wrong primal passed before)
-    i, excess = fd.worst_excess(got, want, atol, rtol)
-    if excess > 0:
-        return excess, f"forward mode: value element {i} is {got[i]:.6g}, fn gives {want[i]:.6g}"
-    i, excess = fd.worst_excess(jvp, fd_ju, atol, rtol)
-    if excess > 0:
-        return (
-            excess,
-            f"forward mode: JVP element {i} is {jvp[i]:.6g} but the central "
-            f"difference along u gives {fd_ju[i]:.6g}",
-        )
-    ju_v = float(jvp @ v_flat)
-    gap = fd.adjoint_gap(ju_v, u_jtv, float(np.max(atol)), float(np.max(rtol)))
-    if gap > 0:
-        return (
-            gap,
-            f"forward/reverse adjoint test: <JVP(u), v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}",
-        )
-    return None
-
-
-def _flat(t: Any) -> np.ndarray:
-    return np.asarray(t.numpy() if isinstance(t, Tensor) else t, np.float64).ravel()
-
-
-def _shader_pairs(fn: ShaderFunction, inputs: Sequence[Any], state: _Inputs, us: dict) -> list:
-    # Detached views: tangents go on them, not on the caller's tensors. A tensor passed
-    # twice (m.times(x, x)) is one variable: every argument on its storage gets its tangent.
-    def with_direction(t: Tensor) -> Tensor:
-        view, label = t.detach(), state.label_of(t)
-        if label in us:
-            view.with_tangent(us[label].reshape(t.expected_numpy_shape()))
-        return view
-
-    args = [map_tensors(a, with_direction) for a in inputs]  # struct (dict) fields too
-    result = fn.fwds(*args)
-    pairs = [] if result is None else [tuple(result)]
-    written = [args[i] for i in fn.signature.written if isinstance(args[i], Tensor)]
-    return pairs + [(w, w.tangent) for w in written if w.differentiable]  # as _outputs
-
-
 def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs, rng: Any) -> tuple:
     """J^T v for random upstream v, summed here over one backward per output, each on a
     tape of its own from the start values: an in-place input is also an output, and a
@@ -416,25 +351,22 @@ def gradcheck(
                 stuck = f"x = {x:g} +- eps = {eps:g}" if no_step else ""
                 message = fd.element_message(k, index, ad[i], numeric[i], a, r, stuck)
                 worst = (excess, message)
-        # Adjoint dot-product test along a random direction u.
+        # Adjoint dot-product test and forward mode along a random direction u, per block
+        # of inputs of one precision (a half input loosened a float one's: to 2026-11-29)
         us = {k: rng.uniform(-1.0, 1.0, originals[k].shape) for k, _ in checked}
         if half:  # quarters: x + eps u stays on half's grid
             us = {k: np.round(u * 4) / 4 for k, u in us.items()}
-        fd_ju = fd.central(evaluate, originals, us, eps, held)
-        us = fd.realised_direction(originals, us, eps, held)  # the direction really taken
-        any_in = any(in_half.values())
-        for g in present:  # each group of outputs at its tolerances (as above)
-            vg = v_flat if len(present) == 1 else np.where(out_half == g, v_flat, 0.0)
-            ju_v, u_jtv = float(vg @ fd_ju), float(fd.dot(us, groups[g]))
-            gap = fd.adjoint_gap(ju_v, u_jtv, *tols[bool(g) or any_in])
-            if gap > 0 and worst is None:
-                worst = (gap, f"adjoint test: <J u, v> = {ju_v:.6g} but <u, J^T v> = {u_jtv:.6g}")
+        blocks = gb.input_blocks(checked, in_half)
+        gap, along = gb.adjoint_gaps(
+            evaluate, originals, us, eps, held, groups, blocks, v_flat, out_half, tols
+        )
+        worst = worst or gap
         if worst is None and _wants_forward(fn, inputs, check_forward):
             want = evaluate(originals)  # f(x), which forward mode's value must be
             state.restore()  # forward mode runs at x itself
-            u_jtv = float(fd.dot(us, analytic))
-            tol = [np.where(out_half | any_in, tols[True][i], tols[False][i]) for i in (0, 1)]
-            worst = _check_forward(fn, inputs, state, us, fd_ju, want, v_flat, u_jtv, *tol)
+            worst = gb.forward_checks(
+                fn, f, inputs, state, along, blocks, want, v_flat, analytic, out_half, tols
+            )
     finally:
         state.restore(finish=True)
     if worst is None:

@@ -14,7 +14,6 @@ is left out; points where the function is not finite are outside its domain and 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +26,8 @@ from .file_argument import existing_file
 from .module import OverloadedFunction, ShaderFunction, load_module
 from .creation import tensor as make_tensor
 from .sampling import Layout, value_shape
+from .check_rows import CheckResult, forward_row, worst_row
+from .check_rows import row as _row
 
 #: The most sample points a function is checked at (``--points``). More buys nothing, as a
 #: wrong derivative is wrong at nearly every point, while memory and time grow in proportion
@@ -34,30 +35,6 @@ from .sampling import Layout, value_shape
 #: 75 GB at once), and so does the chance of a point closer to a kink than the kink test
 #: sees, which FAILs a correct function.
 MAX_POINTS = 65536
-
-
-@dataclass
-class CheckResult:
-    """One row of the report: a (function, parameter, mode) check and its outcome."""
-
-    function: str
-    parameter: str
-    mode: str  # "backward", "forward", "adjoint" or "-" for a skipped function
-    status: str  # "PASS", "FAIL", "SKIPPED", or "ERROR" (the call itself failed)
-    max_abs_error: float | None = None
-    max_rel_error: float | None = None
-    points: int = 0
-    near_kinks: int = 0
-    outside_domain: int = 0
-    why: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """The row as strict-JSON values: a NaN or infinite error becomes the string
-        "nan", "inf" or "-inf" (bare NaN is not JSON)."""
-        return {
-            k: (repr(v) if isinstance(v, float) and not np.isfinite(v) else v)
-            for k, v in asdict(self).items()
-        }
 
 
 class _Sampler:
@@ -176,23 +153,34 @@ def check_function(
         )
         results.append(_row(name, leaf.key, "backward", cmp, valid, finite))
 
-    # adjoint (dot-product) test and forward mode along one random direction u
+    # adjoint (dot-product) test and forward mode along one random direction u, per block
+    # of parameters checked at one precision (a half one loosened a float one's: to 11-29)
     u = layout.direction(rng)
-    d1, d2 = (fd.central(sampler.run, values, u, h) for h in (eps, second))
-    ju1 = project(d1)
-    valid = finite & fd.smooth(ju1, project(d2), atol, rtol)
+    tols = {True: (atol, rtol), False: given}
+    blocks: dict[bool, list[str]] = {}
+    for leaf in checked:
+        blocks.setdefault(layout.half_leaf(leaf), []).append(leaf.key)
+    adjoint, fwd = [], []
+    for h, keys in blocks.items():
+        ub = {k: u[k] for k in keys}
+        d1, d2 = (fd.central(sampler.run, values, ub, step) for step in (eps, second))
+        ju1 = project(d1)
+        valid = finite & fd.smooth(ju1, project(d2), *tols[h])
+        if backward:
+            ut_jtv = fd.dot({k: ub[k].reshape(points, -1) for k in ub}, analytic, axis=1)
+            cmp = fd.compare(ut_jtv, ju1, valid, *tols[h])
+            adjoint.append((h, _row(name, "(all)", "adjoint", cmp, valid, finite)))
+        if not (isinstance(forward, str) and backward) and (forward or not backward):
+            at = (layout, device, values, ub, d1, d2, valid, points, *tols[h], finite, base)
+            fwd.append((h, forward_row(*at)))
     if backward:
-        ut_jtv = fd.dot({k: u[k].reshape(points, -1) for k in u}, analytic, axis=1)
-        cmp = fd.compare(ut_jtv, ju1, valid, atol, rtol)
-        results.append(_row(name, "(all)", "adjoint", cmp, valid, finite))
+        results.append(worst_row(adjoint, len(blocks)))
     else:
         results.append(CheckResult(name, "(all)", "backward", "SKIPPED", why=no_bwds))
     if isinstance(forward, str) and backward:
         results.append(CheckResult(name, "(all)", "forward", "SKIPPED", why=forward))
-    elif forward or not backward:
-        results.append(
-            _forward_row(layout, device, values, u, d1, d2, valid, points, atol, rtol, finite, base)
-        )
+    elif fwd:
+        results.append(worst_row(fwd, len(blocks)))
     return results
 
 
@@ -215,64 +203,6 @@ def _check_with_tensors(
 
     return tensorcheck.check_tensor_function(
         fn, device, seed=seed, eps=eps, atol=atol, rtol=rtol, row=row
-    )
-
-
-def _forward_row(
-    layout: Layout, device, values, u, d1, d2, valid, points, atol, rtol, finite, base
-) -> CheckResult:
-    fn = layout.fn
-    args, made = layout.arguments(values, points, device)
-    for key, direction in u.items():
-        made[key].with_tangent(direction)
-    try:
-        result = fn.fwds(*args)
-    except Exception as exc:  # e.g. a result type forward mode cannot return
-        why = f"forward mode unavailable: {str(exc).splitlines()[0]}"
-        return CheckResult(fn.name, "(all)", "forward", "SKIPPED", why=why)
-    pairs = [tuple(result)] if fn.signature.return_type != "void" else []
-    pairs += [(made[leaf.key], made[leaf.key].tangent) for leaf in layout.outputs()]
-    got, jvp = (
-        np.concatenate([p[k].numpy().astype(np.float64).reshape(points, -1) for p in pairs], 1)
-        for k in (0, 1)
-    )
-    fd_u, small = np.concatenate(d1, axis=1), np.concatenate(d2, axis=1)
-    ok = valid & np.all(fd.smooth(fd_u, small, atol, rtol), axis=1)
-    cmp = fd.compare(jvp, fd_u, np.repeat(ok[:, None], fd_u.shape[1], axis=1), atol, rtol)
-    row = _row(fn.name, "(all)", "forward", cmp, ok, finite)
-    want = np.concatenate(base, axis=1)  # its value too: a wrong one passed before
-    off = fd.compare(got, want, np.repeat(finite[:, None], want.shape[1], axis=1), atol, rtol)
-    if off is not None and off.failed:
-        row.status, row.why = "FAIL", f"forward value is not the function's (off {off.max_abs:.3g})"
-    return row
-
-
-def _row(
-    function: str,
-    parameter: str,
-    mode: str,
-    cmp: fd.Comparison | None,
-    valid: np.ndarray,
-    finite: np.ndarray | None = None,
-    unit: str = "sample point",
-) -> CheckResult:
-    """A report row; of the valid.size points (or elements) the invalid ones are outside the
-    domain (not finite) or near kinks."""
-    used = int(valid.sum())
-    outside = 0 if finite is None else int((~finite).sum())
-    counts = dict(near_kinks=valid.size - used - outside, outside_domain=outside)
-    if cmp is None:
-        why = f"no {unit} where the function is finite and smooth"
-        return CheckResult(function, parameter, mode, "SKIPPED", why=why, **counts)
-    status = "FAIL" if cmp.failed else "PASS"
-    why = ""
-    if cmp.nonfinite:
-        why = (
-            f"the derivative is NaN or infinite at {cmp.nonfinite} {unit}(s) where finite "
-            "differences are finite"
-        )
-    return CheckResult(
-        function, parameter, mode, status, cmp.max_abs, cmp.max_rel, used, why=why, **counts
     )
 
 

@@ -168,7 +168,7 @@ def marked_refusal(where: str, output: Tensor) -> str | None:
     """The refusal of a backward from ``output`` (or a view of one) when it is an output a
     Function marked non-differentiable; None otherwise.
 
-    >>> marked_refusal("tape.backward", z)   # '...: output of Counts, marked non-differentiable ...'
+    >>> marked_refusal("tape.backward", z)   # '...: the output is an output of the Function ...'
     """
     t = output if is_marked(output) else output.base if is_marked(output.base) else None
     if t is None:
