@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOP = """
 import resource, sys, numpy as np, pydiff
 from pydiff import command_queue
-command_queue.INFLIGHT_MAX_BYTES = 32 << 20
+command_queue.INFLIGHT_MAX_BYTES = int(sys.argv[1])
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
 dev = pydiff.create_device("vulkan")
 src = "float3 twice(float3 a) { return a * 2.0; }"
@@ -29,24 +29,38 @@ m = pydiff.load_module_from_source("inflight", src, device=dev)
 x = pydiff.tensor(np.ones(1 << 20, np.float32), device=dev)
 v = pydiff.zeros((1 << 18,), device=dev, dtype="float3")
 (x * 1.5).numpy(); m.twice(v, _result="tensor").numpy()
-before = peak()
+before, kept = peak(), 0
 for _ in range(150):
     y = x * 1.5                             # pydiff's pooled result, 4 MiB
     z = m.twice(v, _result="tensor")        # SlangPy's result, 3 MiB
+    kept = max(kept, dev.pool.bytes)        # what the buffer pool keeps for reuse
 assert np.allclose(y.numpy(), 1.5) and np.allclose(z.numpy(), 0.0)
-print(peak() - before)
+print(peak() - before, kept >> 20)
 """
 
 
+def _grew_beyond_the_pool(bound: int) -> tuple[int, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", LOOP, str(bound)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    grew, kept = map(int, out.stdout.split()[-2:])
+    return grew, kept
+
+
 def test_a_loop_dropping_large_results_stays_near_the_bound(device):
+    """The child's peak RSS grows by what the buffer pool keeps for reuse (its own budget,
+    POOL_MAX_BYTES: up to 256 MiB of small buffers, reached when the device lags behind
+    the host, e.g. on a loaded machine) plus what the device has not run yet, which the
+    waits bound. The pool's share is read from pydiff's own count (``dev.pool.bytes``) and
+    taken off: the absolute peak (35 MB on an idle machine) read 237 MB against a 200 MB
+    limit under load (s48, s49: the pool at 245 MiB), while the rest stays near the bound.
+    Without the waits (INFLIGHT_MAX_BYTES huge): grew 888 MB, pool 255 MiB (s49, checked)."""
     if device.type != "vulkan":
         pytest.skip("lavapipe's queue (the measurement runs in a child process)")
-    out = subprocess.run(
-        [sys.executable, "-c", LOOP], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    grew = int(out.stdout.split()[-1])  # MB: 35 here, 466 without the waits (b94e8cc)
-    assert grew < 200, f"peak grew {grew} MB"
+    grew, kept = _grew_beyond_the_pool(32 << 20)
+    assert grew - kept < 100, f"peak grew {grew} MB, {kept} MiB of it the pool's"
 
 
 def test_the_count_resets_at_each_wait_and_values_stay_right(device, monkeypatch):
