@@ -77,7 +77,7 @@ class FunctionCtx:
         >>> ctx.mark_non_differentiable(counts)
         """
         self.non_differentiable += outputs
-        note_marked(outputs, self.name)
+        note_marked([o for o in outputs if all(o is not i for i in self.inputs)], self.name)
 
     def marked(self, output: Any) -> bool:
         """Whether ``output`` (that object) was given to ``mark_non_differentiable``."""

@@ -83,6 +83,9 @@ def note_unrecorded(tensors: Any, label: str, reads: Any = (), whole: Any = ()) 
             why = WHOLE_UNRECORDED if whole_ else PARTLY_UNRECORDED
             t.storage.wrote(f"{label}, {why}", everything=True)
     copied = next((c for c in map(copied_from, reads) if c is not None), None)
+    marks = [MARKED[id(m)][1] for r in reads for m in (r, r.base) if is_marked(m)] if MARKED else []
+    if marks:  # (a backward from its result names the mark: "_Sum (of an output M ...)")
+        label = f"{label} (of an output {marks[0]} marked non-differentiable)"
     for t in tensors:
         gone = lambda _, i=id(t): UNRECORDED_ON_TAPE.pop(i, None)  # noqa: E731
         UNRECORDED_ON_TAPE[id(t)] = (weakref.ref(t, gone), label, t.storage.version)

@@ -62,6 +62,11 @@ def test_backward_from_a_marked_output_says_it_was_marked(device, cls):
         assert "off a tape" not in str(e.value)
     with pytest.raises(RuntimeError, match="mark_non_differentiable"):
         z.backward(grad=np.ones(4))
+    with pydiff.Tape() as tape:  # a result of it: the unrecorded call's input was marked
+        y, z = cls.apply(x)
+        s = ops.sum(z)
+    with pytest.raises(RuntimeError, match=f"of an output {cls.__name__} marked non-diff"):
+        tape.backward(s)
     tape.backward(y, grad=np.ones(4))  # the unmarked output: closed form 2x
     np.testing.assert_allclose(x.grad.numpy(), _central(lambda v: v * v, X), rtol=1e-5)
 
@@ -101,6 +106,9 @@ def test_gradcheck_leaves_out_a_marked_output_that_was_copied(device):
         y, z = _PassesInputMarked.apply(x)
     with pytest.raises(RuntimeError, match="_PassesInputMarked.forward marked non-diff"):
         tape.backward(z, grad=np.ones(4))
+    with pytest.raises(RuntimeError) as e:  # the input itself is no marked output
+        tape.backward(x, grad=np.ones(4))
+    assert "marked" not in str(e.value)
 
 
 CUBE = """import slangpy;
