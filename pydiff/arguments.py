@@ -34,7 +34,8 @@ from .call_shape import (
 from .grid_args import GRID
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
-from .storage import SCALAR_NUMPY, allocate
+from .dtype_names import SCALAR_NUMPY
+from .storage import allocate
 from .struct_values import convert_value
 from .tensor import Tensor
 

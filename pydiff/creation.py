@@ -15,10 +15,9 @@ from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .exact_ints import refuse_rounded_list
 from .foreign import as_array
+from .dtype_names import NUMPY_TO_SLANG, dtype_name
 from .storage import (
-    NUMPY_TO_SLANG,
     allocate,
-    dtype_name,
     element_shape,
     host_cast,
     shape_tuple,

@@ -18,7 +18,7 @@ import numpy as np
 
 from .creation import from_host, ones, zeros
 from .device import Device
-from .storage import dtype_name
+from .dtype_names import dtype_name
 from .tensor import Tensor
 
 

@@ -29,7 +29,8 @@ from .foreign import as_array
 from .handles import owner
 from .call_shape import short_name, value_elements, display_name
 from .signature import ParamInfo
-from .storage import SCALAR_NUMPY, has_c_strides
+from .dtype_names import SCALAR_NUMPY
+from .storage import has_c_strides
 
 _FLOATS = ("float", "half", "double")
 _INTS = ("int", "uint", "int64_t", "uint64_t")
