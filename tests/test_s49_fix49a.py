@@ -144,3 +144,127 @@ def test_a_numpy_dtype_pydiff_has_not_is_refused_by_name(device, bad):
     ):
         with pytest.raises(TypeError, match=r"dtype=.*supported: 'float'.*'int8_t'"):
             make()
+
+
+# -- 1. rows iteration gives -------------------------------------------------------------
+
+ROWS_SOURCE = """
+import slangpy;
+void scale2(inout float x) { x = 2.0 * x; }
+void setv(float v, out float y) { y = v; }
+float sq(float a) { return a * a; }
+void set_first(RWTensor<float, 1> t) { t[0] = 5.0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def rows_module(device):
+    return pydiff.load_module_from_source("s49_fix49a_rows", ROWS_SOURCE, device=device)
+
+
+REF = np.arange(6.0).reshape(2, 3)
+
+ROW_WRITES = {
+    "fill": lambda m, row: row.fill(0.0),
+    "zero_": lambda m, row: row.zero_(),
+    "copy_": lambda m, row: row.copy_(pydiff.zeros((3,), device=row.device)),
+    "copy_from_numpy": lambda m, row: row.copy_from_numpy(np.zeros(3)),
+    "setitem": lambda m, row: row.__setitem__(slice(None), 0.0),
+    "inout": lambda m, row: m.scale2(row),
+    "out by name": lambda m, row: m.setv(7.0, y=row),
+    "_result": lambda m, row: m.sq(row, _result=row),
+    "RWTensor": lambda m, row: m.set_first(row),
+    "a reshape view": lambda m, row: row.reshape(3, 1).fill(0.0),
+    "detach": lambda m, row: row.detach().fill(0.0),
+    "copy.copy": lambda m, row: __import__("copy").copy(row).fill(0.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROW_WRITES))
+def test_writing_a_row_iteration_gave_is_refused(device, rows_module, case):
+    # NumPy: `for row in a: <write row>` changes `a` (rows are views); pydiff's rows are
+    # copies, so the write is refused rather than silently lost
+    x = pydiff.tensor(REF, device=device)
+    with pytest.raises(TypeError, match="row that iterating a tensor gave") as info:
+        for row in x:
+            ROW_WRITES[case](rows_module, row)
+    assert "row 0 of a tensor of shape (2, 3)" in str(info.value)
+    assert "x[0] = " in str(info.value) and "row.clone()" in str(info.value)
+    np.testing.assert_array_equal(x.numpy(), REF)  # nothing written
+
+
+@pytest.mark.parametrize("op", ["+=", "-=", "*=", "/="])
+def test_augmented_assignment_to_a_row_is_refused(device, op):
+    x = pydiff.tensor(REF, device=device)
+    with pytest.raises(TypeError, match=r"row \S+ value writes a row that iterating"):
+        for row in x:
+            exec(f"row {op} 2.0")
+    np.testing.assert_array_equal(x.numpy(), REF)
+
+
+def test_rows_of_unpacking_and_lists_are_refused_too(device):
+    x = pydiff.tensor(REF, device=device)
+    first, second = x
+    with pytest.raises(TypeError, match=r"row 1 of a tensor of shape \(2, 3\)"):
+        second.fill(1.0)
+    with pytest.raises(TypeError, match=r"row 2 of a tensor of shape \(3,\)"):
+        list(pydiff.tensor([1.0, 2.0, 3.0], device=device))[2].fill(0.0)  # 0-d rows
+    np.testing.assert_array_equal(x.numpy(), REF)
+
+
+def test_the_documented_ways_give_numpys_result(device, rows_module):
+    ref = REF.copy()
+    for row in ref:  # NumPy: rows are views
+        row *= 2.0
+    x = pydiff.tensor(REF, device=device)
+    for i, row in enumerate(x):  # read the row, write through x
+        x[i] = row * 2.0
+    np.testing.assert_array_equal(x.numpy(), ref)
+    y = pydiff.tensor(REF, device=device)
+    for i, row in enumerate(y):  # a shader call on a copy, written back
+        r = row.clone()
+        rows_module.scale2(r)
+        y[i] = r
+    np.testing.assert_array_equal(y.numpy(), ref)
+
+
+def test_reading_rows_and_writing_their_clones_work(device, rows_module):
+    x = pydiff.tensor(REF, device=device)
+    for i, row in enumerate(x):
+        np.testing.assert_array_equal(row.numpy(), REF[i])
+        np.testing.assert_array_equal(rows_module.sq(row, _result="tensor").numpy(), REF[i] ** 2)
+        np.testing.assert_array_equal((row + 1.0).numpy(), REF[i] + 1.0)
+        c = row.clone().fill(0.0)  # a copy of its own: written
+        np.testing.assert_array_equal(c.numpy(), np.zeros(3))
+        total = row  # rebinding a name, then +, is not a write
+        total = total + 1.0
+    np.testing.assert_array_equal(x.numpy(), REF)
+    t = pydiff.tensor(REF, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        loss = sum((row * row).sum() for row in t)
+    tape.backward(loss)
+    np.testing.assert_allclose(t.grad.numpy(), 2 * REF)  # d/dx sum x^2 = 2x
+
+
+def test_augmented_assignment_elsewhere_still_rebinds(device):
+    x = pydiff.tensor([1.0, 2.0], device=device)
+    y = x
+    y += 1.0  # no row: computed as y + 1.0 (pydiff has no in-place operators)
+    np.testing.assert_array_equal(y.numpy(), [2.0, 3.0])
+    np.testing.assert_array_equal(x.numpy(), [1.0, 2.0])
+    z = pydiff.tensor(np.arange(4.0), device=device)
+    z[1:3] += 1.0  # NumPy's result: the slice written back
+    ref = np.arange(4.0)
+    ref[1:3] += 1.0
+    np.testing.assert_array_equal(z.numpy(), ref)
+
+
+def test_a_temporary_copy_at_a_writable_tensor_parameter_is_refused(device, rows_module):
+    # NumPy: a function writing a[1] (a view) changes `a`; here x[1] is a copy nothing holds
+    x = pydiff.tensor(REF, device=device)
+    with pytest.raises(TypeError, match="parameter 't' would write x\\[1\\], a temporary copy"):
+        rows_module.set_first(x[1])
+    np.testing.assert_array_equal(x.numpy(), REF)
+    c = x[1]  # a named copy is written
+    rows_module.set_first(c)
+    np.testing.assert_array_equal(c.numpy(), [5.0, 4.0, 5.0])
