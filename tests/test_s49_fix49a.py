@@ -268,3 +268,49 @@ def test_a_temporary_copy_at_a_writable_tensor_parameter_is_refused(device, rows
     c = x[1]  # a named copy is written
     rows_module.set_first(c)
     np.testing.assert_array_equal(c.numpy(), [5.0, 4.0, 5.0])
+
+
+# -- host values for 8- and 16-bit integer parameters -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_params(device):
+    return pydiff.load_module_from_source(
+        "s49_fix49a_small_params",
+        "int8_t neg8(int8_t a) { return -a; }\n"
+        "uint16_t twice16(uint16_t a) { return a * uint16_t(2); }\n"
+        "[Differentiable] float times(float x, no_diff int8_t k) { return x * float(k); }\n",
+        device=device,
+    )
+
+
+def test_small_integer_parameters_take_host_values(device, small_params):
+    # (SlangPy: std::bad_cast for 1.0, a Slang compile error for a list, no int8 array at all)
+    for value in ([1, -2, 127], np.array([1, -2, 127], np.int64), np.array([1, -2, 127], np.int8)):
+        got = small_params.neg8(value, _result="tensor")
+        np.testing.assert_array_equal(got.numpy(), -np.array([1, -2, 127], np.int8))
+    assert small_params.neg8(1.0, _result="tensor").numpy() == -1
+    got = small_params.twice16(np.array([0, 7, 30000], np.int32), _result="tensor")
+    np.testing.assert_array_equal(got.numpy(), np.array([0, 7, 30000], np.uint16) * 2)
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True, device=device)
+    y = small_params.times(x, [2, -1, 3], _result="tensor")
+    small_params.times.bwds(x, [2, -1, 3], _result=y.with_grads(ones=True))
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, -1.0, 3.0])  # d(x k)/dx = k
+
+
+@pytest.mark.parametrize(
+    "value, error, text",
+    [
+        (200, ValueError, r"200 is outside the range of int8_t \[-128, 127\]"),
+        (-129, ValueError, "outside the range of int8_t"),
+        (2.5, ValueError, "not a whole number"),
+        ([1, 300], ValueError, "do not fit int8"),
+        (np.array([1, 200], np.uint8), ValueError, "do not fit int8"),
+        (True, TypeError, "pass an integer"),
+    ],
+)
+def test_small_integer_parameters_refuse_values_they_cannot_hold(small_params, value, error, text):
+    # NumPy: np.array(200).astype(np.int8) wraps to -56; refused by name instead
+    with pytest.raises(error, match=text) as info:
+        small_params.neg8(value, _result="tensor")
+    assert "parameter 'a' (int8_t)" in str(info.value)
