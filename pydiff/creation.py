@@ -62,6 +62,9 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     if isinstance(data, Tensor):
         tensor_methods.call("refuse_lost_copy", data, where)
         arr = data.numpy()
+        # its own dtype by default, as np.array(a) and torch.tensor(t) keep theirs (a double
+        # tensor's values became float32, a float3 tensor a (..., 3) float one, before s49)
+        dtype = data.dtype if dtype is None else dtype
     else:
         arr = as_array(data, where)
     if dtype is None:

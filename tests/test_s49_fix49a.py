@@ -314,3 +314,21 @@ def test_small_integer_parameters_refuse_values_they_cannot_hold(small_params, v
     with pytest.raises(error, match=text) as info:
         small_params.neg8(value, _result="tensor")
     assert "parameter 'a' (int8_t)" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["double", "int64_t", "int8_t", "float3", "uint16_t"])
+def test_a_tensor_as_data_keeps_its_dtype(device, dtype):
+    # NumPy: np.array(a) keeps a's dtype (a double tensor's values were rounded to float32,
+    # a float3 tensor became a (..., 3) float one)
+    ref = {
+        "double": np.array([1 + 2.0**-40, -3.0]),
+        "int64_t": np.array([2**40, -5], np.int64),
+        "int8_t": np.array([-128, 127], np.int8),
+        "float3": np.arange(6.0, dtype=np.float32).reshape(2, 3),
+        "uint16_t": np.array([65535, 0], np.uint16),
+    }[dtype]
+    x = pydiff.tensor(ref, dtype=dtype, device=device)
+    y = pydiff.tensor(x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(y.numpy(), np.array(ref))
+    assert pydiff.tensor(x, dtype="float").dtype == "float"  # asked for: converted
