@@ -162,7 +162,12 @@ class TensorOperators:
         """The rows, as copies (``self[i]``): in-place writes to them are refused, since they
         would never reach this tensor (NumPy's and PyTorch's rows are views)."""
         n = len(self)  # TypeError for a 0-d tensor, as NumPy
-        return _rows(self, n)
+        return _rows(self, range(n))
+
+    def __reversed__(self) -> Any:
+        """``reversed(x)``: the rows last first, marked as ``__iter__``'s (without it Python
+        indexed ``x[i]`` itself, and writes to those rows went unseen)."""
+        return _rows(self, range(len(self) - 1, -1, -1))
 
     # `row += v` on a row iteration gave: refused (NumPy writes its view, the tensor's row);
     # any other tensor: NotImplemented, so Python computes `row + v` and rebinds the name.
@@ -330,8 +335,8 @@ class TensorOperators:
         return tensor_methods.call("__dlpack_device__", self)
 
 
-def _rows(x: Any, n: int) -> Any:
-    for i in range(n):
+def _rows(x: Any, indices: range) -> Any:
+    for i in indices:
         row = x[i]
         temporary_copies.mark_row(row, i, x.shape)
         yield row

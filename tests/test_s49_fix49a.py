@@ -332,3 +332,13 @@ def test_a_tensor_as_data_keeps_its_dtype(device, dtype):
     assert y.dtype == x.dtype and y.shape == x.shape
     np.testing.assert_array_equal(y.numpy(), np.array(ref))
     assert pydiff.tensor(x, dtype="float").dtype == "float"  # asked for: converted
+
+
+def test_rows_of_reversed_are_refused_too(device):
+    x = pydiff.tensor(REF, device=device)
+    rows = [row.numpy() for row in reversed(x)]  # NumPy: reversed(a) gives a[1], a[0]
+    np.testing.assert_array_equal(rows, [REF[i] for i in reversed(range(len(REF)))])
+    with pytest.raises(TypeError, match=r"row 1 of a tensor of shape \(2, 3\)"):
+        for row in reversed(x):
+            row.fill(0.0)
+    np.testing.assert_array_equal(x.numpy(), REF)
