@@ -34,7 +34,7 @@ from .call_shape import (
 from .grid_args import GRID
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
-from .dtype_names import SCALAR_NUMPY
+from .dtype_names import SCALAR_NUMPY, holds_every, scalar_of
 from .storage import allocate
 from .struct_values import convert_value
 from .tensor import Tensor
@@ -170,7 +170,9 @@ def check_number_result(fn: FunctionTarget, bound: list, seed: float | int) -> N
 
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse an unknown ``_result`` name, an integer or bool ``_result`` tensor for a float
-    result (SlangPy truncates every value); its shape: ``call_shape.check_written``."""
+    result (SlangPy truncates every value), a ``_result`` tensor that does not hold every
+    value of an integer or bool result (``int64_t`` into ``int``: wrapped); its shape:
+    ``call_shape.check_written``."""
     if check_result_value(fn.label, result) == "numpy":
         returns = result_type(fn, bound)
         generic = any(p.generic for p, _ in bound)  # (an unresolved T: SlangPy decides)
@@ -189,6 +191,15 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             f"{fn.label}: _result has dtype {result.dtype} but the function returns "
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
+        )
+    ints = scalar_of(returns), scalar_of(result.element_type.full_name)
+    if None not in ints and ints[0] not in _FLOATS and not holds_every(*ints):
+        raise TypeError(  # (int64_t into int: 2**40 + 2 became 2; int into uint, int8_t, half)
+            f"{fn.label}: _result has dtype {result.dtype} but the function returns "
+            f"{returns}: values outside {ints[1]}'s range (or not exact in it) would wrap or "
+            f"round without a word; pass a tensor of a type that holds every {ints[0]} "
+            f"(pydiff.zeros(shape, dtype={ints[0]!r})) or _result='tensor', then convert "
+            "with .astype(...), which checks the values"
         )
     shapes = value_elements(returns), value_elements(result.element_type.full_name)
     if want is not None and None not in shapes and shapes[1][1] and not shapes[0][1]:

@@ -342,3 +342,46 @@ def test_rows_of_reversed_are_refused_too(device):
         for row in reversed(x):
             row.fill(0.0)
     np.testing.assert_array_equal(x.numpy(), REF)
+
+
+# -- a narrower integer _result -------------------------------------------------------------
+
+RESULTS_SOURCE = """
+int64_t add64(int64_t a, int64_t b) { return a + b; }
+int add32(int a, int b) { return a + b; }
+bool positive(int a) { return a > 0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def results_module(device):
+    return pydiff.load_module_from_source("s49_fix49a_results", RESULTS_SOURCE, device=device)
+
+
+@pytest.mark.parametrize(
+    "fn, into",
+    [
+        ("add64", "int"),
+        ("add64", "float"),
+        ("add32", "uint"),
+        ("add32", "int8_t"),
+        ("add32", "half"),
+    ],
+)
+def test_a_result_the_result_tensor_cannot_hold_is_refused(device, results_module, fn, into):
+    # NumPy: np.can_cast(result, into, "safe") is False (int64 2**40 + 2 into int32 wrapped to 2)
+    a = np.array([2**30, -5], np.int64)
+    with pytest.raises(TypeError, match=f"_result has dtype {into} but the function returns"):
+        getattr(results_module, fn)(a, 2, _result=pydiff.zeros((2,), dtype=into, device=device))
+
+
+@pytest.mark.parametrize(
+    "fn, into",
+    [("add32", "int64_t"), ("add32", "double"), ("add64", "double"), ("positive", "int")],
+)
+def test_a_result_tensor_holding_every_value_is_written(device, results_module, fn, into):
+    a = np.array([2**30, -5], np.int64)
+    out = pydiff.zeros((2,), dtype=into, device=device)
+    getattr(results_module, fn)(a, *([2] if fn != "positive" else []), _result=out)
+    want = a > 0 if fn == "positive" else a + 2  # NumPy's values, then a safe cast
+    np.testing.assert_array_equal(out.numpy(), want.astype(out.numpy().dtype))
