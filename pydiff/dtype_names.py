@@ -37,7 +37,7 @@ SCALAR_NUMPY = {
 #: 8- and 16-bit integer tensors (stored and read back by SlangPy; host values for such a
 #: shader parameter are SlangPy's business, not converted by pydiff).
 SMALL_INTS = {"int8_t": np.int8, "uint8_t": np.uint8, "int16_t": np.int16, "uint16_t": np.uint16}
-#: Every scalar type a tensor holds, by its NumPy type (``holds_every``).
+#: Every scalar type a tensor holds, and its NumPy type.
 SCALAR_TYPES = {**SCALAR_NUMPY, **SMALL_INTS}
 # What host data is converted to before an upload: Slang's bool is 4 bytes, NumPy's 1 (SlangPy
 # copies NumPy bools byte for byte, so bool tensors got their values packed into element 0).
@@ -99,9 +99,3 @@ def scalar_of(type_name: str) -> str | None:
         if name.startswith(prefix):
             name = name[len(prefix) :].split(",")[0]
     return name if name in SCALAR_TYPES else None
-
-
-def holds_every(values: str, into: str) -> bool:
-    """Whether every value of the scalar type ``values`` is one of ``into`` (NumPy's safe
-    cast: 'int' into 'int64_t' or 'double', not into 'uint', 'int8_t' or 'float')."""
-    return bool(np.can_cast(SCALAR_TYPES[values], SCALAR_TYPES[into], "safe"))

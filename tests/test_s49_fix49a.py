@@ -385,3 +385,14 @@ def test_a_result_tensor_holding_every_value_is_written(device, results_module, 
     getattr(results_module, fn)(a, *([2] if fn != "positive" else []), _result=out)
     want = a > 0 if fn == "positive" else a + 2  # NumPy's values, then a safe cast
     np.testing.assert_array_equal(out.numpy(), want.astype(out.numpy().dtype))
+
+
+def test_a_numpy_result_array_that_cannot_hold_the_result_is_refused(device, results_module):
+    a = np.array([2**40, -5], np.int64)
+    with pytest.raises(TypeError, match="_result is a NumPy array of dtype int32 but"):
+        results_module.add64(a, 2, _result=np.zeros(2, np.int32))  # (wrapped to [2, -3])
+    with pytest.raises(TypeError, match="_result is a NumPy array of dtype float16 but"):
+        results_module.add32(np.array([3000, 5]), 1, _result=np.zeros(2, np.float16))
+    out = np.zeros(2, np.int64)  # int32 -> int64: safe, written
+    results_module.add32(np.array([3000, -5], np.int32), 1, _result=out)
+    np.testing.assert_array_equal(out, np.array([3000, -5]) + 1)
