@@ -116,7 +116,8 @@ def empty(
 def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) -> Tensor:
     """An uninitialised tensor, its size checked against the device's limits first."""
     dev = device if type(device) is Device else resolve_device(device)
-    if dtype == "float" and _plain_shape(shape):
+    if dtype == "float" and type(dtype) is str and _plain_shape(shape):
+        # (type: NumPy's float64 dtype == "float" too; dtype_name makes it double below)
         # The ops' fast path: the size is checked there (once per shape).
         native = allocate(dev, shape or (1,), "float", what=f"{what}(dtype='float')")
         out = Tensor(native, dev, shape=shape, float4=True)  # (pooled: storage.allocate)

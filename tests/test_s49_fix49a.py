@@ -396,3 +396,28 @@ def test_a_numpy_result_array_that_cannot_hold_the_result_is_refused(device, res
     out = np.zeros(2, np.int64)  # int32 -> int64: safe, written
     results_module.add32(np.array([3000, -5], np.int32), 1, _result=out)
     np.testing.assert_array_equal(out, np.array([3000, -5]) + 1)
+
+
+# -- a NumPy float64 dtype object compared equal to the name "float" ----------------------
+
+
+@pytest.mark.parametrize("make", ["zeros", "empty", "ones"])
+def test_numpy_float64_dtype_object_is_double(device, make):
+    # np.dtype(np.float64) == "float" is True in NumPy: the constructors took it for 'float'
+    x = getattr(pydiff, make)((3,), dtype=np.dtype(np.float64), device=device)
+    assert x.dtype == "double" and x.numpy().dtype == np.float64
+
+
+def test_arange_with_a_numpy_int64_dtype_object(device):
+    x = pydiff.arange(2**33, 2**33 + 3, dtype=np.dtype(np.int64), device=device)
+    assert x.dtype == "int64_t"
+    np.testing.assert_array_equal(x.numpy(), np.arange(2**33, 2**33 + 3, dtype=np.int64))
+
+
+def test_from_torch_does_not_narrow_an_asked_float64(device):
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([1.0 + 2.0**-40, 2.0], dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype='double'"):  # (was float32: 1 + 2**-40 -> 1)
+        pydiff.from_torch(t, dtype=np.dtype(np.float64), device=device)
+    narrowed = pydiff.from_torch(t, dtype="float", device=device)  # asked for: narrowed
+    np.testing.assert_array_equal(narrowed.numpy(), t.numpy().astype(np.float32))
