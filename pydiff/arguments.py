@@ -34,7 +34,8 @@ from .call_shape import (
 from .grid_args import GRID
 from .host_values import element_base
 from .signature import FunctionTarget, ParamInfo
-from .storage import SCALAR_NUMPY, allocate
+from .dtype_names import SCALAR_NUMPY, SCALAR_TYPES, scalar_of
+from .storage import allocate
 from .struct_values import convert_value
 from .tensor import Tensor
 
@@ -169,7 +170,9 @@ def check_number_result(fn: FunctionTarget, bound: list, seed: float | int) -> N
 
 def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
     """Refuse an unknown ``_result`` name, an integer or bool ``_result`` tensor for a float
-    result (SlangPy truncates every value); its shape: ``call_shape.check_written``."""
+    result (SlangPy truncates every value), a ``_result`` tensor that does not hold every
+    value of an integer or bool result (``int64_t`` into ``int``: wrapped); its shape:
+    ``call_shape.check_written``."""
     if check_result_value(fn.label, result) == "numpy":
         returns = result_type(fn, bound)
         generic = any(p.generic for p, _ in bound)  # (an unresolved T: SlangPy decides)
@@ -179,6 +182,9 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
                 "no NumPy array form (only scalar, vector, matrix and array results do); use "
                 "_result='tensor' (the default for tensor arguments)"
             )
+    if type(result) is np.ndarray:
+        where = f"is a NumPy array of dtype {result.dtype}"
+        _refuse_narrower(fn, result_type(fn, bound), where, result.dtype)
     if type(result) is not Tensor:
         return
     returns = result_type(fn, bound)
@@ -189,6 +195,8 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             f"{returns}: every value would be truncated; pass a {want} tensor "
             f"(pydiff.zeros(shape, dtype={want!r})) or _result='tensor'"
         )
+    if (into := scalar_of(result.element_type.full_name)) is not None:
+        _refuse_narrower(fn, returns, f"has dtype {result.dtype}", SCALAR_TYPES[into])
     shapes = value_elements(returns), value_elements(result.element_type.full_name)
     if want is not None and None not in shapes and shapes[1][1] and not shapes[0][1]:
         # (a vector result's wrong element type: call_shape.check_written says it)
@@ -196,6 +204,22 @@ def check_result(fn: FunctionTarget, bound: list, result: Any) -> None:
             f"{fn.label}: _result has dtype {result.dtype}, elements of shape "
             f"{shapes[1][1]}, but the function returns one {returns} per call element; pass "
             f"a tensor of dtype {short_name(returns)!r} or _result='tensor'"
+        )
+
+
+def _refuse_narrower(fn: FunctionTarget, returns: str, what: str, into: Any) -> None:
+    """A ``TypeError`` for a ``_result`` (``what``: its dtype, of NumPy type ``into``) that
+    does not hold every value of an integer or bool result (NumPy's safe
+    cast): ``int64_t`` into ``int`` wrapped 2**40 + 2 to 2, ``int`` into ``half`` rounded."""
+    want = scalar_of(returns)
+    if want is None or want in _FLOATS:
+        return
+    if not np.can_cast(SCALAR_TYPES[want], into, "safe"):
+        raise TypeError(
+            f"{fn.label}: _result {what} but the function returns {returns}: values "
+            "outside its range (or not exact in it) would wrap or round without a word; pass "
+            f"a tensor of a type that holds every {want} (pydiff.zeros(shape, dtype={want!r})) "
+            "or _result='tensor', then convert with .astype(...), which checks the values"
         )
 
 

@@ -23,7 +23,7 @@ import slangpy as spy
 
 from .grid_args import SCALAR_INDEX, is_grid
 from .signature import FunctionTarget, ParamInfo
-from .storage import SCALAR_NUMPY
+from .dtype_names import SCALAR_NUMPY
 from .tensor import Tensor
 
 _VECTOR = re.compile(r"^vector<(\w+),(\d+)>$")

@@ -15,10 +15,9 @@ from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .exact_ints import refuse_rounded_list
 from .foreign import as_array
+from .dtype_names import NUMPY_TO_SLANG, dtype_name
 from .storage import (
-    NUMPY_TO_SLANG,
     allocate,
-    dtype_name,
     element_shape,
     host_cast,
     shape_tuple,
@@ -63,6 +62,9 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     if isinstance(data, Tensor):
         tensor_methods.call("refuse_lost_copy", data, where)
         arr = data.numpy()
+        # its own dtype by default, as np.array(a) and torch.tensor(t) keep theirs (a double
+        # tensor's values became float32, a float3 tensor a (..., 3) float one, before s49)
+        dtype = data.dtype if dtype is None else dtype
     else:
         arr = as_array(data, where)
     if dtype is None:
@@ -114,7 +116,8 @@ def empty(
 def _new(what: str, shape: Any, dtype: Any, device: Any, requires_grad: bool) -> Tensor:
     """An uninitialised tensor, its size checked against the device's limits first."""
     dev = device if type(device) is Device else resolve_device(device)
-    if dtype == "float" and _plain_shape(shape):
+    if dtype == "float" and type(dtype) is str and _plain_shape(shape):
+        # (type: NumPy's float64 dtype == "float" too; dtype_name makes it double below)
         # The ops' fast path: the size is checked there (once per shape).
         native = allocate(dev, shape or (1,), "float", what=f"{what}(dtype='float')")
         out = Tensor(native, dev, shape=shape, float4=True)  # (pooled: storage.allocate)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .creation import from_host, ones, zeros
 from .device import Device
-from .storage import dtype_name
+from .dtype_names import dtype_name
 from .tensor import Tensor
 
 
@@ -69,6 +69,7 @@ def arange(
         raise ValueError(f"arange: no values from start={start}, stop={stop}, step={step}")
     if dtype is None:
         dtype = "int" if values.dtype.kind in "iu" else "float"
+    dtype = dtype_name(dtype)  # (np.dtype(np.int64) == "int" too: it is int64_t)
     if dtype == "int" and (values.min() < -(2**31) or values.max() >= 2**31):
         raise ValueError(
             f"arange: values from {values.min()} to {values.max()} do not fit dtype 'int' "

@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from .creation import tensor
+from .creation import from_host, tensor
 from .exact_ints import refuse_rounded_ints, refuse_rounded_list
 from .foreign import as_array
 from .handles import owner
 from .call_shape import short_name, value_elements, display_name
 from .signature import ParamInfo
-from .storage import SCALAR_NUMPY, has_c_strides
+from .dtype_names import SCALAR_NUMPY, SMALL_INTS
+from .storage import has_c_strides
 
 _FLOATS = ("float", "half", "double")
 _INTS = ("int", "uint", "int64_t", "uint64_t")
@@ -114,6 +115,8 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         return value
     found = value_elements(p.type_name)
     if found is None:
+        if p.type_name in SMALL_INTS:
+            return _small_int(label, p, value, device)
         return value
     if value is None:  # (SlangPy's own error lists every overload it tried, not the cause)
         raise TypeError(f"{_where(label, p)}: got None; pass a value of its type")
@@ -173,6 +176,29 @@ def convert(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
         if array and value.shape == axes and not p.writes_value:
             return _array(label, p, base, value).tolist()  # one array: SlangPy takes a list
         return _array(label, p, base, value)
+    return value
+
+
+def _small_int(label: str, p: ParamInfo, value: Any, device: Any) -> Any:
+    """A host value for an 8- or 16-bit integer parameter (SlangPy raised ``std::bad_cast``
+    for a number out of its range or a float, a Slang compile error for a list, and took no
+    NumPy array of another dtype, nor any of int8): a whole number in range as an int,
+    arrays and lists read as a tensor of the parameter's type; else refused by name."""
+    if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
+        raise TypeError(f"{_where(label, p)}: got {value!r}; pass an integer")
+    if isinstance(value, (numbers.Real, np.generic)):
+        info = np.iinfo(SMALL_INTS[p.type_name])
+        v = value.item() if isinstance(value, np.generic) else value
+        if not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            raise ValueError(f"{_where(label, p)}: got {v!r}, not a whole number")
+        if not info.min <= v <= info.max:
+            raise ValueError(
+                f"{_where(label, p)}: {v!r} is outside the range of {p.type_name} "
+                f"[{info.min}, {info.max}]"
+            )
+        return int(v)
+    if isinstance(value, (list, np.ndarray)) and not p.writes_value:
+        return from_host(value, p.type_name, device, False, _where(label, p))
     return value
 
 

@@ -1,6 +1,6 @@
 """Tensor storage: the device memory behind tensors and the bookkeeping every view of it
-shares (version counter, last writer, which backward's result it holds), plus Slang/NumPy
-dtype names.
+shares (version counter, last writer, which backward's result it holds); the dtype names
+are ``dtype_names``'s.
 
     native = allocate(device, (4, 3), device.dtype("float"), zero=True)   # a SlangPy tensor
     st = Storage(native.storage)
@@ -19,6 +19,7 @@ import slangpy as spy
 
 from . import capturing, staging
 from .buffer_pool import STORAGE_USAGE, allocation_failed, check_size
+from .dtype_names import UPLOAD_NUMPY
 from .float_storage import FLOAT_WIDTHS, pooled_tensor, refuse_rounded_ints
 
 if TYPE_CHECKING:
@@ -29,29 +30,6 @@ COPY_FROM_GRAPH = "copy_ of values with a gradient path (copy_ is not recorded o
 #: ``Storage.last_writer`` of a zeroing (``Tensor.zero_``, ``zero_grad``).
 ZEROED = "a host write (zeroing)"
 _SERIALS = itertools.count(1)  # Storage.serial (next() on a count is atomic under the GIL)
-
-NUMPY_TO_SLANG = {
-    np.dtype(np.float32): "float",
-    np.dtype(np.float64): "float",  # Slang has no double atomics: float is the useful default
-    np.dtype(np.float16): "half",
-    np.dtype(np.int32): "int",
-    np.dtype(np.int64): "int",
-    np.dtype(np.uint32): "uint",
-    np.dtype(np.bool_): "bool",
-}
-SCALAR_NUMPY = {
-    "float": np.float32,
-    "half": np.float16,
-    "double": np.float64,
-    "int": np.int32,
-    "uint": np.uint32,
-    "bool": np.bool_,
-    "int64_t": np.int64,
-    "uint64_t": np.uint64,
-}
-# What host data is converted to before an upload: Slang's bool is 4 bytes, NumPy's 1 (SlangPy
-# copies NumPy bools byte for byte, so bool tensors got their values packed into element 0).
-UPLOAD_NUMPY = {**SCALAR_NUMPY, "bool": np.uint32}
 
 
 def upload_numpy_type(native: spy.Tensor, scalar_type: str) -> Any:
@@ -225,19 +203,6 @@ def has_c_strides(arr: np.ndarray) -> bool:
         want.append(step)
         step *= d
     return tuple(reversed(want)) == arr.strides
-
-
-def dtype_name(dtype: Any) -> str:
-    """The Slang type name for a dtype given as a Python type, NumPy dtype or a name."""
-    if dtype is float:
-        return "float"
-    if dtype is int:
-        return "int"
-    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        return "double" if np.dtype(dtype) == np.float64 else NUMPY_TO_SLANG[np.dtype(dtype)]
-    if isinstance(dtype, str) and dtype.strip():  # (an explicit float64 is double, since s48)
-        return "double" if dtype.strip() == "float64" else dtype.strip()
-    raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 
 def layout_element(element: Any) -> Any:

@@ -18,8 +18,14 @@ x[1:3].fill(3.0)``, ``f(x[1:3].zero_())``, ``x[1:3].fill(1).numpy()``) the writt
 seen, so only a call whose result the caller's next instruction drops (``POP_TOP``, or the
 REPL's ``PRINT_EXPR``, a store to ``_``) is refused (``_dropped``: read from the caller's bytecode).
 
+Rows that iterating a tensor gives (``for row in x: row.fill(0)``, ``a, b = x``) are copies
+too, but named, so counts cannot tell: ``mark_row`` notes their storage, and every in-place
+write to it (the methods above, ``row += v``, a shader call writing it) is refused, views of
+the row (``row.reshape(...)``, ``row.detach()``) included; ``row.clone()`` is a copy of its own.
+
     t = _Take.apply(x, where); mark(t, f"x[{key!r}]")      # in getitem
     refuse(self, "fill")                                    # first thing in Tensor.fill
+    mark_row(row, i, x.shape)                               # in Tensor.__iter__
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ SLOT_EXTRA = 0
 #: (``m.f(x[1:3])``) and a keyword one (``m.f(y=x[1:3])``: ``refuse_written``), measured at
 #: import; None: not told apart here (nothing refused).
 CALL_EXTRA: tuple[int, int] | None = None
+#: Storages of rows iteration gave, by id: (weak reference, the row's index, the shape of the
+#: iterated tensor). By id, with the reference checked.
+_ROWS: dict[int, tuple[weakref.ref, int, tuple]] = {}
 
 
 def mark(t: Any, what: str) -> None:
@@ -60,9 +69,51 @@ def _drop(key: int, ref: weakref.ref) -> None:
         del _MARKS[key]
 
 
+def mark_row(row: Any, index: int, shape: tuple) -> None:
+    """Note that ``row`` is row ``index`` of a tensor of ``shape`` that iteration gave: every
+    in-place write to its storage is refused (``refuse_row``)."""
+    st = row.storage
+    key = id(st)
+    _ROWS[key] = (weakref.ref(st, lambda r, k=key: _drop_row(k, r)), index, shape)
+
+
+def _drop_row(key: int, ref: weakref.ref) -> None:
+    if (held := _ROWS.get(key)) is not None and held[0] is ref:
+        del _ROWS[key]
+
+
+def _row_of(t: Any) -> tuple | None:
+    st = getattr(t, "storage", None)
+    held = _ROWS.get(id(st)) if st is not None else None
+    return held if held is not None and held[0]() is st else None
+
+
+def _row_text(held: tuple) -> str:
+    return (
+        f"a row that iterating a tensor gave (row {held[1]} of a tensor of shape {held[2]}): "
+        "pydiff's iteration yields copies, not views as NumPy's and PyTorch's do, so the write "
+        "would never reach the tensor (it keeps its values)"
+    )
+
+
+def refuse_row(t: Any, call: str) -> None:
+    """A ``TypeError`` if ``t`` (or a view of it) is a row iteration gave: ``call`` (``"row.fill
+    (...)"``, ``"row += value"``) would write a copy of the tensor's row, never the tensor."""
+    if _ROWS and (held := _row_of(t)) is not None:
+        i = held[1]
+        raise TypeError(
+            f"{call} writes {_row_text(held)}. To change the tensor, write through it: "
+            f"x[{i}] = value (for i, row in enumerate(x): x[i] = ...); to write a copy of the "
+            f"row, take one first: r = row.clone(); then write r"
+        )
+
+
 def refuse(t: Any, method: str) -> None:
     """A ``TypeError`` if ``t`` is a marked copy that nothing but this call of ``method`` holds
-    (call it as ``refuse(self, "fill")`` first thing in the method)."""
+    (call it as ``refuse(self, "fill")`` first thing in the method), or a row iteration gave
+    (``refuse_row``: however it is held)."""
+    if _ROWS:
+        refuse_row(t, "row[...] = value" if method == "__setitem__" else f"row.{method}(...)")
     held = _MARKS.get(id(t)) if _MARKS else None
     if held is None or held[0]() is not t or _traced():
         return
@@ -122,21 +173,40 @@ def _star_call(frame: Any) -> bool:
 
 
 def refuse_written(fn: Any, args: tuple, kwargs: dict) -> None:
-    """A ``TypeError`` if this call of ``fn`` (a shader function: ``params`` with ``io``) writes
-    a marked copy nothing but the call holds, through an ``out``/``inout`` parameter or
-    ``_result=``: ``m.scale(x[1:3])`` would write the copy and drop it (``x`` unchanged).
-    Call it as ``refuse_written(self, args, kwargs)`` first thing in ``__call__(self, *args,
-    **kwargs)``: the counts are calibrated on that shape of call (``CALL_EXTRA``)."""
+    """A ``TypeError`` if this call of ``fn`` (a shader function: ``params`` with
+    ``writes_value``) writes a marked copy nothing but the call holds, through an
+    ``out``/``inout`` parameter, a writable tensor parameter (``RWTensor``) or ``_result=``:
+    ``m.scale(x[1:3])`` would write the copy and drop it (``x`` unchanged). Call it as
+    ``refuse_written(self, args, kwargs)`` first thing in ``__call__(self, *args, **kwargs)``:
+    the counts are calibrated on that shape of call (``CALL_EXTRA``). A row iteration gave is
+    refused there however it is held."""
+    if _ROWS:
+        _refuse_rows(fn, args, kwargs)
     if not _MARKS or CALL_EXTRA is None:
         return
     params = fn.params
     for i, value in enumerate(args):
-        if id(value) in _MARKS and i < len(params) and params[i].io != "in":
+        if id(value) in _MARKS and i < len(params) and params[i].writes_value:
             _refuse_argument(value, sys.getrefcount(value) - CALL_EXTRA[0], params[i].name, fn)
     for name, value in kwargs.items():
         if id(value) in _MARKS:
-            if name == "_result" or next((p.io for p in params if p.name == name), "in") != "in":
+            if name == "_result" or next((p.writes_value for p in params if p.name == name), False):
                 _refuse_argument(value, sys.getrefcount(value) - CALL_EXTRA[1], name, fn)
+
+
+def _refuse_rows(fn: Any, args: tuple, kwargs: dict) -> None:
+    params = fn.params
+    written = [(p.name, v) for p, v in zip(params, args) if p.writes_value]
+    for name, value in kwargs.items():
+        if name == "_result" or next((p.writes_value for p in params if p.name == name), False):
+            written.append((name, value))
+    for name, value in written:
+        if (held := _row_of(value)) is not None:
+            i = held[1]
+            raise TypeError(
+                f"{getattr(fn, 'label', fn)}: parameter '{name}' would write {_row_text(held)}. "
+                f"Call with a copy and write it back: r = row.clone(); f(..., r); x[{i}] = r"
+            )
 
 
 def _refuse_argument(value: Any, count: int, name: str, fn: Any) -> None:
@@ -200,7 +270,7 @@ def _slot_refused(named: bool) -> bool:
 
 
 class _CallProbe:
-    params = (type("P", (), {"io": "inout", "name": "x"})(),)
+    params = (type("P", (), {"writes_value": True, "name": "x"})(),)
 
     def __call__(self, *args: Any, **kwargs: Any) -> bool:
         try:

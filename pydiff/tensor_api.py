@@ -24,13 +24,16 @@ from .creation import empty, ones, tensor as make_tensor
 from .device import Device, resolve_device
 from .function import Function
 from .lost_derivative import refuse_lost_copy
-from .storage import COPY_FROM_GRAPH, UPLOAD_NUMPY, dtype_name, element_shape
+from .dtype_names import SUPPORTED, UPLOAD_NUMPY, dtype_name
+from .storage import COPY_FROM_GRAPH, element_shape
 from .tape import active_tape
 from .tensor import Tensor
 from .temporary_copies import key_text, mark
 from .unrecorded import copied_from
 
 _FLOATS = ("float", "half")
+#: Integer dtypes, which the operators promote to float (as NumPy promotes with a float).
+_INTS = ("int", "uint", "int64_t", "uint64_t", "int8_t", "uint8_t", "int16_t", "uint16_t")
 _OPS = (
     "add",
     "sub",
@@ -148,10 +151,8 @@ def astype(x: Tensor, dtype: Any) -> Tensor:
         name = dtype_name(dtype)
         native = x.device.dtype(name)
     except TypeError as exc:
-        raise TypeError(
-            f"astype: {exc}; pydiff tensors hold float, half, int, uint and Slang vector, "
-            "matrix or struct types"
-        ) from None
+        more = "" if "supported:" in str(exc) else f"; supported: {SUPPORTED}"
+        raise TypeError(f"astype: {exc}{more}") from None
     if element_shape(native) != x.expected_numpy_shape()[len(x.shape) :]:
         raise TypeError(f"astype: cannot convert elements of dtype {x.dtype!r} to {name!r}")
     if x.dtype in _FLOATS and name in _FLOATS:  # the same dtype too: a copy on the tape
@@ -239,8 +240,8 @@ def matmul(a: Any, b: Any) -> Tensor:
 def _as_float(v: Any) -> Any:
     """An int or half tensor operand as float (the ops compute in float32; NumPy would
     promote an int too); other operands as they are."""
-    if isinstance(v, Tensor) and v.dtype in ("int", "uint", "half"):
-        return astype(v, "float")
+    if isinstance(v, Tensor) and (v.dtype in _INTS or v.dtype == "half"):
+        return astype(v, "float")  # (an integer beyond float's exact range: ValueError)
     return v
 
 
@@ -254,7 +255,7 @@ def _promoting(op: Any) -> Any:
 
 def _reduction(op: Any) -> Any:
     def run(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
-        if isinstance(x, Tensor) and x.dtype in ("int", "uint"):
+        if isinstance(x, Tensor) and x.dtype in _INTS:
             _refuse_rounded_sum(op.__name__, x)
             capturing.on_replay(lambda: _refuse_rounded_sum(op.__name__, x))
         return op(_as_float(x), axis, keepdims)

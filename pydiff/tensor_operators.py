@@ -159,8 +159,35 @@ class TensorOperators:
         return self.shape[0]  # type: ignore[attr-defined]
 
     def __iter__(self) -> Any:
+        """The rows, as copies (``self[i]``): in-place writes to them are refused, since they
+        would never reach this tensor (NumPy's and PyTorch's rows are views)."""
         n = len(self)  # TypeError for a 0-d tensor, as NumPy
-        return (self[i] for i in range(n))
+        return _rows(self, range(n))
+
+    def __reversed__(self) -> Any:
+        """``reversed(x)``: the rows last first, marked as ``__iter__``'s (without it Python
+        indexed ``x[i]`` itself, and writes to those rows went unseen)."""
+        return _rows(self, range(len(self) - 1, -1, -1))
+
+    # `row += v` on a row iteration gave: refused (NumPy writes its view, the tensor's row);
+    # any other tensor: NotImplemented, so Python computes `row + v` and rebinds the name.
+    def __iadd__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row += value") or NotImplemented
+
+    def __isub__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row -= value") or NotImplemented
+
+    def __imul__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row *= value") or NotImplemented
+
+    def __itruediv__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row /= value") or NotImplemented
+
+    def __ipow__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row **= value") or NotImplemented
+
+    def __imatmul__(self, other: Any) -> Any:
+        return temporary_copies.refuse_row(self, "row @= value") or NotImplemented
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The values as a NumPy array: always a copy read back from the device (NumPy 2's
@@ -306,6 +333,13 @@ class TensorOperators:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return tensor_methods.call("__dlpack_device__", self)
+
+
+def _rows(x: Any, indices: range) -> Any:
+    for i in indices:
+        row = x[i]
+        temporary_copies.mark_row(row, i, x.shape)
+        yield row
 
 
 def _numpy_extras(name: str, dtype: Any, out: Any) -> None:

@@ -22,6 +22,7 @@ import slangpy as spy
 from . import foreign, forward_trace, torch_args
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
+from .dtype_names import dtype_name
 from .errors import OpDtypeError
 from .grad_transforms import on_tape
 from .host_values import to_float32
@@ -95,6 +96,8 @@ def from_torch(
     given_grad = t.requires_grad
     t = t.detach().resolve_conj().resolve_neg()  # (a negated view: numpy() refused it)
     name = str(t.dtype).removeprefix("torch.")
+    # (a NumPy dtype compared equal to a name: np.dtype(np.float64) == "float" narrowed)
+    dtype = None if dtype is None else dtype_name(dtype)
     if t.numel() == 0:
         raise ValueError(
             f"from_torch: t has shape {tuple(t.shape)}: no elements (a pydiff tensor has one "
