@@ -20,7 +20,7 @@ import numpy as np
 from . import capturing, foreign
 from .creation import tensor as make_tensor
 from .errors import GradientOverflowError, warn_once
-from .tensor import Tensor
+from .tensor import Tensor, float4_ready
 
 
 def nested_tensors(value: Any, label: str) -> list[tuple[str, Tensor]]:
@@ -365,3 +365,23 @@ def detach_marked(result: Any, marked: Callable[[Any], bool]) -> Any:
     out = tuple(o.detach() if isinstance(o, Tensor) and marked(o) else o for o in items)
     note_marked([o for o, i in zip(out, items) if o is not i])
     return out if isinstance(result, tuple) else out[0]
+
+
+def add_on_device(dst: Tensor, src: Tensor) -> None:
+    """dst += src for float tensors of one device and shape."""
+    dev = dst.device
+    if src.shape == dst.shape and float4_ready(src, dst):
+        count = -(-src.numel // 4)
+        kernel = dev.kernels.get("tensor_helpers.slang", "accumulate4")
+        dev.kernels.dispatch(
+            kernel,
+            count,
+            dst=dst.buffer,
+            dst_in=dst.buffer,
+            src=src.buffer,
+            count=count,
+        )
+    else:
+        dev.flush()  # SlangPy runs it now: what is queued goes first
+        dev.library.accumulate(dst.native, src.native)
+    dst.storage.wrote("a Function's gradient")

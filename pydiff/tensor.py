@@ -349,9 +349,9 @@ class Tensor(GradBuffers, TensorOperators):
                 native.clear(encoder)
         if (rec := capturing.recording()) is not None:
             rec.record_clear(self._device.queue, self._native)
-        self.storage.holds_result_of = None
-        self.storage.wrote(ZEROED, everything=True)
-        return forward_trace.replaced(self)
+        (storage := self.storage).holds_result_of = None
+        storage.wrote(ZEROED, everything=True)
+        return self if forward_trace.active() is None else forward_trace.replaced(self)
 
     def reshape(self, *shape: Any) -> "Tensor":
         """A view of the same contiguous storage with another shape, sharing this tensor's
