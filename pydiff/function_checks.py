@@ -151,7 +151,10 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
     """backward's return value as one checked entry per tensor input."""
     if type(grads) is tuple and len(grads) == len(inputs):
         # The usual return (float tensors and Nones): nothing to check further or convert.
-        if all(g is None or (type(g) is Tensor and g.dtype == "float") for g in grads):
+        for g in grads:  # (a loop: no generator frames)
+            if g is not None and (type(g) is not Tensor or g.dtype != "float"):
+                break
+        else:
             return grads
     name = cls.__name__
     if grads is None and not ctx.targets:

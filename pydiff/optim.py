@@ -204,7 +204,7 @@ class Optimizer:
         """Every parameter's state, made on the first step (also for parameters it skips: a
         captured step can then update any of them)."""
         names = self._buffers
-        if all(name in st for st in self.state for name in names):
+        if all([name in st for st in self.state for name in names]):  # (a list: no generator)
             return  # (every later step: one pass, no call per buffer)
         for k in range(len(self.params)):
             for name in self._buffers:

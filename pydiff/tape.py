@@ -203,7 +203,7 @@ class Tape:
             list(writes),
             run_backward,
             payload,
-            tuple(t.storage.replaced[0] for t in writes),
+            tuple([t.storage.replaced[0] for t in writes]),  # (lists: no generator frames)
         )
         for _, t, _ in reads:  # (a view's base: after a forget a view may die before its base)
             self._touched[id(t.storage)] = t if t.base is None else t.base
@@ -272,7 +272,7 @@ class Tape:
                     hit = t if hit is None else hit
                     if t.storage.replaced[0] == n:
                         chosen.append(entry)
-                        needed.update(id(t.storage) for _, t, _ in entry.reads)
+                        needed.update([id(t.storage) for _, t, _ in entry.reads])
                         break
             else:
                 writer = hit.storage.replaced[1] if hit is not None else None
