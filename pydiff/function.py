@@ -92,7 +92,10 @@ class FunctionCtx:
         >>> target = ctx.grad_target(0)
         >>> if target is not None: m.add_into(target, g)          # then return None for it
         """
-        x = self.inputs[self._input_index(k, "grad_target")]
+        inputs = self.inputs  # (_input_index's fast path inline: pydiff's own backwards)
+        x = inputs[
+            k if type(k) is int and 0 <= k < len(inputs) else self._input_index(k, "grad_target")
+        ]
         if not x.requires_grad:
             return None
         scope, grad = active_scope(), x.grad_out  # (the policy zeroes it in place)
