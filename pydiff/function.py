@@ -393,7 +393,7 @@ def _run_backward(
     outer = active_scope()
     if outer is not None and cls.flush_before_backward:
         outer.flush()  # the upstream gradients must be complete before user code reads them
-    grad_outputs = tuple(None if k in constant else o.grad_in for k, o in enumerate(outputs))
+    grad_outputs = tuple([None if k in constant else o.grad_in for k, o in enumerate(outputs)])
     ctx.targets = set()  # (what this backward adds through grad_target: not an earlier one's)
     grads = gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
     adds = []  # every gradient checked before any is added (a refusal changes none)

@@ -325,7 +325,7 @@ class Adam(Optimizer):
         out = self._hyper(ks[0])
         steps = self.param_steps
         t0 = steps[ks[0]]
-        if all(steps[k] == t0 for k in ks):
+        if all([steps[k] == t0 for k in ks]):  # (a list: no generator frames)
             out.update(_SAME_STEP)
             return out
         b1, b2 = self.defaults["betas"]

@@ -331,7 +331,7 @@ class Tape:
         # zeroed below; the output's by the read of its upstream (not twice).
         owed = [t for entry in entries for t in entry.writes if t.make_owed()]
         upstream = output.grad_in
-        zeroed = output if any(t is output for t in owed) else None
+        zeroed = output if any([t is output for t in owed]) else None
         want = output.expected_numpy_shape()
         if grad is None:
             seed = None  # 1 (one element): copied on the device where it can be (copy_one)
