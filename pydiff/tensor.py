@@ -76,18 +76,21 @@ class Tensor(GradBuffers, TensorOperators):
         self._grad_out = grad_out
         self.storage = storage or owner(buf := native.storage, self, native) or Storage(buf)
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
-        self._bound: spy.Tensor | None = None
-        self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = float4  # float4_ready, found once (the layout is fixed)
-        self._dtype: str | None = None  # the element type's name, found once
-        self._zero_pending = False  # gradient buffers owed (zero_later): made when needed
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
-        self._viewed: tuple = (None, None)  # the base's buffers its own grads view
-        self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
-        self._handle: Any = False if detached else None  # detach(): its own handle, made once
+        if detached:
+            self._handle = False  # detach(): its own handle, made once (``native``)
+
+    # Set per instance when they change (class defaults: fewer stores, a step makes 7 tensors)
+    _bound: spy.Tensor | None = None
+    _upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
+    _dtype: str | None = None  # the element type's name, found once
+    _zero_pending = False  # gradient buffers owed (zero_later): made when needed
+    _viewed: tuple = (None, None)  # the base's buffers its own grads view
+    _tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
+    _handle: Any = None  # (False: detach()'s own, made at the first ``native``)
 
     # --- description -------------------------------------------------------------------
-    # (C getters, no Python frame: ~80 reads of shape and device an MLP training step)
     shape = property(attrgetter("_shape"), doc="The shape: a tuple of ints, () for 0-d.")
 
     @property
