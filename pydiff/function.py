@@ -26,14 +26,14 @@ from .backward_scope import active_scope, backward_scope
 from .backward_claims import Claim, producer_claim
 from .function_checks import as_tensor, bound_args, check_reached, gradients, own_outputs
 from .function_checks import captured_reads, forward_writes, nested_tensors, refuse_nested
-from .function_checks import detach_marked, tangent_in_dtype
-from .tape import active_tape, suspend_recording
-from .tensor import Tensor, float4_ready
+from .function_checks import add_on_device, detach_marked, tangent_in_dtype
+from .tape import active_tape, pause_recording, resume_recording, suspend_recording
+from .tensor import Tensor
 from .unrecorded import MADE_OFF_TAPE, note_marked, note_unrecorded
 
 
-# pydiff's ops: fixed backward kernels, nothing refused part-way (grad_restore.restoring)
-_OWN_OPS = ("pydiff.ops_", "pydiff.tensor_api")
+_OWN_OPS = ("pydiff.ops_", "pydiff.tensor_api")  # fixed backward kernels, none refused part-way
+_NESTED, _wants_grad = (list, tuple, dict), Tensor.requires_grad.fget  # (refuse_nested's)
 
 
 class FunctionCtx:
@@ -92,7 +92,10 @@ class FunctionCtx:
         >>> target = ctx.grad_target(0)
         >>> if target is not None: m.add_into(target, g)          # then return None for it
         """
-        x = self.inputs[self._input_index(k, "grad_target")]
+        inputs = self.inputs  # (_input_index's fast path inline: pydiff's own backwards)
+        x = inputs[
+            k if type(k) is int and 0 <= k < len(inputs) else self._input_index(k, "grad_target")
+        ]
         if not x.requires_grad:
             return None
         scope, grad = active_scope(), x.grad_out  # (the policy zeroes it in place)
@@ -213,7 +216,7 @@ class Function:
         ctx = FunctionCtx(name, [a for _, a in inputs])
         ctx.args = args
         tape = active_tape()
-        if not cls._has_backward():
+        if cls.backward is Function.backward:  # (_has_backward, inline)
             result = cls.forward(ctx, *args)  # pattern 1: the calls inside are recorded
             if tape is None:
                 return result, ctx
@@ -222,14 +225,18 @@ class Function:
             if not sources:
                 return result, ctx
             return _passed_through(cls, tape, result, inputs, ctx, sources), ctx
-        if tape is not None:
-            refuse_nested(name, args, lambda t: t.requires_grad, "requires grad", "gradients")
+        if tape is not None and any([isinstance(a, _NESTED) for a in args]):  # (hold tensors)
+            refuse_nested(name, args, _wants_grad, "requires grad", "gradients")
         own = cls.__module__.startswith(_OWN_OPS)
-        check_writes = forward_writes(name, inputs, tape is not None and not own)
+        check_writes = forward_writes(name, inputs, True) if tape is not None and not own else None
         captured_reads(name, inputs)  # (in a capture: a replay refuses once one is dropped)
-        with suspend_recording():
+        token = pause_recording()  # (suspend_recording's, without its object and frames)
+        try:
             result = cls.forward(ctx, *args)
-        check_writes(ctx.saved_versions)
+        finally:
+            resume_recording(token)
+        if check_writes is not None:
+            check_writes(ctx.saved_versions)
         items = result if (outputs_tuple := isinstance(result, tuple)) else (result,)
         outputs = own_outputs(cls, items, inputs, inputs[0][1].device if inputs else None)
         # Integer and bool outputs (indices, masks) and marked ones have no gradient.
@@ -385,7 +392,7 @@ def _run_backward(
     outer = active_scope()
     if outer is not None and cls.flush_before_backward:
         outer.flush()  # the upstream gradients must be complete before user code reads them
-    grad_outputs = tuple(None if k in constant else o.grad_in for k, o in enumerate(outputs))
+    grad_outputs = tuple([None if k in constant else o.grad_in for k, o in enumerate(outputs)])
     ctx.targets = set()  # (what this backward adds through grad_target: not an earlier one's)
     grads = gradients(cls, ctx, cls.backward(ctx, *grad_outputs), inputs)
     adds = []  # every gradient checked before any is added (a refusal changes none)
@@ -419,7 +426,7 @@ def _run_backward(
                 and g.dtype == "float" == x.grad_out.dtype
                 and g.device == x.device
             ):
-                _add_on_device(x.grad_out, g)  # no host round trip
+                add_on_device(x.grad_out, g)  # no host round trip
             else:
                 arr = g.numpy() if arr is None else arr
                 held = x.grad_out.numpy()
@@ -427,23 +434,3 @@ def _run_backward(
                     total = (held + arr).astype(held.dtype)
                 x.grad_out.copy_from_numpy(total, caller=f"{cls.__name__}.backward()")
             scope.mark_result(x.grad_out)
-
-
-def _add_on_device(dst: Tensor, src: Tensor) -> None:
-    """dst += src for float tensors of one device and shape."""
-    dev = dst.device
-    if src.shape == dst.shape and float4_ready(src, dst):
-        count = -(-src.numel // 4)
-        kernel = dev.kernels.get("tensor_helpers.slang", "accumulate4")
-        dev.kernels.dispatch(
-            kernel,
-            count,
-            dst=dst.buffer,
-            dst_in=dst.buffer,
-            src=src.buffer,
-            count=count,
-        )
-    else:
-        dev.flush()  # SlangPy runs it now: what is queued goes first
-        dev.library.accumulate(dst.native, src.native)
-    dst.storage.wrote("a Function's gradient")

@@ -19,7 +19,7 @@ import numpy as np
 from . import capturing, foreign
 from .creation import tensor as make_tensor
 from .errors import GradientOverflowError, warn_once
-from .tensor import Tensor
+from .tensor import Tensor, float4_ready
 from .unrecorded import note_marked
 
 
@@ -151,7 +151,10 @@ def gradients(cls: type, ctx: Any, grads: Any, inputs: list[Tensor]) -> tuple:
     """backward's return value as one checked entry per tensor input."""
     if type(grads) is tuple and len(grads) == len(inputs):
         # The usual return (float tensors and Nones): nothing to check further or convert.
-        if all(g is None or (type(g) is Tensor and g.dtype == "float") for g in grads):
+        for g in grads:  # (a loop: no generator frames)
+            if g is not None and (type(g) is not Tensor or g.dtype != "float"):
+                break
+        else:
             return grads
     name = cls.__name__
     if grads is None and not ctx.targets:
@@ -347,3 +350,23 @@ def detach_marked(result: Any, ctx: Any) -> Any:
     out = tuple(o.detach() if isinstance(o, Tensor) and ctx.marked(o) else o for o in items)
     note_marked([o for o, i in zip(out, items) if o is not i], ctx.name)
     return out if isinstance(result, tuple) else out[0]
+
+
+def add_on_device(dst: Tensor, src: Tensor) -> None:
+    """dst += src for float tensors of one device and shape."""
+    dev = dst.device
+    if src.shape == dst.shape and float4_ready(src, dst):
+        count = -(-src.numel // 4)
+        kernel = dev.kernels.get("tensor_helpers.slang", "accumulate4")
+        dev.kernels.dispatch(
+            kernel,
+            count,
+            dst=dst.buffer,
+            dst_in=dst.buffer,
+            src=src.buffer,
+            count=count,
+        )
+    else:
+        dev.flush()  # SlangPy runs it now: what is queued goes first
+        dev.library.accumulate(dst.native, src.native)
+    dst.storage.wrote("a Function's gradient")

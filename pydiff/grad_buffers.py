@@ -11,6 +11,7 @@ was made). So a backward through a view adds into ``x.grad``; nothing is dropped
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .storage import allocate, type_name
@@ -43,11 +44,11 @@ class GradBuffers:
     _element: Any  # SlangPy's reflection of the element type (fixed, as the native is)
     _zero_pending: bool  # zero_later: the buffers are owed, made zeroed when first needed
 
-    @property
-    def base(self) -> "Self | None":
-        """The tensor this one is a view of (``reshape``), or shares the gradients of
-        (``share_grads``): its gradient buffers and zeroing policy are this one's."""
-        return self._base
+    base = property(  # (a C getter, no Python frame: the tape reads it for every tensor)
+        attrgetter("_base"),
+        doc="The tensor this one is a view of (``reshape``), or shares the gradients of "
+        "(``share_grads``): its gradient buffers and zeroing policy are this one's.",
+    )
 
     @property
     def requires_grad(self) -> bool:

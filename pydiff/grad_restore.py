@@ -209,10 +209,13 @@ class restoring:
     __slots__ = ("scope", "keeper", "entries", "upstream")
 
     def __init__(self, scope: Any, entries: list, upstream: Tensor):
-        counted = scope.keeper is None and (
-            any(_refuses(e.payload.get("may_refuse")) for e in entries)
-            or capturing.recording() is not None  # (a layout without a plan refuses there)
-        )
+        counted = False
+        if scope.keeper is None:
+            counted = capturing.recording() is not None  # (a layout without a plan refuses)
+            for e in entries:  # (a loop, not a generator; up to the first that refuses)
+                if counted or _refuses(e.payload.get("may_refuse")):
+                    counted = True
+                    break
         self.scope, self.entries, self.upstream = scope, entries, upstream
         self.keeper = GradSnapshot(scope, upstream.device) if counted else None
 

@@ -79,7 +79,10 @@ def _in_place_fits(ctx: Any, g: Tensor, x: Tensor, w: Tensor, has_bias: bool, *m
     ):
         return False
     inputs = [x, w] + ([ctx.inputs[2]] if has_bias else [])
-    return all(float4_ready(t.grad_out) for t in inputs if t.requires_grad)
+    for t in inputs:  # (a loop, as all() of a generator: grad_out read in order, up to a miss)
+        if t.requires_grad and not float4_ready(t.grad_out):
+            return False
+    return True
 
 
 def _linear_backward_in_place(

@@ -204,7 +204,7 @@ class Optimizer:
         """Every parameter's state, made on the first step (also for parameters it skips: a
         captured step can then update any of them)."""
         names = self._buffers
-        if all(name in st for st in self.state for name in names):
+        if all([name in st for st in self.state for name in names]):  # (a list: no generator)
             return  # (every later step: one pass, no call per buffer)
         for k in range(len(self.params)):
             for name in self._buffers:
@@ -325,7 +325,7 @@ class Adam(Optimizer):
         out = self._hyper(ks[0])
         steps = self.param_steps
         t0 = steps[ks[0]]
-        if all(steps[k] == t0 for k in ks):
+        if all([steps[k] == t0 for k in ks]):  # (a list: no generator frames)
             out.update(_SAME_STEP)
             return out
         b1, b2 = self.defaults["betas"]

@@ -9,6 +9,7 @@ tape.backward(loss)          # w.grad, x.grad now hold dloss/dw, dloss/dx
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -33,9 +34,11 @@ _active_tape: contextvars.ContextVar["Tape | None"] = contextvars.ContextVar(
 )
 
 
-#: ``active_tape()``: the tape recording here, if any (the context variable's ``get``: no
-#: Python frame on every call's path).
+#: ``active_tape()``: the tape recording here, if any (the context variable's own ``get``).
 active_tape: Callable[[], "Tape | None"] = _active_tape.get
+#: ``token = pause_recording()`` ... ``resume_recording(token)``: ``suspend_recording`` as C calls.
+pause_recording: Callable[[], Any] = functools.partial(_active_tape.set, None)
+resume_recording: Callable[[Any], None] = _active_tape.reset
 
 
 class suspend_recording:
@@ -164,7 +167,7 @@ class Tape:
         as an output); those this tape did not produce keep their gradients across backwards."""
         reads = [(r[0], r[1], r[2] if len(r) > 2 else r[1].storage.version) for r in reads]
         for desc, t, _ in reads:
-            producer = t.producer
+            producer = t.storage.producer  # (Tensor.producer's, without its call)
             if producer is None or producer is self:
                 pass
             elif type(producer) is Forgotten and t.requires_grad and producer.made(t):
@@ -200,17 +203,17 @@ class Tape:
             list(writes),
             run_backward,
             payload,
-            tuple(t.storage.replaced[0] for t in writes),
+            tuple([t.storage.replaced[0] for t in writes]),  # (lists: no generator frames)
         )
         for _, t, _ in reads:  # (a view's base: after a forget a view may die before its base)
             self._touched[id(t.storage)] = t if t.base is None else t.base
         for t in overwritten:
-            if t.producer is not self and t.requires_grad:
+            if t.storage.producer is not self and t.requires_grad:
                 self._leaves.setdefault(id(t.storage), t)
         for t in writes:
             self._touched[id(t.storage)] = t if t.base is None else t.base
             self._made.add(id(t))  # (entries hold them: an id here is that tensor's)
-            t.producer = self
+            t.storage.producer = self
         self._entries.append(entry)
         return entry
 
@@ -269,7 +272,7 @@ class Tape:
                     hit = t if hit is None else hit
                     if t.storage.replaced[0] == n:
                         chosen.append(entry)
-                        needed.update(id(t.storage) for _, t, _ in entry.reads)
+                        needed.update([id(t.storage) for _, t, _ in entry.reads])
                         break
             else:
                 writer = hit.storage.replaced[1] if hit is not None else None
@@ -329,7 +332,7 @@ class Tape:
         # zeroed below; the output's by the read of its upstream (not twice).
         owed = [t for entry in entries for t in entry.writes if t.make_owed()]
         upstream = output.grad_in
-        zeroed = output if any(t is output for t in owed) else None
+        zeroed = output if any([t is output for t in owed]) else None
         want = output.expected_numpy_shape()
         if grad is None:
             seed = None  # 1 (one element): copied on the device where it can be (copy_one)
@@ -399,7 +402,7 @@ class Tape:
         written = {id(t.storage) for entry in entries for t in entry.writes}
         for entry in entries:
             for desc, t, _ in entry.reads:
-                if t.requires_grad and id(t.storage) not in written:
+                if id(t.storage) not in written and t.requires_grad:
                     scope.check_stale(t, t.grad_out, desc)
         leaves = [t for key, t in self._leaves.items() if key in written and t.requires_grad]
         for t in leaves:  # (all checked before RESET zeroes any: a refusal changes none)
@@ -433,8 +436,8 @@ class Tape:
         results = [t for entry in self._entries for t in entry.writes]
         forgotten = Forgotten(why, results)
         for t in results:
-            if t.producer is self:
-                t.producer = forgotten
+            if (storage := t.storage).producer is self:
+                storage.producer = forgotten
         touched = {}  # (a tape reused step after step keeps only the tensors still alive)
         for key, held in self._touched.items():
             held = held if isinstance(held, weakref.ref) else weakref.ref(held)

@@ -8,6 +8,7 @@ module.polynomial.bwds(2.0, 8.0, -1.0, x, _result=y.with_grads(ones=True)); x.gr
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -75,20 +76,22 @@ class Tensor(GradBuffers, TensorOperators):
         self._grad_out = grad_out
         self.storage = storage or owner(buf := native.storage, self, native) or Storage(buf)
         self._zero_policy = None if zero_policy is None else ZeroPolicy.parse(zero_policy)
-        self._bound: spy.Tensor | None = None
-        self._upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
         self._float4: bool | None = float4  # float4_ready, found once (the layout is fixed)
-        self._dtype: str | None = None  # the element type's name, found once
-        self._zero_pending = False  # gradient buffers owed (zero_later): made when needed
         self._base = base  # a view: the tensor whose gradients it shares (see grad_buffers)
-        self._viewed: tuple = (None, None)  # the base's buffers its own grads view
-        self._tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
-        self._handle: Any = False if detached else None  # detach(): its own handle, made once
+        if detached:
+            self._handle = False  # detach(): its own handle, made once (``native``)
+
+    # Set per instance when they change (class defaults: fewer stores, a step makes 7 tensors)
+    _bound: spy.Tensor | None = None
+    _upstream: tuple = (None, None)  # (bind()'s tensor, bind_upstream's) cached
+    _dtype: str | None = None  # the element type's name, found once
+    _zero_pending = False  # gradient buffers owed (zero_later): made when needed
+    _viewed: tuple = (None, None)  # the base's buffers its own grads view
+    _tangent: "Tensor | None" = None  # forward mode: d(self) along the chosen direction
+    _handle: Any = None  # (False: detach()'s own, made at the first ``native``)
 
     # --- description -------------------------------------------------------------------
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
+    shape = property(attrgetter("_shape"), doc="The shape: a tuple of ints, () for 0-d.")
 
     @property
     def dtype(self) -> str:
@@ -112,9 +115,7 @@ class Tensor(GradBuffers, TensorOperators):
             t = t.element_type
         return t.full_name
 
-    @property
-    def device(self) -> Device:
-        return self._device
+    device = property(attrgetter("_device"), doc="The pydiff Device holding the values.")
 
     @property
     def native(self) -> spy.Tensor:
@@ -349,9 +350,9 @@ class Tensor(GradBuffers, TensorOperators):
                 native.clear(encoder)
         if (rec := capturing.recording()) is not None:
             rec.record_clear(self._device.queue, self._native)
-        self.storage.holds_result_of = None
-        self.storage.wrote(ZEROED, everything=True)
-        return forward_trace.replaced(self)
+        (storage := self.storage).holds_result_of = None
+        storage.wrote(ZEROED, everything=True)
+        return self if forward_trace.active() is None else forward_trace.replaced(self)
 
     def reshape(self, *shape: Any) -> "Tensor":
         """A view of the same contiguous storage with another shape, sharing this tensor's

@@ -102,7 +102,7 @@ def copied_from(t: Tensor) -> str | None:
 
     >>> copied_from(y)     # 'values copy_ of values with a gradient path (...)'
     """
-    if t.producer is None and t.storage.last_writer == COPY_FROM_GRAPH:
+    if (storage := t.storage).producer is None and storage.last_writer == COPY_FROM_GRAPH:
         return f"values {COPY_FROM_GRAPH}"
     if not FROM_COPIED:
         return None  # (every read of every recorded call asks: nothing to look up)
