@@ -25,6 +25,7 @@ from .call_shape import param_type
 from .errors import ShaderTrapError, SlangCompileError
 from .forward_call import forward_call
 from .forward_pair import direct_pair, out_entry, split_pair
+from .generated_switch import uncounted
 from .signature import FunctionTarget, stem
 from .tape import suspend_recording
 from .tensor import Tensor
@@ -326,7 +327,7 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
     direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
     if direct is not None:  # one call into two contiguous tensors
         return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
-    with suspend_recording():
+    with suspend_recording(), uncounted():  # (this .fwds was counted once, by call_fwds)
         out = forward_call(
             wrapper, given(call_args), {"_result": "tensor"} if ret != "void" else {}
         )

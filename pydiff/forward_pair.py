@@ -17,6 +17,7 @@ from __future__ import annotations
 from .call_shape import ElementAxesError, argument_shape
 from .forward_args import NO_TANGENT, given
 from .forward_call import forward_call
+from .generated_switch import uncounted
 from .signature import FunctionTarget
 from .storage import allocate
 from .tape import suspend_recording
@@ -82,7 +83,7 @@ def direct_pair(
     primal = Tensor(allocate(dev, shape, element), dev)
     tangent = Tensor(allocate(dev, shape, element), dev)
     entry = getattr(wrapper.module, f"{wrapper.name}_out")
-    with suspend_recording():
+    with suspend_recording(), uncounted():  # (the .fwds is counted once, by call_fwds)
         forward_call(entry, (*given(call_args), primal, tangent), {})
     return primal, tangent
 
@@ -97,6 +98,6 @@ def split_pair(result: Tensor, type_name: str, wrapper: FunctionTarget) -> tuple
     dev = result.device
     primal = Tensor(allocate(dev, result.shape, element), dev)
     tangent = Tensor(allocate(dev, result.shape, element), dev)
-    with suspend_recording():
+    with suspend_recording(), uncounted():
         getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
     return primal, tangent

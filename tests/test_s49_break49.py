@@ -1,0 +1,111 @@
+"""break49: a demanding user of the generated kernels (issue 16), each case against an
+independent reference (float64 NumPy closed forms), each failing before its fix.
+
+- ``generated.stats()`` is documented to name the reason for every large call that takes
+  SlangPy's path ("Declined ... NumPy arrays as arguments; SlangPy options; a number as the
+  upstream gradient; NumPy tangents in .fwds"). Large calls declined before the generator
+  looked at them were not counted at all: NumPy arrays as the only array arguments, a
+  ``_result`` of ``"numpy"`` or a NumPy array, a number as ``.bwds``' upstream, a NumPy
+  ``(value, tangent)`` pair in ``.fwds``: ``stats()`` said nothing, so nothing said which
+  path the call took.
+- A ``.fwds`` on SlangPy's path counted as ``forward_fallback`` too (its wrapper's forward
+  call, ``declined: returns void``, or a second ``PYDIFF_GENERATED=0``): one call, two or
+  three paths in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import generated
+
+SRC = """
+[Differentiable] float b49f(float a, float x) { return a * x * x + sin(x); }
+[Differentiable] float b49h(float x, float y) { return x * y + x / y; }
+[Differentiable] float3 b49v(float3 n, float k) { return n * k * n.x; }
+"""
+N = 5000  # over the 4096-element threshold: these calls are "large"
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return pydiff.load_module_from_source("break49_stats", SRC)
+
+
+@pytest.fixture
+def xs():
+    return np.linspace(0.5, 2.0, N, dtype=np.float32)
+
+
+def _f(a, x):
+    x = np.asarray(x, np.float64)
+    return a * x * x + np.sin(x)
+
+
+def _declined(kind: str) -> dict:
+    got = generated.stats()
+    assert got.get(f"{kind}_fallback", 0) == 1, got
+    reasons = [k for k in got if k.startswith("declined: ")]
+    assert len(reasons) == 1, got
+    return got
+
+
+@pytest.fixture(autouse=True)
+def _sizes(monkeypatch):
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 4096)
+    monkeypatch.delenv("PYDIFF_GENERATED", raising=False)
+    generated.reset_stats()
+
+
+def test_numpy_only_arguments_are_named(mod, xs):
+    y = mod.b49f(2.0, xs, _result="tensor")
+    assert np.allclose(y.numpy(), _f(2.0, xs), atol=1e-5)
+    assert "ndarray" in str(_declined("forward"))
+
+
+def test_numpy_result_is_named(mod, xs):
+    y = mod.b49f(2.0, pydiff.tensor(xs), _result="numpy")
+    assert np.allclose(y, _f(2.0, xs), atol=1e-5)
+    _declined("forward")
+    generated.reset_stats()
+    out = np.zeros(N, np.float32)
+    mod.b49f(2.0, pydiff.tensor(xs), _result=out)
+    assert np.allclose(out, _f(2.0, xs), atol=1e-5)
+    _declined("forward")
+
+
+def test_number_upstream_is_named(mod, xs):
+    x = pydiff.tensor(xs, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mod.b49f.bwds(2.0, x, _result=1.0)
+    x64 = xs.astype(np.float64)
+    assert np.allclose(x.grad.numpy(), 4 * x64 + np.cos(x64), atol=1e-5)
+    _declined("backward")
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_fwds_counts_once(mod, xs, monkeypatch, switch):
+    monkeypatch.setenv("PYDIFF_GENERATED", switch)
+    x64 = xs.astype(np.float64)
+    v, d = mod.b49f.fwds(2.0, (xs, np.ones(N, np.float32)))  # a NumPy pair: SlangPy's path
+    assert np.allclose(v.numpy(), _f(2.0, xs), atol=1e-5)
+    assert np.allclose(d.numpy(), 4 * x64 + np.cos(x64), atol=1e-5)
+    got = _declined("fwds")
+    assert "forward_fallback" not in got, got
+    generated.reset_stats()
+    n = pydiff.tensor(np.stack([xs, xs, xs], 1)).with_tangent(np.ones((N, 3), np.float32))
+    v, d = mod.b49v.fwds(n, 2.0)
+    if switch == "0":
+        got = _declined("fwds")
+        assert "forward_fallback" not in got, got
+    else:
+        assert generated.stats() == {"fwds": 1, "fwds: vector": 1}
+    x3 = x64[:, None] * np.ones((1, 3))
+    assert np.allclose(np.asarray(v.numpy()).reshape(N, 3), 2 * x3 * x64[:, None], atol=1e-4)
+    d_ref = 2 * x64[:, None] + 2 * x3  # d(k n n.x) with every tangent 1
+    assert np.allclose(np.asarray(d.numpy()).reshape(N, 3), d_ref, atol=1e-4)
