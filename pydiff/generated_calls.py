@@ -66,7 +66,7 @@ def _host_reason(bound: list, options: dict, result: Any) -> str:
     arrays = [p.name for p, v in bound if isinstance(v, np.ndarray)]
     if arrays:
         return f"parameter '{arrays[0]}': ndarray argument"
-    return "a call of numbers or whole vectors: SlangPy's result is one value"
+    return "a call of numbers, 0-d tensors or whole vectors: SlangPy's result is one value"
 
 
 def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Tensor | None:
