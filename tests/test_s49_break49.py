@@ -15,6 +15,7 @@ independent reference (float64 NumPy closed forms), each failing before its fix.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -109,3 +110,29 @@ def test_fwds_counts_once(mod, xs, monkeypatch, switch):
     assert np.allclose(np.asarray(v.numpy()).reshape(N, 3), 2 * x3 * x64[:, None], atol=1e-4)
     d_ref = 2 * x64[:, None] + 2 * x3  # d(k n n.x) with every tangent 1
     assert np.allclose(np.asarray(d.numpy()).reshape(N, 3), d_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "value, tangent, says",
+    [
+        (np.full(5, 1e39), np.ones(5), r"parameter 'x' \(float\): a NumPy array"),
+        (np.ones(5), np.full(5, 1e39), r"parameter 'x' \(tangent\) \(float\): a NumPy array"),
+        (np.zeros(0), np.zeros(0), r"parameter 'x' \(float\): got an array of shape \(0,\)"),
+        (np.ones(5) * 1j, np.ones(5), r"parameter 'x' \(float\): a NumPy array of dtype complex"),
+    ],
+)
+def test_fwds_errors_name_the_function(mod, value, tangent, says):
+    """A refused NumPy (value, tangent) pair in ``.fwds`` named pydiff's internal wrapper
+    (``pydiff_fwd_c10_b49f_....b49f__pydiff_fwd_c10: parameter 'x__t'``), not the call."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        mod.b49f.fwds(2.0, (value, tangent))
+    text = str(info.value)
+    assert "pydiff_fwd" not in text and "__t'" not in text, text
+    assert text.startswith("break49_stats.b49f.fwds: "), text
+    assert re.search(says, text), text
+
+
+def test_fwds_vector_error_names_the_function(mod):
+    bad = (np.ones((5, 4), np.float32), np.ones((5, 4), np.float32))
+    with pytest.raises(ValueError, match=r"^break49_stats\.b49v\.fwds: parameter 'n'"):
+        mod.b49v.fwds(bad, 2.0)
