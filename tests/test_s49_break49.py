@@ -136,3 +136,34 @@ def test_fwds_vector_error_names_the_function(mod):
     bad = (np.ones((5, 4), np.float32), np.ones((5, 4), np.float32))
     with pytest.raises(ValueError, match=r"^break49_stats\.b49v\.fwds: parameter 'n'"):
         mod.b49v.fwds(bad, 2.0)
+
+
+RW_SRC = """import slangpy;
+[Differentiable] void b49_scale(inout float y, float x) { y = y * x; }
+[Differentiable]
+void b49_rw(int idx, IDiffTensor<float, 1> x, IRWDiffTensor<float, 1> y) { y[idx] = y[idx] * x[idx]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def rw_mod():
+    return pydiff.load_module_from_source("break49_rw", RW_SRC)
+
+
+def test_read_written_tensor_without_gradients_is_refused(rw_mod):
+    """A tensor read and written by the call (``inout``, ``IRWDiffTensor``) with no gradient
+    buffers gave its upstream as zero: ``x.grad`` came back 0 where y is right (d(y x)/dx),
+    silently; a written-only one (``IWDiffTensor``) was already refused."""
+    import slangpy as spy
+
+    y0 = np.full(5, 2.0, np.float32)
+    x = pydiff.tensor(np.full(5, 3.0, np.float32), requires_grad=True)
+    with pytest.raises(ValueError, match=r"parameter 'y' is read and written .* has none"):
+        rw_mod.b49_scale.bwds(pydiff.tensor(y0), x)
+    with pytest.raises(ValueError, match=r"parameter 'y' is read and written .* has none"):
+        rw_mod.b49_rw.bwds(spy.grid((5,)), x, pydiff.tensor(y0))
+    assert np.array_equal(x.grad.numpy(), np.zeros(5))  # refused before anything was added
+    rw_mod.b49_rw.bwds(spy.grid((5,)), x, pydiff.tensor(y0).with_grads(ones=True))
+    np.testing.assert_allclose(x.grad.numpy(), y0)  # d(y x)/dx = y, upstream 1
+    y = pydiff.tensor(y0)  # nothing else wants a gradient: nothing lost, still allowed
+    rw_mod.b49_rw.bwds(spy.grid((5,)), pydiff.tensor(np.full(5, 3.0, np.float32)), y)
