@@ -141,7 +141,8 @@ def test_fwds_vector_error_names_the_function(mod):
 RW_SRC = """import slangpy;
 [Differentiable] void b49_scale(inout float y, float x) { y = y * x; }
 [Differentiable]
-void b49_rw(int idx, IDiffTensor<float, 1> x, IRWDiffTensor<float, 1> y) { y[idx] = y[idx] * x[idx]; }
+void b49_rw(int idx, IDiffTensor<float, 1> x, IRWDiffTensor<float, 1> y)
+{ y[idx] = y[idx] * x[idx]; }
 """
 
 
