@@ -80,6 +80,7 @@ class _Backward:
         self.masks: dict[str, Mask] = {}  # parameters bound through the masked wrapper
         self.passes: list[tuple[Mask, Tensor, Tensor]] = []  # (mask, upstream, grad)
         self.stored_once: frozenset = frozenset()  # written tensors needing no store counts
+        self.wanted = False  # a direct .bwds where some argument wants a gradient
         self.kept: GradSnapshot | None = None  # a counted call's gradients before it
 
     def scratch_grads(self, t: Tensor, role: str) -> spy.Tensor:
@@ -101,7 +102,7 @@ class _Backward:
         self.scope.before_accumulate(t, grad, desc)
 
     def _needs_upstream(self, t: Tensor, p: ParamInfo, what: str) -> None:
-        if not t.requires_grad:
+        if not t.requires_grad and (what == "written" or self.wanted):
             raise ValueError(
                 f"{self._desc(p)} is {what} by the call, so its backward reads the upstream "
                 f"gradient from the tensor's grad buffer, but the tensor has none; pass "
@@ -165,6 +166,7 @@ class _Backward:
             bound = self.own_primal(t, t.bind(True), keep=False)
             return written_mask.bind_written(self, p, t, bound, id(t.storage) in self.prior)
         if p.access == "read_write":
+            self._needs_upstream(t, p, "read and written")  # (others' gradients need it)
             masked = written_mask.needs_mask(p, t, self.label)
             bound = self.own_primal(t, self.separate_grads(t, p), keep=True)
             return written_mask.bind_in_place(self, p, t, bound, masked)
@@ -236,6 +238,7 @@ class _Backward:
         if not isinstance(value, Tensor):
             return {f"{p.name}__in": deep_bind(value), f"{p.name}__out": deep_bind(value)}
         check_device(self.fn, value, f"parameter '{p.name}'")
+        self._needs_upstream(value, p, "read and written")
         both = self.separate_grads(value, p)
         return {
             f"{p.name}__in": value.bind(False, False).with_grads(
@@ -402,6 +405,9 @@ def backward_call(
         b = _Backward(fn, scope, prior)
         b.shape = broadcast_grad.call_shape(fn, bound, result)
         b.stored_once = written_mask.stored_once(fn, bound)
+        b.wanted = scope.label == fn.bwds_label and any(
+            type(v) is Tensor and v.requires_grad and not p.no_diff for p, v in bound
+        )
         if scope.keeper is None and (may_count(bound, prior, b.stored_once) or may_overflow(fn)):
             b.kept = GradSnapshot(scope, b.device)  # (else the enclosing backward keeps them)
         if deterministic:

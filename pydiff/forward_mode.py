@@ -24,9 +24,8 @@ from .forward_args import refuse_listed_tangents, refuse_on_tape, tangent_tensor
 from .call_shape import param_type
 from .errors import ShaderTrapError, SlangCompileError
 from .forward_call import forward_call
-from .forward_pair import direct_pair, out_entry, split_pair
+from .forward_pair import direct_pair, out_entry, split_pair, wrapper_calls
 from .signature import FunctionTarget, stem
-from .tape import suspend_recording
 from .tensor import Tensor
 
 
@@ -323,10 +322,11 @@ def forward_mode_call(fn: GeneratingFunction, args: tuple, kwargs: dict) -> Any:
         if not types:
             raise
         raise _specialisation_error(fn, bound, types) from e
-    direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
+    with wrapper_calls(wrapper, fn):  # (errors name fn.fwds; counted once, by call_fwds)
+        direct = direct_pair(wrapper, bound, call_args, ret, types) if ret != "void" else None
     if direct is not None:  # one call into two contiguous tensors
         return (direct[0].numpy(), direct[1].numpy()) if want == "numpy" else direct
-    with suspend_recording():
+    with wrapper_calls(wrapper, fn):
         out = forward_call(
             wrapper, given(call_args), {"_result": "tensor"} if ret != "void" else {}
         )

@@ -10,13 +10,19 @@ comes back as ``R[2]`` and ``split_pair`` copies it into two tensors on the devi
 
     source += out_entry(name, ret, params, body)      # in the wrapper's source
     pair = direct_pair(wrapper, fn, bound, call_args, ret)   # None: the R[2] path
+    with wrapper_calls(wrapper, fn): ...               # the wrapper's calls, named as fn.fwds
 """
 
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
 from .call_shape import ElementAxesError, argument_shape
 from .forward_args import NO_TANGENT, given
 from .forward_call import forward_call
+from .generated_switch import uncounted
 from .signature import FunctionTarget
 from .storage import allocate
 from .tape import suspend_recording
@@ -82,7 +88,7 @@ def direct_pair(
     primal = Tensor(allocate(dev, shape, element), dev)
     tangent = Tensor(allocate(dev, shape, element), dev)
     entry = getattr(wrapper.module, f"{wrapper.name}_out")
-    with suspend_recording():
+    with suspend_recording(), uncounted():  # (the .fwds is counted once, by call_fwds)
         forward_call(entry, (*given(call_args), primal, tangent), {})
     return primal, tangent
 
@@ -97,6 +103,33 @@ def split_pair(result: Tensor, type_name: str, wrapper: FunctionTarget) -> tuple
     dev = result.device
     primal = Tensor(allocate(dev, result.shape, element), dev)
     tangent = Tensor(allocate(dev, result.shape, element), dev)
-    with suspend_recording():
+    with suspend_recording(), uncounted():
         getattr(wrapper.module, f"{wrapper.name}_split")(result, primal, tangent)
     return primal, tangent
+
+
+@contextmanager
+def wrapper_calls(wrapper: FunctionTarget, fn: FunctionTarget) -> Iterator[None]:
+    """Calls of ``fn``'s forward-mode ``wrapper`` (its entry points too): off the tape, not
+    counted again in ``generated.stats()`` (the ``.fwds`` was), and a ``TypeError`` or
+    ``ValueError`` they raise names ``fn.fwds`` and its parameters, not the wrapper: a refused
+    NumPy (value, tangent) pair read ``pydiff_fwd_c10_f_684e9109cde0.f__pydiff_fwd_c10:
+    parameter 'x__t' ...``, now ``m.f.fwds: parameter 'x' (tangent) ...``."""
+    with suspend_recording(), uncounted():
+        try:
+            yield
+        except (TypeError, ValueError) as exc:
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (_relabelled(exc.args[0], wrapper, fn), *exc.args[1:])
+            raise
+
+
+def _relabelled(text: str, wrapper: FunctionTarget, fn: FunctionTarget) -> str:
+    text = re.sub(re.escape(wrapper.module.name) + r"\.\w+", f"{fn.label}.fwds", text)
+    names, value = {p.name for p in fn.params}, None
+    for p in wrapper.params:  # a tangent follows its value (fwd_wrapper): x, x__t
+        if p.name in names:
+            value = p.name
+        elif value is not None:
+            text = text.replace(f"'{p.name}'", f"'{value}' (tangent)")
+    return text

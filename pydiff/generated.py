@@ -9,9 +9,9 @@ deterministic reduction (``broadcast_grad.reduce_into``), as on SlangPy's path: 
 It is compiled once per function and argument layout and dispatched like pydiff's own
 kernels (``device.kernels.dispatch``: batched with the device's queue).
 
-What it does not cover it declines (``None`` / ``False``, nothing done), and the caller takes
-SlangPy's path unchanged. ``PYDIFF_GENERATED=0`` turns it off; ``stats()`` counts the calls
-per path and the reasons for declining. The Slang source: ``generated_source``.
+What it does not cover it declines (``None`` / ``False``, nothing done): the caller takes
+SlangPy's path unchanged. ``PYDIFF_GENERATED=0`` turns it off; ``stats()`` counts the calls per
+path and the reasons for declining. The Slang source: ``generated_source``.
 
     y = generated.forward(m.polynomial, [2.0, 8.0, -1.0, x], x.shape)     # None: declined
     done = generated.backward(m.polynomial, [2.0, 8.0, -1.0, x], dy, {3: x.grad_out})
@@ -51,8 +51,7 @@ from .tensor import Tensor, float4_ready
 MAX_GROUPS = 65535
 #: Calls of at most this many float4s run in 32-thread groups: lavapipe runs a whole group
 #: however few threads have work (16 elements: about 15 us less per fwd + bwd).
-SMALL_COUNT = 64
-SMALL_GROUP = 32
+SMALL_COUNT, SMALL_GROUP = 64, 32
 
 #: Calls the full path runs take this path from this many elements up: below it the full
 #: path's checks cost more than the dispatch saves (16 elements: ~105 against ~90 us).
@@ -98,8 +97,9 @@ def reset_stats() -> None:
 
 def decline(kind: str, reason: str) -> None:
     """Count a call of ``kind`` (forward, backward, fwds) declined for ``reason``."""
-    STATS[f"{kind}_fallback"] += 1
-    STATS[f"declined: {reason}"] += 1
+    if generated_switch.counted():
+        STATS[f"{kind}_fallback"] += 1
+        STATS[f"declined: {reason}"] += 1
 
 
 def count(what: str) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import capturing, generated, generated_grid, generated_vector, written_mask
 from .arguments import MISSING
 from .grid_args import is_grid
@@ -34,6 +36,39 @@ def _large(values: list) -> bool:
     return generated.call_size(values) >= generated.MIN_ELEMENTS
 
 
+def _declined(kind: str, reason: str, values: list) -> None:
+    """Count, for ``stats()``, a call the generator never looks at (a NumPy array, a SlangPy
+    option, a number as the upstream) when it is large: its largest tensor or NumPy array
+    (smaller calls are not counted, as the generator's own declines)."""
+    arrays = [v.size for v in values if isinstance(v, np.ndarray)]
+    if max([generated.call_size(values), *arrays]) >= generated.MIN_ELEMENTS:
+        generated.decline(kind, reason)
+
+
+def _declined_bwds(bound: list, options: dict, result: Any) -> None:
+    """``_declined`` for a ``.bwds`` whose options or upstream the generator never takes
+    (counted once: in ``call_backward_in_scope``, which a ``.bwds`` reaches after
+    ``call_backward`` declined)."""
+    if (options or type(result) is not Tensor) and result is not MISSING:
+        what = "a number" if isinstance(result, (int, float, np.generic)) else "not a tensor"
+        reason = "SlangPy options" if options else f"the upstream gradient {what}"
+        _declined("backward", reason, [*(v for _, v in bound), result])
+
+
+def _host_reason(bound: list, options: dict, result: Any) -> str:
+    """Why a forward call is not the generator's before it looks (``_declined``'s reason)."""
+    if options.keys() > {"_result"}:
+        return "SlangPy options"
+    if isinstance(result, np.ndarray):
+        return "_result a NumPy array"
+    if type(result) is str and result != "tensor":
+        return f"_result={result!r}"
+    arrays = [p.name for p, v in bound if isinstance(v, np.ndarray)]
+    if arrays:
+        return f"parameter '{arrays[0]}': ndarray argument"
+    return "a call of numbers, 0-d tensors or whole vectors: SlangPy's result is one value"
+
+
 def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> Tensor | None:
     """A forward call (``(param, value)`` pairs) as a generated kernel when it is large and
     covered: a tensor result (given, ``_result="tensor"``, or none given where SlangPy's
@@ -48,9 +83,11 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
         or result is MISSING
         and _new_tensor_by_default(bound)
     ):
+        _declined("forward", _host_reason(bound, options, result), [*(v for _, v in bound), result])
         return None
     args = [v for _, v in bound]
     if not _large(args):
+        _declined("forward", _host_reason(bound, options, result), args)
         return None
     given = result if type(result) is Tensor else None
     if generated_vector.involves(fn):
@@ -123,6 +160,7 @@ def call_backward_in_scope(
     cleared after the call. False: SlangPy's path (which raises the errors)."""
     generated.check_switch()
     if options or type(result) is not Tensor or result.grad_in is None:
+        _declined_bwds(bound, options, result)
         return False
     if capturing.recording() is not None:
         return False  # a captured tape.backward: SlangPy's path refuses it, as before
@@ -180,6 +218,7 @@ def call_fwds(fn: FunctionTarget, bound: list, call_args: list, want: str) -> An
         tangent = next(it, None) if p.differentiable and p.io == "in" else None
         tangent = None if tangent is NO_TANGENT else tangent  # a literal zero: no 0 * inf
         if tangent is not None and not (type(tangent) is Tensor or type(tangent) is float):
+            _declined("fwds", f"parameter '{p.name}': a NumPy tangent", [*call_args, tangent])
             return None  # NumPy tangents and the like: SlangPy's path converts them
         tangents.append(tangent)
     if not _large(args):

@@ -9,7 +9,9 @@ mistyped whatever the call's size.
 from __future__ import annotations
 
 import os
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from .errors import env_flag, env_int
 
@@ -17,6 +19,7 @@ SWITCH = "PYDIFF_GENERATED"
 _switch_read = ("", True)  # the switch's last raw value and what it means (unset: on)
 _environ_size = -1  # os.environ's size when a call plan last read the switch
 _unset_size = -1  # os.environ's size when enabled_planned last found the switch unset
+_quiet = threading.local()  # .on: this thread runs calls for one already counted (uncounted)
 
 
 def enabled() -> bool:
@@ -97,3 +100,26 @@ def planned_after(device: Any) -> int:
         generated_switch.planned_after(dev)   # 1000 on lavapipe, NEVER on a GPU
     """
     return PLANNED_AFTER if "llvmpipe" in device.adapter_name else PLANNED_AFTER_ON_GPU
+
+
+def counted() -> bool:
+    """Whether this thread's declined calls count in ``generated.stats()`` (not inside
+    ``uncounted``)."""
+    return not getattr(_quiet, "on", False)
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """The calls pydiff makes to run one call already counted (``.fwds``' wrapper, called on
+    SlangPy's path) are not counted again in ``generated.stats()``: before, one ``.fwds`` gave
+    ``fwds_fallback`` and ``forward_fallback`` (``declined: returns void``) both.
+
+        with generated_switch.uncounted():
+            forward_call(wrapper, args, {})
+    """
+    was = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = was
