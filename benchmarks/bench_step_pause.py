@@ -1,6 +1,6 @@
 """The eager MLP step waited on after each step (``step(); wait``), against PyTorch-CPU eager
 (one thread) and the captured step, timed two ways in alternating rounds of 20 steps: back
-to back, and each round after an idle pause (as ``timing.interleaved`` and
+to back (a phase of its own), and each round after an idle pause (as ``timing.interleaved`` and
 ``bench_train.py``'s "each step waited on" lines do), to tell whether the pause decides
 the ratio (docs/benchmarks-history.md, twenty-fifth session: on the 2-vCPU VM it moved every
 contender, and the ratio stayed 1.5-1.75x either way).
@@ -80,12 +80,15 @@ def main() -> None:
             fn()
     times = {(name, p): [] for name in contenders for p in (0.0, args.pause)}
     names = list(contenders)
-    for r in range(args.rounds):
-        # The order rotates each round: the first pydiff contender after PyTorch's rounds ran
-        # ~12% slower than an identical one after it (2026-11-28), so each
-        # contender follows each other equally often.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            for pause in (0.0, args.pause):
+    # The back-to-back rounds run as a phase of their own, before any pause: interleaved with
+    # the paused rounds (as before 2026-11-29) they measured the pause's after-effect too
+    # (0.97-1.0 ms against 0.64 ms for the same eager step, PyTorch 0.5-0.6 ms either way).
+    for pause in (0.0, args.pause):
+        for r in range(args.rounds):
+            # The order rotates each round: the first pydiff contender after PyTorch's rounds
+            # ran ~12% slower than an identical one after it (2026-11-28), so each contender
+            # follows each other equally often.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name, pause].append(per_step_ms(contenders[name], pause=pause))
     print(f"device: {describe(dev)}")
     print(f"MLP step waited on each time, ms (median of {args.rounds} rounds of 20 steps):")
