@@ -227,7 +227,12 @@ def main() -> None:
         inner=50,
     )
     # Alternating rounds: this class of machine (a shared VM) drifts 2x in speed over
-    # seconds, which best-of timings of one contender after another turn into noise.
+    # seconds, which best-of timings of one contender after another turn into noise. Each step
+    # waited on, two regimes: back to back (a loop logging its loss each step), then each
+    # round after 0.25 s idle (on this VM pydiff's first ~20 steps after an idle spell run
+    # ~1.4x slower: lavapipe's queue thread shares the caller's vCPU until the scheduler
+    # moves it; 2026-11-29). Back to back first: a pause's after-effect would carry over.
+    steady = interleaved(contenders, rounds=args.rounds, inner=20, pause=0.0)
     steps = interleaved(contenders, rounds=args.rounds, inner=20)
     # Process CPU time per step as well: on a loaded machine it hardly moves, where wall time
     # does (it counts every thread: lavapipe's and PyTorch's pools, spinning included).
@@ -292,9 +297,22 @@ def main() -> None:
         f"threads: {threads_why}; PyTorch-CPU torch.get_num_threads() = {torch_threads}; "
         f"NumPy's OpenBLAS {os.environ.get('OPENBLAS_NUM_THREADS')}"
     )
+    print(
+        f"MLP step 256x64x64x10 waited on each time, back to back (median / best of "
+        f"{args.rounds} alternating rounds of 20 steps, no pause):"
+    )
+    theirs = {name: t for name, t in steady.items() if not name.startswith("pydiff")}
+    for name in ("pydiff", "pydiff captured"):
+        p_med, p_min = steady[name]
+        ratios = ", ".join(
+            f"{p_med / o_med:.2f}x {other} ({o_med * 1e3:.2f} ms)"
+            for other, (o_med, _) in theirs.items()
+        )
+        print(f"  {name}: {p_med * 1e3:.2f} / {p_min * 1e3:.2f} ms: {ratios}")
     ours = {name: steps.pop(name) for name in ("pydiff", "pydiff captured")}
     print(
-        f"MLP step 256x64x64x10 (median / best of {args.rounds} rounds of 20 steps, alternating):"
+        f"MLP step 256x64x64x10 waited on each time, each round after 0.25 s idle (median / "
+        f"best of {args.rounds} rounds of 20 steps, alternating):"
     )
     for name, (p_med, p_min) in ours.items():
         how = "pydiff.capture, replay()" if name.endswith("captured") else "eager: ops, Tape, AdamW"
