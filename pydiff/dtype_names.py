@@ -87,7 +87,16 @@ def dtype_name(dtype: Any) -> str:
             )
         return name
     if isinstance(dtype, str) and dtype.strip():
-        return _NUMPY_NAMES.get(dtype.strip(), dtype.strip())
+        name = dtype.strip()
+        if name[0] in "<>=|":  # NumPy's byte-order spellings ('<i8'): SlangPy crashed on them
+            try:
+                numpy_type = np.dtype(name)
+            except TypeError:
+                raise TypeError(f"dtype={dtype!r}: not a NumPy or Slang type name") from None
+            return dtype_name(numpy_type)
+        if not (name[0].isalpha() or name[0] == "_"):
+            raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float'")
+        return _NUMPY_NAMES.get(name, name)
     raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 
