@@ -55,3 +55,34 @@ def test_from_torch_same_width_still_refuses_a_gradient():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match="requires_grad"):
         pydiff.from_torch(torch.tensor([1, 2]), dtype=np.int64, requires_grad=True)
+
+
+class _PassMarked(pydiff.Function):
+    """Returns 2 x and its input x itself, marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_non_differentiable(x)
+        return x * 2.0, x
+
+
+def test_gradcheck_leaves_out_a_marked_input_returned_as_it_is():
+    # Before: a raw NumPy matmul ValueError (the finite differences counted the marked
+    # output, which off a tape is the input itself, not a marked copy).
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    assert pydiff.gradcheck(lambda a: _PassMarked.apply(a), (x,))
+
+
+def test_gradcheck_still_fails_a_wrong_gradient_beside_a_marked_input():
+    class Wrong(pydiff.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_non_differentiable(x)
+            return x * x, x
+
+        @staticmethod
+        def backward(ctx, g, g_marked):
+            return g * 3.0  # d(x^2)/dx is 2x, not 3
+
+    x = pydiff.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    assert not pydiff.gradcheck(lambda a: Wrong.apply(a), (x,), raise_exception=False)
