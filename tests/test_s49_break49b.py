@@ -23,7 +23,7 @@ def test_int64_byte_order_string_keeps_values_past_2_53():
     assert x.numpy().tolist() == [big, -big]
 
 
-@pytest.mark.parametrize("spelling", ["<x9", "(float", ")"])
+@pytest.mark.parametrize("spelling", ["<x9", "(float", ")", "int(", "float)", "float;", "float{"])
 def test_malformed_dtype_strings_are_refused_by_name(spelling):
     with pytest.raises(TypeError, match="dtype="):
         pydiff.tensor([1.0], dtype=spelling)
