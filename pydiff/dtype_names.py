@@ -9,9 +9,13 @@ uploaded and read as.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
+
+#: What a Slang type name is made of: 'float3', 'vector<int8_t, 3>', 'float[4]', 'M.Particle'.
+_TYPE_NAME = re.compile(r"[A-Za-z_][\w<>,\[\]\s.:]*")
 
 #: The Slang dtype of host data given without ``dtype=`` (by its NumPy dtype).
 NUMPY_TO_SLANG = {
@@ -87,7 +91,16 @@ def dtype_name(dtype: Any) -> str:
             )
         return name
     if isinstance(dtype, str) and dtype.strip():
-        return _NUMPY_NAMES.get(dtype.strip(), dtype.strip())
+        name = dtype.strip()
+        if name[0] in "<>=|":  # NumPy's byte-order spellings ('<i8'): SlangPy crashed on them
+            try:
+                numpy_type = np.dtype(name)
+            except TypeError:
+                raise TypeError(f"dtype={dtype!r}: not a NumPy or Slang type name") from None
+            return dtype_name(numpy_type)
+        if not _TYPE_NAME.fullmatch(name):  # ('int(' crashed SlangPy; 'float)' was float)
+            raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float'")
+        return _NUMPY_NAMES.get(name, name)
     raise TypeError(f"dtype={dtype!r}: expected a Slang type name such as 'float' or 'float3'")
 
 

@@ -68,25 +68,34 @@ def leaves(value: Any, label: str) -> list[tuple[str, Tensor]]:
     return found
 
 
-def _outputs(value: Any) -> list[Tensor]:
+def _outputs(value: Any, keep: list[int] | None = None) -> list[Tensor]:
     """The outputs checked: every floating-point tensor ``fn`` returned. Integer ones (an
-    index) have no derivative and are left out, as torch's gradcheck leaves them out."""
+    index) have no derivative and are left out, as torch's gradcheck leaves them out, and
+    so are marked ones. ``keep`` appends the positions chosen when empty, and chooses by
+    them when not: off a tape, ``apply`` returns a marked input as itself, not a marked
+    copy (its finite differences had the marked values too: a raw NumPy error)."""
     found = leaves(value, "output")
     if not found:
         raise TypeError("gradcheck: fn returned no pydiff.Tensor")
-    outs = [t for _, t in found if t.differentiable and not is_marked(t)]
+    if keep is None or not keep:
+        chosen = [i for i, (_, t) in enumerate(found) if t.differentiable and not is_marked(t)]
+        if keep is None:
+            keep = chosen
+        else:
+            keep += chosen  # (the caller's list: later evaluations choose the same)
+    outs = [found[i][1] for i in keep if i < len(found)]
     if not outs:
         kinds = ", ".join(f"{label} ({t.dtype})" for label, t in found)
         raise ValueError(
-            f"gradcheck: fn returned no floating-point tensor, only {kinds}: integer "
-            "outputs have no derivative, so there is nothing to check"
+            f"gradcheck: fn returned no floating-point tensor to check, only {kinds}: "
+            "integer outputs and marked ones have no derivative, so there is nothing to check"
         )
     return outs
 
 
-def _flat_outputs(f: Callable, inputs: Sequence[Any]) -> np.ndarray:
+def _flat_outputs(f: Callable, inputs: Sequence[Any], keep: list[int]) -> np.ndarray:
     with foreign.data_calls():  # off the tape too, torch data fn closes over gives pydiff
-        outs = _outputs(f(*inputs))
+        outs = _outputs(f(*inputs), keep)
     return np.concatenate([o.numpy().astype(np.float64).ravel() for o in outs])
 
 
@@ -98,6 +107,7 @@ class _Inputs:
     restored, so every evaluation starts from the same inputs."""
 
     def __init__(self, inputs: Sequence[Any]):
+        self.keep: list[int] = []  # the positions of the outputs checked (_outputs)
         self.tensors: dict[int, tuple[str, Tensor]] = {}
         for k, value in enumerate(inputs):
             for label, t in leaves(value, f"input {k}"):
@@ -223,7 +233,7 @@ def _analytic(f: Callable, inputs: Sequence[Any], checked: list, state: _Inputs,
             lent = [t.lend_grads() for _, t in checked]
             try:
                 with Tape(reads_other_tapes=True) as tape:
-                    outs = _outputs(f(*inputs))
+                    outs = _outputs(f(*inputs), state.keep)
                 if not vs:
                     vs = [rng.uniform(-1.0, 1.0, o.expected_numpy_shape()) for o in outs]
                 source = state.unchanged_input(outs[j], versions)
@@ -332,7 +342,7 @@ def gradcheck(
 
         def evaluate(values: dict[str, np.ndarray]) -> np.ndarray:  # f at values, flattened
             state.load(values)
-            return _flat_outputs(f, inputs)
+            return _flat_outputs(f, inputs, state.keep)
 
         # x +- eps as the inputs hold them: the quotients divide by the step really taken
         held = {k: _HOLDS[t.scalar_type] for k, t in checked if t.scalar_type in _HOLDS}

@@ -106,6 +106,8 @@ def from_torch(
     if name in FROM_TORCH and dtype in (None, FROM_TORCH[name]):
         target = FROM_TORCH[name]
         arr = None if t.is_cuda else t.detach().contiguous().numpy()
+    elif dtype is not None and dtype == _SAME_WIDTH.get(name):  # asked for: exact values
+        target, arr = dtype, t.detach().cpu().contiguous().numpy()
     elif name in _ON_REQUEST and dtype == _ON_REQUEST[name][0]:
         target, np_type = _ON_REQUEST[name]
         arr = t.detach().cpu().contiguous().numpy()
@@ -122,7 +124,7 @@ def from_torch(
             hint = f'; pass dtype="{_ON_REQUEST[name][0]}" for a narrowing copy'
         raise TypeError(
             f"from_torch: a tensor of dtype torch.{name} cannot be converted{asked} (accepted: "
-            f"{accepted}; torch.float64 and torch.int64 with dtype=){hint}"
+            f"{accepted}; others with the dtype= of their width){hint}"
         )
     wants_grad = given_grad if requires_grad is None else requires_grad
     if wants_grad and target not in ("float", "half"):
@@ -136,6 +138,11 @@ def from_torch(
     if arr is None:
         arr = t.detach().cpu().contiguous().numpy()
     return make_tensor(arr, dtype=target, device=dev, requires_grad=bool(wants_grad))
+
+
+#: torch dtypes taken as they are when ``dtype=`` asks for the Slang type of their width.
+_SAME_WIDTH = {"int64": "int64_t", "uint64": "uint64_t", "float64": "double"}
+_SAME_WIDTH |= {f"{u}int{b}": f"{u}int{b}_t" for u in ("", "u") for b in (8, 16)}
 
 
 def to_torch(x: Tensor) -> Any:
