@@ -27,22 +27,30 @@ def forward_backward(
     gradient of parameter ``i`` given ``upstream`` (as ``generated.backward``), in one
     dispatch (a broadcast parameter's deterministic sums after it); None, nothing done,
     where ``generated.backward`` would decline or the result's kernel is not covered."""
-    found = _fused_kernel(fn, args, upstream, grads)
+    found = fused_kernel(fn, args, upstream, grads)
     if found is None:
         return None
     kernel, sums, scalars = found
-    full = [
-        generated.partials_buffer(fn.module.device, upstream.shape, n) for n in range(len(scalars))
-    ]
-    if any(f is None for f in full):
-        generated.decline("backward", "scratch layout")
+    full = partials(fn, upstream, scalars)
+    if full is None:
         return None
     out = empty(upstream.shape, device=fn.module.device)
-    dispatch(fn, kernel, args, upstream, grads, sums, dict(zip(scalars, full)), out)
+    dispatch(fn, kernel, args, upstream, grads, sums, full, out)
     return out
 
 
-def _fused_kernel(fn: FunctionTarget, args: list, upstream: Tensor, grads: dict) -> Any:
+def partials(fn: FunctionTarget, upstream: Tensor, scalars: tuple) -> dict | None:
+    """Each broadcast parameter's full-shape scratch buffer (``generated.backward``'s), or
+    None (declined: not float4 storage)."""
+    dev = fn.module.device
+    full = [generated.partials_buffer(dev, upstream.shape, n) for n in range(len(scalars))]
+    if any(f is None for f in full):
+        generated.decline("backward", "scratch layout")
+        return None
+    return dict(zip(scalars, full))
+
+
+def fused_kernel(fn: FunctionTarget, args: list, upstream: Tensor, grads: dict) -> Any:
     """``(kernel, sums, scalars)`` as ``generated.backward_kernel`` (its checks and counts:
     it also builds the backward kernel, once), with the result stored; or None."""
     found = generated.backward_kernel(fn, args, upstream, grads)

@@ -110,3 +110,164 @@ def test_declined_case_does_nothing(device, m):
     # a gradient wanted for a number: generated.backward declines, so does the fused kernel
     assert generated_fused.forward_backward(m.fz_poly, [1.0, 1.0, xt], gt, {0: xt.grad_out}) is None
     np.testing.assert_array_equal(xt.grad.numpy(), np.zeros(100, np.float32))
+
+
+# ---- on a tape: y = m.f(...) then tape.backward(y) fuses the two kernels
+
+
+def _tape_run(device, fn, x, g, a=None, between=None, grad_kw=True, retain=False):
+    """y and the gradients of ``y = fn(a or 1.5, -0.5, x)`` on a tape then ``tape.backward``
+    (``between(y)`` after the call); and the kernels dispatched (names of the entry)."""
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    first = a if a is not None else 1.5
+    with pydiff.Tape() as tape:
+        y = fn(first, -0.5, xt)
+    if between is not None:
+        between(y)
+    tape.backward(y, grad=g if grad_kw else None)
+    if retain:
+        tape.backward(y, grad=g)
+    return y.numpy(), xt.grad.numpy()
+
+
+@pytest.fixture
+def fresh(device):
+    """A module of its own per test: no call plan made by an earlier test's calls."""
+    fresh.n = getattr(fresh, "n", 0) + 1
+    return pydiff.load_module_from_source(f"fuse49_tape{fresh.n}", SOURCE, device=device)
+
+
+def _closed(x, g, a=1.5):
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    return a * x64**2 - 0.5 * x64 + np.sin(x64), g64 * (2 * a * x64 - 0.5 + np.cos(x64))
+
+
+@pytest.mark.parametrize("n", [1000, 2**20 + 3])
+def test_tape_fused(device, fresh, monkeypatch, n):
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    x, g = _data(n, 4)
+    generated.reset_stats()
+    calls = _count_dispatches(device, monkeypatch)
+    y, gx = _tape_run(device, fresh.fz_poly, x, g)
+    stats = generated.stats()
+    assert stats.get("forward+backward fused") == 1, stats
+    assert "forward" not in stats and "backward" not in stats, stats
+    assert len(calls) == 1  # the fused kernel (zeroing and the seed: no kernels of theirs)
+    want_y, want_g = _closed(x, g)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, want_g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2**20 + 3])
+def test_tape_fused_seed_and_sizes(device, fresh, monkeypatch, n):
+    """Size 1 with the seed of ones (grad omitted); 2^20+3 with a given grad."""
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    x, g = _data(n, 5)
+    if n == 1:
+        g = np.ones(1, np.float32)
+    generated.reset_stats()
+    y, gx = _tape_run(device, fresh.fz_poly, x, g, grad_kw=n != 1)
+    assert generated.stats().get("forward+backward fused") == 1, generated.stats()
+    want_y, want_g = _closed(x, g)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, want_g, rtol=1e-5, atol=1e-5)
+
+
+def _both(device, monkeypatch, make_module, run):
+    """``run(module)`` fused-allowed and with HOLD_FORWARD off (each on a fresh module): its
+    outputs (arrays) bitwise equal; the stats of the first."""
+    from pydiff import generated_hold
+
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    outs, stats = [], []
+    for hold in (True, False):
+        monkeypatch.setattr(generated_hold, "HOLD_FORWARD", hold)
+        generated.reset_stats()
+        outs.append([np.asarray(o) for o in run(make_module())])
+        stats.append(generated.stats())
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert "forward+backward fused" not in stats[1]
+    return stats[0], outs[0]
+
+
+def _modules(device):
+    return lambda: pydiff.load_module_from_source(
+        f"fuse49_both{next(_modules.n)}", SOURCE, device=device
+    )
+
+
+_modules.n = iter(range(10**6))
+
+
+def test_tape_broadcast_parameter_same_bits(device, monkeypatch):
+    x, g = _data(2**20 + 3, 6)
+
+    def run(m):
+        a = pydiff.tensor(np.array([0.75], np.float32), device=device, requires_grad=True)
+        xt = pydiff.tensor(x, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            y = m.fz_poly(a, -0.5, xt)
+        tape.backward(y, grad=g)
+        return y.numpy(), xt.grad.numpy(), a.grad.numpy()
+
+    stats, (y, gx, ga) = _both(device, monkeypatch, _modules(device), run)
+    assert stats.get("forward+backward fused") == 1, stats
+    want_y, want_g = _closed(x, g, 0.75)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, want_g, rtol=1e-5, atol=1e-5)
+    want_a = np.sum(g.astype(np.float64) * x.astype(np.float64) ** 2)
+    np.testing.assert_allclose(ga.ravel(), [want_a], rtol=1e-4)
+
+
+def _between_case(device, x, g, between=None, retain=False, policy=None, det=False):
+    def run(m):
+        xt = pydiff.tensor(x, device=device, requires_grad=True)
+        with pydiff.Tape() as tape:
+            y = m.fz_poly(1.5, -0.5, xt)
+        seen = between(m, y) if between is not None else np.zeros(1, np.float32)
+        if policy is not None:
+            with pydiff.zero_policy(policy):
+                tape.backward(y, grad=g)
+        elif det:
+            with pydiff.deterministic():
+                tape.backward(y, grad=g)
+        else:
+            tape.backward(y, grad=g)
+        if retain:
+            tape.backward(y, grad=g)
+        return y.numpy(), xt.grad.numpy(), seen
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["read", "other_op", "retain", "reset", "strict", "deterministic", "plain"],
+)
+def test_tape_do_not_fuse_cases_same_results(device, monkeypatch, case):
+    x, g = _data(5000, 7)
+    between = None
+    if case == "read":
+        between = lambda m, y: y.numpy().copy()  # noqa: E731
+    elif case == "other_op":
+        between = lambda m, y: m.fz_poly(1.0, 0.0, y).numpy()  # noqa: E731
+    run = _between_case(
+        device,
+        x,
+        g,
+        between,
+        retain=case == "retain",
+        policy={"reset": "reset", "strict": "strict"}.get(case),
+        det=case == "deterministic",
+    )
+    stats, (y, gx, _) = _both(device, monkeypatch, _modules(device), run)
+    fused = stats.get("forward+backward fused", 0)
+    if case in ("read", "other_op", "deterministic"):
+        assert fused == 0, stats  # (deterministic: the forward was not on one, held anyway)
+    if case in ("plain", "retain", "reset", "strict"):
+        assert fused == 1, stats  # (retain: the first backward fused, the second not)
+    want_y, want_g = _closed(x, g)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    scale = 2 if case == "retain" else 1
+    np.testing.assert_allclose(gx, scale * want_g, rtol=1e-5, atol=1e-5)
