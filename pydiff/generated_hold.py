@@ -76,27 +76,35 @@ class HeldForward:
 def forward(fn: FunctionTarget, args: list) -> Tensor | None:
     """``generated.forward(fn, args, None)``, its dispatch held back where a tape's backward
     may fuse it (module docstring)."""
-    dev = fn.module.device
-    queue = dev.queue
-    hold = (
-        HOLD_FORWARD
-        and command_queue.DEFER
-        and not queue.batching
-        and active_tape() is not None
-        and capturing.recording() is None
-        and not is_deterministic()
-    )
-    if not hold:
+    if not holding(fn):
         return generated.forward(fn, args, None)
     shape = generated.call_shape(args)
     kernel = generated.forward_kernel(fn, args, shape)
     if kernel is None:
         return None
-    out = empty(shape, device=dev)
+    out = empty(shape, device=fn.module.device)
+    hold(fn, kernel, args, out)
+    return out
+
+
+def holding(fn: FunctionTarget) -> bool:
+    """Whether a forward call of ``fn`` into a new result may be held back now."""
+    return (
+        HOLD_FORWARD
+        and command_queue.DEFER
+        and not fn.module.device.queue.batching
+        and active_tape() is not None
+        and capturing.recording() is None
+        and not is_deterministic()
+    )
+
+
+def hold(fn: FunctionTarget, kernel: Any, args: Any, out: Tensor) -> None:
+    """Hold back the dispatch of ``kernel`` (``generated.forward_kernel``'s) writing ``out``
+    (new) from ``args``: after ``holding(fn)`` (a call plan's launch holds it too)."""
     held = HeldForward(fn, kernel, list(args), out)
     buffers = [v.buffer for v in args if type(v) is Tensor] + [out.buffer]
-    queue.hold(held, buffers, out.storage, held)
-    return out
+    fn.module.device.queue.hold(held, buffers, out.storage, held)
 
 
 def fused_backward(

@@ -271,3 +271,24 @@ def test_tape_do_not_fuse_cases_same_results(device, monkeypatch, case):
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
     scale = 2 if case == "retain" else 1
     np.testing.assert_allclose(gx, scale * want_g, rtol=1e-5, atol=1e-5)
+
+
+def test_tape_loop_planned_calls_fused_same_bits(device, monkeypatch):
+    """A loop's later steps take the call plan's launch: held and fused there too."""
+    x, g = _data(3000, 8)
+
+    def run(m):
+        xt = pydiff.tensor(x, device=device, requires_grad=True)
+        ys = []
+        for _ in range(4):
+            with pydiff.Tape() as tape:
+                y = m.fz_poly(1.5, -0.5, xt)
+            tape.backward(y, grad=g, retain_graph=False)
+            ys.append(y.numpy())
+        return [*ys, xt.grad.numpy()]
+
+    stats, outs = _both(device, monkeypatch, _modules(device), run)
+    assert stats.get("forward+backward fused") == 4, stats
+    want_y, want_g = _closed(x, g)
+    np.testing.assert_allclose(outs[-2], want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[-1], 4 * want_g, rtol=1e-5, atol=1e-4)
