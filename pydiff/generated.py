@@ -85,8 +85,8 @@ def settings() -> dict[str, Any]:
 
 
 def stats() -> dict[str, int]:
-    """Calls per path since ``reset_stats()``: ``forward``, ``backward``, ``fwds`` (generated;
-    ``backward: broadcast``, ``backward: in <outer backward>`` count some again), declined:
+    """Calls per path since ``reset_stats()``: ``forward``, ``backward``, ``fwds``, ``forward+
+    backward fused`` (generated_hold: one kernel for both; ``backward: ...`` count again), declined:
     ``forward_fallback``, ``backward_fallback``, ``fwds_fallback``, ``declined: <reason>``."""
     return dict(STATS)
 

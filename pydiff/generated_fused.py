@@ -1,9 +1,8 @@
 """One generated kernel that writes a float function's result and adds its inputs'
 gradients (pydiff.generated's forward and backward kernels in one dispatch): the backward
 kernel (``generated_source.backward_source``) with ``result``, which also stores ``f`` per
-element as the forward kernel does. The building block of issue 16's fused forward +
-backward on a tape; not yet reached from the call layer (the hold/claim design:
-docs/generated-kernels.md, "Fused forward and backward").
+element as the forward kernel does. ``generated_hold`` fuses a tape's forward call with
+its backward through it; ``forward_backward`` calls it directly (tests, measurements).
 
     y = generated_fused.forward_backward(m.polynomial, [2.0, 8.0, -1.0, x], g, {3: x.grad_out})
 """

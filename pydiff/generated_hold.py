@@ -3,7 +3,8 @@ fuses it with the backward (generated_fused: one kernel writes the result and ad
 gradients), or anything else uses the queue and it is recorded as issued (command_queue's
 ``hold``, as head_fusion holds a classifier head's product).
 
-Held only where nothing else could tell: a new result (no ``_result``) of a float function
+Held (here and by a call plan's launch, planned_kernels) only where nothing else could
+tell: a new result (no ``_result``) of a float function
 (not generated_vector's), on an active tape, outside a capture, a batch and deterministic
 mode, with the deferred queue on (``PYDIFF_DEFER``), ``HOLD_FORWARD`` True. ``tape.backward``
 seeds a one-call backward from that result with the command left held
