@@ -221,7 +221,10 @@ def _in_scope(
 
     args = [v for _, v in bound]
     backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward
-    fused = generated_hold.fused_backward(fn, args, result, grads, before)
+    # Not fused where before() warns: a warning reaches user code (showwarning) that may
+    # read the result, and a claimed forward is neither held nor recorded until dispatched.
+    warns = any(grad is None for _, _, grad in owners)
+    fused = not warns and generated_hold.fused_backward(fn, args, result, grads, before)
     if not fused and not backward(fn, args, result.grad_in, grads, before):
         return False
     if id(result.storage) in prior:  # overwritten: the value before gets no gradient
