@@ -20,6 +20,7 @@ order and bits of today. ``stats()`` counts ``forward+backward fused`` for a fus
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -126,6 +127,12 @@ def fused_backward(
     if not held[3].same_call(fn, args, result) or capturing.recording() is not None:
         return False
     if is_deterministic():  # (turned on after the forward: the two kernels, as today)
+        return False
+    # Between the claim and the dispatch below the forward is neither held nor recorded: a
+    # read of ``result`` from another thread then would see stale values. With another Python
+    # thread alive, the two kernels (a notebook's kernel threads included: a follow-up could
+    # claim and dispatch under the queue's lock).
+    if threading.active_count() > 1:
         return False
     upstream = result.grad_in
     # Built before the claim (a compile flushes the queue: the forward left held there).

@@ -446,3 +446,36 @@ def test_read_of_result_from_warning_hook_during_fused_backward(device, monkeypa
     np.testing.assert_allclose(outs[0], wy, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outs[1], wy, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outs[2], wg, rtol=1e-5, atol=1e-5)
+
+
+def test_no_fusion_while_another_python_thread_lives(device, monkeypatch):
+    """Between the held forward's claim and the fused dispatch another thread's read of y
+    would find nothing held or recorded (stale values): with another Python thread alive the
+    backward takes the two kernels, with the same values (float64 closed form)."""
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1)
+    m = pydiff.load_module_from_source(
+        "break49c_threads",
+        "[Differentiable] float tq(float a, float x) { return a * x * x + sin(x); }",
+        device=device,
+    )
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(3000).astype(np.float32)
+    g = rng.standard_normal(3000).astype(np.float32)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        xt = pydiff.tensor(x, device=device, requires_grad=True)
+        generated.reset_stats()
+        with pydiff.Tape() as tape:
+            y = m.tq(1.5, xt)
+        tape.backward(y, grad=g)
+        assert "forward+backward fused" not in generated.stats(), generated.stats()
+    finally:
+        stop.set()
+        other.join()
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), 1.5 * x64**2 + np.sin(x64), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        xt.grad.numpy(), g64 * (3.0 * x64 + np.cos(x64)), rtol=1e-5, atol=1e-5
+    )
