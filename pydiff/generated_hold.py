@@ -32,8 +32,10 @@ from .signature import FunctionTarget
 from .tape import active_tape
 from .tensor import Tensor
 
-#: False: never hold a forward back (the two kernels; measurements, A/B).
-HOLD_FORWARD = True
+#: True: hold a forward back for a fused backward. Off by default (2026-11-29): with it on, a
+#: tape step calling a generated function left ~1 collectable object a step (a reference
+#: cycle not yet found: tests/test_breaker_retain_graph's memory test); opt in meanwhile.
+HOLD_FORWARD = False
 
 
 class HeldForward:

@@ -21,6 +21,12 @@ import slangpy;
 _n = iter(range(10**6))
 
 
+@pytest.fixture(autouse=True)
+def _hold_forward_on(monkeypatch):
+    """The fused path is opt-in (generated_hold.HOLD_FORWARD): on for these tests."""
+    monkeypatch.setattr(generated_hold, "HOLD_FORWARD", True)
+
+
 def _module(device):
     return pydiff.load_module_from_source(f"break49c_{next(_n)}", SOURCE, device=device)
 

@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 
 import pydiff
+from pydiff import generated_hold
 from pydiff import generated, generated_fused
 
 SOURCE = """
 import slangpy;
 [Differentiable] float fz_poly(float a, float b, float x) { return a * x * x + b * x + sin(x); }
 """
+
+
+@pytest.fixture(autouse=True)
+def _hold_forward_on(monkeypatch):
+    """The fused path is opt-in (generated_hold.HOLD_FORWARD): on for these tests."""
+    monkeypatch.setattr(generated_hold, "HOLD_FORWARD", True)
 
 
 @pytest.fixture
