@@ -11,6 +11,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -32,6 +33,15 @@ VG = pydiff.value_and_grad(lambda s, x: (s * x).sum() ** 2)  # 36 s^2 and 72 s a
 def _close(got, want, what):
     np.testing.assert_allclose(
         np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4, err_msg=what
+    )
+
+
+def _stacks() -> str:
+    """Every live thread's stack, by name: where a hung test stuck."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
     )
 
 
@@ -225,8 +235,11 @@ def test_threads_at_once_over_every_kind_of_work(device, monkeypatch, sweep, slo
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(("reader", exc))
 
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(THREADS)]
-    looking = threading.Thread(target=reader, daemon=True)
+    threads = [
+        threading.Thread(target=worker, args=(k,), name=f"worker-{k}", daemon=True)
+        for k in range(THREADS)
+    ]
+    looking = threading.Thread(target=reader, name="reader", daemon=True)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: races show up in a few rounds
     try:
@@ -238,9 +251,11 @@ def test_threads_at_once_over_every_kind_of_work(device, monkeypatch, sweep, slo
             t.join(max(0.1, deadline - time.monotonic()))
         done.set()
         looking.join(30)
+        hung = [t.name for t in [*threads, looking] if t.is_alive()]
+        stacks = _stacks() if hung else ""  # taken while they are still stuck
     finally:
         sys.setswitchinterval(interval)
-    assert not any(t.is_alive() for t in [*threads, looking]), "a thread hung"
+    assert not hung, f"threads hung: {hung}\n{stacks}"
     assert not errors, errors[:3]
     assert len(reads) == THREADS * ROUNDS * (len(kinds) - 2)  # all but custom, value_and_grad
     assert not device.queue.open_batches
