@@ -1,0 +1,121 @@
+"""s50 fix50: defects earlier sessions noticed and left.
+
+1. ``torch.from_dlpack(row)`` / ``pydiff.to_torch(row)`` of a row iteration gave: on CUDA the
+   export is zero-copy, a view of the row's memory, itself a copy of the tensor's (pydiff's
+   iteration yields copies): torch's writes were silently lost. Now refused there, naming
+   ``torch.from_dlpack(x)[i]``, ``x[i] = ...`` and ``row.clone()``; on the host-copy devices
+   every export is a copy (documented), so a row reads as any tensor.
+5. ``to_torch`` of int64_t / uint64_t / 8- and 16-bit integer / double tensors was refused,
+   ``pydiff.from_dlpack`` of them too (with no ``dtype=`` to ask): now handed over exactly.
+
+References: NumPy's arrays and torch's own tensors (values, dtypes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import dlpack_interop, torch_interop
+
+torch = pytest.importorskip("torch")
+
+REF = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+
+
+# -- 1. rows through DLPack ---------------------------------------------------------------
+
+
+def _zero_copy(monkeypatch):
+    """The CUDA decision of the export taken, as on a CUDA device (none here)."""
+    monkeypatch.setattr(dlpack_interop, "_cuda_export", lambda x: True)
+
+
+def test_a_zero_copy_export_of_a_row_is_refused(device, monkeypatch):
+    # torch: torch.from_dlpack(a)[0] is a view; writes through it change a. A zero-copy
+    # export of pydiff's row would be a view of the row's copy: refused, before any CUDA call
+    x = pydiff.tensor(REF, device=device)
+    _zero_copy(monkeypatch)
+    # (torch.from_dlpack(row) calls row.__dlpack__(); a CPU torch stops first at CUDA here)
+    for export in (lambda r: r.__dlpack__(stream=None), torch_interop.shared_view):
+        with pytest.raises(TypeError, match="row that iterating a tensor gave") as info:
+            for row in x:
+                export(row)
+        text = str(info.value)
+        assert "row 0 of a tensor of shape (2, 3)" in text
+        assert "torch.from_dlpack(x)[0]" in text and "x[0] = " in text and "row.clone()" in text
+    with pytest.raises(TypeError, match=r"row 1 of a tensor of shape \(2, 3\)"):
+        _, second = x
+        torch_interop.shared_view(second.reshape(3))  # a view of the row: refused too
+    np.testing.assert_array_equal(x.numpy(), REF)
+
+
+def test_rows_export_as_copies_where_every_export_is_one(device):
+    if device.type == "cuda":
+        pytest.skip("the host-copy devices' export")
+    x = pydiff.tensor(REF, device=device)
+    for i, row in enumerate(x):  # reads keep working: NumPy's rows' values
+        np.testing.assert_array_equal(torch.from_dlpack(row).numpy(), REF[i])
+        np.testing.assert_array_equal(pydiff.to_torch(row).numpy(), REF[i])
+        np.testing.assert_array_equal(np.from_dlpack(row), REF[i])
+        np.testing.assert_array_equal(torch.from_dlpack(row.clone()).numpy(), REF[i])
+
+
+# -- 5. the newer integer dtypes and double through torch and DLPack -----------------------
+
+WIDE = {
+    "int64_t": np.array([2**40 + 3, -(2**35) - 1, 7], np.int64),
+    "uint64_t": np.array([2**63 + 5, 0, 9], np.uint64),
+    "int8_t": np.array([-128, 0, 127], np.int8),
+    "uint8_t": np.array([0, 7, 255], np.uint8),
+    "int16_t": np.array([-32768, 5, 32767], np.int16),
+    "uint16_t": np.array([0, 1, 65535], np.uint16),
+    "double": np.array([1 + 2.0**-40, -3.0, 1e300]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_to_torch_and_back_keep_the_dtype_and_values(device, name):
+    ref = WIDE[name]
+    x = pydiff.tensor(ref, dtype=name, device=device)
+    for t in (pydiff.to_torch(x), torch.from_dlpack(x)):
+        assert t.dtype == getattr(torch, ref.dtype.name)
+        np.testing.assert_array_equal(t.cpu().numpy(), ref)
+    np.testing.assert_array_equal(pydiff.to_torch(x.reshape(3, 1).T).numpy(), ref[None, :])
+    t = torch.from_numpy(ref)
+    for back in (
+        pydiff.from_dlpack(t, dtype=name, device=device),
+        pydiff.from_dlpack(ref, dtype=ref.dtype, device=device),  # a NumPy producer
+        pydiff.from_dlpack(pydiff.to_torch(x), dtype=ref.dtype.type, device=device),
+    ):
+        assert back.dtype == name
+        np.testing.assert_array_equal(back.numpy(), ref)
+
+
+@pytest.mark.parametrize("name", sorted(set(WIDE) - {"uint64_t"}))
+def test_from_dlpack_without_dtype_names_the_one_to_ask(device, name):
+    ref = WIDE[name]
+    with pytest.raises(TypeError, match=f"pass dtype='{name}' for the values as they are"):
+        pydiff.from_dlpack(torch.from_numpy(ref), device=device)
+    with pytest.raises(TypeError, match=f"dtype {ref.dtype.name} cannot be converted"):
+        pydiff.from_dlpack(ref, device=device)
+
+
+def test_from_dlpack_narrows_when_asked(device):
+    got = pydiff.from_dlpack(torch.tensor([3, -4]), dtype="int", device=device)
+    assert got.dtype == "int"
+    np.testing.assert_array_equal(got.numpy(), np.array([3, -4], np.int32))
+    with pytest.raises(ValueError, match="do not fit dtype 'int'"):
+        pydiff.from_dlpack(np.array([2**40]), dtype="int", device=device)
+    got = pydiff.from_dlpack(np.array([0.1, 2.5]), dtype="float", device=device)
+    np.testing.assert_array_equal(got.numpy(), np.array([0.1, 2.5]).astype(np.float32))
+    f = pydiff.from_dlpack(np.ones(2, np.float32), dtype="float", device=device)
+    assert f.dtype == "float"  # the exact dtypes, asked for by name: as before
+
+
+def test_to_torch_of_a_dtype_torch_lacks_is_refused(device, monkeypatch):
+    x = pydiff.tensor(WIDE["uint16_t"], dtype="uint16_t", device=device)
+    monkeypatch.delattr(torch, "uint16")  # (torch before 2.3 had no uint16)
+    with pytest.raises(TypeError, match=r"uint16_t.*has no torch.uint16.*x.astype"):
+        pydiff.to_torch(x)
