@@ -119,3 +119,94 @@ def test_to_torch_of_a_dtype_torch_lacks_is_refused(device, monkeypatch):
     monkeypatch.delattr(torch, "uint16")  # (torch before 2.3 had no uint16)
     with pytest.raises(TypeError, match=r"uint16_t.*has no torch.uint16.*x.astype"):
         pydiff.to_torch(x)
+
+
+# -- 2, 4. bool and 8/16-bit integer results into NumPy -----------------------------------
+
+RESULTS_SOURCE = """
+import slangpy;
+bool positive(float a) { return a > 0; }
+int8_t neg8(int8_t a) { return -a; }
+uint8_t inc8(uint8_t a) { return a + uint8_t(1); }
+int16_t twice16(int16_t a) { return a * int16_t(2); }
+uint16_t id16(uint16_t a) { return a; }
+vector<int8_t, 2> pair8(int8_t a) { return vector<int8_t, 2>(a, -a); }
+[Differentiable]
+void sq_at(int i, IRWDiffTensor<float, 1> d) { float v = d[i]; d[i] = v * v; }
+[Differentiable]
+float read_at(int i, IDiffTensor<float, 1> d) { return d[i] * d[i]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def results(device):
+    return pydiff.load_module_from_source("s50_fix50_results", RESULTS_SOURCE, device=device)
+
+
+A = np.array([1.5, -2.0, 0.0, 3.0], np.float32)
+
+
+def test_a_bool_result_into_a_numpy_bool_array(results):
+    # NumPy: out = np.zeros(n, bool); np.greater(a, 0, out=out) writes out and returns it
+    out = np.zeros(4, bool)
+    got = results.positive(A, _result=out)
+    assert got is out
+    np.testing.assert_array_equal(out, A > 0)  # (SlangPy: no marshall for dtype('bool'))
+    got = results.positive(A, _result="numpy")  # (SlangPy: "numpy array size does not match")
+    assert got.dtype == np.bool_
+    np.testing.assert_array_equal(got, A > 0)
+    assert results.positive(np.float32(-1.0), _result="numpy") == np.False_
+    with pytest.raises(ValueError, match=r"_result is a NumPy array of shape \(3,\).*\(4,\)"):
+        results.positive(A, _result=np.zeros(3, bool))
+
+
+CASES = {
+    "neg8": (np.array([-127, 0, 5, 127], np.int8), lambda a: -a),
+    "inc8": (np.array([0, 7, 254], np.uint8), lambda a: a + np.uint8(1)),
+    "twice16": (np.array([-300, 0, 12000], np.int16), lambda a: a * np.int16(2)),
+    "id16": (np.array([0, 1, 65535], np.uint16), lambda a: a),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(CASES))
+def test_small_integer_results_as_numpy(results, fn):
+    a, ref = CASES[fn]
+    want = ref(a)  # NumPy's values and dtype
+    got = getattr(results, fn)(a, _result="numpy")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    two_d = getattr(results, fn)(np.stack([a, a]), _result="numpy")
+    np.testing.assert_array_equal(two_d, np.stack([want, want]))
+    out = np.zeros(a.shape, a.dtype)
+    assert getattr(results, fn)(a, _result=out) is out
+    np.testing.assert_array_equal(out, want)
+    scalar = getattr(results, fn)(a[1].item(), _result="numpy")
+    assert scalar.shape == () and scalar == want[1]
+
+
+def test_a_small_integer_vector_result_as_numpy(results):
+    a = np.array([3, -4], np.int8)
+    got = results.pair8(a, _result="numpy")
+    np.testing.assert_array_equal(got, np.stack([a, -a], axis=-1))
+    assert got.dtype == np.int8
+
+
+# -- 3. a host array at a diff tensor parameter of .bwds ------------------------------------
+
+
+def test_a_numpy_array_at_a_diff_tensor_parameter_of_bwds(device, results):
+    values = np.array([3.0, -2.0], np.float32)
+    with pytest.raises(TypeError, match=r"sq_at.bwds: parameter 'd' \(IRWDiffTensor<float, 1>\)"):
+        results.sq_at.bwds(0, values)
+    with pytest.raises(TypeError, match="pydiff.tensor\\(values, requires_grad=True\\)"):
+        results.sq_at.bwds(0, values.tolist())
+    if device.type != "cuda":
+        with pytest.raises(TypeError, match=r"parameter 'd' \(IDiffTensor<float, 1>\)"):
+            results.read_at.bwds(0, values, _result=pydiff.tensor([1.0]).with_grads(ones=True))
+    # what the message says works: d(v^2)/dv = 2 v at element 0, 1 elsewhere (upstream g)
+    x = pydiff.tensor(values, requires_grad=True, device=device)
+    results.sq_at(0, x)
+    g = np.array([1.0, 2.0], np.float32)
+    x.grad.copy_from_numpy(g)
+    results.sq_at.bwds(0, x)
+    np.testing.assert_allclose(x.grad.numpy(), [2 * values[0] * g[0], g[1]], rtol=1e-6)
