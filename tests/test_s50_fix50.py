@@ -210,3 +210,42 @@ def test_a_numpy_array_at_a_diff_tensor_parameter_of_bwds(device, results):
     x.grad.copy_from_numpy(g)
     results.sq_at.bwds(0, x)
     np.testing.assert_allclose(x.grad.numpy(), [2 * values[0] * g[0], g[1]], rtol=1e-6)
+
+
+# -- 6. the messages' suggestions work -------------------------------------------------------
+
+
+def test_int64_data_past_int32_suggests_dtype_int64(device):
+    data = np.array([2**40 + 1, -3], np.int64)
+    with pytest.raises(ValueError, match=r"do not fit int32.*pass dtype=np.int64") as info:
+        pydiff.tensor(data, device=device)
+    hint = str(info.value).rpartition("pass ")[2]  # what it says to pass, taken as it is
+    x = pydiff.tensor(data, dtype=eval(hint.removeprefix("dtype="), {"np": np}), device=device)
+    np.testing.assert_array_equal(x.numpy(), data)  # NumPy's values, exactly
+    with pytest.raises(ValueError, match=r"do not fit uint32.*pass dtype=np.uint64"):
+        pydiff.tensor(np.array([2**33]), dtype="uint", device=device)
+
+
+def test_an_integer_operator_past_float32_suggests_what_works(device):
+    ref = np.array([2**25 + 1, -7, 2**40 + 3], np.int64)
+    x = pydiff.tensor(ref, dtype=np.int64, device=device)
+    with pytest.raises(ValueError, match="no exact float value") as info:
+        _ = x + 1  # (it suggested dtype='int' and dtype='double': neither works for x + 1)
+    text = str(info.value)
+    assert text.startswith("add: the int64_t tensor's integer") and "dtype='int'" not in text
+    assert "pydiff.tensor(x.numpy() + 1, dtype=x.numpy().dtype)" in text
+    y = pydiff.tensor(x.numpy() + 1, dtype=x.numpy().dtype, device=device)  # as it says
+    assert y.dtype == "int64_t"
+    np.testing.assert_array_equal(y.numpy(), ref + 1)  # NumPy's exact sum
+    m = pydiff.load_module_from_source(
+        "s50_fix50_add64", "int64_t inc(int64_t a) { return a + 1; }\n", device=device
+    )
+    np.testing.assert_array_equal(m.inc(x, _result="tensor").numpy(), ref + 1)
+
+
+def test_data_past_float32_suggests_an_integer_dtype_that_holds_it(device):
+    for value, kept in ((2**25 + 1, "int"), (2**40 + 1, "int64_t")):
+        with pytest.raises(ValueError, match=f"keep it an integer \\(dtype='{kept}'\\)"):
+            pydiff.tensor(np.array([value]), dtype="float", device=device)
+        got = pydiff.tensor(np.array([value]), dtype=kept, device=device).numpy()
+        assert got.tolist() == [value]  # exact, as the message promises
