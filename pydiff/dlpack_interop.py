@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from . import tensor_methods
+from . import temporary_copies, tensor_methods
 from .creation import tensor as make_tensor
 from .device import Device
 from .lost_derivative import losing_derivative, refuse_lost_copy
 from .tensor import Tensor
 from .dtype_names import dtype_name
 from .torch_dtypes import FROM_TORCH, converted
-from .torch_interop import TO_TORCH, from_torch, shared_view, to_torch, torch_module
+from .torch_interop import TO_TORCH, from_torch, shared_view, torch_module
 
 #: DLPack's device types (dlpack.h's DLDeviceType).
 _DL_CPU, _DL_CUDA = 1, 2
@@ -48,7 +48,8 @@ def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
             "code inside torch autograd (pydiff.torch_function); to hand over the values on "
             "purpose, export x.detach() (or pydiff.to_torch(x.detach()))"
         )
-    if _cuda_export(x):
+    if _cuda_export(x):  # (a view of its memory: of the row's copy, for a row)
+        temporary_copies.refuse_row_export(x, "torch.from_dlpack(row), a zero-copy export on CUDA,")
         return shared_view(x).__dlpack__(stream=stream, **kwargs)
     return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d
 
@@ -83,7 +84,7 @@ def from_dlpack(
         )
     if isinstance(obj, Tensor):
         refuse_lost_copy(obj, "pydiff.from_dlpack")
-        obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
+        obj = shared_view(obj) if _cuda_export(obj) else obj.numpy()  # (copied below)
     if obj.__dlpack_device__()[0] != _DL_CPU:
         t = torch_module().from_dlpack(obj)
         return from_torch(t, device=device, requires_grad=requires_grad, dtype=dtype)

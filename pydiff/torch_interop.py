@@ -134,6 +134,8 @@ def to_torch(x: Tensor) -> Any:
     if not isinstance(x, Tensor):
         raise TypeError(f"to_torch: x must be a pydiff.Tensor, not {type(x).__name__}")
     refuse_lost_copy(x, "pydiff.to_torch")
+    if x.device.type == "cuda":  # (a view of its memory: of the row's copy, for a row)
+        temporary_copies.refuse_row_export(x, "pydiff.to_torch(row), a zero-copy export on CUDA,")
     return _torch_of(x)
 
 
@@ -155,7 +157,6 @@ def shared_view(x: Tensor) -> Any:
 
     >>> shared_view(x).add_(1.0)         # x's values, changed in place by torch
     """
-    temporary_copies.refuse_row_export(x, "a zero-copy export (torch.from_dlpack, to_torch)")
     torch = torch_module()
     native = x.native  # submits pydiff's deferred kernels
     x.device.native.wait_for_idle()

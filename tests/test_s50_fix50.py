@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import dlpack_interop, torch_interop
+from pydiff import dlpack_interop
 
 torch = pytest.importorskip("torch")
 
@@ -27,28 +27,31 @@ REF = np.arange(6.0, dtype=np.float32).reshape(2, 3)
 # -- 1. rows through DLPack ---------------------------------------------------------------
 
 
-def _zero_copy(monkeypatch):
-    """The CUDA decision of the export taken, as on a CUDA device (none here)."""
+def _zero_copy(monkeypatch, device):
+    """The exports' CUDA decisions taken, as on a CUDA device (none here)."""
     monkeypatch.setattr(dlpack_interop, "_cuda_export", lambda x: True)
+    monkeypatch.setattr(device, "type", "cuda")
 
 
 def test_a_zero_copy_export_of_a_row_is_refused(device, monkeypatch):
     # torch: torch.from_dlpack(a)[0] is a view; writes through it change a. A zero-copy
     # export of pydiff's row would be a view of the row's copy: refused, before any CUDA call
     x = pydiff.tensor(REF, device=device)
-    _zero_copy(monkeypatch)
+    rows = list(x)
+    _zero_copy(monkeypatch, device)
     # (torch.from_dlpack(row) calls row.__dlpack__(); a CPU torch stops first at CUDA here)
-    for export in (lambda r: r.__dlpack__(stream=None), torch_interop.shared_view):
+    for export in (lambda r: r.__dlpack__(stream=None), pydiff.to_torch):
         with pytest.raises(TypeError, match="row that iterating a tensor gave") as info:
-            for row in x:
-                export(row)
+            export(rows[0])
         text = str(info.value)
-        assert "row 0 of a tensor of shape (2, 3)" in text
+        assert "zero-copy export on CUDA" in text and "row 0 of a tensor of shape (2, 3)" in text
         assert "torch.from_dlpack(x)[0]" in text and "x[0] = " in text and "row.clone()" in text
-    with pytest.raises(TypeError, match=r"row 1 of a tensor of shape \(2, 3\)"):
-        _, second = x
-        torch_interop.shared_view(second.reshape(3))  # a view of the row: refused too
+        with pytest.raises(TypeError, match=r"row 1 of a tensor of shape \(2, 3\)"):
+            export(rows[1].reshape(3))  # a view of the row: refused too
+    monkeypatch.undo()
     np.testing.assert_array_equal(x.numpy(), REF)
+    for i, row in enumerate(x):  # pydiff.from_dlpack(row) copies: not refused
+        np.testing.assert_array_equal(pydiff.from_dlpack(row, device=device).numpy(), REF[i])
 
 
 def test_rows_export_as_copies_where_every_export_is_one(device):
