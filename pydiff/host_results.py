@@ -34,6 +34,8 @@ def through_tensor(fn: Any, kwargs: dict) -> Callable[[Callable, tuple], Any] | 
         return None
 
     def run(call: Callable, args: tuple) -> Any:
+        if any(type(v).__module__.startswith("torch") for v in (*args, *kwargs.values())):
+            return call(fn, args, kwargs)  # (torch tensors in: the torch path says what it takes)
         out = call(fn, args, {**kwargs, "_result": "tensor"})
         values = out.numpy()
         if numpy:

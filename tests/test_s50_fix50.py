@@ -161,6 +161,8 @@ def test_a_bool_result_into_a_numpy_bool_array(results):
     assert results.positive(np.float32(-1.0), _result="numpy") == np.False_
     with pytest.raises(ValueError, match=r"_result is a NumPy array of shape \(3,\).*\(4,\)"):
         results.positive(A, _result=np.zeros(3, bool))
+    with pytest.raises(TypeError, match="_result='numpy' in a call with torch tensors"):
+        results.positive(torch.from_numpy(A), _result="numpy")  # (as before: torch's path)
 
 
 CASES = {
