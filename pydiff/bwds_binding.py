@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import slangpy as spy
 
 from . import capturing
@@ -98,6 +99,8 @@ def _bind_each(b: Any, bound: list, native_kwargs: dict, use_wrapper: bool) -> N
             native_kwargs[p.name] = b.fwd_arg(p, value)
         elif isinstance(value, Tensor):
             native_kwargs[p.name] = b.tensor_arg(p, value)
+        elif type(value) in (np.ndarray, list) and p.is_diff_tensor and _refused(b, p):
+            raise TypeError(_host_at_diff_tensor(b.label, p, value))
         elif type(value) in PLAIN:
             native_kwargs[p.name] = value
         elif isinstance(value, spy.Tensor):
@@ -107,3 +110,26 @@ def _bind_each(b: Any, bound: list, native_kwargs: dict, use_wrapper: bool) -> N
             )
         else:
             native_kwargs[p.name] = bind_struct(b, p, value)
+
+
+def _refused(b: Any, p: Any) -> bool:
+    """Whether a host value at diff tensor parameter ``p`` is refused: always where its
+    gradient is written or the device is not CUDA (SlangPy: "requires a tensor with an
+    associated input gradient"); a read-only one on CUDA is SlangPy's to bind."""
+    return p.access != "read" or b.device.type != "cuda"
+
+
+def _host_at_diff_tensor(label: str, p: Any, value: Any) -> str:
+    what = f"a NumPy array of dtype {value.dtype}" if type(value) is np.ndarray else "a list"
+    if p.no_diff_tensor:  # (no_diff: no gradient of its own, but bound as a tensor)
+        want = "a pydiff tensor: pydiff.tensor(values)"
+    else:
+        want = (
+            "a pydiff tensor with gradients, whose .grad receives the parameter's gradient: "
+            "x = pydiff.tensor(values, requires_grad=True), then m.f.bwds(..., x, ...) and x.grad"
+        )
+    return (
+        f"{label}.bwds: parameter '{p.name}' ({p.type_name}) is given {what}, but a "
+        f"differentiable tensor parameter's backward reads and writes gradient buffers a host "
+        f"value has none of; pass {want}"
+    )

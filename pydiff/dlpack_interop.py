@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from . import tensor_methods
+from . import temporary_copies, tensor_methods
 from .creation import tensor as make_tensor
 from .device import Device
 from .lost_derivative import losing_derivative, refuse_lost_copy
 from .tensor import Tensor
-from .torch_interop import FROM_TORCH, TO_TORCH, from_torch, shared_view, to_torch, torch_module
+from .dtype_names import dtype_name
+from .torch_dtypes import FROM_TORCH, converted
+from .torch_interop import TO_TORCH, from_torch, shared_view, torch_module
 
 #: DLPack's device types (dlpack.h's DLDeviceType).
 _DL_CPU, _DL_CUDA = 1, 2
@@ -46,7 +48,8 @@ def _dlpack(x: Tensor, stream: Any = None, **kwargs: Any) -> Any:
             "code inside torch autograd (pydiff.torch_function); to hand over the values on "
             "purpose, export x.detach() (or pydiff.to_torch(x.detach()))"
         )
-    if _cuda_export(x):
+    if _cuda_export(x):  # (a view of its memory: of the row's copy, for a row)
+        temporary_copies.refuse_row_export(x, "torch.from_dlpack(row), a zero-copy export on CUDA,")
         return shared_view(x).__dlpack__(stream=stream, **kwargs)
     return np.require(x.numpy(), requirements="C").__dlpack__(**kwargs)  # 0-d stays 0-d
 
@@ -56,14 +59,23 @@ def _dlpack_device(x: Tensor) -> tuple[int, int]:
 
 
 def from_dlpack(
-    obj: Any, *, device: Device | str | None = None, requires_grad: bool = False
+    obj: Any,
+    *,
+    device: Device | str | None = None,
+    requires_grad: bool = False,
+    dtype: Any = None,
 ) -> Tensor:
     """A pydiff tensor with the values of any DLPack producer (a torch or CuPy tensor, a NumPy
     array, a JAX array). A CUDA producer's values are copied on the device when pydiff's
     device is CUDA (SlangPy cannot wrap memory it did not allocate), else through the host.
+    ``dtype=`` as ``from_torch``'s: float32, float16, int32 and uint32 are taken as they are;
+    int64, uint64, float64 and the 8/16-bit integers when it asks for the type of their width
+    (``dtype=np.int8`` / ``"int8_t"``), int64 and float64 narrowed when it asks ``"int"`` /
+    ``"float"``.
 
     >>> x = pydiff.from_dlpack(torch.arange(4.0, device="cuda"))
     >>> y = pydiff.from_dlpack(np.ones(3, np.float32), requires_grad=True)
+    >>> k = pydiff.from_dlpack(torch.tensor([-3, 7], dtype=torch.int8), dtype=np.int8)
     """
     if not hasattr(obj, "__dlpack_device__"):
         raise TypeError(
@@ -72,20 +84,17 @@ def from_dlpack(
         )
     if isinstance(obj, Tensor):
         refuse_lost_copy(obj, "pydiff.from_dlpack")
-        obj = to_torch(obj) if _cuda_export(obj) else obj.numpy()
+        obj = shared_view(obj) if _cuda_export(obj) else obj.numpy()  # (copied below)
     if obj.__dlpack_device__()[0] != _DL_CPU:
-        return from_torch(
-            torch_module().from_dlpack(obj), device=device, requires_grad=requires_grad
-        )
+        t = torch_module().from_dlpack(obj)
+        return from_torch(t, device=device, requires_grad=requires_grad, dtype=dtype)
     arr = np.from_dlpack(obj)
-    if arr.dtype.name not in FROM_TORCH:
-        raise TypeError(
-            f"from_dlpack: values of dtype {arr.dtype.name} cannot be converted (accepted: "
-            f"{', '.join(FROM_TORCH)})"
-        )
-    return make_tensor(
-        arr, dtype=FROM_TORCH[arr.dtype.name], device=device, requires_grad=requires_grad
-    )
+    name, asked = arr.dtype.name, None if dtype is None else dtype_name(dtype)
+    if name in FROM_TORCH and asked in (None, FROM_TORCH[name]):
+        target = FROM_TORCH[name]
+    else:  # (same width asked for, a narrowing asked for, or TypeError naming dtype=)
+        target, arr = converted(name, asked, lambda: arr, "from_dlpack", "")
+    return make_tensor(arr, dtype=target, device=device, requires_grad=requires_grad)
 
 
 tensor_methods.provide("__dlpack__", _dlpack)

@@ -77,11 +77,12 @@ def _refuse_rounded_objects(values: np.ndarray, dtype: Any, where: str) -> None:
 def _refuse(v: int, f: float, dtype: Any, where: str, limit: int) -> None:
     name = {2: "half", 4: "float", 8: "double"}[np.dtype(dtype).itemsize]
     wider = ", or dtype='double' (exact up to 2**53)" if name != "double" else ""
+    kept = "'int'" if -(2**31) <= v < 2**31 else "'int64_t'" if -(2**63) <= v < 2**63 else ""
     raise ValueError(
         f"{where}: the integer {v} has no exact {name} value (it would become {f!r}; {name} "
-        f"holds every integer only up to {limit} in magnitude): keep it an integer (dtype="
-        f"'int'){wider}, or "
-        "convert the values to floats yourself (np.asarray(x, float)) to accept the rounding"
+        f"holds every integer only up to {limit} in magnitude): "
+        + (f"keep it an integer (dtype={kept}){wider}, or " if kept else "")
+        + "convert the values to floats yourself (np.asarray(x, float)) to accept the rounding"
     )
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
-from . import capture_calls, module_session, overload_select, slang_compile, temporary_copies
+from . import capture_calls, host_results, module_session, overload_select, slang_compile
+from . import temporary_copies
 from .builtin_names import definition_lines, overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -264,8 +265,7 @@ class ShaderFunction:
         self.module = module
         self.name = name
         self.native = native
-        # Reflection is read once here: these sit on every call's path.
-        self.signature = Signature.reflect(name, reflected)
+        self.signature = Signature.reflect(name, reflected)  # (read once: on every call's path)
         # (reflection cannot tell them; f<2> has f's; an overload its own: marked_params)
         params, base = [p.name for p in self.signature.params], generic_base(name)
         marked, unsure, line = marked_params(module.no_diff_tensors, base, params)
@@ -279,9 +279,7 @@ class ShaderFunction:
         self._inout_wrapper: Any = None
         self._layouts: dict[tuple[bool, tuple[str, ...]], Any] = {}
         self._generated: dict[tuple, ShaderFunction] = {}
-        #: The backward (reverse-mode) version of this function (an attribute: no property's
-        #: frame on every ``m.f.bwds(...)``).
-        self.bwds = BackwardFunction(self)
+        self.bwds = BackwardFunction(self)  # (an attribute: no property's frame per call)
         #: Call plans per argument layout (call_plan): forward calls and ``.bwds``.
         self.plans: dict = {}
         self.bwds_plans: dict = {}
@@ -305,6 +303,8 @@ class ShaderFunction:
             return capture_calls.forward(self, args, kwargs)
         if forward_trace.active() is not None:  # inside pydiff.jvp: the result's tangent too
             return forward_trace.shader_call(self, args, kwargs)
+        if "_result" in kwargs and (run := host_results.through_tensor(self, kwargs)):
+            return run(forward_call, args)  # a bool or int8_t result into NumPy
         return forward_call(self, args, kwargs)  # (flushes before SlangPy's call)
 
     @property

@@ -70,8 +70,12 @@ def host_cast(arr: np.ndarray, np_type: Any, where: str, truth: bool = False) ->
         info = np.iinfo(target)
         low, high = (arr.min(), arr.max()) if arr.dtype.kind != "b" else (0, 1)
         if float(low) < info.min or float(high) > info.max:  # (float: no float16 overflow)
+            wide = "int64" if target.kind == "i" and int(high) < 2**63 else "uint64"
+            fits = target.itemsize == 4 and (target.kind == "i" or int(low) >= 0)
+            hint = f"; for 64-bit integers pass dtype=np.{wide}" if fits else ""
             raise ValueError(
-                f"{where}: values from {low} to {high} do not fit {target} ({info.min}..{info.max})"
+                f"{where}: values from {low} to {high} do not fit {target} ({info.min}.."
+                f"{info.max}){hint}"
             )
     if arr.dtype.kind == "O":  # (Python ints past 64 bits, [2**64 + 1]: refuse_rounded_ints)
         refuse_rounded_ints(arr, target, where)

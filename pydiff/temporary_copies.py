@@ -108,6 +108,21 @@ def refuse_row(t: Any, call: str) -> None:
         )
 
 
+def refuse_row_export(t: Any, where: str) -> None:
+    """A ``TypeError`` if ``t`` (or a view of it) is a row iteration gave and ``where`` (the
+    zero-copy export: ``torch.from_dlpack(row)``, ``pydiff.to_torch(row)`` on CUDA) would
+    hand over its memory: the consumer's writes would reach the row's copy, never the tensor
+    (whose own export shares its memory)."""
+    if _ROWS and (held := _row_of(t)) is not None:
+        i = held[1]
+        raise TypeError(
+            f"{where} of {_row_text(held)}. The export shares the row's memory, a copy of the "
+            f"tensor's, so writes through it would be lost: export the tensor and index it "
+            f"there (t = torch.from_dlpack(x)[{i}], a view of x's row), write through x "
+            f"(x[{i}] = value), or export a copy on purpose: row.clone()"
+        )
+
+
 def refuse(t: Any, method: str) -> None:
     """A ``TypeError`` if ``t`` is a marked copy that nothing but this call of ``method`` holds
     (call it as ``refuse(self, "fill")`` first thing in the method), or a row iteration gave

@@ -237,17 +237,29 @@ def matmul(a: Any, b: Any) -> Tensor:
     return out
 
 
-def _as_float(v: Any) -> Any:
+def _as_float(v: Any, name: str = "") -> Any:
     """An int or half tensor operand as float (the ops compute in float32; NumPy would
-    promote an int too); other operands as they are."""
+    promote an int too); other operands as they are. An integer float32 has no exact value
+    for: ValueError naming the operator (``name``) and what keeps integers exact."""
     if isinstance(v, Tensor) and (v.dtype in _INTS or v.dtype == "half"):
-        return astype(v, "float")  # (an integer beyond float's exact range: ValueError)
+        try:
+            return astype(v, "float")
+        except ValueError as exc:  # (astype's advice, dtype='int', is no way out here)
+            why = str(exc).partition(": the integer ")[2].partition("): ")[0]
+            if v.dtype == "half" or not why:
+                raise
+            raise ValueError(
+                f"{name or 'an operator'}: the {v.dtype} tensor's integer {why}): pydiff's "
+                "operators and ops compute integer tensors in float32 (as NumPy promotes an "
+                "int with a float). Keep the integers exact on the host (pydiff.tensor("
+                f"x.numpy() + 1, dtype=x.numpy().dtype)) or in a Slang function of {v.dtype}"
+            ) from None
     return v
 
 
 def _promoting(op: Any) -> Any:
     def run(*operands: Any) -> Tensor:
-        return op(*[_as_float(v) for v in operands])
+        return op(*[_as_float(v, op.__name__) for v in operands])
 
     run.__name__ = op.__name__
     return run

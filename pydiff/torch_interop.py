@@ -19,21 +19,19 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import foreign, forward_trace, torch_args
+from . import foreign, forward_trace, temporary_copies, torch_args
 from .creation import empty as make_empty, tensor as make_tensor
 from .device import Device, resolve_device
 from .dtype_names import dtype_name
 from .errors import OpDtypeError
 from .grad_transforms import on_tape
-from .host_values import to_float32
 from .lost_derivative import refuse_lost_copy
 from .tape import Tape, active_tape
 from .tensor import Tensor
 from .torch_args import describe
+from .torch_dtypes import FROM_TORCH, converted, host_torch
 from .torch_passes import accumulates_leaves, pass_without_leaves, running_pass, torch_pass
 
-#: torch dtype name -> pydiff dtype, for the dtypes that convert exactly.
-FROM_TORCH = {"float32": "float", "float16": "half", "int32": "int", "uint32": "uint"}
 #: pydiff scalar type -> torch dtype name.
 TO_TORCH = {"float": "float32", "half": "float16", "int": "int32", "uint": "uint32"}
 #: pydiff scalar type -> SlangPy's DataType, for views of a CUDA buffer.
@@ -43,8 +41,6 @@ _SPY_TYPES = {
     "int": spy.DataType.int32,
     "uint": spy.DataType.uint32,
 }
-#: torch dtypes converted only when asked for by ``dtype=`` (a narrowing copy).
-_ON_REQUEST = {"float64": ("float", np.float32), "int64": ("int", np.int32)}
 
 
 def torch_module() -> Any:
@@ -106,26 +102,8 @@ def from_torch(
     if name in FROM_TORCH and dtype in (None, FROM_TORCH[name]):
         target = FROM_TORCH[name]
         arr = None if t.is_cuda else t.detach().contiguous().numpy()
-    elif dtype is not None and dtype == _SAME_WIDTH.get(name):  # asked for: exact values
-        target, arr = dtype, t.detach().cpu().contiguous().numpy()
-    elif name in _ON_REQUEST and dtype == _ON_REQUEST[name][0]:
-        target, np_type = _ON_REQUEST[name]
-        arr = t.detach().cpu().contiguous().numpy()
-        if np_type is np.int32 and arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-            raise ValueError(
-                f"from_torch: int64 values from {arr.min()} to {arr.max()} do not fit dtype 'int'"
-            )
-        arr = to_float32(arr, "from_torch") if np_type is np.float32 else arr.astype(np_type)
-    else:
-        accepted = ", ".join(f"torch.{n}" for n in FROM_TORCH)
-        asked = f" as dtype={dtype!r}" if dtype is not None else ""
-        hint = ""
-        if name in _ON_REQUEST and dtype is None:
-            hint = f'; pass dtype="{_ON_REQUEST[name][0]}" for a narrowing copy'
-        raise TypeError(
-            f"from_torch: a tensor of dtype torch.{name} cannot be converted{asked} (accepted: "
-            f"{accepted}; others with the dtype= of their width){hint}"
-        )
+    else:  # (same width asked for, a narrowing asked for, or TypeError naming dtype=)
+        target, arr = converted(name, dtype, t.detach().cpu().contiguous, "from_torch", "torch.")
     wants_grad = given_grad if requires_grad is None else requires_grad
     if wants_grad and target not in ("float", "half"):
         raise ValueError(f"from_torch: requires_grad=True needs a floating dtype, not {target!r}")
@@ -138,11 +116,6 @@ def from_torch(
     if arr is None:
         arr = t.detach().cpu().contiguous().numpy()
     return make_tensor(arr, dtype=target, device=dev, requires_grad=bool(wants_grad))
-
-
-#: torch dtypes taken as they are when ``dtype=`` asks for the Slang type of their width.
-_SAME_WIDTH = {"int64": "int64_t", "uint64": "uint64_t", "float64": "double"}
-_SAME_WIDTH |= {f"{u}int{b}": f"{u}int{b}_t" for u in ("", "u") for b in (8, 16)}
 
 
 def to_torch(x: Tensor) -> Any:
@@ -161,17 +134,16 @@ def to_torch(x: Tensor) -> Any:
     if not isinstance(x, Tensor):
         raise TypeError(f"to_torch: x must be a pydiff.Tensor, not {type(x).__name__}")
     refuse_lost_copy(x, "pydiff.to_torch")
+    if x.device.type == "cuda":  # (a view of its memory: of the row's copy, for a row)
+        temporary_copies.refuse_row_export(x, "pydiff.to_torch(row), a zero-copy export on CUDA,")
     return _torch_of(x)
 
 
 def _torch_of(x: Tensor) -> Any:
     """``to_torch`` without the refusal: pydiff's own hand-over of results and gradients."""
     torch = torch_module()
-    if x.scalar_type not in TO_TORCH:
-        raise TypeError(
-            f"to_torch: a tensor of dtype {x.dtype!r} has no torch dtype (accepted scalar types: "
-            f"{', '.join(TO_TORCH)})"
-        )
+    if x.scalar_type not in TO_TORCH:  # (int64_t, int8_t, double, ...: a host copy)
+        return host_torch(x, torch)
     if x.device.type == "cuda" and torch.cuda.is_available():
         return shared_view(x)
     values = x.numpy()  # (np.ascontiguousarray would make a 0-d array 1-D)
