@@ -32,9 +32,9 @@ from .signature import FunctionTarget
 from .tape import active_tape
 from .tensor import Tensor
 
-#: True: hold a forward back for a fused backward. Off by default (2026-11-29): with it on, a
-#: tape step calling a generated function left ~1 collectable object a step (a reference
-#: cycle not yet found: tests/test_breaker_retain_graph's memory test); opt in meanwhile.
+#: True (the default): hold a forward back for a fused backward; False: two kernels, as
+#: before (the same bits). (Parked 2026-11-29 for a memory test's collectable count: not a
+#: cycle per step but earlier tests' modules leaving the bounded generated-kernel memo.)
 HOLD_FORWARD = True
 
 

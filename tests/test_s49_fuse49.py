@@ -19,7 +19,7 @@ import slangpy;
 
 @pytest.fixture(autouse=True)
 def _hold_forward_on(monkeypatch):
-    """The fused path is opt-in (generated_hold.HOLD_FORWARD): on for these tests."""
+    """The fused path (generated_hold.HOLD_FORWARD, on by default): on for these tests."""
     monkeypatch.setattr(generated_hold, "HOLD_FORWARD", True)
 
 
