@@ -18,7 +18,7 @@ from typing import Any
 import slangpy as spy
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
-from . import capturing
+from . import capturing, generated_hold
 from .grad_restore import GradSnapshot, may_count, may_overflow, resets
 from .arguments import (
     MISSING,
@@ -372,7 +372,7 @@ def backward_call(
         return
     capturing.refuse_full_path(fn.bwds_label, plan is not None, capturing.FIRST_BWDS)
     # Deferred kernels go first (a batch this joins is ordered by its own scope).
-    fn.module.device.queue.flush_deferred()
+    generated_hold.flush_deferred(fn, kwargs.get("_result", MISSING))  # (a fusable one kept)
     label = fn.label
     if not fn.signature.differentiable:
         raise TypeError(

@@ -276,7 +276,7 @@ class CommandQueue:
         """The open batch's command encoder (created on first use), or None outside a batch:
         callers then defer their work (``defer``) or record and submit it themselves. Call it
         and record with the lock held (another thread's submission may take the encoder)."""
-        if self.held is not None:
+        if self.held is not None and self._keep_held != threading.get_ident():
             with self._lock:
                 self._record_held()
         batch = self._batch.get()

@@ -85,8 +85,8 @@ def settings() -> dict[str, Any]:
 
 
 def stats() -> dict[str, int]:
-    """Calls per path since ``reset_stats()``: ``forward``, ``backward``, ``fwds`` (generated;
-    ``backward: broadcast``, ``backward: in <outer backward>`` count some again), declined:
+    """Calls per path since ``reset_stats()``: ``forward``, ``backward``, ``fwds``, ``forward+
+    backward fused`` (generated_hold: one kernel for both; ``backward: ...`` count again), declined:
     ``forward_fallback``, ``backward_fallback``, ``fwds_fallback``, ``declined: <reason>``."""
     return dict(STATS)
 
@@ -295,7 +295,7 @@ def backward(
     if found is None:
         return False
     kernel, sums, scalars = found
-    full = [_partials(fn.module.device, upstream.shape, n) for n in range(len(scalars))]
+    full = [partials_buffer(fn.module.device, upstream.shape, n) for n in range(len(scalars))]
     if any(f is None for f in full):
         decline("backward", "scratch layout")
         return False
@@ -365,7 +365,7 @@ def dispatch_backward(
     STATS["backward"] += 1
 
 
-def _partials(dev: Any, shape: tuple, ordinal: int) -> Any:
+def partials_buffer(dev: Any, shape: tuple, ordinal: int) -> Any:
     """A full-shape float buffer (float4 storage) for a broadcast parameter's partials, kept
     per shape among the device's scratch buffers; None if not float4 storage."""
     key = ("pydiff.generated partials", shape, ordinal)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import capturing, generated, generated_grid, generated_vector, written_mask
+from . import capturing, generated, generated_grid, generated_hold, generated_vector, written_mask
 from .arguments import MISSING
 from .grid_args import is_grid
 from .bwds_checks import warn_no_gradient
@@ -92,7 +92,9 @@ def call_forward(fn: FunctionTarget, bound: list, options: dict, result: Any) ->
     given = result if type(result) is Tensor else None
     if generated_vector.involves(fn):
         return generated_vector.forward(fn, args, out=given)
-    return generated.forward(fn, args, None if given is None else given.shape, out=given)
+    if given is None:  # (on a tape: held back for a backward to fuse, generated_hold)
+        return generated_hold.forward(fn, args)
+    return generated.forward(fn, args, given.shape, out=given)
 
 
 def _grid_forward(fn: FunctionTarget, bound: list) -> Any:
@@ -137,7 +139,15 @@ def _new_tensor_by_default(bound: list) -> bool:
 
 def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
     """A ``.bwds`` adding gradients under ACCUMULATE as a generated kernel, when it is large
-    and covered; False: SlangPy's path."""
+    and covered (fused with its held-back forward, generated_hold); False: SlangPy's path
+    (that forward recorded and submitted first)."""
+    if _backward(fn, bound, options, result):
+        return True
+    generated_hold.release(fn, result)
+    return False
+
+
+def _backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -> bool:
     generated.check_switch()
     if options or type(result) is not Tensor or result.grad_in is None:
         return False
@@ -146,11 +156,25 @@ def call_backward(fn: FunctionTarget, bound: list, options: dict, result: Any) -
     grads = {
         i: v.grad_out for i, (p, v) in enumerate(bound) if type(v) is Tensor and p.differentiable
     }
+    args = [v for _, v in bound]
+    if generated_hold.fused_backward(fn, args, result, grads, None):
+        return True
     backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward
-    return backward(fn, [v for _, v in bound], result.grad_in, grads)
+    return backward(fn, args, result.grad_in, grads)
 
 
 def call_backward_in_scope(
+    fn: FunctionTarget, bound: list, options: dict, result: Any, scope: Any, prior: frozenset
+) -> bool:
+    """``_in_scope``; False: SlangPy's path, a held-back forward of ``result`` recorded and
+    submitted first (generated_hold)."""
+    if _in_scope(fn, bound, options, result, scope, prior):
+        return True
+    generated_hold.release(fn, result)
+    return False
+
+
+def _in_scope(
     fn: FunctionTarget, bound: list, options: dict, result: Any, scope: Any, prior: frozenset
 ) -> bool:
     """A ``.bwds`` inside ``scope`` (a tape's backward, a zeroing policy, a broadcast or
@@ -195,8 +219,13 @@ def call_backward_in_scope(
             if grad is not None:
                 scope.before_accumulate(v, grad, f"{fn.label}: parameter '{p.name}'")
 
+    args = [v for _, v in bound]
     backward = generated_vector.backward if generated_vector.involves(fn) else generated.backward
-    if not backward(fn, [v for _, v in bound], result.grad_in, grads, before):
+    # Not fused where before() warns: a warning reaches user code (showwarning) that may
+    # read the result, and a claimed forward is neither held nor recorded until dispatched.
+    warns = any(grad is None for _, _, grad in owners)
+    fused = not warns and generated_hold.fused_backward(fn, args, result, grads, before)
+    if not fused and not backward(fn, args, result.grad_in, grads, before):
         return False
     if id(result.storage) in prior:  # overwritten: the value before gets no gradient
         scope.clear(dev, result.grad_in.native)

@@ -135,12 +135,15 @@ def backward_source(
     typed: bool,
     group: int = GROUP,
     paired: bool = False,
+    result: bool = False,
 ) -> str:
     """The kernel ``pydiff_gen_bwd``: for each float4 q, ``bwd_diff(f)`` per element with the
     upstream gradient, then each gradient buffer j (adding the parameters in ``sums[j]``)
     ``g_j[q] = g_j_in[q] + d`` (in the last float4 only the call's elements), and for each
     broadcast parameter i in ``scalars`` its partials ``sg_i[q] = 0 + d_i`` into a full-shape
-    buffer the caller sums (``0 +``: the bits SlangPy's zeroed buffer gets, -0 included)."""
+    buffer the caller sums (``0 +``: the bits SlangPy's zeroed buffer gets, -0 included).
+    ``result``: the kernel ``pydiff_gen_fused`` also stores ``f`` per element into ``result``
+    as ``forward_source``'s kernel does (generated_fused)."""
     params = _params(kinds) + ["uniform Float4In pydiff_up"]
     for j in range(len(sums)):
         params += [
@@ -151,7 +154,13 @@ def backward_source(
     wanted = sorted({i for members in sums for i in members} | set(scalars))
     body = _loads(kinds) + "        float4 pydiff_u = pydiff_load4(pydiff_up, pydiff_q);\n"
     body += "".join(f"        float4 pydiff_d{i} = float4(0.0);\n" for i in wanted)
+    if result:
+        params.append("uniform Float4Out pydiff_result")
+        body += "        float4 pydiff_r;\n"
     body += "        [ForceUnroll] for (int pydiff_k = 0; pydiff_k < 4; pydiff_k++)\n        {\n"
+    if result:
+        call = ", ".join(_element(kinds, i) for i in range(len(kinds)))
+        body += f"            pydiff_r[pydiff_k] = {fn.name}({call});\n"
     args = []
     for i, p in enumerate(fn.signature.params):
         if p.no_diff:
@@ -161,7 +170,10 @@ def backward_source(
         args.append(f"pydiff_p{i}")
     body += f"            bwd_diff({fn.name})({', '.join(args)}, pydiff_u[pydiff_k]);\n"
     body += "".join(f"            pydiff_d{i}[pydiff_k] = pydiff_p{i}.d;\n" for i in wanted)
-    body += "        }\n        bool4 pydiff_in = pydiff_q + 1 < pydiff_count"
+    body += "        }\n"
+    if result:
+        body += "        pydiff_store4(pydiff_result, pydiff_q, pydiff_r);\n"
+    body += "        bool4 pydiff_in = pydiff_q + 1 < pydiff_count"
     body += " ? bool4(true) : uint4(0, 1, 2, 3) < pydiff_tail;\n"
     for j, members in enumerate(sums):
         # A tensor passed to several parameters: its partials are added into the value one
@@ -189,8 +201,9 @@ def backward_source(
     # Paired (lavapipe): the backward reads its float4s as two 64-bit words, as they are
     # stored: 25-40% less CPU than typed loads for the polynomial's backward (2^23, 10M), where
     # the forward (one input) was 5-10% slower that way and keeps its typed loads.
+    entry = "pydiff_gen_fused" if result else "pydiff_gen_bwd"
     return _header(fn, typed, paired, words=paired) + _kernel(
-        "pydiff_gen_bwd", params, _scalar_loads(kinds), body, group
+        entry, params, _scalar_loads(kinds), body, group
     )
 
 

@@ -17,7 +17,7 @@ import math
 import weakref
 from typing import Any
 
-from . import generated, generated_vector, planned_vector
+from . import generated, generated_hold, generated_vector, planned_vector
 from .creation import empty
 from .signature import FunctionTarget
 from .tensor import Tensor
@@ -109,6 +109,9 @@ class ForwardLaunch:
         dev = fn.module.device
         if type(result) is not Tensor:
             out = empty(self.shape, device=dev)
+            if generated_hold.holding(fn):  # (on a tape: for its backward to fuse)
+                generated_hold.hold(fn, self.kernel, args, out)
+                return out
             buffers = [(name, args[i].buffer) for name, i in self.buffer_names]
             buffers.append(("pydiff_result", out.buffer))
         elif ready is not True:

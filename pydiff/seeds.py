@@ -130,3 +130,52 @@ def copy_one(upstream: Any, encoder: Any) -> bool:
 def seed_or_ones(seed: np.ndarray | None, shape: tuple) -> np.ndarray:
     """``seed``, or ones of ``shape`` where it is None (``tape.backward``'s default)."""
     return np.ones(shape) if seed is None else seed
+
+
+def seed_upstream(queue: Any, entries: list, zeroed: Any, seed: Any, upstream: Any, want) -> None:
+    """``tape.backward``'s start: the gradients of what the walked calls wrote zeroed (but
+    ``zeroed``'s), then the seed (None: ones) into the output's ``upstream``, recorded into
+    the backward's own command list when it has one (one submission)."""
+    with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
+        encoder = queue.encoder()
+        for entry in entries:
+            for t in entry.writes:
+                if t is not zeroed:
+                    t.zero_grad(encoder)
+        if seed is None and encoder is not None and copy_one(upstream, encoder):
+            pass
+        elif encoder is None or not upstream.upload(seed_or_ones(seed, want), encoder):
+            upstream.copy_from_numpy(seed_or_ones(seed, want))
+
+
+def fusable_forward(output: Any, entries: list) -> Any:
+    """How ``tape.backward`` runs its start: the queue's ``keeping_held`` where the command
+    held back is the generated forward that made ``output`` (generated_hold), the only call
+    the backward walks, outside a capture (its start then neither reads nor writes what that
+    forward does: the backward may fuse it); else a plain call."""
+    queue = output.device.queue
+    held = queue.held
+    fits = len(entries) == 1 and held is not None and held[2] is output.storage
+    if fits and getattr(held[3], "fuses_backward", False) and capturing.recording() is None:
+        return queue.keeping_held
+    return _plain
+
+
+def _plain(read: Any, key: Any) -> Any:
+    return read()
+
+
+class KeptEnter:
+    """A context manager entered through ``keeping`` (``fusable_forward``'s answer):
+    ``tape.backward``'s snapshot of the gradients a refusal puts back (grad_restore)."""
+
+    __slots__ = ("keeping", "inner")
+
+    def __init__(self, keeping: Any, inner: Any) -> None:
+        self.keeping, self.inner = keeping, inner
+
+    def __enter__(self) -> Any:
+        return self.keeping(self.inner.__enter__, None)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.inner.__exit__(*exc)

@@ -22,7 +22,7 @@ from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
-from .seeds import copy_one, prepare_one, seed_or_ones, seed_values, tensor_seed
+from .seeds import KeptEnter, fusable_forward, prepare_one, seed_upstream, seed_values, tensor_seed
 from .tensor import Tensor
 from .unrecorded import check_versions, copied_from, marked_refusal, not_recorded
 from .unrecorded import overwritten_refusal
@@ -330,8 +330,11 @@ class Tape:
             )
         # Owed gradient buffers made here, outside the batch (the pool reuses buffers there),
         # zeroed below; the output's by the read of its upstream (not twice).
-        owed = [t for entry in entries for t in entry.writes if t.make_owed()]
-        upstream = output.grad_in
+        keeping = fusable_forward(output, entries)  # (a held generated forward of output: kept)
+        owed = keeping(
+            lambda: [t for entry in entries for t in entry.writes if t.make_owed()], None
+        )
+        upstream = keeping(lambda: output.grad_in, None)
         zeroed = output if any([t is output for t in owed]) else None
         want = output.expected_numpy_shape()
         if grad is None:
@@ -350,8 +353,7 @@ class Tape:
         # The forward pass's kernels start now, on lavapipe's queue thread, while the backward
         # is recorded here: on an idle second core the step's wall time drops 0.78 -> 0.68 ms
         # (MLP step; one more submission, ~35 us of CPU; benchmarks-history.md, Host cost per op).
-        output.device.flush()
-        prepare_one(output.device)
+        keeping(lambda: (output.device.flush(), prepare_one(output.device)), None)
         # A captured backward is batched whatever PYDIFF_TAPE_BATCH says: its seed is then a
         # recorded upload, where unbatched it is a host write a replay cannot repeat.
         batch = _BATCH or capturing.recording() is not None
@@ -360,22 +362,13 @@ class Tape:
         with (
             suspend_recording(),
             backward_scope("tape.backward", scope_device) as scope,
-            restoring(scope, entries, upstream),  # (a refused store count: no trace left)
+            KeptEnter(keeping, restoring(scope, entries, upstream)),  # (a refused store count)
         ):
             # Intermediates restart from zero, then the seed goes into the output's upstream:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)
             queue = output.device.queue
-            with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
-                encoder = queue.encoder()
-                for entry in entries:
-                    for t in entry.writes:
-                        if t is not zeroed:
-                            t.zero_grad(encoder)
-                if seed is None and encoder is not None and copy_one(upstream, encoder):
-                    pass
-                elif encoder is None or not upstream.upload(seed_or_ones(seed, want), encoder):
-                    upstream.copy_from_numpy(seed_or_ones(seed, want))
+            keeping(lambda: seed_upstream(queue, entries, zeroed, seed, upstream, want), None)
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             run = BackwardRun(self._entries, entries)
             token = running.set(run)

@@ -716,6 +716,9 @@ def test_two_thousand_released_steps_keep_memory_flat_without_the_collector(devi
         tape.backward(loss, retain_graph=False)
         opt.step()
 
+    # Bound shader objects other tests left (an LRU of 512) would be pushed out during the
+    # count, their modules then freed as cycles: released first.
+    pydiff.empty_cache(device)
     for _ in range(200):
         step()
     gc.collect()
@@ -723,15 +726,27 @@ def test_two_thousand_released_steps_keep_memory_flat_without_the_collector(devi
     try:
         for _ in range(300):  # caches bounded by count (bound objects: 512) settle first
             step()
-        n0, pool0, k0 = len(gc.get_objects()), device.pool.sizes(), device.kernels.sizes()
-        for _ in range(1700):
-            step()
-        n1, pool1, k1 = len(gc.get_objects()), device.pool.sizes(), device.kernels.sizes()
-        collectable = gc.collect()
+        # Garbage counted in two halves of 850 steps. Earlier tests' functions stay alive in
+        # per-device memos bounded by count (generated kernels, KERNELS_MAX = 128 entries
+        # keyed by function; 2-3 entries a function) until this test's entries push them
+        # out, their SlangPy modules then freed as cycles, once (session 50: after
+        # test_s49_break49c's ~90 modules, [285, 0]; the pool then gained 3 free buffers, as
+        # what they held came back). A cycle made per step leaves >= 850 objects in each half;
+        # a one-time release shows in one half only. Memory is measured over the second half.
+        collectable = []
+        for half in range(2):
+            if half:
+                n0, pool0, k0 = len(gc.get_objects()), device.pool.sizes(), device.kernels.sizes()
+            for _ in range(850):
+                step()
+            if half:
+                n1, pool1, k1 = len(gc.get_objects()), device.pool.sizes(), device.kernels.sizes()
+            collectable.append(gc.collect())
     finally:
         gc.enable()
         gc.collect()
     assert n1 - n0 < 200, (n0, n1)
     assert pool1 == pool0
     assert k1["kernels"] == k0["kernels"] and k1["object_bytes"] <= k0["object_bytes"] * 1.1
-    assert collectable < 100, collectable
+    print("collectable per half", collectable)
+    assert min(collectable) < 100, collectable

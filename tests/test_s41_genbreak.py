@@ -133,7 +133,9 @@ def test_shared_buffer_on_a_tape_and_accumulated(device, m, forced):
         return [y.numpy(), first, x.grad.numpy()]
 
     gen, ref, counts = run_both_paths(forced, run)
-    assert counts["backward"] == 2
+    # Both backwards generated: tape.backward's fused with its held forward where the fused
+    # path is on (generated_hold: counted as "forward+backward fused"), the .bwds plain.
+    assert counts["backward"] + counts.get("forward+backward fused", 0) == 2, counts
     _same(gen, ref)
     x = xs.astype(np.float64)
     want = x * x + 2 * x * x + np.cos(x) * x + np.sin(x)
