@@ -72,6 +72,19 @@ def seed_values(value: Any, what: str, scalar_type: str = "float") -> np.ndarray
     return wide
 
 
+def host_seed(value: Any, what: str, scalar_type: str = "float") -> np.ndarray:
+    """``seed_values``, with a NumPy array of the tensor's own type (float32 for a ``float``
+    output) taken as it is: each of its values fits, and its conversion to float64 and back
+    cost a tape step at 2^22 elements ~40 ms of CPU against its kernels' ~10 ms.
+
+    >>> host_seed(np.ones(4, np.float32), "tape.backward: grad").dtype   # float32
+    """
+    exact = _LIMITS.get(scalar_type)
+    if type(value) is np.ndarray and exact is not None and value.dtype == exact:
+        return value
+    return seed_values(value, what, scalar_type)
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

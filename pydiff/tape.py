@@ -23,7 +23,7 @@ from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import KeptEnter, device_seed, fusable_forward, prepare_one, seed_upstream
-from .seeds import seed_values, tensor_seed
+from .seeds import host_seed, tensor_seed
 from .tensor import Tensor
 from .unrecorded import check_versions, copied_from, marked_refusal, not_recorded
 from .unrecorded import overwritten_refusal
@@ -344,7 +344,7 @@ class Tape:
         else:
             if isinstance(grad, Tensor):  # (a capture's replay checks it still holds them)
                 grad = tensor_seed(grad)
-            seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
+            seed = host_seed(grad, "tape.backward: grad", output.scalar_type)
         if seed is not None and seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
         if seed is not None and seed.shape != want:

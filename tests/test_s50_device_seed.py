@@ -168,3 +168,24 @@ def test_an_intermediate_gradient_as_the_seed(device, m):
     np.testing.assert_allclose(
         xt.grad.numpy(), _want(x, 2 * (1.5 * x64**2 + np.sin(x64))), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("n", [1000, 2**16 + 3])
+def test_float32_numpy_seed_taken_as_is_and_copied_at_the_call(device, m, n):
+    """A float32 NumPy seed of a float output skips the float64 round trip: the same
+    gradient, and writing into the array after the call changes nothing."""
+    x, g = _data(n, 12)
+    keep = g.copy()
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    _tape(m, xt, g)
+    g[:] = 9.0
+    np.testing.assert_allclose(xt.grad.numpy(), _want(x, keep), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_seed_with_nan_and_inf_taken_as_given(device, m):
+    x = np.array([0.5, 1.0, -1.0, 2.0], np.float32)
+    g = np.array([np.nan, np.inf, -np.inf, 1.0], np.float32)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    _tape(m, xt, g)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(xt.grad.numpy(), _want(x, g), rtol=1e-5)
