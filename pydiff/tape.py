@@ -22,7 +22,8 @@ from .backward_claims import BackwardRun, running
 from .backward_scope import backward_scope
 from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
-from .seeds import KeptEnter, fusable_forward, prepare_one, seed_upstream, seed_values, tensor_seed
+from .seeds import KeptEnter, device_seed, fusable_forward, prepare_one, seed_upstream
+from .seeds import host_seed, tensor_seed
 from .tensor import Tensor
 from .unrecorded import check_versions, copied_from, marked_refusal, not_recorded
 from .unrecorded import overwritten_refusal
@@ -337,12 +338,13 @@ class Tape:
         upstream = keeping(lambda: output.grad_in, None)
         zeroed = output if any([t is output for t in owed]) else None
         want = output.expected_numpy_shape()
-        if grad is None:
-            seed = None  # 1 (one element): copied on the device where it can be (copy_one)
+        on_device = device_seed(grad, output, entries) if isinstance(grad, Tensor) else None
+        if grad is None or on_device is not None:
+            seed = None  # 1 (one element) or grad: copied on the device (copy_one, copy_seed)
         else:
             if isinstance(grad, Tensor):  # (a capture's replay checks it still holds them)
                 grad = tensor_seed(grad)
-            seed = seed_values(grad, "tape.backward: grad", output.scalar_type)
+            seed = host_seed(grad, "tape.backward: grad", output.scalar_type)
         if seed is not None and seed.size == 1 and math.prod(want) == 1:
             seed = seed.reshape(want)  # one value for one value: a 0-d loss takes [1.0] too
         if seed is not None and seed.shape != want:
@@ -368,7 +370,10 @@ class Tape:
             # recorded into the backward's own command list when it has one (one submission).
             kept = self._keep_leaf_gradients(entries, scope)
             queue = output.device.queue
-            keeping(lambda: seed_upstream(queue, entries, zeroed, seed, upstream, want), None)
+            keeping(
+                lambda: seed_upstream(queue, entries, zeroed, seed, upstream, want, on_device),
+                None,
+            )
             scope.mark_result(upstream)  # the seed is set, not a stale result to add to
             run = BackwardRun(self._entries, entries)
             token = running.set(run)
