@@ -286,3 +286,45 @@ def test_iteration_rows_as_seeds(device, m):
     for i, row in enumerate(pydiff.tensor(g, device=device)):
         xt, _ = _step(m, device, x[i], row)
         _close(xt.grad.numpy(), g[i] * _dp(x[i]))
+
+
+# --- bug found: a seed the captured step itself computes -------------------------------------
+@pytest.mark.parametrize("seed_of", ["a kernel's result", "y itself"])
+def test_capture_refuses_a_seed_the_step_wrote(device, m, seed_of):
+    """Inside pydiff.capture a tensor seed is read on the host and recorded as an upload of
+    those values; one the step computes (grad=m.f(w), grad=y) changes at each replay, which
+    still seeded the capture's values: after w changed, a wrong gradient without a word."""
+    x, g = _data(N, 13)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    w = pydiff.tensor(g, device=device)
+
+    def step():
+        xt.zero_grad()
+        with pydiff.Tape() as tape:
+            y = m.b50_p(1.5, xt)
+        tape.backward(y, grad=m.b50_p(0.0, w) if seed_of != "y itself" else y)  # sin(w) / y
+
+    step()
+    _close(xt.grad.numpy(), (np.sin(g) if seed_of != "y itself" else _p(x)) * _dp(x))
+    with pytest.raises(pydiff.CaptureError, match="grad is a tensor the captured step wrote"):
+        pydiff.capture(step)
+
+
+def test_capture_with_a_seed_from_outside_replays_right(device, m):
+    """The seed made outside the step (its values checked before each replay) still works."""
+    x, g = _data(N, 14)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    gt = pydiff.tensor(g, device=device)
+
+    def step():
+        xt.zero_grad()
+        with pydiff.Tape() as tape:
+            y = m.b50_p(1.5, xt)
+        tape.backward(y, grad=gt)
+
+    step()
+    captured = pydiff.capture(step)
+    x2 = _data(N, 15)[0]
+    xt.copy_from_numpy(x2)
+    captured.replay()
+    _close(xt.grad.numpy(), g * _dp(x2))
