@@ -328,3 +328,38 @@ def test_capture_with_a_seed_from_outside_replays_right(device, m):
     xt.copy_from_numpy(x2)
     captured.replay()
     _close(xt.grad.numpy(), g * _dp(x2))
+
+
+@pytest.mark.parametrize("seed_kind", ["tensor", "float32"])
+def test_fused_step_refused_by_strict_leaves_y_written_and_retries(device, m, seed_kind):
+    """STRICT refuses a stale x.grad after the held forward was claimed: y still holds
+    p(x), x.grad is unchanged, and after zero_grad the same backward gives the gradient."""
+    x, g = _data(N, 16)
+    xt, _ = _step(m, device, x, pydiff.tensor(g, device=device))
+    before = xt.grad.numpy().copy()
+    with pydiff.zero_policy("strict"):
+        with pydiff.Tape() as tape:
+            y = m.b50_p(1.5, xt)
+        seed = pydiff.tensor(2 * g, device=device) if seed_kind == "tensor" else 2 * g
+        with pytest.raises(pydiff.StaleGradientError):
+            tape.backward(y, grad=seed)
+        _close(y.numpy(), _p(x))
+        np.testing.assert_array_equal(xt.grad.numpy(), before)
+        xt.zero_grad()
+        tape.backward(y, grad=seed)
+    _close(xt.grad.numpy(), 2 * g * _dp(x))
+
+
+def test_chained_tapes_and_offset_view_seeds(device, m):
+    x, g = _data(N, 17)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    with pydiff.Tape() as first:
+        h = m.b50_p(1.5, xt)
+    with pydiff.Tape(reads_other_tapes=True) as second:
+        y = m.b50_q(h, xt)  # h x + h^2
+    big = pydiff.tensor(np.concatenate([np.full(N, 99, np.float32), g]), device=device)
+    second.backward(y, grad=big[N:])  # a view at an offset: read on the host
+    first.backward(h, grad=h.grad)
+    big.fill(5.0)
+    hv, xv = _p(x), x.astype(np.float64)
+    _close(xt.grad.numpy(), g * hv + g * (xv + 2 * hv) * _dp(x))
