@@ -363,3 +363,22 @@ def test_chained_tapes_and_offset_view_seeds(device, m):
     big.fill(5.0)
     hv, xv = _p(x), x.astype(np.float64)
     _close(xt.grad.numpy(), g * hv + g * (xv + 2 * hv) * _dp(x))
+
+
+@pytest.mark.parametrize("wants_grad", [False, True])
+def test_fused_step_seeded_with_one_of_its_own_inputs(device, m, wants_grad):
+    """y = q(x, z) = x z + x^2 seeded with z itself (read by the fused kernel, copied into
+    y's gradient): dx = z (z + 2x), dz = z x."""
+    x, g = _data(N, 18)
+    xt = pydiff.tensor(x, device=device, requires_grad=True)
+    zt = pydiff.tensor(g, device=device, requires_grad=wants_grad)
+    generated.reset_stats()
+    with pydiff.Tape() as tape:
+        y = m.b50_q(xt, zt)
+    tape.backward(y, grad=zt)
+    assert generated.stats().get("forward+backward fused", 0) == 1, generated.stats()
+    x64, z64 = x.astype(np.float64), g.astype(np.float64)
+    _close(y.numpy(), x64 * z64 + x64**2)
+    _close(xt.grad.numpy(), z64 * (z64 + 2 * x64))
+    if wants_grad:
+        _close(zt.grad.numpy(), z64 * x64)
