@@ -347,6 +347,10 @@ class CapturedStep:
         """A storage made during the capture (its values are the step's, as if written)."""
         self._writes.setdefault(id(storage), (storage, storage.version))
 
+    def wrote(self, storage: Any) -> bool:
+        """Whether the step so far wrote (or made) ``storage``: its values are the step's."""
+        return id(storage) in self._writes
+
     def record_reads(self, what: str, read: list) -> None:
         """``read``: ``(description, tensor)`` a recorded call reads. Those the step neither
         made nor wrote before are its inputs: a replay refuses once one was dropped (its name

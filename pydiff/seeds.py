@@ -18,6 +18,7 @@ import numpy as np
 import slangpy as spy
 
 from . import capturing, foreign
+from .errors import CaptureError
 from .exact_ints import refuse_rounded_ints, refuse_rounded_list
 
 #: The NumPy type whose range a seed of each tensor element type must fit.
@@ -93,9 +94,18 @@ def _short(value: Any) -> str:
 def tensor_seed(t: Any) -> np.ndarray:
     """The values of ``t`` (a pydiff.Tensor given as ``tape.backward``'s ``grad=``), read on
     the host. In a capture they are uploaded as recorded, so a replay seeds them again: it
-    refuses once ``t`` holds other values (it would seed the capture's, silently)."""
+    refuses once ``t`` holds other values (it would seed the capture's, silently), and a
+    ``t`` the step itself wrote is refused now: a replay would seed the values it held at
+    the capture, not those the replay computes (``grad=y``, a kernel's result, ``h.grad``)."""
     values = t.numpy()
-    if capturing.recording() is not None:
+    if (rec := capturing.recording()) is not None:
+        if rec.wrote(t.storage):
+            raise CaptureError(
+                "pydiff.capture: tape.backward: grad is a tensor the captured step wrote "
+                "(a result of its calls, or a gradient): a replay would seed the values it "
+                "held at the capture, not those the replay computes. Make the seed part of "
+                "the loss (backward from sum(y * g)), or compute it before the step"
+            )
         ref, kept = weakref.ref(t), values.tobytes()
 
         def still_same() -> str | None:

@@ -234,7 +234,7 @@ class Tensor(GradBuffers, TensorOperators):
         up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
         refuse_rounded_list(data, arr, up, caller)  # ([2**63 + 1, 0]: rounded by NumPy)
         arr = host_cast(arr, up, caller, kind == "bool")
-        arr = arr if has_c_strides(arr) else arr.copy(order="C")  # (a[None]: not for SlangPy)
+        arr = arr if has_c_strides(arr) and arr.flags.writeable else arr.copy("C")  # (SlangPy)
         capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
         queue, target = self._device.queue, bool_words(self._device, self._native)
         with queue.lock:
@@ -248,7 +248,7 @@ class Tensor(GradBuffers, TensorOperators):
         n = self._native
         if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
             return False
-        values = np.ascontiguousarray(data, dtype=np.float32).ravel()
+        values = np.require(data, np.float32, "CWE").ravel()  # (read-only: copied, for SlangPy)
         with self._device.queue.lock:  # an upload, even recorded, is a copy: exclusive
             encoder.upload_buffer_data(n.storage, 0, values)
         rec = capturing.recording()
