@@ -1,5 +1,6 @@
 """The forward call of a shader function: validate, bind pydiff tensors to SlangPy, run, and
-record the call on the active tape (with copies of values the call overwrites).
+record the call on the active tape (``forward_record``), with copies of values the call
+overwrites.
 
     y = forward_call(fn, (2.0, x), {"_result": "tensor"})
 """
@@ -28,22 +29,18 @@ from .arguments import (
 from .creation import empty
 from .determinism import is_deterministic
 from .call_shape import as_zero_d, refuse_struct_grads, tensor_result, zero_d_call
-from .backward_call import backward_call
 from .call_plan import DECLINED, ForwardPlan
 from .plan_layout import layout_key, remember
 from .bwds_checks import refuse_narrowed_result, refuse_written_struct, refuse_written_twice
-from .bwds_checks import reads_a_gradient, with_values_of
-from .errors import warn_once
-from .grad_restore import unran
 from .host_values import element_base, refuse_handed_out
 from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
 from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
-from . import capturing, foreign, generated_calls, written_mask
-from .tape import Tape, active_tape
+from . import capturing, foreign, generated_calls
+from .forward_record import any_grad, record
+from .tape import active_tape
 from .tensor import Tensor
-from .unrecorded import note_unrecorded
 
 
 def _wrap_result(fn: FunctionTarget, native_result: Any, given: Any) -> Any:
@@ -113,7 +110,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         out = plan.run(fn, args, kwargs.get("_result", MISSING))
         if out is not DECLINED:
             if plan.on_tape and (tape := active_tape()) is not None:
-                _record(tape, fn, list(zip(plan.params, args)), {}, out, {}, key)
+                record(tape, fn, list(zip(plan.params, args)), {}, out, {}, key)
             return out
     capturing.refuse_full_path(fn.label, plan is not None, "no call plan covers its layout")
     fn.module.device.queue.flush()  # kernels queued in a batched backward run first
@@ -139,7 +136,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
         tensor_result(fn, bound, options)  # call shape () from a whole float3 tensor: a tensor
     tape = active_tape()
     aliased = _aliased_reads(fn, bound, result)
-    needs_grad = any(p.reads_value and _any_grad(v) for p, v in bound)
+    needs_grad = any(p.reads_value and any_grad(v) for p, v in bound)
     if tape is not None and needs_grad:
         _refuse_aliases(fn, bound, result, aliased)
         refuse_narrowed_result(fn, bound, result, f"{fn.label} on a tape")
@@ -184,7 +181,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     _count_writes(fn, bound, out if type(out) is Tensor and out is result else None, snapshots)
     mark_made(fn, bound, out if type(out) is Tensor else None)  # (for .bwds: stale_reads)
     if tape is not None:
-        _record(tape, fn, bound, options, out, snapshots, key)
+        record(tape, fn, bound, options, out, snapshots, key)
     if new_plan:
         remember(fn.plans, key, plan)
     return out
@@ -287,7 +284,7 @@ def _snapshot_read_values(
     for i, (p, value) in enumerate(bound):
         if type(value) in PLAIN or not (p.in_place or i in aliased):
             continue
-        if not (_any_grad(value) or (recording and fn.signature.differentiable)):
+        if not (any_grad(value) or (recording and fn.signature.differentiable)):
             continue
         if type(value) is Tensor:
             out[i] = copy(value)
@@ -330,121 +327,3 @@ def _mark_reread(fn: FunctionTarget, bound: list) -> None:
         for key, t, _ in read_tensors(p, value, None):
             if t.storage.last_writer == fn.call_label and key in t.storage.read_by_writer:
                 t.storage.reread = True  # reset if this call writes the values again
-
-
-def _record(
-    tape: Tape, fn: FunctionTarget, bound: list, options: dict, out: Any, snapshots: dict, key: Any
-) -> None:
-    """Put a forward call on the tape, giving its outputs gradient buffers when needed
-    (``key``: the call's layout, plan_layout's, or None)."""
-    reads, writes, values, plain, views = [], [], [], [], []
-    kept_in_place: list[Tensor] = []  # no_diff in-place: its gradient is cleared where written
-    needs_grad = False
-    for i, (p, value) in enumerate(bound):
-        tensors = nested_tensors(value)  # the tensor itself, or those in a struct's fields
-        if not tensors:
-            values.append(value)
-            continue
-        desc = f"parameter '{p.name}' of {fn.label}"
-        needs_grad = needs_grad or (p.reads_value and _any_grad(value))
-        if i in snapshots:
-            # The backward reads the values before the call (the copies) and adds into the
-            # gradient buffers of the tensors the caller holds.
-            copies = nested_tensors(snapshots[i])
-            pairs = [(with_values_of(t, c), t) for t, c in zip(tensors, copies)]
-            views += pairs
-            kept_in_place += [v for v, _ in pairs] if p.no_diff_tensor else []
-            reads += [(desc, c) for c in copies]
-            writes += tensors
-            it = iter(v for v, _ in pairs)
-            values.append(map_tensors(value, lambda t: next(it)))
-        else:
-            if p.reads_value:
-                reads += [(desc, t) for t in tensors]
-            if p.writes_value:
-                writes += tensors
-            values.append(value)
-        if p.writes_value and (not (p.differentiable or p.is_diff_tensor) or p.no_diff_tensor):
-            plain += tensors  # no gradient flows through them (RWTensor, no_diff, int)
-    if type(out) is Tensor:
-        writes.append(out)
-    if not needs_grad:  # constants to gradients; its result, out and inout values: written whole
-        whole = [out] + [v for p, v in bound if p.tensor_kind is None and p.io != "in"]
-        note_unrecorded(writes, fn.label, [t for _, t in reads], whole)
-        return
-    # Tensors it only writes whose values before it are in the graph (a leaf wanting a gradient,
-    # or an earlier call's result): no gradient reaches those where it wrote (cleared there).
-    overwritten = [v for p, v in bound if p.writes_value and not p.reads_value]
-    overwritten += [out] if type(out) is Tensor else []
-    prior = frozenset(
-        id(t.storage)
-        for t in overwritten + kept_in_place
-        if type(t) is Tensor and (t.requires_grad or t.producer is tape)
-    )
-    # Leaves (gradients of their own) this call overwrites, in place or as outputs.
-    leaves = [t for t in overwritten if type(t) is Tensor and t.requires_grad]
-    leaves += [t for _, t in views if t.requires_grad]
-    if not fn.signature.differentiable:
-        _record_cut(tape, fn, reads, writes, [t for _, t in views])
-        return
-    for t in writes:
-        if not t.requires_grad and t.differentiable and all(t is not u for u in plain):
-            t.requires_grad_(True, zero_later=True)  # the backward zeroes it (or a read)
-    for view, t in views:  # in-place: the view shares the (maybe new) gradient buffers
-        view.share_grads(t)
-    bwd_values = tuple(values)
-    extra = {k: v for k, v in options.items() if k != "_result"}
-    if type(out) is Tensor:
-        extra["_result"] = out
-
-    def run_backward(entry: Any) -> None:
-        backward_call(fn, bwd_values, dict(extra), prior)
-
-    had = tuple(k for k, t in enumerate(writes) if t.requires_grad)  # (tape._check_versions)
-    refuse = written_mask.may_be_counted(fn, bound, prior, key)  # (restoring)
-    refuse = refuse or reads_a_gradient(bwd_values, out)  # (refusals of aliased buffers)
-    refuse = refuse or unran(fn, layout_key(bwd_values, extra))  # (asked again at backward)
-    tape.record(
-        fn.label, reads, writes, run_backward, overwritten=leaves, with_grads=had, may_refuse=refuse
-    )
-
-
-def _record_cut(
-    tape: Tape, fn: FunctionTarget, reads: list, writes: list, in_place: list[Tensor]
-) -> None:
-    """A function without derivatives read a tensor that wants a gradient: its float
-    outputs join the tape, so a backward that needs a gradient through them says that none
-    flows (once per call site) instead of leaving the inputs' gradients silently unchanged.
-    An in-place argument's gradient buffer, which held the gradient of the value after the
-    call, is zeroed: none flows to the value before it."""
-    outs = [t for t in writes if t.differentiable]
-    if not outs:
-        return  # integer results (indices, masks): piecewise constant, no gradient to lose
-    for t in outs:
-        if not t.requires_grad:
-            t.requires_grad_(True)
-    wanting = ", ".join(
-        [desc for desc, t in reads if t.requires_grad]
-        + (["its in-place argument(s)"] if any(t.requires_grad for t in in_place) else [])
-    )
-
-    def run_backward(entry: Any) -> None:
-        for t in in_place:
-            if t.requires_grad:
-                with t.device.queue.lock:  # in order with the batched backward
-                    t.zero_grad(t.device.queue.encoder())
-        warn_once(
-            f"tape.backward: the gradient flows through {fn.label}, which is not "
-            f"[Differentiable], so {wanting} get(s) no gradient through it. Mark it "
-            f"[Differentiable] in {fn.module.file}, or pass t.detach() to say no gradient "
-            "is wanted"
-        )
-
-    tape.record(fn.label, reads, writes, run_backward)
-
-
-def _any_grad(value: Any) -> bool:
-    """Whether ``value`` is, or holds in its fields, a tensor that wants a gradient."""
-    if type(value) is Tensor:
-        return value.requires_grad
-    return type(value) not in PLAIN and any(t.requires_grad for t in nested_tensors(value))
