@@ -21,7 +21,7 @@ import numpy as np
 import slangpy as spy
 
 import pydiff
-from pydiff import products
+from pydiff import product_kernels, products
 
 from timing import describe
 
@@ -100,18 +100,18 @@ def main() -> None:
     tdev = (
         "cuda" if dev.type == "cuda" and torch is not None and torch.cuda.is_available() else "cpu"
     )
-    max_blocks = products.SPLIT_K_MAX_BLOCKS
+    max_blocks = product_kernels.SPLIT_K_MAX_BLOCKS
     print(f"{'K x M x N':<14}{'kernel':<14}{'GPU µs':>10}{'wall µs':>10}")
     for k, m, n in SHAPES:
         for split in (True, False):
-            products.SPLIT_K_MAX_BLOCKS = max_blocks if split else 0
+            product_kernels.SPLIT_K_MAX_BLOCKS = max_blocks if split else 0
             dev.kernels.plans.clear()  # (plans are memoised without the split rule)
-            taken = products.split_k("mm_tn", m, n, k, dev.kernels.gpu)
+            taken = product_kernels.split_k("mm_tn", m, n, k, dev.kernels.gpu)
             name = f"split {taken}" if taken > 1 else "one thread"
             g, w = time_products(dev, k, m, n, args.repeats, args.rounds)
             gpu = f"{g:>10.2f}" if g >= 0.01 else f"{'n/a':>10}"  # (lavapipe: no timestamps)
             print(f"{k}x{m}x{n:<8}{name:<14}{gpu}{w:>10.2f}")
-        products.SPLIT_K_MAX_BLOCKS = max_blocks
+        product_kernels.SPLIT_K_MAX_BLOCKS = max_blocks
         if torch is not None:
             t = time_torch(torch, tdev, k, m, n, args.repeats, args.rounds)
             print(f"{k}x{m}x{n:<8}{'torch ' + tdev:<14}{'':>10}{t:>10.2f}")

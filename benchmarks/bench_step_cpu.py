@@ -3,7 +3,8 @@ thread's, and (Linux) each other thread's from /proc (lavapipe's queue thread, w
 kernels when compute is inline), with the wall time; medians of rounds of 50 steps back to
 back and one device wait, as a training loop (``--wait-each``: a wait after every step).
 
-python benchmarks/bench_step_cpu.py [--rounds 12] [--wait-each] [--ab pydiff.products:MASKED_SWAP]
+python benchmarks/bench_step_cpu.py [--rounds 12] [--wait-each]
+    [--ab pydiff.product_kernels:MASKED_SWAP]
 (``--ab pydiff.head_fusion:HOLD_HEADS``: the head and its loss in one kernel, or two)
 
 Run it in separate processes for two checkouts, alternating (``PYTHONPATH=<tree>``): the

@@ -1,8 +1,9 @@
-"""Split-K A^T B on a GPU's kernel shapes (matmul.slang's mm_tn_split, products.split_k): a
-weight gradient's few output blocks each get a workgroup whose threads share the sum over K
-and add their parts in a fixed order. Checked on lavapipe by taking the GPU's shapes (as
-``PYDIFF_KERNEL_SHAPES=gpu`` does: ``kernels.gpu``) against float64 NumPy and PyTorch, bit
-for bit from run to run, and that the split kernel is the one that ran."""
+"""Split-K A^T B on a GPU's kernel shapes (matmul.slang's mm_tn_split,
+product_kernels.split_k): a weight gradient's few output blocks each get a workgroup whose
+threads share the sum over K and add their parts in a fixed order. Checked on lavapipe by
+taking the GPU's shapes (as ``PYDIFF_KERNEL_SHAPES=gpu`` does: ``kernels.gpu``) against
+float64 NumPy and PyTorch, bit for bit from run to run, and that the split kernel is the
+one that ran."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import kernels, products
+from pydiff import kernels, product_kernels, products
 
 RNG = np.random.default_rng(31)
 
@@ -81,11 +82,13 @@ def test_split_k_rule(gpu_shapes, monkeypatch):
     """Split on a GPU's shapes where the output has few blocks, whatever K (one kernel for
     every batch size); never on lavapipe's shapes nor for the other products."""
     for k in (1, 8, 256, 4096):
-        assert products.split_k("mm_tn", 64, 64, k, gpu=True) == products.SPLIT_K_THREADS
-    assert products.split_k("mm_tn", 64, 64, 256, gpu=False) == 1
-    assert products.split_k("mm_nn", 64, 64, 256, gpu=True) == 1
-    assert products.split_k("mm_tn", 1024, 1024, 256, gpu=True) == 1  # threads enough
-    monkeypatch.setattr(products, "SPLIT_K_MAX_BLOCKS", 0)  # (the benchmark's "no split")
+        assert (
+            product_kernels.split_k("mm_tn", 64, 64, k, gpu=True) == product_kernels.SPLIT_K_THREADS
+        )
+    assert product_kernels.split_k("mm_tn", 64, 64, 256, gpu=False) == 1
+    assert product_kernels.split_k("mm_nn", 64, 64, 256, gpu=True) == 1
+    assert product_kernels.split_k("mm_tn", 1024, 1024, 256, gpu=True) == 1  # threads enough
+    monkeypatch.setattr(product_kernels, "SPLIT_K_MAX_BLOCKS", 0)  # (the benchmark's "no split")
     a, b = (pydiff.tensor(_f32((80, 4)), device=gpu_shapes) for _ in range(2))
     out = pydiff.zeros((4, 4), device=gpu_shapes)
     assert products.fast_product("mm_tn", a, b, out, 0.0)
@@ -140,6 +143,6 @@ def test_linear_gradients_match_torch_with_split_k(gpu_shapes, batch):
 
 
 def test_a_split_that_is_not_a_power_of_two_is_refused(gpu_shapes, monkeypatch):
-    monkeypatch.setattr(products, "SPLIT_K_THREADS", 24)
+    monkeypatch.setattr(product_kernels, "SPLIT_K_THREADS", 24)
     with pytest.raises(ValueError, match="SPLIT_K_THREADS=24.*power of two"):
-        products.split_k("mm_tn", 64, 64, 256, gpu=True)
+        product_kernels.split_k("mm_tn", 64, 64, 256, gpu=True)

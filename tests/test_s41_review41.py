@@ -98,11 +98,11 @@ def test_blocking_follows_block_accumulators(monkeypatch):
     # Before: blocking() was memoized on its arguments, accumulators=None included, so a
     # BLOCK_ACCUMULATORS set after a first call kept the old answer: 16 x 16 x 16 in 8 x 16
     # blocks (128 accumulators) where 32 give 8 x 4 (small blocks: 4 columns, 32 / 4 rows).
-    from pydiff import products
+    from pydiff import product_kernels
 
-    assert products.blocking("mm_nn", 16, 16, 16) == (8, 16)
-    monkeypatch.setattr(products, "BLOCK_ACCUMULATORS", 32)
-    assert products.blocking("mm_nn", 16, 16, 16) == (8, 4)
+    assert product_kernels.blocking("mm_nn", 16, 16, 16) == (8, 16)
+    monkeypatch.setattr(product_kernels, "BLOCK_ACCUMULATORS", 32)
+    assert product_kernels.blocking("mm_nn", 16, 16, 16) == (8, 4)
 
 
 SRC3 = """

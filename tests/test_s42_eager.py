@@ -3,7 +3,7 @@ independent float64 reference:
 
 - a relu layer's weight gradient with its bias gradient (``mm_tn`` reading g through the
   relu's mask) is computed on lavapipe as (x^T g')^T: the mask is read on the side whose rows
-  runs of 8 threads share (``products._swapped``), C stored transposed and db summed over B;
+  runs of 8 threads share (``product_kernels._swapped``), C stored transposed and db summed over B;
   the gradients of every shape, either path, against NumPy in float64.
 """
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import nn, ops, optim, products
+from pydiff import nn, ops, optim, product_kernels, products
 from pydiff.errors import PydiffError
 
 ALL_WORDS = "mm_nt=7,mm_nn=7,mm_tn=7,mm_tn_swapped=7,linear_bwd_narrow=7"
@@ -28,14 +28,15 @@ def _use(device, monkeypatch, setting):
 
 def _record(monkeypatch):
     seen: list = []
-    real = products.load_words
+    real = product_kernels.load_words
 
     def load_words(kernels, entry, n=0, cols=0):
         bits = real(kernels, entry, n, cols)
         seen.append((entry, bits))
         return bits
 
-    monkeypatch.setattr(products, "load_words", load_words)
+    monkeypatch.setattr(product_kernels, "load_words", load_words)  # the products' choice
+    monkeypatch.setattr(products, "load_words", load_words)  # the narrow layer backward's
     return seen
 
 
@@ -147,24 +148,24 @@ def test_the_selection_and_the_override(monkeypatch):
         paired_stores = False
 
     monkeypatch.delenv("PYDIFF_MM_W64", raising=False)
-    assert products.load_words(Lavapipe, "mm_nt", 10, 10) == 2  # B shared by all threads
-    assert products.load_words(Lavapipe, "mm_nt", 12, 12) == 2
-    assert products.load_words(Lavapipe, "mm_nt", 64, 64) == 0  # n % 8 == 0: typed
-    assert products.load_words(Lavapipe, "mm_nt", 20, 4) == 0  # column blocks: typed
+    assert product_kernels.load_words(Lavapipe, "mm_nt", 10, 10) == 2  # B shared by all threads
+    assert product_kernels.load_words(Lavapipe, "mm_nt", 12, 12) == 2
+    assert product_kernels.load_words(Lavapipe, "mm_nt", 64, 64) == 0  # n % 8 == 0: typed
+    assert product_kernels.load_words(Lavapipe, "mm_nt", 20, 4) == 0  # column blocks: typed
     for entry in ("mm_nn", "mm_tn", "mm_tn_swapped", "linear_bwd_narrow"):
-        assert products.load_words(Lavapipe, entry, 10, 10) == 0
-    assert products.load_words(Gpu, "mm_nt", 10, 10) == 0
+        assert product_kernels.load_words(Lavapipe, entry, 10, 10) == 0
+    assert product_kernels.load_words(Gpu, "mm_nt", 10, 10) == 0
     monkeypatch.setenv("PYDIFF_MM_W64", "mm_tn=5,linear_bwd_narrow=3")
-    assert products.load_words(Lavapipe, "mm_tn") == 5
-    assert products.load_words(Lavapipe, "linear_bwd_narrow") == 3
-    assert products.load_words(Lavapipe, "mm_nt", 10, 10) == 0  # not named: typed
-    assert products.load_words(Gpu, "mm_tn") == 0  # GPUs keep float4 loads
+    assert product_kernels.load_words(Lavapipe, "mm_tn") == 5
+    assert product_kernels.load_words(Lavapipe, "linear_bwd_narrow") == 3
+    assert product_kernels.load_words(Lavapipe, "mm_nt", 10, 10) == 0  # not named: typed
+    assert product_kernels.load_words(Gpu, "mm_tn") == 0  # GPUs keep float4 loads
     monkeypatch.setenv("PYDIFF_MM_W64", "mm_nt")
     with pytest.raises(PydiffError, match="PYDIFF_MM_W64"):
-        products.load_words(Lavapipe, "mm_nt", 10, 10)
+        product_kernels.load_words(Lavapipe, "mm_nt", 10, 10)
     monkeypatch.setenv("PYDIFF_MM_W64", "mm_nt=two")
     with pytest.raises(PydiffError, match="PYDIFF_MM_W64"):
-        products.load_words(Lavapipe, "mm_nt", 10, 10)
+        product_kernels.load_words(Lavapipe, "mm_nt", 10, 10)
 
 
 @pytest.mark.parametrize("n", [1, 5, 4099])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import nn, ops, products
+from pydiff import nn, ops, product_kernels, products
 
 from kernel_usage import entries_used
 
@@ -151,7 +151,7 @@ def test_mm_nt_whole_rows_shared(device, monkeypatch, m, n, k, relu):
     for out in outs:
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5 * np.sqrt(k))
     np.testing.assert_array_equal(outs[1], outs[3])
-    rows, cols = products.blocking("mm_nt", m, n, k)
+    rows, cols = product_kernels.blocking("mm_nt", m, n, k)
     if _lavapipe(device) and cols == n and (m // rows) % 8 == 0:
         assert any(e == "mm_nt" and d.get("SHUF") == 1 and d["CB"] == n for e, d in seen)
 
