@@ -41,10 +41,11 @@ from .tensor import Tensor
 
 
 def _kind(p: Any, t: Tensor, stored_once: frozenset) -> str | None:
-    """How the full path bound tensor ``t`` at ``p`` (backward_call.tensor_arg), where a plan
-    can do the same per call: 'read' (its gradient added into ``grad_out``), 'sink' (a read
-    interface tensor wanting none: a throwaway buffer), 'plain' (values only), 'write' (its
-    upstream read from ``grad_in``, stores not counted); None: a plan does not cover it."""
+    """How the full path bound tensor ``t`` at ``p`` (``BackwardArgs.tensor_arg``,
+    backward_args), where a plan can do the same per call: 'read' (its gradient added into
+    ``grad_out``), 'sink' (a read interface tensor wanting none: a throwaway buffer), 'plain'
+    (values only), 'write' (its upstream read from ``grad_in``, stores not counted); None: a
+    plan does not cover it."""
     if p.no_diff_tensor or p.io != "in":
         return None
     if p.tensor_kind == "plain":
@@ -81,7 +82,7 @@ class GridBackwardPlan:
     @staticmethod
     def make(fn: FunctionTarget, key: tuple, bound: list, result: Any, call: Any):
         """The plan for the layout ``key`` that the full path's builder ``call`` just ran
-        (backward_call._Backward), or None."""
+        (backward_args.BackwardArgs), or None."""
         if result is not MISSING or fn.signature.has_diff_inout or not plannable(fn):
             return None
         if call.masks or call.after or call.reductions or call.fixed or call.cleared:
@@ -182,7 +183,8 @@ class GridBackwardPlan:
         return None
 
     def _bind(self, dev: Any, args: tuple, native: list, flush: bool) -> None:
-        """The SlangPy tensors the full path binds (backward_call.tensor_arg), into ``native``."""
+        """The SlangPy tensors the full path binds (``BackwardArgs.tensor_arg``),
+        into ``native``."""
         for i in self.reads:
             native[i] = args[i].bind(True, flush)
         for i in self.plain:

@@ -23,7 +23,7 @@ from .tensor import Tensor
 
 def bind_struct(b: Any, p: ParamInfo, value: Any, path: str = "") -> Any:
     """A struct argument of ``.bwds`` with each tensor in its fields bound for SlangPy.
-    ``b``: the call's ``backward_call._Backward`` (its policies, scratch and copies).
+    ``b``: the call's ``backward_args.BackwardArgs`` (its policies, scratch and copies).
 
     A differentiable float field always gets gradient buffers (scratch ones where none is
     wanted, as SlangPy's cached kernel may expect them); values of its own where the call

@@ -37,7 +37,7 @@ def _no_general_path(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the general path ran: no call plan took the call")
 
-    monkeypatch.setattr(backward_call, "_Backward", refuse)
+    monkeypatch.setattr(backward_call, "BackwardArgs", refuse)
 
 
 def test_data_tensor_takes_a_plan_and_gradients_are_right(device, mod, path, monkeypatch):
