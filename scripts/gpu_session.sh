@@ -2,23 +2,24 @@
 # One device call's worth of GPU checks (see docs/devices.md): run on the lent machine as
 #   bash .gpu/on-device.sh cmd bash scripts/gpu_session.sh
 # (after `bash ../shared/gpu/pack.sh` here; `run` with carry [".gpu"], timeout_s 600). Logs go
-# to $OUT. The per-call and large-case benchmarks against raw SlangPy and PyTorch CUDA first
-# (the figures issue 16 asks for), then the newest tests on CUDA (and Vulkan if the driver
-# opens) in the time left. Stays under ~560 s.
+# to $OUT. First the paths that have never run on CUDA (generated kernels forced, the fused tape
+# step, device seeds, captures), then issue 16's figures against raw SlangPy and PyTorch CUDA
+# in the time left. Stays under ~560 s.
 set -u
 out=${OUT:-/tmp}
-run() { echo "== $*"; PYDIFF_DEVICE=cuda timeout "$1" "${@:2}" 2>&1 | tee -a "$out/bench.log" | tail -25; }
-run 80 python3 benchmarks/bench_percall_variants.py cuda
-run 60 python3 benchmarks/bench_call_layers.py --device cuda --calls 2000
-run 40 python3 benchmarks/bench_tape.py
-run 90 python3 benchmarks/bench_core.py --device cuda --rounds 10
-run 60 python3 benchmarks/bench_generated.py --sizes 20 24 --rounds 5
 types=cuda
 python3 -c "import pydiff; pydiff.create_device('vulkan')" >/dev/null 2>&1 && types=cuda,vulkan
-left=$((560 - SECONDS))
-echo "backends: $types; tests get ${left} s"
-[ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p pydiff.testing -p no:cacheprovider \
-  --pydiff-device "$types" -m "not slow" -n 8 tests/test_s36_*.py tests/test_s35_*.py \
-  tests/test_s34_vec34.py tests/test_s34_breakvec34.py tests/test_tape.py tests/test_call_plan.py \
-  2>&1 | tee "$out/tests_new.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+echo "backends: $types"
+timeout 230 python3 -m pytest -q -p pydiff.testing -p no:cacheprovider --pydiff-device "$types" \
+  --pydiff-generated=force -m "not slow" -n 8 tests/test_generated.py tests/test_generated_paths.py \
+  tests/test_s41_genforce.py tests/test_s41_genbreak.py tests/test_s44_fuse44.py \
+  tests/test_s49_fuse49.py tests/test_s50_fuse50.py tests/test_s50_device_seed.py \
+  tests/test_s50_fix50.py tests/test_s50_break50.py tests/test_capture.py tests/test_s28_genfix.py \
+  tests/test_s30_planned_generated.py tests/test_s36_gen36.py tests/test_s51_*.py \
+  2>&1 | tee "$out/tests_generated.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+run() { echo "== $*"; PYDIFF_DEVICE=cuda timeout "$1" "${@:2}" 2>&1 | tee -a "$out/bench.log" | tail -30; }
+run 130 python3 benchmarks/bench_gpu.py --device cuda
+run 80 python3 benchmarks/bench_percall_variants.py cuda
+left=$((555 - SECONDS))
+[ "$left" -gt 30 ] && run "$left" python3 benchmarks/bench_core.py --device cuda --rounds 10
 exit 0
