@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -198,3 +199,75 @@ def test_write_into_the_held_result_and_copies_of_it_see_the_forward(device, m):
     np.testing.assert_allclose(y3.numpy(), want_y, rtol=1e-5, atol=1e-5)
     tape.backward(y3, grad=other)
     np.testing.assert_allclose(x.grad.numpy(), want_dx, rtol=1e-5, atol=1e-5)
+
+
+# -- kernel builds outside the locks every dispatch takes ----------------------------------------
+
+
+def _dispatch_meanwhile(x, done):
+    """Dispatch a warm kernel from another thread and wait (10 s at most) for it: a build
+    holding a lock that dispatches take would keep it waiting until the build ends."""
+    finished = threading.Event()
+
+    def other():
+        pydiff.ops.relu(x)
+        finished.set()
+
+    threading.Thread(target=other, daemon=True).start()
+    done.append(finished.wait(10))
+
+
+def test_op_kernel_build_leaves_other_threads_dispatching(device, monkeypatch):
+    from pydiff.kernels import KernelCache
+
+    x = pydiff.tensor(np.linspace(-1, 1, 256, dtype=np.float32), device=device)
+    pydiff.ops.relu(x).numpy()  # (its kernel warm)
+    done: list = []
+    build = KernelCache._build
+
+    def watched(self, *args, **kwargs):
+        _dispatch_meanwhile(x, done)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelCache, "_build", watched)
+    w = 4 * (97 + next(_n) % 50)  # (a width no other test multiplies: a new kernel)
+    rng = np.random.default_rng(w)
+    a_host = rng.uniform(-1, 1, (64, w)).astype(np.float32)
+    b_host = rng.uniform(-1, 1, (w, w + 4)).astype(np.float32)
+    a = pydiff.tensor(a_host, device=device)
+    b = pydiff.tensor(b_host, device=device)
+    y = pydiff.ops.matmul(a, b).numpy()
+    assert done, "no kernel was built"
+    assert all(done), "a dispatch of another thread waited for the whole build"
+    want = a_host.astype(np.float64) @ b_host.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_slangpy_build_of_a_backward_leaves_other_threads_dispatching(device, monkeypatch):
+    from slangpy.core.function import FunctionNode
+
+    monkeypatch.setattr(generated, "MIN_ELEMENTS", 1 << 30)  # (SlangPy's kernels)
+    mod = pydiff.load_module_from_source(f"s51_cache51_b_{next(_n)}", SOURCE, device=device)
+    x = pydiff.tensor(np.linspace(-1, 1, 256, dtype=np.float32), device=device)
+    pydiff.ops.relu(x).numpy()
+    xs, g = _data(13)
+    xs, g = xs[:64], g[:64]
+    a = pydiff.tensor(np.array([0.5], np.float32), device=device, requires_grad=True)
+    t = pydiff.tensor(xs, device=device, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = mod.c51_f(a, t)  # (a broadcast: .bwds takes the scope's general path)
+    y.numpy()
+    done: list = []
+    generate = FunctionNode.generate_call_data
+
+    def watched(self, *args, **kwargs):
+        _dispatch_meanwhile(x, done)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(FunctionNode, "generate_call_data", watched)
+    tape.backward(y, grad=g)
+    assert done, "no SlangPy kernel was built"
+    assert all(done), "a dispatch of another thread waited for the whole build"
+    x64, g64 = xs.astype(np.float64), g.astype(np.float64)
+    np.testing.assert_allclose(t.grad.numpy(), g64 * (x64 + np.cos(x64)), rtol=1e-5, atol=1e-5)
+    assert a.grad.numpy()[0] == pytest.approx(float(np.sum(g64 * x64**2)), rel=1e-5, abs=1e-4)
