@@ -265,7 +265,14 @@ def test_slangpy_build_of_a_backward_leaves_other_threads_dispatching(device, mo
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(FunctionNode, "generate_call_data", watched)
-    tape.backward(y, grad=g)
+    idle = threading.Event()  # (another thread alive: built before the lock only then)
+    companion = threading.Thread(target=idle.wait, daemon=True)
+    companion.start()
+    try:
+        tape.backward(y, grad=g)
+    finally:
+        idle.set()
+        companion.join()
     assert done, "no SlangPy kernel was built"
     assert all(done), "a dispatch of another thread waited for the whole build"
     x64, g64 = xs.astype(np.float64), g.astype(np.float64)
