@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import capturing
-from .command_queue import flush_all_deferred
+from .command_queue import build_before_lock, flush_all_deferred
 from .errors import StaleGradientError
 from .policy import ZeroPolicy, get_zero_policy
 
@@ -89,6 +89,7 @@ class BackwardScope:
             node(*args, **kwargs)
             return
         queue = self.device.queue
+        build_before_lock(node, *args, **kwargs)  # (a first use's compile: not in the lock)
         with queue.lock:  # recording, like every copy, is exclusive (command_queue: CUDA)
             node.append_to(queue.encoder(), *args, **kwargs)
 

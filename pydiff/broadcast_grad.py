@@ -233,7 +233,7 @@ class _Kernels:
 
 def reduce_into(scope: Any, device: Any, full: spy.Tensor, t: Tensor) -> None:
     """Dispatch ``t.grad_out += full`` summed over the axes ``t`` was broadcast along."""
-    lib = device.cached(("broadcast-grad", "kernels"), lambda: _Kernels(device))
+    lib = device.cached(("broadcast-grad", "kernels"), lambda: _Kernels(device), kernels=True)
     dtype = t.grad_out.dtype
     shape = list(full.shape)
     x = full

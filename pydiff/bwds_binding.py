@@ -23,7 +23,7 @@ import slangpy as spy
 
 from . import capturing
 from .arguments import MISSING, PLAIN
-from .command_queue import flush_all_deferred
+from .command_queue import build_before_lock, flush_all_deferred
 from .grad_restore import kept_fields, restore_fields
 from .grid_args import is_grid
 from .call_shape import result_type
@@ -78,6 +78,11 @@ def dispatch(scope: Any, node: Any, clears: list | None, args: tuple, kwargs: di
     flush_all_deferred()  # (SlangPy's kernel: the deferred ones first, as scope.dispatch)
     queue = clears[0].device.queue
     fields = [kept_fields(g) for g in clears]
+    try:
+        build_before_lock(node, *args, **kwargs)  # (a first use's compile: not in the lock)
+    except BaseException:
+        drop_held(scope, clears, fields)
+        raise
     with queue.lock:
         queue.enter()
         encoder = queue.native.create_command_encoder()

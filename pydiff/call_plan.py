@@ -16,7 +16,7 @@ checks per call; where a check would take the full path's other branch it declin
 
     plan = fn.plans.get(plan_layout.layout_key(args, kwargs))   # None: not run before
     out = plan.run(fn, args, kwargs.get("_result", MISSING)) if plan else DECLINED
-    plan_layout.remember(fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
+    plan_layout.remember(fn, fn.plans, key, ForwardPlan.make(fn, key, ...))  # after the full path
 
 The ``.bwds`` plan is backward_plan's (and grid_plan's for calls over a grid).
 """

@@ -96,6 +96,16 @@ def flush_all_deferred() -> None:
         queue.flush_deferred()
 
 
+def build_before_lock(node: Any, *args: Any, **kwargs: Any) -> None:
+    """SlangPy's kernel of ``node`` for these arguments built (a new signature: a compile of
+    100-300 ms on lavapipe; else a lookup, about 5 us) before the caller takes the queue's
+    lock to ``append_to`` it: built inside, it stalled every thread's dispatch meanwhile (only
+    with other threads alive: the lookup is 2% of a small tape step's CPU, 3 nodes a step)."""
+    build = getattr(node, "debug_build_call_data", None)  # (SlangPy 0.43: cached per signature)
+    if build is not None and threading.active_count() > 1:
+        build(*args, **kwargs)
+
+
 def forget_queues() -> None:
     """In a forked child (``pydiff.forkguard``): the queues of the devices inherited from the
     parent are not this process's to submit (``flush_all_deferred`` skips them)."""

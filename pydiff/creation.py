@@ -93,11 +93,16 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     # write below joins rather than submits: staging.write_in_order)
     up = upload_numpy_type(out.bind(False, False), kind)
     refuse_rounded_list(data, arr, up, where)  # ([2**63 + 1, 0]: float64, rounded by NumPy)
-    arr = host_cast(arr, up, where, kind == "bool")
-    out.copy_from_numpy(arr.reshape(out.expected_numpy_shape()), caller=where)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+    arr = host_cast(arr, up, where, kind == "bool").reshape(out.expected_numpy_shape())
+    # A new tensor: no command held back in the queue binds its buffers (the held command
+    # keeps its own from the pool), so the command stays held for its consumer (a held
+    # forward for tape.backward(y, grad=pydiff.tensor(g)) to fuse: generated_hold).
+    return dev.queue.keeping_held(lambda: _filled(out, arr, where, requires_grad), None)
+
+
+def _filled(out: Tensor, arr: Any, where: str, requires_grad: bool) -> Tensor:
+    out.copy_from_numpy(arr, caller=where)
+    return out.requires_grad_(True) if requires_grad else out
 
 
 def empty(
@@ -178,7 +183,10 @@ def ones(
 
 
 def empty_cache(device: Device | str | None = None) -> None:
-    """Release the unused storage buffers pydiff keeps for reuse (all devices by default).
+    """Release the unused storage buffers pydiff keeps for reuse, its scratch buffers and
+    bound shader objects, and the compiled kernels: pydiff's own, the generated kernels of
+    user functions and the call plans holding them (all devices by default). Kernels are
+    built again on their next use.
 
     >>> del activations
     >>> pydiff.empty_cache()

@@ -9,13 +9,13 @@ everything pydiff keeps per device.
 from __future__ import annotations
 
 
-import contextlib
 import itertools
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import slangpy as spy
 
@@ -25,7 +25,7 @@ from .command_queue import CommandQueue
 from .device_names import AUTO_ORDER, auto_override, normalise_type
 from .errors import DeviceUnavailableError, env_flag
 from .kernels import KernelCache
-from .slangpy_loader import missing_driver
+from .slangpy_loader import missing_driver, quiet_native_output
 from .lavapipe import LAVAPIPE_INLINE_MAX_CPUS, choose_lavapipe_threads  # noqa: F401 (public)
 from .lavapipe import before_device_opens, lavapipe_threads_text  # noqa: F401 (public here)
 
@@ -45,28 +45,6 @@ def shader_dir() -> Path:
         f"pydiff's shader library (pydiff.slang) is missing: looked in {here / 'shaders'} "
         f"and {here.parent / 'shaders'}; reinstall pydiff"
     )
-
-
-@contextlib.contextmanager
-def _quiet_native_output() -> Iterator[None]:
-    """Silence the C++ layer's prints while probing backends that are expected to fail."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-    except (OSError, ValueError):  # no real file descriptors (e.g. some notebooks)
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, devnull):
-            os.close(fd)
 
 
 class Device:
@@ -109,6 +87,8 @@ class Device:
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
         self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS, SCRATCH_MAX_BYTES)
+        self._kernel_keys: set = set()  # (``cached(kernels=True)``'s entries)
+        self._releases: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def native(self) -> spy.Device:
@@ -199,24 +179,44 @@ class Device:
             self._dtypes[name] = found
         return found
 
-    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()`` once per key on this device, for objects built by higher layers (LRU)."""
+    def cached(self, key: Any, make: Callable[[], Any], kernels: bool = False) -> Any:
+        """``make()`` once per key on this device, for objects built by higher layers (LRU);
+        ``kernels``: an entry of compiled kernels or library functions (the generated kernels'
+        memos), which ``empty_cache`` drops (made again on the next use)."""
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = make()
+                if kernels:
+                    self._kernel_keys.add(key)
             return self._cache[key]
+
+    def on_empty_cache(self, owner: Any, release: Callable[[Any], None]) -> None:
+        """Have ``empty_cache`` call ``release(owner)`` while ``owner`` lives (held weakly):
+        what a layer above keeps outside ``cached`` that holds compiled kernels (call plans).
+
+        >>> fn.module.device.on_empty_cache(fn, forget_plans)
+        """
+        with self._lock:
+            self._releases[owner] = release
 
     def flush(self) -> None:
         """Submit the work queued on this device (before reading results on the host)."""
         self.queue.flush()
 
     def empty_cache(self) -> None:
-        """Release the storage buffers, this thread's scratch buffers, the compiled kernels and
-        the bound shader objects kept for reuse."""
+        """Release the storage buffers, this thread's scratch buffers, the compiled kernels
+        (pydiff's own, the generated ones and the call plans holding them: built again on
+        their next use) and the bound shader objects kept for reuse."""
         self.queue.flush()  # queued kernels may still read a scratch buffer
         self.scratch.clear()
         with self._lock:  # memo entries holding buffers (e.g. layer_norm's default weights)
             self._cache.release_buffers()
+            for key in self._kernel_keys:
+                self._cache.pop(key, None)
+            self._kernel_keys.clear()
+            releases = list(self._releases.items())
+        for owner, release in releases:
+            release(owner)
         self.kernels.release()
         self.pool.prune()
         self.queue.staging.clear()
@@ -299,7 +299,7 @@ def _open_device(
     before_device_opens(type_name)
     caches = compile_cache.prepare(base, type_name)
     try:
-        with _quiet_native_output():
+        with quiet_native_output():
             native = _create_native(type_name, paths, caches, validation)
     except Exception as exc:  # slangpy raises RuntimeError("Failed to create device!")
         hint = (

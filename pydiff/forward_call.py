@@ -183,7 +183,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if tape is not None:
         record(tape, fn, bound, options, out, snapshots, key)
     if new_plan:
-        remember(fn.plans, key, plan)
+        remember(fn, fn.plans, key, plan)
     return out
 
 

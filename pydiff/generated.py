@@ -186,7 +186,7 @@ def compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]
     ``KERNELS_MAX`` most recently used kept; the helper modules it imports loaded first);
     None, remembered, if it fails to build: the call falls back."""
     dev = fn.module.device
-    cache = dev.cached("pydiff.generated", lambda: BoundedDict(KERNELS_MAX))
+    cache = dev.cached("pydiff.generated", lambda: BoundedDict(KERNELS_MAX), kernels=True)
     with _lock:
         if key in cache:
             return cache[key]

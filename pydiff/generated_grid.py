@@ -226,7 +226,7 @@ def _kernel(fn: FunctionTarget, layout: tuple, backward: bool, looped: bool) -> 
     """The compiled kernel calling ``fn`` (the user's function or its masked wrapper) for
     ``layout`` (None, remembered, where it fails to build)."""
     dev = fn.module.device
-    cache = dev.cached("pydiff.generated_grid", lambda: BoundedDict(KERNELS_MAX))
+    cache = dev.cached("pydiff.generated_grid", lambda: BoundedDict(KERNELS_MAX), kernels=True)
     key = (fn.module.import_spec, fn.name, layout, backward, looped)
     with _lock:
         if key in cache:

@@ -215,6 +215,6 @@ def remember_bwds(
     if len(key) != len(args) + 2 * (result is not MISSING):
         return  # the result given positionally (f.bwds(x, y)): the key does not mark it
     if call is not None and any(type(v) is GRID for _, v in bound):
-        remember(fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
+        remember(fn, fn.bwds_plans, key, GridBackwardPlan.make(fn, key, bound, result, call))
     else:
-        remember(fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))
+        remember(fn, fn.bwds_plans, key, BackwardPlan.make(fn, key, bound, result, prior))

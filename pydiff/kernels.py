@@ -3,7 +3,7 @@ the fast path of a few ops and the optimizers, where SlangPy's generated per-ele
 kernels leave too much speed behind (typed float4 loads, register blocking).
 
 Each device owns one ``KernelCache`` (``device.kernels``); it takes SlangPy buffers, not
-pydiff tensors, so it sits below them.
+pydiff tensors, so it sits below them. Kernels are built outside the lock dispatches take.
 
     k = device.kernels.get("ops/matmul.slang", "mm_nt", M=256, N=64, K=64, RB=4, CB=8, TG=32)
     device.kernels.dispatch(k, 512, a=x_buffer, b=w_buffer, bias=b_buffer, c=out, beta=0.0)
@@ -140,6 +140,7 @@ class KernelCache:
         # Threads share the kernels and bound objects: the lock keeps a lookup from racing an
         # eviction, and a bound object's uniforms from being set by two threads at once.
         self._lock = threading.RLock()
+        self._building = threading.Lock()  # (kernels are built under it, not under ``_lock``)
 
     def get(self, file: str, entry: str, **defines: int) -> Any:
         """The compute kernel ``entry`` of shaders/``file`` with ``defines``, built once (the
@@ -167,17 +168,20 @@ class KernelCache:
                 self._sorted.clear()
             self._sorted[fast] = key
         with self._lock:
-            return key, self._get(key, file, entry, defines)
-
-    def _get(self, key: tuple, file: str, entry: str, defines: dict) -> Any:
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = self._kernels[key] = self._build(file, entry, defines)
-            while len(self._kernels) > KERNELS_MAX:
-                self._evict(*self._kernels.popitem(last=False))
-        else:
-            self._kernels.move_to_end(key)
-        return kernel
+            kernel = self._kernels.get(key)
+            if kernel is not None:
+                self._kernels.move_to_end(key)
+                return key, kernel
+        # (not under _lock, which every dispatch takes inside the queue's lock: a build there
+        with self._building:  # stalled every thread's kernels for the compile, 50-500 ms)
+            kernel = self._kernels.get(key)  # (another thread's build, meanwhile)
+            if kernel is None:
+                kernel = self._build(file, entry, defines)
+                with self._lock:
+                    self._kernels[key] = kernel
+                    while len(self._kernels) > KERNELS_MAX:
+                        self._evict(*self._kernels.popitem(last=False))
+        return key, kernel
 
     def sizes(self) -> dict[str, int]:
         """How much each cache holds: kernels, bound objects and the bytes of their buffers."""

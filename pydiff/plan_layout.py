@@ -2,7 +2,7 @@
 plans, bounded.
 
     key = layout_key(args, kwargs)      # None: a call no plan covers
-    remember(fn.plans, key, plan)       # the oldest dropped past PLANS_MAX
+    remember(fn, fn.plans, key, plan)   # the oldest dropped past PLANS_MAX; empty_cache: all
 """
 
 from __future__ import annotations
@@ -42,13 +42,22 @@ def layout_key(args: tuple, kwargs: dict) -> tuple | None:
     return tuple(key)
 
 
-def remember(plans: dict, key: tuple | None, plan: Any) -> None:
-    """Keep ``plan`` for ``key`` (a layout the full path just ran), dropping the oldest."""
+def remember(fn: Any, plans: dict, key: tuple | None, plan: Any) -> None:
+    """Keep ``plan`` for ``key`` (a layout the full path just ran) in ``plans`` (``fn.plans``
+    or ``fn.bwds_plans``), dropping the oldest; ``empty_cache`` of ``fn``'s device drops all
+    of ``fn``'s plans (``forget_plans``: they hold compiled kernels)."""
     if key is None or plan is None:
         return
+    fn.module.device.on_empty_cache(fn, forget_plans)
     if len(plans) >= PLANS_MAX:
         try:
             plans.pop(next(iter(plans)), None)
         except (RuntimeError, StopIteration):  # another thread changed it meanwhile
             pass
     plans[key] = plan
+
+
+def forget_plans(fn: Any) -> None:
+    """Drop ``fn``'s call plans (``Device.empty_cache``): made again by the full path."""
+    fn.plans.clear()
+    fn.bwds_plans.clear()

@@ -18,11 +18,13 @@ instead of SlangPy's garbage signature and a crash at dispatch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import importlib
+import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import ENV_OFF, ENV_ON, env_choice
 
@@ -166,3 +168,25 @@ def load_slangpy() -> Any:
 
 
 load_slangpy()  # on import: ``pydiff/__init__.py`` imports this module before any other
+
+
+@contextlib.contextmanager
+def quiet_native_output() -> Iterator[None]:
+    """Silence the C++ layer's prints (a device opening: backends expected to fail print)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+    except (OSError, ValueError):  # no real file descriptors (e.g. some notebooks)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
