@@ -1,0 +1,61 @@
+"""Session 51, break51: a demanding user at the ops, optimizers and transforms.
+
+Every reference is independent: NumPy float64 closed forms, central finite differences in
+float64, or PyTorch float64 (skipped where PyTorch is not installed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydiff
+from pydiff import ops
+
+# float64 references meet log(0) and the like on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+SUBNORMALS = np.array([1e-45, 1e-42, 3e-40, 1e-39, 5e-39, 1.1e-38], np.float32)
+
+
+@pytest.mark.parametrize("n", [6, 5000])  # a small call and a generated kernel's
+def test_log_of_subnormal_inputs(n):
+    """log of a subnormal float32 read the exponent field as a normal number's: log(1e-45)
+    was -88.03 (float64: -103.28), log(1e-39) -87.95 (-89.80)."""
+    x = np.resize(SUBNORMALS, n)
+    t = pydiff.tensor(x, requires_grad=True)
+    with pydiff.Tape() as tape:
+        y = ops.log(t)
+        loss = ops.sum(y)
+    tape.backward(loss)
+    want = np.log(x.astype(np.float64))
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
+    # the derivative 1/x, rounded to float32 (inf where it passes 3.4e38)
+    np.testing.assert_array_equal(t.grad.numpy(), (1.0 / x.astype(np.float64)).astype(np.float32))
+    value, slope = pydiff.jvp(ops.log, (pydiff.tensor(x),), (np.ones(n, np.float32),))
+    np.testing.assert_allclose(value.numpy(), want, rtol=1e-6)
+
+
+def test_log_near_the_smallest_normal_is_unchanged():
+    x = np.array([1.17549435e-38, 1.2e-38, 2e-38, 1e-30, 0.25, 3.0], np.float32)
+    got = ops.log(pydiff.tensor(x)).numpy()
+    np.testing.assert_allclose(got, np.log(x.astype(np.float64)), rtol=1e-6)
+    assert ops.log(pydiff.tensor(np.float32([0.0]))).numpy()[0] == -np.inf
+
+
+@pytest.mark.parametrize(
+    "labels, kind",
+    [
+        (["a", "b"], TypeError),
+        (np.array([1 + 0j, 2]), TypeError),
+        ([None, 1], TypeError),
+        (np.array([1, 2], dtype=object), TypeError),
+        ([[1], [2, 3]], ValueError),
+    ],
+)
+def test_cross_entropy_labels_that_are_not_indices_are_named(labels, kind):
+    """Text, complex, None and ragged labels raised NumPy's own errors ("ufunc 'isfinite' not
+    supported for the input types", "inhomogeneous shape"), not one naming the labels."""
+    z = pydiff.tensor(np.float32([[1, 2, 3], [0, 0, 0]]))
+    with pytest.raises(kind, match="cross_entropy: labels"):
+        ops.cross_entropy(z, labels)
