@@ -59,3 +59,13 @@ def test_cross_entropy_labels_that_are_not_indices_are_named(labels, kind):
     z = pydiff.tensor(np.float32([[1, 2, 3], [0, 0, 0]]))
     with pytest.raises(kind, match="cross_entropy: labels"):
         ops.cross_entropy(z, labels)
+
+
+@pytest.mark.parametrize("x", [np.ones((2, 3), np.float32), 1.5])
+def test_linear_names_the_shapes_it_takes_for_x(x):
+    """A NumPy x or a 0-d tensor was told "x must be a 2-D float tensor", though linear takes
+    (in,) and (..., in) as PyTorch does."""
+    w = pydiff.tensor(np.ones((2, 3), np.float32))
+    arg = pydiff.tensor(np.float32(x)) if isinstance(x, float) else x
+    with pytest.raises(ValueError, match=r"x must be a float tensor of shape \(in,\) or"):
+        ops.linear(arg, w)
