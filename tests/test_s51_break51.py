@@ -69,3 +69,12 @@ def test_linear_names_the_shapes_it_takes_for_x(x):
     arg = pydiff.tensor(np.float32(x)) if isinstance(x, float) else x
     with pytest.raises(ValueError, match=r"x must be a float tensor of shape \(in,\) or"):
         ops.linear(arg, w)
+
+
+@pytest.mark.parametrize("exponent", [float("inf"), float("nan"), np.float64(-np.inf)])
+def test_power_by_a_non_finite_exponent_is_refused_by_name(exponent):
+    """x ** inf raised Python's "cannot convert float infinity to integer" (OverflowError),
+    x ** nan "cannot convert float NaN to integer", from inside pydiff."""
+    x = pydiff.tensor(np.float32([1.0, 2.0]))
+    with pytest.raises(NotImplementedError, match=r"x \*\* -?(inf|nan): pydiff has integer"):
+        x**exponent
