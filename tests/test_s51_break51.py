@@ -6,6 +6,8 @@ float64, or PyTorch float64 (skipped where PyTorch is not installed).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -152,3 +154,17 @@ def test_fused_head_backward_has_the_two_kernels_bits_for_any_upstream(monkeypat
     p[np.arange(48), labels] -= 1.0
     dz = 0.3 * p / 48
     np.testing.assert_allclose(fused[1], dz.T @ x.astype(np.float64), rtol=1e-4, atol=1e-7)
+
+
+def test_sum_is_the_exact_sum_rounded_once_up_to_a_chunk():
+    """ops.sum adds in double: up to 256 elements (one chunk) the result is the exact sum
+    (math.fsum) rounded to float32 once; past it, within 2^-24 sum|x| per pass (two here)."""
+    rng = np.random.default_rng(51)
+    for n in (3, 8, 9, 255, 256, 257, 4097):
+        x = (rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n))).astype(np.float32)
+        got = ops.sum(pydiff.tensor(x)).item()
+        exact = math.fsum(x.astype(np.float64))
+        if n <= 256:
+            assert got == float(np.float32(exact)), n
+        else:
+            assert abs(got - exact) <= 2 * 2.0**-24 * np.abs(x.astype(np.float64)).sum(), n
