@@ -123,7 +123,9 @@ def with_cross_entropy(logits: Any, labels: Any, lse: Any, loss: Any) -> bool:
     buffers = held.buffers + [("labels", labels.buffer), ("lse", lse.buffer), ("loss", loss.buffer)]
     try:
         kernel = held.plan.fused_kernel(held.kernels)
-        held.kernels.dispatch_split(kernel, held.plan.threads, buffers, held.scalars)
+        # (the mean divides by the uniform ce_rows, as ce_forward by B: not by the constant)
+        scalars = held.scalars + [("ce_rows", shape[0])]
+        held.kernels.dispatch_split(kernel, held.plan.threads, buffers, scalars)
     except BaseException:  # (claimed, not recorded: the product as issued, then the error)
         held.kernels.dispatch_split(held.kernel, held.plan.threads, held.buffers, held.scalars)
         raise

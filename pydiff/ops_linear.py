@@ -208,6 +208,10 @@ def linear(
         raise ValueError(f"linear: activation={activation!r}; expected one of {ACTIVATIONS}")
     if isinstance(x, Tensor) and len(x.shape) != 2 and len(x.shape) >= 1:
         return _linear_rows(x, weight, bias, activation)
+    if not isinstance(x, Tensor) or not x.shape:  # ("must be a 2-D float tensor" misled)
+        need_float("linear", x=x)
+        got = x.shape if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"linear: x must be a float tensor of shape (in,) or (..., in), got {got}")
     need_2d("linear", x=x, weight=weight)
     need_float("linear", bias=bias)
     same_device("linear", x=x, weight=weight, bias=bias)

@@ -292,7 +292,10 @@ def cross_entropy(logits: Tensor, labels: Any) -> Tensor:
         # outside the logits' rows).
         capturing.on_replay(lambda: _check_labels(labels, logits.shape))
         return _CrossEntropy.apply(logits, labels)
-    lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    try:
+        lab = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    except ValueError as e:  # (ragged lists)
+        raise ValueError(f"cross_entropy: labels are not an array of class indices: {e}") from None
     _check_label_values(lab, logits.shape)
     # (uploaded to a new buffer, which a head product held for these logits neither reads nor
     # writes: it stays held, for the loss to finish it: pydiff.head_fusion)
@@ -311,6 +314,10 @@ def _check_labels(labels: Tensor, logits_shape: tuple) -> None:
 
 
 def _check_label_values(lab: np.ndarray, logits_shape: tuple) -> None:
+    if lab.dtype.kind not in "biuf":  # (strings, objects, complex: numpy's isfinite raised)
+        raise TypeError(
+            f"cross_entropy: labels must be integer class indices, got {lab.dtype} values"
+        )
     if lab.size and not np.issubdtype(lab.dtype, np.integer):
         if not np.all(np.isfinite(lab)) or np.any(lab != np.round(lab)):
             raise ValueError(

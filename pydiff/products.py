@@ -183,9 +183,9 @@ def linear_backward_narrow(
     ]
     if mask is not None:
         buffers.append(("mask", mask.buffer))
-    kernels.dispatch_split(
-        kernel, n_in // 8, buffers, [("beta", 1.0)] + ([] if fixed else [("B", batch)])
-    )
+    scalars = [("beta", 1.0)] + ([] if fixed else [("B", batch)])
+    scalars += [("ce_rows", batch)] if cross_entropy is not None else []  # (a uniform: s51)
+    kernels.dispatch_split(kernel, n_in // 8, buffers, scalars)
     for t in (dx, dw, db):
         if t is not None:
             t.storage.wrote("linear_bwd_narrow")

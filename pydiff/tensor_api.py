@@ -195,7 +195,10 @@ def power(x: Tensor, exponent: Any) -> Tensor:
     x = _as_float(x)
     if exponent == 0.5:
         return ops.sqrt(x)
-    if exponent != int(exponent):
+    whole = isinstance(exponent, numbers.Integral) or (  # (int(inf): OverflowError)
+        np.isfinite(exponent) and exponent == int(exponent)
+    )
+    if not whole:
         raise NotImplementedError(
             f"x ** {exponent}: pydiff has integer exponents and 0.5; for x > 0 write "
             f"(x.log() * {exponent}).exp() (its derivative at 0 is not the limit)"
