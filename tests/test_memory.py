@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import buffer_pool, kernels
+from pydiff import bound_objects, buffer_pool, kernels
 
 # Ops + tape + AdamW on tiny tensors; prints {"rss": [...MB after each chunk], "sizes": ...}.
 LOOP = r"""
@@ -94,15 +94,15 @@ def test_training_loop_memory_is_flat(device):
     assert growth < 8.0, f"resident memory grew by {growth:.1f} MB over 1,000 steps: {rss}"
     assert late < 6.0, f"resident memory grew by {late:.1f} MB over the last 750 steps: {rss}"
     sizes = report["sizes"]
-    assert sizes["objects"] <= kernels.OBJECTS_MAX
-    assert sizes["object_bytes"] <= kernels.OBJECTS_MAX_BYTES
+    assert sizes["objects"] <= bound_objects.OBJECTS_MAX
+    assert sizes["object_bytes"] <= bound_objects.OBJECTS_MAX_BYTES
 
 
 # ---- each cache is bounded (in process, with the bounds lowered) ----
 
 
 def test_bound_objects_are_lru_bounded(device, monkeypatch):
-    monkeypatch.setattr(kernels, "OBJECTS_MAX", 8)
+    monkeypatch.setattr(bound_objects, "OBJECTS_MAX", 8)
     dev = device
     kernel = dev.kernels.get("ops/elementwise.slang", "relu4")
     dev.kernels.release_objects()
