@@ -168,10 +168,10 @@ def test_bounded_dict_keeps_most_recently_used():
 
 
 def test_device_memos_are_bounded(device):
-    from pydiff import device as device_module
+    from pydiff import device_state
 
     assert isinstance(device.scratch, buffer_pool.BoundedDict)
-    assert device.scratch.max_items == device_module.SCRATCH_MAX_ITEMS
+    assert device.scratch.max_items == device_state.SCRATCH_MAX_ITEMS
     made = [device.cached(("test_memory", k), lambda k=k: k * k) for k in range(1100)]
     assert made == [k * k for k in range(1100)]
     assert device.cached(("test_memory", 1099), lambda: -1) == 1099**2  # still cached
@@ -193,8 +193,8 @@ def test_device_memos_are_bounded(device):
 SHAPES = r"""
 import gc, json, os, sys
 import numpy as np
-from pydiff import buffer_pool, device as device_module
-device_module.SCRATCH_MAX_BYTES = 8 * 2**20
+from pydiff import buffer_pool, device_state
+device_state.SCRATCH_MAX_BYTES = 8 * 2**20
 buffer_pool.POOL_MAX_BYTES = 16 * 2**20
 import pydiff
 
