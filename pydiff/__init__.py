@@ -57,9 +57,9 @@ from .module import (
     Module,
     OverloadedFunction,
     ShaderFunction,
-    load_module,
     load_module_from_source,
 )
+from .module_files import load_module
 from .forward_mode import ForwardFunction
 from .policy import ZeroPolicy, get_zero_policy, set_zero_policy, zero_policy
 from .signature import ParamInfo, Signature

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from . import backward_failures, broadcast_grad, generated_calls, loop_bounds, written_mask
-from . import capturing, generated_hold
+from . import capture_refusals, generated_hold
 from .grad_restore import GradSnapshot, may_count, may_overflow
 from .arguments import (
     MISSING,
@@ -121,7 +121,7 @@ def backward_call(
     run = plan is not None and not tried
     if run and plan.run(fn, args, kwargs.get("_result", MISSING)) is not DECLINED:
         return
-    capturing.refuse_full_path(fn.bwds_label, plan is not None, capturing.FIRST_BWDS)
+    capture_refusals.refuse_full_path(fn.bwds_label, plan is not None, capture_refusals.FIRST_BWDS)
     # Deferred kernels go first (a batch this joins is ordered by its own scope).
     generated_hold.flush_deferred(fn, kwargs.get("_result", MISSING))  # (a fusable one kept)
     label = fn.label

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capturing, generated
+from . import capture_refusals, capturing, generated
 from .arguments import resolve_error
 from .backward_scope import active_scope
 from .bwds_checks import upstream_arg
@@ -110,7 +110,7 @@ class BackwardPlan:
         if scope is not None and scope.device is not dev:
             return DECLINED  # (a scope running SlangPy's kernels at once)
         if capturing.recording() is not None:  # (a replay refuses deterministic mode)
-            capturing.planned_bwds(fn.bwds_label, self, launch, args, result)
+            capture_refusals.planned_bwds(fn.bwds_label, self, launch, args, result)
             capturing.check_on_replay(fn.bwds_label, off_at_capture, REPLAY_ADVICE)
         made = result.storage.made_by
         if made is not None and made[0] is fn and written_since(args, made):
@@ -150,7 +150,7 @@ class BackwardPlan:
             return None
         if launch is not None and self.numel >= generated.MIN_ELEMENTS:
             return DECLINED  # the full path counts why the kernel was declined
-        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
+        capture_refusals.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
         if native is None:
             native = plan_natives(fn, args, self.floats, self.numbers, dev)
         queue = dev.queue
@@ -191,7 +191,7 @@ class BackwardPlan:
             scope.before_accumulate(args[i], g, self.descs[i])
         if launch is not None and launch.run(fn, args, result.grad_in, grads):
             return None
-        capturing.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
+        capture_refusals.refuse_planned(fn.bwds_label, self, launch)  # (in a capture)
         if native is None:
             native = plan_natives(fn, args, self.floats, self.numbers, fn.module.device)
         for i in self.tensors:

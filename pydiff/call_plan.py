@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import slangpy as spy
 
-from . import capturing, generated, generated_switch, lint
+from . import capture_refusals, capturing, generated, generated_switch, lint
 from .arguments import MISSING, PLAIN, resolve_error
 from .call_shape import tensor_result, zero_d_call
 from .command_queue import DEFER
@@ -227,7 +227,7 @@ class ForwardPlan:
                 return DECLINED
             launch = None  # (these values: SlangPy's kernel)
         if launch is None and capturing.recording() is not None:
-            capturing.refuse_planned(fn.label, self, None, result)  # (SlangPy's kernel)
+            capture_refusals.refuse_planned(fn.label, self, None, result)  # (SlangPy's kernel)
         dev = self.device
         written = [args[i].storage for i in self.writes] if self.writes else []
         if self.result_tensor:

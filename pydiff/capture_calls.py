@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import capturing, forward_trace
+from . import capture_refusals, capturing, forward_trace
 from .backward_call import backward_call
 from .errors import CaptureError
 from .backward_scope import active_scope
@@ -45,7 +45,7 @@ def check_bwds(fn: FunctionTarget, refusal: str, args: tuple, kwargs: dict) -> N
     """Before ``fn.bwds(*args, **kwargs)``, in a capture: a library function's refused
     (``refusal``); a user's layout seen for the first time outside a tape's backward runs the
     full path unrecorded (``probe_bwds``), which makes its plan. The call then goes on to its
-    plan, which runs pydiff's kernel or refuses (capturing.planned_bwds)."""
+    plan, which runs pydiff's kernel or refuses (capture_refusals.planned_bwds)."""
     if capturing.recording() is None:
         return
     if library_call(fn):
@@ -91,10 +91,12 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
     if library_call(fn):
         capturing.refuse(f"calling {fn.label} through SlangPy")
     if forward_trace.active() is not None:
-        capturing.refuse_call(fn.label, "inside pydiff.jvp (its tangents run SlangPy's kernels)")
+        capture_refusals.refuse_call(
+            fn.label, "inside pydiff.jvp (its tangents run SlangPy's kernels)"
+        )
     key = layout_key(args, kwargs)
     if key is None:
-        capturing.refuse_call(fn.label, NOT_PLANNED)
+        capture_refusals.refuse_call(fn.label, NOT_PLANNED)
     kept: list = []
     if key not in fn.plans:
         # The full path, unrecorded and off any tape: it checks the call and makes the plan.
@@ -103,7 +105,7 @@ def forward(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
             forward_call(fn, args, kwargs)
     try:
         if key not in fn.plans:
-            capturing.refuse_call(
+            capture_refusals.refuse_call(
                 fn.label,
                 "no call plan covers it (in-place or inout parameters, aliased tensors, "
                 "struct or host arguments, overloads, a trap finding, a 0-d call, a large "

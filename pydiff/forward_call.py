@@ -37,7 +37,7 @@ from .signature import FunctionTarget, ParamInfo
 from .stale_reads import mark_made
 from .struct_grads import bind_struct_forward
 from .struct_values import read_tensors
-from . import capturing, foreign, generated_calls
+from . import capture_refusals, foreign, generated_calls
 from .forward_record import any_grad, record
 from .tape import active_tape
 from .tensor import Tensor
@@ -112,7 +112,7 @@ def forward_call(fn: FunctionTarget, args: tuple, kwargs: dict) -> Any:
             if plan.on_tape and (tape := active_tape()) is not None:
                 record(tape, fn, list(zip(plan.params, args)), {}, out, {}, key)
             return out
-    capturing.refuse_full_path(fn.label, plan is not None, "no call plan covers its layout")
+    capture_refusals.refuse_full_path(fn.label, plan is not None, "no call plan covers its layout")
     fn.module.device.queue.flush()  # kernels queued in a batched backward run first
     # Torch tensors (never in a plan's layout): torch tensors in, torch tensors out, autograd.
     if "torch" in sys.modules and (run := foreign.handler(args, kwargs)) is not None:

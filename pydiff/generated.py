@@ -25,7 +25,6 @@ import math
 from collections import Counter
 from typing import Any, Callable
 
-import numpy as np
 
 from . import broadcast_grad, generated_helpers, generated_switch
 from .backward_scope import backward_scope
@@ -38,6 +37,9 @@ from .generated_switch import check_switch as check_switch
 from .generated_switch import check_switch_planned as check_switch_planned
 from .generated_switch import enabled
 from .generated_switch import planned_after as planned_after
+from .generated_coverage import call_shape as call_shape
+from .generated_coverage import argument_kind, uncovered, uncovered_backward, uncovered_value
+from .generated_coverage import kinds_of as kinds_of
 from .generated_source import CHUNK, GROUP, backward_source, forward_source, fwds_source
 from .kernels import KERNELS_MAX
 from .signature import FunctionTarget
@@ -58,7 +60,6 @@ SMALL_COUNT, SMALL_GROUP = 64, 32
 #: ``PYDIFF_GENERATED_MIN_ELEMENTS=1`` (or pytest's ``--pydiff-generated=force``) sends every
 #: covered call this way.
 MIN_ELEMENTS = env_int("PYDIFF_GENERATED_MIN_ELEMENTS", 4096)
-_NUMBERS = (float, int, np.float32, np.float64)  # not bool: SlangPy's path decides
 STATS: Counter = Counter()  # calls per path (stats()); call plans count into it directly
 _lock = renewed_lock(globals(), "_lock")  # (new in a forked child)
 
@@ -105,72 +106,6 @@ def decline(kind: str, reason: str) -> None:
 def count(what: str) -> None:
     """Count a call that took the generated path in some way (``stats()``)."""
     STATS[what] += 1
-
-
-# --------------------------------------------------------------------------------------------
-# what the generator covers
-
-
-def call_shape(args: list, extra: tuple = ()) -> tuple[int, ...] | None:
-    """NumPy's broadcast of the tensor arguments' shapes (and ``extra`` shapes), or None."""
-    shapes = [v.shape for v in args if type(v) is Tensor] + list(extra)
-    try:
-        return tuple(np.broadcast_shapes(*shapes)) if shapes else None
-    except ValueError:
-        return None
-
-
-def _kind(value: Any, shape: tuple) -> str | None:
-    """``"t"`` a tensor of the call's shape, ``"s"`` a one-element tensor broadcast over it,
-    ``"n"`` a number; None: not covered."""
-    if type(value) is Tensor:
-        if value.shape == shape:
-            return "t"
-        if value.numel == 1 and len(value.shape) <= len(shape):
-            return "s"
-        return None
-    return "n" if type(value) in _NUMBERS else None
-
-
-def kinds_of(args: list, shape: tuple) -> tuple[str, ...]:
-    """The kernel's layout: each argument's kind (see ``_kind``); call after ``_uncovered``."""
-    return tuple(_kind(v, shape) or "?" for v in args)
-
-
-def _uncovered_value(fn: FunctionTarget, name: str, value: Any, shape: tuple) -> str | None:
-    kind = _kind(value, shape)
-    if kind is None:
-        if type(value) is Tensor:
-            return f"{name}: tensor of shape {value.shape}, neither the call's nor one element"
-        return f"{name}: {type(value).__name__} argument"
-    if kind != "n":
-        if value.device is not fn.module.device or value.dtype != "float":
-            return f"{name}: tensor of another device or dtype"
-        if not float4_ready(value):
-            return f"{name}: tensor not contiguous float4 storage"
-    return None
-
-
-def _uncovered(fn: FunctionTarget, args: list, shape: tuple) -> str | None:
-    """Why the call is not covered, or None when it is."""
-    sig = fn.signature
-    if not enabled():
-        return "PYDIFF_GENERATED=0"
-    if (reason := generated_helpers.left_to_slangpy(fn, True)) is not None:
-        return reason  # (trap findings, overloads: SlangPy picks by value, mutable statics)
-    if sig.return_type != "float":
-        return f"returns {sig.return_type}"
-    if len(args) != len(sig.params):
-        return "argument count"
-    for p, value in zip(sig.params, args):
-        if p.type_name != "float" or p.io != "in" or p.tensor_kind is not None or p.generic:
-            return f"parameter '{p.name}' is {p.io} {p.type_name}"
-        reason = _uncovered_value(fn, f"parameter '{p.name}'", value, shape)
-        if reason:
-            return reason
-    if not any(type(v) is Tensor and v.shape == shape for v in args):
-        return "no tensor argument of the call's shape"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +182,7 @@ def forward(
 def forward_kernel(fn: FunctionTarget, args: list, shape: Any, out: Tensor | None = None) -> Any:
     """The compiled forward kernel of ``args``' layout over ``shape`` (writing ``out``, when
     given), or None: not covered (the reason counted in ``stats()``)."""
-    reason = "tensor shapes do not broadcast" if shape is None else _uncovered(fn, args, shape)
+    reason = "tensor shapes do not broadcast" if shape is None else uncovered(fn, args, shape)
     if reason is None and out is not None:
         if not (type(out) is Tensor and out.shape == shape and float4_ready(out)):
             reason = "_result not contiguous float4 storage of the call"
@@ -310,7 +245,7 @@ def backward_kernel(fn: FunctionTarget, args: list, upstream: Tensor, grads: dic
     adding into each gradient buffer of the call's shape; ``scalars``: the broadcast ones),
     or None: not covered (the reason counted in ``stats()``)."""
     shape = tuple(upstream.shape) if type(upstream) is Tensor else ()
-    reason = _uncovered(fn, args, shape) or _uncovered_backward(fn, args, upstream, grads)
+    reason = uncovered(fn, args, shape) or uncovered_backward(fn, args, upstream, grads)
     if reason is not None:
         decline("backward", reason)
         return None
@@ -375,37 +310,6 @@ def partials_buffer(dev: Any, shape: tuple, ordinal: int) -> Any:
     return native if float4_layout(native, dev.typed_loads) else None
 
 
-def _uncovered_backward(
-    fn: FunctionTarget, args: list, upstream: Tensor, grads: dict[int, Tensor]
-) -> str | None:
-    if not fn.signature.differentiable:
-        return "not differentiable"
-    if not grads:
-        return "no gradient wanted"
-    dev = fn.module.device
-    if type(upstream) is not Tensor or upstream.device is not dev or upstream.dtype != "float":
-        return "upstream gradient not a float tensor of the device"
-    if not float4_ready(upstream):
-        return "upstream not contiguous float4 storage"
-    if any(not 0 <= i < len(args) or type(args[i]) is not Tensor for i in grads):
-        return "gradient wanted for a number"  # Python floats: SlangPy's path too
-    read = {id(upstream.storage)} | {id(v.storage) for v in args if type(v) is Tensor}
-    full = {id(g.storage) for i, g in grads.items() if args[i].shape == upstream.shape}
-    for i, g in grads.items():
-        if fn.signature.params[i].no_diff:
-            return f"gradient wanted for no_diff parameter '{fn.signature.params[i].name}'"
-        if type(g) is not Tensor or g.device is not dev or g.dtype != "float":
-            return "gradient buffer not a float tensor of the device"
-        if id(g.storage) in read:
-            return "gradient buffer shared with a value the call reads"
-        if args[i].shape != upstream.shape:  # broadcast: reduce_into adds into its grad_out
-            if g is not args[i].grad_out or id(g.storage) in full:
-                return "broadcast gradient not the parameter's own buffer"
-        elif g.shape != upstream.shape or not float4_ready(g):
-            return "gradient buffer not contiguous float4 storage of the call"
-    return None
-
-
 def fwds(
     fn: FunctionTarget, args: list, tangents: list, shape: tuple | None = None
 ) -> tuple[Tensor, Tensor] | None:
@@ -415,7 +319,7 @@ def fwds(
     shape = (
         call_shape(args + [t for t in tangents if type(t) is Tensor]) if shape is None else shape
     )
-    reason = "tensor shapes do not broadcast" if shape is None else _uncovered(fn, args, shape)
+    reason = "tensor shapes do not broadcast" if shape is None else uncovered(fn, args, shape)
     if reason is None and not fn.signature.differentiable:
         reason = "not differentiable"
     for p, t in zip(fn.signature.params, tangents):
@@ -423,13 +327,13 @@ def fwds(
             if p.no_diff:
                 reason = f"tangent for no_diff parameter '{p.name}'"
             else:
-                reason = _uncovered_value(fn, f"tangent of '{p.name}'", t, shape)
+                reason = uncovered_value(fn, f"tangent of '{p.name}'", t, shape)
     if reason is not None:
         decline("fwds", reason)
         return None
     dev = fn.module.device
     kinds = kinds_of(args, shape)
-    tkinds = tuple("z" if t is None else _kind(t, shape) or "?" for t in tangents)
+    tkinds = tuple("z" if t is None else argument_kind(t, shape) or "?" for t in tangents)
     group = _group(math.prod(shape))
     paired = dev.kernels.paired_stores
     key = (fn, "fwds", kinds, tkinds, dev.typed_loads, group, paired)

@@ -12,10 +12,7 @@ pydiff tensors, so it sits below them. Kernels are built outside the lock dispat
 from __future__ import annotations
 
 import hashlib
-from math import copysign
-from operator import is_, itemgetter
 import threading
-import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -23,23 +20,10 @@ from typing import Any, Callable
 import slangpy as spy
 
 from . import capturing
+from .bound_objects import BoundObjects, HeldObject
 from .command_queue import CommandQueue
 from .errors import PydiffError, env_choice, env_int
 
-# Root shader objects with the buffers of recent dispatches bound, for reuse: binding by
-# keyword builds a new object each time (about half of a dispatch's 30-45 us on the CPU). An
-# object keeps its buffers' device memory alive, so a key of buffer handles cannot match a
-# different, newer buffer; only small buffers are kept this way. Both caches are LRU and
-# bounded: a buffer that died (a temporary of one step) never matches again, so without a
-# bound its objects would pile up (about 11 KB each on lavapipe, plus the buffers they pin).
-# A training step's working set is far below these counts; a miss costs one object (~15 us).
-OBJECTS_MAX = 512
-OBJECTS_MAX_BYTES = 64 << 20
-OBJECT_MAX_BUFFER = 4 << 20
-# A caller that dispatches the same buffers again and again (an optimizer: parameters,
-# gradients, state) may keep the object of a dispatch site itself (``dispatch(held=[])``),
-# for buffers of any size, replaced when the buffers change: without it, a 10M-parameter
-# AdamW step rebuilt its 28-buffer object every step (about 150 us of host time on CUDA).
 # Compiled kernels are specialised per layout, not per batch size (matmul's N and its blocking;
 # M and K are uniforms): a loop over changing layer widths compiles new ones; the least
 # recently used beyond this many are dropped (rebuilt on demand), and their memory with them.
@@ -127,8 +111,8 @@ class KernelCache:
         self.chunk = float4_chunk(native_device.info.adapter_name)
         self._kernels: OrderedDict = OrderedDict()
         self._sorted: dict = {}
-        self._objects: OrderedDict = OrderedDict()
-        self._held_sites: weakref.WeakSet = weakref.WeakSet()  # (new_held's)
+        #: The shader objects bound for recent dispatches, kept for reuse (under ``_lock``).
+        self.bound_objects = BoundObjects(native_device)
         #: Callers' memos of which kernel a call takes (``products.fast_product``'s plans):
         #: falsy (no kernel fits) or a tuple led by its kernel's key, dropped with it (``_evict``).
         self.plans: dict = {}
@@ -136,7 +120,6 @@ class KernelCache:
         #: take their sizes as constants (no kernels held: they outlive evictions).
         self.shape_uses: dict = {}
         self.fixed_shapes: set = set()
-        self._objects_bytes = 0
         # Threads share the kernels and bound objects: the lock keeps a lookup from racing an
         # eviction, and a bound object's uniforms from being set by two threads at once.
         self._lock = threading.RLock()
@@ -187,8 +170,8 @@ class KernelCache:
         """How much each cache holds: kernels, bound objects and the bytes of their buffers."""
         return {
             "kernels": len(self._kernels),
-            "objects": len(self._objects),
-            "object_bytes": self._objects_bytes,
+            "objects": len(self.bound_objects.entries),
+            "object_bytes": self.bound_objects.bytes,
         }
 
     def _build(self, file: str, entry: str, defines: dict[str, int]) -> Any:
@@ -224,102 +207,12 @@ class KernelCache:
             ) from None
         return self.native.create_compute_kernel(program)
 
-    def _bound_object(
-        self, kernel: Any, buffers: list, scalars: list, held: Any, held_max: int | None = None
-    ) -> Any:
-        if held and held[0][0] is kernel and _same_objects(held[2], buffers):
-            entry = held[1]  # the very buffer objects of its last dispatch: no handles to read
-        else:
-            entry = self._new_or_cached_object(kernel, buffers, held, held_max)
-            if entry is None:
-                return None
-        root, cursor, _, last, fields = entry
-        # Uniforms are copied when the dispatch is recorded; setting one costs 1.3-1.7 us, so
-        # only those that changed since this object's last dispatch are set (an optimizer
-        # step changes 2 of its 16). The object holds exactly ``last``'s values. A changed
-        # one is written through its field's cursor, found once (``cursor[name] = value``
-        # looks the name up in Slang's reflection each time: 1.8 against 0.5 us).
-        if last is None or len(last) != len(scalars):
-            for name, value in scalars:
-                cursor[name] = value
-        else:
-            for item, old in zip(scalars, last):
-                if item is old:
-                    continue  # (the very pair: the same name, value, type and sign)
-                value, was = item[1], old[1]
-                # Unchanged: an equal pair (one C comparison; NaN never equal), one type (1, 1.0,
-                # True bind apart), a float zero's sign (0.0 == -0.0). Inline: 3.5 -> 1.7 us/22.
-                if (
-                    item == old
-                    and type(value) is type(was)
-                    and (
-                        value
-                        or type(value) is not float
-                        or copysign(1.0, value) == copysign(1.0, was)
-                    )
-                ):
-                    continue
-                field = fields.get(item[0])
-                if field is None:
-                    field = fields[item[0]] = cursor[item[0]]
-                field.write(value)
-        entry[3] = scalars
-        return root
-
-    def _new_or_cached_object(
-        self, kernel: Any, buffers: list, held: Any, held_max: int | None
-    ) -> Any:
-        """The object entry ``[root, cursor, bytes, last scalars, field cursors]`` binding
-        ``buffers``: the held one or the cache's if it binds the same handles, else a new one
-        (kept in ``held`` or the cache); a buffer past ``held_max`` makes it the cache's; None
-        where it may not be kept (a buffer past ``OBJECT_MAX_BUFFER``, outside ``held``)."""
-        if held is not None and held_max is not None:
-            if any(b.size > held_max for _, b in buffers):
-                held.clear()  # (its object would pin the buffers it binds)
-                held = None  # too large for the site to keep: the shared cache's rules
-        if held is not None and held and held[0][0] is kernel and len(held[2]) == len(buffers):
-            # The site's object, its changed buffers bound again (a new result per call):
-            # bindings are copied when a dispatch is recorded, as its uniforms are, and this
-            # costs a fraction of a new object. (No key: a site's is its kernel alone.)
-            entry = held[1]
-            cursor = entry[1]
-            for (name, buffer), old in zip(buffers, held[2]):
-                if buffer is not old and buffer.native_handle.value != old.native_handle.value:
-                    cursor[name] = buffer
-            held[2] = [b for _, b in buffers]
-            return entry
-        # The kernel itself is in the key (not its id): an evicted kernel's id may be reused.
-        key = (kernel, *[b.native_handle.value for _, b in buffers])  # (a list: no generator)
-        entry = self._objects.get(key)
-        if entry is not None:
-            self._objects.move_to_end(key)
-            return entry
-        if held is None and any(b.size > OBJECT_MAX_BUFFER for _, b in buffers):
-            return None
-        size = sum({id(b): b.size for _, b in buffers}.values())
-        root = self.native.create_root_shader_object(kernel.program)
-        cursor = spy.ShaderCursor(root).find_entry_point(0)
-        for name, buffer in buffers:
-            cursor[name] = buffer
-        entry = [root, cursor, size, None, {}]
-        if held is not None:
-            # (the object of replaced buffers goes at once; the buffers themselves are kept
-            # to recognise them: the object holds them anyway)
-            held[:] = [key, entry, [b for _, b in buffers]]
-        else:
-            self._objects[key] = entry
-            self._objects_bytes += size
-            while self._objects_bytes > OBJECTS_MAX_BYTES or len(self._objects) > OBJECTS_MAX:
-                self._objects_bytes -= self._objects.popitem(last=False)[1][2]
-        return entry
-
     def _evict(self, key: tuple, kernel: Any) -> None:
         """Forget an evicted kernel's bound objects and plans (other plans stay: past
         ``KERNELS_MAX`` kernels only the evicted one's products are planned again)."""
         for name in [k for k, plan in self.plans.items() if plan and plan[0] == key]:
             del self.plans[name]
-        for name in [k for k in self._objects if k[0] is kernel]:  # (they keep it alive)
-            self._objects_bytes -= self._objects.pop(name)[2]
+        self.bound_objects.forget(kernel)  # (they keep it alive)
 
     def new_held(self) -> HeldObject:
         """A list for ``dispatch(held=)`` that ``release_objects`` (``empty_cache``) empties,
@@ -327,19 +220,14 @@ class KernelCache:
 
         >>> launch.held = device.kernels.new_held()
         """
-        held = HeldObject()
         with self._lock:
-            self._held_sites.add(held)
-        return held
+            return self.bound_objects.new_held()
 
     def release_objects(self) -> None:
         """Drop the cached shader objects and those of ``new_held``'s lists (and the device
         memory they keep alive)."""
         with self._lock:
-            for held in list(self._held_sites):
-                held.clear()
-            self._objects.clear()
-            self._objects_bytes = 0
+            self.bound_objects.release()
 
     def release(self) -> None:
         """Drop the compiled kernels (and their Slang sessions: their memory), the plans
@@ -367,7 +255,7 @@ class KernelCache:
         host read, write and SlangPy call makes), holding the bound buffers until then.
         ``dynamic`` returns uniforms that may change from step to step (a captured step
         re-reads them on replay); they are bound now too. ``held``: a list the caller keeps
-        for this dispatch site, holding its bound object (see ``OBJECT_MAX_BUFFER``)."""
+        for this dispatch site, holding its bound object (see ``bound_objects``)."""
         if dynamic is not None:
             bindings.update(dynamic())
         buffers, scalars = [], []
@@ -425,7 +313,7 @@ class KernelCache:
         held_max: int | None = None,
     ) -> None:
         with self._lock:
-            root = self._bound_object(kernel, buffers, scalars, held, held_max)
+            root = self.bound_objects.bound(kernel, buffers, scalars, held, held_max)
             if root is None:
                 kernel.dispatch([threads, 1, 1], command_encoder=encoder, **dict(buffers + scalars))
                 return
@@ -433,18 +321,3 @@ class KernelCache:
             compute.bind_pipeline(kernel.pipeline, root)
             compute.dispatch([threads, 1, 1])
             compute.end()
-
-
-class HeldObject(list):
-    """A dispatch site's bound object, as ``dispatch(held=)`` keeps it (an empty list until the
-    first dispatch); ``KernelCache.release_objects`` empties those it handed out."""
-
-    __slots__ = ("__weakref__",)
-    __eq__ = object.__eq__  # (kept in a WeakSet: by identity, as two empty lists are equal)
-    __hash__ = object.__hash__
-
-
-def _same_objects(kept: list, buffers: list) -> bool:
-    """``buffers`` binds exactly the buffer objects ``kept``, in order."""
-    # (C loops: the optimizer's site binds 28 buffers)
-    return len(kept) == len(buffers) and all(map(is_, kept, map(itemgetter(1), buffers)))

@@ -23,7 +23,8 @@ from . import finite_diff as fd
 from . import tensorcheck, tensorcheck_entries
 from .device import Device, resolve_device
 from .file_argument import existing_file
-from .module import OverloadedFunction, ShaderFunction, load_module
+from .module import OverloadedFunction, ShaderFunction
+from .module_files import load_module
 from .creation import tensor as make_tensor
 from .sampling import Layout, value_shape
 from .check_rows import CheckResult, forward_row, worst_row

@@ -12,7 +12,6 @@ import hashlib
 import re
 import weakref
 import warnings
-from pathlib import Path
 from typing import Any
 
 import slangpy as spy
@@ -159,78 +158,17 @@ class Module:
         return f"<pydiff.Module {self.name} from {self.file} on {self.device.type}>"
 
 
-def _find_file(path: str | Path, device: Device) -> Path:
-    p = Path(path)
-    searched = []
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
-    if not p.is_absolute():
-        candidates += [Path(d) / p for d in device.native.desc.compiler_options.include_paths]
-        candidates.append(shader_dir() / p)
-    for c in candidates:
-        searched.append(str(c))
-        if c.is_file():
-            return c.resolve()
-    raise FileNotFoundError(
-        f"Slang module '{path}' not found; searched:\n  " + "\n  ".join(dict.fromkeys(searched))
-    )
-
-
 # `import pydiff;` as Slang reads it: a statement wherever it stands (after another on the
 # same line too), not in a comment (blanked first); `import "pydiff.slang";` alike.
-_IMPORTS_PYDIFF = re.compile(r'(?<![\w.])import\s+(?:pydiff|"pydiff(?:\.slang)?")\s*;')
+IMPORTS_PYDIFF = re.compile(r'(?<![\w.])import\s+(?:pydiff|"pydiff(?:\.slang)?")\s*;')
 
 
-def _links(source: str, dev: Device) -> list:
+def links(source: str, dev: Device) -> list:
     """Modules SlangPy must import into its generated kernels: pydiff's library when the
     source imports it (its types, e.g. FwdDiffTensor, appear in the kernel's parameters)."""
-    if not _IMPORTS_PYDIFF.search(lint_macros.blank_comments(source)):
+    if not IMPORTS_PYDIFF.search(lint_macros.blank_comments(source)):
         return []
     return [dev.library]
-
-
-def load_module(
-    path: str | Path, device: Device | str | None = None, *, lint: bool = True
-) -> Module:
-    """Load a ``.slang`` file: a path, or a name on the device's include paths. Loading it
-    again after an edit compiles the new text (under a fresh module name); an edited file it
-    imports is refused (Slang keeps the first copy of an imported module).
-
-    >>> m = pydiff.load_module("samples/polynomial.slang")
-    >>> y = m.polynomial(2.0, 8.0, -1.0, x, _result="tensor")
-    """
-    dev = resolve_device(device)
-    file = _find_file(path, dev)
-    if file.parent != shader_dir():
-        module_session.check_name(file.stem, f"pydiff.load_module({str(path)!r})")
-    source = file.read_text(encoding="utf-8", errors="replace")
-    module_session.check_imports(source, str(file), dev)
-    now = module_session.digest(source)
-    held = module_session.compiled_digest(dev, str(file))
-    # The same text loaded again is the same module (each new one held ~1 MB of kernels and
-    # reflection: a loop that reloads an unchanged file grew without bound).
-    loaded = dev.cached(("pydiff.load_module", str(file), now, bool(lint)), list)
-    if loaded:
-        return loaded[0]
-    if held is None or held == now:
-        try:
-            native = spy.Module.load_from_file(dev.native, str(file), link=_links(source, dev))
-        except spy.SlangCompileError as exc:
-            raise slang_compile.compile_error(exc, str(file), None, source=source) from None
-        module_session.record(dev, str(file), now)
-        spec = '"' + str(file).replace("\\", "/") + '"'
-        loaded[:] = [Module(native, dev, file.stem, source, str(file), spec, lint)]
-        return loaded[0]
-    # Edited since the session compiled it: the session keeps that copy under the file's path
-    # and name, so the new text gets its own (a neighbouring path: its imports resolve alike).
-    fresh = f"{file.stem}__pydiff_v{now[:12]}"
-    alias = str(file.with_name(fresh + ".slang"))
-    try:
-        slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
-    except spy.SlangCompileError as exc:
-        raise slang_compile.compile_error(exc, str(file), None, alias, source) from None
-    native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
-    loaded[:] = [Module(native, dev, file.stem, source, str(file), fresh, lint, slang_module)]
-    return loaded[0]
 
 
 def load_module_from_source(name: str, source: str, device: Device | str | None = None) -> Module:
@@ -246,7 +184,7 @@ def load_module_from_source(name: str, source: str, device: Device | str | None 
     module_session.check_name(name, f"pydiff.load_module_from_source({name!r}, ...)")
     dev = resolve_device(device)
     module_session.check_imports(source, f"<{name}>", dev)
-    native = slang_compile.load_source(dev.native, name, source, _links(source, dev))
+    native = slang_compile.load_source(dev.native, name, source, links(source, dev))
     return Module(native, dev, name, source, f"<{name}>", name)
 
 

@@ -24,8 +24,9 @@ from .grad_restore import restoring
 from .errors import TapeReuseWarning, env_flag, warn_once
 from .seeds import KeptEnter, device_seed, fusable_forward, prepare_one, seed_upstream
 from .seeds import host_seed, tensor_seed
+from .tape_reads import Forgotten, check_reads
 from .tensor import Tensor
-from .unrecorded import check_versions, copied_from, marked_refusal, not_recorded
+from .unrecorded import check_versions, marked_refusal, not_recorded
 from .unrecorded import overwritten_refusal
 
 # PYDIFF_TAPE_BATCH=0 submits each backward kernel on its own (for measurements).
@@ -50,37 +51,6 @@ class suspend_recording:
 
     def __exit__(self, *exc: Any) -> None:
         _active_tape.reset(self._token)
-
-
-class Forgotten:
-    """The producer of tensors whose recording a tape forgot (``backward(...,
-    retain_graph=False)``, ``reset()``): a backward from them is refused, and a tape that
-    reads one of those results (or a view of one) warns that no gradient flows past it."""
-
-    def __init__(self, why: str, results: Sequence[Tensor] = ()) -> None:
-        self.why = why
-        # The results themselves, weakly, by id checked by identity (tensors refuse ==): a
-        # new leaf made from their values (``detach()`` shares the storage, and so this
-        # producer) is a leaf on purpose.
-        self._results = {id(t): weakref.ref(t) for t in results}
-
-    def made(self, t: Tensor) -> bool:
-        """Whether ``t`` is one of the forgotten results or a view of one."""
-        for candidate in (t, t.base):
-            held = self._results.get(id(candidate)) if candidate is not None else None
-            if held is not None and held() is candidate:
-                return True
-        return False
-
-    def refusal(self, where: str) -> RuntimeError:
-        return RuntimeError(
-            f"{where}: the tensor was made by calls whose recording was forgotten by "
-            f"{self.why}; record the calls again on a tape (tape.backward's retain_graph=True, "
-            "the default, keeps a recording for another backward)"
-        )
-
-    def backward(self, output: Tensor, grad: Any = None, *, retain_graph: bool = True) -> None:
-        raise self.refusal("backward()")
 
 
 @dataclass
@@ -167,36 +137,7 @@ class Tape:
         ``overwritten``: written tensors that held values before the call (in place, or given
         as an output); those this tape did not produce keep their gradients across backwards."""
         reads = [(r[0], r[1], r[2] if len(r) > 2 else r[1].storage.version) for r in reads]
-        for desc, t, _ in reads:
-            producer = t.storage.producer  # (Tensor.producer's, without its call)
-            if producer is None or producer is self:
-                pass
-            elif type(producer) is Forgotten and t.requires_grad and producer.made(t):
-                warn_once(
-                    f"{desc} was made by calls whose recording was forgotten by "
-                    f"{producer.why}: the gradient stops at it (it gets one; what it was "
-                    "made from gets none). Record those calls on this tape, or pass "
-                    "t.detach() to mean a constant"
-                )
-            elif (
-                type(producer) is Tape
-                and not self.reads_other_tapes
-                and t.requires_grad
-                and producer.made(t)
-            ):
-                warn_once(
-                    f"{desc} was made by a call recorded on another tape: this tape's backward "
-                    "gives it a gradient and stops there (what it was made from gets none). "
-                    "Record those calls on this tape, pass t.detach() to mean a constant, or "
-                    "chain the backwards yourself (other_tape.backward(t, grad=t.grad) after "
-                    "this one; Tape(reads_other_tapes=True) says so and does not warn)"
-                )
-            if (copied := copied_from(t)) is not None:  # (also through unrecorded calls)
-                raise RuntimeError(
-                    f"{label}: {desc} holds {copied}, so no gradient would "
-                    "reach what they were copied from: use src.clone() (recorded) or copy from "
-                    "src.detach() to mean a constant"
-                )
+        check_reads(self, label, reads)
         entry = _Entry(
             len(self._entries) + 1,
             label,

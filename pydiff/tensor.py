@@ -14,20 +14,19 @@ from typing import Any, Callable
 import numpy as np
 import slangpy as spy
 
-from . import capturing, forward_trace, staging, temporary_copies, tensor_methods
+from . import capturing, forward_trace, temporary_copies, tensor_methods
 from .device import Device
 from .grad_buffers import GradBuffers, view_of
 from .policy import ZeroPolicy
 from .seeds import seed_values
-from .storage import COPY_FROM_GRAPH, Storage, allocate, element_shape, host_cast, upload_numpy_type
-from .storage import ZEROED, dims, float4_layout, has_c_strides, read_back
-from .storage import bool_words, layout_element, shape_with_inferred_axis, type_name
-from .exact_ints import refuse_rounded_list
+from .storage import ZEROED, Storage, allocate, dims, float4_layout, layout_element
+from .storage import shape_with_inferred_axis, type_name
 from .handles import handed_out, owner
-from .tensor_operators import TensorOperators, copy_refusal
+from .tensor_operators import TensorOperators
+from .tensor_transfers import TensorTransfers
 
 
-class Tensor(GradBuffers, TensorOperators):
+class Tensor(GradBuffers, TensorOperators, TensorTransfers):
     """A tensor on a device with optional gradient buffers ``grad_in`` and ``grad_out``.
 
     ``grad_in`` holds the upstream gradient a backward reads for values the call wrote;
@@ -204,92 +203,6 @@ class Tensor(GradBuffers, TensorOperators):
             f"pydiff.Tensor({tensor_methods.call('values_text', self)}, shape={self.shape}, "
             f"dtype={self.dtype}, device={self._device.type}{grads})"
         )
-
-    # --- data in and out ---------------------------------------------------------------
-    def numpy(self) -> np.ndarray:
-        """Copy to a NumPy array (vector elements become a trailing dimension)."""
-        values = read_back(self._device, self._native)  # (flushes first, under the queue's lock)
-        return values if self._shape else values.reshape(self.expected_numpy_shape())
-
-    def expected_numpy_shape(self) -> tuple[int, ...]:
-        """The NumPy shape of this tensor's values (vector/matrix elements trailing)."""
-        if self.dtype == "float":  # (the common case: no reflection read, ~2 us)
-            return self._shape
-        return self._shape + element_shape(self._element)
-
-    def copy_from_numpy(self, data: Any, *, caller: str = "", count: bool = True) -> "Tensor":
-        """Overwrite the values from host data of the same shape; returns self. ``caller``:
-        the API its errors name (pydiff's own callers pass theirs, e.g. ``"Tensor.fill"``);
-        ``count`` False: the caller counts the write (``x[k] = v``, a write of part).
-
-        >>> x.copy_from_numpy(np.zeros(x.shape, np.float32))
-        """
-        caller or temporary_copies.refuse(self, caller := "copy_from_numpy")
-        arr, want = np.asarray(data), self.expected_numpy_shape()
-        if arr.shape != want:
-            raise ValueError(
-                f"{caller}: data has shape {arr.shape}, tensor of dtype {self.dtype} "
-                f"and shape {self.shape} needs {want}"
-            )
-        up, kind = upload_numpy_type(self._native, self.scalar_type), self.scalar_type
-        refuse_rounded_list(data, arr, up, caller)  # ([2**63 + 1, 0]: rounded by NumPy)
-        arr = host_cast(arr, up, caller, kind == "bool")
-        arr = arr if has_c_strides(arr) and arr.flags.writeable else arr.copy("C")  # (SlangPy)
-        capturing.refuse("a host write (copy_from_numpy, fill, or pydiff.tensor(array))")
-        queue, target = self._device.queue, bool_words(self._device, self._native)
-        with queue.lock:
-            queue.enter()
-            staging.write(queue, target, arr, not self._shape, self._device.flush)
-        return self.wrote_from_outside() if count else self
-
-    def upload(self, data: Any, encoder: Any) -> bool:
-        """Record a copy of float ``data`` (of this tensor's shape) into ``encoder``, in order
-        with its other commands; False (nothing done) unless the storage takes raw floats."""
-        n = self._native
-        if not (n.dtype.full_name == "float" and n.offset == 0 and n.is_contiguous()):
-            return False
-        values = np.require(data, np.float32, "CWE").ravel()  # (read-only: copied, for SlangPy)
-        with self._device.queue.lock:  # an upload, even recorded, is a copy: exclusive
-            encoder.upload_buffer_data(n.storage, 0, values)
-        rec = capturing.recording()
-        if rec is not None:
-            rec.record_upload(self._device.queue, n.storage, values)
-        self.wrote_from_outside()
-        return True
-
-    def wrote_from_outside(self, what: str = "a host write (copy_from_numpy/fill)") -> "Tensor":
-        """Record that all values were overwritten by ``what`` (the host, torch), not a call."""
-        self.storage.holds_result_of = None
-        self.storage.wrote(what, everything=True)
-        return forward_trace.replaced(self)  # under pydiff.jvp: a tangent no more
-
-    def copy_(self, src: "Tensor") -> "Tensor":
-        """Copy ``src``'s values (same shape and dtype) into this tensor on the device:
-        ``before.copy_(x)``. Values with a gradient path (or copied from such) are marked."""
-        temporary_copies.refuse(self, "copy_")
-        if not isinstance(src, Tensor) or (self.shape, self.dtype) != (src.shape, src.dtype):
-            raise copy_refusal(self, src)
-        graph = src.requires_grad or src.storage.last_writer == COPY_FROM_GRAPH  # (a chain)
-        graph = graph or tensor_methods.call("copied_from", src) is not None  # (through calls)
-        if not (src.native.is_contiguous() and self._native.is_contiguous()):  # (by the host)
-            self.copy_from_numpy(src.numpy(), caller="Tensor.copy_")
-            self.storage.holds_result_of = src.storage.holds_result_of  # (as below: STRICT)
-            if graph:
-                self.storage.wrote(COPY_FROM_GRAPH, True)  # (marked as below)
-            return forward_trace.replaced(self, src)
-        capturing.refuse("a device copy (copy_/clone)")
-        native = self._device.native
-        stride = src.element_type.buffer_layout.stride
-        with self._device.queue.lock:
-            self._device.flush()
-            encoder = native.create_command_encoder()
-            at, size = (self._native.offset * stride, src.native.offset * stride), stride
-            size *= src.native.element_count
-            encoder.copy_buffer(self._native.storage, at[0], src.native.storage, at[1], size)
-            native.submit_command_buffer(encoder.finish())
-        self.storage.holds_result_of = src.storage.holds_result_of
-        self.storage.wrote(COPY_FROM_GRAPH if graph else "a device copy", True)
-        return forward_trace.replaced(self, src)  # under pydiff.jvp: src's tangent
 
     @property
     def tangent(self) -> "Tensor | None":

@@ -31,7 +31,8 @@ import numpy as np
 
 from . import forward_trace, tensor_methods
 from .storage import COPY_FROM_GRAPH, host_cast
-from .tape import Forgotten, active_tape
+from .tape import active_tape
+from .tape_reads import Forgotten
 from .temporary_copies import key_text
 from .tensor import Tensor
 from .unrecorded import copied_from

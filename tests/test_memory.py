@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pydiff
-from pydiff import buffer_pool, kernels
+from pydiff import bound_objects, buffer_pool, kernels
 
 # Ops + tape + AdamW on tiny tensors; prints {"rss": [...MB after each chunk], "sizes": ...}.
 LOOP = r"""
@@ -94,15 +94,15 @@ def test_training_loop_memory_is_flat(device):
     assert growth < 8.0, f"resident memory grew by {growth:.1f} MB over 1,000 steps: {rss}"
     assert late < 6.0, f"resident memory grew by {late:.1f} MB over the last 750 steps: {rss}"
     sizes = report["sizes"]
-    assert sizes["objects"] <= kernels.OBJECTS_MAX
-    assert sizes["object_bytes"] <= kernels.OBJECTS_MAX_BYTES
+    assert sizes["objects"] <= bound_objects.OBJECTS_MAX
+    assert sizes["object_bytes"] <= bound_objects.OBJECTS_MAX_BYTES
 
 
 # ---- each cache is bounded (in process, with the bounds lowered) ----
 
 
 def test_bound_objects_are_lru_bounded(device, monkeypatch):
-    monkeypatch.setattr(kernels, "OBJECTS_MAX", 8)
+    monkeypatch.setattr(bound_objects, "OBJECTS_MAX", 8)
     dev = device
     kernel = dev.kernels.get("ops/elementwise.slang", "relu4")
     dev.kernels.release_objects()
@@ -168,10 +168,10 @@ def test_bounded_dict_keeps_most_recently_used():
 
 
 def test_device_memos_are_bounded(device):
-    from pydiff import device as device_module
+    from pydiff import device_state
 
     assert isinstance(device.scratch, buffer_pool.BoundedDict)
-    assert device.scratch.max_items == device_module.SCRATCH_MAX_ITEMS
+    assert device.scratch.max_items == device_state.SCRATCH_MAX_ITEMS
     made = [device.cached(("test_memory", k), lambda k=k: k * k) for k in range(1100)]
     assert made == [k * k for k in range(1100)]
     assert device.cached(("test_memory", 1099), lambda: -1) == 1099**2  # still cached
@@ -193,8 +193,8 @@ def test_device_memos_are_bounded(device):
 SHAPES = r"""
 import gc, json, os, sys
 import numpy as np
-from pydiff import buffer_pool, device as device_module
-device_module.SCRATCH_MAX_BYTES = 8 * 2**20
+from pydiff import buffer_pool, device_state
+device_state.SCRATCH_MAX_BYTES = 8 * 2**20
 buffer_pool.POOL_MAX_BYTES = 16 * 2**20
 import pydiff
 

@@ -48,7 +48,7 @@ def overloaded(device):
 
 
 def test_a_large_call_of_an_overloaded_function_keeps_slangpys_choice(overloaded, device):
-    """generated._uncovered never asks whether the name is overloaded (call_plan's
+    """generated_coverage.uncovered never asks whether the name is overloaded (call_plan's
     _plannable does): the generated kernel calls h(float, float) for the int 2."""
     small = pydiff.tensor(np.linspace(0, 1, 16, dtype=np.float32), device=device)
     with pytest.raises(TypeError):  # SlangPy's path: the overloads are not resolved

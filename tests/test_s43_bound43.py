@@ -1,4 +1,4 @@
-"""A bound shader object's uniforms are compared inline (kernels.KernelCache._bound_object:
+"""A bound shader object's uniforms are compared inline (bound_objects.BoundObjects.bound:
 the pairs' equality, then type and, for a zero, sign): each change of a uniform must reach
 the kernel, and each unchanged one must not be written again. Checked with a recording
 stand-in for Slang's cursor (exact writes), through planned generated calls (float32 closed
@@ -14,7 +14,7 @@ import pytest
 
 import pydiff
 from pydiff import optim
-from pydiff.kernels import KernelCache
+from pydiff.bound_objects import BoundObjects
 
 SOURCE = "[Differentiable] float b43_scale(float a, float x) { return a * x; }\n"
 N = 16
@@ -29,7 +29,7 @@ class _Field:
 
 
 class _Cursor:
-    """Slang's entry-point cursor as _bound_object uses it: set by name, or a field's write."""
+    """Slang's entry-point cursor as BoundObjects.bound uses it: set by name, or a field's write."""
 
     def __init__(self):
         self.log: list = []
@@ -44,13 +44,13 @@ class _Cursor:
 def _writes(sequence: list) -> list:
     """The uniforms written for each call of ``sequence`` (lists of (name, value) pairs) on one
     held object binding no buffers."""
-    cache = object.__new__(KernelCache)  # (no device: only the uniforms' logic runs)
+    objects = object.__new__(BoundObjects)  # (no device: only the uniforms' logic runs)
     kernel, cursor = object(), _Cursor()
     held = [(kernel,), [object(), cursor, 0, None, {}], []]
     out = []
     for scalars in sequence:
         cursor.log.clear()
-        cache._bound_object(kernel, [], scalars, held)
+        objects.bound(kernel, [], scalars, held)
         out.append(
             [
                 (n, v if not isinstance(v, float) else (v, math.copysign(1.0, v)))

@@ -203,10 +203,10 @@ def test_threads_repeat_the_single_threaded_bits(device, deterministic):
 def test_device_memo_under_concurrent_eviction(device, monkeypatch):
     """device.cached from several threads while its bound evicts keys: every call returns the
     value made for its key (no KeyError from a lookup racing an eviction)."""
-    import pydiff.device as device_module
+    import pydiff.device_state as device_state
 
-    monkeypatch.setattr(device_module, "CACHED_MAX_ITEMS", 8)
-    dev = device_module.Device(device.native, device.type)
+    monkeypatch.setattr(device_state, "CACHED_MAX_ITEMS", 8)
+    dev = device_state.Device(device.native, device.type)
 
     def work(k):
         for i in range(3000):
