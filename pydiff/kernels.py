@@ -210,8 +210,11 @@ class KernelCache:
     def _evict(self, key: tuple, kernel: Any) -> None:
         """Forget an evicted kernel's bound objects and plans (other plans stay: past
         ``KERNELS_MAX`` kernels only the evicted one's products are planned again)."""
-        for name in [k for k, plan in self.plans.items() if plan and plan[0] == key]:
-            del self.plans[name]
+        # (fast_product writes plans without this lock: list() copies them in one step, and
+        # pop tolerates a plan another thread cleared meanwhile)
+        for name, plan in list(self.plans.items()):
+            if plan and plan[0] == key:
+                self.plans.pop(name, None)
         self.bound_objects.forget(kernel)  # (they keep it alive)
 
     def new_held(self) -> HeldObject:
