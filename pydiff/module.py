@@ -19,7 +19,7 @@ import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
 from . import capture_calls, host_results, module_session, overload_select, slang_compile
-from . import temporary_copies
+from . import kernel_sources, temporary_copies
 from .builtin_names import definition_lines, overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -225,7 +225,7 @@ def load_module(
     fresh = f"{file.stem}__pydiff_v{now[:12]}"
     alias = str(file.with_name(fresh + ".slang"))
     try:
-        slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
+        slang_module = kernel_sources.load_source_module(dev.native, fresh, source, path=alias)
     except spy.SlangCompileError as exc:
         raise slang_compile.compile_error(exc, str(file), None, alias, source) from None
     native = spy.Module.load_from_module(dev.native, slang_module, link=_links(source, dev))
@@ -381,7 +381,7 @@ class ShaderFunction:
             src = direct_inout_source(self) or inout_wrapper_source(self)
             name = f"pydiff_inout_{self.name}_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
             try:
-                native = spy.Module.load_from_source(self.module.device.native, name, src)
+                native = kernel_sources.spy_module(self.module.device.native, name, src)
             except spy.SlangCompileError as exc:
                 raise slang_compile.compile_error(
                     exc, f"<inout wrapper of {self.name}>", name
