@@ -411,7 +411,9 @@ def compile_one(
     cu, ptx = workdir / f"{stem}.cu", workdir / f"{stem}.ptx"
     env = dict(os.environ, LD_LIBRARY_PATH=str(slangc.parent))
     args = [str(slangc), str(src), "-entry", rec["entry"], "-stage", "compute"]
-    args += ["-target", "cuda", "-o", str(cu), *SLANGC_OPTIONS, "-I", str(moddir)]
+    reflection = workdir / f"{stem}.json"
+    args += ["-target", "cuda", "-o", str(cu), "-reflection-json", str(reflection)]
+    args += [*SLANGC_OPTIONS, "-I", str(moddir)]
     for path in include_paths():
         args += ["-I", path]
     got = subprocess.run(args, capture_output=True, text=True, env=env)
@@ -429,13 +431,43 @@ def compile_one(
     # register limits, PTX the assembler refuses)
     ptxas = str(Path(nvcc).with_name("ptxas"))
     got = subprocess.run(
-        [ptxas if Path(ptxas).is_file() else "ptxas", "-arch=sm_90", str(ptx), "-o", os.devnull],
+        [ptxas if Path(ptxas).is_file() else "ptxas", "-arch=sm_90", "-v", str(ptx)]
+        + ["-o", os.devnull],
         capture_output=True,
         text=True,
     )
     if got.returncode:
         return False, "ptxas: " + first_error(got.stderr + got.stdout), time.perf_counter() - start
-    return True, "", time.perf_counter() - start
+    why = launch_limits(got.stderr + got.stdout, reflection, rec["entry"])
+    return not why, why, time.perf_counter() - start
+
+
+def launch_limits(ptxas_info: str, reflection: Path, entry: str) -> str:
+    """Why a launch of the kernel's thread group would fail on an sm_90 GPU, or ''. The
+    PTX carries no bound on the group's size (Slang writes no ``__launch_bounds__``), so
+    ptxas may use more registers than a group of ``[numthreads]`` threads can have: the
+    launch fails (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES), as does static shared memory past
+    48 KiB."""
+    try:
+        points = json.loads(reflection.read_text())["entryPoints"]
+        size = next(p for p in points if p["name"] == entry)["threadGroupSize"]
+    except (OSError, ValueError, KeyError, StopIteration):
+        return ""
+    threads = size[0] * size[1] * size[2]
+    regs = re.search(r"Used (\d+) registers", ptxas_info)
+    smem = re.search(r"(\d+) bytes smem", ptxas_info)
+    if threads > 1024:
+        return f"launch: {threads} threads a group (CUDA: at most 1024)"
+    if regs:  # registers are allocated per warp, 8 a thread at a time, 64K a block
+        per_thread = -(-int(regs.group(1)) // 8) * 8
+        if per_thread * 32 * -(-threads // 32) > 65536:
+            return (
+                f"launch: {regs.group(1)} registers a thread x {threads} threads a group "
+                "exceed the 65536 registers of a block"
+            )
+    if smem and int(smem.group(1)) > 48 * 1024:
+        return f"launch: {smem.group(1)} bytes of static shared memory (CUDA: at most 48 KiB)"
+    return ""
 
 
 def shader_entries() -> set[tuple[str, str]]:

@@ -2,7 +2,8 @@
 rests on (pydiff/kernel_sources.py, ``PYDIFF_KERNEL_SOURCES``).
 
 The compile tests need ``nvcc`` and a ``slangc`` (``$PYDIFF_SLANGC``, or the one the script
-fetched into its cache); without them they are skipped, saying which is missing. Each
+fetches into its cache: ``pip download slangtorch``); without them they are skipped, saying
+which is missing. Each
 kernel is checked against what nvcc itself produces: a PTX file whose ``.entry`` is the
 kernel's entry point, and a deliberately Vulkan-only kernel must fail.
 """
@@ -30,7 +31,8 @@ _spec.loader.exec_module(check)
 
 
 def _tools():
-    slangc, nvcc, why = check.tools(download=False)
+    # (where nvcc is, slangc is fetched once into the script's cache: pip download, 15 MB)
+    slangc, nvcc, why = check.tools(download=True)
     if slangc is None or nvcc is None:
         pytest.skip(f"CUDA compile check unavailable: {why}")
     return slangc, nvcc
