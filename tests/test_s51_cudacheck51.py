@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,25 @@ def test_every_shader_entry_point_is_found():
     count = sum(f.read_text().count('[shader("compute")]') for f in shader_dir().rglob("*.slang"))
     assert len(entries) == count
     assert {"accumulate4", "sgd_step4", "adamw_step4_multi", "mm_nt"} <= entries
+
+
+def test_generated_calls_record_their_kernel_and_imports(tmp_path, monkeypatch):
+    import numpy as np
+
+    out = tmp_path / "k.jsonl"
+    monkeypatch.setenv(kernel_sources.ENV, str(out))
+    src = "[Differentiable]\nfloat cc51_cube(float x) { return x * x * x; }\n"
+    m = pydiff.load_module_from_source("cc51_recorded", src)
+    xs = np.linspace(-1, 1, 8192, dtype=np.float32)
+    y = m.cc51_cube(pydiff.tensor(xs), _result="tensor")
+    np.testing.assert_allclose(y.numpy(), xs.astype(np.float64) ** 3, rtol=1e-6, atol=1e-7)
+    recorded = _records(out)
+    modules = {r["name"]: r["source"] for r in recorded if r["kind"] == "module"}
+    assert modules["cc51_recorded"] == src
+    kernels = [r for r in recorded if r["kind"] == "kernel"]
+    assert [r["entry"] for r in kernels] == ["pydiff_gen_fwd"]
+    imported = set(re.findall(r"^import (\w+);", kernels[0]["source"], re.M))
+    # every module the kernel imports is recorded, or is a file on the device's include paths
+    assert "cc51_recorded" in imported
+    for name in imported - {"cc51_recorded"}:
+        assert name in modules or name in generated_helpers.SOURCES
