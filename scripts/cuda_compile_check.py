@@ -438,8 +438,12 @@ def compile_one(
     )
     if got.returncode:
         return False, "ptxas: " + first_error(got.stderr + got.stdout), time.perf_counter() - start
-    why = launch_limits(got.stderr + got.stdout, reflection, rec["entry"])
-    return not why, why, time.perf_counter() - start
+    info = got.stderr + got.stdout
+    why = launch_limits(info, reflection, rec["entry"])
+    if why:
+        return False, why, time.perf_counter() - start
+    regs = re.search(r"Used (\d+) registers", info)
+    return True, f"{regs.group(1)} registers" if regs else "", time.perf_counter() - start
 
 
 def launch_limits(ptxas_info: str, reflection: Path, entry: str) -> str:
@@ -546,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         word = (
             "PASS" if ok else ("fail (not built on CUDA)" if site(rec) in NOT_ON_CUDA else "FAIL")
         )
-        print(f"{word} {seconds:5.1f}s {entry}" + ("" if ok else f"\n    {error}"))
+        print(f"{word} {seconds:5.1f}s {entry}" + (f" ({error})" if ok else f"\n    {error}"))
     for what, why in NOT_ON_CUDA.items():
         if any(site(r[0]) == what for r in results):
             print(f"({what}: {why})")

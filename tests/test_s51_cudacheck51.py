@@ -89,6 +89,7 @@ def test_library_and_generated_kernels_compile_for_cuda(tmp_path, monkeypatch):
     failed = [(r["name"], error) for r, ok, error, _ in results if not ok]
     assert failed == []
     assert len(results) == 4
+    assert all(re.fullmatch(r"\d+ registers", note) for _, _, note, _ in results)
 
 
 def test_a_vulkan_only_kernel_fails_with_its_error(tmp_path):
