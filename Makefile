@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-generated lint bench docs clean
+.PHONY: setup demo test test-generated cuda-compile-check lint bench docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -25,6 +25,12 @@ GENERATED_TESTS ?= tests/test_generated.py tests/test_generated_paths.py tests/t
 	tests/test_s34_grid2d.py tests/test_s34_vec34.py
 test-generated: setup
 	$(PY) -m pytest -q --pydiff-generated=force $(GENERATED_TESTS) $(PYTEST_ARGS)
+
+# Every kernel pydiff compiles (shaders/ entry points, generated kernels, SlangPy's call
+# kernels) compiled for CUDA (sm_90 PTX) without a GPU: needs nvcc; fetches slangc once
+# (docs/devices.md#compiling-for-cuda-without-a-gpu).
+cuda-compile-check: setup
+	$(PY) scripts/cuda_compile_check.py $(CUDA_CHECK_ARGS)
 
 # Style and structure (CI runs it): ruff at 100 columns, formatting included.
 lint: setup

@@ -26,7 +26,7 @@ from collections import Counter
 from typing import Any, Callable
 
 
-from . import broadcast_grad, generated_helpers, generated_switch
+from . import broadcast_grad, generated_helpers, generated_switch, kernel_sources
 from .backward_scope import backward_scope
 from .buffer_pool import BoundedDict
 from .creation import empty
@@ -129,9 +129,8 @@ def compiled(fn: FunctionTarget, key: tuple, entry: str, make: Callable[[], str]
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
     try:
         name = f"pydiff_gen_{fn.name}_{digest}"
-        module = dev.native.load_module_from_source(name, generated_helpers.prepare(dev, source))
-        program = dev.native.link_program([module], [module.entry_point(entry)])
-        kernel = dev.native.create_compute_kernel(program)
+        source = generated_helpers.prepare(dev, source)
+        kernel = kernel_sources.build_kernel(dev.native, dev.native, name, source, entry)
     except Exception:  # e.g. an overload the generated call cannot pick: SlangPy's path
         kernel = None
     with _lock:

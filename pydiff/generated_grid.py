@@ -28,7 +28,7 @@ import math
 import re
 from typing import Any
 
-from . import grid_args
+from . import grid_args, kernel_sources
 from .buffer_pool import BoundedDict
 from .fork_locks import renewed_lock
 from .generated_helpers import left_to_slangpy
@@ -234,9 +234,8 @@ def _kernel(fn: FunctionTarget, layout: tuple, backward: bool, looped: bool) -> 
     source = _source(fn, layout, backward, looped)
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
     try:
-        module = dev.native.load_module_from_source(f"pydiff_grid_{fn.name}_{digest}", source)
-        program = dev.native.link_program([module], [module.entry_point("pydiff_grid")])
-        kernel = dev.native.create_compute_kernel(program)
+        name = f"pydiff_grid_{fn.name}_{digest}"
+        kernel = kernel_sources.build_kernel(dev.native, dev.native, name, source, "pydiff_grid")
     except Exception:  # an overload or a type the kernel cannot pass: SlangPy's path
         kernel = None
     with _lock:

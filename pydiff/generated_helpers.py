@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from . import lint
+from . import kernel_sources, lint
 from .lint_nodiff import own_name
 from .signature import FunctionTarget, overloaded
 
@@ -78,7 +78,7 @@ def prepare(dev: Any, source: str) -> str:
 
 
 def _load(dev: Any, name: str) -> Any:
-    return dev.native.load_module_from_source(name, SOURCES[name])
+    return kernel_sources.load_source_module(dev.native, name, SOURCES[name])
 
 
 def left_to_slangpy(fn: FunctionTarget, elementwise: bool = False) -> str | None:

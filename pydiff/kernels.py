@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import slangpy as spy
 
-from . import capturing
+from . import capturing, kernel_sources
 from .bound_objects import BoundObjects, HeldObject
 from .command_queue import CommandQueue
 from .errors import PydiffError, env_choice, env_int
@@ -199,13 +199,11 @@ class KernelCache:
                 add_default_include_paths=desc.add_default_include_paths,
                 cache_path=desc.cache_path,
             )
-            module = session.load_module_from_source(name, source)
-            program = session.link_program([module], [module.entry_point(entry)])
+            return kernel_sources.build_kernel(session, self.native, name, source, entry)
         except Exception as exc:  # a bug in pydiff's own shaders, not the user's
             raise PydiffError(
                 f"pydiff kernel {file}:{entry} {defines} failed to build:\n{exc}"
             ) from None
-        return self.native.create_compute_kernel(program)
 
     def _evict(self, key: tuple, kernel: Any) -> None:
         """Forget an evicted kernel's bound objects and plans (other plans stay: past

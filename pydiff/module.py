@@ -18,7 +18,7 @@ import slangpy as spy
 
 from . import capturing, double_math, forward_trace, lint, lint_macros, lint_sources
 from . import capture_calls, host_results, module_session, overload_select, slang_compile
-from . import temporary_copies
+from . import kernel_sources, temporary_copies
 from .builtin_names import definition_lines, overload_listing
 from .backward_function import BackwardFunction
 from .custom_backward import direct_inout_source, inout_wrapper_source
@@ -319,7 +319,7 @@ class ShaderFunction:
             src = direct_inout_source(self) or inout_wrapper_source(self)
             name = f"pydiff_inout_{self.name}_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
             try:
-                native = spy.Module.load_from_source(self.module.device.native, name, src)
+                native = kernel_sources.spy_module(self.module.device.native, name, src)
             except spy.SlangCompileError as exc:
                 raise slang_compile.compile_error(
                     exc, f"<inout wrapper of {self.name}>", name

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import slangpy as spy
 
-from . import module_session, slang_compile
+from . import kernel_sources, module_session, slang_compile
 from .device import Device, resolve_device, shader_dir
 from .module import Module, links
 
@@ -73,7 +73,7 @@ def load_module(
     fresh = f"{file.stem}__pydiff_v{now[:12]}"
     alias = str(file.with_name(fresh + ".slang"))
     try:
-        slang_module = dev.native.load_module_from_source(fresh, source, path=alias)
+        slang_module = kernel_sources.load_source_module(dev.native, fresh, source, path=alias)
     except spy.SlangCompileError as exc:
         raise slang_compile.compile_error(exc, str(file), None, alias, source) from None
     native = spy.Module.load_from_module(dev.native, slang_module, link=links(source, dev))

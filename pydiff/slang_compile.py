@@ -15,6 +15,7 @@ from typing import Any
 
 import slangpy as spy
 
+from . import kernel_sources
 from .errors import SlangCompileError
 
 
@@ -112,7 +113,7 @@ def load_source(native_device: Any, name: str, source: str, link: list) -> Any:
         message, file, line = _FAILED_SOURCES[failed_key]
         raise SlangCompileError(message, file=file, line=line)
     try:
-        return spy.Module.load_from_source(native_device, name, source, link=link)
+        return kernel_sources.spy_module(native_device, name, source, link=link)
     except spy.SlangCompileError as exc:
         if "already loaded with different source" in str(exc):
             raise SlangCompileError(
