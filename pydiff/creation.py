@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-from . import tensor_methods
+from . import capturing, tensor_methods
 from .buffer_pool import check_size
 from .device import Device, open_devices, resolve_device
 from .exact_ints import refuse_rounded_list
@@ -61,6 +61,8 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     dev = resolve_device(device)
     if isinstance(data, Tensor):
         tensor_methods.call("refuse_lost_copy", data, where)
+        if (copied := _device_copy(data, dev, dtype, requires_grad)) is not None:
+            return copied
         arr = data.numpy()
         # its own dtype by default, as np.array(a) and torch.tensor(t) keep theirs (a double
         # tensor's values became float32, a float3 tensor a (..., 3) float one, before s49)
@@ -98,6 +100,37 @@ def from_host(data: Any, dtype: Any, device: Any, requires_grad: bool, where: st
     # keeps its own from the pool), so the command stays held for its consumer (a held
     # forward for tape.backward(y, grad=pydiff.tensor(g)) to fuse: generated_hold).
     return dev.queue.keeping_held(lambda: _filled(out, arr, where, requires_grad), None)
+
+
+def _device_copy(data: Tensor, dev: Device, dtype: Any, requires_grad: bool) -> Tensor | None:
+    """``pydiff.tensor(t)``: ``t``'s values copied on the device, in order with the pending
+    work, into a new tensor (no host read: a forward held back for a fused backward stays
+    held, unless it is the one that writes ``t``: then it is recorded first); None, nothing
+    done, where the host copies them (another device or dtype, not dense, bools, a capture,
+    which refuses a host write)."""
+    if dev is not data.device or (dtype is not None and dtype_name(dtype) != data.dtype):
+        return None
+    if not data.dense or data.scalar_type == "bool" or capturing.recording() is not None:
+        return None
+    out = empty(data.shape, dtype=data.dtype, device=dev)
+    if not out.dense or out.element_type.buffer_layout.stride != (
+        stride := data.element_type.buffer_layout.stride
+    ):
+        return None
+    queue, nbytes = dev.queue, stride * data.numel
+
+    def copy() -> Tensor:
+        with queue.lock:  # (the batch's encoder fetched and used under it: command_queue)
+            queue.enter()
+            dst, src, encoder = out.buffer, data.buffer, queue.encoder()
+            if encoder is None:
+                queue.defer(lambda e: e.copy_buffer(dst, 0, src, 0, nbytes), (dst, src))
+            else:
+                encoder.copy_buffer(dst, 0, src, 0, nbytes)
+        out.wrote_from_outside("pydiff.tensor(t): a copy of t's values")
+        return out.requires_grad_(True) if requires_grad else out
+
+    return dev.queue.keeping_held(copy, data.storage)
 
 
 def _filled(out: Tensor, arr: Any, where: str, requires_grad: bool) -> Tensor:

@@ -78,6 +78,10 @@ class Device:
         # by whichever thread comes first: the lock makes that a check-and-fill, never a
         # lookup racing another thread's eviction of the same key.
         self._lock = threading.RLock()
+        # ``cached``'s make() runs under this one, not under ``_lock``: a first use's compile
+        # (50-500 ms) stalled every thread's lookups of entries already made (re-entrant: a
+        # make() may use other entries, made meanwhile if need be).
+        self._building = threading.RLock()
         self._library: spy.Module | None = None
         self._dtypes: dict[str, Any] = {}
         self._cache: dict[Any, Any] = BoundedDict(CACHED_MAX_ITEMS, SCRATCH_MAX_BYTES)
@@ -178,11 +182,18 @@ class Device:
         ``kernels``: an entry of compiled kernels or library functions (the generated kernels'
         memos), which ``empty_cache`` drops (made again on the next use)."""
         with self._lock:
-            if key not in self._cache:
-                self._cache[key] = make()
+            if key in self._cache:
+                return self._cache[key]
+        with self._building:  # one build at a time: the same key is made once
+            with self._lock:
+                if key in self._cache:  # (another thread's build, meanwhile)
+                    return self._cache[key]
+            value = make()
+            with self._lock:
+                self._cache[key] = value
                 if kernels:
                     self._kernel_keys.add(key)
-            return self._cache[key]
+            return value
 
     def on_empty_cache(self, owner: Any, release: Callable[[Any], None]) -> None:
         """Have ``empty_cache`` call ``release(owner)`` while ``owner`` lives (held weakly):

@@ -55,6 +55,18 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 
+def as_data(value: Any, what: str = "data") -> Any:
+    """A NumPy array passed as data (not differentiated): a tensor, as the ops need (floats as
+    float32, integers in int32 range as int32: held fixed, as by grad, jacfwd, jvp, hvp);
+    ValueError naming ``what`` where float values overflow float32."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
+        if value.dtype.kind == "f":
+            return make_tensor(to_float32(value, what))
+        if value.dtype.kind in "iu" and value.min() >= -(2**31) and value.max() < 2**31:
+            return make_tensor(value.astype(np.int32))
+    return value
+
+
 def held_primal(value: Any, what: str, k: int) -> Any:
     """A primal without a direction: a torch tensor as a pydiff tensor of its values, held
     fixed, as a call on a tape takes torch data (before, the shader calls inside returned
@@ -88,9 +100,10 @@ def _direction(x: Tensor, u: Any, what: str, name: str, k: int) -> Tensor:
 
 
 def prepare(
-    what: str, primals: Sequence[Any], directions: Sequence[Any], name: str
+    what: str, primals: Sequence[Any], directions: Sequence[Any], name: str, data: bool = False
 ) -> tuple[list, list]:
-    """Primals (those with a direction as float tensors) and their directions as tensors."""
+    """Primals (those with a direction as float tensors) and their directions as tensors;
+    with ``data``, NumPy arrays held fixed as tensors (``as_data``, as grad and jacfwd)."""
     primals, directions = tuple(primals), tuple(directions)
     if any(t is not None for t in forward_trace.tangents_of(primals)):
         raise NotImplementedError(
@@ -105,7 +118,8 @@ def prepare(
     xs, us = [], []
     for k, (x, u) in enumerate(zip(primals, directions)):
         if u is None:
-            xs.append(held_primal(x, what, k))
+            x = held_primal(x, what, k)
+            xs.append(as_data(x, f"{what}: argument {k}") if data else x)
             us.append(None)
             continue
         x = float_primal(x, what, k)
@@ -184,25 +198,28 @@ def traced(fn: Callable[..., Any], xs: Sequence[Any], us: Sequence[Any], what: s
 
 def program_jvp(fn: Callable[..., Any], primals: Sequence[Any], tangents: Sequence[Any]) -> tuple:
     """``(fn(*primals), J tangents)`` for a Python function of pydiff calls (see pydiff.jvp)."""
-    xs, us = prepare("jvp", primals, tangents, "tangents")
+    xs, us = prepare("jvp", primals, tangents, "tangents", data=True)
     return traced(fn, xs, us, "jvp")
 
 
-def program_hvp(fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any]) -> tuple:
+def program_hvp(
+    fn: Callable[..., Any], primals: Sequence[Any], v: Sequence[Any], what: str = "hvp"
+) -> tuple:
     """One ``H v`` per primal given a direction (None for the others) of a Python function
-    with a one-element result: the tangent <grad f, v> recorded on a tape, then its backward."""
-    refuse_inside_tape("hvp")
-    xs, us = prepare("hvp", primals, v, "directions")
+    with a one-element result: the tangent <grad f, v> recorded on a tape, then its backward
+    (``what``: the transform errors name, hvp or hessian)."""
+    refuse_inside_tape(what)
+    xs, us = prepare(what, primals, v, "directions", data=True)
     leaves = [x.detach().requires_grad_(True) if u is not None else x for x, u in zip(xs, us)]
     with Tape(reads_other_tapes=True) as tape:
-        out, t = traced(fn, leaves, us, "hvp")
+        out, t = traced(fn, leaves, us, what)
     if not isinstance(out, Tensor) or out.numel != 1:
         got = out.shape if isinstance(out, Tensor) else f"a tuple of {len(out)}"
         raise ValueError(
-            f"hvp: fn must return a one-element tensor (a scalar: reduce with ops.sum or "
+            f"{what}: fn must return a one-element tensor (a scalar: reduce with ops.sum or "
             f"ops.mean), got {got}"
         )
-    refuse_copied(t, "hvp")  # a tangent from values copy_ took: its backward would give 0
+    refuse_copied(t, what)  # a tangent from values copy_ took: its backward would give 0
     if t.producer is tape and t.requires_grad:
         with lent_grads(tape, leaves), separate_backward():  # (inside another one too)
             tape.backward(t)
@@ -262,7 +279,7 @@ def program_hessian(fn: Callable[..., Any], primals: Sequence[Any], max_inputs: 
     shapes: list[Any] = [None] * len(primals)
     for k, shape in found:
         shapes[k] = shape
-    return hessian_by_columns(shapes, lambda dirs: program_hvp(fn, primals, dirs))
+    return hessian_by_columns(shapes, lambda dirs: program_hvp(fn, primals, dirs, "hessian"))
 
 
 def hessian_by_columns(shapes: Sequence[Any], hvp_of: Callable[[list], Sequence[Any]]) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 from . import foreign, forward_trace
 from .backward_scope import active_scope, separate_backward
 from .creation import tensor as make_tensor
-from .forward_program import lent_grads, refuse_inside_tape
+from .forward_program import as_data, lent_grads, refuse_inside_tape
 from .unrecorded import refuse_copied
 from .host_values import differentiated_values, to_float32
 from .tape import Tape
@@ -36,17 +36,6 @@ def on_tape(out: Tensor, tape: Tape, inputs: Sequence[Any], closed: bool = False
         with tape:
             return out.clone()  # recorded (requires grad, a tape records): identity backward
     return out
-
-
-def as_data(value: Any, what: str = "data") -> Any:
-    """A NumPy array passed as data (not differentiated): a tensor, as the ops need;
-    ValueError naming ``what`` where float values overflow float32."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub" and value.size:
-        if value.dtype.kind == "f":
-            return make_tensor(to_float32(value, what))
-        if value.dtype.kind in "iu" and value.min() >= -(2**31) and value.max() < 2**31:
-            return make_tensor(value.astype(np.int32))
-    return value
 
 
 def argnum_tuple(argnums: int | Sequence[int], count: int, what: str) -> tuple[int, ...]:

@@ -16,8 +16,15 @@ import numpy as np
 
 from . import foreign
 
-from .forward_program import float_primal, held_primal, prepare, refuse_inside_tape, traced
-from .grad_transforms import argnum_tuple, as_data
+from .forward_program import (
+    as_data,
+    float_primal,
+    held_primal,
+    prepare,
+    refuse_inside_tape,
+    traced,
+)
+from .grad_transforms import argnum_tuple
 from .module import OverloadedFunction, ShaderFunction
 from .tensor import Tensor
 from .transforms import vjp

@@ -217,7 +217,8 @@ def test_device_memo_under_concurrent_eviction(device, monkeypatch):
 
 
 def test_a_bool_read_while_a_memo_makes_tensors_does_not_deadlock(device):
-    """Lock order: the device's lock (``device.cached`` holds it around ``make()``) comes
+    """Lock order: the device's lock (``device.cached`` held it around ``make()``; since s51
+    its build lock) comes
     before the queue's (``make()`` creating a tensor: ``pydiff.zeros`` clears it under the
     queue's lock). Reading a bool tensor looked up its word dtype (``device.dtype``: the
     device's lock, the first time) while holding the queue's lock: one thread in each

@@ -405,7 +405,7 @@ def test_bad_inputs_name_the_argument(device):
         pydiff.jvp(lambda x: x * 2.0, (x,), (np.ones(3), None))
     with pytest.raises(ValueError, match=r"hvp: fn must return a one-element tensor"):
         pydiff.hvp(lambda x: x * x, (x,), (np.ones(3),))
-    with pytest.raises(ValueError, match=r"hvp: fn must return a one-element tensor"):
+    with pytest.raises(ValueError, match=r"hessian: fn must return a one-element tensor"):
         pydiff.hessian(lambda x: x * x, (x,))
     with pytest.raises(ValueError, match=r"hessian: 3 inputs need 3 HVPs; above max_inputs=2"):
         pydiff.hessian(lambda x: (x * x).sum(), (x,), max_inputs=2)
