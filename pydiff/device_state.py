@@ -188,7 +188,19 @@ class Device:
             with self._lock:
                 if key in self._cache:  # (another thread's build, meanwhile)
                     return self._cache[key]
-            value = make()
+            making = getattr(self._per_thread, "making", None)
+            if making is None:
+                making = self._per_thread.making = set()
+            if key in making:  # (the lock is re-entrant: make() would recurse without end)
+                raise RuntimeError(
+                    f"Device.cached: make() for key {key!r} asked for the same key while "
+                    "building it; a make() may use other keys, never its own"
+                )
+            making.add(key)
+            try:
+                value = make()
+            finally:
+                making.discard(key)
             with self._lock:
                 self._cache[key] = value
                 if kernels:
