@@ -17,7 +17,7 @@ import numpy as np
 
 from . import foreign, forward_trace
 from .backward_scope import separate_backward
-from .creation import tensor as make_tensor, zeros
+from .creation import ZERO_SIZE, tensor as make_tensor, zeros
 from .forward_mode import as_scalar
 from .host_values import differentiated_values, to_float32
 from .integer_primals import holds_integers
@@ -52,6 +52,8 @@ def float_primal(value: Any, what: str, k: int) -> Tensor:
         )
     wide = differentiated_values(value, f"{what}: primal {k}")  # (bools were 0/1, complex real)
     arr = to_float32(wide, f"{what}: primal {k}")  # overflow refused, not made inf
+    if arr.size == 0:  # (named here: pydiff.tensor's refusal named neither)
+        raise ValueError(f"{what}: primal {k} has shape {arr.shape}, with no elements; {ZERO_SIZE}")
     return make_tensor(arr.reshape(np.shape(value)))  # a number: 0-d, as pydiff.tensor(3.0)
 
 

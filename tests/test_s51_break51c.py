@@ -200,3 +200,18 @@ def test_numpy_data_refused_clearly(a, match):
         pydiff.jvp(lambda w, a: ops.mul(w, a), (W, a), (U, None))
     with pytest.raises(TypeError, match=match):
         pydiff.hvp(lambda w, a: ops.sum(ops.mul(w, a)), (W, a), (U, None))
+
+
+@pytest.mark.parametrize("what", ["jvp", "hvp", "hessian"])
+def test_empty_float_primal_named(what):
+    """A zero-size float array differentiated: refused naming the transform and the primal
+    (before: 'pydiff.tensor: data has shape (0,)', naming neither)."""
+    e = np.zeros(0)
+    f = lambda w, a: ops.sum(ops.mul(w, w))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"^{what}: primal 1 has shape \(0,\), with no elements"):
+        if what == "jvp":
+            pydiff.jvp(lambda w, a: ops.mul(w, w), (W, e), (U, e))
+        elif what == "hvp":
+            pydiff.hvp(f, (W, e), (U, e))
+        else:
+            pydiff.hessian(f, (W, e))
